@@ -1,0 +1,618 @@
+//! [`Jobs`]: the queue core's public handle. Every write is one transaction
+//! in the store; every method has a blocking and an awaitable form through
+//! [`Pending`]; waits (lease, events) are woken in-process, never polled.
+
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::cmp::Reverse;
+use std::future::Future;
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use event_listener::{Event as Signal, Listener};
+use futures_channel::oneshot;
+use parking_lot::{Condvar, Mutex};
+
+use crate::clock::{Clock, SystemClock};
+use crate::config::{Config, QueueConfig};
+use crate::error::JobsError;
+use crate::keys::QueueId;
+use crate::model::*;
+use crate::notify::{Channel, Notifier};
+use crate::ops::{admin, complete, enqueue, lease, query, schedule};
+use crate::store::redb::{RedbOptions, RedbStore};
+use crate::store::{Store, WriteOp};
+use crate::tx::{Effects, Tx};
+
+/// The result of a write, once its transaction has committed.
+#[must_use = "a write is only known to be done once its Pending resolves"]
+pub struct Pending<T> {
+    rx: oneshot::Receiver<Result<T, JobsError>>,
+}
+
+impl<T> Pending<T> {
+    /// Blocks the calling thread until the write is settled.
+    pub fn wait(self) -> Result<T, JobsError> {
+        futures_executor::block_on(self)
+    }
+}
+
+impl<T> Future for Pending<T> {
+    type Output = Result<T, JobsError>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.rx)
+            .poll(cx)
+            .map(|r| r.unwrap_or_else(|_| Err(JobsError::Unavailable("the store closed before the write settled".into()))))
+    }
+}
+
+/// Lets a caller cut its own waits short (BullMQ's `disconnectBlocking`).
+#[derive(Clone, Default)]
+pub struct Interrupt {
+    signal: Arc<Signal>,
+    fired: Arc<AtomicBool>,
+}
+
+impl Interrupt {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Ends every wait that uses this interrupt, now and until `reset`.
+    pub fn fire(&self) {
+        self.fired.store(true, Ordering::SeqCst);
+        self.signal.notify(usize::MAX);
+    }
+    pub fn reset(&self) {
+        self.fired.store(false, Ordering::SeqCst);
+    }
+    pub fn is_fired(&self) -> bool {
+        self.fired.load(Ordering::SeqCst)
+    }
+}
+
+struct Timers {
+    heap: Mutex<BinaryHeap<Reverse<(u64, QueueId)>>>,
+    changed: Condvar,
+}
+
+struct Inner {
+    store: Box<dyn Store>,
+    clock: Arc<dyn Clock>,
+    config: Config,
+    notifier: Notifier,
+    timers: Timers,
+    /// Next stalled sweep per known queue (real time).
+    sweeps: Mutex<HashMap<QueueId, Instant>>,
+    closed: AtomicBool,
+}
+
+impl Inner {
+    fn apply(&self, effects: Effects) {
+        for q in &effects.wake_jobs {
+            self.notifier.notify(q, Channel::Jobs);
+        }
+        for q in &effects.wake_events {
+            self.notifier.notify(q, Channel::Events);
+        }
+        if !effects.timers.is_empty() || !effects.new_queues.is_empty() {
+            {
+                let mut heap = self.timers.heap.lock();
+                for (q, due) in effects.timers {
+                    heap.push(Reverse((due, q)));
+                }
+            }
+            {
+                let mut sweeps = self.sweeps.lock();
+                for q in effects.new_queues {
+                    sweeps.entry(q).or_insert_with(Instant::now);
+                }
+            }
+            self.timers.changed.notify_all();
+        }
+    }
+}
+
+/// The queue core over one store.
+#[derive(Clone)]
+pub struct Jobs {
+    inner: Arc<Inner>,
+    maintenance: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+impl Jobs {
+    /// Opens (or creates) the redb store file at `path`.
+    pub fn open(path: &Path, config: Config) -> Result<Self, JobsError> {
+        let store = RedbStore::open(path, RedbOptions { durability: config.durability, ..Default::default() })?;
+        Self::with_store(Box::new(store), Arc::new(SystemClock), config)
+    }
+
+    pub fn with_store(store: Box<dyn Store>, clock: Arc<dyn Clock>, config: Config) -> Result<Self, JobsError> {
+        let background = config.background;
+        let inner = Arc::new(Inner {
+            store,
+            clock,
+            config,
+            notifier: Notifier::default(),
+            timers: Timers { heap: Mutex::new(BinaryHeap::new()), changed: Condvar::new() },
+            sweeps: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+        });
+        let jobs = Self { inner, maintenance: Arc::new(Mutex::new(None)) };
+        jobs.load_timers()?;
+        if background {
+            let weak = Arc::downgrade(&jobs.inner);
+            let handle = std::thread::Builder::new()
+                .name("loam-jobs-maintenance".into())
+                .spawn(move || maintenance_loop(weak))
+                .map_err(|e| JobsError::Internal(e.to_string()))?;
+            *jobs.maintenance.lock() = Some(handle);
+        }
+        Ok(jobs)
+    }
+
+    /// Arms the delayed promoter and the stalled sweep for every stored queue.
+    fn load_timers(&self) -> Result<(), JobsError> {
+        let queues = self.read("", |tx| {
+            let all = crate::keys::prefix_range(crate::keys::registry_prefix());
+            let qs: Vec<QueueId> =
+                tx.scan(&all, usize::MAX, false)?.into_iter().filter_map(|(k, _)| crate::keys::parse_registry(&k)).collect();
+            let mut out = Vec::new();
+            for q in qs {
+                let due = lease::next_due(tx, &q)?;
+                out.push((q, due));
+            }
+            Ok(out)
+        })?;
+        let mut effects = Effects::default();
+        for (q, due) in queues {
+            if let Some(due) = due {
+                effects.timers.push((q.clone(), due));
+            }
+            effects.new_queues.push(q);
+        }
+        self.inner.apply(effects);
+        Ok(())
+    }
+
+    pub fn now_ms(&self) -> u64 {
+        self.inner.clock.now_ms()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// Stops the background work and the store; pending writes finish first.
+    pub fn close(&self) {
+        if self.inner.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.inner.timers.changed.notify_all();
+        self.inner.notifier.notify_all();
+        if let Some(h) = self.maintenance.lock().take() {
+            let _ = h.join();
+        }
+        self.inner.store.close();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.inner.closed.load(Ordering::SeqCst)
+    }
+
+    // ---- plumbing --------------------------------------------------------
+
+    /// Runs `body` as one write transaction in namespace `ns`. `sync` = its
+    /// acknowledgement waits for the commit to be durable.
+    pub fn write<T, F>(&self, ns: &str, sync: bool, mut body: F) -> Pending<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&mut Tx) -> Result<T, JobsError> + Send + 'static,
+    {
+        let (tx_done, rx) = oneshot::channel();
+        if self.is_closed() {
+            let _ = tx_done.send(Err(JobsError::Unavailable("the queue core is closed".into())));
+            return Pending { rx };
+        }
+        let inner = Arc::clone(&self.inner);
+        let ns = ns.to_string();
+        let now_clock = Arc::clone(&self.inner.clock);
+        let config = self.inner.config.clone();
+        let op = WriteOp {
+            sync,
+            body: Box::new(move |kv| {
+                let mut tx = Tx::new(kv, &ns, now_clock.now_ms(), &config);
+                let value = body(&mut tx)?;
+                let effects = tx.finish()?;
+                Ok(Box::new((value, effects)))
+            }),
+            done: Box::new(move |result| {
+                let result = result.and_then(|out| {
+                    out.downcast::<(T, Effects)>()
+                        .map(|b| *b)
+                        .map_err(|_| JobsError::Internal("operation output type".into()))
+                });
+                let value = result.map(|(value, effects)| {
+                    inner.apply(effects);
+                    value
+                });
+                let _ = tx_done.send(value);
+            }),
+        };
+        self.inner.store.submit(op);
+        Pending { rx }
+    }
+
+    /// Runs `f` on a snapshot of everything committed so far.
+    pub fn read<T>(&self, ns: &str, f: impl FnOnce(&mut Tx) -> Result<T, JobsError>) -> Result<T, JobsError> {
+        let mut snapshot = query::ReadOnly(self.inner.store.snapshot()?);
+        let mut tx = Tx::new(&mut snapshot, ns, self.inner.clock.now_ms(), &self.inner.config);
+        f(&mut tx)
+    }
+
+    fn queue(ns: &str, queue: &str) -> Result<QueueId, JobsError> {
+        validate_name("namespace", ns, 128)?;
+        validate_name("queue name", queue, enqueue::MAX_NAME_BYTES)?;
+        Ok(QueueId::new(ns, queue))
+    }
+
+    fn queue_write<T, F>(&self, ns: &str, queue: &str, sync: bool, mut body: F) -> Pending<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&mut Tx, &QueueId) -> Result<T, JobsError> + Send + 'static,
+    {
+        match Self::queue(ns, queue) {
+            Ok(q) => self.write(ns, sync, move |tx| body(tx, &q)),
+            Err(e) => {
+                let (tx_done, rx) = oneshot::channel();
+                let _ = tx_done.send(Err(e));
+                Pending { rx }
+            }
+        }
+    }
+
+    fn queue_read<T>(&self, ns: &str, queue: &str, f: impl FnOnce(&mut Tx, &QueueId) -> Result<T, JobsError>) -> Result<T, JobsError> {
+        let q = Self::queue(ns, queue)?;
+        self.read(ns, |tx| f(tx, &q))
+    }
+
+    // ---- producing -------------------------------------------------------
+
+    pub fn enqueue(&self, ns: &str, queue: &str, req: EnqueueRequest) -> Pending<Enqueued> {
+        self.queue_write(ns, queue, true, move |tx, q| enqueue::enqueue(tx, q, req.clone(), enqueue::Placement::Normal))
+    }
+
+    /// Adds many jobs in one transaction; each gets its own result, and a
+    /// failed one leaves the others in place.
+    pub fn enqueue_bulk(&self, ns: &str, queue: &str, reqs: Vec<EnqueueRequest>) -> Pending<Vec<Result<Enqueued, JobsError>>> {
+        self.queue_write(ns, queue, true, move |tx, q| {
+            Ok(reqs.iter().map(|r| enqueue::enqueue(tx, q, r.clone(), enqueue::Placement::Normal)).collect())
+        })
+    }
+
+    /// Inserts a flow tree atomically: all of it, or none of it.
+    pub fn flow(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> Pending<Vec<Enqueued>> {
+        self.write(ns, true, move |tx| enqueue::flow(tx, nodes.clone()))
+    }
+
+    // ---- consuming -------------------------------------------------------
+
+    /// Takes up to `req.max` jobs now. A lost lease is a stalled one, so the
+    /// lease does not wait for fsync.
+    pub fn lease(&self, ns: &str, queue: &str, req: LeaseRequest) -> Pending<Leased> {
+        self.queue_write(ns, queue, false, move |tx, q| lease::lease(tx, q, &req))
+    }
+
+    /// Takes jobs, waiting up to `wait` for one to be ready.
+    pub async fn lease_wait(&self, ns: &str, queue: &str, req: LeaseRequest, wait: Duration, interrupt: Option<&Interrupt>) -> Result<Leased, JobsError> {
+        let q = Self::queue(ns, queue)?;
+        let deadline = Instant::now() + wait;
+        loop {
+            let listener = self.inner.notifier.listen(&q, Channel::Jobs);
+            let got = self.lease(ns, queue, req.clone()).await?;
+            let now = Instant::now();
+            if !got.leases.is_empty() || now >= deadline || self.is_closed() || interrupt.is_some_and(|i| i.is_fired()) {
+                return Ok(got);
+            }
+            let until = self.wake_time(&got.info, deadline);
+            let sleep = until.saturating_duration_since(now);
+            match interrupt {
+                Some(i) => {
+                    let stop = i.signal.listen();
+                    if i.is_fired() {
+                        return Ok(got);
+                    }
+                    let _ = tokio::time::timeout(sleep, async {
+                        tokio::select! { _ = listener => {}, _ = stop => {} }
+                    })
+                    .await;
+                }
+                None => {
+                    let _ = tokio::time::timeout(sleep, listener).await;
+                }
+            }
+        }
+    }
+
+    /// The blocking form of [`Jobs::lease_wait`].
+    pub fn lease_wait_blocking(&self, ns: &str, queue: &str, req: LeaseRequest, wait: Duration) -> Result<Leased, JobsError> {
+        let q = Self::queue(ns, queue)?;
+        let deadline = Instant::now() + wait;
+        loop {
+            let listener = self.inner.notifier.listen(&q, Channel::Jobs);
+            let got = self.lease(ns, queue, req.clone()).wait()?;
+            let now = Instant::now();
+            if !got.leases.is_empty() || now >= deadline || self.is_closed() {
+                return Ok(got);
+            }
+            listener.wait_deadline(self.wake_time(&got.info, deadline));
+        }
+    }
+
+    /// When an empty lease is worth retrying: at the deadline, when the next
+    /// delayed job is due, or when the rate limit lifts.
+    fn wake_time(&self, info: &LeaseInfo, deadline: Instant) -> Instant {
+        let now_ms = self.now_ms();
+        let mut until = deadline;
+        let mut consider = |ms: u64| {
+            let t = Instant::now() + Duration::from_millis(ms);
+            if t < until {
+                until = t;
+            }
+        };
+        if let Some(due) = info.next_due {
+            consider(due.saturating_sub(now_ms));
+        }
+        if info.rate_limit_ms > 0 {
+            consider(info.rate_limit_ms);
+        }
+        until
+    }
+
+    /// Waits until a job may be ready, without taking it (BullMQ's
+    /// `waitForJob`). Returns 0 when one is ready now, the due time of the
+    /// next delayed job when that comes first, or None on timeout.
+    pub async fn wait_for_job(&self, ns: &str, queue: &str, wait: Duration, interrupt: Option<&Interrupt>) -> Result<Option<u64>, JobsError> {
+        let q = Self::queue(ns, queue)?;
+        let deadline = Instant::now() + wait;
+        loop {
+            let listener = self.inner.notifier.listen(&q, Channel::Jobs);
+            let (ready, due, paused) = self.read(ns, |tx| {
+                let s = tx.stats(&q)?.clone();
+                let paused = tx.is_paused(&q)? || query::is_maxed(tx, &q)?;
+                Ok((s.waiting + s.prioritized > 0, lease::next_due(tx, &q)?, paused))
+            })?;
+            let now_ms = self.now_ms();
+            if !paused && (ready || due.is_some_and(|d| d <= now_ms)) {
+                return Ok(Some(0));
+            }
+            let now = Instant::now();
+            if now >= deadline || self.is_closed() || interrupt.is_some_and(|i| i.is_fired()) {
+                return Ok(None);
+            }
+            if let Some(d) = due
+                && !paused
+                && now + Duration::from_millis(d - now_ms) <= deadline
+            {
+                return Ok(Some(d));
+            }
+            let sleep = deadline.saturating_duration_since(now);
+            match interrupt {
+                Some(i) => {
+                    let stop = i.signal.listen();
+                    if i.is_fired() {
+                        return Ok(None);
+                    }
+                    let _ = tokio::time::timeout(sleep, async {
+                        tokio::select! { _ = listener => {}, _ = stop => {} }
+                    })
+                    .await;
+                }
+                None => {
+                    let _ = tokio::time::timeout(sleep, listener).await;
+                }
+            }
+        }
+    }
+
+    pub fn extend(&self, ns: &str, queue: &str, id: &str, fence: Fence, duration_ms: u64) -> Pending<u64> {
+        let id = id.to_string();
+        self.queue_write(ns, queue, false, move |tx, q| lease::extend(tx, q, &id, &fence, duration_ms))
+    }
+
+    /// Extends many leases; returns the ids that could not be extended.
+    pub fn extend_many(&self, ns: &str, queue: &str, items: Vec<(String, Fence)>, duration_ms: u64) -> Pending<Vec<String>> {
+        self.queue_write(ns, queue, false, move |tx, q| {
+            let mut failed = Vec::new();
+            for (id, fence) in &items {
+                if lease::extend(tx, q, id, fence, duration_ms).is_err() {
+                    failed.push(id.clone());
+                }
+            }
+            Ok(failed)
+        })
+    }
+
+    pub fn complete(&self, ns: &str, queue: &str, id: &str, fence: Fence, outcome: Outcome, opts: CompleteOptions) -> Pending<Completed> {
+        let id = id.to_string();
+        self.queue_write(ns, queue, true, move |tx, q| complete::complete(tx, q, &id, &fence, outcome.clone(), &opts))
+    }
+
+    // ---- reporting -------------------------------------------------------
+
+    pub fn update_progress(&self, ns: &str, queue: &str, id: &str, fence: Fence, progress: String) -> Pending<()> {
+        let id = id.to_string();
+        self.queue_write(ns, queue, true, move |tx, q| admin::update_progress(tx, q, &id, &fence, progress.clone()))
+    }
+
+    pub fn add_log(&self, ns: &str, queue: &str, id: &str, fence: Fence, row: String, keep: Option<u64>) -> Pending<u64> {
+        let id = id.to_string();
+        self.queue_write(ns, queue, true, move |tx, q| admin::add_log(tx, q, &id, &fence, row.clone(), keep))
+    }
+
+    pub fn update_data(&self, ns: &str, queue: &str, id: &str, fence: Fence, data: Vec<u8>) -> Pending<()> {
+        let id = id.to_string();
+        self.queue_write(ns, queue, true, move |tx, q| admin::update_data(tx, q, &id, &fence, data.clone()))
+    }
+
+    // ---- maintenance -----------------------------------------------------
+
+    /// Moves due delayed jobs to waiting; returns the next due time.
+    pub fn promote_due(&self, ns: &str, queue: &str) -> Pending<Option<u64>> {
+        self.queue_write(ns, queue, true, |tx, q| lease::promote_due(tx, q, usize::MAX))
+    }
+
+    /// Reclaims expired leases now; returns the reclaimed job ids.
+    pub fn sweep_stalled(&self, ns: &str, queue: &str) -> Pending<Vec<String>> {
+        self.queue_write(ns, queue, true, lease::sweep_stalled)
+    }
+
+    /// A transaction on one queue, for admin operations (see [`admin`] and [`schedule`]).
+    pub fn admin<T, F>(&self, ns: &str, queue: &str, body: F) -> Pending<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&mut Tx, &QueueId) -> Result<T, JobsError> + Send + 'static,
+    {
+        self.queue_write(ns, queue, true, body)
+    }
+
+    /// A read on one queue (see [`query`]).
+    pub fn query<T>(&self, ns: &str, queue: &str, f: impl FnOnce(&mut Tx, &QueueId) -> Result<T, JobsError>) -> Result<T, JobsError> {
+        self.queue_read(ns, queue, f)
+    }
+
+    pub fn set_queue_config(&self, ns: &str, queue: &str, config: QueueConfig) -> Pending<()> {
+        self.queue_write(ns, queue, true, move |tx, q| tx.set_queue_config(q, config.clone()))
+    }
+
+    pub fn get_job(&self, ns: &str, queue: &str, id: &str) -> Result<Option<JobRecord>, JobsError> {
+        self.queue_read(ns, queue, |tx, q| query::get_job(tx, q, id))
+    }
+
+    pub fn counts(&self, ns: &str, queue: &str, states: &[JobState]) -> Result<Vec<u64>, JobsError> {
+        self.queue_read(ns, queue, |tx, q| query::counts(tx, q, states, None))
+    }
+
+    pub fn set_meta(&self, ns: &str, queue: &str, values: BTreeMap<String, String>) -> Pending<u64> {
+        self.queue_write(ns, queue, true, move |tx, q| admin::set_meta(tx, q, &values))
+    }
+
+    // ---- events ----------------------------------------------------------
+
+    /// Events after sequence `after` (None = from now on), at most `limit`,
+    /// waiting up to `wait` for the first.
+    pub async fn read_events(&self, ns: &str, queue: &str, after: Option<u64>, limit: usize, wait: Duration, interrupt: Option<&Interrupt>) -> Result<Vec<Event>, JobsError> {
+        let q = Self::queue(ns, queue)?;
+        let after = match after {
+            Some(a) => a,
+            None => self.read(ns, |tx| query::last_event_seq(tx, &q))?,
+        };
+        let deadline = Instant::now() + wait;
+        loop {
+            let listener = self.inner.notifier.listen(&q, Channel::Events);
+            let events = self.read(ns, |tx| query::events_after(tx, &q, after, limit))?;
+            let now = Instant::now();
+            if !events.is_empty() || now >= deadline || self.is_closed() || interrupt.is_some_and(|i| i.is_fired()) {
+                return Ok(events);
+            }
+            let sleep = deadline - now;
+            match interrupt {
+                Some(i) => {
+                    let stop = i.signal.listen();
+                    if i.is_fired() {
+                        return Ok(events);
+                    }
+                    let _ = tokio::time::timeout(sleep, async {
+                        tokio::select! { _ = listener => {}, _ = stop => {} }
+                    })
+                    .await;
+                }
+                None => {
+                    let _ = tokio::time::timeout(sleep, listener).await;
+                }
+            }
+        }
+    }
+
+    /// The blocking form of [`Jobs::read_events`].
+    pub fn read_events_blocking(&self, ns: &str, queue: &str, after: Option<u64>, limit: usize, wait: Duration) -> Result<Vec<Event>, JobsError> {
+        let q = Self::queue(ns, queue)?;
+        let after = match after {
+            Some(a) => a,
+            None => self.read(ns, |tx| query::last_event_seq(tx, &q))?,
+        };
+        let deadline = Instant::now() + wait;
+        loop {
+            let listener = self.inner.notifier.listen(&q, Channel::Events);
+            let events = self.read(ns, |tx| query::events_after(tx, &q, after, limit))?;
+            if !events.is_empty() || Instant::now() >= deadline || self.is_closed() {
+                return Ok(events);
+            }
+            listener.wait_deadline(deadline);
+        }
+    }
+
+    // ---- schedulers --------------------------------------------------------
+
+    pub fn upsert_scheduler(&self, ns: &str, queue: &str, spec: schedule::SchedulerSpec) -> Pending<Option<(String, u64)>> {
+        self.queue_write(ns, queue, true, move |tx, q| schedule::upsert(tx, q, spec.clone()))
+    }
+}
+
+/// Promotes delayed jobs when they fall due and sweeps each queue's expired
+/// leases every stalled interval. Holds only a weak handle, so dropping the
+/// last [`Jobs`] ends it.
+fn maintenance_loop(weak: std::sync::Weak<Inner>) {
+    const IDLE: Duration = Duration::from_secs(1);
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        if inner.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        let now_ms = inner.clock.now_ms();
+        let mut due = Vec::new();
+        let mut wait = IDLE;
+        {
+            let mut heap = inner.timers.heap.lock();
+            while let Some(Reverse((at, _))) = heap.peek() {
+                if *at <= now_ms {
+                    if let Some(Reverse((_, q))) = heap.pop() {
+                        due.push(q);
+                    }
+                } else {
+                    wait = wait.min(Duration::from_millis(at - now_ms));
+                    break;
+                }
+            }
+        }
+        due.sort();
+        due.dedup();
+        let jobs = Jobs { inner: Arc::clone(&inner), maintenance: Arc::new(Mutex::new(None)) };
+        for q in due {
+            // Its result re-arms the timer through the effects of the jobs it moves;
+            // the next due time is armed here.
+            if let Ok(Some(next)) = jobs.promote_due(&q.ns, &q.name).wait() {
+                inner.apply(Effects { timers: vec![(q.clone(), next)], ..Default::default() });
+            }
+        }
+        let now = Instant::now();
+        let sweep_due: Vec<QueueId> = inner.sweeps.lock().iter().filter(|(_, at)| **at <= now).map(|(q, _)| q.clone()).collect();
+        for q in sweep_due {
+            let interval = jobs
+                .read(&q.ns, |tx| tx.queue_config(&q))
+                .map(|c| Duration::from_millis(c.stalled_interval_ms.max(100)))
+                .unwrap_or(Duration::from_secs(30));
+            let _ = jobs.sweep_stalled(&q.ns, &q.name).wait();
+            inner.sweeps.lock().insert(q, now + interval);
+        }
+        if let Some(next_sweep) = inner.sweeps.lock().values().min() {
+            wait = wait.min(next_sweep.saturating_duration_since(Instant::now()));
+        }
+        let mut heap = inner.timers.heap.lock();
+        if !inner.closed.load(Ordering::SeqCst) {
+            inner.timers.changed.wait_for(&mut heap, wait.max(Duration::from_millis(1)));
+        }
+    }
+}

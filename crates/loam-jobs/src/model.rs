@@ -1,0 +1,590 @@
+//! The records the core stores and the types its callers pass.
+//!
+//! Records are MessagePack maps with named fields, so a newer build can add a
+//! field (`#[serde(default)]`) and still read an older file.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{JobsError, StoreError};
+
+/// BullMQ's largest priority (2^21 - 1).
+pub const MAX_PRIORITY: u32 = (1 << 21) - 1;
+
+/// Sequence numbers start here: FIFO jobs count up from it, LIFO jobs count
+/// down, so a LIFO job sorts before every FIFO job of its priority.
+pub const SEQ_ORIGIN: u64 = 1 << 63;
+
+pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serializing plain structs into a Vec cannot fail.
+    rmp_serde::to_vec_named(value).unwrap_or_default()
+}
+
+pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
+    rmp_serde::from_slice(bytes).map_err(|e| StoreError::Corrupt(e.to_string()))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum JobState {
+    /// Ready, in the FIFO band (no priority).
+    Waiting,
+    /// Ready, with a priority.
+    Prioritized,
+    Delayed,
+    Active,
+    WaitingChildren,
+    Completed,
+    Failed,
+}
+
+impl JobState {
+    /// BullMQ's name for the state.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Waiting => "waiting",
+            JobState::Prioritized => "prioritized",
+            JobState::Delayed => "delayed",
+            JobState::Active => "active",
+            JobState::WaitingChildren => "waiting-children",
+            JobState::Completed => "completed",
+            JobState::Failed => "failed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "waiting" | "wait" => JobState::Waiting,
+            "prioritized" => JobState::Prioritized,
+            "delayed" => JobState::Delayed,
+            "active" => JobState::Active,
+            "waiting-children" => JobState::WaitingChildren,
+            "completed" => JobState::Completed,
+            "failed" => JobState::Failed,
+            _ => return None,
+        })
+    }
+
+    pub fn is_finished(self) -> bool {
+        matches!(self, JobState::Completed | JobState::Failed)
+    }
+
+    pub const ALL: [JobState; 7] = [
+        JobState::Waiting,
+        JobState::Prioritized,
+        JobState::Delayed,
+        JobState::Active,
+        JobState::WaitingChildren,
+        JobState::Completed,
+        JobState::Failed,
+    ];
+}
+
+impl std::fmt::Display for JobState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "kebab-case")]
+pub enum Backoff {
+    Fixed { delay_ms: u64, #[serde(default)] jitter: f64 },
+    Exponential { delay_ms: u64, #[serde(default)] jitter: f64, #[serde(default)] max_ms: Option<u64> },
+}
+
+impl Backoff {
+    /// Delay before attempt `attempts_made + 1`, BullMQ's formulas: fixed is
+    /// `delay`, exponential is `2^(attempts_made - 1) * delay`; a jitter `j`
+    /// draws uniformly from `[(1 - j) * d, d]`.
+    pub fn delay_ms(&self, attempts_made: u32, random_unit: f64) -> u64 {
+        let (base, jitter) = match self {
+            Backoff::Fixed { delay_ms, jitter } => (*delay_ms as f64, *jitter),
+            Backoff::Exponential { delay_ms, jitter, max_ms } => {
+                let exp = attempts_made.saturating_sub(1).min(62);
+                let d = (*delay_ms as f64) * 2f64.powi(exp as i32);
+                (max_ms.map_or(d, |m| d.min(m as f64)), *jitter)
+            }
+        };
+        let jitter = jitter.clamp(0.0, 1.0);
+        let d = if jitter > 0.0 { base * (1.0 - jitter) + base * jitter * random_unit } else { base };
+        d.round().clamp(0.0, u64::MAX as f64) as u64
+    }
+}
+
+/// How many finished jobs to keep (BullMQ's `KeepJobs`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Keep {
+    /// Keep at most this many jobs in the state (None = no count limit).
+    pub count: Option<u64>,
+    /// Keep jobs finished at most this many milliseconds ago.
+    pub age_ms: Option<u64>,
+    /// Most jobs one completion removes by age (BullMQ's default 1000).
+    pub limit: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Retention {
+    /// Keep every finished job (the default).
+    #[default]
+    KeepAll,
+    /// Remove the job as soon as it finishes.
+    RemoveImmediately,
+    Keep(Keep),
+}
+
+/// BullMQ's deduplication options.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dedup {
+    pub id: String,
+    /// Throttle / debounce window; None = until the job finishes (simple mode).
+    pub ttl_ms: Option<u64>,
+    /// Debounce: a new add restarts the ttl.
+    pub extend: bool,
+    /// Debounce: a new add replaces the pending (delayed) job's data and options.
+    pub replace: bool,
+    /// While the deduplicated job is active, keep the newest add and enqueue it
+    /// when the active job finishes.
+    pub keep_last_if_active: bool,
+    /// A duplicate add moves the pending delayed job to the new delay.
+    pub reschedule: bool,
+}
+
+/// A child's behaviour when it fails (BullMQ's four flow policies).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OnChildFailure {
+    /// The parent keeps waiting; the failure is recorded (BullMQ's default).
+    #[default]
+    Wait,
+    /// `failParentOnFailure`: the parent fails too.
+    FailParent,
+    /// `continueParentOnFailure`: the parent is released to run now.
+    ContinueParent,
+    /// `ignoreDependencyOnFailure`: the failure counts as done, and is listed as ignored.
+    Ignore,
+    /// `removeDependencyOnFailure`: the dependency is removed.
+    Remove,
+}
+
+/// A link from a child to its parent, which may live in another queue.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParentRef {
+    pub queue: String,
+    pub id: String,
+    /// The prefix of the parent's queue, as BullMQ names it in node keys.
+    #[serde(default)]
+    pub prefix: String,
+}
+
+impl ParentRef {
+    /// BullMQ's node key of the parent: `<prefix>:<queue>:<id>`.
+    pub fn node_key(&self) -> String {
+        node_key(&self.prefix, &self.queue, &self.id)
+    }
+}
+
+pub fn node_key(prefix: &str, queue: &str, id: &str) -> String {
+    if prefix.is_empty() { format!("{queue}:{id}") } else { format!("{prefix}:{queue}:{id}") }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Lock {
+    /// The caller's lock token (BullMQ's worker token), unique per lease.
+    pub token: String,
+    pub deadline: u64,
+    /// The lease duration it was taken or last extended with.
+    pub duration_ms: u64,
+}
+
+/// The stored job.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub id: String,
+    pub name: String,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// The caller's own options document (BullMQ's `opts` JSON), kept verbatim.
+    pub opts: String,
+    pub state: JobState,
+    pub priority: u32,
+    pub lifo: bool,
+    /// Order within the priority band; see [`SEQ_ORIGIN`].
+    pub seq: u64,
+    pub timestamp: u64,
+    pub delay: u64,
+    /// When a delayed job becomes ready.
+    pub due: u64,
+    pub attempts: u32,
+    pub attempts_made: u32,
+    pub attempts_started: u32,
+    pub stalled_counter: u32,
+    pub backoff: Option<Backoff>,
+    /// Fencing epoch: raised by every lease and every reclaim.
+    pub epoch: u64,
+    pub lock: Option<Lock>,
+    /// Lease length for this job (None = the lease request's).
+    pub lock_duration_ms: Option<u64>,
+    /// Hard cap on a lease from `processed_on`.
+    pub timeout_ms: Option<u64>,
+    /// Not started after this time: discarded as failed.
+    pub expires: Option<u64>,
+    pub processed_on: Option<u64>,
+    pub finished_on: Option<u64>,
+    pub processed_by: Option<String>,
+    /// JSON text.
+    pub progress: Option<String>,
+    #[serde(with = "serde_bytes")]
+    pub return_value: Option<Vec<u8>>,
+    pub failed_reason: Option<String>,
+    pub stacktrace: Vec<String>,
+    /// Failure deferred by a stalled sweep, reported when the job next moves.
+    pub deferred_failure: Option<String>,
+    pub parent: Option<ParentRef>,
+    pub on_child_failure: OnChildFailure,
+    /// Children not yet finished (parents only).
+    pub pending_children: u32,
+    pub dedup: Option<Dedup>,
+    pub scheduler_id: Option<String>,
+    /// None = the completing worker's default.
+    pub remove_on_complete: Option<Retention>,
+    pub remove_on_fail: Option<Retention>,
+    pub keep_logs: Option<u64>,
+    pub log_seq: u64,
+    pub log_count: u64,
+    pub dead_letter: Option<String>,
+    pub headers: BTreeMap<String, String>,
+}
+
+impl JobRecord {
+    pub fn is_prioritized(&self) -> bool {
+        self.priority > 0
+    }
+}
+
+/// Counters kept per queue, so counts and ids cost one read.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct QueueStats {
+    /// Last auto-assigned job id.
+    pub last_id: u64,
+    /// Last FIFO sequence handed out (LIFO uses the same counter downwards).
+    pub last_seq: u64,
+    pub waiting: u64,
+    pub prioritized: u64,
+    pub delayed: u64,
+    pub active: u64,
+    pub waiting_children: u64,
+    pub completed: u64,
+    pub failed: u64,
+    /// Event log bounds: sequence of the newest event and of the oldest kept.
+    pub last_event: u64,
+    pub first_event: u64,
+}
+
+impl QueueStats {
+    pub fn count(&self, state: JobState) -> u64 {
+        match state {
+            JobState::Waiting => self.waiting,
+            JobState::Prioritized => self.prioritized,
+            JobState::Delayed => self.delayed,
+            JobState::Active => self.active,
+            JobState::WaitingChildren => self.waiting_children,
+            JobState::Completed => self.completed,
+            JobState::Failed => self.failed,
+        }
+    }
+
+    pub fn count_mut(&mut self, state: JobState) -> &mut u64 {
+        match state {
+            JobState::Waiting => &mut self.waiting,
+            JobState::Prioritized => &mut self.prioritized,
+            JobState::Delayed => &mut self.delayed,
+            JobState::Active => &mut self.active,
+            JobState::WaitingChildren => &mut self.waiting_children,
+            JobState::Completed => &mut self.completed,
+            JobState::Failed => &mut self.failed,
+        }
+    }
+}
+
+/// One entry of a queue's event log.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    pub seq: u64,
+    /// Milliseconds since the epoch when it was written.
+    pub ts: u64,
+    /// BullMQ's event name (`added`, `completed`, ...).
+    pub name: String,
+    /// Other fields, in order (BullMQ's `jobId`, `prev`, `returnvalue`, ...).
+    pub fields: Vec<(String, String)>,
+}
+
+impl Event {
+    /// The Redis-stream-shaped id BullMQ shows: `<ms>-<seq>`.
+    pub fn id(&self) -> String {
+        format!("{}-{}", self.ts, self.seq)
+    }
+
+    /// The sequence number in an id made by [`Event::id`].
+    pub fn parse_id(id: &str) -> Option<u64> {
+        let seq = id.rsplit_once('-').map_or(id, |(_, s)| s);
+        seq.parse().ok()
+    }
+}
+
+/// A parent's record of one child.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Dependency {
+    pub status: DependencyStatus,
+    /// Where the child lives.
+    #[serde(default)]
+    pub child_queue: String,
+    #[serde(default)]
+    pub child_id: String,
+    /// The child's return value (processed) or failure reason (failed, ignored).
+    pub value: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DependencyStatus {
+    Pending,
+    Processed,
+    Failed,
+    Ignored,
+}
+
+/// A dedup key's record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DedupRecord {
+    pub job_id: String,
+    /// None = held until the job finishes.
+    pub expires_at: Option<u64>,
+    /// keepLastIfActive: the newest add, to be enqueued when the job finishes.
+    pub next: Option<Box<EnqueueRequest>>,
+}
+
+/// The fixed-window counter behind a queue's rate limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LimiterWindow {
+    pub count: u64,
+    pub window_end: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdempotencyRecord {
+    pub request_hash: u64,
+    pub job_id: String,
+    pub expires_at: u64,
+}
+
+/// A job scheduler (BullMQ's `upsertJobScheduler`, design 26 section 8.1).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SchedulerRecord {
+    pub id: String,
+    /// Job name of each iteration.
+    pub name: String,
+    pub pattern: Option<String>,
+    pub every_ms: Option<u64>,
+    pub offset_ms: Option<u64>,
+    pub tz: Option<String>,
+    pub start_date: Option<u64>,
+    pub end_date: Option<u64>,
+    pub limit: Option<u64>,
+    /// Iterations created so far (BullMQ's `ic`).
+    pub iteration_count: u64,
+    pub next_millis: u64,
+    /// Template data and options for each iteration's job.
+    pub template_data: String,
+    pub template_opts: String,
+    /// The job of the pending iteration.
+    pub next_job_id: Option<String>,
+    /// Anything else the caller keeps with the scheduler.
+    pub extra: BTreeMap<String, String>,
+}
+
+/// A job as a caller describes it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EnqueueRequest {
+    pub name: String,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// Opaque options document kept with the job (BullMQ's `opts` JSON).
+    pub opts: String,
+    pub headers: BTreeMap<String, String>,
+    /// Unique in the queue while the job exists (BullMQ `jobId`).
+    pub job_id: Option<String>,
+    pub idempotency: Option<Idempotency>,
+    pub dedup: Option<Dedup>,
+    pub delay_ms: u64,
+    /// 0 = the FIFO band; otherwise 1..=2^21-1, lower first.
+    pub priority: u32,
+    pub lifo: bool,
+    /// Total attempts, at least 1.
+    pub attempts: u32,
+    pub backoff: Option<Backoff>,
+    pub lock_duration_ms: Option<u64>,
+    pub timeout_ms: Option<u64>,
+    /// Absolute expiry in ms since the epoch.
+    pub expires: Option<u64>,
+    pub parent: Option<ParentRef>,
+    pub on_child_failure: OnChildFailure,
+    pub remove_on_complete: Option<Retention>,
+    pub remove_on_fail: Option<Retention>,
+    pub keep_logs: Option<u64>,
+    pub dead_letter: Option<String>,
+    /// Timestamp to record instead of now (BullMQ passes its own `timestamp`).
+    pub timestamp: Option<u64>,
+    /// The scheduler this job is an iteration of.
+    pub scheduler_id: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Idempotency {
+    pub key: String,
+    /// Default 24 hours.
+    pub ttl_ms: Option<u64>,
+}
+
+/// What `enqueue` did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Enqueued {
+    pub id: String,
+    /// False when an existing job was returned (same job id, idempotency key
+    /// or dedup id).
+    pub created: bool,
+    pub state: JobState,
+    /// Set when a dedup id matched: the job that holds the dedup key.
+    pub deduplicated_by: Option<String>,
+}
+
+/// A fencing proof for a write to a leased job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Fence {
+    /// The lease epoch handed out by `lease`.
+    Epoch(u64),
+    /// The lock token the lease was taken with (BullMQ's worker token).
+    Token(String),
+    /// No lease is held: the write is an admin action (BullMQ's token "0").
+    Unchecked,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RateLimit {
+    pub max: u64,
+    pub duration_ms: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct LeaseRequest {
+    pub max: u32,
+    /// Lock token for the leases; unique per lease. Empty = generate one.
+    pub token: String,
+    pub worker: Option<String>,
+    pub lock_duration_ms: u64,
+    /// Only jobs with these names (Celery routing by name).
+    pub names: Option<Vec<String>>,
+    /// The worker's limiter, used when the queue has no global one.
+    pub limiter: Option<RateLimit>,
+}
+
+/// A job handed to a worker.
+#[derive(Clone, Debug)]
+pub struct Lease {
+    pub job: JobRecord,
+    pub epoch: u64,
+    pub token: String,
+    pub deadline: u64,
+}
+
+/// Why a lease returned fewer jobs than asked for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LeaseInfo {
+    /// The queue is rate limited for this many more ms.
+    pub rate_limit_ms: u64,
+    /// The next delayed job is due at this time.
+    pub next_due: Option<u64>,
+    pub paused: bool,
+    /// Global concurrency is exhausted.
+    pub maxed: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Leased {
+    pub leases: Vec<Lease>,
+    pub info: LeaseInfo,
+}
+
+/// How a leased job ends (design 26, section 5.2).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    Ok { result: Option<Vec<u8>> },
+    /// Try again: after `after_ms`, or the job's backoff when None.
+    Retry { error: JobError, after_ms: Option<u64> },
+    /// No more attempts. `dead_letter` sends it to the queue's dead-letter queue.
+    Fail { error: JobError, dead_letter: bool },
+    /// Give the job back without spending an attempt.
+    Release { after_ms: Option<u64> },
+    /// Park the job until `until` (BullMQ moveToDelayed).
+    Delay { until: u64 },
+    /// Park a parent until its children finish (BullMQ moveToWaitingChildren).
+    WaitChildren,
+    /// Give the job back and stop the whole queue for `for_ms`.
+    RateLimited { for_ms: u64 },
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct JobError {
+    pub message: String,
+    pub stacktrace: Option<String>,
+    /// Keep at most this many stack traces (BullMQ's `stackTraceLimit`).
+    pub stacktrace_limit: Option<usize>,
+}
+
+impl JobError {
+    pub fn new(message: impl Into<String>) -> Self {
+        Self { message: message.into(), ..Default::default() }
+    }
+}
+
+/// What a completion needs besides the outcome: the worker's settings.
+#[derive(Clone, Debug, Default)]
+pub struct CompleteOptions {
+    /// Lease the next job in the same transaction.
+    pub fetch_next: Option<LeaseRequest>,
+    /// Retention when the job does not set its own.
+    pub remove_on_complete: Option<Retention>,
+    pub remove_on_fail: Option<Retention>,
+    /// Keep per-minute metrics with this many data points (BullMQ's `metrics.maxDataPoints`).
+    pub metrics_max_points: Option<u64>,
+}
+
+/// BullMQ's per-minute counters of completed or failed jobs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetricsRecord {
+    pub count: u64,
+    pub prev_ts: u64,
+    pub prev_count: u64,
+    /// Jobs per minute, newest first.
+    pub data: std::collections::VecDeque<u64>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Completed {
+    pub state: Option<JobState>,
+    pub finished_on: Option<u64>,
+    /// For WaitChildren: whether the job now waits (false = no pending children).
+    pub moved: bool,
+    /// The next job, when the completion asked for one.
+    pub next: Option<Leased>,
+}
+
+pub(crate) fn validate_name(kind: &str, value: &str, max: usize) -> Result<(), JobsError> {
+    if value.is_empty() || value.len() > max {
+        return Err(JobsError::invalid(format!("{kind} must be 1 to {max} bytes, got {}", value.len())));
+    }
+    if value.chars().any(|c| c.is_control()) {
+        return Err(JobsError::invalid(format!("{kind} {value:?} contains control characters")));
+    }
+    Ok(())
+}

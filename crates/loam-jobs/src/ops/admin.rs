@@ -1,0 +1,560 @@
+//! Admin writes on queues and single jobs (design 26, section 5.4).
+
+use std::collections::BTreeMap;
+
+use crate::error::{JobsError, Precondition};
+use crate::keys::{self, QueueId, QueueKeys};
+use crate::model::{
+    self, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Fence, JobRecord, JobState, LimiterWindow,
+};
+use crate::ops::enqueue::{self, Placement};
+use crate::ops::lease::{self, Line};
+use crate::tx::Tx;
+
+/// Deletes a job's record, logs and dependency records. The caller has
+/// already taken it out of its index.
+pub fn purge_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    let keys = QueueKeys::new(q);
+    tx.delete(&keys.job(&job.id))?;
+    tx.delete_range(&keys.logs(&job.id))?;
+    tx.delete_range(&keys.dependencies(&job.id))?;
+    Ok(())
+}
+
+/// Removes a job from everything: its index, its parent's pending children,
+/// its dedup key, its record.
+fn drop_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    tx.unindex(q, job)?;
+    detach_from_parent(tx, q, job)?;
+    release_dedup_key(tx, q, job)?;
+    purge_job(tx, q, job)
+}
+
+/// A removed child no longer holds up its parent; a parent left with no
+/// pending child runs next.
+fn detach_from_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<bool, JobsError> {
+    let Some(parent) = &job.parent else { return Ok(false) };
+    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
+    let child_key = model::node_key(&parent.prefix, &q.name, &job.id);
+    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
+    let Some(dep) = tx.get_record::<Dependency>(&dep_key)? else { return Ok(false) };
+    tx.delete(&dep_key)?;
+    if dep.status != DependencyStatus::Pending {
+        return Ok(true);
+    }
+    if let Some(mut pjob) = tx.load_job(&pq, &parent.id)? {
+        pjob.pending_children = pjob.pending_children.saturating_sub(1);
+        tx.save_job(&pq, &pjob)?;
+        if pjob.pending_children == 0 && pjob.state == JobState::WaitingChildren {
+            lease::make_ready(tx, &pq, pjob, "waiting-children", Line::Front)?;
+        }
+    }
+    Ok(true)
+}
+
+fn release_dedup_key(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    let Some(d) = &job.dedup else { return Ok(()) };
+    let key = QueueKeys::new(q).dedup(&d.id);
+    if tx.get_record::<DedupRecord>(&key)?.is_some_and(|r| r.job_id == job.id) {
+        tx.delete(&key)?;
+    }
+    Ok(())
+}
+
+/// BullMQ's name of a state in `removed` events (`wait`, not `waiting`).
+fn removed_prev(state: JobState) -> &'static str {
+    match state {
+        JobState::Waiting => "wait",
+        s => s.as_str(),
+    }
+}
+
+/// Whether a job is the pending iteration of a scheduler.
+fn is_scheduler_iteration(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<bool, JobsError> {
+    let Some(sid) = &job.scheduler_id else { return Ok(false) };
+    let rec: Option<model::SchedulerRecord> = tx.get_record(&QueueKeys::new(q).scheduler(sid))?;
+    Ok(rec.is_some_and(|r| r.next_job_id.as_deref() == Some(job.id.as_str())))
+}
+
+fn children(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(QueueId, Dependency)>, JobsError> {
+    let deps = tx.scan(&QueueKeys::new(q).dependencies(id), usize::MAX, false)?;
+    let ns = tx.ns.clone();
+    deps.into_iter()
+        .map(|(_, v)| {
+            let dep: Dependency = model::decode(&v)?;
+            Ok((QueueId::new(ns.clone(), dep.child_queue.clone()), dep))
+        })
+        .collect()
+}
+
+/// Whether a job or, with `with_children`, a pending descendant is leased.
+fn locked(tx: &mut Tx, q: &QueueId, job: &JobRecord, with_children: bool) -> Result<bool, JobsError> {
+    if job.state == JobState::Active {
+        return Ok(true);
+    }
+    if with_children {
+        for (cq, dep) in children(tx, q, &job.id)? {
+            if let Some(child) = tx.load_job(&cq, &dep.child_id)?
+                && locked(tx, &cq, &child, true)?
+            {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// Removes a job (and with `remove_children` its whole subtree). Returns false,
+/// removing nothing, when the job or a descendant is leased.
+pub fn remove_job(tx: &mut Tx, q: &QueueId, id: &str, remove_children: bool) -> Result<bool, JobsError> {
+    let Some(job) = tx.load_job(q, id)? else { return Ok(true) };
+    if is_scheduler_iteration(tx, q, &job)? {
+        return Err(JobsError::Precondition(Precondition::BelongsToScheduler { job: id.to_string() }));
+    }
+    if locked(tx, q, &job, remove_children)? {
+        return Ok(false);
+    }
+    remove_tree(tx, q, job, remove_children)?;
+    Ok(true)
+}
+
+fn remove_tree(tx: &mut Tx, q: &QueueId, job: JobRecord, remove_children: bool) -> Result<(), JobsError> {
+    if remove_children {
+        for (cq, dep) in children(tx, q, &job.id)? {
+            if let Some(child) = tx.load_job(&cq, &dep.child_id)? {
+                remove_tree(tx, &cq, child, true)?;
+            }
+        }
+    }
+    drop_job(tx, q, &job)?;
+    tx.event(q, "removed", &[("jobId", &job.id), ("prev", removed_prev(job.state))])?;
+    Ok(())
+}
+
+/// Removes a job's unfinished children and their subtrees, skipping leased
+/// and failed ones.
+pub fn remove_unprocessed_children(tx: &mut Tx, q: &QueueId, id: &str) -> Result<(), JobsError> {
+    for (cq, dep) in children(tx, q, id)? {
+        if dep.status != DependencyStatus::Pending {
+            continue;
+        }
+        if let Some(child) = tx.load_job(&cq, &dep.child_id)?
+            && child.state != JobState::Failed
+            && !locked(tx, &cq, &child, true)?
+        {
+            remove_tree(tx, &cq, child, true)?;
+        }
+    }
+    Ok(())
+}
+
+pub fn set_paused(tx: &mut Tx, q: &QueueId, paused: bool) -> Result<(), JobsError> {
+    let key = QueueKeys::new(q).meta("paused");
+    if paused {
+        tx.put(&key, b"1".to_vec())?;
+        tx.event(q, "paused", &[])?;
+    } else {
+        tx.delete(&key)?;
+        tx.event(q, "resumed", &[])?;
+        tx.effects.wake_jobs.insert(q.clone());
+    }
+    Ok(())
+}
+
+/// Ids of the jobs listed in one state's index, oldest first.
+fn ids_in(tx: &mut Tx, range: &crate::kv::KeyRange, limit: usize) -> Result<Vec<String>, JobsError> {
+    Ok(tx.scan(range, limit, false)?.into_iter().map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).collect())
+}
+
+/// Removes every waiting job, and the delayed ones when asked; scheduler
+/// iterations stay.
+pub fn drain(tx: &mut Tx, q: &QueueId, delayed: bool) -> Result<u64, JobsError> {
+    let keys = QueueKeys::new(q);
+    let mut ranges = vec![keys.waiting_all()];
+    if delayed {
+        ranges.push(keys.delayed_all());
+    }
+    let mut n = 0;
+    for range in ranges {
+        for id in ids_in(tx, &range, usize::MAX)? {
+            let job = tx.require_job(q, &id)?;
+            if !is_scheduler_iteration(tx, q, &job)? {
+                drop_job(tx, q, &job)?;
+                n += 1;
+            }
+        }
+    }
+    Ok(n)
+}
+
+/// Removes up to `limit` jobs (0 = no limit) of `state` that finished, or
+/// were created, at or before `before`. Emits one `cleaned` event.
+pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> Result<Vec<String>, JobsError> {
+    let keys = QueueKeys::new(q);
+    let limit = if limit == 0 { usize::MAX } else { limit as usize };
+    let (range, by_score) = match state {
+        "completed" => (keys.completed_all(), true),
+        "failed" => (keys.failed_all(), true),
+        "waiting-children" => (keys.waiting_children_all(), true),
+        "delayed" => (keys.delayed_all(), false),
+        "prioritized" => (keys.waiting_band(true), false),
+        "wait" | "waiting" | "paused" => (keys.waiting_band(false), false),
+        "active" => (keys.active_all(), false),
+        other => return Err(JobsError::invalid(format!("cannot clean unknown state {other:?}"))),
+    };
+    let mut removed = Vec::new();
+    let mut cursor = range.clone();
+    'scan: loop {
+        let chunk = tx.scan(&cursor, 512, false)?;
+        let Some((last, _)) = chunk.last() else { break };
+        cursor.start = keys::prefix_end(last);
+        for (_, id) in chunk {
+            if removed.len() >= limit {
+                break 'scan;
+            }
+            let id = String::from_utf8_lossy(&id).into_owned();
+            let job = tx.require_job(q, &id)?;
+            let stamp = if by_score {
+                job.finished_on.unwrap_or(job.timestamp)
+            } else {
+                job.finished_on.or(job.processed_on).unwrap_or(job.timestamp)
+            };
+            if stamp > before {
+                if by_score {
+                    break 'scan; // the index is ordered by this stamp
+                }
+                continue;
+            }
+            let leased = job.lock.as_ref().is_some_and(|l| l.deadline > tx.now);
+            if leased || is_scheduler_iteration(tx, q, &job)? {
+                continue;
+            }
+            drop_job(tx, q, &job)?;
+            removed.push(id);
+        }
+    }
+    tx.event(q, "cleaned", &[("count", &removed.len().to_string())])?;
+    Ok(removed)
+}
+
+/// Destroys a paused queue, `count` jobs per call. Returns true when more
+/// remain (call again), false once everything is gone.
+pub fn obliterate(tx: &mut Tx, q: &QueueId, force: bool, count: u64) -> Result<bool, JobsError> {
+    if !tx.is_paused(q)? {
+        return Err(JobsError::Precondition(Precondition::QueueNotPaused { queue: q.name.clone() }));
+    }
+    if !force && tx.stats(q)?.active > 0 {
+        return Err(JobsError::Precondition(Precondition::QueueHasActiveJobs { queue: q.name.clone() }));
+    }
+    let keys = QueueKeys::new(q);
+    let budget = count.max(1) as usize;
+    let jobs = tx.scan(&keys.jobs(), budget, false)?;
+    for (_, v) in &jobs {
+        let job: JobRecord = model::decode(v)?;
+        tx.unindex(q, &job)?;
+        purge_job(tx, q, &job)?;
+    }
+    if jobs.len() == budget {
+        return Ok(true);
+    }
+    tx.delete_range(&keys.all())?;
+    tx.delete(&keys::registry(q))?;
+    tx.drop_queue(q);
+    Ok(false)
+}
+
+/// `job.retry()`: a finished job runs again.
+pub fn retry_finished(
+    tx: &mut Tx,
+    q: &QueueId,
+    id: &str,
+    from: JobState,
+    reset_attempts_made: bool,
+    reset_attempts_started: bool,
+) -> Result<(), JobsError> {
+    let mut job = tx.require_job(q, id)?;
+    if job.state != from {
+        return Err(JobsError::not_in_state(id, job.state, from.as_str()));
+    }
+    reattach_to_parent(tx, q, &job)?;
+    job.finished_on = None;
+    job.processed_on = None;
+    job.failed_reason = None;
+    job.return_value = None;
+    if reset_attempts_made {
+        job.attempts_made = 0;
+    }
+    if reset_attempts_started {
+        job.attempts_started = 0;
+    }
+    lease::make_ready(tx, q, job, from.as_str(), Line::Back)?;
+    Ok(())
+}
+
+/// A child that runs again is pending for its parent again.
+fn reattach_to_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    let Some(parent) = &job.parent else { return Ok(()) };
+    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
+    let Some(mut pjob) = tx.load_job(&pq, &parent.id)? else { return Ok(()) };
+    let child_key = model::node_key(&parent.prefix, &q.name, &job.id);
+    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
+    let was_pending = tx.get_record::<Dependency>(&dep_key)?.is_some_and(|d| d.status == DependencyStatus::Pending);
+    if !was_pending {
+        let dep = Dependency {
+            status: DependencyStatus::Pending,
+            child_queue: q.name.clone(),
+            child_id: job.id.clone(),
+            value: None,
+        };
+        tx.put_record(&dep_key, &dep)?;
+        pjob.pending_children += 1;
+        tx.save_job(&pq, &pjob)?;
+    }
+    Ok(())
+}
+
+/// `queue.retryJobs`: up to `count` finished jobs of `state` finished at or
+/// before `before` go back to waiting. True when `count` were moved (more may remain).
+pub fn retry_finished_jobs(tx: &mut Tx, q: &QueueId, state: JobState, count: u64, before: u64) -> Result<bool, JobsError> {
+    let keys = QueueKeys::new(q);
+    let range = match state {
+        JobState::Completed => keys.completed_all(),
+        JobState::Failed => keys.failed_all(),
+        other => return Err(JobsError::invalid(format!("cannot retry jobs that are {other}"))),
+    };
+    let ids = ids_in(tx, &range, count.max(1) as usize)?;
+    let mut moved = 0;
+    for id in ids {
+        let mut job = tx.require_job(q, &id)?;
+        if job.finished_on.is_some_and(|f| f > before) {
+            break;
+        }
+        reattach_to_parent(tx, q, &job)?;
+        job.finished_on = None;
+        job.processed_on = None;
+        job.failed_reason = None;
+        job.return_value = None;
+        lease::make_ready(tx, q, job, state.as_str(), Line::Back)?;
+        moved += 1;
+    }
+    Ok(moved == count.max(1))
+}
+
+pub fn promote(tx: &mut Tx, q: &QueueId, id: &str) -> Result<(), JobsError> {
+    let job = tx.require_job(q, id)?;
+    if job.state != JobState::Delayed {
+        return Err(JobsError::not_in_state(id, job.state, "delayed"));
+    }
+    lease::make_ready(tx, q, job, "delayed", Line::Back)?;
+    Ok(())
+}
+
+/// `queue.promoteJobs`: up to `count` delayed jobs become ready. True when
+/// `count` were moved.
+pub fn promote_jobs(tx: &mut Tx, q: &QueueId, count: u64) -> Result<bool, JobsError> {
+    let ids = ids_in(tx, &QueueKeys::new(q).delayed_all(), count.max(1) as usize)?;
+    let moved = ids.len() as u64;
+    for id in ids {
+        let job = tx.require_job(q, &id)?;
+        lease::make_ready(tx, q, job, "delayed", Line::Back)?;
+    }
+    Ok(moved == count.max(1))
+}
+
+pub fn change_delay(tx: &mut Tx, q: &QueueId, id: &str, delay_ms: u64) -> Result<(), JobsError> {
+    let mut job = tx.require_job(q, id)?;
+    if job.state != JobState::Delayed {
+        return Err(JobsError::not_in_state(id, job.state, "delayed"));
+    }
+    tx.unindex(q, &job)?;
+    job.delay = delay_ms;
+    job.due = tx.now.saturating_add(delay_ms);
+    tx.index(q, &job)?;
+    tx.save_job(q, &job)?;
+    tx.event(q, "delayed", &[("jobId", id), ("delay", &job.due.to_string())])?;
+    Ok(())
+}
+
+pub fn change_priority(tx: &mut Tx, q: &QueueId, id: &str, priority: u32, lifo: bool) -> Result<(), JobsError> {
+    if priority > model::MAX_PRIORITY {
+        return Err(JobsError::invalid(format!("priority must be between 0 and {}", model::MAX_PRIORITY)));
+    }
+    let mut job = tx.require_job(q, id)?;
+    let ready = matches!(job.state, JobState::Waiting | JobState::Prioritized);
+    if ready {
+        tx.unindex(q, &job)?;
+    }
+    job.priority = priority;
+    if ready {
+        job.seq = tx.next_seq(q, lifo)?;
+        job.state = Tx::ready_state(&job);
+        tx.index(q, &job)?;
+    }
+    tx.save_job(q, &job)
+}
+
+pub fn update_data(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, data: Vec<u8>) -> Result<(), JobsError> {
+    if data.len() > tx.config.max_payload_bytes {
+        return Err(JobsError::PayloadTooLarge { size: data.len(), limit: tx.config.max_payload_bytes });
+    }
+    let mut job = tx.require_job(q, id)?;
+    lease::check_fence(&job, fence)?;
+    job.data = data;
+    tx.save_job(q, &job)
+}
+
+/// Sets a job's progress (JSON text) and emits `progress`.
+pub fn update_progress(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, progress: String) -> Result<(), JobsError> {
+    if progress.len() > tx.config.max_payload_bytes {
+        return Err(JobsError::PayloadTooLarge { size: progress.len(), limit: tx.config.max_payload_bytes });
+    }
+    let mut job = tx.require_job(q, id)?;
+    lease::check_fence(&job, fence)?;
+    tx.event(q, "progress", &[("jobId", id), ("data", &progress)])?;
+    job.progress = Some(progress);
+    tx.save_job(q, &job)
+}
+
+/// Appends a log line, keeping the newest `keep` (or the job's `keepLogs`, or
+/// the core's cap). Returns the number of lines kept.
+pub fn add_log(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, row: String, keep: Option<u64>) -> Result<u64, JobsError> {
+    if row.len() > tx.config.max_payload_bytes {
+        return Err(JobsError::PayloadTooLarge { size: row.len(), limit: tx.config.max_payload_bytes });
+    }
+    let mut job = tx.require_job(q, id)?;
+    lease::check_fence(&job, fence)?;
+    let keys = QueueKeys::new(q);
+    tx.put(&keys.log(id, job.log_seq), row.into_bytes())?;
+    job.log_seq += 1;
+    job.log_count += 1;
+    let cap = keep.or(job.keep_logs).unwrap_or(tx.config.max_logs_per_job);
+    trim_logs(tx, &keys, &mut job, cap)?;
+    tx.save_job(q, &job)?;
+    Ok(job.log_count)
+}
+
+fn trim_logs(tx: &mut Tx, keys: &QueueKeys, job: &mut JobRecord, keep: u64) -> Result<(), JobsError> {
+    let excess = job.log_count.saturating_sub(keep);
+    if excess > 0 {
+        for (k, _) in tx.scan(&keys.logs(&job.id), excess as usize, false)? {
+            tx.delete(&k)?;
+        }
+        job.log_count -= excess;
+    }
+    Ok(())
+}
+
+pub fn clear_logs(tx: &mut Tx, q: &QueueId, id: &str, keep: Option<u64>) -> Result<(), JobsError> {
+    let Some(mut job) = tx.load_job(q, id)? else { return Ok(()) };
+    let keys = QueueKeys::new(q);
+    trim_logs(tx, &keys, &mut job, keep.unwrap_or(0))?;
+    tx.save_job(q, &job)
+}
+
+/// Detaches a child from its parent. False when it was not a pending child.
+pub fn remove_child_dependency(tx: &mut Tx, q: &QueueId, id: &str, parent_key: &str) -> Result<bool, JobsError> {
+    let mut job = tx.require_job(q, id)?;
+    let Some(parent) = job.parent.clone() else { return Ok(false) };
+    if parent.node_key() != parent_key {
+        return Ok(false);
+    }
+    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
+    if tx.load_job(&pq, &parent.id)?.is_none() {
+        return Err(JobsError::NotFound(crate::error::Missing::ParentJob(parent_key.to_string())));
+    }
+    if !detach_from_parent(tx, q, &job)? {
+        return Ok(false);
+    }
+    job.parent = None;
+    tx.save_job(q, &job)?;
+    Ok(true)
+}
+
+/// Sets meta fields; returns how many were new.
+pub fn set_meta(tx: &mut Tx, q: &QueueId, values: &BTreeMap<String, String>) -> Result<u64, JobsError> {
+    let keys = QueueKeys::new(q);
+    let mut new = 0;
+    for (field, value) in values {
+        let key = keys.meta(field);
+        if tx.get(&key)?.is_none() {
+            new += 1;
+        }
+        tx.put(&key, value.as_bytes().to_vec())?;
+    }
+    tx.forget_queue(q);
+    Ok(new)
+}
+
+pub fn remove_meta_fields(tx: &mut Tx, q: &QueueId, fields: &[String]) -> Result<u64, JobsError> {
+    let keys = QueueKeys::new(q);
+    let mut n = 0;
+    for field in fields {
+        let key = keys.meta(field);
+        if tx.get(&key)?.is_some() {
+            tx.delete(&key)?;
+            n += 1;
+        }
+    }
+    tx.forget_queue(q);
+    Ok(n)
+}
+
+/// `queue.rateLimit(ms)`: the limiter refuses every job for `ms`.
+pub fn set_rate_limit(tx: &mut Tx, q: &QueueId, ms: u64) -> Result<(), JobsError> {
+    let window = LimiterWindow { count: u64::MAX, window_end: tx.now.saturating_add(ms) };
+    tx.put_record(&QueueKeys::new(q).limiter(), &window)
+}
+
+pub fn remove_rate_limit_key(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError> {
+    let key = QueueKeys::new(q).limiter();
+    let existed = tx.get(&key)?.is_some();
+    tx.delete(&key)?;
+    Ok(u64::from(existed))
+}
+
+/// Deletes a dedup key if it still points at `job_id` (or unconditionally
+/// when `job_id` is None). Returns 1 if a key was deleted.
+pub fn remove_dedup_key(tx: &mut Tx, q: &QueueId, dedup_id: &str, job_id: Option<&str>) -> Result<u64, JobsError> {
+    let key = QueueKeys::new(q).dedup(dedup_id);
+    let Some(rec) = tx.get_record::<DedupRecord>(&key)? else { return Ok(0) };
+    if job_id.is_some_and(|j| j != rec.job_id) {
+        return Ok(0);
+    }
+    tx.delete(&key)?;
+    Ok(1)
+}
+
+/// A caller's own event (BullMQ's QueueEventsProducer); trims to `max`.
+pub fn publish_event(tx: &mut Tx, q: &QueueId, name: &str, fields: &[(String, String)], max: u64) -> Result<String, JobsError> {
+    let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let id = tx.event(q, name, &fields)?;
+    tx.trim_events(q, max)?;
+    Ok(id)
+}
+
+/// Moves up to `limit` dead-lettered jobs of `dlq` back to the queues they
+/// came from. Returns how many moved.
+pub fn redrive_dead_letters(tx: &mut Tx, dlq: &QueueId, limit: u64) -> Result<u64, JobsError> {
+    let ids = ids_in(tx, &QueueKeys::new(dlq).waiting_all(), limit.max(1) as usize)?;
+    let mut moved = 0;
+    for id in ids {
+        let job = tx.require_job(dlq, &id)?;
+        let Some(origin) = job.headers.get("x-dead-letter-queue").cloned() else { continue };
+        let mut headers = job.headers.clone();
+        headers.retain(|k, _| !k.starts_with("x-dead-letter-"));
+        let req = EnqueueRequest {
+            name: job.name.clone(),
+            data: job.data.clone(),
+            opts: job.opts.clone(),
+            headers,
+            attempts: job.attempts,
+            backoff: job.backoff.clone(),
+            priority: job.priority,
+            ..Default::default()
+        };
+        enqueue::enqueue(tx, &QueueId::new(dlq.ns.clone(), origin), req, Placement::Normal)?;
+        drop_job(tx, dlq, &job)?;
+        moved += 1;
+    }
+    Ok(moved)
+}

@@ -1,0 +1,436 @@
+//! Ending a lease: every outcome, and what a finished job does to its
+//! parent, its dedup key, its queue's retention and metrics.
+
+use crate::error::{JobsError, Precondition};
+use crate::keys::{QueueId, QueueKeys};
+use crate::model::{
+    CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Fence, JobError, JobRecord,
+    JobState, Keep, LimiterWindow, MetricsRecord, OnChildFailure, Outcome, Retention,
+};
+use crate::ops::enqueue::{self, Placement};
+use crate::ops::lease::{self, Line};
+use crate::tx::Tx;
+
+/// Default for BullMQ's `KeepJobs.limit`: most jobs one completion removes by age.
+const AGE_REMOVAL_LIMIT: u64 = 1000;
+
+/// Parents refuse to complete while a child is pending or has failed them.
+pub fn check_children(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    if job.pending_children > 0 {
+        return Err(JobsError::Precondition(Precondition::PendingChildren { job: job.id.clone() }));
+    }
+    let deps = tx.scan(&QueueKeys::new(q).dependencies(&job.id), usize::MAX, false)?;
+    for (_, v) in deps {
+        let dep: Dependency = crate::model::decode(&v)?;
+        if dep.status == DependencyStatus::Failed {
+            return Err(JobsError::Precondition(Precondition::FailedChildren { job: job.id.clone() }));
+        }
+    }
+    Ok(())
+}
+
+pub fn complete(
+    tx: &mut Tx,
+    q: &QueueId,
+    id: &str,
+    fence: &Fence,
+    outcome: Outcome,
+    opts: &CompleteOptions,
+) -> Result<Completed, JobsError> {
+    let job = tx.require_job(q, id)?;
+    if matches!(outcome, Outcome::Ok { .. }) {
+        check_children(tx, q, &job)?;
+    }
+    lease::check_fence(&job, fence)?;
+    if job.state != JobState::Active {
+        return Err(JobsError::not_in_state(id, job.state, "active"));
+    }
+    let mut done = Completed { state: None, finished_on: None, moved: true, next: None };
+    let finishing = matches!(outcome, Outcome::Ok { .. } | Outcome::Fail { .. });
+    let fetch = match outcome {
+        Outcome::Ok { result } => {
+            if let Some(r) = &result
+                && r.len() > tx.config.max_payload_bytes
+            {
+                return Err(JobsError::PayloadTooLarge { size: r.len(), limit: tx.config.max_payload_bytes });
+            }
+            let job = finish_ok(tx, q, job, result, opts)?;
+            done.state = Some(job.state);
+            done.finished_on = job.finished_on;
+            true
+        }
+        Outcome::Fail { error, dead_letter } => {
+            let job = fail_with(tx, q, job, &error, dead_letter, opts)?;
+            done.state = Some(job.state);
+            done.finished_on = job.finished_on;
+            true
+        }
+        Outcome::Retry { error, after_ms } => {
+            let job = retry_or_fail_with(tx, q, job, &error, after_ms, opts)?;
+            done.state = Some(job.state);
+            done.finished_on = job.finished_on;
+            after_ms.is_some_and(|a| a > 0)
+        }
+        Outcome::Release { after_ms } => {
+            let job = release(tx, q, job, after_ms)?;
+            done.state = Some(job.state);
+            false
+        }
+        Outcome::Delay { until } => {
+            let job = delay_until(tx, q, job, until)?;
+            done.state = Some(job.state);
+            true
+        }
+        Outcome::WaitChildren => {
+            done.moved = job.pending_children > 0;
+            if done.moved {
+                let job = park_for_children(tx, q, job)?;
+                done.state = Some(job.state);
+            } else {
+                done.state = Some(JobState::Active);
+            }
+            false
+        }
+        Outcome::RateLimited { for_ms } => {
+            let window = LimiterWindow { count: u64::MAX, window_end: tx.now.saturating_add(for_ms) };
+            tx.put_record(&QueueKeys::new(q).limiter(), &window)?;
+            let job = release(tx, q, job, None)?;
+            done.state = Some(job.state);
+            false
+        }
+    };
+    if fetch && let Some(req) = &opts.fetch_next {
+        done.next = Some(lease::lease(tx, q, req)?);
+    }
+    if finishing {
+        let s = tx.stats(q)?;
+        if s.waiting + s.prioritized + s.active == 0 {
+            tx.event(q, "drained", &[])?;
+        }
+    }
+    Ok(done)
+}
+
+fn finish_ok(
+    tx: &mut Tx,
+    q: &QueueId,
+    mut job: JobRecord,
+    result: Option<Vec<u8>>,
+    opts: &CompleteOptions,
+) -> Result<JobRecord, JobsError> {
+    let prev = job.state;
+    tx.unindex(q, &job)?;
+    let value = result.unwrap_or_else(|| b"null".to_vec());
+    release_dedup_on_finish(tx, q, &job)?;
+    child_finished(tx, q, &job, ChildEnd::Completed(String::from_utf8_lossy(&value).into_owned()))?;
+    job.attempts_made += 1;
+    job.state = JobState::Completed;
+    job.finished_on = Some(tx.now);
+    job.lock = None;
+    job.return_value = Some(value.clone());
+    let retention = job.remove_on_complete.or(opts.remove_on_complete).unwrap_or_default();
+    keep_or_purge(tx, q, &mut job, retention)?;
+    tx.event(
+        q,
+        "completed",
+        &[("jobId", &job.id), ("returnvalue", &String::from_utf8_lossy(&value)), ("prev", prev.as_str())],
+    )?;
+    collect_metrics(tx, q, "completed", opts.metrics_max_points)?;
+    Ok(job)
+}
+
+/// Fails a job for good, whatever its state (a worker's failure, a stalled or
+/// expired job, a parent failed by its child).
+pub fn fail(tx: &mut Tx, q: &QueueId, job: JobRecord, error: &JobError, dead_letter: bool) -> Result<JobRecord, JobsError> {
+    fail_with(tx, q, job, error, dead_letter, &CompleteOptions::default())
+}
+
+fn record_error(job: &mut JobRecord, error: &JobError) {
+    job.failed_reason = Some(error.message.clone());
+    if let Some(stack) = &error.stacktrace {
+        job.stacktrace.push(stack.clone());
+    }
+    if let Some(limit) = error.stacktrace_limit {
+        let excess = job.stacktrace.len().saturating_sub(limit);
+        job.stacktrace.drain(..excess);
+    }
+}
+
+fn fail_with(
+    tx: &mut Tx,
+    q: &QueueId,
+    mut job: JobRecord,
+    error: &JobError,
+    dead_letter: bool,
+    opts: &CompleteOptions,
+) -> Result<JobRecord, JobsError> {
+    let prev = if job.state == JobState::Prioritized { JobState::Waiting } else { job.state };
+    tx.unindex(q, &job)?;
+    record_error(&mut job, error);
+    release_dedup_on_finish(tx, q, &job)?;
+    child_finished(tx, q, &job, ChildEnd::Failed(error.message.clone()))?;
+    job.attempts_made += 1;
+    job.state = JobState::Failed;
+    job.finished_on = Some(tx.now);
+    job.lock = None;
+    job.deferred_failure = None;
+    let config = tx.queue_config(q)?;
+    let exhausted = job.attempts_made >= job.attempts;
+    let dlq = job.dead_letter.clone().or(config.dead_letter_queue);
+    if let Some(dlq) = dlq
+        && (dead_letter || (exhausted && config.dead_letter_on_exhausted))
+    {
+        send_to_dead_letter(tx, q, &job, &dlq, &error.message)?;
+    }
+    let retention = job.remove_on_fail.or(opts.remove_on_fail).unwrap_or_default();
+    keep_or_purge(tx, q, &mut job, retention)?;
+    let reason = error.message.clone();
+    tx.event(q, "failed", &[("jobId", &job.id), ("failedReason", &reason), ("prev", prev.as_str())])?;
+    if exhausted {
+        tx.event(q, "retries-exhausted", &[("jobId", &job.id), ("attemptsMade", &job.attempts_made.to_string())])?;
+    }
+    collect_metrics(tx, q, "failed", opts.metrics_max_points)?;
+    Ok(job)
+}
+
+/// A failed attempt: retried after `after_ms` when given (the caller already
+/// decided), else by the job's attempts and backoff, else failed for good.
+pub fn retry_or_fail(tx: &mut Tx, q: &QueueId, job: JobRecord, error: &JobError, after_ms: Option<u64>) -> Result<JobRecord, JobsError> {
+    retry_or_fail_with(tx, q, job, error, after_ms, &CompleteOptions::default())
+}
+
+fn retry_or_fail_with(
+    tx: &mut Tx,
+    q: &QueueId,
+    mut job: JobRecord,
+    error: &JobError,
+    after_ms: Option<u64>,
+    opts: &CompleteOptions,
+) -> Result<JobRecord, JobsError> {
+    let delay = match after_ms {
+        Some(ms) => ms,
+        None if job.attempts_made + 1 < job.attempts => {
+            job.backoff.as_ref().map_or(0, |b| b.delay_ms(job.attempts_made + 1, rand::random::<f64>()))
+        }
+        None => return fail_with(tx, q, job, error, false, opts),
+    };
+    record_error(&mut job, error);
+    job.attempts_made += 1;
+    if delay > 0 {
+        job.delay = delay;
+        park_delayed(tx, q, job, tx.now.saturating_add(delay))
+    } else {
+        lease::make_ready(tx, q, job, "active", Line::Back)
+    }
+}
+
+fn park_delayed(tx: &mut Tx, q: &QueueId, mut job: JobRecord, due: u64) -> Result<JobRecord, JobsError> {
+    tx.unindex(q, &job)?;
+    job.state = JobState::Delayed;
+    job.lock = None;
+    job.due = due;
+    job.seq = tx.next_seq(q, false)?;
+    tx.index(q, &job)?;
+    tx.save_job(q, &job)?;
+    tx.event(q, "delayed", &[("jobId", &job.id), ("delay", &due.to_string())])?;
+    Ok(job)
+}
+
+/// Gives a job back without spending an attempt (a nack, a rate limit).
+fn release(tx: &mut Tx, q: &QueueId, mut job: JobRecord, after_ms: Option<u64>) -> Result<JobRecord, JobsError> {
+    match after_ms.filter(|a| *a > 0) {
+        Some(after) => {
+            job.delay = after;
+            park_delayed(tx, q, job, tx.now.saturating_add(after))
+        }
+        None => lease::make_ready(tx, q, job, "active", Line::Front),
+    }
+}
+
+/// BullMQ's manual moveToDelayed: no attempt is spent.
+fn delay_until(tx: &mut Tx, q: &QueueId, mut job: JobRecord, until: u64) -> Result<JobRecord, JobsError> {
+    job.delay = until.saturating_sub(tx.now);
+    park_delayed(tx, q, job, until.max(tx.now))
+}
+
+fn park_for_children(tx: &mut Tx, q: &QueueId, mut job: JobRecord) -> Result<JobRecord, JobsError> {
+    tx.unindex(q, &job)?;
+    job.state = JobState::WaitingChildren;
+    job.lock = None;
+    tx.index(q, &job)?;
+    tx.save_job(q, &job)?;
+    tx.event(q, "waiting-children", &[("jobId", &job.id), ("prev", "active")])?;
+    Ok(job)
+}
+
+/// Keeps a finished job in its state's index under `retention`, or deletes it;
+/// then trims older finished jobs of the same state.
+fn keep_or_purge(tx: &mut Tx, q: &QueueId, job: &mut JobRecord, retention: Retention) -> Result<(), JobsError> {
+    let keep = match retention {
+        Retention::KeepAll => Keep::default(),
+        Retention::RemoveImmediately | Retention::Keep(Keep { count: Some(0), .. }) => {
+            super::admin::purge_job(tx, q, job)?;
+            return Ok(());
+        }
+        Retention::Keep(k) => k,
+    };
+    tx.index(q, job)?;
+    tx.save_job(q, job)?;
+    let keys = QueueKeys::new(q);
+    let range = if job.state == JobState::Completed { keys.completed_all() } else { keys.failed_all() };
+    let mut old: Vec<String> = Vec::new();
+    if let Some(age) = keep.age_ms {
+        let cutoff = tx.now.saturating_sub(age);
+        let limit = keep.limit.unwrap_or(AGE_REMOVAL_LIMIT) as usize;
+        let upto = if job.state == JobState::Completed { keys.completed(cutoff, u64::MAX) } else { keys.failed(cutoff, u64::MAX) };
+        let expired = crate::kv::KeyRange::new(range.start.clone(), upto);
+        old.extend(tx.scan(&expired, limit, false)?.into_iter().map(|(_, v)| String::from_utf8_lossy(&v).into_owned()));
+    }
+    if let Some(count) = keep.count {
+        // Both rules drop the oldest first, so the union is a prefix.
+        let excess = tx.stats(q)?.count(job.state).saturating_sub(count) as usize;
+        for (_, v) in tx.scan(&range, excess, false)? {
+            let id = String::from_utf8_lossy(&v).into_owned();
+            if !old.contains(&id) {
+                old.push(id);
+            }
+        }
+    }
+    for id in old {
+        if id != job.id
+            && let Some(stale) = tx.load_job(q, &id)?
+        {
+            tx.unindex(q, &stale)?;
+            super::admin::purge_job(tx, q, &stale)?;
+        }
+    }
+    Ok(())
+}
+
+/// Frees a finished job's dedup key when the key is held until the job
+/// finishes, and enqueues the add kept by `keepLastIfActive`.
+fn release_dedup_on_finish(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    let Some(d) = &job.dedup else { return Ok(()) };
+    let key = QueueKeys::new(q).dedup(&d.id);
+    let Some(rec) = tx.get_record::<DedupRecord>(&key)? else { return Ok(()) };
+    if rec.job_id != job.id {
+        return Ok(());
+    }
+    let expired = rec.expires_at.is_some_and(|e| e <= tx.now);
+    if rec.expires_at.is_none() || expired {
+        tx.delete(&key)?;
+    }
+    if let Some(next) = rec.next {
+        tx.delete(&key)?;
+        enqueue::enqueue(tx, q, *next, Placement::Normal)?;
+    }
+    Ok(())
+}
+
+enum ChildEnd {
+    Completed(String),
+    Failed(String),
+}
+
+/// Updates the parent of a child that finished, by the child's failure policy,
+/// and releases (or fails) the parent when that is due.
+fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd) -> Result<(), JobsError> {
+    let Some(parent) = &child.parent else { return Ok(()) };
+    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
+    let child_key = crate::model::node_key(&parent.prefix, &q.name, &child.id);
+    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
+    let Some(dep) = tx.get_record::<Dependency>(&dep_key)? else { return Ok(()) };
+    if dep.status != DependencyStatus::Pending {
+        return Ok(());
+    }
+    let Some(mut pjob) = tx.load_job(&pq, &parent.id)? else {
+        tx.delete(&dep_key)?;
+        return Ok(());
+    };
+    let (status, value, release_now) = match end {
+        ChildEnd::Completed(v) => (Some(DependencyStatus::Processed), Some(v), false),
+        ChildEnd::Failed(reason) => match child.on_child_failure {
+            OnChildFailure::Wait => return Ok(()),
+            OnChildFailure::FailParent => (Some(DependencyStatus::Failed), Some(reason), false),
+            OnChildFailure::ContinueParent => (Some(DependencyStatus::Ignored), Some(reason), true),
+            OnChildFailure::Ignore => (Some(DependencyStatus::Ignored), Some(reason), false),
+            OnChildFailure::Remove => (None, None, false),
+        },
+    };
+    match status {
+        Some(status) => tx.put_record(&dep_key, &Dependency { status, value, ..dep })?,
+        None => tx.delete(&dep_key)?,
+    }
+    pjob.pending_children = pjob.pending_children.saturating_sub(1);
+    tx.save_job(&pq, &pjob)?;
+    if status == Some(DependencyStatus::Failed) {
+        // failParentOnFailure: a parent that is not running fails now, and
+        // its own policy carries the failure further up. A running parent is
+        // refused completion (FailedChildren) instead.
+        if matches!(
+            pjob.state,
+            JobState::WaitingChildren | JobState::Delayed | JobState::Waiting | JobState::Prioritized
+        ) {
+            fail(tx, &pq, pjob, &JobError::new(format!("child {child_key} failed")), false)?;
+        }
+        return Ok(());
+    }
+    if pjob.state == JobState::WaitingChildren && (release_now || pjob.pending_children == 0) {
+        release_parent(tx, &pq, pjob)?;
+    }
+    Ok(())
+}
+
+/// A parent whose children are done runs next, or after its own delay.
+pub fn release_parent(tx: &mut Tx, q: &QueueId, job: JobRecord) -> Result<JobRecord, JobsError> {
+    if job.delay > 0 {
+        let due = tx.now.saturating_add(job.delay);
+        return park_delayed(tx, q, job, due);
+    }
+    lease::make_ready(tx, q, job, "waiting-children", Line::Front)
+}
+
+fn send_to_dead_letter(tx: &mut Tx, q: &QueueId, job: &JobRecord, dlq: &str, reason: &str) -> Result<(), JobsError> {
+    let target = QueueId::new(q.ns.clone(), dlq.to_string());
+    let mut headers = job.headers.clone();
+    headers.insert("x-dead-letter-queue".into(), q.name.clone());
+    headers.insert("x-dead-letter-job".into(), job.id.clone());
+    headers.insert("x-dead-letter-reason".into(), reason.to_string());
+    let req = EnqueueRequest {
+        name: job.name.clone(),
+        data: job.data.clone(),
+        opts: job.opts.clone(),
+        headers,
+        attempts: job.attempts,
+        backoff: job.backoff.clone(),
+        priority: job.priority,
+        ..Default::default()
+    };
+    enqueue::enqueue(tx, &target, req, Placement::Normal)?;
+    Ok(())
+}
+
+/// BullMQ's per-minute metrics of finished jobs.
+fn collect_metrics(tx: &mut Tx, q: &QueueId, kind: &str, max_points: Option<u64>) -> Result<(), JobsError> {
+    let Some(max) = max_points.filter(|m| *m > 0) else { return Ok(()) };
+    let key = QueueKeys::new(q).metrics(kind);
+    let mut rec: MetricsRecord = tx.get_record(&key)?.unwrap_or_default();
+    let before = rec.count;
+    rec.count += 1;
+    if rec.prev_ts == 0 {
+        rec.prev_ts = tx.now;
+        rec.prev_count = 0;
+    } else {
+        let minutes = (tx.now / 60_000).saturating_sub(rec.prev_ts / 60_000).min(max);
+        if minutes > 0 {
+            rec.data.push_front(before.saturating_sub(rec.prev_count));
+            for _ in 1..minutes {
+                rec.data.push_front(0);
+            }
+            rec.data.truncate(max as usize);
+            rec.prev_count = before;
+            rec.prev_ts = tx.now;
+        }
+    }
+    tx.put_record(&key, &rec)
+}

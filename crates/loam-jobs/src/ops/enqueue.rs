@@ -1,0 +1,312 @@
+//! Adding jobs: one job, many, or a whole flow tree, each in one transaction.
+
+use std::hash::{Hash, Hasher};
+
+use crate::error::{JobsError, Missing, Precondition};
+use crate::keys::{QueueId, QueueKeys};
+use crate::model::{
+    self, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Enqueued, IdempotencyRecord, JobRecord,
+    JobState, MAX_PRIORITY, ParentRef, validate_name,
+};
+use crate::tx::Tx;
+
+/// Longest job name, job id, dedup id or idempotency key, in bytes.
+pub const MAX_NAME_BYTES: usize = 1024;
+
+pub fn validate(tx: &Tx, req: &EnqueueRequest) -> Result<(), JobsError> {
+    if req.name.len() > MAX_NAME_BYTES {
+        return Err(JobsError::invalid(format!("job name is over {MAX_NAME_BYTES} bytes")));
+    }
+    if let Some(id) = &req.job_id {
+        validate_name("job id", id, MAX_NAME_BYTES)?;
+    }
+    let limit = tx.config.max_payload_bytes;
+    let size = req.data.len() + req.opts.len();
+    if size > limit {
+        return Err(JobsError::PayloadTooLarge { size, limit });
+    }
+    if req.priority > MAX_PRIORITY {
+        return Err(JobsError::invalid(format!("priority must be between 0 and {MAX_PRIORITY}")));
+    }
+    if let Some(d) = &req.dedup {
+        validate_name("deduplication id", &d.id, MAX_NAME_BYTES)?;
+        if (d.extend || d.replace) && d.ttl_ms.is_none_or(|t| t == 0) && !d.keep_last_if_active {
+            return Err(JobsError::invalid("debounce (extend or replace) needs a ttl"));
+        }
+    }
+    if let Some(i) = &req.idempotency {
+        validate_name("idempotency key", &i.key, MAX_NAME_BYTES)?;
+    }
+    if req.priority > 0 && req.lifo {
+        return Err(JobsError::invalid("priority and lifo cannot be combined"));
+    }
+    if let Some(dl) = &req.dead_letter {
+        validate_name("dead-letter queue", dl, MAX_NAME_BYTES)?;
+    }
+    Ok(())
+}
+
+fn request_hash(req: &EnqueueRequest) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    req.name.hash(&mut h);
+    req.data.hash(&mut h);
+    req.opts.hash(&mut h);
+    req.delay_ms.hash(&mut h);
+    req.priority.hash(&mut h);
+    h.finish()
+}
+
+/// What the caller wants done with a new job's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Waiting, prioritized or delayed, by its options.
+    Normal,
+    /// A flow parent: waits for the children that are added with it.
+    WaitChildren,
+}
+
+pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
+    validate(tx, &req)?;
+    let keys = QueueKeys::new(q);
+
+    if let Some(idem) = &req.idempotency {
+        let key = keys.idempotency(&idem.key);
+        if let Some(rec) = tx.get_record::<IdempotencyRecord>(&key)?
+            && rec.expires_at > tx.now
+        {
+            if rec.request_hash != request_hash(&req) {
+                return Err(JobsError::IdempotencyConflict { key: idem.key.clone() });
+            }
+            let state = tx.load_job(q, &rec.job_id)?.map_or(JobState::Completed, |j| j.state);
+            return Ok(Enqueued { id: rec.job_id, created: false, state, deduplicated_by: None });
+        }
+    }
+
+    if let Some(id) = &req.job_id
+        && let Some(existing) = tx.load_job(q, id)?
+    {
+        if placement == Placement::WaitChildren && existing.pending_children > 0 {
+            return Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { job: id.clone() }));
+        }
+        tx.event(q, "duplicated", &[("jobId", id)])?;
+        return Ok(Enqueued { id: id.clone(), created: false, state: existing.state, deduplicated_by: None });
+    }
+
+    let id = match &req.job_id {
+        Some(id) => id.clone(),
+        None => {
+            let stats = tx.stats_mut(q)?;
+            stats.last_id += 1;
+            stats.last_id.to_string()
+        }
+    };
+
+    if let Some(existing) = deduplicate(tx, q, &req, &id)? {
+        return Ok(existing);
+    }
+
+    if let Some(parent) = &req.parent {
+        link_parent(tx, parent, (q, &id), &keys_node(q, &id, parent))?;
+    }
+
+    let timestamp = req.timestamp.unwrap_or(tx.now);
+    let seq = tx.next_seq(q, req.lifo)?;
+    let due = timestamp.saturating_add(req.delay_ms);
+    let mut job = JobRecord {
+        id: id.clone(),
+        name: req.name.clone(),
+        data: req.data.clone(),
+        opts: req.opts.clone(),
+        state: JobState::Waiting,
+        priority: req.priority,
+        lifo: req.lifo,
+        seq,
+        timestamp,
+        delay: req.delay_ms,
+        due,
+        attempts: req.attempts.max(1),
+        attempts_made: 0,
+        attempts_started: 0,
+        stalled_counter: 0,
+        backoff: req.backoff.clone(),
+        epoch: 0,
+        lock: None,
+        lock_duration_ms: req.lock_duration_ms,
+        timeout_ms: req.timeout_ms,
+        expires: req.expires,
+        processed_on: None,
+        finished_on: None,
+        processed_by: None,
+        progress: None,
+        return_value: None,
+        failed_reason: None,
+        stacktrace: Vec::new(),
+        deferred_failure: None,
+        parent: req.parent.clone(),
+        on_child_failure: req.on_child_failure,
+        pending_children: 0,
+        dedup: req.dedup.clone(),
+        scheduler_id: req.scheduler_id.clone(),
+        remove_on_complete: req.remove_on_complete,
+        remove_on_fail: req.remove_on_fail,
+        keep_logs: req.keep_logs,
+        log_seq: 0,
+        log_count: 0,
+        dead_letter: req.dead_letter.clone(),
+        headers: req.headers.clone(),
+    };
+    job.state = match placement {
+        Placement::WaitChildren => JobState::WaitingChildren,
+        Placement::Normal if req.delay_ms > 0 => JobState::Delayed,
+        Placement::Normal => Tx::ready_state(&job),
+    };
+    tx.save_job(q, &job)?;
+    tx.index(q, &job)?;
+    tx.event(q, "added", &[("jobId", &id), ("name", &job.name)])?;
+    match job.state {
+        JobState::Delayed => {
+            tx.event(q, "delayed", &[("jobId", &id), ("delay", &due.to_string())])?;
+        }
+        JobState::Waiting | JobState::Prioritized => {
+            tx.event(q, "waiting", &[("jobId", &id)])?;
+        }
+        _ => {}
+    }
+    if let Some(idem) = &req.idempotency {
+        let ttl = idem.ttl_ms.unwrap_or(tx.config.idempotency_ttl_ms);
+        let rec = IdempotencyRecord { request_hash: request_hash(&req), job_id: id.clone(), expires_at: tx.now + ttl };
+        tx.put_record(&keys.idempotency(&idem.key), &rec)?;
+    }
+    Ok(Enqueued { id, created: true, state: job.state, deduplicated_by: None })
+}
+
+/// The node key BullMQ gives a child: `<parent prefix>:<queue>:<id>`.
+fn keys_node(q: &QueueId, id: &str, parent: &ParentRef) -> String {
+    model::node_key(&parent.prefix, &q.name, id)
+}
+
+/// Records a new child under its parent: a pending dependency and one more
+/// pending child. The parent must exist (BullMQ's ParentJobNotExist).
+fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_key: &str) -> Result<(), JobsError> {
+    let pq = QueueId::new(tx_ns_of(tx, parent), parent.queue.clone());
+    let mut pjob = tx
+        .load_job(&pq, &parent.id)?
+        .ok_or_else(|| JobsError::NotFound(Missing::ParentJob(parent.node_key())))?;
+    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, child_key);
+    if tx.get(&dep_key)?.is_none() {
+        let dep = Dependency {
+            status: DependencyStatus::Pending,
+            child_queue: child.0.name.clone(),
+            child_id: child.1.to_string(),
+            value: None,
+        };
+        tx.put_record(&dep_key, &dep)?;
+        pjob.pending_children += 1;
+        tx.save_job(&pq, &pjob)?;
+    }
+    Ok(())
+}
+
+/// The namespace a parent reference lives in: parents are always in the
+/// namespace of the operation (a flow never crosses namespaces).
+fn tx_ns_of(tx: &Tx, _parent: &ParentRef) -> String {
+    tx.ns.clone()
+}
+
+/// Applies BullMQ's deduplication; returns the existing job when the add is
+/// absorbed by it.
+fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> Result<Option<Enqueued>, JobsError> {
+    let Some(d) = &req.dedup else { return Ok(None) };
+    let keys = QueueKeys::new(q);
+    let dkey = keys.dedup(&d.id);
+    let now = tx.now;
+    let current = tx
+        .get_record::<DedupRecord>(&dkey)?
+        .filter(|r| r.expires_at.is_none_or(|e| e > now));
+    let current_job = match &current {
+        Some(r) => tx.load_job(q, &r.job_id)?,
+        None => None,
+    };
+    let (Some(rec), Some(mut job)) = (current, current_job) else {
+        let expires_at = d.ttl_ms.filter(|t| *t > 0).map(|t| now + t);
+        tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at, next: None })?;
+        return Ok(None);
+    };
+    // A finished job holds a simple (ttl-less) dedup key no longer.
+    if job.state.is_finished() && rec.expires_at.is_none() {
+        tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at: None, next: None })?;
+        return Ok(None);
+    }
+    let ttl_expiry = d.ttl_ms.filter(|t| *t > 0).map(|t| now + t);
+
+    if d.replace && job.state == JobState::Delayed {
+        // Debounce with replace: the pending delayed job gives way to the new one.
+        super::admin::remove_job(tx, q, &job.id, false)?;
+        let expires_at = if d.extend { ttl_expiry } else { rec.expires_at.or(ttl_expiry) };
+        tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at, next: None })?;
+        return Ok(None);
+    }
+
+    let mut rec = rec;
+    if d.extend {
+        rec.expires_at = ttl_expiry;
+    }
+    if d.keep_last_if_active && job.state == JobState::Active {
+        let mut next = req.clone();
+        next.job_id = None;
+        rec.next = Some(Box::new(next));
+    }
+    if d.reschedule && job.state == JobState::Delayed {
+        tx.unindex(q, &job)?;
+        job.delay = req.delay_ms;
+        job.due = now + req.delay_ms;
+        tx.index(q, &job)?;
+        tx.save_job(q, &job)?;
+        tx.event(q, "delayed", &[("jobId", &job.id), ("delay", &job.due.to_string())])?;
+    }
+    tx.put_record(&dkey, &rec)?;
+    if d.extend || d.replace {
+        tx.event(q, "debounced", &[("jobId", &job.id), ("debounceId", &d.id)])?;
+    }
+    tx.event(
+        q,
+        "deduplicated",
+        &[("jobId", &job.id), ("deduplicationId", &d.id), ("deduplicatedJobId", new_id)],
+    )?;
+    Ok(Some(Enqueued { id: job.id.clone(), created: false, state: job.state, deduplicated_by: Some(job.id) }))
+}
+
+/// One node of a flow: a job, its queue, and whether it waits for children
+/// that are added in the same flow.
+#[derive(Clone, Debug)]
+pub struct FlowNode {
+    pub queue: String,
+    pub request: EnqueueRequest,
+    pub wait_children: bool,
+}
+
+/// Inserts a flow tree; parents come before their children. Parents whose
+/// children all turned out to exist already (or that got none) are released
+/// once the whole tree is in (BullMQ's deferred parent release).
+pub fn flow(tx: &mut Tx, nodes: Vec<FlowNode>) -> Result<Vec<Enqueued>, JobsError> {
+    let ns = tx.ns.clone();
+    let mut out = Vec::with_capacity(nodes.len());
+    let mut parents = Vec::new();
+    for node in nodes {
+        validate_name("queue name", &node.queue, MAX_NAME_BYTES)?;
+        let q = QueueId::new(ns.clone(), node.queue.clone());
+        let placement = if node.wait_children { Placement::WaitChildren } else { Placement::Normal };
+        let e = enqueue(tx, &q, node.request, placement)?;
+        if node.wait_children && e.created {
+            parents.push((q, e.id.clone()));
+        }
+        out.push(e);
+    }
+    for (q, id) in parents.into_iter().rev() {
+        let job = tx.require_job(&q, &id)?;
+        if job.state == JobState::WaitingChildren && job.pending_children == 0 {
+            super::complete::release_parent(tx, &q, job)?;
+        }
+    }
+    Ok(out)
+}

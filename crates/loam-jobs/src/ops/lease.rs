@@ -1,0 +1,248 @@
+//! Taking jobs: lease, extend, the delayed promoter and the stalled sweep.
+
+use crate::error::{FenceFailure, JobsError};
+use crate::keys::{self, QueueId, QueueKeys};
+use crate::model::{Fence, JobError, JobRecord, JobState, Lease, LeaseRequest, Leased, LimiterWindow, Lock, RateLimit};
+use crate::tx::Tx;
+
+/// Most delayed jobs one call promotes; the rest wait for the next call.
+const PROMOTE_BATCH: usize = 1000;
+/// Most expired leases one sweep reclaims.
+const SWEEP_BATCH: usize = 1000;
+/// BullMQ's message for a job that stalled too often.
+pub const STALLED_TOO_OFTEN: &str = "job stalled more than allowable limit";
+
+/// Refuses a write unless `fence` proves the caller holds the job's lease.
+pub fn check_fence(job: &JobRecord, fence: &Fence) -> Result<(), JobsError> {
+    let fenced = |reason| JobsError::Fenced { job: job.id.clone(), current_epoch: job.epoch, reason };
+    if matches!(fence, Fence::Unchecked) {
+        return Ok(());
+    }
+    let Some(lock) = job.lock.as_ref().filter(|_| job.state == JobState::Active) else {
+        return Err(fenced(FenceFailure::NoLease));
+    };
+    let holds = match fence {
+        Fence::Epoch(e) => *e == job.epoch,
+        Fence::Token(t) => *t == lock.token,
+        Fence::Unchecked => true,
+    };
+    if holds { Ok(()) } else { Err(fenced(FenceFailure::Mismatch)) }
+}
+
+/// The queue's rate limit: the global one in its meta, else the worker's.
+pub fn limiter(tx: &mut Tx, q: &QueueId, worker: Option<&RateLimit>) -> Result<Option<RateLimit>, JobsError> {
+    let max = tx.meta_u64(q, "max")?;
+    let duration = tx.meta_u64(q, "duration")?;
+    Ok(match (max, duration) {
+        (Some(max), Some(duration_ms)) if max > 0 => Some(RateLimit { max, duration_ms }),
+        _ => worker.filter(|l| l.max > 0).cloned(),
+    })
+}
+
+/// The current window of the queue's rate limiter.
+pub fn limiter_window(tx: &mut Tx, q: &QueueId) -> Result<LimiterWindow, JobsError> {
+    let w: LimiterWindow = tx.get_record(&QueueKeys::new(q).limiter())?.unwrap_or_default();
+    Ok(if w.window_end <= tx.now { LimiterWindow::default() } else { w })
+}
+
+/// Milliseconds until the limiter lets a job through (0 = now).
+pub fn rate_limit_ttl(tx: &mut Tx, q: &QueueId, limit: Option<&RateLimit>) -> Result<u64, JobsError> {
+    let w = limiter_window(tx, q)?;
+    let limited = match limit {
+        Some(l) => w.count >= l.max,
+        // Without a limit only a manual rate limit (count = u64::MAX) holds.
+        None => w.count == u64::MAX,
+    };
+    Ok(if limited { w.window_end.saturating_sub(tx.now) } else { 0 })
+}
+
+pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, JobsError> {
+    promote_due(tx, q, PROMOTE_BATCH)?;
+    let mut out = Leased::default();
+    let keys = QueueKeys::new(q);
+    if tx.is_paused(q)? {
+        out.info.paused = true;
+        return Ok(out);
+    }
+    let mut room = u64::from(req.max.max(1));
+    if let Some(concurrency) = tx.meta_u64(q, "concurrency")?.filter(|c| *c > 0) {
+        let active = tx.stats(q)?.active;
+        if active >= concurrency {
+            out.info.maxed = true;
+            return Ok(out);
+        }
+        room = room.min(concurrency - active);
+    }
+    let limit = limiter(tx, q, req.limiter.as_ref())?;
+    let mut window = limiter_window(tx, q)?;
+    let ttl = rate_limit_ttl(tx, q, limit.as_ref())?;
+    if ttl > 0 {
+        out.info.rate_limit_ms = ttl;
+        return Ok(out);
+    }
+    if let Some(l) = &limit {
+        if window.window_end <= tx.now {
+            window = LimiterWindow { count: 0, window_end: tx.now + l.duration_ms };
+        }
+        room = room.min(l.max - window.count);
+    }
+
+    let duration = if req.lock_duration_ms > 0 { req.lock_duration_ms } else { tx.config.default_lock_ms };
+    let mut cursor = keys.waiting_all();
+    while (out.leases.len() as u64) < room {
+        let want = (room as usize - out.leases.len()).max(if req.names.is_some() { 64 } else { 1 });
+        let batch = tx.scan(&cursor, want, false)?;
+        if batch.is_empty() {
+            break;
+        }
+        if let Some((last, _)) = batch.last() {
+            cursor.start = keys::prefix_end(last);
+        }
+        for (_, id) in batch {
+            if (out.leases.len() as u64) >= room {
+                break;
+            }
+            let id = String::from_utf8_lossy(&id).into_owned();
+            let mut job = tx.require_job(q, &id)?;
+            if let Some(names) = &req.names
+                && !names.contains(&job.name)
+            {
+                continue;
+            }
+            if job.expires.is_some_and(|e| e <= tx.now) {
+                super::complete::fail(tx, q, job, &JobError::new("job expired before it started"), false)?;
+                continue;
+            }
+            let prev = job.state;
+            tx.unindex(q, &job)?;
+            let token = if req.token.is_empty() { format!("loam:{}:{}", job.id, job.epoch + 1) } else { req.token.clone() };
+            let lock_ms = job.lock_duration_ms.unwrap_or(duration);
+            job.state = JobState::Active;
+            job.epoch += 1;
+            job.lock = Some(Lock { token: token.clone(), deadline: tx.now + lock_ms, duration_ms: lock_ms });
+            job.processed_on = Some(tx.now);
+            job.attempts_started += 1;
+            if let Some(w) = &req.worker {
+                job.processed_by = Some(w.clone());
+            }
+            tx.index(q, &job)?;
+            tx.save_job(q, &job)?;
+            tx.event(q, "active", &[("jobId", &job.id), ("prev", prev_name(prev))])?;
+            window.count += 1;
+            out.leases.push(Lease { epoch: job.epoch, token, deadline: tx.now + lock_ms, job });
+        }
+    }
+    if limit.is_some() && !out.leases.is_empty() {
+        tx.put_record(&keys.limiter(), &window)?;
+    }
+    if out.leases.is_empty() {
+        out.info.next_due = next_due(tx, q)?;
+    }
+    Ok(out)
+}
+
+/// BullMQ's `prev` field: waiting and prioritized jobs both come from "waiting".
+fn prev_name(state: JobState) -> &'static str {
+    match state {
+        JobState::Prioritized => "waiting",
+        s => s.as_str(),
+    }
+}
+
+pub fn next_due(tx: &mut Tx, q: &QueueId) -> Result<Option<u64>, JobsError> {
+    let head = tx.scan(&QueueKeys::new(q).delayed_all(), 1, false)?;
+    Ok(head.first().and_then(|(k, _)| {
+        let suffix = k.get(k.len().checked_sub(16)?..)?;
+        keys::read_u64(suffix).map(|(due, _)| due)
+    }))
+}
+
+/// Moves delayed jobs that are due to waiting; returns the next due time.
+pub fn promote_due(tx: &mut Tx, q: &QueueId, limit: usize) -> Result<Option<u64>, JobsError> {
+    let keys = QueueKeys::new(q);
+    let due = tx.scan(&keys.delayed_due(tx.now), limit, false)?;
+    for (_, id) in due {
+        let id = String::from_utf8_lossy(&id).into_owned();
+        let job = tx.require_job(q, &id)?;
+        make_ready(tx, q, job, "delayed", Line::Back)?;
+    }
+    next_due(tx, q)
+}
+
+/// Where a job rejoins its ready band.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Line {
+    /// Behind every waiting job (new and promoted jobs), or in front for LIFO jobs.
+    Back,
+    /// Next to run: stalled, rate-limited and released jobs (BullMQ's RPUSH).
+    Front,
+}
+
+/// Puts a job (already loaded, in any unfinished state) into its ready band,
+/// with a `waiting` event.
+pub fn make_ready(tx: &mut Tx, q: &QueueId, mut job: JobRecord, prev: &str, line: Line) -> Result<JobRecord, JobsError> {
+    tx.unindex(q, &job)?;
+    job.seq = tx.next_seq(q, job.lifo || line == Line::Front)?;
+    job.delay = 0;
+    job.state = Tx::ready_state(&job);
+    job.lock = None;
+    tx.index(q, &job)?;
+    tx.save_job(q, &job)?;
+    tx.event(q, "waiting", &[("jobId", &job.id), ("prev", prev)])?;
+    Ok(job)
+}
+
+pub fn extend(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, duration_ms: u64) -> Result<u64, JobsError> {
+    let mut job = tx.require_job(q, id)?;
+    check_fence(&job, fence)?;
+    if matches!(fence, Fence::Unchecked) && job.state != JobState::Active {
+        return Err(JobsError::not_in_state(id, job.state, "active"));
+    }
+    let mut deadline = tx.now.saturating_add(duration_ms);
+    if let (Some(timeout), Some(started)) = (job.timeout_ms, job.processed_on) {
+        let cap = started.saturating_add(timeout);
+        if cap <= tx.now {
+            return Err(JobsError::DeadlineExceeded);
+        }
+        deadline = deadline.min(cap);
+    }
+    tx.unindex(q, &job)?;
+    if let Some(lock) = job.lock.as_mut() {
+        lock.deadline = deadline;
+        lock.duration_ms = duration_ms;
+    }
+    tx.index(q, &job)?;
+    tx.save_job(q, &job)?;
+    Ok(deadline)
+}
+
+/// Reclaims jobs whose lease expired: back to waiting with one more stall, or
+/// failed past the queue's `max_stalled` (scheduler iterations are exempt, as
+/// in BullMQ). A job past its hard timeout fails its attempt instead.
+pub fn sweep_stalled(tx: &mut Tx, q: &QueueId) -> Result<Vec<String>, JobsError> {
+    let config = tx.queue_config(q)?;
+    let expired = tx.scan(&QueueKeys::new(q).active_expired(tx.now), SWEEP_BATCH, false)?;
+    let mut reclaimed = Vec::new();
+    for (_, id) in expired {
+        let id = String::from_utf8_lossy(&id).into_owned();
+        let mut job = tx.require_job(q, &id)?;
+        let timed_out = match (job.timeout_ms, job.processed_on) {
+            (Some(t), Some(p)) => p.saturating_add(t) <= tx.now,
+            _ => false,
+        };
+        job.epoch += 1; // a late write of the old holder is now fenced
+        if timed_out {
+            super::complete::retry_or_fail(tx, q, job, &JobError::new("timeout"), None)?;
+        } else {
+            job.stalled_counter += 1;
+            if job.stalled_counter > config.max_stalled && job.scheduler_id.is_none() {
+                super::complete::fail(tx, q, job, &JobError::new(STALLED_TOO_OFTEN), false)?;
+            } else {
+                make_ready(tx, q, job, "active", Line::Front)?;
+            }
+        }
+        tx.event(q, "stalled", &[("jobId", &id)])?;
+        reclaimed.push(id);
+    }
+    Ok(reclaimed)
+}

@@ -1,0 +1,8 @@
+//! The queue operations, each a function over one [`crate::tx::Tx`].
+
+pub mod admin;
+pub mod complete;
+pub mod enqueue;
+pub mod lease;
+pub mod query;
+pub mod schedule;

@@ -1,0 +1,172 @@
+//! Reads: state, counts, ranges, logs, children, events, metrics, meta. They
+//! run on a snapshot through the same [`Tx`] helpers the writes use.
+
+use std::collections::BTreeMap;
+
+use crate::error::JobsError;
+use crate::keys::{self, QueueId, QueueKeys};
+use crate::kv::{KeyRange, Key, KvRead, KvTxn, Value};
+use crate::model::{self, Dependency, Event, JobRecord, JobState, MetricsRecord, RateLimit};
+use crate::error::StoreError;
+use crate::ops::lease;
+use crate::tx::Tx;
+
+/// A snapshot that refuses writes, so queries can run through [`Tx`].
+pub struct ReadOnly(pub Box<dyn KvRead + Send>);
+
+impl KvRead for ReadOnly {
+    fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
+        self.0.get(key)
+    }
+    fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
+        self.0.scan(range, limit, reverse)
+    }
+}
+
+impl KvTxn for ReadOnly {
+    fn put(&mut self, _: &[u8], _: Value) -> Result<(), StoreError> {
+        Err(StoreError::Io("write in a read-only query".into()))
+    }
+    fn delete(&mut self, _: &[u8]) -> Result<(), StoreError> {
+        Err(StoreError::Io("write in a read-only query".into()))
+    }
+}
+
+pub fn state_range(keys: &QueueKeys, state: JobState) -> KeyRange {
+    match state {
+        JobState::Waiting => keys.waiting_band(false),
+        JobState::Prioritized => keys.waiting_band(true),
+        JobState::Delayed => keys.delayed_all(),
+        JobState::Active => keys.active_all(),
+        JobState::WaitingChildren => keys.waiting_children_all(),
+        JobState::Completed => keys.completed_all(),
+        JobState::Failed => keys.failed_all(),
+    }
+}
+
+/// Jobs in each state; delayed jobs only when due before `delayed_before`.
+pub fn counts(tx: &mut Tx, q: &QueueId, states: &[JobState], delayed_before: Option<u64>) -> Result<Vec<u64>, JobsError> {
+    let stats = tx.stats(q)?.clone();
+    let mut out = Vec::with_capacity(states.len());
+    for &state in states {
+        let n = match (state, delayed_before) {
+            (JobState::Delayed, Some(before)) => {
+                let keys = QueueKeys::new(q);
+                let range = KeyRange::new(keys.delayed_all().start, keys.delayed(before, 0));
+                tx.scan(&range, usize::MAX, false)?.len() as u64
+            }
+            _ => stats.count(state),
+        };
+        out.push(n);
+    }
+    Ok(out)
+}
+
+/// Ready jobs per priority (0 = the FIFO band).
+pub fn counts_per_priority(tx: &mut Tx, q: &QueueId, priorities: &[u32]) -> Result<Vec<u64>, JobsError> {
+    let keys = QueueKeys::new(q);
+    priorities.iter().map(|&p| Ok(tx.scan(&keys.waiting_priority(p), usize::MAX, false)?.len() as u64)).collect()
+}
+
+/// Ids of one state in index order (the order they run or finished in),
+/// positions `start..=end` (`end < 0` counts from the end), ascending or not.
+pub fn range(tx: &mut Tx, q: &QueueId, state: JobState, start: i64, end: i64, asc: bool) -> Result<Vec<String>, JobsError> {
+    let keys = QueueKeys::new(q);
+    let total = tx.stats(q)?.count(state) as i64;
+    let norm = |i: i64| if i < 0 { (total + i).max(-1) } else { i };
+    let (s, e) = (norm(start).max(0), norm(end).min(total - 1));
+    if e < s {
+        return Ok(Vec::new());
+    }
+    let entries = tx.scan(&state_range(&keys, state), (e + 1) as usize, !asc)?;
+    Ok(entries.into_iter().skip(s as usize).map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).collect())
+}
+
+/// A job's log lines, positions `start..=end`, oldest first when `asc`; and the total.
+pub fn logs(tx: &mut Tx, q: &QueueId, id: &str, start: i64, end: i64, asc: bool) -> Result<(Vec<String>, u64), JobsError> {
+    let Some(job) = tx.load_job(q, id)? else { return Ok((Vec::new(), 0)) };
+    let total = job.log_count as i64;
+    let norm = |i: i64| if i < 0 { (total + i).max(-1) } else { i };
+    let (s, e) = (norm(start).max(0), norm(end).min(total - 1));
+    if e < s {
+        return Ok((Vec::new(), job.log_count));
+    }
+    let rows = tx.scan(&QueueKeys::new(q).logs(id), (e + 1) as usize, !asc)?;
+    let lines = rows.into_iter().skip(s as usize).map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).collect();
+    Ok((lines, job.log_count))
+}
+
+/// A parent's children: node key and record, in key order.
+pub fn dependencies(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(String, Dependency)>, JobsError> {
+    let keys = QueueKeys::new(q);
+    let prefix_len = keys.dependencies(id).start.len();
+    tx.scan(&keys.dependencies(id), usize::MAX, false)?
+        .into_iter()
+        .map(|(k, v)| {
+            let child_key = keys::read_str(k.get(prefix_len..).unwrap_or(&[])).map(|(s, _)| s).unwrap_or_default();
+            Ok((child_key, model::decode(&v)?))
+        })
+        .collect()
+}
+
+/// Events with a sequence above `after`, oldest first.
+pub fn events_after(tx: &mut Tx, q: &QueueId, after: u64, limit: usize) -> Result<Vec<Event>, JobsError> {
+    tx.scan(&QueueKeys::new(q).events_after(after), limit, false)?
+        .into_iter()
+        .map(|(_, v)| Ok(model::decode(&v)?))
+        .collect()
+}
+
+pub fn last_event_seq(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError> {
+    Ok(tx.stats(q)?.last_event)
+}
+
+pub fn metrics(tx: &mut Tx, q: &QueueId, kind: &str) -> Result<Option<MetricsRecord>, JobsError> {
+    tx.get_record(&QueueKeys::new(q).metrics(kind))
+}
+
+pub fn meta(tx: &mut Tx, q: &QueueId) -> Result<BTreeMap<String, String>, JobsError> {
+    let keys = QueueKeys::new(q);
+    let prefix_len = keys.meta_all().start.len();
+    Ok(tx
+        .scan(&keys.meta_all(), usize::MAX, false)?
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let (field, _) = keys::read_str(k.get(prefix_len..)?)?;
+            Some((field, String::from_utf8_lossy(&v).into_owned()))
+        })
+        .collect())
+}
+
+pub fn dedup_job_id(tx: &mut Tx, q: &QueueId, dedup_id: &str) -> Result<Option<String>, JobsError> {
+    let now = tx.now;
+    Ok(tx
+        .get_record::<model::DedupRecord>(&QueueKeys::new(q).dedup(dedup_id))?
+        .filter(|r| r.expires_at.is_none_or(|e| e > now))
+        .map(|r| r.job_id))
+}
+
+/// Milliseconds the queue stays rate limited for a limit of `max` jobs (the
+/// queue's global limit when None).
+pub fn rate_limit_ttl(tx: &mut Tx, q: &QueueId, max: Option<u64>) -> Result<u64, JobsError> {
+    let limit = match max {
+        Some(max) => Some(RateLimit { max, duration_ms: 0 }),
+        None => lease::limiter(tx, q, None)?,
+    };
+    lease::rate_limit_ttl(tx, q, limit.as_ref())
+}
+
+pub fn is_maxed(tx: &mut Tx, q: &QueueId) -> Result<bool, JobsError> {
+    let active = tx.stats(q)?.active;
+    Ok(tx.meta_u64(q, "concurrency")?.is_some_and(|c| c > 0 && active >= c))
+}
+
+pub fn get_job(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Option<JobRecord>, JobsError> {
+    tx.load_job(q, id)
+}
+
+/// Every queue of a namespace.
+pub fn queues(tx: &mut Tx, ns: &str) -> Result<Vec<QueueId>, JobsError> {
+    let all = keys::prefix_range(keys::registry_prefix());
+    Ok(tx.scan(&all, usize::MAX, false)?.into_iter().filter_map(|(k, _)| keys::parse_registry(&k)).filter(|q| q.ns == ns).collect())
+}

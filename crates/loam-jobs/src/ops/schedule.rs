@@ -1,0 +1,292 @@
+//! Job schedulers (BullMQ's `upsertJobScheduler`, design 26 section 8.1).
+//!
+//! A scheduler keeps one pending iteration job, `repeat:<id>:<millis>`; the
+//! tick time is in the job id, so a tick is enqueued once however often it is
+//! processed. Cron times are computed by the caller (BullMQ computes them in
+//! JavaScript); `every` times are computed here.
+
+use serde_json::{Map, Value as Json};
+
+use crate::error::{JobsError, Precondition};
+use crate::keys::{QueueId, QueueKeys};
+use crate::model::{EnqueueRequest, JobState, SchedulerRecord};
+use crate::ops::admin;
+use crate::ops::enqueue::{self, Placement};
+use crate::tx::Tx;
+
+/// Slots an `every` scheduler tries past a taken one before giving up.
+const MAX_SLOT_ADVANCE: u64 = 32;
+
+/// A scheduler as the caller describes it.
+#[derive(Clone, Debug, Default)]
+pub struct SchedulerSpec {
+    pub id: String,
+    pub name: String,
+    pub pattern: Option<String>,
+    pub every_ms: Option<u64>,
+    pub offset_ms: Option<u64>,
+    pub tz: Option<String>,
+    pub start_date: Option<u64>,
+    pub end_date: Option<u64>,
+    pub limit: Option<u64>,
+    /// Next run, required for cron patterns.
+    pub next_millis: Option<u64>,
+    pub template_data: String,
+    pub template_opts: String,
+    /// Options of each iteration job (priority, attempts, retention, ...).
+    pub job: EnqueueRequest,
+}
+
+pub fn iteration_id(scheduler: &str, millis: u64) -> String {
+    format!("repeat:{scheduler}:{millis}")
+}
+
+/// BullMQ's rule for the next `every` tick.
+fn every_next(now: u64, every: u64, offset: u64, prev: Option<u64>, start: Option<u64>) -> u64 {
+    let aligned = || {
+        let t = (now / every) * every + offset;
+        if t <= now { t + every } else { t }
+    };
+    match prev {
+        None if start.is_some() => start.unwrap_or(now).max(now),
+        None if offset > 0 => aligned(),
+        None => now,
+        Some(p) if p.saturating_add(every) < now => aligned(),
+        Some(p) => p.saturating_add(every),
+    }
+}
+
+fn save(tx: &mut Tx, q: &QueueId, old_next: Option<u64>, rec: &SchedulerRecord) -> Result<(), JobsError> {
+    let keys = QueueKeys::new(q);
+    if let Some(old) = old_next {
+        tx.delete(&keys.scheduler_next(old, &rec.id))?;
+    }
+    tx.put(&keys.scheduler_next(rec.next_millis, &rec.id), Vec::new())?;
+    tx.put_record(&keys.scheduler(&rec.id), rec)
+}
+
+/// The options document of an iteration job: the template plus BullMQ's
+/// repeat bookkeeping.
+fn iteration_opts(rec: &SchedulerRecord, job_id: &str, delay: u64, now: u64) -> String {
+    let mut opts: Map<String, Json> = serde_json::from_str(&rec.template_opts).unwrap_or_default();
+    let mut repeat = Map::new();
+    if let Some(p) = &rec.pattern {
+        repeat.insert("pattern".into(), Json::from(p.clone()));
+    }
+    if let Some(e) = rec.every_ms {
+        repeat.insert("every".into(), Json::from(e));
+    }
+    if let Some(l) = rec.limit {
+        repeat.insert("limit".into(), Json::from(l));
+    }
+    if let Some(tz) = &rec.tz {
+        repeat.insert("tz".into(), Json::from(tz.clone()));
+    }
+    if let Some(s) = rec.start_date {
+        repeat.insert("startDate".into(), Json::from(s));
+    }
+    if let Some(e) = rec.end_date {
+        repeat.insert("endDate".into(), Json::from(e));
+    }
+    repeat.insert("offset".into(), Json::from(rec.offset_ms.unwrap_or(0)));
+    repeat.insert("count".into(), Json::from(rec.iteration_count));
+    opts.insert("jobId".into(), Json::from(job_id));
+    opts.insert("delay".into(), Json::from(delay));
+    opts.insert("timestamp".into(), Json::from(now));
+    opts.insert("prevMillis".into(), Json::from(rec.next_millis));
+    opts.insert("repeatJobKey".into(), Json::from(rec.id.clone()));
+    opts.insert("repeat".into(), Json::Object(repeat));
+    Json::Object(opts).to_string()
+}
+
+fn add_iteration(tx: &mut Tx, q: &QueueId, rec: &SchedulerRecord, template: &EnqueueRequest) -> Result<(String, u64), JobsError> {
+    let job_id = iteration_id(&rec.id, rec.next_millis);
+    let delay = rec.next_millis.saturating_sub(tx.now);
+    let req = EnqueueRequest {
+        name: rec.name.clone(),
+        data: if rec.template_data.is_empty() { b"{}".to_vec() } else { rec.template_data.clone().into_bytes() },
+        opts: iteration_opts(rec, &job_id, delay, tx.now),
+        job_id: Some(job_id.clone()),
+        delay_ms: delay,
+        timestamp: Some(tx.now),
+        scheduler_id: Some(rec.id.clone()),
+        dedup: None,
+        parent: None,
+        ..template.clone()
+    };
+    enqueue::enqueue(tx, q, req, Placement::Normal)?;
+    Ok((job_id, delay))
+}
+
+fn finished_scheduling(rec: &SchedulerRecord) -> bool {
+    rec.limit.is_some_and(|l| rec.iteration_count > l) || rec.end_date.is_some_and(|e| rec.next_millis > e)
+}
+
+/// Creates or replaces a scheduler and enqueues its next iteration. Returns
+/// the iteration's job id and delay.
+pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(String, u64)>, JobsError> {
+    crate::model::validate_name("job scheduler id", &spec.id, enqueue::MAX_NAME_BYTES)?;
+    if spec.pattern.is_some() == spec.every_ms.is_some() {
+        return Err(JobsError::invalid("a job scheduler needs exactly one of pattern and every"));
+    }
+    if spec.every_ms == Some(0) {
+        return Err(JobsError::invalid("every must be at least 1 ms"));
+    }
+    let keys = QueueKeys::new(q);
+    let old: Option<SchedulerRecord> = tx.get_record(&keys.scheduler(&spec.id))?;
+    let mut prev = old.as_ref().map(|r| r.next_millis);
+    if let (Some(o), Some(every)) = (&old, spec.every_ms)
+        && o.every_ms != Some(every)
+    {
+        prev = None;
+    }
+    let mut offset = spec.offset_ms.unwrap_or(0);
+    let mut next = match (spec.every_ms, spec.next_millis) {
+        (Some(every), _) => every_next(tx.now, every, offset, prev, spec.start_date),
+        (None, Some(n)) => n,
+        (None, None) => return Err(JobsError::invalid("a cron scheduler needs its next run time")),
+    };
+    // The previous iteration gives way if it has not started.
+    let mut removed_prev = true;
+    if let Some(o) = &old
+        && let Some(pid) = &o.next_job_id
+        && let Some(pjob) = tx.load_job(q, pid)?
+    {
+        if matches!(pjob.state, JobState::Delayed | JobState::Waiting | JobState::Prioritized) {
+            let mut detached = o.clone();
+            detached.next_job_id = None;
+            tx.put_record(&keys.scheduler(&o.id), &detached)?;
+            admin::remove_job(tx, q, pid, false)?;
+            if spec.every_ms.is_some() && o.every_ms == spec.every_ms && prev.is_some() {
+                next = o.next_millis;
+            }
+        } else {
+            removed_prev = false;
+        }
+    }
+    if tx.load_job(q, &iteration_id(&spec.id, next))?.is_some() {
+        match spec.every_ms {
+            Some(every) => {
+                let mut tries = 0;
+                while tx.load_job(q, &iteration_id(&spec.id, next))?.is_some() {
+                    tries += 1;
+                    if tries > MAX_SLOT_ADVANCE {
+                        return Err(JobsError::Precondition(Precondition::SchedulerSlotsBusy { scheduler: spec.id }));
+                    }
+                    next += every;
+                }
+            }
+            None if !removed_prev => {
+                return Err(JobsError::Precondition(Precondition::SchedulerIdCollision { scheduler: spec.id }));
+            }
+            None => {}
+        }
+    }
+    if let Some(every) = spec.every_ms
+        && offset == 0
+    {
+        offset = next - (next / every) * every;
+    }
+    let rec = SchedulerRecord {
+        id: spec.id.clone(),
+        name: spec.name.clone(),
+        pattern: spec.pattern.clone(),
+        every_ms: spec.every_ms,
+        offset_ms: Some(offset),
+        tz: spec.tz.clone(),
+        start_date: spec.start_date,
+        end_date: spec.end_date,
+        limit: spec.limit,
+        iteration_count: old.as_ref().map_or(1, |o| o.iteration_count),
+        next_millis: next,
+        template_data: spec.template_data.clone(),
+        template_opts: spec.template_opts.clone(),
+        next_job_id: Some(iteration_id(&spec.id, next)),
+        extra: old.as_ref().map(|o| o.extra.clone()).unwrap_or_default(),
+    };
+    save(tx, q, old.as_ref().map(|o| o.next_millis), &rec)?;
+    if finished_scheduling(&rec) {
+        return Ok(None);
+    }
+    add_iteration(tx, q, &rec, &spec.job).map(Some)
+}
+
+/// After iteration `producer_id` started: enqueue the next one. Returns its
+/// job id, or None when the scheduler is gone, the producer is not the
+/// current iteration, or the slot is taken.
+pub fn advance(
+    tx: &mut Tx,
+    q: &QueueId,
+    id: &str,
+    next_millis: Option<u64>,
+    producer_id: &str,
+    template: &EnqueueRequest,
+) -> Result<Option<String>, JobsError> {
+    let keys = QueueKeys::new(q);
+    let Some(mut rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(None) };
+    if producer_id != iteration_id(id, rec.next_millis) {
+        return Ok(None);
+    }
+    let prev = rec.next_millis;
+    let next = match (rec.every_ms, next_millis) {
+        (Some(every), _) => every_next(tx.now, every, rec.offset_ms.unwrap_or(0), Some(prev), rec.start_date),
+        (None, Some(n)) => n,
+        (None, None) => return Err(JobsError::invalid("a cron scheduler needs its next run time")),
+    };
+    let next_id = iteration_id(id, next);
+    if tx.load_job(q, &next_id)?.is_some() {
+        tx.event(q, "duplicated", &[("jobId", &next_id)])?;
+        return Ok(None);
+    }
+    rec.next_millis = next;
+    rec.iteration_count += 1;
+    rec.next_job_id = Some(next_id.clone());
+    save(tx, q, Some(prev), &rec)?;
+    if finished_scheduling(&rec) {
+        return Ok(None);
+    }
+    add_iteration(tx, q, &rec, template)?;
+    Ok(Some(next_id))
+}
+
+/// Removes a scheduler and its pending iteration. False if there was none.
+pub fn remove(tx: &mut Tx, q: &QueueId, id: &str) -> Result<bool, JobsError> {
+    let keys = QueueKeys::new(q);
+    let Some(rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(false) };
+    tx.delete(&keys.scheduler(id))?;
+    tx.delete(&keys.scheduler_next(rec.next_millis, id))?;
+    if let Some(jid) = &rec.next_job_id
+        && tx.load_job(q, jid)?.is_some_and(|j| j.state == JobState::Delayed)
+    {
+        admin::remove_job(tx, q, jid, false)?;
+    }
+    Ok(true)
+}
+
+pub fn get(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Option<SchedulerRecord>, JobsError> {
+    tx.get_record(&QueueKeys::new(q).scheduler(id))
+}
+
+/// Schedulers by next run time, positions `start..=end`.
+pub fn list(tx: &mut Tx, q: &QueueId, start: i64, end: i64, asc: bool) -> Result<Vec<SchedulerRecord>, JobsError> {
+    let keys = QueueKeys::new(q);
+    let all = tx.scan(&keys.scheduler_nexts(), usize::MAX, !asc)?;
+    let total = all.len() as i64;
+    let norm = |i: i64| if i < 0 { total + i } else { i };
+    let (s, e) = (norm(start).max(0), norm(end).min(total - 1));
+    let mut out = Vec::new();
+    for (k, _) in all.into_iter().skip(s.max(0) as usize).take((e - s + 1).max(0) as usize) {
+        let suffix = keys.suffix(&k);
+        if let Some((_, rest)) = crate::keys::read_u64(suffix)
+            && let Some((id, _)) = crate::keys::read_str(rest)
+            && let Some(rec) = get(tx, q, &id)?
+        {
+            out.push(rec);
+        }
+    }
+    Ok(out)
+}
+
+pub fn count(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError> {
+    Ok(tx.scan(&QueueKeys::new(q).schedulers(), usize::MAX, false)?.len() as u64)
+}

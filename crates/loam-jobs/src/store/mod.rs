@@ -1,0 +1,49 @@
+//! Engines behind the [`Store`] interface.
+//!
+//! An engine runs write operations as transactions and hands out read
+//! snapshots. It knows nothing of queues: an operation is an opaque closure over
+//! a [`KvTxn`]. Engines with optimistic transactions may run a body more than
+//! once, so bodies are `FnMut` and keep no effects outside the transaction.
+
+use std::any::Any;
+
+use crate::error::{JobsError, StoreError};
+use crate::kv::{KvRead, KvTxn};
+
+pub mod redb;
+
+pub type OpOutput = Box<dyn Any + Send>;
+pub type OpBody = Box<dyn FnMut(&mut dyn KvTxn) -> Result<OpOutput, JobsError> + Send>;
+pub type OpDone = Box<dyn FnOnce(Result<OpOutput, JobsError>) + Send>;
+
+/// One write operation: its transaction body, whether its acknowledgement must
+/// wait for the commit to reach disk, and what to do once it is settled.
+pub struct WriteOp {
+    pub body: OpBody,
+    /// False for writes whose loss after a crash breaks no guarantee (a lost
+    /// lease is the same as a stalled one), so they need not wait for fsync.
+    pub sync: bool,
+    pub done: OpDone,
+}
+
+/// How commits reach disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durability {
+    /// Every acknowledged write that needs it has been fsynced (the default).
+    Immediate,
+    /// Commits are flushed at least every `flush_interval_ms`; a crash may lose
+    /// the writes of that window, like Redis with `appendfsync everysec`.
+    Relaxed { flush_interval_ms: u64 },
+}
+
+pub trait Store: Send + Sync + 'static {
+    /// Runs `op` in a transaction and calls its `done` once the transaction is
+    /// committed (and, for a `sync` op under immediate durability, durable).
+    fn submit(&self, op: WriteOp);
+
+    /// A consistent snapshot of everything committed so far.
+    fn snapshot(&self) -> Result<Box<dyn KvRead + Send>, StoreError>;
+
+    /// Stops accepting writes and waits for the ones already submitted.
+    fn close(&self);
+}

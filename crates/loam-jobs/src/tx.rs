@@ -1,0 +1,293 @@
+//! The context an operation runs in: one store transaction, one `now`, the
+//! queues' counters read once and written back once, and the effects
+//! (wake-ups, timers) to apply after the commit.
+
+use std::collections::{BTreeSet, HashMap};
+
+use crate::config::{Config, QueueConfig};
+use crate::error::JobsError;
+use crate::keys::{self, QueueId, QueueKeys};
+use crate::kv::{Key, KeyRange, KvTxn, Value};
+use crate::model::{self, Event, JobRecord, JobState, QueueStats};
+
+/// What to do once the transaction has committed.
+#[derive(Default, Debug)]
+pub struct Effects {
+    pub wake_jobs: BTreeSet<QueueId>,
+    pub wake_events: BTreeSet<QueueId>,
+    /// Queues with a delayed job due at this time.
+    pub timers: Vec<(QueueId, u64)>,
+    /// Queues seen for the first time.
+    pub new_queues: Vec<QueueId>,
+}
+
+struct QueueCache {
+    stats: QueueStats,
+    dirty: bool,
+    config: Option<QueueConfig>,
+    max_events: Option<u64>,
+}
+
+pub struct Tx<'a> {
+    kv: &'a mut dyn KvTxn,
+    /// The namespace the operation runs in; flows and parents stay inside it.
+    pub ns: String,
+    pub now: u64,
+    pub config: &'a Config,
+    queues: HashMap<QueueId, QueueCache>,
+    pub effects: Effects,
+}
+
+impl<'a> Tx<'a> {
+    pub fn new(kv: &'a mut dyn KvTxn, ns: &str, now: u64, config: &'a Config) -> Self {
+        Self { kv, ns: ns.to_string(), now, config, queues: HashMap::new(), effects: Effects::default() }
+    }
+
+    // ---- raw access -------------------------------------------------------
+
+    pub fn get(&mut self, key: &[u8]) -> Result<Option<Value>, JobsError> {
+        Ok(self.kv.get(key)?)
+    }
+    pub fn get_for_update(&mut self, key: &[u8]) -> Result<Option<Value>, JobsError> {
+        Ok(self.kv.get_for_update(key)?)
+    }
+    pub fn put(&mut self, key: &[u8], value: Value) -> Result<(), JobsError> {
+        Ok(self.kv.put(key, value)?)
+    }
+    pub fn delete(&mut self, key: &[u8]) -> Result<(), JobsError> {
+        Ok(self.kv.delete(key)?)
+    }
+    pub fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, JobsError> {
+        Ok(self.kv.scan(range, limit, reverse)?)
+    }
+    pub fn get_record<T: for<'de> serde::Deserialize<'de>>(&mut self, key: &[u8]) -> Result<Option<T>, JobsError> {
+        match self.kv.get(key)? {
+            Some(bytes) => Ok(Some(model::decode(&bytes)?)),
+            None => Ok(None),
+        }
+    }
+    pub fn put_record<T: serde::Serialize>(&mut self, key: &[u8], value: &T) -> Result<(), JobsError> {
+        self.put(key, model::encode(value))
+    }
+
+    /// Deletes every key in `range`, in chunks; returns how many.
+    pub fn delete_range(&mut self, range: &KeyRange) -> Result<u64, JobsError> {
+        let mut n = 0;
+        loop {
+            let chunk = self.scan(range, 1024, false)?;
+            if chunk.is_empty() {
+                return Ok(n);
+            }
+            for (k, _) in &chunk {
+                self.delete(k)?;
+            }
+            n += chunk.len() as u64;
+        }
+    }
+
+    // ---- queues -----------------------------------------------------------
+
+    fn cache(&mut self, q: &QueueId) -> Result<&mut QueueCache, JobsError> {
+        if !self.queues.contains_key(q) {
+            let keys = QueueKeys::new(q);
+            let stats = match self.kv.get(&keys.stats())? {
+                Some(bytes) => model::decode(&bytes)?,
+                None => {
+                    // First write to this queue: register it for sweeps and listings.
+                    if self.kv.get(&keys::registry(q))?.is_none() {
+                        self.kv.put(&keys::registry(q), Vec::new())?;
+                        self.effects.new_queues.push(q.clone());
+                    }
+                    QueueStats::default()
+                }
+            };
+            self.queues.insert(q.clone(), QueueCache { stats, dirty: false, config: None, max_events: None });
+        }
+        self.queues.get_mut(q).ok_or_else(|| JobsError::Internal("queue cache".into()))
+    }
+
+    pub fn stats(&mut self, q: &QueueId) -> Result<&QueueStats, JobsError> {
+        Ok(&self.cache(q)?.stats)
+    }
+
+    pub fn stats_mut(&mut self, q: &QueueId) -> Result<&mut QueueStats, JobsError> {
+        let c = self.cache(q)?;
+        c.dirty = true;
+        Ok(&mut c.stats)
+    }
+
+    pub fn queue_config(&mut self, q: &QueueId) -> Result<QueueConfig, JobsError> {
+        if let Some(c) = self.cache(q)?.config.clone() {
+            return Ok(c);
+        }
+        let config: QueueConfig =
+            self.get_record(&QueueKeys::new(q).config())?.unwrap_or_else(|| QueueConfig::defaults(self.config));
+        self.cache(q)?.config = Some(config.clone());
+        Ok(config)
+    }
+
+    pub fn set_queue_config(&mut self, q: &QueueId, config: QueueConfig) -> Result<(), JobsError> {
+        self.put_record(&QueueKeys::new(q).config(), &config)?;
+        self.cache(q)?.config = Some(config);
+        Ok(())
+    }
+
+    /// A field of the queue's meta hash (BullMQ's `meta` key), as text.
+    pub fn meta(&mut self, q: &QueueId, field: &str) -> Result<Option<String>, JobsError> {
+        Ok(self.get(&QueueKeys::new(q).meta(field))?.map(|v| String::from_utf8_lossy(&v).into_owned()))
+    }
+
+    pub fn meta_u64(&mut self, q: &QueueId, field: &str) -> Result<Option<u64>, JobsError> {
+        Ok(self.meta(q, field)?.and_then(|v| v.trim().parse::<f64>().ok()).map(|f| f.max(0.0) as u64))
+    }
+
+    pub fn is_paused(&mut self, q: &QueueId) -> Result<bool, JobsError> {
+        Ok(self.meta(q, "paused")?.is_some_and(|v| v == "1" || v == "true"))
+    }
+
+    /// Drops cached settings (meta, config) of a queue after they changed.
+    pub fn forget_queue(&mut self, q: &QueueId) {
+        if let Some(c) = self.queues.get_mut(q) {
+            c.config = None;
+            c.max_events = None;
+        }
+    }
+
+    /// Drops everything cached of a queue that was deleted, counters included.
+    pub fn drop_queue(&mut self, q: &QueueId) {
+        self.queues.remove(q);
+    }
+
+    /// Writes the queues' counters back. Called once, at the end of the body.
+    pub fn finish(self) -> Result<Effects, JobsError> {
+        let dirty: Vec<(QueueId, Vec<u8>)> = self
+            .queues
+            .iter()
+            .filter(|(_, c)| c.dirty)
+            .map(|(q, c)| (q.clone(), model::encode(&c.stats)))
+            .collect();
+        for (q, bytes) in dirty {
+            self.kv.put(&QueueKeys::new(&q).stats(), bytes)?;
+        }
+        Ok(self.effects)
+    }
+
+    // ---- jobs -------------------------------------------------------------
+
+    pub fn load_job(&mut self, q: &QueueId, id: &str) -> Result<Option<JobRecord>, JobsError> {
+        match self.kv.get_for_update(&QueueKeys::new(q).job(id))? {
+            Some(bytes) => Ok(Some(model::decode(&bytes)?)),
+            None => Ok(None),
+        }
+    }
+
+    pub fn require_job(&mut self, q: &QueueId, id: &str) -> Result<JobRecord, JobsError> {
+        self.load_job(q, id)?.ok_or_else(|| JobsError::job_missing(id))
+    }
+
+    pub fn save_job(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+        self.put(&QueueKeys::new(q).job(&job.id), model::encode(job))
+    }
+
+    /// The index entry that lists the job under its current state.
+    pub fn index_key(keys: &QueueKeys, job: &JobRecord) -> Key {
+        match job.state {
+            JobState::Waiting | JobState::Prioritized => keys.waiting(job.priority, job.seq),
+            JobState::Delayed => keys.delayed(job.due, job.seq),
+            JobState::Active => keys.active(job.lock.as_ref().map_or(0, |l| l.deadline), job.seq),
+            JobState::WaitingChildren => keys.waiting_children(job.timestamp, job.seq),
+            JobState::Completed => keys.completed(job.finished_on.unwrap_or(0), job.seq),
+            JobState::Failed => keys.failed(job.finished_on.unwrap_or(0), job.seq),
+        }
+    }
+
+    /// Removes the job from its state's index and count.
+    pub fn unindex(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+        let key = Self::index_key(&QueueKeys::new(q), job);
+        self.delete(&key)?;
+        let count = self.stats_mut(q)?.count_mut(job.state);
+        *count = count.saturating_sub(1);
+        Ok(())
+    }
+
+    /// Lists the job under its (new) state and records the effects of that state.
+    pub fn index(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+        let key = Self::index_key(&QueueKeys::new(q), job);
+        self.put(&key, job.id.as_bytes().to_vec())?;
+        *self.stats_mut(q)?.count_mut(job.state) += 1;
+        match job.state {
+            JobState::Waiting | JobState::Prioritized => {
+                self.effects.wake_jobs.insert(q.clone());
+            }
+            JobState::Delayed => self.effects.timers.push((q.clone(), job.due)),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Moves a job to the ready state that fits it: waiting or prioritized.
+    pub fn ready_state(job: &JobRecord) -> JobState {
+        if job.is_prioritized() { JobState::Prioritized } else { JobState::Waiting }
+    }
+
+    /// A new sequence number: FIFO counts up from the origin, LIFO down.
+    pub fn next_seq(&mut self, q: &QueueId, lifo: bool) -> Result<u64, JobsError> {
+        let stats = self.stats_mut(q)?;
+        stats.last_seq += 1;
+        let n = stats.last_seq;
+        Ok(if lifo { model::SEQ_ORIGIN - n } else { model::SEQ_ORIGIN + n })
+    }
+
+    // ---- events -----------------------------------------------------------
+
+    fn max_events(&mut self, q: &QueueId) -> Result<u64, JobsError> {
+        if let Some(m) = self.cache(q)?.max_events {
+            return Ok(m);
+        }
+        let m = self.meta_u64(q, "opts.maxLenEvents")?.unwrap_or(self.config.max_events);
+        self.cache(q)?.max_events = Some(m);
+        Ok(m)
+    }
+
+    /// Appends an event to the queue's log, trimming the log to its length.
+    pub fn event(&mut self, q: &QueueId, name: &str, fields: &[(&str, &str)]) -> Result<String, JobsError> {
+        let now = self.now;
+        let max = self.max_events(q)?;
+        let stats = self.stats_mut(q)?;
+        stats.last_event += 1;
+        if stats.first_event == 0 {
+            stats.first_event = stats.last_event;
+        }
+        let seq = stats.last_event;
+        let event = Event {
+            seq,
+            ts: now,
+            name: name.to_string(),
+            fields: fields.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        };
+        let id = event.id();
+        self.put(&QueueKeys::new(q).event(seq), model::encode(&event))?;
+        self.trim_events(q, max)?;
+        self.effects.wake_events.insert(q.clone());
+        Ok(id)
+    }
+
+    /// Keeps the newest `max` events; returns how many were removed.
+    pub fn trim_events(&mut self, q: &QueueId, max: u64) -> Result<u64, JobsError> {
+        let stats = self.stats(q)?.clone();
+        if stats.first_event == 0 {
+            return Ok(0);
+        }
+        let kept = stats.last_event + 1 - stats.first_event;
+        if kept <= max {
+            return Ok(0);
+        }
+        let excess = kept - max;
+        let keys = QueueKeys::new(q);
+        for seq in stats.first_event..stats.first_event + excess {
+            self.delete(&keys.event(seq))?;
+        }
+        self.stats_mut(q)?.first_event += excess;
+        Ok(excess)
+    }
+}
