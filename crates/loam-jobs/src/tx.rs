@@ -24,6 +24,8 @@ pub struct Effects {
 struct QueueCache {
     stats: QueueStats,
     dirty: bool,
+    /// The queue had no counters yet: its first write registers it.
+    new: bool,
     config: Option<QueueConfig>,
     max_events: Option<u64>,
 }
@@ -90,18 +92,11 @@ impl<'a> Tx<'a> {
     fn cache(&mut self, q: &QueueId) -> Result<&mut QueueCache, JobsError> {
         if !self.queues.contains_key(q) {
             let keys = QueueKeys::new(q);
-            let stats = match self.kv.get(&keys.stats())? {
-                Some(bytes) => model::decode(&bytes)?,
-                None => {
-                    // First write to this queue: register it for sweeps and listings.
-                    if self.kv.get(&keys::registry(q))?.is_none() {
-                        self.kv.put(&keys::registry(q), Vec::new())?;
-                        self.effects.new_queues.push(q.clone());
-                    }
-                    QueueStats::default()
-                }
+            let (stats, new) = match self.kv.get(&keys.stats())? {
+                Some(bytes) => (model::decode(&bytes)?, false),
+                None => (QueueStats::default(), true),
             };
-            self.queues.insert(q.clone(), QueueCache { stats, dirty: false, config: None, max_events: None });
+            self.queues.insert(q.clone(), QueueCache { stats, dirty: false, new, config: None, max_events: None });
         }
         self.queues.get_mut(q).ok_or_else(|| JobsError::Internal("queue cache".into()))
     }
@@ -159,15 +154,20 @@ impl<'a> Tx<'a> {
     }
 
     /// Writes the queues' counters back. Called once, at the end of the body.
-    pub fn finish(self) -> Result<Effects, JobsError> {
-        let dirty: Vec<(QueueId, Vec<u8>)> = self
+    pub fn finish(mut self) -> Result<Effects, JobsError> {
+        let dirty: Vec<(QueueId, Vec<u8>, bool)> = self
             .queues
             .iter()
             .filter(|(_, c)| c.dirty)
-            .map(|(q, c)| (q.clone(), model::encode(&c.stats)))
+            .map(|(q, c)| (q.clone(), model::encode(&c.stats), c.new))
             .collect();
-        for (q, bytes) in dirty {
+        for (q, bytes, new) in dirty {
             self.kv.put(&QueueKeys::new(&q).stats(), bytes)?;
+            if new {
+                // First write to this queue: register it for sweeps and listings.
+                self.kv.put(&keys::registry(&q), Vec::new())?;
+                self.effects.new_queues.push(q);
+            }
         }
         Ok(self.effects)
     }

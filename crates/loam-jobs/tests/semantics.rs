@@ -1,0 +1,455 @@
+//! BullMQ's semantics through the core: flows and their failure policies,
+//! deduplication, retention, rate limits, concurrency, events, schedulers,
+//! idempotency and bad input.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use loam_jobs::ops::{admin, query};
+use loam_jobs::store::redb::RedbStore;
+use loam_jobs::*;
+
+fn core() -> (Jobs, ManualClock) {
+    let clock = ManualClock::new(1_000_000);
+    let config = Config { background: false, ..Config::default() };
+    let jobs = Jobs::with_store(Box::new(RedbStore::in_memory().unwrap()), Arc::new(clock.clone()), config).unwrap();
+    (jobs, clock)
+}
+
+fn job(name: &str) -> EnqueueRequest {
+    EnqueueRequest { name: name.into(), data: b"{}".to_vec(), attempts: 1, ..Default::default() }
+}
+
+fn lease_one(jobs: &Jobs, q: &str) -> Option<Lease> {
+    jobs.lease("ns", q, LeaseRequest { max: 1, token: "w".into(), ..Default::default() }).wait().unwrap().leases.pop()
+}
+
+fn finish(jobs: &Jobs, q: &str, l: &Lease, outcome: Outcome) -> Result<Completed, JobsError> {
+    jobs.complete("ns", q, &l.job.id, Fence::Epoch(l.epoch), outcome, CompleteOptions::default()).wait()
+}
+
+fn ok(jobs: &Jobs, q: &str, l: &Lease, value: &str) {
+    finish(jobs, q, l, Outcome::Ok { result: Some(value.as_bytes().to_vec()) }).unwrap();
+}
+
+fn fail(jobs: &Jobs, q: &str, l: &Lease) {
+    finish(jobs, q, l, Outcome::Fail { error: JobError::new("boom"), dead_letter: false }).unwrap();
+}
+
+fn state(jobs: &Jobs, q: &str, id: &str) -> Option<JobState> {
+    jobs.get_job("ns", q, id).unwrap().map(|j| j.state)
+}
+
+fn events(jobs: &Jobs, q: &str) -> Vec<(String, Vec<(String, String)>)> {
+    jobs.read_events_blocking("ns", q, Some(0), 10_000, Duration::ZERO).unwrap().into_iter().map(|e| (e.name, e.fields)).collect()
+}
+
+fn event_names(jobs: &Jobs, q: &str) -> Vec<String> {
+    events(jobs, q).into_iter().map(|(n, _)| n).collect()
+}
+
+fn parent(queue: &str, id: &str) -> ParentRef {
+    ParentRef { queue: queue.into(), id: id.into(), prefix: "bull".into() }
+}
+
+/// A parent in `parents` with two children in `kids`, the children failing by `policy`.
+fn family(jobs: &Jobs, policy: OnChildFailure) {
+    let nodes = vec![
+        FlowNode { queue: "parents".into(), request: EnqueueRequest { job_id: Some("p".into()), ..job("parent") }, wait_children: true },
+        FlowNode {
+            queue: "kids".into(),
+            request: EnqueueRequest { job_id: Some("a".into()), parent: Some(parent("parents", "p")), on_child_failure: policy, ..job("a") },
+            wait_children: false,
+        },
+        FlowNode {
+            queue: "kids".into(),
+            request: EnqueueRequest { job_id: Some("b".into()), parent: Some(parent("parents", "p")), on_child_failure: policy, ..job("b") },
+            wait_children: false,
+        },
+    ];
+    jobs.flow("ns", nodes).wait().unwrap();
+}
+
+#[test]
+fn flow_parent_waits_for_children_and_reads_their_results() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::Wait);
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::WaitingChildren));
+    assert!(lease_one(&jobs, "parents").is_none());
+    let a = lease_one(&jobs, "kids").unwrap();
+    ok(&jobs, "kids", &a, "\"ra\"");
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::WaitingChildren));
+    let b = lease_one(&jobs, "kids").unwrap();
+    ok(&jobs, "kids", &b, "\"rb\"");
+    let p = lease_one(&jobs, "parents").unwrap();
+    assert_eq!(p.job.id, "p");
+    let deps = jobs.query("ns", "parents", |tx, q| query::dependencies(tx, q, "p")).unwrap();
+    let values: BTreeMap<String, Option<String>> = deps.into_iter().map(|(k, d)| (k, d.value)).collect();
+    assert_eq!(values.get("bull:kids:a"), Some(&Some("\"ra\"".to_string())));
+    assert_eq!(values.get("bull:kids:b"), Some(&Some("\"rb\"".to_string())));
+}
+
+#[test]
+fn flow_without_policy_keeps_parent_waiting_after_child_failure() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::Wait);
+    let a = lease_one(&jobs, "kids").unwrap();
+    fail(&jobs, "kids", &a);
+    let b = lease_one(&jobs, "kids").unwrap();
+    ok(&jobs, "kids", &b, "1");
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::WaitingChildren));
+}
+
+#[test]
+fn fail_parent_on_failure_fails_the_parent() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::FailParent);
+    let a = lease_one(&jobs, "kids").unwrap();
+    fail(&jobs, "kids", &a);
+    let p = jobs.get_job("ns", "parents", "p").unwrap().unwrap();
+    assert_eq!(p.state, JobState::Failed);
+    assert_eq!(p.failed_reason.as_deref(), Some("child bull:kids:a failed"));
+}
+
+#[test]
+fn continue_parent_on_failure_releases_the_parent_at_once() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::ContinueParent);
+    let a = lease_one(&jobs, "kids").unwrap();
+    fail(&jobs, "kids", &a);
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
+}
+
+#[test]
+fn ignore_and_remove_dependency_release_the_parent_when_the_rest_is_done() {
+    for policy in [OnChildFailure::Ignore, OnChildFailure::Remove] {
+        let (jobs, _) = core();
+        family(&jobs, policy);
+        let a = lease_one(&jobs, "kids").unwrap();
+        fail(&jobs, "kids", &a);
+        assert_eq!(state(&jobs, "parents", "p"), Some(JobState::WaitingChildren), "{policy:?}");
+        let b = lease_one(&jobs, "kids").unwrap();
+        ok(&jobs, "kids", &b, "1");
+        assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting), "{policy:?}");
+        let deps = jobs.query("ns", "parents", |tx, q| query::dependencies(tx, q, "p")).unwrap();
+        let ignored = deps.iter().filter(|(_, d)| d.status == DependencyStatus::Ignored).count();
+        assert_eq!(ignored, usize::from(policy == OnChildFailure::Ignore), "{policy:?}");
+    }
+}
+
+#[test]
+fn a_parent_with_pending_children_cannot_complete() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("p".into()), ..job("p") }).wait().unwrap();
+    let p = lease_one(&jobs, "q").unwrap();
+    jobs.enqueue("ns", "q", EnqueueRequest { parent: Some(parent("q", "p")), ..job("c") }).wait().unwrap();
+    let refused = finish(&jobs, "q", &p, Outcome::Ok { result: None });
+    assert!(matches!(refused, Err(JobsError::Precondition(Precondition::PendingChildren { .. }))), "{refused:?}");
+    let parked = finish(&jobs, "q", &p, Outcome::WaitChildren).unwrap();
+    assert!(parked.moved);
+    assert_eq!(state(&jobs, "q", "p"), Some(JobState::WaitingChildren));
+}
+
+#[test]
+fn a_child_of_a_missing_parent_is_refused() {
+    let (jobs, _) = core();
+    let e = jobs.enqueue("ns", "q", EnqueueRequest { parent: Some(parent("q", "nope")), ..job("c") }).wait();
+    assert!(matches!(e, Err(JobsError::NotFound(Missing::ParentJob(_)))), "{e:?}");
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![0]);
+}
+
+#[test]
+fn a_flow_is_all_or_nothing() {
+    let (jobs, _) = core();
+    let nodes = vec![
+        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("p".into()), ..job("p") }, wait_children: true },
+        FlowNode { queue: "q".into(), request: EnqueueRequest { priority: 99_999_999, parent: Some(parent("q", "p")), ..job("bad") }, wait_children: false },
+    ];
+    assert!(matches!(jobs.flow("ns", nodes).wait(), Err(JobsError::InvalidArgument(_))));
+    assert_eq!(state(&jobs, "q", "p"), None);
+}
+
+fn dedup(id: &str, ttl: Option<u64>) -> Dedup {
+    Dedup { id: id.into(), ttl_ms: ttl, ..Default::default() }
+}
+
+#[test]
+fn simple_dedup_holds_until_the_job_finishes() {
+    let (jobs, _) = core();
+    let first = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", None)), ..job("a") }).wait().unwrap();
+    let second = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", None)), ..job("a") }).wait().unwrap();
+    assert!(!second.created);
+    assert_eq!(second.id, first.id);
+    assert!(event_names(&jobs, "q").contains(&"deduplicated".to_string()));
+    let l = lease_one(&jobs, "q").unwrap();
+    ok(&jobs, "q", &l, "1");
+    let third = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", None)), ..job("a") }).wait().unwrap();
+    assert!(third.created);
+}
+
+#[test]
+fn throttle_holds_for_its_ttl() {
+    let (jobs, clock) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(1000))), ..job("a") }).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    ok(&jobs, "q", &l, "1");
+    let again = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(1000))), ..job("a") }).wait().unwrap();
+    assert!(!again.created, "a throttle key outlives the job");
+    clock.advance(1001);
+    let later = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(1000))), ..job("a") }).wait().unwrap();
+    assert!(later.created);
+}
+
+#[test]
+fn debounce_replace_swaps_the_delayed_job() {
+    let (jobs, _) = core();
+    let d = Dedup { replace: true, extend: true, ..dedup("d", Some(5000)) };
+    let first = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), delay_ms: 1000, data: b"1".to_vec(), ..job("a") }).wait().unwrap();
+    let second = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d), delay_ms: 1000, data: b"2".to_vec(), ..job("a") }).wait().unwrap();
+    assert!(second.created);
+    assert_eq!(state(&jobs, "q", &first.id), None);
+    assert_eq!(jobs.get_job("ns", "q", &second.id).unwrap().unwrap().data, b"2");
+    let id = jobs.query("ns", "q", |tx, q| query::dedup_job_id(tx, q, "d")).unwrap();
+    assert_eq!(id, Some(second.id));
+}
+
+#[test]
+fn keep_last_if_active_enqueues_the_newest_add_after_the_active_job() {
+    let (jobs, _) = core();
+    let d = Dedup { keep_last_if_active: true, ..dedup("d", None) };
+    jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), ..job("a") }).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    for data in [b"2", b"3"] {
+        let e = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), data: data.to_vec(), ..job("a") }).wait().unwrap();
+        assert!(!e.created);
+    }
+    ok(&jobs, "q", &l, "1");
+    let next = lease_one(&jobs, "q").unwrap();
+    assert_eq!(next.job.data, b"3");
+    assert!(lease_one(&jobs, "q").is_none());
+}
+
+#[test]
+fn retention_keeps_the_newest_finished_jobs() {
+    let (jobs, clock) = core();
+    for i in 0..5 {
+        let keep = Retention::Keep(Keep { count: Some(2), ..Default::default() });
+        jobs.enqueue("ns", "q", EnqueueRequest { remove_on_complete: Some(keep), ..job(&format!("j{i}")) }).wait().unwrap();
+        let l = lease_one(&jobs, "q").unwrap();
+        clock.advance(10);
+        ok(&jobs, "q", &l, "1");
+    }
+    let done = jobs.query("ns", "q", |tx, q| query::range(tx, q, JobState::Completed, 0, -1, true)).unwrap();
+    assert_eq!(done, ["4", "5"]);
+    jobs.enqueue("ns", "q", EnqueueRequest { remove_on_complete: Some(Retention::RemoveImmediately), ..job("gone") }).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    ok(&jobs, "q", &l, "1");
+    assert_eq!(state(&jobs, "q", &l.job.id), None);
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Completed]).unwrap(), vec![2]);
+}
+
+#[test]
+fn retries_back_off_then_exhaust() {
+    let (jobs, clock) = core();
+    let backoff = Backoff::Exponential { delay_ms: 100, jitter: 0.0, max_ms: None };
+    jobs.enqueue("ns", "q", EnqueueRequest { attempts: 3, backoff: Some(backoff), ..job("a") }).wait().unwrap();
+    for expected_delay in [100, 200] {
+        let l = lease_one(&jobs, "q").unwrap();
+        finish(&jobs, "q", &l, Outcome::Retry { error: JobError::new("again"), after_ms: None }).unwrap();
+        assert_eq!(state(&jobs, "q", "1"), Some(JobState::Delayed));
+        clock.advance(expected_delay - 1);
+        assert!(lease_one(&jobs, "q").is_none(), "not due yet");
+        clock.advance(1);
+    }
+    let l = lease_one(&jobs, "q").unwrap();
+    finish(&jobs, "q", &l, Outcome::Retry { error: JobError::new("last"), after_ms: None }).unwrap();
+    let j = jobs.get_job("ns", "q", "1").unwrap().unwrap();
+    assert_eq!((j.state, j.attempts_made), (JobState::Failed, 3));
+    assert!(event_names(&jobs, "q").contains(&"retries-exhausted".to_string()));
+}
+
+#[test]
+fn rate_limit_and_global_concurrency_bound_leases() {
+    let (jobs, clock) = core();
+    for i in 0..5 {
+        jobs.enqueue("ns", "q", job(&format!("j{i}"))).wait().unwrap();
+    }
+    let limiter = Some(RateLimit { max: 2, duration_ms: 1000 });
+    let req = LeaseRequest { max: 5, limiter, ..Default::default() };
+    let got = jobs.lease("ns", "q", req.clone()).wait().unwrap();
+    assert_eq!(got.leases.len(), 2);
+    let again = jobs.lease("ns", "q", req.clone()).wait().unwrap();
+    assert!(again.leases.is_empty());
+    assert!(again.info.rate_limit_ms > 0 && again.info.rate_limit_ms <= 1000);
+    clock.advance(1000);
+    jobs.set_meta("ns", "q", BTreeMap::from([("concurrency".to_string(), "3".to_string())])).wait().unwrap();
+    let third = jobs.lease("ns", "q", LeaseRequest { max: 5, ..Default::default() }).wait().unwrap();
+    assert_eq!(third.leases.len(), 1, "2 active + 1 = the global concurrency of 3");
+    assert!(jobs.lease("ns", "q", LeaseRequest { max: 5, ..Default::default() }).wait().unwrap().info.maxed);
+}
+
+#[test]
+fn paused_queue_gives_nothing_and_keeps_jobs_waiting() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    jobs.admin("ns", "q", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
+    let got = jobs.lease("ns", "q", LeaseRequest::default()).wait().unwrap();
+    assert!(got.leases.is_empty() && got.info.paused);
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![1]);
+    jobs.admin("ns", "q", |tx, q| admin::set_paused(tx, q, false)).wait().unwrap();
+    assert!(lease_one(&jobs, "q").is_some());
+}
+
+#[test]
+fn events_have_bullmq_names_fields_and_a_resumable_cursor() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    ok(&jobs, "q", &l, "42");
+    let all = events(&jobs, "q");
+    let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["added", "waiting", "active", "completed", "drained"]);
+    assert_eq!(all[3].1, vec![("jobId".into(), "1".into()), ("returnvalue".into(), "42".into()), ("prev".into(), "active".into())]);
+    let after_two = jobs.read_events_blocking("ns", "q", Some(2), 100, Duration::ZERO).unwrap();
+    assert_eq!(after_two.first().map(|e| e.name.as_str()), Some("active"));
+}
+
+#[test]
+fn event_log_is_trimmed_to_its_length() {
+    let (jobs, _) = core();
+    jobs.set_meta("ns", "q", BTreeMap::from([("opts.maxLenEvents".to_string(), "5".to_string())])).wait().unwrap();
+    for i in 0..10 {
+        jobs.enqueue("ns", "q", job(&format!("j{i}"))).wait().unwrap();
+    }
+    let kept = jobs.read_events_blocking("ns", "q", Some(0), 100, Duration::ZERO).unwrap();
+    assert_eq!(kept.len(), 5);
+    assert_eq!(kept.last().map(|e| e.seq), Some(20));
+}
+
+#[test]
+fn read_events_waits_for_the_next_event() {
+    let (jobs, _) = core();
+    let producer = jobs.clone();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        producer.enqueue("ns", "q", job("a")).wait().unwrap();
+    });
+    let got = jobs.read_events_blocking("ns", "q", None, 10, Duration::from_secs(5)).unwrap();
+    t.join().unwrap();
+    assert_eq!(got.first().map(|e| e.name.as_str()), Some("added"));
+}
+
+#[test]
+fn lease_wait_is_woken_by_an_enqueue() {
+    let (jobs, _) = core();
+    let producer = jobs.clone();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        producer.enqueue("ns", "q", job("a")).wait().unwrap();
+    });
+    let started = std::time::Instant::now();
+    let got = jobs.lease_wait_blocking("ns", "q", LeaseRequest::default(), Duration::from_secs(10)).unwrap();
+    t.join().unwrap();
+    assert_eq!(got.leases.len(), 1);
+    assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn every_scheduler_enqueues_one_job_per_tick() {
+    let (jobs, clock) = core();
+    let spec = SchedulerSpec { id: "s".into(), name: "tick".into(), every_ms: Some(1000), job: job("tick"), ..Default::default() };
+    let (first, delay) = jobs.upsert_scheduler("ns", "q", spec.clone()).wait().unwrap().unwrap();
+    assert_eq!((first.as_str(), delay), ("repeat:s:1000000", 0));
+    // Upserting again does not add a second job for the same tick.
+    jobs.upsert_scheduler("ns", "q", spec).wait().unwrap();
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::Delayed]).unwrap().iter().sum::<u64>(), 1);
+    let l = lease_one(&jobs, "q").unwrap();
+    let next = jobs
+        .admin("ns", "q", move |tx, q| loam_jobs::ops::schedule::advance(tx, q, "s", None, "repeat:s:1000000", &job("tick")))
+        .wait()
+        .unwrap();
+    assert_eq!(next.as_deref(), Some("repeat:s:1001000"));
+    ok(&jobs, "q", &l, "1");
+    clock.advance(1000);
+    assert_eq!(lease_one(&jobs, "q").unwrap().job.id, "repeat:s:1001000");
+}
+
+#[test]
+fn idempotency_key_returns_the_first_result() {
+    let (jobs, _) = core();
+    let idem = Some(Idempotency { key: "k".into(), ttl_ms: None });
+    let a = jobs.enqueue("ns", "q", EnqueueRequest { idempotency: idem.clone(), ..job("a") }).wait().unwrap();
+    let b = jobs.enqueue("ns", "q", EnqueueRequest { idempotency: idem.clone(), ..job("a") }).wait().unwrap();
+    assert_eq!((a.id.as_str(), a.created, b.id.as_str(), b.created), ("1", true, "1", false));
+    let c = jobs.enqueue("ns", "q", EnqueueRequest { idempotency: idem, ..job("other") }).wait();
+    assert!(matches!(c, Err(JobsError::IdempotencyConflict { .. })));
+}
+
+#[test]
+fn bad_input_gets_typed_errors_and_changes_nothing() {
+    let clock = ManualClock::new(1_000_000);
+    let config = Config { background: false, max_payload_bytes: 1024, ..Config::default() };
+    let jobs = Jobs::with_store(Box::new(RedbStore::in_memory().unwrap()), Arc::new(clock), config).unwrap();
+    let big = jobs.enqueue("ns", "q", EnqueueRequest { data: vec![b'x'; 2048], ..job("a") }).wait();
+    assert!(matches!(big, Err(JobsError::PayloadTooLarge { limit: 1024, .. })));
+    let bad_queue = jobs.enqueue("ns", "", job("a")).wait();
+    assert!(matches!(bad_queue, Err(JobsError::InvalidArgument(_))));
+    let bad_prio = jobs.enqueue("ns", "q", EnqueueRequest { priority: 1 << 22, ..job("a") }).wait();
+    assert!(matches!(bad_prio, Err(JobsError::InvalidArgument(_))));
+    let both = jobs.enqueue("ns", "q", EnqueueRequest { priority: 1, lifo: true, ..job("a") }).wait();
+    assert!(matches!(both, Err(JobsError::InvalidArgument(_))));
+    let missing = jobs.complete("ns", "q", "nope", Fence::Epoch(1), Outcome::Ok { result: None }, CompleteOptions::default()).wait();
+    assert!(matches!(missing, Err(JobsError::NotFound(Missing::Job(_)))));
+    let bulk = jobs.enqueue_bulk("ns", "q", vec![job("ok"), EnqueueRequest { data: vec![0; 4096], ..job("big") }, job("ok2")]).wait().unwrap();
+    assert!(bulk[0].is_ok() && bulk[1].is_err() && bulk[2].is_ok());
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![2]);
+}
+
+#[test]
+fn dead_lettered_jobs_can_be_redriven() {
+    let (jobs, _) = core();
+    let config = QueueConfig { dead_letter_queue: Some("dlq".into()), ..QueueConfig::defaults(&Config::default()) };
+    jobs.set_queue_config("ns", "q", config).wait().unwrap();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    finish(&jobs, "q", &l, Outcome::Fail { error: JobError::new("poison"), dead_letter: true }).unwrap();
+    let dl = lease_one(&jobs, "dlq").unwrap();
+    assert_eq!(dl.job.headers.get("x-dead-letter-reason").map(String::as_str), Some("poison"));
+    finish(&jobs, "dlq", &dl, Outcome::Release { after_ms: None }).unwrap();
+    let moved = jobs.admin("ns", "dlq", |tx, q| admin::redrive_dead_letters(tx, q, 10)).wait().unwrap();
+    assert_eq!(moved, 1);
+    assert_eq!(lease_one(&jobs, "q").unwrap().job.name, "a");
+}
+
+#[test]
+fn metrics_count_finished_jobs_per_minute() {
+    let (jobs, clock) = core();
+    let opts = CompleteOptions { metrics_max_points: Some(10), ..Default::default() };
+    for minute in 0..3 {
+        for _ in 0..=minute {
+            jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+            let l = lease_one(&jobs, "q").unwrap();
+            jobs.complete("ns", "q", &l.job.id, Fence::Epoch(l.epoch), Outcome::Ok { result: None }, opts.clone()).wait().unwrap();
+        }
+        clock.advance(60_000);
+    }
+    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, "completed")).unwrap().unwrap();
+    assert_eq!(m.count, 6);
+    assert_eq!(m.data.iter().copied().collect::<Vec<_>>(), vec![2, 1]);
+}
+
+#[test]
+fn stores_survive_reopening() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.redb");
+    {
+        let jobs = Jobs::open(&path, Config { background: false, ..Config::default() }).unwrap();
+        jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+        jobs.close();
+    }
+    let jobs = Jobs::open(&path, Config { background: false, ..Config::default() }).unwrap();
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![1]);
+    let second = Jobs::open(&path, Config { background: false, ..Config::default() });
+    assert!(matches!(second, Err(JobsError::Unavailable(_))), "a second open of one file is refused");
+}
