@@ -244,6 +244,9 @@ pub struct JobRecord {
     pub on_child_failure: OnChildFailure,
     /// Children not yet finished (parents only).
     pub pending_children: u32,
+    /// Children that failed with failParentOnFailure (parents only).
+    #[serde(default)]
+    pub failed_children: u32,
     pub dedup: Option<Dedup>,
     pub scheduler_id: Option<String>,
     /// None = the completing worker's default.

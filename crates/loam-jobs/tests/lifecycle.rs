@@ -1,5 +1,8 @@
 //! Examples of the job lifecycle through the public API.
 
+// A failed unwrap is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used)]
+
 use std::sync::Arc;
 
 use loam_jobs::store::redb::RedbStore;

@@ -2,6 +2,9 @@
 //! deduplication, retention, rate limits, concurrency, events, schedulers,
 //! idempotency and bad input.
 
+// A failed unwrap is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used)]
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;

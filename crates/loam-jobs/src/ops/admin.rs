@@ -39,10 +39,15 @@ fn detach_from_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<bool,
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
     let Some(dep) = tx.get_record::<Dependency>(&dep_key)? else { return Ok(false) };
     tx.delete(&dep_key)?;
-    if dep.status != DependencyStatus::Pending {
+    if !matches!(dep.status, DependencyStatus::Pending | DependencyStatus::Failed) {
         return Ok(true);
     }
     if let Some(mut pjob) = tx.load_job(&pq, &parent.id)? {
+        if dep.status == DependencyStatus::Failed {
+            pjob.failed_children = pjob.failed_children.saturating_sub(1);
+            tx.save_job(&pq, &pjob)?;
+            return Ok(true);
+        }
         pjob.pending_children = pjob.pending_children.saturating_sub(1);
         tx.save_job(&pq, &pjob)?;
         if pjob.pending_children == 0 && pjob.state == JobState::WaitingChildren {
@@ -298,8 +303,11 @@ fn reattach_to_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), J
     let Some(mut pjob) = tx.load_job(&pq, &parent.id)? else { return Ok(()) };
     let child_key = model::node_key(&parent.prefix, &q.name, &job.id);
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
-    let was_pending = tx.get_record::<Dependency>(&dep_key)?.is_some_and(|d| d.status == DependencyStatus::Pending);
-    if !was_pending {
+    let previous = tx.get_record::<Dependency>(&dep_key)?.map(|d| d.status);
+    if previous != Some(DependencyStatus::Pending) {
+        if previous == Some(DependencyStatus::Failed) {
+            pjob.failed_children = pjob.failed_children.saturating_sub(1);
+        }
         let dep = Dependency {
             status: DependencyStatus::Pending,
             child_queue: q.name.clone(),

@@ -15,16 +15,12 @@ use crate::tx::Tx;
 const AGE_REMOVAL_LIMIT: u64 = 1000;
 
 /// Parents refuse to complete while a child is pending or has failed them.
-pub fn check_children(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+pub fn check_children(job: &JobRecord) -> Result<(), JobsError> {
     if job.pending_children > 0 {
         return Err(JobsError::Precondition(Precondition::PendingChildren { job: job.id.clone() }));
     }
-    let deps = tx.scan(&QueueKeys::new(q).dependencies(&job.id), usize::MAX, false)?;
-    for (_, v) in deps {
-        let dep: Dependency = crate::model::decode(&v)?;
-        if dep.status == DependencyStatus::Failed {
-            return Err(JobsError::Precondition(Precondition::FailedChildren { job: job.id.clone() }));
-        }
+    if job.failed_children > 0 {
+        return Err(JobsError::Precondition(Precondition::FailedChildren { job: job.id.clone() }));
     }
     Ok(())
 }
@@ -39,7 +35,7 @@ pub fn complete(
 ) -> Result<Completed, JobsError> {
     let job = tx.require_job(q, id)?;
     if matches!(outcome, Outcome::Ok { .. }) {
-        check_children(tx, q, &job)?;
+        check_children(&job)?;
     }
     lease::check_fence(&job, fence)?;
     if job.state != JobState::Active {
@@ -362,6 +358,9 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd) ->
         None => tx.delete(&dep_key)?,
     }
     pjob.pending_children = pjob.pending_children.saturating_sub(1);
+    if status == Some(DependencyStatus::Failed) {
+        pjob.failed_children += 1;
+    }
     tx.save_job(&pq, &pjob)?;
     if status == Some(DependencyStatus::Failed) {
         // failParentOnFailure: a parent that is not running fails now, and

@@ -145,6 +145,7 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
         parent: req.parent.clone(),
         on_child_failure: req.on_child_failure,
         pending_children: 0,
+        failed_children: 0,
         dedup: req.dedup.clone(),
         scheduler_id: req.scheduler_id.clone(),
         remove_on_complete: req.remove_on_complete,

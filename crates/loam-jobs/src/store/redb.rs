@@ -120,6 +120,8 @@ impl Drop for RedbStore {
     }
 }
 
+type RawEntry<'a> = (redb::AccessGuard<'a, &'static [u8]>, redb::AccessGuard<'a, &'static [u8]>);
+
 struct RedbSnapshot {
     table: redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
 }
@@ -134,22 +136,10 @@ fn scan_table<T: ReadableTable<&'static [u8], &'static [u8]>>(
         return Ok(Vec::new());
     }
     let iter = table.range::<&[u8]>(range.start.as_slice()..range.end.as_slice()).map_err(io)?;
-    let mut out = Vec::new();
-    let mut push = |entry: Result<(redb::AccessGuard<&[u8]>, redb::AccessGuard<&[u8]>), redb::StorageError>| {
-        let (k, v) = entry.map_err(io)?;
-        out.push((k.value().to_vec(), v.value().to_vec()));
-        Ok::<_, StoreError>(())
+    let owned = |entry: Result<RawEntry<'_>, redb::StorageError>| {
+        entry.map(|(k, v)| (k.value().to_vec(), v.value().to_vec())).map_err(io)
     };
-    if reverse {
-        for entry in iter.rev().take(limit) {
-            push(entry)?;
-        }
-    } else {
-        for entry in iter.take(limit) {
-            push(entry)?;
-        }
-    }
-    Ok(out)
+    if reverse { iter.rev().take(limit).map(owned).collect() } else { iter.take(limit).map(owned).collect() }
 }
 
 impl KvRead for RedbSnapshot {
