@@ -105,7 +105,7 @@ impl KvRead for Overlay<'_> {
         // `limit + local.len()` entries always yields enough survivors.
         let base = self.base.scan(range, limit.saturating_add(local.len()), reverse)?;
         let before = |a: &[u8], b: &[u8]| if reverse { a > b } else { a < b };
-        let mut out = Vec::with_capacity(limit);
+        let mut out = Vec::with_capacity(limit.min(base.len() + local.len()));
         let (mut i, mut j) = (0, 0);
         while out.len() < limit && (i < base.len() || j < local.len()) {
             let take_local = match (base.get(i), local.get(j)) {

@@ -81,3 +81,38 @@ fn stalled_job_is_redelivered_then_failed() {
     assert_eq!(failed.state, JobState::Failed);
     assert_eq!(failed.failed_reason.as_deref(), Some("job stalled more than allowable limit"));
 }
+
+#[test]
+fn a_scan_without_limit_sees_writes_of_its_own_batch() {
+    let (jobs, _) = core();
+    let q = QueueId::new("ns", "q");
+    let drained = jobs
+        .write("ns", true, move |tx| {
+            loam_jobs::ops::enqueue::enqueue(tx, &q, job("a"), loam_jobs::ops::enqueue::Placement::Normal)?;
+            loam_jobs::ops::admin::drain(tx, &q, false)
+        })
+        .wait()
+        .unwrap();
+    assert_eq!(drained, 1);
+}
+
+#[test]
+fn dropping_the_last_handle_without_close_is_clean() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static WRITER_PANICS: AtomicUsize = AtomicUsize::new(0);
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if std::thread::current().name() == Some("loam-jobs-writer") {
+            WRITER_PANICS.fetch_add(1, Ordering::SeqCst);
+        }
+        default_hook(info);
+    }));
+    for _ in 0..200 {
+        let (jobs, _) = core();
+        jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+        drop(jobs);
+    }
+    // Give writer threads that outlived their handles time to finish.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(WRITER_PANICS.load(Ordering::SeqCst), 0);
+}

@@ -109,7 +109,12 @@ impl Store for RedbStore {
     fn close(&self) {
         drop(self.sender.lock().take());
         if let Some(writer) = self.writer.lock().take() {
-            let _ = writer.join();
+            // The last handle can be dropped by an operation's completion
+            // callback, which runs on the writer thread itself: that thread
+            // then finishes its queue and flushes on its own.
+            if writer.thread().id() != std::thread::current().id() {
+                let _ = writer.join();
+            }
         }
     }
 }
