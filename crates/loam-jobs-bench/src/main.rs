@@ -142,6 +142,25 @@ fn cpu_seconds() -> Option<f64> {
     Some((utime + stime) as f64 / 100.0)
 }
 
+/// CPU seconds of the store's writer thread so far: the one thread every
+/// write passes through, so its time per operation bounds throughput, and it
+/// is steadier than wall-clock rates on a shared machine.
+fn writer_cpu_seconds() -> Option<f64> {
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let dir = task.ok()?.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.trim() == "loam-jobs-write" {
+            let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+            let rest = &stat[stat.rfind(')')? + 1..];
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let utime: u64 = fields.get(11)?.parse().ok()?;
+            let stime: u64 = fields.get(12)?.parse().ok()?;
+            return Some((utime + stime) as f64 / 100.0);
+        }
+    }
+    None
+}
+
 fn load_average() -> Option<String> {
     let text = std::fs::read_to_string("/proc/loadavg").ok()?;
     Some(text.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
@@ -277,6 +296,8 @@ struct Row {
     max_ms: f64,
     cpu_seconds: Option<f64>,
     cpu_seconds_per_1k_ops: Option<f64>,
+    /// CPU time of the writer thread per operation (per cycle for `cycle`).
+    writer_us_per_op: Option<f64>,
     empty_leases: u64,
     errors: u64,
     first_error: Option<String>,
@@ -306,7 +327,7 @@ fn run_one(
     let measure = Duration::from_secs_f64(o.seconds);
     let stop = Arc::new(AtomicBool::new(false));
 
-    let (tallies, cpu) = match mode {
+    let (tallies, cpu, writer_cpu) = match mode {
         Mode::Threads => {
             // Callers start at once and warm up until the window opens.
             let start = Instant::now() + o.warmup;
@@ -319,20 +340,24 @@ fn run_one(
                 .collect();
             std::thread::sleep(start.saturating_duration_since(Instant::now()));
             let cpu0 = cpu_seconds();
+            let writer0 = writer_cpu_seconds();
             let tallies: Vec<Tally> = handles.into_iter().map(|h| h.join().expect("caller thread")).collect();
             let cpu1 = cpu_seconds();
-            (tallies, cpu0.zip(cpu1).map(|(a, b)| b - a))
+            let writer1 = writer_cpu_seconds();
+            (tallies, cpu0.zip(cpu1).map(|(a, b)| b - a), writer0.zip(writer1).map(|(a, b)| b - a))
         }
         Mode::Async => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("tokio runtime");
             let start = Instant::now() + o.warmup;
             let window = Window { start, end: start + measure };
             let mut cpu0 = None;
+            let mut writer0 = None;
             let tallies = rt.block_on(async {
                 let tasks: Vec<_> =
                     (0..callers).map(|_| tokio::spawn(caller_task(jobs.clone(), scenario, window, Arc::clone(&stop)))).collect();
                 tokio::time::sleep(start.saturating_duration_since(Instant::now())).await;
                 cpu0 = cpu_seconds();
+                writer0 = writer_cpu_seconds();
                 let mut out = Vec::new();
                 for t in tasks {
                     out.push(t.await.expect("caller task"));
@@ -340,7 +365,8 @@ fn run_one(
                 out
             });
             let cpu1 = cpu_seconds();
-            (tallies, cpu0.zip(cpu1).map(|(a, b)| b - a))
+            let writer1 = writer_cpu_seconds();
+            (tallies, cpu0.zip(cpu1).map(|(a, b)| b - a), writer0.zip(writer1).map(|(a, b)| b - a))
         }
     };
     jobs.close();
@@ -370,6 +396,7 @@ fn run_one(
         max_ms: latencies.last().map_or(f64::NAN, |&l| l as f64 / 1e6),
         cpu_seconds: cpu,
         cpu_seconds_per_1k_ops: cpu.filter(|_| ops > 0).map(|c| c / (ops as f64 / 1000.0)),
+        writer_us_per_op: writer_cpu.filter(|_| ops > 0).map(|c| c * 1e6 / ops as f64),
         empty_leases,
         errors,
         first_error,
@@ -378,13 +405,14 @@ fn run_one(
 
 fn print_header() {
     println!(
-        "{:<10} {:<8} {:<8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>12}",
-        "durability", "mode", "scenario", "callers", "ops/s", "p50 ms", "p99 ms", "max ms", "cpu s/1k ops"
+        "{:<10} {:<8} {:<8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>12} {:>12}",
+        "durability", "mode", "scenario", "callers", "ops/s", "p50 ms", "p99 ms", "max ms", "cpu s/1k ops", "writer us/op"
     );
 }
 
 fn print_row(r: &Row) {
     let cpu = r.cpu_seconds_per_1k_ops.map_or_else(|| "n/a".to_string(), |c| format!("{c:.3}"));
+    let writer = r.writer_us_per_op.map_or_else(|| "n/a".to_string(), |c| format!("{c:.1}"));
     let mode = match r.mode {
         Mode::Threads => "threads",
         Mode::Async => "async",
@@ -394,8 +422,8 @@ fn print_row(r: &Row) {
         Scenario::Cycle => "cycle",
     };
     println!(
-        "{:<10} {:<8} {:<8} {:>7} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>12}",
-        r.durability, mode, scenario, r.callers, r.ops_per_sec, r.p50_ms, r.p99_ms, r.max_ms, cpu
+        "{:<10} {:<8} {:<8} {:>7} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>12} {:>12}",
+        r.durability, mode, scenario, r.callers, r.ops_per_sec, r.p50_ms, r.p99_ms, r.max_ms, cpu, writer
     );
     if r.errors > 0 {
         println!("    {} errors, first: {}", r.errors, r.first_error.as_deref().unwrap_or("?"));

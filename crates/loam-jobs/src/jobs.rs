@@ -87,6 +87,8 @@ struct Inner {
     /// Next stalled sweep per known queue (real time).
     sweeps: Mutex<HashMap<QueueId, Instant>>,
     closed: AtomicBool,
+    /// This open's generation (see `Tx::generation`), set once at open.
+    generation: std::sync::atomic::AtomicU64,
 }
 
 impl Inner {
@@ -139,8 +141,18 @@ impl Jobs {
             timers: Timers { heap: Mutex::new(BinaryHeap::new()), changed: Condvar::new() },
             sweeps: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
+            generation: std::sync::atomic::AtomicU64::new(0),
         });
         let jobs = Self { inner, maintenance: Arc::new(Mutex::new(None)) };
+        let generation = jobs
+            .write("", true, |tx| {
+                let key = crate::keys::generation();
+                let g = tx.get_record::<u64>(&key)?.unwrap_or(0) + 1;
+                tx.put_record(&key, &g)?;
+                Ok(g)
+            })
+            .wait()?;
+        jobs.inner.generation.store(generation, Ordering::SeqCst);
         jobs.load_timers()?;
         if background {
             let weak = Arc::downgrade(&jobs.inner);
@@ -220,10 +232,12 @@ impl Jobs {
         let ns = ns.to_string();
         let now_clock = Arc::clone(&self.inner.clock);
         let config = self.inner.config.clone();
+        let generation = self.inner.generation.load(Ordering::SeqCst);
         let op = WriteOp {
             sync,
             body: Box::new(move |kv| {
                 let mut tx = Tx::new(kv, &ns, now_clock.now_ms(), &config);
+                tx.generation = generation;
                 let value = body(&mut tx)?;
                 let effects = tx.finish()?;
                 Ok(Box::new((value, effects)))

@@ -11,6 +11,8 @@ use crate::kv::{Key, KeyRange};
 const QUEUE: u8 = b'Q';
 /// `R ns queue` registers a queue, so sweeps and listings can find it.
 const REGISTRY: u8 = b'R';
+/// `G`: how many times the store has been opened (see `Tx::generation`).
+const GENERATION: u8 = b'G';
 
 // Per-queue sub-tags.
 const JOB: u8 = b'j';
@@ -103,6 +105,10 @@ impl std::fmt::Display for QueueId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{}", self.ns, self.name)
     }
+}
+
+pub fn generation() -> Key {
+    vec![GENERATION]
 }
 
 pub fn registry_prefix() -> Key {

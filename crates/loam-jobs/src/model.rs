@@ -17,8 +17,10 @@ pub const MAX_PRIORITY: u32 = (1 << 21) - 1;
 pub const SEQ_ORIGIN: u64 = 1 << 63;
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256);
     // Serializing plain structs into a Vec cannot fail.
-    rmp_serde::to_vec_named(value).unwrap_or_default()
+    let _ = rmp_serde::encode::write_named(&mut out, value);
+    out
 }
 
 pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
@@ -320,6 +322,15 @@ pub struct Event {
     pub name: String,
     /// Other fields, in order (BullMQ's `jobId`, `prev`, `returnvalue`, ...).
     pub fields: Vec<(String, String)>,
+}
+
+/// An event as it is written: the same encoding as [`Event`], from borrowed fields.
+#[derive(Serialize)]
+pub(crate) struct EventRef<'a> {
+    pub seq: u64,
+    pub ts: u64,
+    pub name: &'a str,
+    pub fields: &'a [(&'a str, &'a str)],
 }
 
 impl Event {

@@ -8,7 +8,7 @@ use crate::config::{Config, QueueConfig};
 use crate::error::JobsError;
 use crate::keys::{self, QueueId, QueueKeys};
 use crate::kv::{Key, KeyRange, KvTxn, Value};
-use crate::model::{self, Event, JobRecord, JobState, QueueStats};
+use crate::model::{self, EventRef, JobRecord, JobState, QueueStats};
 
 /// What to do once the transaction has committed.
 #[derive(Default, Debug)]
@@ -28,6 +28,8 @@ struct QueueCache {
     new: bool,
     config: Option<QueueConfig>,
     max_events: Option<u64>,
+    /// The meta hash, read with one scan on first use.
+    meta: Option<std::collections::BTreeMap<String, String>>,
 }
 
 pub struct Tx<'a> {
@@ -35,6 +37,10 @@ pub struct Tx<'a> {
     /// The namespace the operation runs in; flows and parents stay inside it.
     pub ns: String,
     pub now: u64,
+    /// The store's open count. Leases are not fsynced, so a crash can lose
+    /// one; epochs handed out after a reopen start above `generation << 32`,
+    /// so a lost lease's epoch is never handed out again.
+    pub generation: u64,
     pub config: &'a Config,
     queues: HashMap<QueueId, QueueCache>,
     pub effects: Effects,
@@ -42,7 +48,7 @@ pub struct Tx<'a> {
 
 impl<'a> Tx<'a> {
     pub fn new(kv: &'a mut dyn KvTxn, ns: &str, now: u64, config: &'a Config) -> Self {
-        Self { kv, ns: ns.to_string(), now, config, queues: HashMap::new(), effects: Effects::default() }
+        Self { kv, ns: ns.to_string(), now, generation: 0, config, queues: HashMap::new(), effects: Effects::default() }
     }
 
     // ---- raw access -------------------------------------------------------
@@ -96,7 +102,7 @@ impl<'a> Tx<'a> {
                 Some(bytes) => (model::decode(&bytes)?, false),
                 None => (QueueStats::default(), true),
             };
-            self.queues.insert(q.clone(), QueueCache { stats, dirty: false, new, config: None, max_events: None });
+            self.queues.insert(q.clone(), QueueCache { stats, dirty: false, new, config: None, max_events: None, meta: None });
         }
         self.queues.get_mut(q).ok_or_else(|| JobsError::Internal("queue cache".into()))
     }
@@ -129,7 +135,27 @@ impl<'a> Tx<'a> {
 
     /// A field of the queue's meta hash (BullMQ's `meta` key), as text.
     pub fn meta(&mut self, q: &QueueId, field: &str) -> Result<Option<String>, JobsError> {
-        Ok(self.get(&QueueKeys::new(q).meta(field))?.map(|v| String::from_utf8_lossy(&v).into_owned()))
+        if self.cache(q)?.meta.is_none() {
+            let keys = QueueKeys::new(q);
+            let range = keys.meta_all();
+            let prefix_len = range.start.len();
+            let map = self
+                .scan(&range, usize::MAX, false)?
+                .into_iter()
+                .filter_map(|(k, v)| {
+                    let (field, _) = keys::read_str(k.get(prefix_len..)?)?;
+                    Some((field, String::from_utf8_lossy(&v).into_owned()))
+                })
+                .collect();
+            self.cache(q)?.meta = Some(map);
+        }
+        Ok(self.cache(q)?.meta.as_ref().and_then(|m| m.get(field).cloned()))
+    }
+
+    /// The whole meta hash.
+    pub fn meta_map(&mut self, q: &QueueId) -> Result<std::collections::BTreeMap<String, String>, JobsError> {
+        self.meta(q, "")?;
+        Ok(self.cache(q)?.meta.clone().unwrap_or_default())
     }
 
     pub fn meta_u64(&mut self, q: &QueueId, field: &str) -> Result<Option<u64>, JobsError> {
@@ -145,6 +171,7 @@ impl<'a> Tx<'a> {
         if let Some(c) = self.queues.get_mut(q) {
             c.config = None;
             c.max_events = None;
+            c.meta = None;
         }
     }
 
@@ -259,14 +286,9 @@ impl<'a> Tx<'a> {
             stats.first_event = stats.last_event;
         }
         let seq = stats.last_event;
-        let event = Event {
-            seq,
-            ts: now,
-            name: name.to_string(),
-            fields: fields.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-        };
-        let id = event.id();
+        let event = EventRef { seq, ts: now, name, fields };
         self.put(&QueueKeys::new(q).event(seq), model::encode(&event))?;
+        let id = format!("{now}-{seq}");
         self.trim_events(q, max)?;
         self.effects.wake_events.insert(q.clone());
         Ok(id)

@@ -155,6 +155,7 @@ pub fn remove_unprocessed_children(tx: &mut Tx, q: &QueueId, id: &str) -> Result
 
 pub fn set_paused(tx: &mut Tx, q: &QueueId, paused: bool) -> Result<(), JobsError> {
     let key = QueueKeys::new(q).meta("paused");
+    tx.forget_queue(q);
     if paused {
         tx.put(&key, b"1".to_vec())?;
         tx.event(q, "paused", &[])?;

@@ -115,10 +115,10 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
             }
             let prev = job.state;
             tx.unindex(q, &job)?;
-            let token = if req.token.is_empty() { format!("loam:{}:{}", job.id, job.epoch + 1) } else { req.token.clone() };
+            let token = if req.token.is_empty() { format!("loam:{}:{}", job.id, job.epoch.max(tx.generation << 32) + 1) } else { req.token.clone() };
             let lock_ms = job.lock_duration_ms.unwrap_or(duration);
             job.state = JobState::Active;
-            job.epoch += 1;
+            job.epoch = job.epoch.max(tx.generation << 32) + 1;
             job.lock = Some(Lock { token: token.clone(), deadline: tx.now + lock_ms, duration_ms: lock_ms });
             job.processed_on = Some(tx.now);
             job.attempts_started += 1;

@@ -126,16 +126,7 @@ pub fn metrics(tx: &mut Tx, q: &QueueId, kind: &str) -> Result<Option<MetricsRec
 }
 
 pub fn meta(tx: &mut Tx, q: &QueueId) -> Result<BTreeMap<String, String>, JobsError> {
-    let keys = QueueKeys::new(q);
-    let prefix_len = keys.meta_all().start.len();
-    Ok(tx
-        .scan(&keys.meta_all(), usize::MAX, false)?
-        .into_iter()
-        .filter_map(|(k, v)| {
-            let (field, _) = keys::read_str(k.get(prefix_len..)?)?;
-            Some((field, String::from_utf8_lossy(&v).into_owned()))
-        })
-        .collect())
+    tx.meta_map(q)
 }
 
 pub fn dedup_job_id(tx: &mut Tx, q: &QueueId, dedup_id: &str) -> Result<Option<String>, JobsError> {

@@ -244,7 +244,7 @@ impl Writer {
                 let mut table = txn.open_table(TABLE).map_err(io)?;
                 let writes = {
                     let mut base = WriteTable(&mut table);
-                    let mut group = Overlay::new(&mut base);
+                    let mut group = Overlay::caching(&mut base);
                     for mut body in bodies {
                         let mut local = Overlay::new(&mut group);
                         // A bug in an operation must fail that operation, not the
