@@ -71,10 +71,13 @@ pub struct Overlay<'a> {
     cache: Option<ReadCache>,
 }
 
+/// A scan's arguments: start, end, limit, reverse.
+type ScanKey = (Key, Key, usize, bool);
+
 #[derive(Default)]
 struct ReadCache {
     gets: std::collections::HashMap<Key, Option<Value>>,
-    scans: std::collections::HashMap<(Key, Key, usize, bool), Vec<(Key, Value)>>,
+    scans: std::collections::HashMap<ScanKey, Vec<(Key, Value)>>,
 }
 
 impl<'a> Overlay<'a> {
@@ -125,6 +128,91 @@ impl<'a> Overlay<'a> {
     }
 }
 
+/// Merges writes (in scan order, `None` = deleted) over base entries (in scan
+/// order), up to `limit` entries. Also returns the last base key of the
+/// leading run of base entries that the writes shadow (forward scans only),
+/// which is what scan floors are made of.
+fn merge(
+    local: &[(&Key, &Option<Value>)],
+    base: &[(Key, Value)],
+    limit: usize,
+    reverse: bool,
+) -> (Vec<(Key, Value)>, Option<Key>) {
+    let before = |a: &[u8], b: &[u8]| if reverse { a > b } else { a < b };
+    let mut out = Vec::with_capacity(limit.min(base.len() + local.len()));
+    let (mut i, mut j) = (0, 0);
+    let mut shadowed_prefix: Option<&Key> = None;
+    let mut prefix_open = !reverse;
+    while out.len() < limit && (i < base.len() || j < local.len()) {
+        let take_local = match (base.get(i), local.get(j)) {
+            (Some((bk, _)), Some((lk, _))) => {
+                if bk == *lk {
+                    if prefix_open {
+                        shadowed_prefix = Some(bk);
+                    }
+                    i += 1; // the write shadows the base entry
+                    true
+                } else {
+                    if before(bk, lk) {
+                        prefix_open = false;
+                    }
+                    before(lk, bk)
+                }
+            }
+            (None, Some(_)) => true,
+            _ => {
+                prefix_open = false;
+                false
+            }
+        };
+        if take_local {
+            let (k, v) = local[j];
+            j += 1;
+            if let Some(v) = v {
+                out.push((k.clone(), v.clone()));
+            }
+        } else {
+            out.push(base[i].clone());
+            i += 1;
+        }
+    }
+    (out, shadowed_prefix.cloned())
+}
+
+fn local_range<'w>(
+    writes: &'w BTreeMap<Key, Option<Value>>,
+    range: &KeyRange,
+    reverse: bool,
+) -> Vec<(&'w Key, &'w Option<Value>)> {
+    let bounds = (Bound::Included(range.start.clone()), Bound::Excluded(range.end.clone()));
+    if reverse { writes.range(bounds).rev().collect() } else { writes.range(bounds).collect() }
+}
+
+/// Writes that are not in the base yet, read through without being owned: a
+/// batch that has been executed and is being committed, under the next batch.
+pub struct Layer<'a> {
+    pub below: &'a mut dyn KvRead,
+    pub writes: &'a BTreeMap<Key, Option<Value>>,
+}
+
+impl KvRead for Layer<'_> {
+    fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
+        match self.writes.get(key) {
+            Some(v) => Ok(v.clone()),
+            None => self.below.get(key),
+        }
+    }
+
+    fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
+        let local = local_range(self.writes, range, reverse);
+        if local.is_empty() {
+            return self.below.scan(range, limit, reverse);
+        }
+        let base = self.below.scan(range, limit.saturating_add(local.len()), reverse)?;
+        Ok(merge(&local, &base, limit, reverse).0)
+    }
+}
+
 impl KvRead for Overlay<'_> {
     fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
         match self.writes.get(key) {
@@ -142,12 +230,7 @@ impl KvRead for Overlay<'_> {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        let bounds = (Bound::Included(range.start.clone()), Bound::Excluded(range.end.clone()));
-        let local: Vec<(&Key, &Option<Value>)> = if reverse {
-            self.writes.range(bounds).rev().collect()
-        } else {
-            self.writes.range(bounds).collect()
-        };
+        let local = local_range(&self.writes, range, reverse);
         if local.is_empty() {
             return Self::base_scan(self.base, &mut self.cache, range, limit, reverse);
         }
@@ -163,48 +246,9 @@ impl KvRead for Overlay<'_> {
             None => local.len(),
         };
         let base = Self::base_scan(self.base, &mut self.cache, &base_range, limit.saturating_add(hiding), reverse)?;
-        let before = |a: &[u8], b: &[u8]| if reverse { a > b } else { a < b };
-        let mut out = Vec::with_capacity(limit.min(base.len() + local.len()));
-        let (mut i, mut j) = (0, 0);
-        // The leading base entries that have a write here (so are never read from the base).
-        let mut shadowed_prefix: Option<&Key> = None;
-        let mut prefix_open = !reverse;
-        while out.len() < limit && (i < base.len() || j < local.len()) {
-            let take_local = match (base.get(i), local.get(j)) {
-                (Some((bk, _)), Some((lk, _))) => {
-                    if bk == *lk {
-                        if prefix_open {
-                            shadowed_prefix = Some(bk);
-                        }
-                        i += 1; // the local write shadows the base entry
-                        true
-                    } else {
-                        if before(bk, lk) {
-                            prefix_open = false;
-                        }
-                        before(lk, bk)
-                    }
-                }
-                (None, Some(_)) => true,
-                _ => {
-                    prefix_open = false;
-                    false
-                }
-            };
-            if take_local {
-                let (k, v) = local[j];
-                j += 1;
-                if let Some(v) = v {
-                    out.push((k.clone(), v.clone()));
-                }
-            } else {
-                out.push(base[i].clone());
-                i += 1;
-            }
-        }
-        if let Some(last) = shadowed_prefix {
-            let mut next = last.clone();
-            next.push(0); // the smallest key after `last`
+        let (out, shadowed) = merge(&local, &base, limit, reverse);
+        if let Some(mut next) = shadowed {
+            next.push(0); // the smallest key after the last shadowed one
             self.floors.insert(range.start.clone(), next);
         }
         Ok(out)
@@ -283,6 +327,32 @@ mod tests {
                         proptest::prop_assert_eq!(got, want, "scan {:?}", range);
                     }
                 }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// A layer of borrowed writes reads like the base with them applied.
+        #[test]
+        fn layer_scan_matches_applied_map(
+            base in proptest::collection::btree_map(0u8..32, 0u8..4, 0..24),
+            writes in proptest::collection::btree_map(0u8..32, proptest::option::of(0u8..4), 0..24),
+            lo in 0u8..32, width in 0u8..40, limit in 0usize..40, rev in proptest::bool::ANY,
+        ) {
+            let base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
+            let writes: BTreeMap<Key, Option<Value>> = writes.into_iter().map(|(k, v)| (vec![k], v.map(|v| vec![v]))).collect();
+            let mut expected = base.clone();
+            for (k, v) in &writes {
+                match v { Some(v) => { expected.insert(k.clone(), v.clone()); } None => { expected.remove(k); } }
+            }
+            let mut below = MapRead(base);
+            let mut layer = Layer { below: &mut below, writes: &writes };
+            let range = KeyRange::new(vec![lo], vec![lo.saturating_add(width)]);
+            let got = layer.scan(&range, limit, rev).unwrap();
+            let want = MapRead(expected.clone()).scan(&range, limit, rev).unwrap();
+            proptest::prop_assert_eq!(got, want);
+            for k in 0u8..32 {
+                proptest::prop_assert_eq!(layer.get(&[k]).unwrap(), expected.get(&vec![k]).cloned());
             }
         }
     }

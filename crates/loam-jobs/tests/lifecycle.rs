@@ -102,7 +102,7 @@ fn dropping_the_last_handle_without_close_is_clean() {
     static WRITER_PANICS: AtomicUsize = AtomicUsize::new(0);
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        if std::thread::current().name() == Some("loam-jobs-writer") {
+        if matches!(std::thread::current().name(), Some("loam-jobs-writer" | "loam-jobs-commit")) {
             WRITER_PANICS.fetch_add(1, Ordering::SeqCst);
         }
         default_hook(info);

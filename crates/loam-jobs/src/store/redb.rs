@@ -1,36 +1,45 @@
-//! The embedded engine: one redb file, one writer thread, group commit.
+//! The embedded engine: one redb file, group commit, pipelined over two threads.
 //!
-//! Callers on any thread submit operations to a channel. The writer takes every
-//! operation waiting in the channel, runs each in its own [`Overlay`] over the
-//! batch's overlay (so a failed operation leaves nothing behind), writes the
-//! batch's net changes into one redb write transaction, commits it with one
-//! fsync, and only then acknowledges the operations. While one batch is being
-//! fsynced, the next one queues up, so the fsync cost is shared by every caller
-//! that arrived during it.
+//! Callers on any thread submit operations to a channel. The **executor**
+//! thread takes every operation waiting there (a batch), runs each in its own
+//! [`Overlay`] over the batch's overlay (so a failed operation leaves nothing
+//! behind), and hands the batch's net writes to the **committer** thread,
+//! which writes them into one redb transaction, commits it with one fsync, and
+//! only then acknowledges the batch's operations.
+//!
+//! The two threads overlap: while batch N is written and fsynced, batch N+1
+//! runs on top of N's writes (a [`Layer`] over the last committed snapshot).
+//! At most one batch is being committed while the next one runs. If a commit
+//! fails, the batch that ran on top of it fails too, since what it read never
+//! reached the store.
 
+use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
-use super::{Durability, OpOutput, Store, WriteOp};
+use super::{Durability, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
-use crate::kv::{Key, KeyRange, KvRead, Overlay, Value};
+use crate::kv::{Key, KeyRange, KvRead, Layer, Overlay, Value};
 
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("loam_jobs");
 
-/// Most operations one write transaction takes; bounds the latency a large
-/// backlog adds to the first operation of a batch.
+/// Most operations one batch takes; bounds the latency a large backlog adds
+/// to the first operation of a batch.
 const MAX_BATCH: usize = 4096;
 
 /// How long non-durable commits (leases) may stay unflushed under immediate
 /// durability, when no durable commit comes along to carry them.
 const IMMEDIATE_MODE_IDLE_FLUSH: Duration = Duration::from_millis(100);
+
+type Writes = BTreeMap<Key, Option<Value>>;
+type RawEntry<'a> = (redb::AccessGuard<'a, &'static [u8]>, redb::AccessGuard<'a, &'static [u8]>);
 
 fn io<E: std::fmt::Display>(e: E) -> StoreError {
     StoreError::Io(e.to_string())
@@ -51,7 +60,7 @@ impl Default for RedbOptions {
 pub struct RedbStore {
     db: Arc<Database>,
     sender: Mutex<Option<Sender<WriteOp>>>,
-    writer: Mutex<Option<JoinHandle<()>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl RedbStore {
@@ -79,13 +88,26 @@ impl RedbStore {
         txn.open_table(TABLE).map_err(io)?;
         txn.commit().map_err(io)?;
         let db = Arc::new(db);
+        let progress = Arc::new(Progress {
+            state: Mutex::new(Committed { batch: 0, failed: None, snapshot: Arc::new(RedbSnapshot::new(&db)?) }),
+            changed: Condvar::new(),
+        });
         let (sender, receiver) = mpsc::channel();
-        let writer_db = Arc::clone(&db);
-        let writer = std::thread::Builder::new()
-            .name("loam-jobs-writer".into())
-            .spawn(move || Writer { db: writer_db, durability, unflushed_since: None }.run(receiver))
-            .map_err(io)?;
-        Ok(Self { db, sender: Mutex::new(Some(sender)), writer: Mutex::new(Some(writer)) })
+        // Capacity 1: the executor hands over a batch only when the committer is free.
+        let (to_committer, from_executor) = mpsc::sync_channel(1);
+        let executor = Executor { progress: Arc::clone(&progress), to_committer, durability };
+        let committer = Committer { db: Arc::clone(&db), progress, durability, unflushed_since: None };
+        let threads = vec![
+            std::thread::Builder::new()
+                .name("loam-jobs-writer".into())
+                .spawn(move || executor.run(receiver))
+                .map_err(io)?,
+            std::thread::Builder::new()
+                .name("loam-jobs-commit".into())
+                .spawn(move || committer.run(from_executor))
+                .map_err(io)?,
+        ];
+        Ok(Self { db, sender: Mutex::new(Some(sender)), threads: Mutex::new(threads) })
     }
 }
 
@@ -101,19 +123,18 @@ impl Store for RedbStore {
     }
 
     fn snapshot(&self) -> Result<Box<dyn KvRead + Send>, StoreError> {
-        let txn = self.db.begin_read().map_err(io)?;
-        let table = txn.open_table(TABLE).map_err(io)?;
-        Ok(Box::new(RedbSnapshot { table }))
+        Ok(Box::new(SnapshotReader(Arc::new(RedbSnapshot::new(&self.db)?))))
     }
 
     fn close(&self) {
         drop(self.sender.lock().take());
-        if let Some(writer) = self.writer.lock().take() {
+        let threads = std::mem::take(&mut *self.threads.lock());
+        for thread in threads {
             // The last handle can be dropped by an operation's completion
-            // callback, which runs on the writer thread itself: that thread
-            // then finishes its queue and flushes on its own.
-            if writer.thread().id() != std::thread::current().id() {
-                let _ = writer.join();
+            // callback, which runs on the committer thread: that thread then
+            // finishes its queue and flushes on its own.
+            if thread.thread().id() != std::thread::current().id() {
+                let _ = thread.join();
             }
         }
     }
@@ -125,10 +146,32 @@ impl Drop for RedbStore {
     }
 }
 
-type RawEntry<'a> = (redb::AccessGuard<'a, &'static [u8]>, redb::AccessGuard<'a, &'static [u8]>);
-
+/// A committed state of the file.
 struct RedbSnapshot {
     table: redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
+}
+
+impl RedbSnapshot {
+    fn new(db: &Database) -> Result<Self, StoreError> {
+        let txn = db.begin_read().map_err(io)?;
+        Ok(Self { table: txn.open_table(TABLE).map_err(io)? })
+    }
+
+    fn get(&self, key: &[u8]) -> Result<Option<Value>, StoreError> {
+        Ok(self.table.get(key).map_err(io)?.map(|v| v.value().to_vec()))
+    }
+}
+
+/// A shared snapshot as a reader.
+struct SnapshotReader(Arc<RedbSnapshot>);
+
+impl KvRead for SnapshotReader {
+    fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
+        self.0.get(key)
+    }
+    fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
+        scan_table(&self.0.table, range, limit, reverse)
+    }
 }
 
 fn scan_table<T: ReadableTable<&'static [u8], &'static [u8]>>(
@@ -147,34 +190,137 @@ fn scan_table<T: ReadableTable<&'static [u8], &'static [u8]>>(
     if reverse { iter.rev().take(limit).map(owned).collect() } else { iter.take(limit).map(owned).collect() }
 }
 
-impl KvRead for RedbSnapshot {
-    fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
-        Ok(self.table.get(key).map_err(io)?.map(|v| v.value().to_vec()))
+/// What the committer has done, for the executor.
+struct Progress {
+    state: Mutex<Committed>,
+    changed: Condvar,
+}
+
+struct Committed {
+    /// The last batch the committer finished, committed or failed.
+    batch: u64,
+    /// The last batch whose commit failed, and why.
+    failed: Option<(u64, StoreError)>,
+    /// The file as of the last successful commit.
+    snapshot: Arc<RedbSnapshot>,
+}
+
+/// An executed batch on its way to the file.
+struct Batch {
+    number: u64,
+    writes: Arc<Writes>,
+    sync: bool,
+    acks: Vec<(OpDone, Result<OpOutput, JobsError>)>,
+}
+
+struct Executor {
+    progress: Arc<Progress>,
+    to_committer: SyncSender<Batch>,
+    durability: Durability,
+}
+
+impl Executor {
+    fn run(self, receiver: Receiver<WriteOp>) {
+        let mut in_flight: Option<(u64, Arc<Writes>)> = None;
+        let mut number = 0;
+        while let Ok(first) = receiver.recv() {
+            let mut ops = vec![first];
+            while ops.len() < MAX_BATCH {
+                match receiver.try_recv() {
+                    Ok(op) => ops.push(op),
+                    Err(_) => break,
+                }
+            }
+            number += 1;
+            // A failed in-flight batch only matters to the batch that ran on
+            // top of it; this one runs on the last good snapshot.
+            let (snapshot, _) = self.view(&mut in_flight, false);
+            let sync = match self.durability {
+                Durability::Immediate => ops.iter().any(|op| op.sync),
+                Durability::Relaxed { .. } => false,
+            };
+            let (writes, acks) = {
+                let mut committed = SnapshotReader(snapshot);
+                match &in_flight {
+                    Some((_, below)) => execute(ops, &mut Layer { below: &mut committed, writes: below }),
+                    None => execute(ops, &mut committed),
+                }
+            };
+            // Hand over once the committer is done with the batch this one ran on.
+            if in_flight.is_some() {
+                let (_, failed) = self.view(&mut in_flight, true);
+                if let Some(e) = failed {
+                    for (done, _) in acks {
+                        done(Err(JobsError::from(e.clone())));
+                    }
+                    continue;
+                }
+            }
+            let writes = Arc::new(writes);
+            in_flight = Some((number, Arc::clone(&writes)));
+            if let Err(mpsc::SendError(batch)) = self.to_committer.send(Batch { number, writes, sync, acks }) {
+                for (done, _) in batch.acks {
+                    done(Err(StoreError::Closed.into()));
+                }
+                return;
+            }
+        }
     }
-    fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
-        scan_table(&self.table, range, limit, reverse)
+
+    /// The latest committed snapshot, dropping the in-flight batch once it is
+    /// committed. With `wait`, first waits until the in-flight batch is done.
+    /// Returns the error if the in-flight batch failed.
+    fn view(&self, in_flight: &mut Option<(u64, Arc<Writes>)>, wait: bool) -> (Arc<RedbSnapshot>, Option<StoreError>) {
+        let mut state = self.progress.state.lock();
+        if wait && let Some((n, _)) = in_flight {
+            while state.batch < *n {
+                self.progress.changed.wait(&mut state);
+            }
+        }
+        let mut failed = None;
+        if let Some((n, _)) = in_flight
+            && state.batch >= *n
+        {
+            if let Some((f, e)) = &state.failed
+                && f == n
+            {
+                failed = Some(e.clone());
+            }
+            *in_flight = None;
+        }
+        (Arc::clone(&state.snapshot), failed)
     }
 }
 
-struct WriteTable<'a, 'txn>(&'a mut redb::Table<'txn, &'static [u8], &'static [u8]>);
-
-impl KvRead for WriteTable<'_, '_> {
-    fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
-        Ok(self.0.get(key).map_err(io)?.map(|v| v.value().to_vec()))
+/// Runs a batch's operations, each in its own overlay over the batch's.
+fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<(OpDone, Result<OpOutput, JobsError>)>) {
+    let mut acks = Vec::with_capacity(ops.len());
+    let mut group = Overlay::caching(base);
+    for op in ops {
+        let WriteOp { mut body, done, .. } = op;
+        let mut local = Overlay::new(&mut group);
+        // A bug in an operation must fail that operation, not the writer
+        // thread and with it every caller (and a Node host).
+        let result = catch_unwind(AssertUnwindSafe(|| body(&mut local)))
+            .unwrap_or_else(|panic| Err(JobsError::Internal(panic_message(panic))));
+        let local = local.into_writes();
+        if result.is_ok() {
+            group.absorb(local);
+        }
+        acks.push((done, result));
     }
-    fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
-        scan_table(&*self.0, range, limit, reverse)
-    }
+    (group.into_writes(), acks)
 }
 
-struct Writer {
+struct Committer {
     db: Arc<Database>,
+    progress: Arc<Progress>,
     durability: Durability,
     /// When the oldest commit not yet flushed to disk was made.
     unflushed_since: Option<Instant>,
 }
 
-impl Writer {
+impl Committer {
     fn flush_interval(&self) -> Duration {
         match self.durability {
             Durability::Immediate => IMMEDIATE_MODE_IDLE_FLUSH,
@@ -182,33 +328,23 @@ impl Writer {
         }
     }
 
-    fn run(mut self, receiver: Receiver<WriteOp>) {
+    fn run(mut self, receiver: Receiver<Batch>) {
         loop {
-            let first = match self.unflushed_since {
+            let batch = match self.unflushed_since {
                 None => match receiver.recv() {
-                    Ok(op) => op,
+                    Ok(b) => b,
                     Err(_) => break,
                 },
-                Some(since) => {
-                    let wait = self.flush_interval().saturating_sub(since.elapsed());
-                    match receiver.recv_timeout(wait) {
-                        Ok(op) => op,
-                        Err(RecvTimeoutError::Timeout) => {
-                            self.flush();
-                            continue;
-                        }
-                        Err(RecvTimeoutError::Disconnected) => break,
+                Some(since) => match receiver.recv_timeout(self.flush_interval().saturating_sub(since.elapsed())) {
+                    Ok(b) => b,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.flush();
+                        continue;
                     }
-                }
+                    Err(RecvTimeoutError::Disconnected) => break,
+                },
             };
-            let mut batch = vec![first];
-            while batch.len() < MAX_BATCH {
-                match receiver.try_recv() {
-                    Ok(op) => batch.push(op),
-                    Err(_) => break,
-                }
-            }
-            self.commit_batch(batch);
+            self.commit(batch);
             if let Some(since) = self.unflushed_since
                 && since.elapsed() >= self.flush_interval()
             {
@@ -229,65 +365,56 @@ impl Writer {
         }
     }
 
-    fn commit_batch(&mut self, batch: Vec<WriteOp>) {
-        let needs_sync = match self.durability {
-            Durability::Immediate => batch.iter().any(|op| op.sync),
-            Durability::Relaxed { .. } => false,
-        };
-        let mut results: Vec<Result<OpOutput, JobsError>> = Vec::with_capacity(batch.len());
-        let (bodies, dones): (Vec<_>, Vec<_>) = batch.into_iter().map(|op| (op.body, op.done)).unzip();
-        let outcome = (|| -> Result<(), StoreError> {
-            let mut txn = self.db.begin_write().map_err(io)?;
-            txn.set_durability(if needs_sync { redb::Durability::Immediate } else { redb::Durability::None })
-                .map_err(io)?;
-            {
-                let mut table = txn.open_table(TABLE).map_err(io)?;
-                let writes = {
-                    let mut base = WriteTable(&mut table);
-                    let mut group = Overlay::caching(&mut base);
-                    for mut body in bodies {
-                        let mut local = Overlay::new(&mut group);
-                        // A bug in an operation must fail that operation, not the
-                        // writer thread and with it every caller (and a Node host).
-                        let result = catch_unwind(AssertUnwindSafe(|| body(&mut local)))
-                            .unwrap_or_else(|panic| Err(JobsError::Internal(panic_message(panic))));
-                        let local = local.into_writes();
-                        if result.is_ok() {
-                            group.absorb(local);
-                        }
-                        results.push(result);
+    fn write(&self, writes: &Writes, sync: bool) -> Result<(), StoreError> {
+        let mut txn = self.db.begin_write().map_err(io)?;
+        txn.set_durability(if sync { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
+        {
+            let mut table = txn.open_table(TABLE).map_err(io)?;
+            for (key, value) in writes {
+                match value {
+                    Some(v) => {
+                        table.insert(key.as_slice(), v.as_slice()).map_err(io)?;
                     }
-                    group.into_writes()
-                };
-                for (key, value) in writes {
-                    match value {
-                        Some(v) => {
-                            table.insert(key.as_slice(), v.as_slice()).map_err(io)?;
-                        }
-                        None => {
-                            table.remove(key.as_slice()).map_err(io)?;
-                        }
+                    None => {
+                        table.remove(key.as_slice()).map_err(io)?;
                     }
                 }
             }
-            txn.commit().map_err(io)?;
-            Ok(())
-        })();
-        match outcome {
+        }
+        txn.commit().map_err(io)
+    }
+
+    fn commit(&mut self, batch: Batch) {
+        let result = self.write(&batch.writes, batch.sync).and_then(|()| RedbSnapshot::new(&self.db));
+        let result = {
+            let mut state = self.progress.state.lock();
+            state.batch = batch.number;
+            match result {
+                Ok(snapshot) => {
+                    state.snapshot = Arc::new(snapshot);
+                    Ok(())
+                }
+                Err(e) => {
+                    state.failed = Some((batch.number, e.clone()));
+                    Err(e)
+                }
+            }
+        };
+        self.progress.changed.notify_all();
+        match result {
             Ok(()) => {
-                if needs_sync {
+                if batch.sync {
                     self.unflushed_since = None;
                 } else if self.unflushed_since.is_none() {
                     self.unflushed_since = Some(Instant::now());
                 }
-                for (done, result) in dones.into_iter().zip(results) {
-                    done(result);
+                for (done, r) in batch.acks {
+                    done(r);
                 }
             }
             Err(e) => {
-                let err = JobsError::from(e);
-                for done in dones {
-                    done(Err(err.clone()));
+                for (done, _) in batch.acks {
+                    done(Err(JobsError::from(e.clone())));
                 }
             }
         }
