@@ -386,8 +386,8 @@ impl Jobs {
     }
 
     /// Waits until a job may be ready, without taking it (BullMQ's
-    /// `waitForJob`). Returns 0 when one is ready now, the due time of the
-    /// next delayed job when that comes first, or None on timeout.
+    /// `waitForJob`): Some(0) once one is ready (now, or when a delayed job
+    /// falls due within the wait), None on timeout or interrupt.
     pub async fn wait_for_job(&self, ns: &str, queue: &str, wait: Duration, interrupt: Option<&Interrupt>) -> Result<Option<u64>, JobsError> {
         let q = Self::queue(ns, queue)?;
         let deadline = Instant::now() + wait;
@@ -406,13 +406,12 @@ impl Jobs {
             if now >= deadline || self.is_closed() || interrupt.is_some_and(|i| i.is_fired()) {
                 return Ok(None);
             }
-            if let Some(d) = due
-                && !paused
-                && now + Duration::from_millis(d - now_ms) <= deadline
-            {
-                return Ok(Some(d));
+            // Sleep until woken, or until the next delayed job falls due.
+            let mut until = deadline;
+            if let Some(d) = due.filter(|_| !paused) {
+                until = until.min(now + Duration::from_millis(d.saturating_sub(now_ms)));
             }
-            let sleep = deadline.saturating_duration_since(now);
+            let sleep = until.saturating_duration_since(now);
             match interrupt {
                 Some(i) => {
                     let stop = i.signal.listen();

@@ -456,3 +456,29 @@ fn stores_survive_reopening() {
     let second = Jobs::open(&path, Config { background: false, ..Config::default() });
     assert!(matches!(second, Err(JobsError::Unavailable(_))), "a second open of one file is refused");
 }
+
+#[test]
+fn an_existing_job_id_joins_a_new_parent() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("c".into()), ..job("c") }).wait().unwrap();
+    let c = lease_one(&jobs, "q").unwrap();
+    ok(&jobs, "q", &c, "\"done\"");
+    jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("pending".into()), ..job("pending") }).wait().unwrap();
+    let nodes = vec![
+        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("p".into()), ..job("p") }, wait_children: true },
+        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("q", "p")), ..job("c") }, wait_children: false },
+        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("pending".into()), parent: Some(parent("q", "p")), ..job("x") }, wait_children: false },
+    ];
+    let added = jobs.flow("ns", nodes).wait().unwrap();
+    assert_eq!(added.iter().map(|e| e.created).collect::<Vec<_>>(), [true, false, false]);
+    // The finished child counts as processed; the waiting one holds the parent.
+    assert_eq!(state(&jobs, "q", "p"), Some(JobState::WaitingChildren));
+    let deps = jobs.query("ns", "q", |tx, q| query::dependencies(tx, q, "p")).unwrap();
+    let statuses: BTreeMap<String, DependencyStatus> = deps.into_iter().map(|(k, d)| (k, d.status)).collect();
+    assert_eq!(statuses.get("bull:q:c"), Some(&DependencyStatus::Processed));
+    assert_eq!(statuses.get("bull:q:pending"), Some(&DependencyStatus::Pending));
+    // A job of another live parent cannot be taken over.
+    jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("p2".into()), ..job("p2") }).wait().unwrap();
+    let stolen = jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("pending".into()), parent: Some(parent("q", "p2")), ..job("x") }).wait();
+    assert!(matches!(stolen, Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { .. }))), "{stolen:?}");
+}

@@ -78,6 +78,9 @@ pub fn complete(
             true
         }
         Outcome::WaitChildren => {
+            if job.failed_children > 0 {
+                return Err(JobsError::Precondition(Precondition::FailedChildren { job: job.id.clone() }));
+            }
             done.moved = job.pending_children > 0;
             if done.moved {
                 let job = park_for_children(tx, q, job)?;

@@ -37,6 +37,9 @@ pub fn validate(tx: &Tx, req: &EnqueueRequest) -> Result<(), JobsError> {
     if let Some(i) = &req.idempotency {
         validate_name("idempotency key", &i.key, MAX_NAME_BYTES)?;
     }
+    if req.parent.is_some() && req.dedup.as_ref().is_some_and(|d| d.keep_last_if_active) {
+        return Err(JobsError::invalid("keepLastIfActive cannot be used on a job with a parent"));
+    }
     if req.priority > 0 && req.lifo {
         return Err(JobsError::invalid("priority and lifo cannot be combined"));
     }
@@ -87,6 +90,9 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
     {
         if placement == Placement::WaitChildren && existing.pending_children > 0 {
             return Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { job: id.clone() }));
+        }
+        if let Some(parent) = &req.parent {
+            adopt(tx, q, existing.clone(), parent, req.on_child_failure)?;
         }
         tx.event(q, "duplicated", &[("jobId", id)])?;
         return Ok(Enqueued { id: id.clone(), created: false, state: existing.state, deduplicated_by: None });
@@ -208,6 +214,41 @@ fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_k
     Ok(())
 }
 
+/// An add that names an existing job id and a parent makes the existing job
+/// that parent's child (BullMQ's flow re-use of a job id): a finished child
+/// counts as processed at once, an unfinished one as pending. A job that
+/// already belongs to another parent that still exists cannot be taken over.
+fn adopt(tx: &mut Tx, q: &QueueId, mut job: JobRecord, parent: &ParentRef, policy: crate::model::OnChildFailure) -> Result<(), JobsError> {
+    if let Some(old) = &job.parent
+        && old != parent
+        && tx.load_job(&QueueId::new(tx.ns.clone(), old.queue.clone()), &old.id)?.is_some()
+    {
+        return Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { job: parent.node_key() }));
+    }
+    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
+    let mut pjob = tx
+        .load_job(&pq, &parent.id)?
+        .ok_or_else(|| JobsError::NotFound(Missing::ParentJob(parent.node_key())))?;
+    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &keys_node(q, &job.id, parent));
+    if tx.get(&dep_key)?.is_none() {
+        let completed = job.state == JobState::Completed;
+        let dep = Dependency {
+            status: if completed { DependencyStatus::Processed } else { DependencyStatus::Pending },
+            child_queue: q.name.clone(),
+            child_id: job.id.clone(),
+            value: if completed { job.return_value.as_ref().map(|v| String::from_utf8_lossy(v).into_owned()) } else { None },
+        };
+        tx.put_record(&dep_key, &dep)?;
+        if !completed {
+            pjob.pending_children += 1;
+            tx.save_job(&pq, &pjob)?;
+        }
+    }
+    job.parent = Some(parent.clone());
+    job.on_child_failure = policy;
+    tx.save_job(q, &job)
+}
+
 /// The namespace a parent reference lives in: parents are always in the
 /// namespace of the operation (a flow never crosses namespaces).
 fn tx_ns_of(tx: &Tx, _parent: &ParentRef) -> String {
@@ -243,19 +284,21 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     if d.replace && job.state == JobState::Delayed {
         // Debounce with replace: the pending delayed job gives way to the new one.
         super::admin::remove_job(tx, q, &job.id, false)?;
+        tx.event(q, "deduplicated", &[("jobId", new_id), ("deduplicationId", &d.id), ("deduplicatedJobId", &job.id)])?;
         let expires_at = if d.extend { ttl_expiry } else { rec.expires_at.or(ttl_expiry) };
         tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at, next: None })?;
         return Ok(None);
     }
 
     let mut rec = rec;
-    if d.extend {
-        rec.expires_at = ttl_expiry;
-    }
-    if d.keep_last_if_active && job.state == JobState::Active {
+    let keep_next = d.keep_last_if_active && job.state == JobState::Active;
+    if keep_next {
         let mut next = req.clone();
         next.job_id = None;
         rec.next = Some(Box::new(next));
+        rec.expires_at = None; // held until the active job finishes
+    } else if d.extend {
+        rec.expires_at = ttl_expiry;
     }
     if d.reschedule && job.state == JobState::Delayed {
         tx.unindex(q, &job)?;
@@ -263,17 +306,19 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
         job.due = now + req.delay_ms;
         tx.index(q, &job)?;
         tx.save_job(q, &job)?;
-        tx.event(q, "delayed", &[("jobId", &job.id), ("delay", &job.due.to_string())])?;
     }
     tx.put_record(&dkey, &rec)?;
-    if d.extend || d.replace {
-        tx.event(q, "debounced", &[("jobId", &job.id), ("debounceId", &d.id)])?;
+    // BullMQ's replace mode absorbs an add silently unless it kept it for later.
+    if !d.replace || keep_next {
+        tx.event(
+            q,
+            "deduplicated",
+            &[("jobId", &job.id), ("deduplicationId", &d.id), ("deduplicatedJobId", new_id)],
+        )?;
     }
-    tx.event(
-        q,
-        "deduplicated",
-        &[("jobId", &job.id), ("deduplicationId", &d.id), ("deduplicatedJobId", new_id)],
-    )?;
+    if d.reschedule && job.state == JobState::Delayed {
+        tx.event(q, "delayed", &[("jobId", &job.id), ("delay", &job.due.to_string())])?;
+    }
     Ok(Some(Enqueued { id: job.id.clone(), created: false, state: job.state, deduplicated_by: Some(job.id) }))
 }
 

@@ -39,6 +39,8 @@ const MAX_BATCH: usize = 4096;
 const IMMEDIATE_MODE_IDLE_FLUSH: Duration = Duration::from_millis(100);
 
 type Writes = BTreeMap<Key, Option<Value>>;
+/// An operation's completion and its result, to be delivered after the commit.
+type Ack = (OpDone, Result<OpOutput, JobsError>);
 type RawEntry<'a> = (redb::AccessGuard<'a, &'static [u8]>, redb::AccessGuard<'a, &'static [u8]>);
 
 fn io<E: std::fmt::Display>(e: E) -> StoreError {
@@ -58,7 +60,8 @@ impl Default for RedbOptions {
 }
 
 pub struct RedbStore {
-    db: Arc<Database>,
+    /// Taken by `close`, which releases the file for another opener.
+    db: Mutex<Option<Arc<Database>>>,
     sender: Mutex<Option<Sender<WriteOp>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -107,7 +110,7 @@ impl RedbStore {
                 .spawn(move || committer.run(from_executor))
                 .map_err(io)?,
         ];
-        Ok(Self { db, sender: Mutex::new(Some(sender)), threads: Mutex::new(threads) })
+        Ok(Self { db: Mutex::new(Some(db)), sender: Mutex::new(Some(sender)), threads: Mutex::new(threads) })
     }
 }
 
@@ -123,7 +126,8 @@ impl Store for RedbStore {
     }
 
     fn snapshot(&self) -> Result<Box<dyn KvRead + Send>, StoreError> {
-        Ok(Box::new(SnapshotReader(Arc::new(RedbSnapshot::new(&self.db)?))))
+        let db = self.db.lock().clone().ok_or(StoreError::Closed)?;
+        Ok(Box::new(SnapshotReader(Arc::new(RedbSnapshot::new(&db)?))))
     }
 
     fn close(&self) {
@@ -137,6 +141,7 @@ impl Store for RedbStore {
                 let _ = thread.join();
             }
         }
+        drop(self.db.lock().take());
     }
 }
 
@@ -210,7 +215,7 @@ struct Batch {
     number: u64,
     writes: Arc<Writes>,
     sync: bool,
-    acks: Vec<(OpDone, Result<OpOutput, JobsError>)>,
+    acks: Vec<Ack>,
 }
 
 struct Executor {
@@ -293,7 +298,7 @@ impl Executor {
 }
 
 /// Runs a batch's operations, each in its own overlay over the batch's.
-fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<(OpDone, Result<OpOutput, JobsError>)>) {
+fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>) {
     let mut acks = Vec::with_capacity(ops.len());
     let mut group = Overlay::caching(base);
     for op in ops {
