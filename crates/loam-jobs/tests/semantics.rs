@@ -482,3 +482,92 @@ fn an_existing_job_id_joins_a_new_parent() {
     let stolen = jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("pending".into()), parent: Some(parent("q", "p2")), ..job("x") }).wait();
     assert!(matches!(stolen, Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { .. }))), "{stolen:?}");
 }
+
+#[test]
+fn a_names_filter_leases_only_those_tasks() {
+    let (jobs, _) = core();
+    for name in ["a", "b", "a", "c"] {
+        jobs.enqueue("ns", "q", job(name)).wait().unwrap();
+    }
+    let req = LeaseRequest { max: 10, names: Some(vec!["a".into()]), ..Default::default() };
+    let got: Vec<String> = jobs.lease("ns", "q", req).wait().unwrap().leases.into_iter().map(|l| l.job.id).collect();
+    assert_eq!(got, ["1", "3"]);
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![2]);
+}
+
+#[test]
+fn logs_are_capped_and_progress_is_an_event() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { keep_logs: Some(3), ..job("a") }).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    for i in 0..5 {
+        jobs.add_log("ns", "q", "1", Fence::Epoch(l.epoch), format!("line {i}"), None).wait().unwrap();
+    }
+    let (lines, count) = jobs.query("ns", "q", |tx, q| query::logs(tx, q, "1", 0, -1, true)).unwrap();
+    assert_eq!((lines, count), (vec!["line 2".to_string(), "line 3".into(), "line 4".into()], 3));
+    jobs.update_progress("ns", "q", "1", Fence::Epoch(l.epoch), "50".into()).wait().unwrap();
+    assert!(events(&jobs, "q").iter().any(|(n, f)| n == "progress" && f.contains(&("data".into(), "50".into()))));
+    let stale = jobs.update_progress("ns", "q", "1", Fence::Epoch(l.epoch + 1), "60".into()).wait();
+    assert!(matches!(stale, Err(JobsError::Fenced { .. })));
+}
+
+#[test]
+fn admin_moves_jobs_between_states() {
+    let (jobs, clock) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { delay_ms: 10_000, ..job("d") }).wait().unwrap();
+    jobs.admin("ns", "q", |tx, q| admin::promote(tx, q, "1")).wait().unwrap();
+    assert_eq!(state(&jobs, "q", "1"), Some(JobState::Waiting));
+    let again = jobs.admin("ns", "q", |tx, q| admin::promote(tx, q, "1")).wait();
+    assert!(matches!(again, Err(JobsError::Precondition(Precondition::NotInState { .. }))));
+    jobs.admin("ns", "q", |tx, q| admin::change_priority(tx, q, "1", 7, false)).wait().unwrap();
+    assert_eq!(state(&jobs, "q", "1"), Some(JobState::Prioritized));
+    jobs.enqueue("ns", "q", EnqueueRequest { delay_ms: 10_000, ..job("d2") }).wait().unwrap();
+    jobs.admin("ns", "q", |tx, q| admin::change_delay(tx, q, "2", 5)).wait().unwrap();
+    clock.advance(5);
+    assert_eq!(lease_one(&jobs, "q").unwrap().job.id, "2", "a ready FIFO job runs before a prioritized one");
+    let l = lease_one(&jobs, "q").unwrap();
+    fail(&jobs, "q", &l);
+    jobs.admin("ns", "q", |tx, q| admin::retry_finished(tx, q, "1", JobState::Failed, true, false)).wait().unwrap();
+    let retried = jobs.get_job("ns", "q", "1").unwrap().unwrap();
+    assert_eq!((retried.state, retried.attempts_made, retried.failed_reason), (JobState::Prioritized, 0, None));
+}
+
+#[test]
+fn remove_refuses_a_leased_job_and_takes_children_along() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::Wait);
+    let a = lease_one(&jobs, "kids").unwrap();
+    let refused = jobs.admin("ns", "parents", |tx, q| admin::remove_job(tx, q, "p", true)).wait().unwrap();
+    assert!(!refused, "a leased child keeps its parent");
+    ok(&jobs, "kids", &a, "1");
+    let removed = jobs.admin("ns", "parents", |tx, q| admin::remove_job(tx, q, "p", true)).wait().unwrap();
+    assert!(removed);
+    assert_eq!((state(&jobs, "parents", "p"), state(&jobs, "kids", "a"), state(&jobs, "kids", "b")), (None, None, None));
+    assert!(events(&jobs, "parents").iter().any(|(n, f)| n == "removed" && f.contains(&("prev".into(), "waiting-children".into()))));
+}
+
+#[test]
+fn clean_drain_and_obliterate() {
+    let (jobs, clock) = core();
+    for i in 0..4 {
+        jobs.enqueue("ns", "q", job(&format!("j{i}"))).wait().unwrap();
+    }
+    for _ in 0..2 {
+        let l = lease_one(&jobs, "q").unwrap();
+        ok(&jobs, "q", &l, "1");
+    }
+    clock.advance(1000);
+    let cleaned = jobs.admin("ns", "q", |tx, q| admin::clean(tx, q, "completed", tx.now - 500, 0)).wait().unwrap();
+    assert_eq!(cleaned, ["1", "2"]);
+    assert!(events(&jobs, "q").iter().any(|(n, f)| n == "cleaned" && f == &[("count".to_string(), "2".to_string())]));
+    jobs.enqueue("ns", "q", EnqueueRequest { delay_ms: 100, ..job("later") }).wait().unwrap();
+    assert_eq!(jobs.admin("ns", "q", |tx, q| admin::drain(tx, q, false)).wait().unwrap(), 2);
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::Delayed]).unwrap(), vec![0, 1]);
+    let unpaused = jobs.admin("ns", "q", |tx, q| admin::obliterate(tx, q, false, 100)).wait();
+    assert!(matches!(unpaused, Err(JobsError::Precondition(Precondition::QueueNotPaused { .. }))));
+    jobs.admin("ns", "q", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
+    assert!(!jobs.admin("ns", "q", |tx, q| admin::obliterate(tx, q, false, 100)).wait().unwrap());
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Delayed]).unwrap(), vec![0]);
+    assert!(jobs.query("ns", "q", |tx, _| query::queues(tx, "ns")).unwrap().is_empty());
+    assert!(events(&jobs, "q").is_empty());
+}
