@@ -1,9 +1,28 @@
 #!/usr/bin/env bash
 # Runs every test of the project: Rust (unit, property, crash), then the
-# TypeScript and Python packages that have tests.
+# TypeScript and Python packages that have tests. Ends with one total line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo test --workspace
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
+cargo test --workspace 2>&1 | tee -a "$log"
 if [ -n "$(ls packages/*/package.json test/*/package.json 2>/dev/null)" ]; then
-  pnpm -r --if-present run test
+  pnpm -r --if-present run test 2>&1 | tee -a "$log"
 fi
+
+# cargo: "test result: ok. 12 passed; 0 failed; ..."; vitest: "Tests  12 passed (12)" or "Tests  1 failed | 11 passed (12)".
+python3 - "$log" <<'PY'
+import re, sys
+text = open(sys.argv[1], errors="replace").read()
+text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+passed = failed = 0
+for m in re.finditer(r"test result: \w+\. (\d+) passed; (\d+) failed", text):
+    passed += int(m.group(1)); failed += int(m.group(2))
+for line in re.findall(r"^\s*Tests\s+(.*)$", text, re.M):
+    p = re.search(r"(\d+) passed", line); f = re.search(r"(\d+) failed", line)
+    passed += int(p.group(1)) if p else 0
+    failed += int(f.group(1)) if f else 0
+print(f"total: {passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
+PY
