@@ -571,3 +571,44 @@ fn clean_drain_and_obliterate() {
     assert!(jobs.query("ns", "q", |tx, _| query::queues(tx, "ns")).unwrap().is_empty());
     assert!(events(&jobs, "q").is_empty());
 }
+
+#[test]
+fn retention_by_age_removes_old_finished_jobs() {
+    let (jobs, clock) = core();
+    let keep = Retention::Keep(Keep { age_ms: Some(1000), ..Default::default() });
+    for i in 0..3 {
+        jobs.enqueue("ns", "q", EnqueueRequest { remove_on_complete: Some(keep), ..job(&format!("j{i}")) }).wait().unwrap();
+        let l = lease_one(&jobs, "q").unwrap();
+        ok(&jobs, "q", &l, "1");
+        clock.advance(600);
+    }
+    // Finished at t, t+600, t+1200; the third completion (now t+1200) drops the one older than 1000 ms.
+    let kept = jobs.query("ns", "q", |tx, q| query::range(tx, q, JobState::Completed, 0, -1, true)).unwrap();
+    assert_eq!(kept, ["2", "3"]);
+}
+
+#[test]
+fn an_expired_job_is_failed_instead_of_leased() {
+    let (jobs, clock) = core();
+    let expires = jobs.now_ms() + 100;
+    jobs.enqueue("ns", "q", EnqueueRequest { expires: Some(expires), ..job("a") }).wait().unwrap();
+    clock.advance(100);
+    assert!(lease_one(&jobs, "q").is_none());
+    let j = jobs.get_job("ns", "q", "1").unwrap().unwrap();
+    assert_eq!((j.state, j.failed_reason.as_deref()), (JobState::Failed, Some("job expired before it started")));
+}
+
+#[test]
+fn a_hard_timeout_caps_the_lease_and_fails_the_attempt() {
+    let (jobs, clock) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { timeout_ms: Some(5_000), attempts: 2, ..job("a") }).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    let deadline = jobs.extend("ns", "q", "1", Fence::Epoch(l.epoch), 60_000).wait().unwrap();
+    assert_eq!(deadline, l.job.processed_on.unwrap() + 5_000, "extend never passes the timeout");
+    clock.advance(5_000);
+    assert!(matches!(jobs.extend("ns", "q", "1", Fence::Epoch(l.epoch), 1_000).wait(), Err(JobsError::DeadlineExceeded)));
+    clock.advance(1);
+    jobs.sweep_stalled("ns", "q").wait().unwrap();
+    let j = jobs.get_job("ns", "q", "1").unwrap().unwrap();
+    assert_eq!((j.state, j.attempts_made, j.failed_reason.as_deref()), (JobState::Waiting, 1, Some("timeout")));
+}
