@@ -39,3 +39,48 @@ impl Clock for ManualClock {
         self.0.load(Ordering::SeqCst)
     }
 }
+
+/// A clock that follows the host's clock: the system clock plus the offset the
+/// host last reported. The in-process Node binding reports `Date.now()` with
+/// its calls, so BullMQ's JavaScript (and its tests, which fake `Date.now()`)
+/// and the core agree on what time it is, as they do on Redis, where BullMQ
+/// passes its own timestamps to every script. Between reports it advances
+/// with real time.
+#[derive(Default)]
+pub struct FollowingClock {
+    offset_ms: std::sync::atomic::AtomicI64,
+}
+
+impl FollowingClock {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The host says it is `host_now_ms` now.
+    pub fn observe(&self, host_now_ms: u64) {
+        let offset = host_now_ms as i64 - SystemClock.now_ms() as i64;
+        self.offset_ms.store(offset, Ordering::SeqCst);
+    }
+}
+
+impl Clock for FollowingClock {
+    fn now_ms(&self) -> u64 {
+        (SystemClock.now_ms() as i64 + self.offset_ms.load(Ordering::SeqCst)).max(0) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_following_clock_keeps_the_host_offset() {
+        let clock = FollowingClock::new();
+        let system = SystemClock.now_ms();
+        assert!(clock.now_ms().abs_diff(system) < 1_000);
+        clock.observe(1_486_439_000_000); // a test that fakes 2017
+        assert!(clock.now_ms().abs_diff(1_486_439_000_000) < 1_000);
+        clock.observe(system + 3_600_000);
+        assert!(clock.now_ms().abs_diff(system + 3_600_000) < 1_000);
+    }
+}

@@ -17,7 +17,7 @@ pub mod ops;
 pub mod store;
 pub mod tx;
 
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, FollowingClock, ManualClock, SystemClock};
 pub use config::{Config, QueueConfig};
 pub use error::{FenceFailure, JobsError, Missing, Precondition, StoreError};
 pub use jobs::{Interrupt, Jobs, Pending};
