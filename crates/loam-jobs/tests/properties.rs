@@ -658,11 +658,9 @@ impl Harness {
                     // Raised: the next read must show an epoch above this one.
                     self.model.jobs[j].epoch_is = EpochIs::Above;
                     self.model.jobs[j].stalled += 1;
-                    if self.model.jobs[j].stalled > self.model.max_stalled {
-                        self.model.finish(j, MState::Failed, now);
-                    } else {
-                        self.model.make_ready(j, true);
-                    }
+                    // Past the limit the job still goes back to the front, marked
+                    // with a deferred failure for the next worker (BullMQ 6.7).
+                    self.model.make_ready(j, true);
                 }
                 Ok(Wrote::Durable)
             }

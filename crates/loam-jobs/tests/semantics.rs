@@ -105,14 +105,31 @@ fn flow_without_policy_keeps_parent_waiting_after_child_failure() {
 }
 
 #[test]
-fn fail_parent_on_failure_fails_the_parent() {
+fn fail_parent_on_failure_releases_the_parent_to_fail() {
     let (jobs, _) = core();
     family(&jobs, OnChildFailure::FailParent);
     let a = lease_one(&jobs, "kids").unwrap();
     fail(&jobs, "kids", &a);
-    let p = jobs.get_job("ns", "parents", "p").unwrap().unwrap();
-    assert_eq!(p.state, JobState::Failed);
-    assert_eq!(p.failed_reason.as_deref(), Some("child bull:kids:a failed"));
+    // The parent runs next, marked: its worker fails it with the reason (BullMQ 6.7).
+    let p = lease_one(&jobs, "parents").unwrap();
+    assert_eq!(p.job.deferred_failure.as_deref(), Some("child bull:kids:a failed"));
+    // Child b is still pending, which BullMQ checks first (-4 before -9).
+    let refused = finish(&jobs, "parents", &p, Outcome::Ok { result: None });
+    assert!(matches!(refused, Err(JobsError::Precondition(Precondition::PendingChildren { .. }))), "{refused:?}");
+    finish(&jobs, "parents", &p, Outcome::Fail { error: JobError::new("child bull:kids:a failed"), dead_letter: false }).unwrap();
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Failed));
+}
+
+#[test]
+fn drain_removes_a_same_queue_parent_with_its_last_child() {
+    let (jobs, _) = core();
+    let nodes = vec![
+        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("p".into()), ..job("p") }, wait_children: true },
+        FlowNode { queue: "q".into(), request: EnqueueRequest { parent: Some(parent("q", "p")), ..job("c") }, wait_children: false },
+    ];
+    jobs.flow("ns", nodes).wait().unwrap();
+    assert_eq!(jobs.admin("ns", "q", |tx, q| admin::drain(tx, q, false)).wait().unwrap(), 1);
+    assert_eq!(state(&jobs, "q", "p"), None, "the parent went with its last child");
 }
 
 #[test]

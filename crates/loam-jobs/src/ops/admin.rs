@@ -32,7 +32,7 @@ fn drop_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> 
 
 /// A removed child no longer holds up its parent; a parent left with no
 /// pending child runs next.
-fn detach_from_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<bool, JobsError> {
+pub(crate) fn detach_from_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<bool, JobsError> {
     let Some(parent) = &job.parent else { return Ok(false) };
     let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
     let child_key = model::node_key(&parent.prefix, &q.name, &job.id);
@@ -51,7 +51,7 @@ fn detach_from_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<bool,
         pjob.pending_children = pjob.pending_children.saturating_sub(1);
         tx.save_job(&pq, &pjob)?;
         if pjob.pending_children == 0 && pjob.state == JobState::WaitingChildren {
-            lease::make_ready(tx, &pq, pjob, "waiting-children", Line::Front)?;
+            lease::make_ready(tx, &pq, pjob, Some("waiting-children"), Line::Front)?;
         }
     }
     Ok(true)
@@ -62,6 +62,34 @@ fn release_dedup_key(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), Jo
     let key = QueueKeys::new(q).dedup(&d.id);
     if tx.get_record::<DedupRecord>(&key)?.is_some_and(|r| r.job_id == job.id) {
         tx.delete(&key)?;
+    }
+    Ok(())
+}
+
+/// Removes a job as drain and clean do (BullMQ's hard removal): when it was
+/// its parent's last pending child, a parent in the same queue is removed too
+/// (and so on upwards); a parent in another queue is released without an event.
+fn drop_job_hard(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    tx.unindex(q, job)?;
+    release_dedup_key(tx, q, job)?;
+    purge_job(tx, q, job)?;
+    let Some(parent) = &job.parent else { return Ok(()) };
+    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
+    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &model::node_key(&parent.prefix, &q.name, &job.id));
+    let Some(dep) = tx.get_record::<Dependency>(&dep_key)? else { return Ok(()) };
+    tx.delete(&dep_key)?;
+    if dep.status != DependencyStatus::Pending {
+        return Ok(());
+    }
+    let Some(mut pjob) = tx.load_job(&pq, &parent.id)? else { return Ok(()) };
+    pjob.pending_children = pjob.pending_children.saturating_sub(1);
+    tx.save_job(&pq, &pjob)?;
+    if pjob.pending_children == 0 && pjob.state == JobState::WaitingChildren {
+        if pq == *q {
+            drop_job_hard(tx, &pq, &pjob)?;
+        } else {
+            lease::make_ready(tx, &pq, pjob, None, Line::Front)?;
+        }
     }
     Ok(())
 }
@@ -92,9 +120,10 @@ fn children(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(QueueId, Dependen
         .collect()
 }
 
-/// Whether a job or, with `with_children`, a pending descendant is leased.
+/// Whether a job or, with `with_children`, a pending descendant holds a live
+/// lease (an expired one, not yet swept, is no lock, as in BullMQ).
 fn locked(tx: &mut Tx, q: &QueueId, job: &JobRecord, with_children: bool) -> Result<bool, JobsError> {
-    if job.state == JobState::Active {
+    if job.state == JobState::Active && job.lock.as_ref().is_some_and(|l| l.deadline > tx.now) {
         return Ok(true);
     }
     if with_children {
@@ -185,7 +214,7 @@ pub fn drain(tx: &mut Tx, q: &QueueId, delayed: bool) -> Result<u64, JobsError> 
         for id in ids_in(tx, &range, usize::MAX)? {
             let job = tx.require_job(q, &id)?;
             if !is_scheduler_iteration(tx, q, &job)? {
-                drop_job(tx, q, &job)?;
+                drop_job_hard(tx, q, &job)?;
                 n += 1;
             }
         }
@@ -235,7 +264,7 @@ pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> 
             if leased || is_scheduler_iteration(tx, q, &job)? {
                 continue;
             }
-            drop_job(tx, q, &job)?;
+            drop_job_hard(tx, q, &job)?;
             removed.push(id);
         }
     }
@@ -293,7 +322,7 @@ pub fn retry_finished(
     if reset_attempts_started {
         job.attempts_started = 0;
     }
-    lease::make_ready(tx, q, job, from.as_str(), Line::Back)?;
+    lease::make_ready(tx, q, job, Some(from.as_str()), Line::Back)?;
     Ok(())
 }
 
@@ -343,7 +372,7 @@ pub fn retry_finished_jobs(tx: &mut Tx, q: &QueueId, state: JobState, count: u64
         job.processed_on = None;
         job.failed_reason = None;
         job.return_value = None;
-        lease::make_ready(tx, q, job, state.as_str(), Line::Back)?;
+        lease::make_ready(tx, q, job, Some(state.as_str()), Line::Back)?;
         moved += 1;
     }
     Ok(moved == count.max(1))
@@ -354,7 +383,7 @@ pub fn promote(tx: &mut Tx, q: &QueueId, id: &str) -> Result<(), JobsError> {
     if job.state != JobState::Delayed {
         return Err(JobsError::not_in_state(id, job.state, "delayed"));
     }
-    lease::make_ready(tx, q, job, "delayed", Line::Back)?;
+    lease::make_ready(tx, q, job, Some("delayed"), Line::Back)?;
     Ok(())
 }
 
@@ -365,7 +394,7 @@ pub fn promote_jobs(tx: &mut Tx, q: &QueueId, count: u64) -> Result<bool, JobsEr
     let moved = ids.len() as u64;
     for id in ids {
         let job = tx.require_job(q, &id)?;
-        lease::make_ready(tx, q, job, "delayed", Line::Back)?;
+        lease::make_ready(tx, q, job, Some("delayed"), Line::Back)?;
     }
     Ok(moved == count.max(1))
 }

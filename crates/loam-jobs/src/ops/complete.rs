@@ -219,7 +219,7 @@ fn retry_or_fail_with(
         job.delay = delay;
         park_delayed(tx, q, job, tx.now.saturating_add(delay))
     } else {
-        lease::make_ready(tx, q, job, "active", Line::Back)
+        lease::make_ready(tx, q, job, Some("active"), Line::Back)
     }
 }
 
@@ -242,7 +242,7 @@ fn release(tx: &mut Tx, q: &QueueId, mut job: JobRecord, after_ms: Option<u64>) 
             job.delay = after;
             park_delayed(tx, q, job, tx.now.saturating_add(after))
         }
-        None => lease::make_ready(tx, q, job, "active", Line::Front),
+        None => lease::make_ready(tx, q, job, Some("active"), Line::Front),
     }
 }
 
@@ -268,6 +268,7 @@ fn keep_or_purge(tx: &mut Tx, q: &QueueId, job: &mut JobRecord, retention: Reten
     let keep = match retention {
         Retention::KeepAll => Keep::default(),
         Retention::RemoveImmediately | Retention::Keep(Keep { count: Some(0), .. }) => {
+            super::admin::detach_from_parent(tx, q, job)?;
             super::admin::purge_job(tx, q, job)?;
             return Ok(());
         }
@@ -300,6 +301,7 @@ fn keep_or_purge(tx: &mut Tx, q: &QueueId, job: &mut JobRecord, retention: Reten
             && let Some(stale) = tx.load_job(q, &id)?
         {
             tx.unindex(q, &stale)?;
+            super::admin::detach_from_parent(tx, q, &stale)?;
             super::admin::purge_job(tx, q, &stale)?;
         }
     }
@@ -366,14 +368,24 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd) ->
     }
     tx.save_job(&pq, &pjob)?;
     if status == Some(DependencyStatus::Failed) {
-        // failParentOnFailure: a parent that is not running fails now, and
-        // its own policy carries the failure further up. A running parent is
+        // failParentOnFailure, as BullMQ 6.7: the parent is marked with a
+        // deferred failure and, if it was waiting (for children or a delay),
+        // released now; the worker that claims it fails it, and the parent's
+        // own policy carries the failure further up. A running parent is
         // refused completion (FailedChildren) instead.
-        if matches!(
-            pjob.state,
-            JobState::WaitingChildren | JobState::Delayed | JobState::Waiting | JobState::Prioritized
-        ) {
-            fail(tx, &pq, pjob, &JobError::new(format!("child {child_key} failed")), false)?;
+        let reason = format!("child {child_key} failed");
+        match pjob.state {
+            JobState::WaitingChildren | JobState::Delayed => {
+                let prev = pjob.state.as_str();
+                pjob.delay = 0;
+                pjob.deferred_failure = Some(reason);
+                lease::make_ready(tx, &pq, pjob, Some(prev), Line::Front)?;
+            }
+            JobState::Failed | JobState::Completed => {}
+            _ => {
+                pjob.deferred_failure = Some(reason);
+                tx.save_job(&pq, &pjob)?;
+            }
         }
         return Ok(());
     }
@@ -389,7 +401,7 @@ pub fn release_parent(tx: &mut Tx, q: &QueueId, job: JobRecord) -> Result<JobRec
         let due = tx.now.saturating_add(job.delay);
         return park_delayed(tx, q, job, due);
     }
-    lease::make_ready(tx, q, job, "waiting-children", Line::Front)
+    lease::make_ready(tx, q, job, Some("waiting-children"), Line::Front)
 }
 
 fn send_to_dead_letter(tx: &mut Tx, q: &QueueId, job: &JobRecord, dlq: &str, reason: &str) -> Result<(), JobsError> {

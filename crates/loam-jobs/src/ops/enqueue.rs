@@ -30,9 +30,6 @@ pub fn validate(tx: &Tx, req: &EnqueueRequest) -> Result<(), JobsError> {
     }
     if let Some(d) = &req.dedup {
         validate_name("deduplication id", &d.id, MAX_NAME_BYTES)?;
-        if (d.extend || d.replace) && d.ttl_ms.is_none_or(|t| t == 0) && !d.keep_last_if_active {
-            return Err(JobsError::invalid("debounce (extend or replace) needs a ttl"));
-        }
     }
     if let Some(i) = &req.idempotency {
         validate_name("idempotency key", &i.key, MAX_NAME_BYTES)?;
@@ -177,6 +174,9 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
         JobState::Waiting | JobState::Prioritized => {
             tx.event(q, "waiting", &[("jobId", &id)])?;
         }
+        JobState::WaitingChildren => {
+            tx.event(q, "waiting-children", &[("jobId", &id)])?;
+        }
         _ => {}
     }
     if let Some(idem) = &req.idempotency {
@@ -293,8 +293,9 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     let mut rec = rec;
     let keep_next = d.keep_last_if_active && job.state == JobState::Active;
     if keep_next {
+        // The kept add runs later under the id it was given now.
         let mut next = req.clone();
-        next.job_id = None;
+        next.job_id = Some(new_id.to_string());
         rec.next = Some(Box::new(next));
         rec.expires_at = None; // held until the active job finishes
     } else if d.extend {

@@ -164,7 +164,7 @@ pub fn promote_due(tx: &mut Tx, q: &QueueId, limit: usize) -> Result<Option<u64>
     for (_, id) in due {
         let id = String::from_utf8_lossy(&id).into_owned();
         let job = tx.require_job(q, &id)?;
-        make_ready(tx, q, job, "delayed", Line::Back)?;
+        make_ready(tx, q, job, Some("delayed"), Line::Back)?;
     }
     next_due(tx, q)
 }
@@ -179,8 +179,8 @@ pub enum Line {
 }
 
 /// Puts a job (already loaded, in any unfinished state) into its ready band,
-/// with a `waiting` event.
-pub fn make_ready(tx: &mut Tx, q: &QueueId, mut job: JobRecord, prev: &str, line: Line) -> Result<JobRecord, JobsError> {
+/// with a `waiting` event naming the state it came from (`prev`), or none.
+pub fn make_ready(tx: &mut Tx, q: &QueueId, mut job: JobRecord, prev: Option<&str>, line: Line) -> Result<JobRecord, JobsError> {
     tx.unindex(q, &job)?;
     job.seq = tx.next_seq(q, job.lifo || line == Line::Front)?;
     job.delay = 0;
@@ -188,7 +188,9 @@ pub fn make_ready(tx: &mut Tx, q: &QueueId, mut job: JobRecord, prev: &str, line
     job.lock = None;
     tx.index(q, &job)?;
     tx.save_job(q, &job)?;
-    tx.event(q, "waiting", &[("jobId", &job.id), ("prev", prev)])?;
+    if let Some(prev) = prev {
+        tx.event(q, "waiting", &[("jobId", &job.id), ("prev", prev)])?;
+    }
     Ok(job)
 }
 
@@ -216,9 +218,11 @@ pub fn extend(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, duration_ms: u6
     Ok(deadline)
 }
 
-/// Reclaims jobs whose lease expired: back to waiting with one more stall, or
-/// failed past the queue's `max_stalled` (scheduler iterations are exempt, as
-/// in BullMQ). A job past its hard timeout fails its attempt instead.
+/// Reclaims jobs whose lease expired: back to the front of waiting with one
+/// more stall. Past the queue's `max_stalled` (scheduler iterations are
+/// exempt) it goes back marked with a deferred failure, which the worker that
+/// claims it next applies, as BullMQ 6.7 does. A job past its hard timeout
+/// fails its attempt instead.
 pub fn sweep_stalled(tx: &mut Tx, q: &QueueId) -> Result<Vec<String>, JobsError> {
     let config = tx.queue_config(q)?;
     let expired = tx.scan(&QueueKeys::new(q).active_expired(tx.now), SWEEP_BATCH, false)?;
@@ -236,10 +240,9 @@ pub fn sweep_stalled(tx: &mut Tx, q: &QueueId) -> Result<Vec<String>, JobsError>
         } else {
             job.stalled_counter += 1;
             if job.stalled_counter > config.max_stalled && job.scheduler_id.is_none() {
-                super::complete::fail(tx, q, job, &JobError::new(STALLED_TOO_OFTEN), false)?;
-            } else {
-                make_ready(tx, q, job, "active", Line::Front)?;
+                job.deferred_failure = Some(STALLED_TOO_OFTEN.to_string());
             }
+            make_ready(tx, q, job, Some("active"), Line::Front)?;
         }
         tx.event(q, "stalled", &[("jobId", &id)])?;
         reclaimed.push(id);
