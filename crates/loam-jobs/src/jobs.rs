@@ -122,6 +122,9 @@ impl Inner {
 pub struct Jobs {
     inner: Arc<Inner>,
     maintenance: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+    /// The time the operations of this handle run at, when the caller says
+    /// (see [`Jobs::at`]); else the core's clock.
+    at: Option<u64>,
 }
 
 impl Jobs {
@@ -143,7 +146,7 @@ impl Jobs {
             closed: AtomicBool::new(false),
             generation: std::sync::atomic::AtomicU64::new(0),
         });
-        let jobs = Self { inner, maintenance: Arc::new(Mutex::new(None)) };
+        let jobs = Self { inner, maintenance: Arc::new(Mutex::new(None)), at: None };
         let generation = jobs
             .write("", true, |tx| {
                 let key = crate::keys::generation();
@@ -189,8 +192,16 @@ impl Jobs {
         Ok(())
     }
 
+    /// A handle whose operations run at `now_ms`, the caller's time, as
+    /// BullMQ's Redis scripts run at the time the client passes them (its
+    /// tests fake it). Deadlines of leases taken through it count from that
+    /// time; the background sweeps keep the core's own clock.
+    pub fn at(&self, now_ms: u64) -> Jobs {
+        Jobs { at: Some(now_ms), ..self.clone() }
+    }
+
     pub fn now_ms(&self) -> u64 {
-        self.inner.clock.now_ms()
+        self.at.unwrap_or_else(|| self.inner.clock.now_ms())
     }
 
     pub fn config(&self) -> &Config {
@@ -231,12 +242,13 @@ impl Jobs {
         let inner = Arc::clone(&self.inner);
         let ns = ns.to_string();
         let now_clock = Arc::clone(&self.inner.clock);
+        let at = self.at;
         let config = self.inner.config.clone();
         let generation = self.inner.generation.load(Ordering::SeqCst);
         let op = WriteOp {
             sync,
             body: Box::new(move |kv| {
-                let mut tx = Tx::new(kv, &ns, now_clock.now_ms(), &config);
+                let mut tx = Tx::new(kv, &ns, at.unwrap_or_else(|| now_clock.now_ms()), &config);
                 tx.generation = generation;
                 let value = body(&mut tx)?;
                 let effects = tx.finish()?;
@@ -262,7 +274,7 @@ impl Jobs {
     /// Runs `f` on a snapshot of everything committed so far.
     pub fn read<T>(&self, ns: &str, f: impl FnOnce(&mut Tx) -> Result<T, JobsError>) -> Result<T, JobsError> {
         let mut snapshot = query::ReadOnly(self.inner.store.snapshot()?);
-        let mut tx = Tx::new(&mut snapshot, ns, self.inner.clock.now_ms(), &self.inner.config);
+        let mut tx = Tx::new(&mut snapshot, ns, self.now_ms(), &self.inner.config);
         f(&mut tx)
     }
 
@@ -602,7 +614,7 @@ fn maintenance_loop(weak: std::sync::Weak<Inner>) {
         }
         due.sort();
         due.dedup();
-        let jobs = Jobs { inner: Arc::clone(&inner), maintenance: Arc::new(Mutex::new(None)) };
+        let jobs = Jobs { inner: Arc::clone(&inner), maintenance: Arc::new(Mutex::new(None)), at: None };
         for q in due {
             // Its result re-arms the timer through the effects of the jobs it moves;
             // the next due time is armed here.

@@ -661,6 +661,10 @@ impl Harness {
                     // Past the limit the job still goes back to the front, marked
                     // with a deferred failure for the next worker (BullMQ 6.7).
                     self.model.make_ready(j, true);
+                    let id = self.model.jobs[j].id.clone();
+                    let record = ok("read a swept job", self.jobs().get_job(NS, Q, &id))?;
+                    let marked = record.and_then(|r| r.deferred_failure).is_some();
+                    prop_assert_eq!(marked, self.model.jobs[j].stalled > self.model.max_stalled, "deferred failure of {}", id);
                 }
                 Ok(Wrote::Durable)
             }

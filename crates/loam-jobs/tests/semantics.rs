@@ -629,3 +629,46 @@ fn a_hard_timeout_caps_the_lease_and_fails_the_attempt() {
     let j = jobs.get_job("ns", "q", "1").unwrap().unwrap();
     assert_eq!((j.state, j.attempts_made, j.failed_reason.as_deref()), (JobState::Waiting, 1, Some("timeout")));
 }
+
+#[test]
+fn retried_finished_jobs_leave_their_finished_index() {
+    let (jobs, _) = core();
+    for i in 0..3 {
+        jobs.enqueue("ns", "q", job(&format!("j{i}"))).wait().unwrap();
+        let l = lease_one(&jobs, "q").unwrap();
+        fail(&jobs, "q", &l);
+    }
+    let more = jobs.admin("ns", "q", |tx, q| admin::retry_finished_jobs(tx, q, JobState::Failed, 2, u64::MAX)).wait().unwrap();
+    assert!(more);
+    let rest = jobs.admin("ns", "q", |tx, q| admin::retry_finished_jobs(tx, q, JobState::Failed, 2, u64::MAX)).wait().unwrap();
+    assert!(!rest);
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::Failed]).unwrap(), vec![3, 0]);
+    let failed_index = jobs.query("ns", "q", |tx, q| query::range(tx, q, JobState::Failed, 0, -1, true)).unwrap();
+    assert!(failed_index.is_empty());
+    let l = lease_one(&jobs, "q").unwrap();
+    fail(&jobs, "q", &l);
+    jobs.admin("ns", "q", move |tx, q| admin::retry_finished(tx, q, "1", JobState::Failed, false, false)).wait().unwrap();
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::Failed]).unwrap(), vec![3, 0]);
+}
+
+#[test]
+fn operations_can_run_at_the_callers_time() {
+    let (jobs, _) = core();
+    let at = jobs.at(1_486_439_000_000);
+    at.enqueue("ns", "q", job("a")).wait().unwrap();
+    assert_eq!(jobs.get_job("ns", "q", "1").unwrap().unwrap().timestamp, 1_486_439_000_000);
+    let l = at.lease("ns", "q", LeaseRequest { lock_duration_ms: 1000, ..Default::default() }).wait().unwrap().leases.remove(0);
+    assert_eq!(l.deadline, 1_486_439_001_000);
+}
+
+#[test]
+fn a_removed_child_keeps_its_result_on_the_parent() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::Wait);
+    let a = lease_one(&jobs, "kids").unwrap();
+    jobs.complete("ns", "kids", "a", Fence::Epoch(a.epoch), Outcome::Ok { result: Some(b"1".to_vec()) },
+        CompleteOptions { remove_on_complete: Some(Retention::RemoveImmediately), ..Default::default() }).wait().unwrap();
+    assert_eq!(state(&jobs, "kids", "a"), None);
+    let deps = jobs.query("ns", "parents", |tx, q| query::dependencies(tx, q, "p")).unwrap();
+    assert!(deps.iter().any(|(k, d)| k == "bull:kids:a" && d.status == DependencyStatus::Processed));
+}

@@ -37,17 +37,13 @@ pub(crate) fn detach_from_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> R
     let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
     let child_key = model::node_key(&parent.prefix, &q.name, &job.id);
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
-    let Some(dep) = tx.get_record::<Dependency>(&dep_key)? else { return Ok(false) };
-    tx.delete(&dep_key)?;
-    if !matches!(dep.status, DependencyStatus::Pending | DependencyStatus::Failed) {
-        return Ok(true);
+    // Only a pending child is detached: a finished child's record (its value,
+    // or its failure) stays with the parent, as in BullMQ.
+    if tx.get_record::<Dependency>(&dep_key)?.is_none_or(|d| d.status != DependencyStatus::Pending) {
+        return Ok(false);
     }
+    tx.delete(&dep_key)?;
     if let Some(mut pjob) = tx.load_job(&pq, &parent.id)? {
-        if dep.status == DependencyStatus::Failed {
-            pjob.failed_children = pjob.failed_children.saturating_sub(1);
-            tx.save_job(&pq, &pjob)?;
-            return Ok(true);
-        }
         pjob.pending_children = pjob.pending_children.saturating_sub(1);
         tx.save_job(&pq, &pjob)?;
         if pjob.pending_children == 0 && pjob.state == JobState::WaitingChildren {
@@ -76,11 +72,10 @@ fn drop_job_hard(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsEr
     let Some(parent) = &job.parent else { return Ok(()) };
     let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &model::node_key(&parent.prefix, &q.name, &job.id));
-    let Some(dep) = tx.get_record::<Dependency>(&dep_key)? else { return Ok(()) };
-    tx.delete(&dep_key)?;
-    if dep.status != DependencyStatus::Pending {
+    if tx.get_record::<Dependency>(&dep_key)?.is_none_or(|d| d.status != DependencyStatus::Pending) {
         return Ok(());
     }
+    tx.delete(&dep_key)?;
     let Some(mut pjob) = tx.load_job(&pq, &parent.id)? else { return Ok(()) };
     pjob.pending_children = pjob.pending_children.saturating_sub(1);
     tx.save_job(&pq, &pjob)?;
@@ -312,6 +307,7 @@ pub fn retry_finished(
         return Err(JobsError::not_in_state(id, job.state, from.as_str()));
     }
     reattach_to_parent(tx, q, &job)?;
+    tx.unindex(q, &job)?; // before the finish time that names its index entry is cleared
     job.finished_on = None;
     job.processed_on = None;
     job.failed_reason = None;
@@ -322,7 +318,7 @@ pub fn retry_finished(
     if reset_attempts_started {
         job.attempts_started = 0;
     }
-    lease::make_ready(tx, q, job, Some(from.as_str()), Line::Back)?;
+    lease::requeue(tx, q, job, Some(from.as_str()), Line::Back)?;
     Ok(())
 }
 
@@ -368,11 +364,12 @@ pub fn retry_finished_jobs(tx: &mut Tx, q: &QueueId, state: JobState, count: u64
             break;
         }
         reattach_to_parent(tx, q, &job)?;
+        tx.unindex(q, &job)?;
         job.finished_on = None;
         job.processed_on = None;
         job.failed_reason = None;
         job.return_value = None;
-        lease::make_ready(tx, q, job, Some(state.as_str()), Line::Back)?;
+        lease::requeue(tx, q, job, Some(state.as_str()), Line::Back)?;
         moved += 1;
     }
     Ok(moved == count.max(1))

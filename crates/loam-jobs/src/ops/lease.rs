@@ -180,8 +180,14 @@ pub enum Line {
 
 /// Puts a job (already loaded, in any unfinished state) into its ready band,
 /// with a `waiting` event naming the state it came from (`prev`), or none.
-pub fn make_ready(tx: &mut Tx, q: &QueueId, mut job: JobRecord, prev: Option<&str>, line: Line) -> Result<JobRecord, JobsError> {
+pub fn make_ready(tx: &mut Tx, q: &QueueId, job: JobRecord, prev: Option<&str>, line: Line) -> Result<JobRecord, JobsError> {
     tx.unindex(q, &job)?;
+    requeue(tx, q, job, prev, line)
+}
+
+/// [`make_ready`] for a job already taken out of its index (its fields may
+/// have changed since, so its old index key cannot be derived any more).
+pub fn requeue(tx: &mut Tx, q: &QueueId, mut job: JobRecord, prev: Option<&str>, line: Line) -> Result<JobRecord, JobsError> {
     job.seq = tx.next_seq(q, job.lifo || line == Line::Front)?;
     job.delay = 0;
     job.state = Tx::ready_state(&job);
