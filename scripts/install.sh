@@ -15,4 +15,12 @@ pnpm install --frozen-lockfile=false
 echo "install: rust crates"
 cargo fetch
 cargo build --workspace --all-targets
+
+# The Node addon (a debug build; `pnpm bench` builds the release one), so the
+# examples run right after install.
+if [ -f packages/bullmq/package.json ]; then
+  echo "install: @loam/bullmq"
+  pnpm --filter @loam/bullmq run build:native
+  pnpm --filter @loam/bullmq run build:ts
+fi
 echo "install: done"

@@ -331,8 +331,17 @@ impl Jobs {
         self.queue_write(ns, queue, false, move |tx, q| lease::lease(tx, q, &req))
     }
 
+    /// This handle without a caller's time: waits run on the core's clock,
+    /// since a fixed time would never see a delayed job fall due.
+    fn clocked(&self) -> Jobs {
+        Jobs { at: None, ..self.clone() }
+    }
+
     /// Takes jobs, waiting up to `wait` for one to be ready.
     pub async fn lease_wait(&self, ns: &str, queue: &str, req: LeaseRequest, wait: Duration, interrupt: Option<&Interrupt>) -> Result<Leased, JobsError> {
+        if self.at.is_some() {
+            return Box::pin(self.clocked().lease_wait(ns, queue, req, wait, interrupt)).await;
+        }
         let q = Self::queue(ns, queue)?;
         let deadline = Instant::now() + wait;
         loop {
@@ -364,6 +373,9 @@ impl Jobs {
 
     /// The blocking form of [`Jobs::lease_wait`].
     pub fn lease_wait_blocking(&self, ns: &str, queue: &str, req: LeaseRequest, wait: Duration) -> Result<Leased, JobsError> {
+        if self.at.is_some() {
+            return self.clocked().lease_wait_blocking(ns, queue, req, wait);
+        }
         let q = Self::queue(ns, queue)?;
         let deadline = Instant::now() + wait;
         loop {
@@ -401,6 +413,9 @@ impl Jobs {
     /// `waitForJob`): Some(0) once one is ready (now, or when a delayed job
     /// falls due within the wait), None on timeout or interrupt.
     pub async fn wait_for_job(&self, ns: &str, queue: &str, wait: Duration, interrupt: Option<&Interrupt>) -> Result<Option<u64>, JobsError> {
+        if self.at.is_some() {
+            return Box::pin(self.clocked().wait_for_job(ns, queue, wait, interrupt)).await;
+        }
         let q = Self::queue(ns, queue)?;
         let deadline = Instant::now() + wait;
         loop {

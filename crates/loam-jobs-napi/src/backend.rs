@@ -1,0 +1,1854 @@
+//! `LoamQueue`: one BullMQ queue backend over the shared core. Every method is
+//! one call into the core (one transaction for writes, one snapshot for reads)
+//! and returns BullMQ's shapes (JSON text where the shape is nested, see
+//! [`crate::convert`]). Writes are submitted on the JavaScript thread, in call
+//! order, and settled on napi's tokio runtime (see [`settle`]); reads and waits
+//! are async functions on that runtime. Every method but the lifecycle ones
+//! takes the host's `Date.now()` first, which the core's clock follows.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use napi::bindgen_prelude::*;
+use napi_derive::napi;
+use serde::Deserialize;
+
+use loam_jobs::keys::QueueId;
+use loam_jobs::ops::{admin, complete, enqueue, lease, query, schedule};
+use loam_jobs::tx::Tx;
+use loam_jobs::{
+    CompleteOptions, Completed, DependencyStatus, Durability, Event, FlowNode, Interrupt, JobState,
+    Jobs, JobsError, LeaseRequest, Outcome, Pending, QueueConfig, RateLimit, Retention,
+    SchedulerSpec,
+};
+
+use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, StreamEntry};
+use crate::error::{BullmqCode, Op, invalid};
+use crate::store::{self, OpenOptions, SharedStore};
+
+/// Most events one `readEvents` returns.
+const EVENTS_PER_READ: usize = 1000;
+
+#[derive(Deserialize, Debug, Clone, Copy)]
+struct LimiterOpt {
+    max: f64,
+    duration: f64,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, Default)]
+#[serde(rename_all = "camelCase")]
+struct MetricsOpt {
+    max_data_points: Option<f64>,
+}
+
+/// What `loamBackend()` and BullMQ's factory options give a backend: where the
+/// store is, which queue, and the worker settings BullMQ keeps out of the
+/// per-call arguments (`lockDuration`, `limiter`, `maxStalledCount`, ...).
+#[derive(Deserialize, Debug, Default)]
+#[serde(rename_all = "camelCase")]
+struct BackendOptions {
+    data_dir: String,
+    namespace: Option<String>,
+    /// `"immediate"` (fsync per acknowledged write, the default) or `"relaxed"`.
+    durability: Option<String>,
+    flush_interval_ms: Option<f64>,
+    queue: String,
+    prefix: Option<String>,
+    lock_duration: Option<f64>,
+    limiter: Option<LimiterOpt>,
+    max_stalled_count: Option<f64>,
+    metrics: Option<MetricsOpt>,
+    remove_on_complete: Option<KeepOpt>,
+    remove_on_fail: Option<KeepOpt>,
+    /// The worker's `name` (BullMQ's `processedBy`).
+    name: Option<String>,
+}
+
+/// The worker settings, shared by a backend and its `forQueue` siblings.
+#[derive(Debug, Clone)]
+struct WorkerSettings {
+    lock_duration_ms: u64,
+    limiter: Option<RateLimit>,
+    max_stalled: u32,
+    metrics_max_points: Option<u64>,
+    remove_on_complete: Option<Retention>,
+    remove_on_fail: Option<Retention>,
+    name: Option<String>,
+}
+
+fn ms(n: f64) -> u64 {
+    if n.is_finite() && n > 0.0 {
+        n as u64
+    } else {
+        0
+    }
+}
+
+impl WorkerSettings {
+    fn from_options(o: &BackendOptions) -> Self {
+        Self {
+            lock_duration_ms: o.lock_duration.map_or(30_000, ms),
+            limiter: o
+                .limiter
+                .map(|l| RateLimit {
+                    max: ms(l.max),
+                    duration_ms: ms(l.duration),
+                })
+                .filter(|l| l.max > 0),
+            max_stalled: o
+                .max_stalled_count
+                .map_or(1, |n| ms(n).min(u64::from(u32::MAX)) as u32),
+            metrics_max_points: o
+                .metrics
+                .and_then(|m| m.max_data_points)
+                .map(ms)
+                .filter(|n| *n > 0),
+            remove_on_complete: o.remove_on_complete.map(KeepOpt::to_core),
+            remove_on_fail: o.remove_on_fail.map(KeepOpt::to_core),
+            name: o.name.clone(),
+        }
+    }
+}
+
+/// BullMQ's token `"0"` (and no token) is an admin write with no lease check.
+fn fence(token: Option<&str>) -> loam_jobs::Fence {
+    match token {
+        None | Some("") | Some("0") => loam_jobs::Fence::Unchecked,
+        Some(t) => loam_jobs::Fence::Token(t.to_string()),
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The promise of a write already submitted to the core. Write methods are
+/// synchronous napi functions that submit on the JavaScript thread, so the
+/// core applies writes in the order JavaScript issued them, awaited or not
+/// (as Redis does for the commands of one connection); only the wait for the
+/// commit runs on napi's tokio runtime, where a panic rejects the promise.
+fn settle<'env, R, T>(
+    env: &'env Env,
+    op: Op,
+    pending: Pending<R>,
+    map: impl FnOnce(R) -> T + Send + 'static,
+) -> Result<PromiseRaw<'env, T>>
+where
+    R: Send + 'static,
+    T: ToNapiValue + Send + 'static,
+{
+    env.spawn_future(async move { pending.await.map(map).map_err(|e| op.error(e)) })
+}
+
+/// `{result?, finishedOn}` of moveToCompleted / moveToFailed, as JSON.
+fn finished_json(done: &Completed, fetch_next: bool) -> String {
+    let finished = Finished {
+        result: if fetch_next {
+            done.next.as_ref().map(NextJob::new)
+        } else {
+            None
+        },
+        finished_on: done.finished_on.unwrap_or_else(now_ms),
+    };
+    json(&finished)
+}
+
+fn json<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_else(|_| "null".into())
+}
+
+fn parse<'a, T: Deserialize<'a>>(what: &str, text: &'a str) -> Result<T> {
+    serde_json::from_str(text).map_err(|e| {
+        invalid(format!(
+            "{what} is not valid JSON of the expected shape: {e}"
+        ))
+    })
+}
+
+/// A lease expiring, a job gone or not active: `extendLock` reports these as
+/// "not extended" (0), as Redis does; anything else is a real failure.
+fn is_lock_refusal(e: &JobsError) -> bool {
+    matches!(
+        e,
+        JobsError::Fenced { .. }
+            | JobsError::NotFound(_)
+            | JobsError::Precondition(_)
+            | JobsError::DeadlineExceeded
+    )
+}
+
+#[napi]
+pub struct LoamQueue {
+    store: Arc<SharedStore>,
+    ns: String,
+    queue: String,
+    prefix: String,
+    settings: Arc<WorkerSettings>,
+    /// Siblings made by `forQueue` share their creator's store use.
+    owns_store: bool,
+    released: AtomicBool,
+    /// Cuts `waitForJob` short (BullMQ's `disconnectBlocking`).
+    blocking: Interrupt,
+    /// Cuts `readEvents` short (`disconnect` / `close` of a QueueEvents).
+    events: Interrupt,
+}
+
+impl LoamQueue {
+    fn jobs(&self) -> Result<Jobs> {
+        self.store.jobs()
+    }
+
+    /// One write transaction on this queue, submitted now (see [`settle`]).
+    fn write<'env, T, F>(&self, env: &'env Env, op: Op, body: F) -> Result<PromiseRaw<'env, T>>
+    where
+        T: ToNapiValue + Send + 'static,
+        F: FnMut(&mut Tx, &QueueId) -> std::result::Result<T, JobsError> + Send + 'static,
+    {
+        self.write_map(env, op, body, |v| v)
+    }
+
+    /// [`Self::write`], with the committed result turned into what JavaScript gets.
+    fn write_map<'env, R, T, F>(
+        &self,
+        env: &'env Env,
+        op: Op,
+        body: F,
+        map: impl FnOnce(R) -> T + Send + 'static,
+    ) -> Result<PromiseRaw<'env, T>>
+    where
+        R: Send + 'static,
+        T: ToNapiValue + Send + 'static,
+        F: FnMut(&mut Tx, &QueueId) -> std::result::Result<R, JobsError> + Send + 'static,
+    {
+        settle(
+            env,
+            op,
+            self.jobs()?.admin(&self.ns, &self.queue, body),
+            map,
+        )
+    }
+
+    /// Ends the lease of the job `op` names with `outcome`, submitted now.
+    fn complete<'env, T: ToNapiValue + Send + 'static>(
+        &self,
+        env: &'env Env,
+        op: Op,
+        token: Option<&str>,
+        outcome: Outcome,
+        opts: CompleteOptions,
+        map: impl FnOnce(Completed) -> T + Send + 'static,
+    ) -> Result<PromiseRaw<'env, T>> {
+        let job_id = op.job_id.clone().unwrap_or_default();
+        let pending =
+            self.jobs()?
+                .complete(&self.ns, &self.queue, &job_id, fence(token), outcome, opts);
+        settle(env, op, pending, map)
+    }
+
+    /// One read on a snapshot of this queue.
+    fn read<T>(
+        &self,
+        op: Op,
+        f: impl FnOnce(&mut Tx, &QueueId) -> std::result::Result<T, JobsError>,
+    ) -> Result<T> {
+        self.jobs()?
+            .query(&self.ns, &self.queue, f)
+            .map_err(|e| op.error(e))
+    }
+
+    fn lease_request(&self, token: &str, name: Option<String>) -> LeaseRequest {
+        LeaseRequest {
+            max: 1,
+            token: token.to_string(),
+            worker: name.or_else(|| self.settings.name.clone()),
+            lock_duration_ms: self.settings.lock_duration_ms,
+            names: None,
+            limiter: self.settings.limiter.clone(),
+        }
+    }
+
+    fn complete_options(&self, token: &str, fetch_next: bool) -> CompleteOptions {
+        CompleteOptions {
+            fetch_next: fetch_next.then(|| self.lease_request(token, None)),
+            remove_on_complete: self.settings.remove_on_complete,
+            remove_on_fail: self.settings.remove_on_fail,
+            metrics_max_points: self.settings.metrics_max_points,
+        }
+    }
+
+    fn sibling(&self, queue: String, prefix: String) -> Self {
+        LoamQueue {
+            store: Arc::clone(&self.store),
+            ns: self.ns.clone(),
+            queue,
+            prefix,
+            settings: Arc::clone(&self.settings),
+            owns_store: false,
+            released: AtomicBool::new(false),
+            blocking: Interrupt::new(),
+            events: Interrupt::new(),
+        }
+    }
+}
+
+#[napi]
+impl LoamQueue {
+    /// Opens (or joins) the store of `options.dataDir` and binds `options.queue`.
+    /// Fails at once when another process holds the store.
+    #[napi(factory, catch_unwind)]
+    pub fn open(options: String) -> Result<LoamQueue> {
+        let o: BackendOptions = parse("backend options", &options)?;
+        let durability = match o.durability.as_deref() {
+            None | Some("immediate") => Durability::Immediate,
+            Some("relaxed") => Durability::Relaxed {
+                flush_interval_ms: o.flush_interval_ms.map_or(100, ms),
+            },
+            Some(other) => {
+                return Err(invalid(format!(
+                    "unknown durability {other:?}: use \"immediate\" or \"relaxed\""
+                )));
+            }
+        };
+        let store = store::acquire(
+            std::path::Path::new(&o.data_dir),
+            OpenOptions { durability },
+        )?;
+        Ok(LoamQueue {
+            store,
+            ns: o.namespace.clone().unwrap_or_else(|| "default".into()),
+            queue: o.queue.clone(),
+            prefix: o.prefix.clone().unwrap_or_else(|| "bull".into()),
+            settings: Arc::new(WorkerSettings::from_options(&o)),
+            owns_store: true,
+            released: AtomicBool::new(false),
+            blocking: Interrupt::new(),
+            events: Interrupt::new(),
+        })
+    }
+
+    /// A backend for another queue on the same store (FlowProducer); closing
+    /// it does not close the store.
+    #[napi(catch_unwind)]
+    pub fn for_queue(&self, queue: String, prefix: Option<String>) -> LoamQueue {
+        self.sibling(queue, prefix.unwrap_or_else(|| self.prefix.clone()))
+    }
+
+    /// The canonical data dir this backend's store lives in.
+    #[napi(getter)]
+    pub fn data_dir(&self) -> String {
+        self.store.dir.display().to_string()
+    }
+
+    /// Ends blocking waits and gives back this backend's use of the store.
+    #[napi]
+    pub async fn close(&self) -> Result<()> {
+        self.blocking.fire();
+        self.events.fire();
+        if self.owns_store && !self.released.swap(true, Ordering::SeqCst) {
+            store::release(&self.store);
+        }
+        Ok(())
+    }
+
+    #[napi]
+    pub fn interrupt_blocking(&self) {
+        self.blocking.fire();
+    }
+
+    #[napi]
+    pub fn reset_blocking(&self) {
+        self.blocking.reset();
+    }
+
+    #[napi]
+    pub fn interrupt_events(&self) {
+        self.events.fire();
+    }
+
+    // ---- adding ------------------------------------------------------------
+
+    /// `addJob`: `job` is BullMQ's JobJson plus `jobId`/`parentKey`/`addToWaitingChildren`.
+    #[napi]
+    pub fn add_job<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job: String,
+    ) -> Result<PromiseRaw<'env, String>> {
+        self.store.observe(host_now);
+        let job: NewJob = parse("job", &job)?;
+        let op = Op::new("addJob").parent(job.parent_key.clone());
+        let req = job.to_request().map_err(invalid)?;
+        let placement = if job.add_to_waiting_children {
+            enqueue::Placement::WaitChildren
+        } else {
+            enqueue::Placement::Normal
+        };
+        let pending = self.jobs()?.admin(&self.ns, &self.queue, move |tx, q| {
+            enqueue::enqueue(tx, q, req.clone(), placement)
+        });
+        settle(env, op, pending, |added| added.id)
+    }
+
+    /// `addJobs`: one transaction; the first failing job fails the call.
+    #[napi]
+    pub fn add_jobs<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        jobs: String,
+    ) -> Result<PromiseRaw<'env, Vec<String>>> {
+        self.store.observe(host_now);
+        let jobs: Vec<NewJob> = parse("jobs", &jobs)?;
+        let reqs = jobs
+            .iter()
+            .map(NewJob::to_request)
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(invalid)?;
+        let parents: Vec<Option<String>> = jobs.iter().map(|j| j.parent_key.clone()).collect();
+        let pending = self.jobs()?.enqueue_bulk(&self.ns, &self.queue, reqs);
+        env.spawn_future(async move {
+            let results = pending.await.map_err(|e| Op::new("addJob").error(e))?;
+            results
+                .into_iter()
+                .zip(parents)
+                .map(|(r, parent)| {
+                    r.map(|e| e.id)
+                        .map_err(|e| Op::new("addJob").parent(parent).error(e))
+                })
+                .collect()
+        })
+    }
+
+    /// `addFlow`: the whole tree in one transaction. Returns BullMQ's
+    /// `[error, idOrCode][]` as JSON; a refusal BullMQ has a code for is
+    /// reported as that code on every entry (nothing was inserted).
+    #[napi]
+    pub fn add_flow<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        entries: String,
+    ) -> Result<PromiseRaw<'env, String>> {
+        self.store.observe(host_now);
+        let entries: Vec<NewJob> = parse("flow", &entries)?;
+        let mut nodes = Vec::with_capacity(entries.len());
+        for e in &entries {
+            nodes.push(FlowNode {
+                queue: e.queue_name.clone().unwrap_or_else(|| self.queue.clone()),
+                request: e.to_request().map_err(invalid)?,
+                wait_children: e.add_to_waiting_children,
+            });
+        }
+        let pending = self.jobs()?.flow(&self.ns, nodes);
+        let count = entries.len();
+        env.spawn_future(async move {
+            match pending.await {
+                Ok(added) => Ok(json(
+                    &added
+                        .iter()
+                        .map(|a| (None::<()>, a.id.as_str()))
+                        .collect::<Vec<_>>(),
+                )),
+                Err(e) => match BullmqCode::of(&e) {
+                    Some(code) => Ok(json(&vec![(None::<()>, code as i32); count])),
+                    None => Err(Op::new("addJob").error(e)),
+                },
+            }
+        })
+    }
+
+    // ---- worker: fetch, locks, stalled ---------------------------------------
+
+    /// `moveToActive`: the next-job tuple as JSON.
+    #[napi]
+    pub fn move_to_active<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        token: String,
+        name: Option<String>,
+    ) -> Result<PromiseRaw<'env, String>> {
+        self.store.observe(host_now);
+        let req = self.lease_request(&token, name);
+        let pending = self.jobs()?.lease(&self.ns, &self.queue, req);
+        settle(env, Op::new("moveToActive"), pending, |leased| {
+            convert::next_job_json(&leased)
+        })
+    }
+
+    /// `waitForJob`: resolves with the marker score 0 once a job may be ready
+    /// (the core also wakes when a delayed job falls due), or null on timeout
+    /// or interrupt (`disconnectBlocking`, `close`).
+    #[napi]
+    pub async fn wait_for_job(
+        &self,
+        host_now: f64,
+        block_timeout_seconds: f64,
+    ) -> Result<Option<f64>> {
+        self.store.observe(host_now);
+        let wait = Duration::from_secs_f64(block_timeout_seconds.clamp(0.0, 86_400.0));
+        let ready = self
+            .jobs()?
+            .wait_for_job(&self.ns, &self.queue, wait, Some(&self.blocking))
+            .await
+            .map_err(|e| Op::new("waitForJob").error(e))?;
+        Ok(ready.map(|score| score as f64))
+    }
+
+    #[napi]
+    pub fn extend_lock<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        token: String,
+        duration: f64,
+    ) -> Result<PromiseRaw<'env, u32>> {
+        self.store.observe(host_now);
+        let pending = self.jobs()?.extend(
+            &self.ns,
+            &self.queue,
+            &job_id,
+            fence(Some(&token)),
+            ms(duration),
+        );
+        env.spawn_future(async move {
+            match pending.await {
+                Ok(_) => Ok(1),
+                Err(e) if is_lock_refusal(&e) => Ok(0),
+                Err(e) => Err(Op::new("extendLock").job(&job_id).error(e)),
+            }
+        })
+    }
+
+    /// `extendLocks`: the ids whose lock could not be extended.
+    #[napi]
+    pub fn extend_locks<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_ids: Vec<String>,
+        tokens: Vec<String>,
+        duration: f64,
+    ) -> Result<PromiseRaw<'env, Vec<String>>> {
+        self.store.observe(host_now);
+        let items = job_ids
+            .into_iter()
+            .zip(tokens)
+            .map(|(id, t)| (id, fence(Some(&t))))
+            .collect();
+        let pending = self
+            .jobs()?
+            .extend_many(&self.ns, &self.queue, items, ms(duration));
+        settle(env, Op::new("extendLocks"), pending, |failed| failed)
+    }
+
+    /// `moveStalledJobsToWait`: applies the worker's `maxStalledCount` to the
+    /// queue, then reclaims expired leases and returns their ids (the Worker
+    /// emits its local `stalled` events for them). The queue's own background
+    /// sweep keeps its slower interval, as a fallback for workers that skip
+    /// the check, so it rarely takes these jobs first.
+    #[napi]
+    pub fn move_stalled_jobs_to_wait<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+    ) -> Result<PromiseRaw<'env, Vec<String>>> {
+        self.store.observe(host_now);
+        let max_stalled = self.settings.max_stalled;
+        self.write(env, Op::new("moveStalledJobsToWait"), move |tx, q| {
+            let current = tx.queue_config(q)?;
+            if current.max_stalled != max_stalled {
+                tx.set_queue_config(
+                    q,
+                    QueueConfig {
+                        max_stalled,
+                        ..current
+                    },
+                )?;
+            }
+            lease::sweep_stalled(tx, q)
+        })
+    }
+
+    #[napi]
+    pub async fn is_maxed(&self, host_now: f64) -> Result<bool> {
+        self.store.observe(host_now);
+        self.read(Op::new("isMaxed"), query::is_maxed)
+    }
+
+    // ---- finishing -----------------------------------------------------------
+
+    /// `moveToCompleted`: `{result?, finishedOn}` as JSON.
+    #[napi]
+    pub fn move_to_completed<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        return_value: String,
+        token: String,
+        fetch_next: bool,
+    ) -> Result<PromiseRaw<'env, String>> {
+        self.store.observe(host_now);
+        let op = Op::new("moveToFinished").job(&job_id).state("active");
+        let outcome = Outcome::Ok {
+            result: Some(return_value.into_bytes()),
+        };
+        let opts = self.complete_options(&token, fetch_next);
+        self.complete(env, op, Some(&token), outcome, opts, move |done| {
+            finished_json(&done, fetch_next)
+        })
+    }
+
+    /// `moveToFailed`: the final failure (BullMQ decided not to retry).
+    #[napi]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "mirrors IQueueBackend's positional arguments, plus env and the host time"
+    )]
+    pub fn move_to_failed<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        failed_reason: String,
+        token: String,
+        fetch_next: bool,
+        fields_to_update: Option<String>,
+    ) -> Result<PromiseRaw<'env, String>> {
+        self.store.observe(host_now);
+        let op = Op::new("moveToFinished").job(&job_id).state("active");
+        let fields: FailureFields = fields_to_update
+            .as_deref()
+            .map_or(Ok(FailureFields::default()), |f| parse("fieldsToUpdate", f))?;
+        let outcome = Outcome::Fail {
+            error: fields.to_error(Some(&failed_reason)),
+            dead_letter: false,
+        };
+        let opts = self.complete_options(&token, fetch_next);
+        self.complete(env, op, Some(&token), outcome, opts, move |done| {
+            finished_json(&done, fetch_next)
+        })
+    }
+
+    /// `moveToDelayed`: a retry after a backoff (an attempt is spent) or, with
+    /// `skipAttempt`, a manual delay. Returns the next-job tuple when
+    /// `fetchNext` claimed one, else `[]` (what the Redis adapter returns).
+    #[napi]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "mirrors IQueueBackend's positional arguments, plus env and the host time"
+    )]
+    pub fn move_to_delayed<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        timestamp: f64,
+        delay: f64,
+        token: Option<String>,
+        opts: Option<String>,
+    ) -> Result<PromiseRaw<'env, String>> {
+        self.store.observe(host_now);
+        #[derive(Deserialize, Default)]
+        #[serde(rename_all = "camelCase")]
+        struct MoveToDelayedOpts {
+            #[serde(default)]
+            skip_attempt: bool,
+            #[serde(default)]
+            fetch_next: bool,
+            fields_to_update: Option<FailureFields>,
+        }
+        let o: MoveToDelayedOpts = opts
+            .as_deref()
+            .map_or(Ok(MoveToDelayedOpts::default()), |t| {
+                parse("moveToDelayed options", t)
+            })?;
+        let op = Op::new("moveToDelayed").job(&job_id).state("active");
+        let token = token.unwrap_or_default();
+        let outcome = if o.skip_attempt {
+            Outcome::Delay {
+                until: ms(timestamp).saturating_add(ms(delay)),
+            }
+        } else {
+            let error = o.fields_to_update.unwrap_or_default().to_error(None);
+            Outcome::Retry {
+                error,
+                after_ms: Some(ms(delay)),
+            }
+        };
+        let opts = self.complete_options(&token, o.fetch_next);
+        self.complete(env, op, Some(&token), outcome, opts, |done| {
+            done.next
+                .as_ref()
+                .filter(|n| !n.leases.is_empty())
+                .map_or_else(|| "[]".into(), convert::next_job_json)
+        })
+    }
+
+    /// `retryJob`: an immediate retry (an attempt is spent).
+    #[napi]
+    pub fn retry_job<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        token: Option<String>,
+        fields_to_update: Option<String>,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        let op = Op::new("retryJob").job(&job_id).state("active");
+        let fields: FailureFields = fields_to_update
+            .as_deref()
+            .map_or(Ok(FailureFields::default()), |f| parse("fieldsToUpdate", f))?;
+        let outcome = Outcome::Retry {
+            error: fields.to_error(None),
+            after_ms: Some(0),
+        };
+        self.complete(
+            env,
+            op,
+            token.as_deref(),
+            outcome,
+            CompleteOptions::default(),
+            |_| (),
+        )
+    }
+
+    /// `moveJobFromActiveToWait` (a processor's RateLimitError): the job goes
+    /// back to the front of its band; returns the queue's rate-limit ttl.
+    #[napi]
+    pub fn move_job_from_active_to_wait<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        token: Option<String>,
+    ) -> Result<PromiseRaw<'env, f64>> {
+        self.store.observe(host_now);
+        let op = Op::new("moveJobFromActiveToWait")
+            .job(&job_id)
+            .state("active");
+        let fence = fence(token.as_deref());
+        let limiter = self.settings.limiter.clone();
+        let id = job_id.clone();
+        let release = move |tx: &mut Tx, q: &QueueId| {
+            complete::complete(
+                tx,
+                q,
+                &id,
+                &fence,
+                Outcome::Release { after_ms: None },
+                &CompleteOptions::default(),
+            )?;
+            let limit = lease::limiter(tx, q, limiter.as_ref())?;
+            lease::rate_limit_ttl(tx, q, limit.as_ref())
+        };
+        self.write_map(env, op, release, |ttl| ttl as f64)
+    }
+
+    /// `moveToWaitingChildren`: true when the job now waits for children.
+    /// With `child_key` (BullMQ's `opts.child` as `<queue qualified name>:<id>`)
+    /// only that child still pending counts, checked in the same transaction.
+    #[napi]
+    pub fn move_to_waiting_children<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        token: String,
+        child_key: Option<String>,
+    ) -> Result<PromiseRaw<'env, bool>> {
+        self.store.observe(host_now);
+        let op = Op::new("moveToWaitingChildren")
+            .job(&job_id)
+            .state("active");
+        let fence = fence(Some(&token));
+        let park = move |tx: &mut Tx, q: &QueueId| {
+            if let Some(child) = &child_key {
+                // BullMQ checks these before the child: a missing job, a failed child.
+                tx.require_job(q, &job_id)?;
+                let deps = query::dependencies(tx, q, &job_id)?;
+                if deps
+                    .iter()
+                    .any(|(_, dep)| dep.status == DependencyStatus::Failed)
+                {
+                    let job = job_id.clone();
+                    return Err(JobsError::Precondition(
+                        loam_jobs::Precondition::FailedChildren { job },
+                    ));
+                }
+                let pending = deps
+                    .iter()
+                    .any(|(key, dep)| key == child && dep.status == DependencyStatus::Pending);
+                if !pending {
+                    return Ok(false);
+                }
+            }
+            let parked = complete::complete(
+                tx,
+                q,
+                &job_id,
+                &fence,
+                Outcome::WaitChildren,
+                &CompleteOptions::default(),
+            )?;
+            Ok(parked.moved)
+        };
+        self.write(env, op, park)
+    }
+
+    // ---- single-job admin ------------------------------------------------------
+
+    #[napi]
+    pub fn retry_finished_job<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        state: String,
+        reset_attempts_made: bool,
+        reset_attempts_started: bool,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        let (from, state_name) = match state.as_str() {
+            "completed" => (JobState::Completed, "completed"),
+            _ => (JobState::Failed, "failed"),
+        };
+        let op = Op::new("reprocessJob").job(&job_id).state(state_name);
+        self.write(env, op, move |tx, q| {
+            admin::retry_finished(
+                tx,
+                q,
+                &job_id,
+                from,
+                reset_attempts_made,
+                reset_attempts_started,
+            )
+        })
+    }
+
+    #[napi]
+    pub fn promote<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        let op = Op::new("promote").job(&job_id).state("delayed");
+        self.write(env, op, move |tx, q| admin::promote(tx, q, &job_id))
+    }
+
+    #[napi]
+    pub fn change_delay<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        delay: f64,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        let op = Op::new("changeDelay").job(&job_id).state("delayed");
+        self.write(env, op, move |tx, q| {
+            admin::change_delay(tx, q, &job_id, ms(delay))
+        })
+    }
+
+    #[napi]
+    pub fn change_priority<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        priority: f64,
+        lifo: bool,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        let op = Op::new("changePriority").job(&job_id);
+        let priority = ms(priority).min(u64::from(u32::MAX)) as u32;
+        self.write(env, op, move |tx, q| {
+            admin::change_priority(tx, q, &job_id, priority, lifo)
+        })
+    }
+
+    /// `remove`: 1 when removed (or already gone), 0 when it or a child is locked.
+    #[napi]
+    pub fn remove<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        remove_children: bool,
+    ) -> Result<PromiseRaw<'env, u32>> {
+        self.store.observe(host_now);
+        let op = Op::new("removeJob").job(&job_id);
+        self.write_map(
+            env,
+            op,
+            move |tx, q| admin::remove_job(tx, q, &job_id, remove_children),
+            u32::from,
+        )
+    }
+
+    #[napi]
+    pub fn remove_unprocessed_children<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        let op = Op::new("removeUnprocessedChildren").job(&job_id);
+        self.write(env, op, move |tx, q| {
+            admin::remove_unprocessed_children(tx, q, &job_id)
+        })
+    }
+
+    #[napi]
+    pub fn remove_child_dependency<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        parent_key: String,
+    ) -> Result<PromiseRaw<'env, bool>> {
+        self.store.observe(host_now);
+        let op = Op::new("removeChildDependency")
+            .job(&job_id)
+            .parent(Some(parent_key.clone()));
+        self.write(env, op, move |tx, q| {
+            admin::remove_child_dependency(tx, q, &job_id, &parent_key)
+        })
+    }
+
+    /// `updateData`: `data` is the payload's JSON text.
+    #[napi]
+    pub fn update_data<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        data: String,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        let op = Op::new("updateData").job(&job_id);
+        let data = data.into_bytes();
+        self.write(env, op, move |tx, q| {
+            admin::update_data(tx, q, &job_id, &loam_jobs::Fence::Unchecked, data.clone())
+        })
+    }
+
+    /// `updateProgress`: `progress` is its JSON text.
+    #[napi]
+    pub fn update_progress<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        progress: String,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        let op = Op::new("updateProgress").job(&job_id);
+        self.write(env, op, move |tx, q| {
+            admin::update_progress(
+                tx,
+                q,
+                &job_id,
+                &loam_jobs::Fence::Unchecked,
+                progress.clone(),
+            )
+        })
+    }
+
+    #[napi]
+    pub fn add_log<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        row: String,
+        keep_logs: Option<f64>,
+    ) -> Result<PromiseRaw<'env, f64>> {
+        self.store.observe(host_now);
+        let op = Op::new("addLog").job(&job_id);
+        let keep = keep_logs.map(ms);
+        let append = move |tx: &mut Tx, q: &QueueId| {
+            admin::add_log(
+                tx,
+                q,
+                &job_id,
+                &loam_jobs::Fence::Unchecked,
+                row.clone(),
+                keep,
+            )
+        };
+        self.write_map(env, op, append, |count| count as f64)
+    }
+
+    #[napi]
+    pub fn clear_logs<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        job_id: String,
+        keep_logs: Option<f64>,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        let op = Op::new("clearLogs").job(&job_id);
+        let keep = keep_logs.map(ms);
+        self.write(env, op, move |tx, q| {
+            admin::clear_logs(tx, q, &job_id, keep)
+        })
+    }
+
+    // ---- queue admin -------------------------------------------------------------
+
+    #[napi]
+    pub fn pause<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        paused: bool,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        self.write(env, Op::new("pause"), move |tx, q| {
+            admin::set_paused(tx, q, paused)
+        })
+    }
+
+    #[napi]
+    pub fn drain<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        delayed: bool,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        self.write(env, Op::new("drain"), move |tx, q| {
+            admin::drain(tx, q, delayed).map(|_| ())
+        })
+    }
+
+    #[napi]
+    pub fn clean_jobs_by_state<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        state: String,
+        timestamp: f64,
+        limit: Option<f64>,
+    ) -> Result<PromiseRaw<'env, Vec<String>>> {
+        self.store.observe(host_now);
+        let limit = limit.map_or(0, ms);
+        self.write(env, Op::new("cleanJobsByState"), move |tx, q| {
+            admin::clean(tx, q, &state, ms(timestamp), limit)
+        })
+    }
+
+    /// `obliterate`: 1 while jobs remain (call again), 0 once the queue is gone.
+    #[napi]
+    pub fn obliterate<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        force: bool,
+        count: f64,
+    ) -> Result<PromiseRaw<'env, u32>> {
+        self.store.observe(host_now);
+        let count = ms(count);
+        self.write_map(
+            env,
+            Op::new("obliterate"),
+            move |tx, q| admin::obliterate(tx, q, force, count),
+            u32::from,
+        )
+    }
+
+    #[napi]
+    pub fn retry_finished_jobs<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        state: String,
+        count: f64,
+        timestamp: f64,
+    ) -> Result<PromiseRaw<'env, u32>> {
+        self.store.observe(host_now);
+        let from = if state == "completed" {
+            JobState::Completed
+        } else {
+            JobState::Failed
+        };
+        let (count, before) = (ms(count), ms(timestamp));
+        let retry =
+            move |tx: &mut Tx, q: &QueueId| admin::retry_finished_jobs(tx, q, from, count, before);
+        self.write_map(env, Op::new("retryJobs"), retry, u32::from)
+    }
+
+    #[napi]
+    pub fn promote_jobs<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        count: f64,
+    ) -> Result<PromiseRaw<'env, u32>> {
+        self.store.observe(host_now);
+        let count = ms(count);
+        self.write_map(
+            env,
+            Op::new("promoteJobs"),
+            move |tx, q| admin::promote_jobs(tx, q, count),
+            u32::from,
+        )
+    }
+
+    // ---- getters -------------------------------------------------------------------
+
+    /// `getJobData`: BullMQ's JobJson as JSON, or null.
+    #[napi]
+    pub async fn get_job_data(&self, host_now: f64, job_id: String) -> Result<Option<String>> {
+        self.store.observe(host_now);
+        let job = self.read(Op::new("getJobData").job(&job_id), |tx, q| {
+            query::get_job(tx, q, &job_id)
+        })?;
+        Ok(job.as_ref().map(convert::job_json))
+    }
+
+    #[napi]
+    pub async fn get_state(&self, host_now: f64, job_id: String) -> Result<String> {
+        self.store.observe(host_now);
+        let job = self.read(Op::new("getState").job(&job_id), |tx, q| {
+            query::get_job(tx, q, &job_id)
+        })?;
+        Ok(job.map_or("unknown", |j| j.state.as_str()).to_string())
+    }
+
+    #[napi]
+    pub async fn is_job_in_state(
+        &self,
+        host_now: f64,
+        state: String,
+        job_id: String,
+    ) -> Result<bool> {
+        self.store.observe(host_now);
+        let wanted = match state.as_str() {
+            "paused" => return Ok(false),
+            s => JobState::parse(s)
+                .ok_or_else(|| napi::Error::from_reason(format!("Unknown job state: {s}")))?,
+        };
+        let job = self.read(Op::new("isJobInState").job(&job_id), |tx, q| {
+            query::get_job(tx, q, &job_id)
+        })?;
+        Ok(job.is_some_and(|j| j.state == wanted))
+    }
+
+    /// `isFinished`: JSON of `code` or `[code, value]` (BullMQ's shapes).
+    #[napi]
+    pub async fn is_finished(
+        &self,
+        host_now: f64,
+        job_id: String,
+        return_value: bool,
+    ) -> Result<String> {
+        self.store.observe(host_now);
+        let job = self.read(Op::new("isFinished").job(&job_id), |tx, q| {
+            query::get_job(tx, q, &job_id)
+        })?;
+        let (code, value): (i32, Option<String>) = match &job {
+            None => (
+                -1,
+                Some(format!(
+                    "Missing key for job {}:{}:{job_id}. isFinished",
+                    self.prefix, self.queue
+                )),
+            ),
+            Some(j) if j.state == JobState::Completed => (
+                1,
+                Some(
+                    j.return_value
+                        .as_deref()
+                        .map_or("null".into(), |v| String::from_utf8_lossy(v).into_owned()),
+                ),
+            ),
+            Some(j) if j.state == JobState::Failed => {
+                (2, Some(j.failed_reason.clone().unwrap_or_default()))
+            }
+            Some(_) => (0, None),
+        };
+        Ok(match (return_value, value) {
+            (true, Some(v)) => json(&(code, v)),
+            (true, None) => json(&[code]),
+            (false, _) => code.to_string(),
+        })
+    }
+
+    /// `getCounts`: one count per type; delayed jobs only when due before
+    /// `delayedTimestamp` if given.
+    #[napi]
+    pub async fn get_counts(
+        &self,
+        host_now: f64,
+        types: Vec<String>,
+        delayed_timestamp: Option<f64>,
+    ) -> Result<Vec<i64>> {
+        self.store.observe(host_now);
+        let before = delayed_timestamp.map(ms);
+        self.read(Op::new("getCounts"), |tx, q| {
+            let mut out = Vec::with_capacity(types.len());
+            for t in &types {
+                // `paused` (a legacy list v6 never fills) and unknown types count 0.
+                let n = match (t.as_str(), JobState::parse(t)) {
+                    ("repeat", _) => schedule::count(tx, q)?,
+                    (_, Some(state)) => query::counts(tx, q, &[state], before)?[0],
+                    (_, None) => 0,
+                };
+                out.push(n as i64);
+            }
+            Ok(out)
+        })
+    }
+
+    #[napi]
+    pub async fn get_counts_per_priority(
+        &self,
+        host_now: f64,
+        priorities: Vec<f64>,
+    ) -> Result<Vec<i64>> {
+        self.store.observe(host_now);
+        let priorities: Vec<u32> = priorities
+            .into_iter()
+            .map(|p| ms(p).min(u64::from(u32::MAX)) as u32)
+            .collect();
+        let counts = self.read(Op::new("getCountsPerPriority"), |tx, q| {
+            query::counts_per_priority(tx, q, &priorities)
+        })?;
+        Ok(counts.into_iter().map(|n| n as i64).collect())
+    }
+
+    /// `getRanges`: ids per type. For BullMQ's list types (`wait`, `active`,
+    /// `paused`) an ascending page is returned newest-first, because its
+    /// caller reverses those (Redis LRANGE order).
+    #[napi]
+    pub async fn get_ranges(
+        &self,
+        host_now: f64,
+        types: Vec<String>,
+        start: f64,
+        end: f64,
+        asc: bool,
+    ) -> Result<Vec<Vec<String>>> {
+        self.store.observe(host_now);
+        let (start, end) = (start as i64, end as i64);
+        self.read(Op::new("getRanges"), |tx, q| {
+            let mut out = Vec::with_capacity(types.len());
+            for t in &types {
+                let Some(state) = JobState::parse(t) else {
+                    out.push(Vec::new());
+                    continue;
+                };
+                let mut ids = query::range(tx, q, state, start, end, asc)?;
+                if asc && matches!(state, JobState::Waiting | JobState::Active) {
+                    ids.reverse();
+                }
+                out.push(ids);
+            }
+            Ok(out)
+        })
+    }
+
+    /// `getJobLogs`: `{logs, count}` as JSON.
+    #[napi]
+    pub async fn get_job_logs(
+        &self,
+        host_now: f64,
+        job_id: String,
+        start: f64,
+        end: f64,
+        asc: bool,
+    ) -> Result<String> {
+        self.store.observe(host_now);
+        let (logs, count) = self.read(Op::new("getJobLogs").job(&job_id), |tx, q| {
+            query::logs(tx, q, &job_id, start as i64, end as i64, asc)
+        })?;
+        Ok(json(&serde_json::json!({ "logs": logs, "count": count })))
+    }
+
+    #[napi]
+    pub async fn get_deduplication_job_id(
+        &self,
+        host_now: f64,
+        deduplication_id: String,
+    ) -> Result<Option<String>> {
+        self.store.observe(host_now);
+        self.read(Op::new("getDeduplicationJobId"), |tx, q| {
+            query::dedup_job_id(tx, q, &deduplication_id)
+        })
+    }
+
+    /// `getRateLimitTtl`: with `maxJobs`, or a global `max` in the meta, the ms
+    /// the limiter stays closed for that many jobs (0 when open); with neither,
+    /// the raw ttl of the limiter window as Redis' PTTL reports it (-2: none).
+    #[napi]
+    pub async fn get_rate_limit_ttl(&self, host_now: f64, max_jobs: Option<f64>) -> Result<f64> {
+        self.store.observe(host_now);
+        self.read(Op::new("getRateLimitTtl"), |tx, q| {
+            if max_jobs.is_none() && lease::limiter(tx, q, None)?.is_none() {
+                let window = lease::limiter_window(tx, q)?;
+                return Ok(if window.window_end == 0 {
+                    -2.0
+                } else {
+                    window.window_end.saturating_sub(tx.now) as f64
+                });
+            }
+            Ok(query::rate_limit_ttl(tx, q, max_jobs.map(ms))? as f64)
+        })
+    }
+
+    /// `getMetrics`: `[[count, prevTS, prevCount], data[start..=end], total]` as JSON.
+    #[napi]
+    pub async fn get_metrics(
+        &self,
+        host_now: f64,
+        kind: String,
+        start: f64,
+        end: f64,
+    ) -> Result<String> {
+        self.store.observe(host_now);
+        let rec = self.read(Op::new("getMetrics"), |tx, q| query::metrics(tx, q, &kind))?;
+        let Some(rec) = rec else {
+            return Ok(json(&serde_json::json!([[null, null, null], [], 0])));
+        };
+        let total = rec.data.len() as i64;
+        let norm = |i: i64| if i < 0 { total + i } else { i };
+        let (s, e) = (norm(start as i64).max(0), norm(end as i64).min(total - 1));
+        let page: Vec<String> = rec
+            .data
+            .iter()
+            .skip(s as usize)
+            .take((e - s + 1).max(0) as usize)
+            .map(u64::to_string)
+            .collect();
+        let meta = [
+            rec.count.to_string(),
+            rec.prev_ts.to_string(),
+            rec.prev_count.to_string(),
+        ];
+        Ok(json(&serde_json::json!([meta, page, total])))
+    }
+
+    // ---- flows: children ------------------------------------------------------------
+
+    /// `getDependencyCounts`: counts per BullMQ child category.
+    #[napi]
+    pub async fn get_dependency_counts(
+        &self,
+        host_now: f64,
+        job_id: String,
+        types: Vec<String>,
+    ) -> Result<Vec<i64>> {
+        self.store.observe(host_now);
+        let deps = self.read(Op::new("getDependencyCounts").job(&job_id), |tx, q| {
+            query::dependencies(tx, q, &job_id)
+        })?;
+        let count = |status: DependencyStatus| {
+            deps.iter().filter(|(_, d)| d.status == status).count() as i64
+        };
+        Ok(types
+            .iter()
+            .map(|t| match t.as_str() {
+                "processed" => count(DependencyStatus::Processed),
+                "unprocessed" => count(DependencyStatus::Pending),
+                "ignored" => count(DependencyStatus::Ignored),
+                _ => count(DependencyStatus::Failed),
+            })
+            .collect())
+    }
+
+    /// Child key → value of the children in `status` (processed: return
+    /// values as JSON text; ignored: failure reasons), as a JSON object.
+    fn children_values(
+        &self,
+        command: &'static str,
+        job_id: &str,
+        status: DependencyStatus,
+    ) -> Result<String> {
+        let deps = self.read(Op::new(command).job(job_id), |tx, q| {
+            query::dependencies(tx, q, job_id)
+        })?;
+        let map: BTreeMap<String, String> = deps
+            .into_iter()
+            .filter(|(_, d)| d.status == status)
+            .map(|(k, d)| (k, d.value.unwrap_or_else(|| "null".into())))
+            .collect();
+        Ok(json(&map))
+    }
+
+    #[napi]
+    pub async fn get_processed_children_values(
+        &self,
+        host_now: f64,
+        job_id: String,
+    ) -> Result<String> {
+        self.store.observe(host_now);
+        self.children_values(
+            "getProcessedChildrenValues",
+            &job_id,
+            DependencyStatus::Processed,
+        )
+    }
+
+    #[napi]
+    pub async fn get_ignored_children_failures(
+        &self,
+        host_now: f64,
+        job_id: String,
+    ) -> Result<String> {
+        self.store.observe(host_now);
+        self.children_values(
+            "getIgnoredChildrenFailures",
+            &job_id,
+            DependencyStatus::Ignored,
+        )
+    }
+
+    /// Every child of a job by category, as JSON `{processed: [[key, value]],
+    /// unprocessed: [key], ignored: [[key, reason]], failed: [key]}` (the
+    /// JavaScript side pages it for `getDependencies`).
+    #[napi]
+    pub async fn get_dependencies(&self, host_now: f64, job_id: String) -> Result<String> {
+        self.store.observe(host_now);
+        let deps = self.read(Op::new("getDependencies").job(&job_id), |tx, q| {
+            query::dependencies(tx, q, &job_id)
+        })?;
+        let mut processed = Vec::new();
+        let mut unprocessed = Vec::new();
+        let mut ignored = Vec::new();
+        let mut failed = Vec::new();
+        for (key, dep) in deps {
+            match dep.status {
+                DependencyStatus::Processed => {
+                    processed.push((key, dep.value.unwrap_or_else(|| "null".into())))
+                }
+                DependencyStatus::Pending => unprocessed.push(key),
+                DependencyStatus::Ignored => ignored.push((key, dep.value.unwrap_or_default())),
+                DependencyStatus::Failed => failed.push(key),
+            }
+        }
+        Ok(json(&serde_json::json!({
+            "processed": processed, "unprocessed": unprocessed, "ignored": ignored, "failed": failed,
+        })))
+    }
+
+    /// `paginate` of a parent's pending (`<parent>:dependencies`) or processed
+    /// (`<parent>:processed`) children, positions `start..=end`, with the
+    /// children's JobJson when `fetch_jobs`. JSON `{cursor, items, total, jobs?}`,
+    /// processed values as JSON text for the caller to parse.
+    #[napi]
+    pub async fn paginate_children(
+        &self,
+        host_now: f64,
+        parent_id: String,
+        processed: bool,
+        start: f64,
+        end: f64,
+        fetch_jobs: bool,
+    ) -> Result<String> {
+        self.store.observe(host_now);
+        let wanted = if processed {
+            DependencyStatus::Processed
+        } else {
+            DependencyStatus::Pending
+        };
+        let ns = self.ns.clone();
+        let (total, items, jobs) = self.read(Op::new("paginate").job(&parent_id), |tx, q| {
+            let all: Vec<_> = query::dependencies(tx, q, &parent_id)?
+                .into_iter()
+                .filter(|(_, d)| d.status == wanted)
+                .collect();
+            let total = all.len() as i64;
+            let last = if end < 0.0 {
+                total - 1
+            } else {
+                (end as i64).min(total - 1)
+            };
+            let first = (start as i64).max(0);
+            let page: Vec<_> = all
+                .into_iter()
+                .skip(first as usize)
+                .take((last - first + 1).max(0) as usize)
+                .collect();
+            let mut jobs = Vec::new();
+            if fetch_jobs {
+                for (_, dep) in &page {
+                    let child_q = QueueId::new(ns.clone(), dep.child_queue.clone());
+                    if let Some(job) = query::get_job(tx, &child_q, &dep.child_id)? {
+                        jobs.push(convert::job_json(&job));
+                    }
+                }
+            }
+            let items: Vec<(String, Option<String>)> = page
+                .into_iter()
+                .map(|(k, d)| {
+                    (
+                        k,
+                        processed.then(|| d.value.unwrap_or_else(|| "null".into())),
+                    )
+                })
+                .collect();
+            Ok((total, items, jobs))
+        })?;
+        Ok(json(
+            &serde_json::json!({ "cursor": "0", "items": items, "total": total, "jobs": fetch_jobs.then_some(jobs) }),
+        ))
+    }
+
+    // ---- meta, rate limit, dedup ---------------------------------------------------------
+
+    /// `setQueueMeta`: `values` is a JSON object; returns how many fields were new.
+    #[napi]
+    pub fn set_queue_meta<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        values: String,
+    ) -> Result<PromiseRaw<'env, f64>> {
+        self.store.observe(host_now);
+        let raw: BTreeMap<String, serde_json::Value> = parse("queue meta", &values)?;
+        let values: BTreeMap<String, String> = raw
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    k,
+                    match v {
+                        serde_json::Value::String(s) => s,
+                        other => other.to_string(),
+                    },
+                )
+            })
+            .collect();
+        self.write_map(
+            env,
+            Op::new("setQueueMeta"),
+            move |tx, q| admin::set_meta(tx, q, &values),
+            |n| n as f64,
+        )
+    }
+
+    /// `getQueueMeta`: the meta fields as a JSON object.
+    #[napi]
+    pub async fn get_queue_meta(&self, host_now: f64) -> Result<String> {
+        self.store.observe(host_now);
+        Ok(json(&self.read(Op::new("getQueueMeta"), query::meta)?))
+    }
+
+    #[napi]
+    pub async fn get_queue_meta_fields(
+        &self,
+        host_now: f64,
+        fields: Vec<String>,
+    ) -> Result<Vec<Option<String>>> {
+        self.store.observe(host_now);
+        self.read(Op::new("getQueueMetaFields"), |tx, q| {
+            fields.iter().map(|f| tx.meta(q, f)).collect()
+        })
+    }
+
+    #[napi]
+    pub fn remove_queue_meta_fields<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        fields: Vec<String>,
+    ) -> Result<PromiseRaw<'env, f64>> {
+        self.store.observe(host_now);
+        let remove = move |tx: &mut Tx, q: &QueueId| admin::remove_meta_fields(tx, q, &fields);
+        self.write_map(env, Op::new("removeQueueMetaFields"), remove, |n| n as f64)
+    }
+
+    #[napi]
+    pub fn set_rate_limit<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        expire_time_ms: f64,
+    ) -> Result<PromiseRaw<'env, ()>> {
+        self.store.observe(host_now);
+        self.write(env, Op::new("setRateLimit"), move |tx, q| {
+            admin::set_rate_limit(tx, q, ms(expire_time_ms))
+        })
+    }
+
+    #[napi]
+    pub fn remove_rate_limit_key<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+    ) -> Result<PromiseRaw<'env, f64>> {
+        self.store.observe(host_now);
+        self.write_map(
+            env,
+            Op::new("removeRateLimitKey"),
+            admin::remove_rate_limit_key,
+            |n| n as f64,
+        )
+    }
+
+    /// `removeDeduplicationKey` (only while it still names `jobId`) and, with
+    /// no job id, `deleteDeduplicationKey`.
+    #[napi]
+    pub fn remove_deduplication_key<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        deduplication_id: String,
+        job_id: Option<String>,
+    ) -> Result<PromiseRaw<'env, f64>> {
+        self.store.observe(host_now);
+        let remove = move |tx: &mut Tx, q: &QueueId| {
+            admin::remove_dedup_key(tx, q, &deduplication_id, job_id.as_deref())
+        };
+        self.write_map(env, Op::new("removeDeduplicationKey"), remove, |n| n as f64)
+    }
+
+    // ---- events ---------------------------------------------------------------------
+
+    /// The id of the newest event (`"0-0"` when there is none), so a
+    /// QueueEvents started now reads from here.
+    #[napi]
+    pub async fn last_event_id(&self, host_now: f64) -> Result<String> {
+        self.store.observe(host_now);
+        let seq = self.read(Op::new("readEvents"), query::last_event_seq)?;
+        Ok(format!("0-{seq}"))
+    }
+
+    /// `readEvents`: the entries after `id` (`$` = from now) as JSON
+    /// `[[id, [k, v, ...]], ...]`, or null when none came within `block_ms`.
+    #[napi]
+    pub async fn read_events(
+        &self,
+        host_now: f64,
+        id: String,
+        block_ms: f64,
+    ) -> Result<Option<String>> {
+        self.store.observe(host_now);
+        let after = if id == "$" {
+            None
+        } else {
+            Some(Event::parse_id(&id).unwrap_or(0))
+        };
+        let wait = Duration::from_millis(ms(block_ms));
+        let events = self
+            .jobs()?
+            .read_events(
+                &self.ns,
+                &self.queue,
+                after,
+                EVENTS_PER_READ,
+                wait,
+                Some(&self.events),
+            )
+            .await
+            .map_err(|e| Op::new("readEvents").error(e))?;
+        if events.is_empty() {
+            return Ok(None);
+        }
+        let entries: Vec<StreamEntry> = events.into_iter().map(StreamEntry::from).collect();
+        Ok(Some(json(&entries)))
+    }
+
+    /// `publishEvent`: `fields` is a JSON object with `event` and the rest.
+    #[napi]
+    pub fn publish_event<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        fields: String,
+        max_events: f64,
+    ) -> Result<PromiseRaw<'env, String>> {
+        self.store.observe(host_now);
+        let raw: serde_json::Map<String, serde_json::Value> = parse("event fields", &fields)?;
+        let mut name = String::new();
+        let mut rest = Vec::with_capacity(raw.len());
+        for (k, v) in raw {
+            let v = match v {
+                serde_json::Value::String(s) => s,
+                other => other.to_string(),
+            };
+            if k == "event" {
+                name = v
+            } else {
+                rest.push((k, v))
+            }
+        }
+        let max = ms(max_events);
+        self.write(env, Op::new("publishEvent"), move |tx, q| {
+            admin::publish_event(tx, q, &name, &rest, max)
+        })
+    }
+
+    #[napi]
+    pub fn trim_events<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        max_length: f64,
+    ) -> Result<PromiseRaw<'env, f64>> {
+        self.store.observe(host_now);
+        let max = ms(max_length);
+        self.write_map(
+            env,
+            Op::new("trimEvents"),
+            move |tx, q| tx.trim_events(q, max),
+            |n| n as f64,
+        )
+    }
+
+    // ---- job schedulers ------------------------------------------------------------------
+
+    /// `addJobScheduler`: `[jobId, delay]` as JSON, or null when the scheduler
+    /// has run out (limit or end date).
+    #[napi]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "mirrors IQueueBackend's positional arguments, plus env and the host time"
+    )]
+    pub fn add_job_scheduler<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        scheduler_id: String,
+        next_millis: Option<f64>,
+        template_data: String,
+        template_opts: String,
+        repeat_opts: String,
+    ) -> Result<PromiseRaw<'env, Option<String>>> {
+        self.store.observe(host_now);
+        #[derive(Deserialize, Default)]
+        #[serde(rename_all = "camelCase")]
+        struct RepeatOpts {
+            name: Option<String>,
+            pattern: Option<String>,
+            every: Option<f64>,
+            offset: Option<f64>,
+            tz: Option<String>,
+            /// Milliseconds; the JavaScript side turns dates into numbers.
+            start_date: Option<f64>,
+            end_date: Option<f64>,
+            limit: Option<f64>,
+        }
+        let r: RepeatOpts = parse("repeat options", &repeat_opts)?;
+        let template = NewJob::template(&template_opts).map_err(invalid)?;
+        let spec = SchedulerSpec {
+            id: scheduler_id.clone(),
+            name: r.name.unwrap_or_default(),
+            pattern: r.pattern,
+            every_ms: r.every.map(ms),
+            offset_ms: r.offset.map(ms),
+            tz: r.tz,
+            start_date: r.start_date.map(ms),
+            end_date: r.end_date.map(ms),
+            limit: r.limit.map(ms),
+            next_millis: next_millis.map(ms),
+            template_data,
+            template_opts,
+            job: template,
+        };
+        let op = Op::new("addJobScheduler").job(&scheduler_id);
+        let upsert = move |tx: &mut Tx, q: &QueueId| schedule::upsert(tx, q, spec.clone());
+        self.write_map(env, op, upsert, |added| {
+            added.map(|(id, delay)| json(&(id, delay)))
+        })
+    }
+
+    /// `updateJobSchedulerNextMillis`: the next iteration's id, or null.
+    #[napi]
+    pub fn update_job_scheduler_next_millis<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        scheduler_id: String,
+        next_millis: Option<f64>,
+        delayed_job_opts: String,
+        producer_id: Option<String>,
+    ) -> Result<PromiseRaw<'env, Option<String>>> {
+        self.store.observe(host_now);
+        let template = NewJob::template(&delayed_job_opts).map_err(invalid)?;
+        let producer = producer_id.unwrap_or_default();
+        let next = next_millis.map(ms);
+        let op = Op::new("updateJobScheduler").job(&scheduler_id);
+        self.write(env, op, move |tx, q| {
+            schedule::advance(tx, q, &scheduler_id, next, &producer, &template)
+        })
+    }
+
+    /// `removeJobScheduler`: 0 when the scheduler existed, 1 when it did not
+    /// (the Lua script's convention, which `Queue.removeJobScheduler` inverts).
+    #[napi]
+    pub fn remove_job_scheduler<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        scheduler_id: String,
+    ) -> Result<PromiseRaw<'env, u32>> {
+        self.store.observe(host_now);
+        let remove = move |tx: &mut Tx, q: &QueueId| schedule::remove(tx, q, &scheduler_id);
+        self.write_map(env, Op::new("removeJobScheduler"), remove, |existed| {
+            if existed { 0 } else { 1 }
+        })
+    }
+
+    /// `getJobScheduler`: `[hash, next]` as JSON (`[null, null]` when absent).
+    #[napi]
+    pub async fn get_job_scheduler(&self, host_now: f64, scheduler_id: String) -> Result<String> {
+        self.store.observe(host_now);
+        let rec = self.read(Op::new("getJobScheduler"), |tx, q| {
+            schedule::get(tx, q, &scheduler_id)
+        })?;
+        Ok(match rec {
+            Some(r) => json(&(convert::scheduler_hash(&r), r.next_millis.to_string())),
+            None => "[null,null]".into(),
+        })
+    }
+
+    /// `getJobSchedulersRange`: `[id, next, id, next, ...]` by next run.
+    #[napi]
+    pub async fn get_job_schedulers_range(
+        &self,
+        host_now: f64,
+        start: f64,
+        end: f64,
+        asc: bool,
+    ) -> Result<Vec<String>> {
+        self.store.observe(host_now);
+        let recs = self.read(Op::new("getJobSchedulersRange"), |tx, q| {
+            schedule::list(tx, q, start as i64, end as i64, asc)
+        })?;
+        Ok(recs
+            .iter()
+            .flat_map(|r| [r.id.clone(), r.next_millis.to_string()])
+            .collect())
+    }
+
+    #[napi]
+    pub async fn get_job_schedulers_count(&self, host_now: f64) -> Result<i64> {
+        self.store.observe(host_now);
+        Ok(self.read(Op::new("getJobSchedulersCount"), schedule::count)? as i64)
+    }
+
+    // ---- for tests and diagnostics ---------------------------------------------------------
+
+    /// Panics inside the addon; used by the tests to check that a Rust panic
+    /// rejects the promise instead of crashing the process.
+    #[napi]
+    pub async fn panic_for_test(&self, message: String) -> Result<()> {
+        let crash = || -> Result<()> { std::panic::panic_any(message) };
+        crash()
+    }
+}

@@ -1,0 +1,212 @@
+//! Core errors → the errors BullMQ's callers expect, in one place.
+//!
+//! BullMQ reports failed operations with numeric codes (`enums/error-code`)
+//! and the texts of its `finishedErrors()`; [`Op::error`] builds exactly those
+//! texts. napi rejects async functions with a fixed set of statuses only, so
+//! the code travels as a tag at the start of the message, `[bullmq:-3] ...`
+//! or `[loam:<kind>] ...`, which the JavaScript side strips into `error.code`
+//! (see `src/errors.ts`).
+
+use loam_jobs::{FenceFailure, JobsError, Missing, Precondition, StoreError};
+
+/// BullMQ's error codes (`ErrorCode` in bullmq's `enums/error-code`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum BullmqCode {
+    JobNotExist = -1,
+    JobLockNotExist = -2,
+    JobNotInState = -3,
+    JobPendingChildren = -4,
+    ParentJobNotExist = -5,
+    JobLockMismatch = -6,
+    ParentJobCannotBeReplaced = -7,
+    JobBelongsToJobScheduler = -8,
+    JobHasFailedChildren = -9,
+    SchedulerJobIdCollision = -10,
+    SchedulerJobSlotsBusy = -11,
+}
+
+impl BullmqCode {
+    /// The BullMQ code of a core error, when BullMQ has one for it.
+    pub fn of(err: &JobsError) -> Option<Self> {
+        Some(match err {
+            JobsError::NotFound(Missing::Job(_)) => Self::JobNotExist,
+            JobsError::NotFound(Missing::ParentJob(_)) => Self::ParentJobNotExist,
+            JobsError::Fenced {
+                reason: FenceFailure::NoLease,
+                ..
+            } => Self::JobLockNotExist,
+            JobsError::Fenced {
+                reason: FenceFailure::Mismatch,
+                ..
+            } => Self::JobLockMismatch,
+            JobsError::Precondition(p) => match p {
+                Precondition::NotInState { .. } => Self::JobNotInState,
+                Precondition::PendingChildren { .. } => Self::JobPendingChildren,
+                Precondition::FailedChildren { .. } => Self::JobHasFailedChildren,
+                Precondition::ParentCannotBeReplaced { .. } => Self::ParentJobCannotBeReplaced,
+                Precondition::BelongsToScheduler { .. } => Self::JobBelongsToJobScheduler,
+                Precondition::SchedulerIdCollision { .. } => Self::SchedulerJobIdCollision,
+                Precondition::SchedulerSlotsBusy { .. } => Self::SchedulerJobSlotsBusy,
+                Precondition::QueueNotPaused { .. } | Precondition::QueueHasActiveJobs { .. } => {
+                    return None;
+                }
+            },
+            _ => return None,
+        })
+    }
+}
+
+/// The BullMQ command an error is reported for, with the arguments its
+/// message names (as the Redis adapter passes them to `finishedErrors`).
+#[derive(Clone, Debug, Default)]
+pub struct Op {
+    pub command: &'static str,
+    pub job_id: Option<String>,
+    pub state: Option<&'static str>,
+    pub parent_key: Option<String>,
+}
+
+impl Op {
+    pub fn new(command: &'static str) -> Self {
+        Self {
+            command,
+            ..Self::default()
+        }
+    }
+    pub fn job(mut self, id: &str) -> Self {
+        self.job_id = Some(id.to_string());
+        self
+    }
+    pub fn state(mut self, state: &'static str) -> Self {
+        self.state = Some(state);
+        self
+    }
+    pub fn parent(mut self, key: Option<String>) -> Self {
+        self.parent_key = key;
+        self
+    }
+
+    /// BullMQ's `finishedErrors()` text for `code` (undefined arguments print
+    /// as `undefined`, as they do in JavaScript).
+    pub fn message(&self, code: BullmqCode) -> String {
+        let job = self.job_id.as_deref().unwrap_or("undefined");
+        let cmd = self.command;
+        let state = self.state.unwrap_or("undefined");
+        let parent = self.parent_key.as_deref().unwrap_or("undefined");
+        match code {
+            BullmqCode::JobNotExist => format!("Missing key for job {job}. {cmd}"),
+            BullmqCode::JobLockNotExist => format!("Missing lock for job {job}. {cmd}"),
+            BullmqCode::JobNotInState => format!("Job {job} is not in the {state} state. {cmd}"),
+            BullmqCode::JobPendingChildren => format!("Job {job} has pending dependencies. {cmd}"),
+            BullmqCode::ParentJobNotExist => format!("Missing key for parent job {parent}. {cmd}"),
+            BullmqCode::JobLockMismatch => {
+                format!("Lock mismatch for job {job}. Cmd {cmd} from {state}")
+            }
+            BullmqCode::ParentJobCannotBeReplaced => {
+                format!("The parent job {parent} cannot be replaced. {cmd}")
+            }
+            BullmqCode::JobBelongsToJobScheduler => {
+                format!(
+                    "Job {job} belongs to a job scheduler and cannot be removed directly. {cmd}"
+                )
+            }
+            BullmqCode::JobHasFailedChildren => {
+                format!("Cannot complete job {job} because it has at least one failed child. {cmd}")
+            }
+            BullmqCode::SchedulerJobIdCollision => {
+                format!("Cannot create job scheduler iteration - job ID already exists. {cmd}")
+            }
+            BullmqCode::SchedulerJobSlotsBusy => {
+                format!(
+                    "Cannot create job scheduler iteration - current and next time slots already have jobs. {cmd}"
+                )
+            }
+        }
+    }
+
+    /// The JavaScript error for a core error raised by this operation.
+    pub fn error(&self, err: JobsError) -> napi::Error {
+        let text = match BullmqCode::of(&err) {
+            Some(code) => format!("[bullmq:{}] {}", code as i32, self.message(code)),
+            None => loam_message(&err),
+        };
+        napi::Error::from_reason(text)
+    }
+}
+
+/// Errors BullMQ has no code for keep the core's own text, tagged with the
+/// core's error kind. Obliterate's two refusals use BullMQ's texts.
+fn loam_message(err: &JobsError) -> String {
+    match err {
+        JobsError::Precondition(Precondition::QueueNotPaused { .. }) => {
+            "[loam:failed_precondition] Cannot obliterate non-paused queue".to_string()
+        }
+        JobsError::Precondition(Precondition::QueueHasActiveJobs { .. }) => {
+            "[loam:failed_precondition] Cannot obliterate queue with active jobs".to_string()
+        }
+        other => format!("[loam:{}] {other}", other.connect_code()),
+    }
+}
+
+/// The error for a data dir another process holds: embedded stores are
+/// single-process, so point at the server that shares one.
+pub fn store_locked(data_dir: &str) -> napi::Error {
+    napi::Error::from_reason(format!(
+        "[loam:store_locked] The Loam Jobs store in {data_dir} is already open in another process. \
+         An embedded store belongs to one process; to share queues between processes, run \
+         `loam-jobs serve --data-dir {data_dir}` and connect every process to it."
+    ))
+}
+
+pub fn store_error(data_dir: &str, err: StoreError) -> napi::Error {
+    match err {
+        StoreError::Locked(_) => store_locked(data_dir),
+        other => napi::Error::from_reason(format!(
+            "[loam:unavailable] cannot open the Loam Jobs store in {data_dir}: {other}"
+        )),
+    }
+}
+
+pub fn invalid(message: impl std::fmt::Display) -> napi::Error {
+    napi::Error::from_reason(format!("[loam:invalid_argument] {message}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_match_bullmq_finished_errors() {
+        let op = Op::new("moveToFinished").job("7").state("active");
+        assert_eq!(
+            op.error(JobsError::job_missing("7")).reason,
+            "[bullmq:-1] Missing key for job 7. moveToFinished"
+        );
+        let fenced = JobsError::Fenced {
+            job: "7".into(),
+            current_epoch: 2,
+            reason: FenceFailure::Mismatch,
+        };
+        assert_eq!(
+            op.error(fenced).reason,
+            "[bullmq:-6] Lock mismatch for job 7. Cmd moveToFinished from active"
+        );
+        let not_in_state = JobsError::not_in_state("7", "waiting", "active");
+        assert_eq!(
+            op.error(not_in_state).reason,
+            "[bullmq:-3] Job 7 is not in the active state. moveToFinished"
+        );
+        let add = Op::new("addJob").parent(Some("bull:p:1".into()));
+        let missing_parent = JobsError::NotFound(Missing::ParentJob("bull:p:1".into()));
+        assert_eq!(
+            add.error(missing_parent).reason,
+            "[bullmq:-5] Missing key for parent job bull:p:1. addJob"
+        );
+        assert!(
+            op.error(JobsError::invalid("x"))
+                .reason
+                .starts_with("[loam:invalid_argument] ")
+        );
+    }
+}

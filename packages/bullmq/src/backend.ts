@@ -1,0 +1,725 @@
+/**
+ * `LoamQueueBackend`: BullMQ 6.7's `IQueueBackend` over the Loam Jobs core,
+ * in-process. Every member that touches queue state is one call into the
+ * native addon, which runs it as one transaction (or one snapshot read) in
+ * the core; this file only adapts argument and result shapes. Nested results
+ * cross the boundary as JSON text (one `JSON.parse` here, no reshaping).
+ *
+ * Every call passes `Date.now()` first: the core's clock follows the host's
+ * (BullMQ's Redis scripts take their time from the caller, and its tests fake
+ * it), at the cost of one number per call rather than another crossing.
+ */
+import { EventEmitter } from 'node:events';
+import type {
+  DependenciesOpts,
+  FinishedStatus,
+  IQueueBackend,
+  JobJson,
+  JobProgress,
+  JobsOptions,
+  JobState,
+  JobType,
+  KeepJobs,
+  KeysMap,
+  MinimalJob,
+  MoveToDelayedOpts,
+  MoveToWaitingChildrenOpts,
+  ParentKeyOpts,
+  RepeatableOptions,
+  RetryJobOpts,
+  RetryOptions,
+  StreamReadRaw,
+} from 'bullmq';
+import { LoamQueue } from '../native/index.js';
+import { call } from './errors.js';
+
+/** What a backend needs to open its queue (see `loamBackend()`). */
+export interface LoamBackendSettings {
+  /** Directory of the embedded store. */
+  dataDir: string;
+  /** Core namespace the queues live in (default `default`). */
+  namespace?: string;
+  /** `immediate` (fsync per acknowledged write, the default) or `relaxed`. */
+  durability?: 'immediate' | 'relaxed';
+  /** With `relaxed`: longest time a write may wait for its flush, in ms. */
+  flushIntervalMs?: number;
+}
+
+/** The BullMQ factory options the core reads (worker settings and naming). */
+interface FactoryOptions {
+  prefix?: string;
+  name?: string;
+  lockDuration?: number;
+  limiter?: { max: number; duration: number };
+  maxStalledCount?: number;
+  metrics?: { maxDataPoints?: number };
+  removeOnComplete?: boolean | number | KeepJobs;
+  removeOnFail?: boolean | number | KeepJobs;
+}
+
+/** A parent's children, as `getDependencies` reads them from the core. */
+interface ChildrenByCategory {
+  processed: [string, string][];
+  unprocessed: string[];
+  ignored: [string, string][];
+  failed: string[];
+}
+
+type NextJobTuple = [JobJson | null, string, number, number];
+type FinishedResult = { result?: NextJobTuple; finishedOn: number };
+
+/**
+ * Names set through `setName` (and the names workers' blocking connections
+ * get in Redis), so `getClientList` can report the workers and QueueEvents of
+ * this process, which are all the clients an embedded store has.
+ */
+const clientNames = new Map<string, number>();
+
+function holdName(name: string): () => void {
+  clientNames.set(name, (clientNames.get(name) ?? 0) + 1);
+  let held = true;
+  return () => {
+    if (!held) return;
+    held = false;
+    const left = (clientNames.get(name) ?? 1) - 1;
+    if (left > 0) clientNames.set(name, left);
+    else clientNames.delete(name);
+  };
+}
+
+function parseJob(text: string | null | undefined): JobJson | undefined {
+  return text ? (JSON.parse(text) as JobJson) : undefined;
+}
+
+/** The JSON text the core's job parser reads (BullMQ's JobJson + backend args). */
+function newJobJson(
+  job: JobJson,
+  jobId: string | undefined,
+  parentKeyOpts?: ParentKeyOpts,
+  queueName?: string,
+): Record<string, unknown> {
+  return {
+    name: job.name,
+    data: job.data,
+    opts: job.opts ?? {},
+    jobId: jobId || job.id || undefined,
+    timestamp: job.timestamp,
+    delay: (job as { delay?: number }).delay,
+    priority: (job as { priority?: number }).priority,
+    parent: job.parent,
+    parentKey: parentKeyOpts?.parentKey ?? job.parentKey,
+    repeatJobKey: job.repeatJobKey,
+    addToWaitingChildren: parentKeyOpts?.addToWaitingChildren ?? false,
+    queueName,
+  };
+}
+
+export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
+  closing: Promise<void> | undefined;
+  readonly keys: KeysMap = {} as KeysMap;
+  /** Redis' smallest block unit; the core wakes on in-process notifications. */
+  readonly minimumBlockTimeout = 0.001;
+  /**
+   * Waits are woken in-process and re-armed to the next delayed job, so there
+   * is no connection to keep fresh: an idle worker may block for long.
+   */
+  readonly maximumBlockTimeout = 3600;
+
+  private readonly native: LoamQueue;
+  private releaseName: (() => void) | undefined;
+  private readonly ready: Promise<void>;
+  /** Where a QueueEvents started reading (`'$'` resolved at construction). */
+  private eventsStart: Promise<string> | undefined;
+
+  constructor(
+    native: LoamQueue,
+    private readonly queueName: string,
+    private readonly prefix: string,
+    private readonly owner: boolean,
+    options: { blocking?: boolean; withBlockingConnection?: boolean; workerName?: string } = {},
+  ) {
+    super();
+    this.native = native;
+    if (options.withBlockingConnection) {
+      // Redis names a worker's blocking connection so getWorkers finds it.
+      const suffix = options.workerName ? `:w:${options.workerName}` : '';
+      this.releaseName = holdName(this.clientName(suffix));
+    }
+    if (options.blocking) {
+      // A QueueEvents reads from "now": fix that point when it is created (and
+      // be ready only then), so events written between its creation and its
+      // first read are not lost.
+      const start = call(native.lastEventId(Date.now()));
+      this.eventsStart = start;
+      this.ready = start.then(() => undefined);
+      this.ready.catch(() => undefined);
+    } else {
+      this.ready = Promise.resolve();
+    }
+    queueMicrotask(() => this.emit('ready'));
+  }
+
+  // ---- lifecycle ------------------------------------------------------------
+
+  waitUntilReady(): Promise<void> {
+    return this.ready;
+  }
+
+  close(_force?: boolean): Promise<void> {
+    if (!this.closing) {
+      this.releaseName?.();
+      this.closing = (this.owner ? call(this.native.close()) : Promise.resolve()).then(() => {
+        this.emit('close');
+      });
+    }
+    return this.closing;
+  }
+
+  async disconnect(): Promise<void> {
+    this.native.interruptBlocking();
+    this.native.interruptEvents();
+  }
+
+  async setName(name: string): Promise<void> {
+    this.releaseName?.();
+    this.releaseName = holdName(name);
+  }
+
+  async disconnectBlocking(_wait?: boolean): Promise<void> {
+    this.native.interruptBlocking();
+  }
+
+  async reconnectBlocking(): Promise<void> {
+    if (!this.closing) this.native.resetBlocking();
+  }
+
+  // ---- identity -------------------------------------------------------------
+
+  forQueue(queueName: string, prefix?: string): IQueueBackend {
+    const p = prefix ?? this.prefix;
+    return new LoamQueueBackend(this.native.forQueue(queueName, p), queueName, p, false);
+  }
+
+  get qualifiedName(): string {
+    return `${this.prefix}:${this.queueName}`;
+  }
+
+  toKey(type: string): string {
+    return `${this.qualifiedName}:${type}`;
+  }
+
+  parseNodeKey(key: string): { prefix: string; queueName: string; id: string } {
+    const last = key.lastIndexOf(':');
+    const prev = key.lastIndexOf(':', last - 1);
+    if (last === -1 || prev === -1) {
+      const [prefix = '', queueName = '', id = ''] = key.split(':');
+      return { prefix, queueName, id };
+    }
+    return { prefix: key.slice(0, prev), queueName: key.slice(prev + 1, last), id: key.slice(last + 1) };
+  }
+
+  clientName(suffix = ''): string {
+    return `${this.prefix}:${Buffer.from(this.queueName).toString('base64')}${suffix}`;
+  }
+
+  // ---- adding ---------------------------------------------------------------
+
+  addJob(job: JobJson, jobId: string, parentKeyOpts?: ParentKeyOpts): Promise<string> {
+    return call(this.native.addJob(Date.now(), JSON.stringify(newJobJson(job, jobId, parentKeyOpts))));
+  }
+
+  addJobs(entries: { job: JobJson; jobId: string; parentKeyOpts?: ParentKeyOpts }[]): Promise<string[]> {
+    const jobs = entries.map(e => newJobJson(e.job, e.jobId, e.parentKeyOpts));
+    return call(this.native.addJobs(Date.now(), JSON.stringify(jobs)));
+  }
+
+  async addFlow(
+    entries: { jobData: JobJson; jobId: string; parentKeyOpts: ParentKeyOpts; prefix: string; queueName: string }[],
+  ): Promise<[Error | null, string | number][]> {
+    const nodes = entries.map(e => newJobJson(e.jobData, e.jobId, e.parentKeyOpts, e.queueName));
+    try {
+      return JSON.parse(await call(this.native.addFlow(Date.now(), JSON.stringify(nodes))));
+    } catch (err) {
+      // The tree is inserted atomically: on failure nothing was, for any entry.
+      return entries.map(() => [err as Error, 0]);
+    }
+  }
+
+  // ---- worker: fetch, locks, stalled ------------------------------------------
+
+  async moveToActive(token: string, name?: string): Promise<any[]> {
+    return JSON.parse(await call(this.native.moveToActive(Date.now(), token, name)));
+  }
+
+  async waitForJob(blockTimeout: number): Promise<{ member: string; score: number } | null> {
+    const score = await call(this.native.waitForJob(Date.now(), blockTimeout));
+    if (score === null || score === undefined) return null;
+    // Redis marker members: "0" = a job is ready, "1" = next delayed due time.
+    return { member: score === 0 ? '0' : '1', score };
+  }
+
+  extendLock(jobId: string, token: string, duration: number): Promise<number> {
+    return call(this.native.extendLock(Date.now(), jobId, token, duration));
+  }
+
+  extendLocks(jobIds: string[], tokens: string[], duration: number): Promise<string[]> {
+    return call(this.native.extendLocks(Date.now(), jobIds, tokens, duration));
+  }
+
+  moveStalledJobsToWait(): Promise<string[]> {
+    return call(this.native.moveStalledJobsToWait(Date.now()));
+  }
+
+  isMaxed(): Promise<boolean> {
+    return call(this.native.isMaxed(Date.now()));
+  }
+
+  // ---- finishing ---------------------------------------------------------------
+
+  async moveToCompleted<T = any, R = any, N extends string = string>(
+    job: MinimalJob<T, R, N>,
+    returnValue: R,
+    _removeOnComplete: boolean | number | KeepJobs,
+    token: string,
+    fetchNext: boolean,
+  ): Promise<{ result: void | any[]; finishedOn: number }> {
+    // The job's own removeOnComplete is stored with it; the worker's default
+    // comes from the factory options. Both are applied in the core.
+    const value = JSON.stringify(returnValue) ?? 'null';
+    const done: FinishedResult = JSON.parse(
+      await call(this.native.moveToCompleted(Date.now(), job.id!, value, token, fetchNext)),
+    );
+    return { result: done.result, finishedOn: done.finishedOn };
+  }
+
+  async moveToFailed<T = any, R = any, N extends string = string>(
+    job: MinimalJob<T, R, N>,
+    failedReason: string,
+    _removeOnFail: boolean | number | KeepJobs,
+    token: string,
+    fetchNext: boolean,
+    fieldsToUpdate?: Record<string, any>,
+  ): Promise<{ result: void | any[]; finishedOn: number }> {
+    const fields = fieldsToUpdate ? JSON.stringify(fieldsToUpdate) : undefined;
+    const done: FinishedResult = JSON.parse(
+      await call(this.native.moveToFailed(Date.now(), job.id!, failedReason ?? '', token, fetchNext, fields)),
+    );
+    return { result: done.result, finishedOn: done.finishedOn };
+  }
+
+  async moveToDelayed(
+    jobId: string,
+    timestamp: number,
+    delay: number,
+    token?: string,
+    opts?: MoveToDelayedOpts,
+  ): Promise<void | any[]> {
+    return JSON.parse(
+      await call(this.native.moveToDelayed(Date.now(), jobId, timestamp, delay, token, opts ? JSON.stringify(opts) : undefined)),
+    );
+  }
+
+  moveToWaitingChildren(jobId: string, token: string, opts: MoveToWaitingChildrenOpts = {}): Promise<boolean> {
+    const child = opts.child ? `${opts.child.queue}:${opts.child.id}` : undefined;
+    return call(this.native.moveToWaitingChildren(Date.now(), jobId, token, child));
+  }
+
+  moveJobFromActiveToWait(jobId: string, token?: string): Promise<number> {
+    return call(this.native.moveJobFromActiveToWait(Date.now(), jobId, token));
+  }
+
+  async retryJob(jobId: string, _lifo: boolean, token?: string, opts?: RetryJobOpts): Promise<void> {
+    const fields = opts?.fieldsToUpdate ? JSON.stringify(opts.fieldsToUpdate) : undefined;
+    await call(this.native.retryJob(Date.now(), jobId, token, fields));
+  }
+
+  async retryFinishedJob<T = any, R = any, N extends string = string>(
+    job: MinimalJob<T, R, N>,
+    state: 'failed' | 'completed',
+    opts: RetryOptions = {},
+  ): Promise<void> {
+    await call(
+      this.native.retryFinishedJob(Date.now(), job.id!, state, !!opts.resetAttemptsMade, !!opts.resetAttemptsStarted),
+    );
+  }
+
+  promote(jobId: string): Promise<void> {
+    return call(this.native.promote(Date.now(), jobId));
+  }
+
+  changeDelay(jobId: string, delay: number): Promise<void> {
+    return call(this.native.changeDelay(Date.now(), jobId, delay));
+  }
+
+  changePriority(jobId: string, priority = 0, lifo = false): Promise<void> {
+    return call(this.native.changePriority(Date.now(), jobId, priority, lifo));
+  }
+
+  remove(jobId: string, removeChildren: boolean): Promise<number> {
+    return call(this.native.remove(Date.now(), jobId, removeChildren));
+  }
+
+  removeUnprocessedChildren(jobId: string): Promise<void> {
+    return call(this.native.removeUnprocessedChildren(Date.now(), jobId));
+  }
+
+  removeChildDependency(jobId: string, parentKey: string): Promise<boolean> {
+    return call(this.native.removeChildDependency(Date.now(), jobId, parentKey));
+  }
+
+  // ---- job data --------------------------------------------------------------------
+
+  updateData<T = any, R = any, N extends string = string>(job: MinimalJob<T, R, N>, data: T): Promise<void> {
+    return call(this.native.updateData(Date.now(), job.id!, JSON.stringify(data) ?? '{}'));
+  }
+
+  updateProgress(jobId: string, progress: JobProgress): Promise<void> {
+    return call(this.native.updateProgress(Date.now(), jobId, JSON.stringify(progress)));
+  }
+
+  addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
+    return call(this.native.addLog(Date.now(), jobId, logRow, keepLogs));
+  }
+
+  clearLogs(jobId: string, keepLogs?: number): Promise<void> {
+    return call(this.native.clearLogs(Date.now(), jobId, keepLogs));
+  }
+
+  // ---- queue admin ---------------------------------------------------------------------
+
+  pause(pause: boolean): Promise<void> {
+    return call(this.native.pause(Date.now(), pause));
+  }
+
+  drain(delayed: boolean): Promise<void> {
+    return call(this.native.drain(Date.now(), delayed));
+  }
+
+  cleanJobsByState(state: string, timestamp: number, limit?: number): Promise<string[]> {
+    return call(this.native.cleanJobsByState(Date.now(), state, timestamp, limit));
+  }
+
+  obliterate(opts: { force: boolean; count: number }): Promise<number> {
+    return call(this.native.obliterate(Date.now(), !!opts.force, opts.count));
+  }
+
+  retryFinishedJobs(state: FinishedStatus = 'failed', count = 1000, timestamp = Date.now()): Promise<number> {
+    return call(this.native.retryFinishedJobs(Date.now(), state, count, timestamp));
+  }
+
+  promoteJobs(count = 1000): Promise<number> {
+    return call(this.native.promoteJobs(Date.now(), count));
+  }
+
+  /** Redis keyspace repair; an embedded store has no orphaned keys. */
+  async removeOrphanedJobs(_count?: number, _limit?: number): Promise<number> {
+    return 0;
+  }
+
+  /** The pre-v6 Redis `priority` key never exists here. */
+  async removeDeprecatedPriorityKey(): Promise<number> {
+    return 0;
+  }
+
+  // ---- getters ---------------------------------------------------------------------------
+
+  async getState(jobId: string): Promise<JobState | 'unknown'> {
+    return (await call(this.native.getState(Date.now(), jobId))) as JobState | 'unknown';
+  }
+
+  async isFinished(jobId: string, returnValue = false): Promise<number | [number, string]> {
+    return JSON.parse(await call(this.native.isFinished(Date.now(), jobId, returnValue)));
+  }
+
+  isJobInState(state: string, jobId: string): Promise<boolean> {
+    return call(this.native.isJobInState(Date.now(), state, jobId));
+  }
+
+  async getJobData(jobId: string): Promise<JobJson | undefined> {
+    return parseJob(await call(this.native.getJobData(Date.now(), jobId)));
+  }
+
+  async getJobLogs(jobId: string, start: number, end: number, asc: boolean): Promise<{ logs: string[]; count: number }> {
+    return JSON.parse(await call(this.native.getJobLogs(Date.now(), jobId, start, end, asc)));
+  }
+
+  getCounts(types: JobType[], delayedTimestamp?: number): Promise<number[]> {
+    return call(this.native.getCounts(Date.now(), types, delayedTimestamp));
+  }
+
+  getCountsPerPriority(priorities: number[]): Promise<number[]> {
+    return call(this.native.getCountsPerPriority(Date.now(), priorities));
+  }
+
+  async getRanges(types: JobType[], start = 0, end = 1, asc = false): Promise<[string][]> {
+    return (await call(this.native.getRanges(Date.now(), types, start, end, asc))) as unknown as [string][];
+  }
+
+  getDependencyCounts(jobId: string, types: string[]): Promise<number[]> {
+    return call(this.native.getDependencyCounts(Date.now(), jobId, types));
+  }
+
+  async getDependencies(
+    jobId: string,
+    opts: DependenciesOpts = {},
+  ): Promise<{
+    nextFailedCursor?: number;
+    failed?: string[];
+    nextIgnoredCursor?: number;
+    ignored?: Record<string, any>;
+    nextProcessedCursor?: number;
+    processed?: Record<string, any>;
+    nextUnprocessedCursor?: number;
+    unprocessed?: string[];
+  }> {
+    const all: ChildrenByCategory = JSON.parse(await call(this.native.getDependencies(Date.now(), jobId)));
+    const processedValues = (entries: [string, string][]) =>
+      Object.fromEntries(entries.map(([key, value]) => [key, JSON.parse(value)]));
+    if (!opts.processed && !opts.unprocessed && !opts.ignored && !opts.failed) {
+      return {
+        processed: processedValues(all.processed),
+        unprocessed: all.unprocessed,
+        failed: all.failed,
+        ignored: Object.fromEntries(all.ignored),
+      };
+    }
+    // Cursors are offsets into the category; 0 = no more (as Redis' SCAN).
+    const page = <T>(items: T[], o: { cursor?: number; count?: number }): [T[], number] => {
+      const from = o.cursor ?? 0;
+      const to = from + (o.count ?? 20);
+      return [items.slice(from, to), to < items.length ? to : 0];
+    };
+    const out: Awaited<ReturnType<IQueueBackend['getDependencies']>> = {};
+    if (opts.processed) {
+      const [items, next] = page(all.processed, opts.processed);
+      out.processed = processedValues(items);
+      out.nextProcessedCursor = next;
+    }
+    if (opts.unprocessed) {
+      [out.unprocessed, out.nextUnprocessedCursor] = page(all.unprocessed, opts.unprocessed);
+    }
+    if (opts.ignored) {
+      const [items, next] = page(all.ignored, opts.ignored);
+      out.ignored = Object.fromEntries(items);
+      out.nextIgnoredCursor = next;
+    }
+    if (opts.failed) {
+      const [items, next] = page(all.failed, opts.failed);
+      out.failed = items;
+      if (next) out.nextFailedCursor = next;
+    }
+    return out;
+  }
+
+  async getProcessedChildrenValues(jobId: string): Promise<Record<string, string>> {
+    return JSON.parse(await call(this.native.getProcessedChildrenValues(Date.now(), jobId)));
+  }
+
+  async getIgnoredChildrenFailures(jobId: string): Promise<Record<string, string>> {
+    return JSON.parse(await call(this.native.getIgnoredChildrenFailures(Date.now(), jobId)));
+  }
+
+  getDeduplicationJobId(deduplicationId: string): Promise<string | null> {
+    return call(this.native.getDeduplicationJobId(Date.now(), deduplicationId)).then(id => id ?? null);
+  }
+
+  getRateLimitTtl(maxJobs?: number): Promise<number> {
+    return call(this.native.getRateLimitTtl(Date.now(), maxJobs));
+  }
+
+  async getMetrics(type: 'completed' | 'failed', start = 0, end = -1): Promise<[string[], string[], number]> {
+    return JSON.parse(await call(this.native.getMetrics(Date.now(), type, start, end)));
+  }
+
+  /** One CLIENT LIST text with the names this process's backends hold. */
+  async getClientList(): Promise<string[]> {
+    let id = 0;
+    const lines: string[] = [];
+    for (const [name, count] of clientNames) {
+      for (let i = 0; i < count; i++) lines.push(`id=${++id} name=${name}`);
+    }
+    return [lines.join('\n')];
+  }
+
+  /** `paginate` of `<qualifiedName>:<parentId>:dependencies` or `:processed`. */
+  async paginate(
+    key: string,
+    opts: { start: number; end: number; fetchJobs?: boolean },
+  ): Promise<{ cursor: string; items: { id: string; v?: any; err?: string }[]; total: number; jobs?: JobJson[] }> {
+    const match = /^(.*):(dependencies|processed)$/.exec(key);
+    const own = `${this.qualifiedName}:`;
+    if (!match || !match[1].startsWith(own)) {
+      throw new Error(`LoamQueueBackend: cannot paginate key ${key}`);
+    }
+    const processed = match[2] === 'processed';
+    const page: { cursor: string; items: [string, string | null][]; total: number; jobs?: string[] } = JSON.parse(
+      await call(
+        this.native.paginateChildren(Date.now(), match[1].slice(own.length), processed, opts.start, opts.end, !!opts.fetchJobs),
+      ),
+    );
+    return {
+      cursor: page.cursor,
+      total: page.total,
+      items: page.items.map(([id, value]) => (processed ? { id, v: JSON.parse(value ?? 'null') } : { id })),
+      jobs: page.jobs?.map(job => JSON.parse(job) as JobJson),
+    };
+  }
+
+  // ---- queue meta ----------------------------------------------------------------------------
+
+  setQueueMeta(values: Record<string, string | number>): Promise<number> {
+    return call(this.native.setQueueMeta(Date.now(), JSON.stringify(values)));
+  }
+
+  async getQueueMetaField(field: string): Promise<string | null> {
+    const [value] = await call(this.native.getQueueMetaFields(Date.now(), [field]));
+    return value ?? null;
+  }
+
+  async getQueueMetaFields(fields: string[]): Promise<(string | null)[]> {
+    return (await call(this.native.getQueueMetaFields(Date.now(), fields))).map(v => v ?? null);
+  }
+
+  async getQueueMeta(): Promise<Record<string, string>> {
+    return JSON.parse(await call(this.native.getQueueMeta(Date.now())));
+  }
+
+  removeQueueMetaFields(fields: string[]): Promise<number> {
+    return call(this.native.removeQueueMetaFields(Date.now(), fields));
+  }
+
+  async hasQueueMetaField(field: string): Promise<boolean> {
+    return (await this.getQueueMetaField(field)) !== null;
+  }
+
+  // ---- rate limit, dedup ---------------------------------------------------------------------
+
+  setRateLimit(expireTimeMs: number): Promise<void> {
+    return call(this.native.setRateLimit(Date.now(), expireTimeMs));
+  }
+
+  removeRateLimitKey(): Promise<number> {
+    return call(this.native.removeRateLimitKey(Date.now()));
+  }
+
+  removeDeduplicationKey(deduplicationId: string, jobId: string): Promise<number> {
+    return call(this.native.removeDeduplicationKey(Date.now(), deduplicationId, jobId));
+  }
+
+  deleteDeduplicationKey(deduplicationId: string): Promise<number> {
+    return call(this.native.removeDeduplicationKey(Date.now(), deduplicationId, undefined));
+  }
+
+  // ---- events -----------------------------------------------------------------------------------
+
+  async readEvents(id: string, blockTimeout: number): Promise<StreamReadRaw> {
+    let from = id;
+    if (id === '$' && this.eventsStart) {
+      from = await this.eventsStart;
+    }
+    const entries = await call(this.native.readEvents(Date.now(), from, blockTimeout));
+    if (!entries) return null as unknown as StreamReadRaw;
+    this.eventsStart = undefined;
+    return [[this.toKey('events'), JSON.parse(entries)]] as unknown as StreamReadRaw;
+  }
+
+  publishEvent(fields: Record<string, string | number>, maxEvents: number): Promise<string> {
+    return call(this.native.publishEvent(Date.now(), JSON.stringify(fields), maxEvents));
+  }
+
+  trimEvents(maxLength: number): Promise<number> {
+    return call(this.native.trimEvents(Date.now(), maxLength));
+  }
+
+  // ---- job schedulers -----------------------------------------------------------------------------
+
+  async addJobScheduler(
+    jobSchedulerId: string,
+    nextMillis: number,
+    templateData: string,
+    templateOpts: JobsOptions,
+    opts: RepeatableOptions,
+    _delayedJobOpts: JobsOptions,
+    _producerId?: string,
+  ): Promise<[string, number]> {
+    const added = await call(
+      this.native.addJobScheduler(
+        Date.now(),
+        jobSchedulerId,
+        nextMillis ?? undefined,
+        templateData,
+        JSON.stringify(templateOpts ?? {}),
+        JSON.stringify(opts ?? {}),
+      ),
+    );
+    return added ? JSON.parse(added) : [undefined as unknown as string, 0];
+  }
+
+  async updateJobSchedulerNextMillis(
+    jobSchedulerId: string,
+    nextMillis: number,
+    _templateData: string,
+    delayedJobOpts: JobsOptions,
+    producerId?: string,
+  ): Promise<string | null> {
+    const id = await call(
+      this.native.updateJobSchedulerNextMillis(
+        Date.now(),
+        jobSchedulerId,
+        nextMillis ?? undefined,
+        JSON.stringify(delayedJobOpts ?? {}),
+        producerId,
+      ),
+    );
+    return id ?? null;
+  }
+
+  removeJobScheduler(jobSchedulerId: string): Promise<number> {
+    return call(this.native.removeJobScheduler(Date.now(), jobSchedulerId));
+  }
+
+  async getJobScheduler(id: string): Promise<[any, string | null]> {
+    const [hash, next] = JSON.parse(await call(this.native.getJobScheduler(Date.now(), id)));
+    return [hash ? Object.entries(hash).flat() : null, next];
+  }
+
+  async isJobScheduler(id: string): Promise<boolean> {
+    const [hash] = JSON.parse(await call(this.native.getJobScheduler(Date.now(), id)));
+    return hash !== null;
+  }
+
+  async getJobSchedulerData(key: string): Promise<Record<string, string>> {
+    const [hash] = JSON.parse(await call(this.native.getJobScheduler(Date.now(), key)));
+    return hash ?? {};
+  }
+
+  getJobSchedulersRange(start: number, end: number, asc: boolean): Promise<string[]> {
+    return call(this.native.getJobSchedulersRange(Date.now(), start, end, asc));
+  }
+
+  getJobSchedulersCount(): Promise<number> {
+    return call(this.native.getJobSchedulersCount(Date.now()));
+  }
+}
+
+/** Reads the factory options the core needs into the JSON the addon parses. */
+export function backendOptionsJson(
+  settings: LoamBackendSettings,
+  queue: string,
+  opts: FactoryOptions,
+): string {
+  return JSON.stringify({
+    ...settings,
+    queue,
+    prefix: opts.prefix,
+    name: opts.name,
+    lockDuration: opts.lockDuration,
+    limiter: opts.limiter,
+    maxStalledCount: opts.maxStalledCount,
+    metrics: opts.metrics,
+    removeOnComplete: opts.removeOnComplete,
+    removeOnFail: opts.removeOnFail,
+  });
+}
+
+export type { FactoryOptions };

@@ -1,0 +1,72 @@
+/**
+ * `@loam/bullmq`: BullMQ 6.7 on the Loam Jobs core, in-process.
+ *
+ * ```ts
+ * import { Queue, Worker } from '@loam/bullmq';          // BullMQ's classes, bound to Loam
+ * // or keep `from 'bullmq'` and set the backend once:
+ * import { setDefaultBackendFactory } from 'bullmq';
+ * import { loamBackend } from '@loam/bullmq';
+ * setDefaultBackendFactory(loamBackend());
+ * ```
+ *
+ * Data lives in `./.loam` (or `$LOAM_DATA_DIR`, or `loamBackend({ dataDir })`,
+ * or a queue's `connection: { dataDir }`). Every queue, worker and
+ * QueueEvents of the process that names the same directory shares one open
+ * store; a second process opening it fails at once (use `loam-jobs serve`).
+ */
+import * as path from 'node:path';
+import { withBackend, type BackendFactory, type QueueBaseOptions } from 'bullmq';
+import { LoamQueue } from '../native/index.js';
+import { backendOptionsJson, LoamQueueBackend, type FactoryOptions, type LoamBackendSettings } from './backend.js';
+import { callSync } from './errors.js';
+
+export { LoamQueueBackend } from './backend.js';
+export type { LoamBackendSettings } from './backend.js';
+export { fromNative } from './errors.js';
+
+/** A queue's `connection` option: settings that override the factory's. */
+export type LoamConnectionOptions = Partial<LoamBackendSettings>;
+
+/** Where data lives when nothing says otherwise. */
+export const DEFAULT_DATA_DIR = '.loam';
+
+/**
+ * A BullMQ `BackendFactory` over the embedded store. Relative directories are
+ * resolved against the working directory when `loamBackend()` is called.
+ */
+export function loamBackend(
+  settings: Partial<LoamBackendSettings> = {},
+): BackendFactory<LoamQueueBackend, LoamConnectionOptions> {
+  const base: LoamBackendSettings = {
+    ...settings,
+    dataDir: path.resolve(settings.dataDir ?? process.env.LOAM_DATA_DIR ?? DEFAULT_DATA_DIR),
+  };
+  return (name, opts: QueueBaseOptions<LoamConnectionOptions>, options = {}) => {
+    const connection = isSettings(opts.connection) ? opts.connection : {};
+    const resolved: LoamBackendSettings = {
+      ...base,
+      ...connection,
+      dataDir: connection.dataDir ? path.resolve(connection.dataDir) : base.dataDir,
+    };
+    const factoryOpts = opts as FactoryOptions;
+    const native = callSync(() => LoamQueue.open(backendOptionsJson(resolved, name, factoryOpts)));
+    return new LoamQueueBackend(native, name, factoryOpts.prefix ?? 'bull', true, {
+      blocking: options.blocking,
+      withBlockingConnection: options.withBlockingConnection,
+      workerName: factoryOpts.name,
+    });
+  };
+}
+
+function isSettings(value: unknown): value is LoamConnectionOptions {
+  return typeof value === 'object' && value !== null && !Array.isArray(value);
+}
+
+const bound = withBackend(loamBackend());
+
+/** BullMQ's classes, bound to `loamBackend()` with the default data dir. */
+export const Queue = bound.Queue;
+export const Worker = bound.Worker;
+export const QueueEvents = bound.QueueEvents;
+export const QueueEventsProducer = bound.QueueEventsProducer;
+export const FlowProducer = bound.FlowProducer;

@@ -1,0 +1,180 @@
+import { afterAll, describe, expect, it } from 'vitest';
+import type { Job } from 'bullmq';
+import { freshLoam, until } from './helpers.js';
+
+const loam = freshLoam();
+const { Queue, Worker, QueueEvents } = loam;
+const connection = {};
+
+afterAll(() => loam.cleanup());
+
+describe('queue and job admin', () => {
+  it('pauses and resumes', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const events = new QueueEvents(name, { connection });
+    const seen: string[] = [];
+    events.on('paused', () => seen.push('paused'));
+    events.on('resumed', () => seen.push('resumed'));
+    await events.waitUntilReady();
+    await queue.pause();
+    expect(await queue.isPaused()).toBe(true);
+    const ran: string[] = [];
+    const worker = new Worker(name, async (job: Job) => void ran.push(job.id!), { connection });
+    await queue.add('a', {});
+    await new Promise(r => setTimeout(r, 200));
+    expect(ran).toEqual([]);
+    expect(await queue.getJobCounts('waiting')).toEqual({ waiting: 1 });
+    await queue.resume();
+    await until(() => ran.length === 1);
+    await until(() => seen.length === 2);
+    expect(seen).toEqual(['paused', 'resumed']);
+    await worker.close();
+    await events.close();
+    await queue.close();
+  });
+
+  it('progress, logs, data and removal', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const events = new QueueEvents(name, { connection });
+    const progress: unknown[] = [];
+    events.on('progress', ({ data }) => progress.push(data));
+    await events.waitUntilReady();
+    const job = await queue.add('a', { v: 1 });
+    await job.updateProgress({ pct: 50 });
+    await job.log('first');
+    await job.log('second');
+    await job.updateData({ v: 2 });
+    const stored = await queue.getJob(job.id!);
+    expect(stored?.progress).toEqual({ pct: 50 });
+    expect(stored?.data).toEqual({ v: 2 });
+    expect(await queue.getJobLogs(job.id!)).toEqual({ logs: ['first', 'second'], count: 2 });
+    expect(await queue.getJobLogs(job.id!, 0, 0, false)).toEqual({ logs: ['second'], count: 2 });
+    await until(() => progress.length === 1);
+    expect(progress).toEqual([{ pct: 50 }]);
+    await job.remove();
+    expect(await queue.getJob(job.id!)).toBeUndefined();
+    expect(await job.getState()).toBe('unknown');
+    await events.close();
+    await queue.close();
+  });
+
+  it('promotes, changes priority, drains, cleans and obliterates', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const delayed = await queue.add('d', {}, { delay: 60_000 });
+    await delayed.promote();
+    expect(await delayed.getState()).toBe('waiting');
+    const p = await queue.add('p', {}, { priority: 5 });
+    await p.changePriority({ priority: 1 });
+    expect((await queue.getJob(p.id!))?.priority).toBe(1);
+    expect(await queue.getCountsPerPriority([0, 1, 5])).toEqual({ '0': 1, '1': 1, '5': 0 });
+    await queue.add('late', {}, { delay: 60_000 });
+    await queue.drain();
+    expect(await queue.getJobCounts('waiting', 'prioritized', 'delayed')).toEqual({
+      waiting: 0,
+      prioritized: 0,
+      delayed: 1,
+    });
+    await queue.drain(true);
+    expect(await queue.count()).toBe(0);
+
+    await queue.addBulk([{ name: 'x', data: {} }, { name: 'y', data: {} }]);
+    const cleaned = await queue.clean(0, 10, 'wait');
+    expect(cleaned.length).toBe(2);
+    await queue.add('z', {});
+    await queue.obliterate();
+    expect(await queue.getJobCounts('waiting')).toEqual({ waiting: 0 });
+    await queue.close();
+  });
+
+  it('retries a failed job and bulk-retries', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    let fail = true;
+    const worker = new Worker(name, async () => {
+      if (fail) throw new Error('nope');
+      return 'fine';
+    }, { connection });
+    const job = await queue.add('a', {});
+    await queue.add('b', {});
+    await until(async () => (await queue.getJobCounts('failed')).failed === 2);
+    fail = false;
+    await (await queue.getJob(job.id!))!.retry();
+    await until(async () => (await job.getState()) === 'completed');
+    await queue.retryJobs({ state: 'failed' });
+    await until(async () => (await queue.getJobCounts('completed')).completed === 2);
+    await worker.close();
+    await queue.close();
+  });
+
+  it('deduplicates adds while the first job exists', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const events = new QueueEvents(name, { connection });
+    const dups: string[] = [];
+    events.on('deduplicated', ({ jobId }) => dups.push(jobId));
+    await events.waitUntilReady();
+    const first = await queue.add('a', { n: 1 }, { deduplication: { id: 'same' } });
+    const second = await queue.add('a', { n: 2 }, { deduplication: { id: 'same' } });
+    expect(second.id).toBe(first.id);
+    expect(await queue.getDeduplicationJobId('same')).toBe(first.id);
+    expect(await queue.getJobCounts('waiting')).toEqual({ waiting: 1 });
+    await until(() => dups.length === 1);
+    expect(await queue.removeDeduplicationKey('same')).toBe(1);
+    const third = await queue.add('a', { n: 3 }, { deduplication: { id: 'same' } });
+    expect(third.id).not.toBe(first.id);
+    await events.close();
+    await queue.close();
+  });
+
+  it('keeps finished jobs by removeOnComplete and collects metrics', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const worker = new Worker(name, async () => 'ok', {
+      connection,
+      removeOnComplete: { count: 2 },
+      metrics: { maxDataPoints: 10 },
+    });
+    await queue.addBulk(Array.from({ length: 5 }, () => ({ name: 'x', data: {} })));
+    await until(async () => (await queue.getJobCounts('waiting', 'active')).waiting === 0);
+    await until(async () => (await queue.getJobCounts('active')).active === 0);
+    expect(await queue.getJobCounts('completed')).toEqual({ completed: 2 });
+    const metrics = await queue.getMetrics('completed');
+    expect(metrics.meta.count).toBe(5);
+    await worker.close();
+    await queue.close();
+  });
+
+  it('rate limits a worker', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const ran: number[] = [];
+    const worker = new Worker(name, async () => void ran.push(Date.now()), {
+      connection,
+      limiter: { max: 2, duration: 500 },
+    });
+    await queue.addBulk(Array.from({ length: 4 }, () => ({ name: 'x', data: {} })));
+    await until(() => ran.length === 4, 5_000);
+    expect(ran[2] - ran[0]).toBeGreaterThanOrEqual(400);
+    await worker.close();
+    await queue.close();
+  });
+
+  it('runs a job scheduler every interval', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const ran: string[] = [];
+    const worker = new Worker(name, async (job: Job) => void ran.push(job.id!), { connection });
+    await queue.upsertJobScheduler('tick', { every: 300 }, { name: 'tick', data: { a: 1 } });
+    const scheduler = await queue.getJobScheduler('tick');
+    expect(scheduler?.every).toBe(300);
+    expect(await queue.getJobSchedulersCount()).toBe(1);
+    await until(() => ran.length >= 2, 5_000);
+    expect(ran.every(id => id.startsWith('repeat:tick:'))).toBe(true);
+    expect(await queue.removeJobScheduler('tick')).toBe(true);
+    expect(await queue.getJobSchedulersCount()).toBe(0);
+    await worker.close();
+    await queue.close();
+  });
+});

@@ -1,0 +1,121 @@
+import { afterAll, describe, expect, it } from 'vitest';
+import type { Job } from 'bullmq';
+import { freshLoam, until } from './helpers.js';
+
+const loam = freshLoam();
+const { Queue, Worker, QueueEvents } = loam;
+const connection = {};
+
+afterAll(() => loam.cleanup());
+
+describe('Queue and Worker on Loam', () => {
+  it('adds jobs and reports counts', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const job = await queue.add('greet', { who: 'world' });
+    expect(job.id).toBe('1');
+    const [a, b] = await queue.addBulk([
+      { name: 'x', data: { n: 1 } },
+      { name: 'y', data: { n: 2 }, opts: { priority: 3 } },
+    ]);
+    expect([a.id, b.id]).toEqual(['2', '3']);
+    await queue.add('later', {}, { delay: 60_000 });
+    const counts = await queue.getJobCounts();
+    expect(counts).toMatchObject({ waiting: 2, prioritized: 1, delayed: 1, active: 0, completed: 0, failed: 0 });
+
+    const stored = await queue.getJob('1');
+    expect(stored?.name).toBe('greet');
+    expect(stored?.data).toEqual({ who: 'world' });
+    expect(await stored?.getState()).toBe('waiting');
+    expect((await queue.getWaiting()).map(j => j.id)).toEqual(['1', '2']);
+    await queue.close();
+  });
+
+  it('applies writes in call order, awaited or not (like one Redis connection)', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const adds = Array.from({ length: 50 }, (_, n) => queue.add('ordered', { n }));
+    await Promise.all(adds);
+    const waiting = await queue.getWaiting(0, -1);
+    expect(waiting.map(j => j.data.n)).toEqual(Array.from({ length: 50 }, (_, n) => n));
+    await queue.close();
+  });
+
+  it('processes jobs with concurrency and fires QueueEvents completed', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const events = new QueueEvents(name, { connection });
+    await events.waitUntilReady();
+    const completedIds: string[] = [];
+    events.on('completed', ({ jobId }) => completedIds.push(jobId));
+
+    let running = 0;
+    let peak = 0;
+    const worker = new Worker(
+      name,
+      async (job: Job) => {
+        running++;
+        peak = Math.max(peak, running);
+        await new Promise(r => setTimeout(r, 30));
+        running--;
+        return job.data.n * 2;
+      },
+      { connection, concurrency: 4 },
+    );
+    const jobs = await queue.addBulk(Array.from({ length: 12 }, (_, n) => ({ name: 'double', data: { n } })));
+    const last = jobs[jobs.length - 1];
+    expect(await last.waitUntilFinished(events, 10_000)).toBe(22);
+    await until(() => completedIds.length === 12);
+    expect(peak).toBeGreaterThan(1);
+    expect(peak).toBeLessThanOrEqual(4);
+    const counts = await queue.getJobCounts('completed', 'active', 'waiting');
+    expect(counts).toEqual({ completed: 12, active: 0, waiting: 0 });
+    const done = await queue.getJob(jobs[3].id!);
+    expect(done?.returnvalue).toBe(6);
+    expect(done?.finishedOn).toBeGreaterThan(0);
+    expect(done?.attemptsMade).toBe(1);
+    await worker.close();
+    await events.close();
+    await queue.close();
+  });
+
+  it('retries failed jobs with backoff, then fails them for good', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const attempts: number[] = [];
+    const worker = new Worker(
+      name,
+      async (job: Job) => {
+        attempts.push(Date.now());
+        if (job.attemptsMade < 2) throw new Error(`boom ${job.attemptsMade}`);
+        return 'ok';
+      },
+      { connection },
+    );
+    const retried = await queue.add('flaky', {}, { attempts: 3, backoff: { type: 'fixed', delay: 200 } });
+    const doomed = await queue.add('doomed', {}, { attempts: 2, backoff: { type: 'exponential', delay: 50 } });
+    await until(async () => (await retried.getState()) === 'completed' && (await doomed.getState()) === 'failed');
+    const ok = await queue.getJob(retried.id!);
+    expect(ok?.attemptsMade).toBe(3);
+    expect(ok?.returnvalue).toBe('ok');
+    const failed = await queue.getJob(doomed.id!);
+    expect(failed?.failedReason).toBe('boom 1');
+    expect(failed?.attemptsMade).toBe(2);
+    expect(failed?.stacktrace.length).toBe(2);
+    await worker.close();
+    await queue.close();
+  });
+
+  it('runs delayed jobs once they are due', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const ranAt: number[] = [];
+    const worker = new Worker(name, async () => void ranAt.push(Date.now()), { connection });
+    const added = Date.now();
+    const job = await queue.add('soon', {}, { delay: 400 });
+    expect(await job.getState()).toBe('delayed');
+    await until(() => ranAt.length === 1);
+    expect(ranAt[0] - added).toBeGreaterThanOrEqual(390);
+    expect(ranAt[0] - added).toBeLessThan(2_000);
+    await worker.close();
+    await queue.close();
+  });
+});

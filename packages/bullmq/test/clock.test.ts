@@ -1,0 +1,28 @@
+import { afterAll, describe, expect, it, vi } from 'vitest';
+import { freshLoam } from './helpers.js';
+import type { LoamQueueBackend } from '../src/index.js';
+
+const loam = freshLoam();
+afterAll(() => {
+  vi.useRealTimers();
+  loam.cleanup();
+});
+
+describe("the core's clock", () => {
+  it("follows the host's Date.now(), as BullMQ's scripts do on Redis", async () => {
+    const queue = new loam.Queue(loam.queueName(), { connection: {} });
+    vi.useFakeTimers({ toFake: ['Date'] });
+    const faked = Date.UTC(2017, 1, 7, 4, 3, 0);
+    vi.setSystemTime(faked);
+    const job = await queue.add('then', {}, { delay: 5_000 });
+    const backend = queue.getBackend() as LoamQueueBackend;
+    expect(await queue.getDelayedCount(faked + 5_001)).toBe(1);
+    expect(await queue.getDelayedCount(faked + 4_000)).toBe(0);
+    vi.setSystemTime(faked + 6_000);
+    const [claimed] = await backend.moveToActive('token');
+    expect(claimed.id).toBe(job.id);
+    expect(Math.abs(claimed.processedOn - (faked + 6_000))).toBeLessThan(1_000);
+    vi.useRealTimers();
+    await queue.close();
+  });
+});

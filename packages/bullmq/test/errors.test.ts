@@ -1,0 +1,71 @@
+import { afterAll, describe, expect, it } from 'vitest';
+import { UnrecoverableError } from 'bullmq';
+import { freshLoam } from './helpers.js';
+import { LoamQueueBackend } from '../src/index.js';
+
+const loam = freshLoam();
+const { Queue, Worker } = loam;
+const connection = {};
+
+afterAll(() => loam.cleanup());
+
+describe('errors', () => {
+  it('reports BullMQ codes and finishedErrors texts', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const job = await queue.add('a', {});
+    const backend = queue.getBackend() as LoamQueueBackend;
+
+    const token = 'token-1';
+    const [claimed] = await backend.moveToActive(token);
+    expect(claimed.id).toBe(job.id);
+
+    await expect(job.moveToCompleted('x', 'other-token', false)).rejects.toMatchObject({
+      code: -6,
+      message: `Lock mismatch for job ${job.id}. Cmd moveToFinished from active`,
+    });
+    await expect(backend.promote(job.id!)).rejects.toMatchObject({
+      code: -3,
+      message: `Job ${job.id} is not in the delayed state. promote`,
+    });
+    await expect(backend.updateProgress('nope', 5)).rejects.toMatchObject({
+      code: -1,
+      message: 'Missing key for job nope. updateProgress',
+    });
+    await expect(
+      queue.add('child', {}, { parent: { id: 'missing', queue: queue.qualifiedName } }),
+    ).rejects.toMatchObject({ code: -5, message: `Missing key for parent job ${queue.qualifiedName}:missing. addJob` });
+
+    await job.moveToCompleted('done', token, false);
+    expect(await job.getState()).toBe('completed');
+    await queue.close();
+  });
+
+  it('raises JobHasFailedChildren as an UnrecoverableError', async () => {
+    const { fromNative } = await import('../src/errors.js');
+    const err = fromNative(new Error('[bullmq:-9] Cannot complete job 1 because it has at least one failed child. moveToFinished'));
+    expect(err).toBeInstanceOf(UnrecoverableError);
+    expect((err as Error & { code: number }).code).toBe(-9);
+  });
+
+  it('turns a Rust panic into a rejected promise', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const native = (queue.getBackend() as unknown as { native: { panicForTest(m: string): Promise<void> } }).native;
+    await expect(native.panicForTest('deliberate')).rejects.toThrow();
+    // The process and the store are still fine.
+    const job = await queue.add('after-panic', {});
+    expect(await job.getState()).toBe('waiting');
+    await queue.close();
+  });
+
+  it('lists workers through getClientList', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const worker = new Worker(name, async () => 1, { connection, name: 'w1' });
+    await worker.waitUntilReady();
+    const workers = await queue.getWorkers();
+    expect(workers.map(w => w.rawname)).toContain(`${queue.clientName()}:w:w1`);
+    await worker.close();
+    expect(await queue.getWorkersCount()).toBe(0);
+    await queue.close();
+  });
+});

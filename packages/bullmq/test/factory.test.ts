@@ -1,0 +1,37 @@
+import { afterAll, describe, expect, it } from 'vitest';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import * as path from 'node:path';
+import { Queue, getDefaultBackendFactory, setDefaultBackendFactory } from 'bullmq';
+
+const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-factory-'));
+process.env.LOAM_DATA_DIR = dataDir;
+
+afterAll(() => {
+  setDefaultBackendFactory();
+  rmSync(dataDir, { recursive: true, force: true });
+});
+
+describe('factory entry points', () => {
+  it('the factory subpath is a ready BackendFactory usable as the process default', async () => {
+    const { default: factory } = await import('../src/factory.js');
+    setDefaultBackendFactory(factory);
+    expect(getDefaultBackendFactory()).toBe(factory);
+    const queue = new Queue('plain-bullmq-import');
+    const job = await queue.add('x', { a: 1 });
+    expect(await queue.getJobCounts('waiting')).toEqual({ waiting: 1 });
+    expect((await queue.getJob(job.id!))?.data).toEqual({ a: 1 });
+    expect(queue.qualifiedName).toBe('bull:plain-bullmq-import');
+    await queue.close();
+  });
+
+  it('the bound classes share the default store of the process', async () => {
+    const { Queue: LoamQueue, loamBackend } = await import('../src/index.js');
+    const a = new LoamQueue('shared', { connection: {} });
+    const b = new Queue('shared', {}, loamBackend());
+    await a.add('from-a', {});
+    expect(await b.getJobCounts('waiting')).toEqual({ waiting: 1 });
+    await a.close();
+    await b.close();
+  });
+});

@@ -1,0 +1,78 @@
+import { afterAll, describe, expect, it } from 'vitest';
+import { WaitingChildrenError, type Job } from 'bullmq';
+import { freshLoam, until } from './helpers.js';
+
+const loam = freshLoam();
+const { Queue, Worker, FlowProducer } = loam;
+const connection = {};
+
+afterAll(() => loam.cleanup());
+
+describe('flows', () => {
+  it('runs children first, then the parent with their values', async () => {
+    const parents = loam.queueName();
+    const children = loam.queueName();
+    const flow = new FlowProducer({ connection });
+    const tree = await flow.add({
+      name: 'sum',
+      queueName: parents,
+      children: [1, 2, 3].map(n => ({ name: 'n', queueName: children, data: { n } })),
+    });
+    expect(await tree.job.getState()).toBe('waiting-children');
+    const parentQueue = new Queue(parents, { connection });
+    expect(await tree.job.getDependenciesCount()).toEqual({ processed: 0, unprocessed: 3, ignored: 0, failed: 0 });
+
+    const childWorker = new Worker(children, async (job: Job) => job.data.n * 10, { connection });
+    let seen: Record<string, number> = {};
+    const parentWorker = new Worker(
+      parents,
+      async (job: Job) => {
+        seen = await job.getChildrenValues();
+        return Object.values(seen).reduce((a, b) => a + b, 0);
+      },
+      { connection },
+    );
+    await until(async () => (await tree.job.getState()) === 'completed');
+    const parent = await parentQueue.getJob(tree.job.id!);
+    expect(parent?.returnvalue).toBe(60);
+    expect(Object.keys(seen).every(k => k.startsWith(`bull:${children}:`))).toBe(true);
+    const deps = await parent!.getDependencies();
+    expect(Object.values(deps.processed ?? {}).sort()).toEqual([10, 20, 30]);
+    expect(deps.unprocessed).toEqual([]);
+    const page = await parentQueue.getDependencies(tree.job.id!, 'processed', 0, 1);
+    expect(page.total).toBe(3);
+    expect(page.items.length).toBe(2);
+
+    await childWorker.close();
+    await parentWorker.close();
+    await parentQueue.close();
+    await flow.close();
+  });
+
+  it('parks a running parent until the children it added finish (moveToWaitingChildren)', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const steps: string[] = [];
+    const worker = new Worker(
+      name,
+      async (job: Job, token?: string) => {
+        if (job.name === 'child') return 'child-done';
+        if (job.data.step === 'start') {
+          await queue.add('child', {}, { parent: { id: job.id!, queue: job.queueQualifiedName } });
+          await job.updateData({ step: 'waiting' });
+          steps.push('added child');
+          if (await job.moveToWaitingChildren(token!)) throw new WaitingChildrenError();
+        }
+        steps.push('resumed');
+        return Object.values(await job.getChildrenValues());
+      },
+      { connection },
+    );
+    const parent = await queue.add('parent', { step: 'start' });
+    await until(async () => (await parent.getState()) === 'completed');
+    expect(steps).toEqual(['added child', 'resumed']);
+    expect((await queue.getJob(parent.id!))?.returnvalue).toEqual(['child-done']);
+    await worker.close();
+    await queue.close();
+  });
+});

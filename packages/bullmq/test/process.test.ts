@@ -1,0 +1,95 @@
+import { afterAll, describe, expect, it } from 'vitest';
+import { spawn } from 'node:child_process';
+import { fileURLToPath } from 'node:url';
+import * as path from 'node:path';
+import type { Job } from 'bullmq';
+import { freshLoam, until } from './helpers.js';
+
+const loam = freshLoam();
+const { Queue, Worker } = loam;
+const connection = {};
+const entry = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../dist/index.js');
+
+afterAll(() => loam.cleanup());
+
+/** Runs an ES module snippet in a fresh Node process; resolves with its output. */
+function runNode(code: string, onLine?: (line: string, kill: () => void) => void) {
+  return new Promise<{ out: string; signal: NodeJS.Signals | null; code: number | null }>(resolve => {
+    const child = spawn(process.execPath, ['--input-type=module', '-e', code], { stdio: ['ignore', 'pipe', 'inherit'] });
+    let out = '';
+    child.stdout.on('data', chunk => {
+      out += chunk;
+      for (const line of String(chunk).split('\n').filter(Boolean)) onLine?.(line, () => child.kill('SIGKILL'));
+    });
+    child.on('exit', (code, signal) => resolve({ out, signal, code }));
+  });
+}
+
+describe('one store, one process', () => {
+  it('a second process fails at once, pointing to loam-jobs serve', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    await queue.add('held', {});
+    const started = Date.now();
+    const { out } = await runNode(`
+      const { loamBackend } = await import(${JSON.stringify(entry)});
+      try { loamBackend({ dataDir: ${JSON.stringify(loam.dataDir)} })('other', {}, {}); console.log('opened'); }
+      catch (e) { console.log(JSON.stringify({ code: e.code, message: e.message })); }
+    `);
+    const result = JSON.parse(out.trim());
+    expect(result.code).toBe('LOAM_STORE_LOCKED');
+    expect(result.message).toContain('already open in another process');
+    expect(result.message).toContain('loam-jobs serve');
+    expect(Date.now() - started).toBeLessThan(5_000);
+    await queue.close();
+  });
+
+  it('recovers the jobs of a worker process killed mid-job', async () => {
+    const name = loam.queueName();
+    const dataDir = JSON.stringify(loam.dataDir);
+    const { signal } = await runNode(
+      `
+      const { withBackend } = await import('bullmq');
+      const { loamBackend } = await import(${JSON.stringify(entry)});
+      const { Queue, Worker } = withBackend(loamBackend({ dataDir: ${dataDir} }));
+      const queue = new Queue(${JSON.stringify(name)}, { connection: {} });
+      await queue.addBulk([1, 2, 3, 4, 5].map(n => ({ name: 'job', data: { n } })));
+      new Worker(${JSON.stringify(name)}, async job => {
+        // A durable write after the claim, so the lease is on disk when killed.
+        await job.updateProgress(1);
+        console.log('active ' + job.id);
+        await new Promise(() => {});
+      }, { connection: {}, concurrency: 2, lockDuration: 800 });
+      `,
+      (line, kill) => {
+        if (line.startsWith('active')) kill();
+      },
+    );
+    expect(signal).toBe('SIGKILL');
+
+    const queue = new Queue(name, { connection });
+    expect((await queue.getJobCounts('active')).active).toBeGreaterThan(0);
+    const done: Job[] = [];
+    const stalled: string[] = [];
+    const worker = new Worker(name, async (job: Job) => job.data.n, {
+      connection,
+      lockDuration: 800,
+      stalledInterval: 300,
+    });
+    worker.on('completed', job => done.push(job));
+    worker.on('stalled', jobId => stalled.push(jobId));
+    await until(() => done.length === 5, 15_000);
+    expect(stalled.length).toBeGreaterThan(0);
+    const recovered = done.find(j => j.id === stalled[0]);
+    expect(recovered?.stalledCounter).toBe(1);
+    const values = done.map(j => j.returnvalue).sort();
+    expect(values).toEqual([1, 2, 3, 4, 5]);
+    expect(await queue.getJobCounts('completed', 'active', 'waiting', 'failed')).toEqual({
+      completed: 5,
+      active: 0,
+      waiting: 0,
+      failed: 0,
+    });
+    await worker.close();
+    await queue.close();
+  });
+});

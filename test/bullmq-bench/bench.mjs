@@ -1,0 +1,285 @@
+// BullMQ on @loam/bullmq beside BullMQ on Redis: the same scenarios, in one
+// run, with the ratios printed. Not a test: figures vary with machine load.
+//
+//   node bench.mjs [--only loam|redis] [--scale 0.5] [--json out.json]
+//
+// Redis is started here (redis-server from the machine, on a free loopback
+// port, default persistence: RDB snapshots, no AOF). Loam uses its default
+// immediate durability unless LOAM_DURABILITY=relaxed.
+import { spawn } from 'node:child_process';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { tmpdir, loadavg, cpus } from 'node:os';
+import { join } from 'node:path';
+import { performance } from 'node:perf_hooks';
+import { FlowProducer, Queue, Worker, setDefaultBackendFactory } from 'bullmq';
+import { loamBackend } from '@loam/bullmq';
+
+const args = process.argv.slice(2);
+const arg = (name, fallback) => {
+  const i = args.indexOf(`--${name}`);
+  return i >= 0 ? args[i + 1] : fallback;
+};
+const scale = Number(arg('scale', '1'));
+const only = arg('only', '');
+const jsonOut = arg('json', '');
+const n = (count) => Math.max(1, Math.round(count * scale));
+
+function freePort() {
+  return new Promise((resolve, reject) => {
+    const srv = createServer();
+    srv.listen(0, '127.0.0.1', () => {
+      const { port } = srv.address();
+      srv.close(() => resolve(port));
+    });
+    srv.on('error', reject);
+  });
+}
+
+/** CPU milliseconds a process has used (user + system), from /proc. */
+function processCpuMs(pid) {
+  const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+  const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+  return ((Number(fields[11]) + Number(fields[12])) * 1000) / 100;
+}
+
+async function startRedis() {
+  const port = await freePort();
+  const dir = mkdtempSync(join(tmpdir(), 'bench-redis-'));
+  const child = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, '--save', '', '--appendonly', 'no'], {
+    stdio: ['ignore', 'pipe', 'inherit'],
+  });
+  await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error('redis-server did not start')), 10000);
+    child.stdout.on('data', (d) => {
+      if (String(d).includes('Ready to accept connections')) {
+        clearTimeout(timer);
+        resolve();
+      }
+    });
+    child.on('exit', (code) => reject(new Error(`redis-server exited with ${code}`)));
+  });
+  return { port, pid: child.pid, stop: () => (child.kill('SIGTERM'), rmSync(dir, { recursive: true, force: true })) };
+}
+
+/** Measures one scenario: wall time, jobs, and the CPU of this process and the server. */
+async function measure(backend, jobs, body) {
+  const cpu0 = process.cpuUsage();
+  const server0 = backend.serverPid ? processCpuMs(backend.serverPid) : 0;
+  const t0 = performance.now();
+  const extra = (await body()) ?? {};
+  const seconds = (performance.now() - t0) / 1000;
+  const cpu = process.cpuUsage(cpu0);
+  const serverMs = backend.serverPid ? processCpuMs(backend.serverPid) - server0 : 0;
+  return {
+    seconds,
+    jobsPerSec: jobs / seconds,
+    nodeCpuMsPerJob: (cpu.user + cpu.system) / 1000 / jobs,
+    serverCpuMsPerJob: serverMs / jobs,
+    ...extra,
+  };
+}
+
+let queueSeq = 0;
+const queueName = (what) => `bench-${what}-${process.pid}-${++queueSeq}`;
+
+function percentile(sorted, p) {
+  if (sorted.length === 0) return NaN;
+  return sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))];
+}
+
+/** Resolves once `count` jobs have completed on `worker`. */
+function completions(worker, count) {
+  return new Promise((resolve, reject) => {
+    let done = 0;
+    worker.on('completed', () => {
+      if (++done === count) resolve();
+    });
+    worker.on('failed', (_job, err) => reject(err));
+  });
+}
+
+const scenarios = {
+  async 'add one at a time'(b) {
+    const q = new Queue(queueName('add'), b.opts);
+    const count = n(2000);
+    const r = await measure(b, count, async () => {
+      for (let i = 0; i < count; i++) await q.add('job', { i });
+    });
+    await q.close();
+    return r;
+  },
+
+  async addBulk(b) {
+    const q = new Queue(queueName('bulk'), b.opts);
+    const batches = n(40);
+    const r = await measure(b, batches * 500, async () => {
+      for (let i = 0; i < batches; i++) {
+        await q.addBulk(Array.from({ length: 500 }, (_, j) => ({ name: 'job', data: { i, j } })));
+      }
+    });
+    await q.close();
+    return r;
+  },
+
+  ...Object.fromEntries(
+    [1, 10, 100].map((concurrency) => [
+      `process at concurrency ${concurrency}`,
+      async (b) => {
+        const name = queueName(`c${concurrency}`);
+        const q = new Queue(name, b.opts);
+        const count = n(concurrency === 1 ? 3000 : 20000);
+        for (let i = 0; i < count; i += 1000) {
+          await q.addBulk(Array.from({ length: Math.min(1000, count - i) }, (_, j) => ({ name: 'job', data: { i: i + j } })));
+        }
+        let worker;
+        const r = await measure(b, count, async () => {
+          worker = new Worker(name, async () => 'ok', { ...b.opts, concurrency });
+          await completions(worker, count);
+        });
+        await worker.close();
+        await q.close();
+        return r;
+      },
+    ]),
+  ),
+
+  async 'add-to-start latency at 200 jobs/s'(b) {
+    const name = queueName('latency');
+    const q = new Queue(name, b.opts);
+    const count = n(1000);
+    const latencies = [];
+    const worker = new Worker(
+      name,
+      async (job) => {
+        latencies.push(performance.now() - job.data.t);
+      },
+      { ...b.opts, concurrency: 10 },
+    );
+    await worker.waitUntilReady();
+    const done = completions(worker, count);
+    const r = await measure(b, count, async () => {
+      const start = performance.now();
+      for (let i = 0; i < count; i++) {
+        const due = start + (i * 1000) / 200;
+        const wait = due - performance.now();
+        if (wait > 0) await new Promise((res) => setTimeout(res, wait));
+        await q.add('job', { t: performance.now() });
+      }
+      await done;
+      latencies.sort((a, c) => a - c);
+      return { p50Ms: percentile(latencies, 50), p99Ms: percentile(latencies, 99) };
+    });
+    await worker.close();
+    await q.close();
+    return r;
+  },
+
+  async '5,000 delayed jobs'(b) {
+    const name = queueName('delayed');
+    const q = new Queue(name, b.opts);
+    const count = n(5000);
+    const delay = 1000;
+    await q.addBulk(Array.from({ length: count }, (_, i) => ({ name: 'job', data: { i }, opts: { delay } })));
+    const dueAt = performance.now() + delay;
+    let worker;
+    const r = await measure(b, count, async () => {
+      worker = new Worker(name, async () => 'ok', { ...b.opts, concurrency: 100 });
+      await completions(worker, count);
+      // Rate from the moment the jobs fell due: the delay itself is not work.
+      const afterDueSeconds = (performance.now() - dueAt) / 1000;
+      return { afterDueSeconds, jobsPerSec: count / afterDueSeconds };
+    });
+    await worker.close();
+    await q.close();
+    return r;
+  },
+
+  async '1,000 flows of 1 parent + 10 children'(b) {
+    const parents = queueName('parents');
+    const children = queueName('children');
+    const flows = new FlowProducer(b.opts);
+    const count = n(1000);
+    const jobs = count * 11;
+    let childWorker;
+    let parentWorker;
+    const r = await measure(b, jobs, async () => {
+      childWorker = new Worker(children, async (job) => job.data.i, { ...b.opts, concurrency: 100 });
+      parentWorker = new Worker(parents, async (job) => Object.keys(await job.getChildrenValues()).length, {
+        ...b.opts,
+        concurrency: 100,
+      });
+      const parentsDone = completions(parentWorker, count);
+      for (let f = 0; f < count; f++) {
+        await flows.add({
+          name: 'parent',
+          queueName: parents,
+          children: Array.from({ length: 10 }, (_, i) => ({ name: 'child', queueName: children, data: { i } })),
+        });
+      }
+      await parentsDone;
+    });
+    await childWorker.close();
+    await parentWorker.close();
+    await flows.close();
+    return r;
+  },
+};
+
+async function runBackend(label, b) {
+  const results = {};
+  for (const [name, run] of Object.entries(scenarios)) {
+    results[name] = await run(b);
+    const x = results[name];
+    const lat = x.p50Ms !== undefined ? `  p50 ${x.p50Ms.toFixed(2)} ms  p99 ${x.p99Ms.toFixed(2)} ms` : '';
+    console.log(
+      `${label.padEnd(6)} ${name.padEnd(40)} ${x.jobsPerSec.toFixed(0).padStart(8)} jobs/s  ` +
+        `cpu/job node ${x.nodeCpuMsPerJob.toFixed(3)} ms + server ${x.serverCpuMsPerJob.toFixed(3)} ms${lat}`,
+    );
+  }
+  return results;
+}
+
+async function main() {
+  console.log(`bullmq bench: ${cpus().length} CPUs, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}, scale ${scale}`);
+  const report = { cpus: cpus().length, loadBefore: loadavg(), scale, results: {} };
+  if (only !== 'redis') {
+    const dataDir = mkdtempSync(join(tmpdir(), 'bench-loam-'));
+    const durability = process.env.LOAM_DURABILITY === 'relaxed' ? { durability: 'relaxed' } : {};
+    // BullMQ's own classes, unchanged, over the Loam backend.
+    setDefaultBackendFactory(loamBackend({ dataDir, ...durability }));
+    report.results.loam = await runBackend('loam', { opts: { connection: {} }, serverPid: 0 });
+    setDefaultBackendFactory();
+    rmSync(dataDir, { recursive: true, force: true });
+  }
+  if (only !== 'loam') {
+    const redis = await startRedis();
+    try {
+      const connection = { host: '127.0.0.1', port: redis.port, maxRetriesPerRequest: null };
+      report.results.redis = await runBackend('redis', { opts: { connection }, serverPid: redis.pid });
+    } finally {
+      redis.stop();
+    }
+  }
+  if (report.results.loam && report.results.redis) {
+    console.log('\n| scenario | loam jobs/s | redis jobs/s | loam / redis | loam cpu ms/job | redis cpu ms/job (node + server) |');
+    console.log('|---|---:|---:|---:|---:|---:|');
+    for (const name of Object.keys(scenarios)) {
+      const l = report.results.loam[name];
+      const r = report.results.redis[name];
+      const lat = l.p99Ms !== undefined ? ` (p99 ${l.p99Ms.toFixed(1)} vs ${r.p99Ms.toFixed(1)} ms)` : '';
+      console.log(
+        `| ${name} | ${l.jobsPerSec.toFixed(0)} | ${r.jobsPerSec.toFixed(0)} | ${(l.jobsPerSec / r.jobsPerSec).toFixed(2)}${lat} | ` +
+          `${(l.nodeCpuMsPerJob + l.serverCpuMsPerJob).toFixed(3)} | ${(r.nodeCpuMsPerJob + r.serverCpuMsPerJob).toFixed(3)} |`,
+      );
+    }
+  }
+  report.loadAfter = loadavg();
+  if (jsonOut) writeFileSync(jsonOut, JSON.stringify(report, null, 2));
+  process.exit(0);
+}
+
+main().catch((e) => {
+  console.error(e);
+  process.exit(1);
+});
