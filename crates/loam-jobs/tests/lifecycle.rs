@@ -3,21 +3,11 @@
 // A failed unwrap is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
 
-use loam_jobs::store::redb::RedbStore;
 use loam_jobs::*;
 
-fn core() -> (Jobs, ManualClock) {
-    let clock = ManualClock::new(1_000_000);
-    let config = Config { background: false, ..Config::default() };
-    let jobs = Jobs::with_store(Box::new(RedbStore::in_memory().unwrap()), Arc::new(clock.clone()), config).unwrap();
-    (jobs, clock)
-}
-
-fn job(name: &str) -> EnqueueRequest {
-    EnqueueRequest { name: name.into(), data: b"{}".to_vec(), attempts: 1, ..Default::default() }
-}
+mod support;
+use support::{core, job};
 
 fn take(jobs: &Jobs, q: &str) -> Vec<Lease> {
     jobs.lease("ns", q, LeaseRequest { max: 10, token: "w".into(), ..Default::default() }).wait().unwrap().leases

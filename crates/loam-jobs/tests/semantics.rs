@@ -13,16 +13,8 @@ use loam_jobs::ops::{admin, query};
 use loam_jobs::store::redb::RedbStore;
 use loam_jobs::*;
 
-fn core() -> (Jobs, ManualClock) {
-    let clock = ManualClock::new(1_000_000);
-    let config = Config { background: false, ..Config::default() };
-    let jobs = Jobs::with_store(Box::new(RedbStore::in_memory().unwrap()), Arc::new(clock.clone()), config).unwrap();
-    (jobs, clock)
-}
-
-fn job(name: &str) -> EnqueueRequest {
-    EnqueueRequest { name: name.into(), data: b"{}".to_vec(), attempts: 1, ..Default::default() }
-}
+mod support;
+use support::{core, job};
 
 fn lease_one(jobs: &Jobs, q: &str) -> Option<Lease> {
     jobs.lease("ns", q, LeaseRequest { max: 1, token: "w".into(), ..Default::default() }).wait().unwrap().leases.pop()
