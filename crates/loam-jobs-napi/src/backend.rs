@@ -677,9 +677,8 @@ impl LoamQueue {
                 until: ms(timestamp).saturating_add(ms(delay)),
             }
         } else {
-            let error = o.fields_to_update.unwrap_or_default().to_error(None);
             Outcome::Retry {
-                error,
+                error: o.fields_to_update.map(|f| f.to_error(None)),
                 after_ms: Some(ms(delay)),
             }
         };
@@ -704,11 +703,12 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         let op = Op::new("retryJob").job(&job_id).state("active");
-        let fields: FailureFields = fields_to_update
+        let fields: Option<FailureFields> = fields_to_update
             .as_deref()
-            .map_or(Ok(FailureFields::default()), |f| parse("fieldsToUpdate", f))?;
+            .map(|f| parse("fieldsToUpdate", f))
+            .transpose()?;
         let outcome = Outcome::Retry {
-            error: fields.to_error(None),
+            error: fields.map(|f| f.to_error(None)),
             after_ms: Some(0),
         };
         self.complete(
@@ -771,35 +771,8 @@ impl LoamQueue {
             .state("active");
         let fence = fence(Some(&token));
         let park = move |tx: &mut Tx, q: &QueueId| {
-            if let Some(child) = &child_key {
-                // BullMQ checks these before the child: a missing job, a failed child.
-                tx.require_job(q, &job_id)?;
-                let deps = query::dependencies(tx, q, &job_id)?;
-                if deps
-                    .iter()
-                    .any(|(_, dep)| dep.status == DependencyStatus::Failed)
-                {
-                    let job = job_id.clone();
-                    return Err(JobsError::Precondition(
-                        loam_jobs::Precondition::FailedChildren { job },
-                    ));
-                }
-                let pending = deps
-                    .iter()
-                    .any(|(key, dep)| key == child && dep.status == DependencyStatus::Pending);
-                if !pending {
-                    return Ok(false);
-                }
-            }
-            let parked = complete::complete(
-                tx,
-                q,
-                &job_id,
-                &fence,
-                Outcome::WaitChildren,
-                &CompleteOptions::default(),
-            )?;
-            Ok(parked.moved)
+            let outcome = Outcome::WaitChildren { child: child_key.clone() };
+            complete::complete(tx, q, &job_id, &fence, outcome, &CompleteOptions::default()).map(|done| done.moved)
         };
         self.write(env, op, park)
     }

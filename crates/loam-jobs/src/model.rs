@@ -536,16 +536,18 @@ pub struct Leased {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outcome {
     Ok { result: Option<Vec<u8>> },
-    /// Try again: after `after_ms`, or the job's backoff when None.
-    Retry { error: JobError, after_ms: Option<u64> },
+    /// Try again: after `after_ms`, or the job's backoff when None. `error`
+    /// is recorded on the job (None leaves its error fields as they are).
+    Retry { error: Option<JobError>, after_ms: Option<u64> },
     /// No more attempts. `dead_letter` sends it to the queue's dead-letter queue.
     Fail { error: JobError, dead_letter: bool },
     /// Give the job back without spending an attempt.
     Release { after_ms: Option<u64> },
     /// Park the job until `until` (BullMQ moveToDelayed).
     Delay { until: u64 },
-    /// Park a parent until its children finish (BullMQ moveToWaitingChildren).
-    WaitChildren,
+    /// Park a parent until its children finish (BullMQ moveToWaitingChildren),
+    /// or, with `child` (its node key), until that one child finishes.
+    WaitChildren { child: Option<String> },
     /// Give the job back and stop the whole queue for `for_ms`.
     RateLimited { for_ms: u64 },
 }

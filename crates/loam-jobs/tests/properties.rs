@@ -95,7 +95,7 @@ impl OutcomeSpec {
     fn to_outcome(&self, now: u64) -> Outcome {
         match self {
             OutcomeSpec::Ok => Outcome::Ok { result: Some(b"\"done\"".to_vec()) },
-            OutcomeSpec::Retry(after_ms) => Outcome::Retry { error: JobError::new("boom"), after_ms: *after_ms },
+            OutcomeSpec::Retry(after_ms) => Outcome::Retry { error: Some(JobError::new("boom")), after_ms: *after_ms },
             OutcomeSpec::Fail => Outcome::Fail { error: JobError::new("fatal"), dead_letter: false },
             OutcomeSpec::Release(after_ms) => Outcome::Release { after_ms: *after_ms },
             OutcomeSpec::Delay(offset) => Outcome::Delay { until: now.saturating_add_signed(*offset) },

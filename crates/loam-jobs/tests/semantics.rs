@@ -158,7 +158,7 @@ fn a_parent_with_pending_children_cannot_complete() {
     jobs.enqueue("ns", "q", EnqueueRequest { parent: Some(parent("q", "p")), ..job("c") }).wait().unwrap();
     let refused = finish(&jobs, "q", &p, Outcome::Ok { result: None });
     assert!(matches!(refused, Err(JobsError::Precondition(Precondition::PendingChildren { .. }))), "{refused:?}");
-    let parked = finish(&jobs, "q", &p, Outcome::WaitChildren).unwrap();
+    let parked = finish(&jobs, "q", &p, Outcome::WaitChildren { child: None }).unwrap();
     assert!(parked.moved);
     assert_eq!(state(&jobs, "q", "p"), Some(JobState::WaitingChildren));
 }
@@ -268,14 +268,14 @@ fn retries_back_off_then_exhaust() {
     jobs.enqueue("ns", "q", EnqueueRequest { attempts: 3, backoff: Some(backoff), ..job("a") }).wait().unwrap();
     for expected_delay in [100, 200] {
         let l = lease_one(&jobs, "q").unwrap();
-        finish(&jobs, "q", &l, Outcome::Retry { error: JobError::new("again"), after_ms: None }).unwrap();
+        finish(&jobs, "q", &l, Outcome::Retry { error: Some(JobError::new("again")), after_ms: None }).unwrap();
         assert_eq!(state(&jobs, "q", "1"), Some(JobState::Delayed));
         clock.advance(expected_delay - 1);
         assert!(lease_one(&jobs, "q").is_none(), "not due yet");
         clock.advance(1);
     }
     let l = lease_one(&jobs, "q").unwrap();
-    finish(&jobs, "q", &l, Outcome::Retry { error: JobError::new("last"), after_ms: None }).unwrap();
+    finish(&jobs, "q", &l, Outcome::Retry { error: Some(JobError::new("last")), after_ms: None }).unwrap();
     let j = jobs.get_job("ns", "q", "1").unwrap().unwrap();
     assert_eq!((j.state, j.attempts_made), (JobState::Failed, 3));
     assert!(event_names(&jobs, "q").contains(&"retries-exhausted".to_string()));
@@ -663,4 +663,29 @@ fn a_removed_child_keeps_its_result_on_the_parent() {
     assert_eq!(state(&jobs, "kids", "a"), None);
     let deps = jobs.query("ns", "parents", |tx, q| query::dependencies(tx, q, "p")).unwrap();
     assert!(deps.iter().any(|(k, d)| k == "bull:kids:a" && d.status == DependencyStatus::Processed));
+}
+
+#[test]
+fn wait_children_can_wait_for_one_named_child() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("p".into()), ..job("p") }).wait().unwrap();
+    let p = lease_one(&jobs, "q").unwrap();
+    jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("q", "p")), ..job("c") }).wait().unwrap();
+    let other = Outcome::WaitChildren { child: Some("bull:q:nope".into()) };
+    assert!(!finish(&jobs, "q", &p, other).unwrap().moved, "not a pending child: the parent keeps running");
+    let named = Outcome::WaitChildren { child: Some("bull:q:c".into()) };
+    assert!(finish(&jobs, "q", &p, named).unwrap().moved);
+    assert_eq!(state(&jobs, "q", "p"), Some(JobState::WaitingChildren));
+}
+
+#[test]
+fn a_retry_without_an_error_keeps_the_jobs_error_fields() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { attempts: 3, ..job("a") }).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    finish(&jobs, "q", &l, Outcome::Retry { error: Some(JobError::new("first")), after_ms: Some(0) }).unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    finish(&jobs, "q", &l, Outcome::Retry { error: None, after_ms: Some(0) }).unwrap();
+    let j = jobs.get_job("ns", "q", "1").unwrap().unwrap();
+    assert_eq!((j.attempts_made, j.failed_reason.as_deref()), (2, Some("first")));
 }

@@ -37,6 +37,22 @@ pub fn complete(
     if matches!(outcome, Outcome::Ok { .. }) {
         check_children(&job)?;
     }
+    // BullMQ decides these before it looks at the lock: a failed child
+    // refuses, and a parent with nothing (or not that child) to wait for stays.
+    if let Outcome::WaitChildren { child } = &outcome {
+        if job.failed_children > 0 {
+            return Err(JobsError::Precondition(Precondition::FailedChildren { job: job.id.clone() }));
+        }
+        let waits = match child {
+            Some(key) => tx
+                .get_record::<Dependency>(&QueueKeys::new(q).dependency(&job.id, key))?
+                .is_some_and(|d| d.status == DependencyStatus::Pending),
+            None => job.pending_children > 0,
+        };
+        if !waits {
+            return Ok(Completed { state: Some(job.state), finished_on: None, moved: false, next: None });
+        }
+    }
     lease::check_fence(&job, fence)?;
     if job.state != JobState::Active {
         return Err(JobsError::not_in_state(id, job.state, "active"));
@@ -62,7 +78,7 @@ pub fn complete(
             true
         }
         Outcome::Retry { error, after_ms } => {
-            let job = retry_or_fail_with(tx, q, job, &error, after_ms, opts)?;
+            let job = retry_or_fail_with(tx, q, job, error.as_ref(), after_ms, opts)?;
             done.state = Some(job.state);
             done.finished_on = job.finished_on;
             after_ms.is_some_and(|a| a > 0)
@@ -77,17 +93,9 @@ pub fn complete(
             done.state = Some(job.state);
             true
         }
-        Outcome::WaitChildren => {
-            if job.failed_children > 0 {
-                return Err(JobsError::Precondition(Precondition::FailedChildren { job: job.id.clone() }));
-            }
-            done.moved = job.pending_children > 0;
-            if done.moved {
-                let job = park_for_children(tx, q, job)?;
-                done.state = Some(job.state);
-            } else {
-                done.state = Some(JobState::Active);
-            }
+        Outcome::WaitChildren { .. } => {
+            let job = park_for_children(tx, q, job)?;
+            done.state = Some(job.state);
             false
         }
         Outcome::RateLimited { for_ms } => {
@@ -194,7 +202,7 @@ fn fail_with(
 
 /// A failed attempt: retried after `after_ms` when given (the caller already
 /// decided), else by the job's attempts and backoff, else failed for good.
-pub fn retry_or_fail(tx: &mut Tx, q: &QueueId, job: JobRecord, error: &JobError, after_ms: Option<u64>) -> Result<JobRecord, JobsError> {
+pub fn retry_or_fail(tx: &mut Tx, q: &QueueId, job: JobRecord, error: Option<&JobError>, after_ms: Option<u64>) -> Result<JobRecord, JobsError> {
     retry_or_fail_with(tx, q, job, error, after_ms, &CompleteOptions::default())
 }
 
@@ -202,7 +210,7 @@ fn retry_or_fail_with(
     tx: &mut Tx,
     q: &QueueId,
     mut job: JobRecord,
-    error: &JobError,
+    error: Option<&JobError>,
     after_ms: Option<u64>,
     opts: &CompleteOptions,
 ) -> Result<JobRecord, JobsError> {
@@ -211,9 +219,14 @@ fn retry_or_fail_with(
         None if job.attempts_made + 1 < job.attempts => {
             job.backoff.as_ref().map_or(0, |b| b.delay_ms(job.attempts_made + 1, rand::random::<f64>()))
         }
-        None => return fail_with(tx, q, job, error, false, opts),
+        None => {
+            let error = error.cloned().unwrap_or_else(|| JobError::new(job.failed_reason.clone().unwrap_or_default()));
+            return fail_with(tx, q, job, &error, false, opts);
+        }
     };
-    record_error(&mut job, error);
+    if let Some(error) = error {
+        record_error(&mut job, error);
+    }
     job.attempts_made += 1;
     if delay > 0 {
         job.delay = delay;

@@ -242,7 +242,7 @@ pub fn sweep_stalled(tx: &mut Tx, q: &QueueId) -> Result<Vec<String>, JobsError>
         };
         job.epoch += 1; // a late write of the old holder is now fenced
         if timed_out {
-            super::complete::retry_or_fail(tx, q, job, &JobError::new("timeout"), None)?;
+            super::complete::retry_or_fail(tx, q, job, Some(&JobError::new("timeout")), None)?;
         } else {
             job.stalled_counter += 1;
             if job.stalled_counter > config.max_stalled && job.scheduler_id.is_none() {
