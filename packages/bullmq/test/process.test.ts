@@ -92,4 +92,33 @@ describe('one store, one process', () => {
     await worker.close();
     await queue.close();
   });
+
+  it('keeps every job whose add resolved when the producer is killed', async () => {
+    const name = loam.queueName();
+    const acked: string[] = [];
+    const { signal } = await runNode(
+      `
+      const { withBackend } = await import('bullmq');
+      const { loamBackend } = await import(${JSON.stringify(entry)});
+      const { Queue } = withBackend(loamBackend({ dataDir: ${JSON.stringify(loam.dataDir)} }));
+      const queue = new Queue(${JSON.stringify(name)}, { connection: {} });
+      for (let i = 0; ; i++) {
+        const job = await queue.add('job', { i });
+        console.log('added ' + job.id);
+      }
+      `,
+      (line, kill) => {
+        if (!line.startsWith('added ')) return;
+        acked.push(line.slice('added '.length));
+        if (acked.length === 200) kill();
+      },
+    );
+    expect(signal).toBe('SIGKILL');
+    expect(acked.length).toBeGreaterThanOrEqual(200);
+    const queue = new Queue(name, { connection });
+    for (const id of acked) {
+      expect(await queue.getJobState(id)).toBe('waiting');
+    }
+    await queue.close();
+  });
 });
