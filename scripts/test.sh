@@ -19,7 +19,8 @@ text = re.sub(r"\x1b\[[0-9;]*m", "", text)
 passed = failed = 0
 for m in re.finditer(r"test result: \w+\. (\d+) passed; (\d+) failed", text):
     passed += int(m.group(1)); failed += int(m.group(2))
-for line in re.findall(r"^\s*Tests\s+(.*)$", text, re.M):
+# pnpm prefixes a package's output with "<dir> test: ".
+for line in re.findall(r"^(?:\S+ test: )?\s*Tests\s+(.*)$", text, re.M):
     p = re.search(r"(\d+) passed", line); f = re.search(r"(\d+) failed", line)
     passed += int(p.group(1)) if p else 0
     failed += int(f.group(1)) if f else 0
