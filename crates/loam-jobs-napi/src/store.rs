@@ -137,9 +137,12 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
         ..Config::default()
     };
     let clock = Arc::new(FollowingClock::new());
-    let jobs = Jobs::with_store(
+    // Job times follow the host (BullMQ passes its own); leases run in real
+    // time, as Redis lock TTLs do, so a host that fakes time keeps its locks.
+    let jobs = Jobs::with_clocks(
         Box::new(redb),
         Arc::clone(&clock) as Arc<dyn loam_jobs::Clock>,
+        Arc::new(loam_jobs::SystemClock),
         config,
     )
     .map_err(|e| {

@@ -81,6 +81,8 @@ struct Timers {
 struct Inner {
     store: Box<dyn Store>,
     clock: Arc<dyn Clock>,
+    /// What leases are judged by (see `Tx::lease_now`); usually `clock`.
+    lease_clock: Arc<dyn Clock>,
     config: Config,
     notifier: Notifier,
     timers: Timers,
@@ -135,10 +137,19 @@ impl Jobs {
     }
 
     pub fn with_store(store: Box<dyn Store>, clock: Arc<dyn Clock>, config: Config) -> Result<Self, JobsError> {
+        let lease_clock = Arc::clone(&clock);
+        Self::with_clocks(store, clock, lease_clock, config)
+    }
+
+    /// A core whose leases are judged by `lease_clock` (real time) while
+    /// everything else follows `clock` and the callers' times, as BullMQ on
+    /// Redis: job timestamps come from the client, lock TTLs run in real time.
+    pub fn with_clocks(store: Box<dyn Store>, clock: Arc<dyn Clock>, lease_clock: Arc<dyn Clock>, config: Config) -> Result<Self, JobsError> {
         let background = config.background;
         let inner = Arc::new(Inner {
             store,
             clock,
+            lease_clock,
             config,
             notifier: Notifier::default(),
             timers: Timers { heap: Mutex::new(BinaryHeap::new()), changed: Condvar::new() },
@@ -242,6 +253,7 @@ impl Jobs {
         let inner = Arc::clone(&self.inner);
         let ns = ns.to_string();
         let now_clock = Arc::clone(&self.inner.clock);
+        let lease_clock = Arc::clone(&self.inner.lease_clock);
         let at = self.at;
         let config = self.inner.config.clone();
         let generation = self.inner.generation.load(Ordering::SeqCst);
@@ -250,6 +262,7 @@ impl Jobs {
             body: Box::new(move |kv| {
                 let mut tx = Tx::new(kv, &ns, at.unwrap_or_else(|| now_clock.now_ms()), &config);
                 tx.generation = generation;
+                tx.lease_now = lease_clock.now_ms();
                 let value = body(&mut tx)?;
                 let effects = tx.finish()?;
                 Ok(Box::new((value, effects)))
@@ -275,6 +288,7 @@ impl Jobs {
     pub fn read<T>(&self, ns: &str, f: impl FnOnce(&mut Tx) -> Result<T, JobsError>) -> Result<T, JobsError> {
         let mut snapshot = query::ReadOnly(self.inner.store.snapshot()?);
         let mut tx = Tx::new(&mut snapshot, ns, self.now_ms(), &self.inner.config);
+        tx.lease_now = self.inner.lease_clock.now_ms();
         f(&mut tx)
     }
 

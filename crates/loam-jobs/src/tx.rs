@@ -41,6 +41,10 @@ pub struct Tx<'a> {
     /// one; epochs handed out after a reopen start above `generation << 32`,
     /// so a lost lease's epoch is never handed out again.
     pub generation: u64,
+    /// The time leases are judged by: their deadlines and their expiry. Like a
+    /// lock's TTL on Redis it runs in real time even when `now` is a caller's
+    /// (faked) time; by default it is `now`.
+    pub lease_now: u64,
     pub config: &'a Config,
     queues: HashMap<QueueId, QueueCache>,
     pub effects: Effects,
@@ -48,7 +52,7 @@ pub struct Tx<'a> {
 
 impl<'a> Tx<'a> {
     pub fn new(kv: &'a mut dyn KvTxn, ns: &str, now: u64, config: &'a Config) -> Self {
-        Self { kv, ns: ns.to_string(), now, generation: 0, config, queues: HashMap::new(), effects: Effects::default() }
+        Self { kv, ns: ns.to_string(), now, generation: 0, lease_now: now, config, queues: HashMap::new(), effects: Effects::default() }
     }
 
     // ---- raw access -------------------------------------------------------

@@ -650,7 +650,8 @@ fn operations_can_run_at_the_callers_time() {
     at.enqueue("ns", "q", job("a")).wait().unwrap();
     assert_eq!(jobs.get_job("ns", "q", "1").unwrap().unwrap().timestamp, 1_486_439_000_000);
     let l = at.lease("ns", "q", LeaseRequest { lock_duration_ms: 1000, ..Default::default() }).wait().unwrap().leases.remove(0);
-    assert_eq!(l.deadline, 1_486_439_001_000);
+    assert_eq!(l.job.processed_on, Some(1_486_439_000_000), "job times follow the caller");
+    assert_eq!(l.deadline, jobs.now_ms() + 1000, "lease deadlines follow the core's lease clock, like a Redis TTL");
 }
 
 #[test]

@@ -118,7 +118,7 @@ fn children(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(QueueId, Dependen
 /// Whether a job or, with `with_children`, a pending descendant holds a live
 /// lease (an expired one, not yet swept, is no lock, as in BullMQ).
 fn locked(tx: &mut Tx, q: &QueueId, job: &JobRecord, with_children: bool) -> Result<bool, JobsError> {
-    if job.state == JobState::Active && job.lock.as_ref().is_some_and(|l| l.deadline > tx.now) {
+    if job.state == JobState::Active && job.lock.as_ref().is_some_and(|l| l.deadline > tx.lease_now) {
         return Ok(true);
     }
     if with_children {
@@ -255,7 +255,7 @@ pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> 
                 }
                 continue;
             }
-            let leased = job.lock.as_ref().is_some_and(|l| l.deadline > tx.now);
+            let leased = job.lock.as_ref().is_some_and(|l| l.deadline > tx.lease_now);
             if leased || is_scheduler_iteration(tx, q, &job)? {
                 continue;
             }

@@ -119,7 +119,7 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
             let lock_ms = job.lock_duration_ms.unwrap_or(duration);
             job.state = JobState::Active;
             job.epoch = job.epoch.max(tx.generation << 32) + 1;
-            job.lock = Some(Lock { token: token.clone(), deadline: tx.now + lock_ms, duration_ms: lock_ms });
+            job.lock = Some(Lock { token: token.clone(), deadline: tx.lease_now + lock_ms, duration_ms: lock_ms });
             job.processed_on = Some(tx.now);
             job.attempts_started += 1;
             if let Some(w) = &req.worker {
@@ -129,7 +129,7 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
             tx.save_job(q, &job)?;
             tx.event(q, "active", &[("jobId", &job.id), ("prev", prev_name(prev))])?;
             window.count += 1;
-            out.leases.push(Lease { epoch: job.epoch, token, deadline: tx.now + lock_ms, job });
+            out.leases.push(Lease { epoch: job.epoch, token, deadline: tx.lease_now + lock_ms, job });
         }
     }
     if limit.is_some() && !out.leases.is_empty() {
@@ -206,13 +206,14 @@ pub fn extend(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, duration_ms: u6
     if matches!(fence, Fence::Unchecked) && job.state != JobState::Active {
         return Err(JobsError::not_in_state(id, job.state, "active"));
     }
-    let mut deadline = tx.now.saturating_add(duration_ms);
+    let mut deadline = tx.lease_now.saturating_add(duration_ms);
     if let (Some(timeout), Some(started)) = (job.timeout_ms, job.processed_on) {
         let cap = started.saturating_add(timeout);
         if cap <= tx.now {
             return Err(JobsError::DeadlineExceeded);
         }
-        deadline = deadline.min(cap);
+        // The cap is in job time; the deadline in lease time.
+        deadline = deadline.min(tx.lease_now.saturating_add(cap - tx.now));
     }
     tx.unindex(q, &job)?;
     if let Some(lock) = job.lock.as_mut() {
@@ -231,7 +232,7 @@ pub fn extend(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, duration_ms: u6
 /// fails its attempt instead.
 pub fn sweep_stalled(tx: &mut Tx, q: &QueueId) -> Result<Vec<String>, JobsError> {
     let config = tx.queue_config(q)?;
-    let expired = tx.scan(&QueueKeys::new(q).active_expired(tx.now), SWEEP_BATCH, false)?;
+    let expired = tx.scan(&QueueKeys::new(q).active_expired(tx.lease_now), SWEEP_BATCH, false)?;
     let mut reclaimed = Vec::new();
     for (_, id) in expired {
         let id = String::from_utf8_lossy(&id).into_owned();
