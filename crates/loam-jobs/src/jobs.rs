@@ -367,20 +367,8 @@ impl Jobs {
             }
             let until = self.wake_time(&got.info, deadline);
             let sleep = until.saturating_duration_since(now);
-            match interrupt {
-                Some(i) => {
-                    let stop = i.signal.listen();
-                    if i.is_fired() {
-                        return Ok(got);
-                    }
-                    let _ = tokio::time::timeout(sleep, async {
-                        tokio::select! { _ = listener => {}, _ = stop => {} }
-                    })
-                    .await;
-                }
-                None => {
-                    let _ = tokio::time::timeout(sleep, listener).await;
-                }
+            if !sleep_until_woken(listener, sleep, interrupt).await {
+                return Ok(got);
             }
         }
     }
@@ -453,20 +441,8 @@ impl Jobs {
                 until = until.min(now + Duration::from_millis(d.saturating_sub(now_ms)));
             }
             let sleep = until.saturating_duration_since(now);
-            match interrupt {
-                Some(i) => {
-                    let stop = i.signal.listen();
-                    if i.is_fired() {
-                        return Ok(None);
-                    }
-                    let _ = tokio::time::timeout(sleep, async {
-                        tokio::select! { _ = listener => {}, _ = stop => {} }
-                    })
-                    .await;
-                }
-                None => {
-                    let _ = tokio::time::timeout(sleep, listener).await;
-                }
+            if !sleep_until_woken(listener, sleep, interrupt).await {
+                return Ok(None);
             }
         }
     }
@@ -572,20 +548,8 @@ impl Jobs {
                 return Ok(events);
             }
             let sleep = deadline - now;
-            match interrupt {
-                Some(i) => {
-                    let stop = i.signal.listen();
-                    if i.is_fired() {
-                        return Ok(events);
-                    }
-                    let _ = tokio::time::timeout(sleep, async {
-                        tokio::select! { _ = listener => {}, _ = stop => {} }
-                    })
-                    .await;
-                }
-                None => {
-                    let _ = tokio::time::timeout(sleep, listener).await;
-                }
+            if !sleep_until_woken(listener, sleep, interrupt).await {
+                return Ok(events);
             }
         }
     }
@@ -613,6 +577,27 @@ impl Jobs {
     pub fn upsert_scheduler(&self, ns: &str, queue: &str, spec: schedule::SchedulerSpec) -> Pending<Option<(String, u64)>> {
         self.queue_write(ns, queue, true, move |tx, q| schedule::upsert(tx, q, spec.clone()))
     }
+}
+
+/// Sleeps until `listener` fires, `sleep` passes, or `interrupt` fires.
+/// False, at once, when the interrupt had already fired.
+async fn sleep_until_woken(listener: event_listener::EventListener, sleep: Duration, interrupt: Option<&Interrupt>) -> bool {
+    match interrupt {
+        Some(i) => {
+            let stop = i.signal.listen();
+            if i.is_fired() {
+                return false;
+            }
+            let _ = tokio::time::timeout(sleep, async {
+                tokio::select! { _ = listener => {}, _ = stop => {} }
+            })
+            .await;
+        }
+        None => {
+            let _ = tokio::time::timeout(sleep, listener).await;
+        }
+    }
+    true
 }
 
 /// Promotes delayed jobs when they fall due and sweeps each queue's expired

@@ -158,7 +158,7 @@ impl<'a> Tx<'a> {
 
     /// The whole meta hash.
     pub fn meta_map(&mut self, q: &QueueId) -> Result<std::collections::BTreeMap<String, String>, JobsError> {
-        self.meta(q, "")?;
+        self.meta(q, "")?; // loads the cache; the field itself does not matter
         Ok(self.cache(q)?.meta.clone().unwrap_or_default())
     }
 
