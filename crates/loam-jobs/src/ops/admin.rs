@@ -33,24 +33,30 @@ fn drop_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> 
 /// A removed child no longer holds up its parent; a parent left with no
 /// pending child runs next.
 pub(crate) fn detach_from_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<bool, JobsError> {
-    let Some(parent) = &job.parent else { return Ok(false) };
+    let (unlinked, idle_parent) = unlink_pending_child(tx, q, job)?;
+    if let Some((pq, pjob)) = idle_parent {
+        lease::make_ready(tx, &pq, pjob, Some("waiting-children"), Line::Front)?;
+    }
+    Ok(unlinked)
+}
+
+/// Takes `job` out of its parent's pending children. Only a pending child is
+/// unlinked: a finished child's record (its value, or its failure) stays with
+/// the parent, as in BullMQ. Returns whether it was unlinked, and the parent
+/// when that left it waiting for children with none pending.
+fn unlink_pending_child(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(bool, Option<(QueueId, JobRecord)>), JobsError> {
+    let Some(parent) = &job.parent else { return Ok((false, None)) };
     let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
-    let child_key = model::node_key(&parent.prefix, &q.name, &job.id);
-    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
-    // Only a pending child is detached: a finished child's record (its value,
-    // or its failure) stays with the parent, as in BullMQ.
+    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &model::node_key(&parent.prefix, &q.name, &job.id));
     if tx.get_record::<Dependency>(&dep_key)?.is_none_or(|d| d.status != DependencyStatus::Pending) {
-        return Ok(false);
+        return Ok((false, None));
     }
     tx.delete(&dep_key)?;
-    if let Some(mut pjob) = tx.load_job(&pq, &parent.id)? {
-        pjob.pending_children = pjob.pending_children.saturating_sub(1);
-        tx.save_job(&pq, &pjob)?;
-        if pjob.pending_children == 0 && pjob.state == JobState::WaitingChildren {
-            lease::make_ready(tx, &pq, pjob, Some("waiting-children"), Line::Front)?;
-        }
-    }
-    Ok(true)
+    let Some(mut pjob) = tx.load_job(&pq, &parent.id)? else { return Ok((true, None)) };
+    pjob.pending_children = pjob.pending_children.saturating_sub(1);
+    tx.save_job(&pq, &pjob)?;
+    let idle = pjob.pending_children == 0 && pjob.state == JobState::WaitingChildren;
+    Ok((true, idle.then_some((pq, pjob))))
 }
 
 fn release_dedup_key(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
@@ -69,17 +75,7 @@ fn drop_job_hard(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsEr
     tx.unindex(q, job)?;
     release_dedup_key(tx, q, job)?;
     purge_job(tx, q, job)?;
-    let Some(parent) = &job.parent else { return Ok(()) };
-    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
-    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &model::node_key(&parent.prefix, &q.name, &job.id));
-    if tx.get_record::<Dependency>(&dep_key)?.is_none_or(|d| d.status != DependencyStatus::Pending) {
-        return Ok(());
-    }
-    tx.delete(&dep_key)?;
-    let Some(mut pjob) = tx.load_job(&pq, &parent.id)? else { return Ok(()) };
-    pjob.pending_children = pjob.pending_children.saturating_sub(1);
-    tx.save_job(&pq, &pjob)?;
-    if pjob.pending_children == 0 && pjob.state == JobState::WaitingChildren {
+    if let (_, Some((pq, pjob))) = unlink_pending_child(tx, q, job)? {
         if pq == *q {
             drop_job_hard(tx, &pq, &pjob)?;
         } else {
