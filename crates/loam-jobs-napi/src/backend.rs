@@ -28,6 +28,18 @@ use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, St
 use crate::error::{BullmqCode, Op, invalid};
 use crate::store::{self, OpenOptions, SharedStore};
 
+/// The id a flow node got, or the BullMQ code of its refusal.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum FlowId {
+    Id(String),
+    Code(i32),
+}
+
+/// One `addFlow` result, `[error message | null, id | code]` (BullMQ's shape,
+/// with the error as its tagged message, see `src/errors.ts`).
+type FlowResult = (Option<String>, FlowId);
+
 /// Most events one `readEvents` returns.
 const EVENTS_PER_READ: usize = 1000;
 
@@ -343,6 +355,16 @@ impl LoamQueue {
         self.store.dir.display().to_string()
     }
 
+    /// Resolves once the store answers a read (Redis' PING after connecting):
+    /// `waitUntilReady`. Not a read of this queue: a FlowProducer's backend
+    /// has no queue of its own.
+    #[napi]
+    pub async fn ready(&self) -> Result<()> {
+        self.jobs()?
+            .read(&self.ns, |_| Ok(()))
+            .map_err(|e| Op::new("waitUntilReady").error(e))
+    }
+
     /// Ends blocking waits and gives back this backend's use of the store.
     #[napi]
     pub async fn close(&self) -> Result<()> {
@@ -444,21 +466,21 @@ impl LoamQueue {
                 wait_children: e.add_to_waiting_children,
             });
         }
-        let pending = self.jobs()?.flow(&self.ns, nodes);
-        let count = entries.len();
+        let added = self.jobs()?.flows(&self.ns, nodes);
         env.spawn_future(async move {
-            match pending.await {
-                Ok(added) => Ok(json(
-                    &added
-                        .iter()
-                        .map(|a| (None::<()>, a.id.as_str()))
-                        .collect::<Vec<_>>(),
-                )),
-                Err(e) => match BullmqCode::of(&e) {
-                    Some(code) => Ok(json(&vec![(None::<()>, code as i32); count])),
-                    None => Err(Op::new("addJob").error(e)),
-                },
-            }
+            let results: Vec<FlowResult> = added
+                .await
+                .into_iter()
+                .map(|r| match r {
+                    Ok(a) => (None, FlowId::Id(a.id)),
+                    // Redis answers a refused insert with its code, not an error.
+                    Err(e) => match BullmqCode::of(&e) {
+                        Some(code) => (None, FlowId::Code(code as i32)),
+                        None => (Some(Op::new("addJob").error(e).reason), FlowId::Code(0)),
+                    },
+                })
+                .collect();
+            Ok(json(&results))
         })
     }
 

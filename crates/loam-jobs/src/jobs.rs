@@ -337,6 +337,42 @@ impl Jobs {
         self.write(ns, true, move |tx| enqueue::flow(tx, nodes.clone()))
     }
 
+    /// Inserts several flows, each tree atomically on its own: one tree's
+    /// failure leaves the others in (a FlowProducer.addBulk on Redis does the
+    /// same). Resolves to one result per node, in the nodes' order.
+    pub fn flows(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> impl Future<Output = Vec<Result<Enqueued, JobsError>>> + Send + 'static {
+        let count = nodes.len();
+        let trees = enqueue::flow_trees(&nodes);
+        let mut slots: Vec<Option<enqueue::FlowNode>> = nodes.into_iter().map(Some).collect();
+        let pending: Vec<(Vec<usize>, Pending<Vec<Enqueued>>)> = trees
+            .into_iter()
+            .map(|positions| {
+                let tree = positions.iter().filter_map(|&i| slots[i].take()).collect();
+                (positions, self.flow(ns, tree))
+            })
+            .collect();
+        async move {
+            let mut out: Vec<Option<Result<Enqueued, JobsError>>> = (0..count).map(|_| None).collect();
+            for (positions, tree) in pending {
+                match tree.await {
+                    Ok(added) => {
+                        for (i, e) in positions.into_iter().zip(added) {
+                            out[i] = Some(Ok(e));
+                        }
+                    }
+                    Err(e) => {
+                        for i in positions {
+                            out[i] = Some(Err(e.clone()));
+                        }
+                    }
+                }
+            }
+            out.into_iter()
+                .map(|r| r.unwrap_or_else(|| Err(JobsError::Internal("a flow node got no result".into()))))
+                .collect()
+        }
+    }
+
     // ---- consuming -------------------------------------------------------
 
     /// Takes up to `req.max` jobs now. A lost lease is a stalled one, so the

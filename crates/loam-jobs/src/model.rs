@@ -381,6 +381,16 @@ pub struct DedupRecord {
     pub next: Option<Box<EnqueueRequest>>,
 }
 
+impl DedupRecord {
+    /// Whether the key still deduplicates at `now`: before its ttl, or, with
+    /// keepLastIfActive, for as long as its job is active (so a long job
+    /// never runs twice in parallel).
+    pub fn is_live(&self, job: &JobRecord, now: u64) -> bool {
+        let held = job.state == JobState::Active && job.dedup.as_ref().is_some_and(|d| d.keep_last_if_active);
+        held || self.expires_at.is_none_or(|e| e > now)
+    }
+}
+
 /// The fixed-window counter behind a queue's rate limit.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LimiterWindow {

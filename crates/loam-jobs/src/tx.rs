@@ -238,6 +238,11 @@ impl<'a> Tx<'a> {
         self.delete(&key)?;
         let count = self.stats_mut(q)?.count_mut(job.state);
         *count = count.saturating_sub(1);
+        // A job leaving active frees a slot of a queue's global concurrency:
+        // workers waiting on a maxed queue may take the next job.
+        if job.state == JobState::Active && self.meta_u64(q, "concurrency")?.is_some_and(|c| c > 0) {
+            self.effects.wake_jobs.insert(q.clone());
+        }
         Ok(())
     }
 
