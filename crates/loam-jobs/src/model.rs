@@ -336,6 +336,37 @@ pub(crate) struct EventRef<'a> {
     pub fields: &'a [(&'a str, &'a str)],
 }
 
+/// Appends one encoded record to a page of records (a length, then the bytes).
+pub(crate) fn append_to_page(page: &mut Vec<u8>, record: &[u8]) {
+    page.reserve(4 + record.len());
+    page.extend_from_slice(&(record.len() as u32).to_be_bytes());
+    page.extend_from_slice(record);
+}
+
+/// The records of a page, oldest first; a truncated page is a corrupt record.
+pub(crate) fn page_records(page: &[u8]) -> impl Iterator<Item = Result<&[u8], StoreError>> {
+    let mut rest = page;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let record = rest
+            .get(..4)
+            .map(|n| u32::from_be_bytes([n[0], n[1], n[2], n[3]]) as usize)
+            .and_then(|len| rest.get(4..4 + len).map(|r| (r, 4 + len)));
+        match record {
+            Some((r, used)) => {
+                rest = &rest[used..];
+                Some(Ok(r))
+            }
+            None => {
+                rest = &[];
+                Some(Err(StoreError::Corrupt("an event page ends inside a record".into())))
+            }
+        }
+    })
+}
+
 impl Event {
     /// The Redis-stream-shaped id BullMQ shows: `<ms>-<seq>`.
     pub fn id(&self) -> String {

@@ -340,6 +340,31 @@ fn event_log_is_trimmed_to_its_length() {
 }
 
 #[test]
+fn event_pages_read_in_order_across_trims_and_limits() {
+    let (jobs, _) = core();
+    jobs.set_meta("ns", "q", BTreeMap::from([("opts.maxLenEvents".to_string(), "150".to_string())])).wait().unwrap();
+    // 2 events per add (added, waiting): 600 events over many pages.
+    for i in 0..300 {
+        jobs.enqueue("ns", "q", job(&format!("j{i}"))).wait().unwrap();
+    }
+    let all = jobs.read_events_blocking("ns", "q", Some(0), 10_000, Duration::ZERO).unwrap();
+    let seqs: Vec<u64> = all.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (451..=600).collect::<Vec<_>>(), "the newest 150, in order, none trimmed");
+    // Paging through with small limits from a cursor gives the same events.
+    let mut cursor = 0;
+    let mut paged = Vec::new();
+    loop {
+        let page = jobs.read_events_blocking("ns", "q", Some(cursor), 7, Duration::ZERO).unwrap();
+        let Some(last) = page.last() else { break };
+        assert!(page.len() <= 7);
+        cursor = last.seq;
+        paged.extend(page.into_iter().map(|e| e.seq));
+    }
+    assert_eq!(paged, seqs);
+    assert_eq!(jobs.read_events_blocking("ns", "q", Some(590), 100, Duration::ZERO).unwrap().len(), 10);
+}
+
+#[test]
 fn read_events_waits_for_the_next_event() {
     let (jobs, _) = core();
     let producer = jobs.clone();
