@@ -7,6 +7,12 @@
 
 use crate::kv::{Key, KeyRange};
 
+/// Events per key of a queue's event log. A queue writes several events per
+/// job; one page per batch of them keeps the log to a few B-tree writes per
+/// commit, where a key per event cost an insert and (once trimming) a delete
+/// per event.
+pub const EVENTS_PER_PAGE: u64 = 64;
+
 /// Every queue's keys start with `Q ns queue`.
 const QUEUE: u8 = b'Q';
 /// `R ns queue` registers a queue, so sweeps and listings can find it.
@@ -47,13 +53,6 @@ fn push_str(out: &mut Vec<u8>, s: &str) {
 }
 
 /// Reads a string component at the start of `bytes`; returns it and the rest.
-
-/// Events per key of a queue's event log. A queue writes several events per
-/// job; one page per batch of them keeps the log to a few B-tree writes per
-/// commit, where a key per event cost an insert and (once trimming) a delete
-/// per event.
-pub const EVENTS_PER_PAGE: u64 = 64;
-
 pub fn read_str(bytes: &[u8]) -> Option<(String, &[u8])> {
     let mut out = Vec::new();
     let mut i = 0;
