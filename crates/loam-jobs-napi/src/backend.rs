@@ -141,8 +141,31 @@ fn now_ms() -> u64 {
 /// The promise of a write already submitted to the core. Write methods are
 /// synchronous napi functions that submit on the JavaScript thread, so the
 /// core applies writes in the order JavaScript issued them, awaited or not
-/// (as Redis does for the commands of one connection); only the wait for the
-/// commit runs on napi's tokio runtime, where a panic rejects the promise.
+/// (as Redis does for the commands of one connection). The core's committer
+/// resolves the promise itself, through napi's thread-safe call, with no hop
+/// through an async runtime; a panic while shaping the result rejects it.
+fn settle_with<'env, R, T>(
+    env: &'env Env,
+    pending: Pending<R>,
+    finish: impl FnOnce(std::result::Result<R, JobsError>) -> Result<T> + Send + 'static,
+) -> Result<PromiseRaw<'env, T>>
+where
+    R: Send + 'static,
+    T: ToNapiValue + Send + 'static,
+{
+    let (deferred, promise) = env.create_deferred()?;
+    pending.then(move |result| {
+        let shaped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| finish(result)))
+            .unwrap_or_else(|panic| Err(crate::error::panicked(panic)));
+        match shaped {
+            Ok(value) => deferred.resolve(move |_| Ok(value)),
+            Err(e) => deferred.reject(e),
+        }
+    });
+    Ok(PromiseRaw::new(env.raw(), promise.raw()))
+}
+
+/// [`settle_with`] for a write whose errors are `op`'s BullMQ errors.
 fn settle<'env, R, T>(
     env: &'env Env,
     op: Op,
@@ -153,7 +176,7 @@ where
     R: Send + 'static,
     T: ToNapiValue + Send + 'static,
 {
-    env.spawn_future(async move { pending.await.map(map).map_err(|e| op.error(e)) })
+    settle_with(env, pending, move |r| r.map(map).map_err(|e| op.error(e)))
 }
 
 /// `{result?, finishedOn}` of moveToCompleted / moveToFailed, as JSON.
@@ -433,8 +456,8 @@ impl LoamQueue {
             .map_err(invalid)?;
         let parents: Vec<Option<String>> = jobs.iter().map(|j| j.parent_key.clone()).collect();
         let pending = self.jobs()?.enqueue_bulk(&self.ns, &self.queue, reqs);
-        env.spawn_future(async move {
-            let results = pending.await.map_err(|e| Op::new("addJob").error(e))?;
+        settle_with(env, pending, move |results| {
+            let results = results.map_err(|e| Op::new("addJob").error(e))?;
             results
                 .into_iter()
                 .zip(parents)
@@ -539,12 +562,10 @@ impl LoamQueue {
             fence(Some(&token)),
             ms(duration),
         );
-        env.spawn_future(async move {
-            match pending.await {
-                Ok(_) => Ok(1),
-                Err(e) if is_lock_refusal(&e) => Ok(0),
-                Err(e) => Err(Op::new("extendLock").job(&job_id).error(e)),
-            }
+        settle_with(env, pending, move |extended| match extended {
+            Ok(_) => Ok(1),
+            Err(e) if is_lock_refusal(&e) => Ok(0),
+            Err(e) => Err(Op::new("extendLock").job(&job_id).error(e)),
         })
     }
 
