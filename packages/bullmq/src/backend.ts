@@ -32,6 +32,7 @@ import type {
 } from 'bullmq';
 import { LoamQueue } from '../native/index.js';
 import { call, fromNative } from './errors.js';
+import { orderWrites } from './ordered-writes.js';
 
 /** What a backend needs to open its queue (see `loamBackend()`). */
 export interface LoamBackendSettings {
@@ -141,7 +142,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     options: { blocking?: boolean; withBlockingConnection?: boolean; workerName?: string } = {},
   ) {
     super();
-    this.native = native;
+    this.native = orderWrites(native, native.dataDir);
     if (options.withBlockingConnection) {
       // Redis names a worker's blocking connection so getWorkers finds it.
       const suffix = options.workerName ? `:w:${options.workerName}` : '';

@@ -9,6 +9,23 @@ const connection = {};
 afterAll(() => loam.cleanup());
 
 describe('Queue and Worker on Loam', () => {
+  it("never shows a worker a job before the producer's add resolved", async () => {
+    for (let round = 0; round < 20; round++) {
+      const name = loam.queueName();
+      const queue = new Queue(name, { connection });
+      await queue.waitUntilReady();
+      const order: string[] = [];
+      const worker = new Worker(name, async () => {}, { connection });
+      worker.on('active', () => order.push('active'));
+      await queue.add('job', {});
+      order.push('added');
+      await until(() => order.includes('active'));
+      expect(order).toEqual(['added', 'active']);
+      await worker.close();
+      await queue.close();
+    }
+  });
+
   it('adds jobs and reports counts', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const job = await queue.add('greet', { who: 'world' });

@@ -5,10 +5,10 @@
 //! [`Overlay`] over the batch's overlay (so a failed operation leaves nothing
 //! behind), and hands the batch's net writes to the **committer** thread,
 //! which writes them into one redb transaction, commits it with one fsync, and
-//! only then acknowledges the batch's operations that need durability. The
-//! others (every write under relaxed durability; leases under immediate) are
-//! acknowledged as soon as their batch is handed over, and reads wait for that
-//! batch's commit, so nobody reads older state than they were told of.
+//! only then acknowledges the batch's operations. Under relaxed durability the
+//! operations are acknowledged as soon as their batch is handed over instead,
+//! and reads wait for that batch's commit, so nobody reads older state than
+//! they were told of.
 //!
 //! The two threads overlap: while batch N is written and fsynced, batch N+1
 //! runs on top of N's writes (a [`Layer`] over the last committed snapshot).
@@ -278,11 +278,14 @@ impl Executor {
                     continue;
                 }
             }
-            // Acknowledgements that need not wait for the commit go out once
-            // the batch is with the committer (a reader they wake then waits
-            // for that commit, see `RedbStore::snapshot`).
+            // Under relaxed durability, acknowledgements go out once the batch
+            // is with the committer (a reader they wake then waits for that
+            // commit, see `RedbStore::snapshot`). Under immediate durability
+            // even leases wait for their commit: acknowledged early, a worker
+            // would see a job before the producer saw its `add` resolve, which
+            // BullMQ callers (and Redis, answering in order) never show.
             let relaxed = matches!(self.durability, Durability::Relaxed { .. });
-            let (early, late): (Vec<_>, Vec<_>) = acks.into_iter().partition(|(sync, _)| relaxed || !*sync);
+            let (early, late): (Vec<(bool, Ack)>, Vec<(bool, Ack)>) = acks.into_iter().partition(|_| relaxed);
             if !early.is_empty() {
                 self.progress.state.lock().acked = number;
             }
