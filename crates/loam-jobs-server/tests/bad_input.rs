@@ -1,6 +1,9 @@
 //! Bad input on every RPC gets a typed error, and the server stays up and
 //! keeps its jobs; tokens keep namespaces apart; SIGTERM shuts down cleanly.
 
+// A failed unwrap is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::time::{Duration, Instant};

@@ -2,6 +2,9 @@
 //! complete, watch, the result store, schedules, metrics, and many producers
 //! and workers at once.
 
+// A failed unwrap is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod support;
 
 use std::collections::HashSet;
