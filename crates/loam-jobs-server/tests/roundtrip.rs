@@ -240,3 +240,58 @@ async fn a_server_schedule_enqueues_each_tick_once_across_a_crash() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(counts(&c, "cron", &["wait", "delayed"]).await.iter().sum::<u64>(), limit);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_grpc_web_and_connect_share_one_port_and_watch_resumes() {
+    use connectrpc::Protocol;
+    use connectrpc::client::{ClientConfig, HttpClient};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let url: http::Uri = server.url().parse().unwrap();
+    let grpc = pb::JobsServiceClient::new(
+        HttpClient::plaintext_http2_only(),
+        ClientConfig::new(url.clone()).with_protocol(Protocol::Grpc),
+    );
+    let grpc_web = pb::JobsServiceClient::new(HttpClient::plaintext(), ClientConfig::new(url.clone()).with_protocol(Protocol::GrpcWeb));
+    let connect_json = pb::JobsServiceClient::new(HttpClient::plaintext(), ClientConfig::new(url).json());
+    grpc.enqueue(enqueue_req("multi", job("a", b"{}"))).await.unwrap();
+    grpc_web.enqueue(enqueue_req("multi", job("b", b"{}"))).await.unwrap();
+    connect_json.enqueue(enqueue_req("multi", job("c", b"{}"))).await.unwrap();
+    // Errors carry their detail on every protocol.
+    for c in [&grpc, &grpc_web, &connect_json] {
+        let e = assert_code(
+            c.complete(complete_req("multi", "ghost", epoch(1), success(b"1"))).await,
+            connectrpc::ErrorCode::NotFound,
+            Some("not_found.job"),
+        );
+        assert_eq!(detail(&e).bullmq_code, -1);
+    }
+    assert_eq!(counts(&server.client(), "multi", &["wait"]).await, vec![3]);
+
+    // Watch over gRPC, then resume from the last cursor seen: nothing is missed or repeated.
+    let mut first = grpc
+        .watch(pb::WatchRequest { queue: "multi".into(), after: Some(0), ..Default::default() })
+        .await
+        .unwrap();
+    let mut seqs = Vec::new();
+    while seqs.len() < 3 {
+        let m = first.message::<pb::WatchResponse>().await.unwrap().unwrap();
+        seqs.push(m.to_owned_message().event.into_option().unwrap().seq);
+    }
+    drop(first);
+    let cursor = *seqs.last().unwrap();
+    let mut resumed = grpc_web
+        .watch(pb::WatchRequest { queue: "multi".into(), after: Some(cursor), ..Default::default() })
+        .await
+        .unwrap();
+    let all: Vec<u64> = all_events(&server.client(), "multi").await.iter().map(|e| e.seq).collect();
+    while seqs.len() < all.len() {
+        let m = resumed.message::<pb::WatchResponse>().await.unwrap().unwrap();
+        seqs.push(m.to_owned_message().event.into_option().unwrap().seq);
+    }
+    assert_eq!(seqs, all);
+    // A new event reaches the open stream.
+    server.client().enqueue(enqueue_req("multi", job("d", b"{}"))).await.unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(5), resumed.message::<pb::WatchResponse>()).await.unwrap().unwrap().unwrap();
+    assert!(m.to_owned_message().event.into_option().unwrap().seq > cursor);
+}
