@@ -593,11 +593,19 @@ impl JobsSvc {
                     let (logs, count) = jobs.query(ns, queue, |tx, q| query::logs(tx, q, &l.job_id, l.start, l.end, l.asc))?;
                     R::from(pb::LogPage { logs, count, ..Default::default() })
                 }
-                Query::Dependencies(d) => {
-                    let deps = jobs.query(ns, queue, |tx, q| query::dependencies(tx, q, &d.job_id))?;
+                Query::Dependencies(d) => jobs.query(ns, queue, |tx, q| {
+                    let deps = query::dependencies(tx, q, &d.job_id)?;
+                    let mut slots = Vec::new();
+                    if d.with_jobs {
+                        for (_, dep) in &deps {
+                            let child_q = QueueId::new(ns, dep.child_queue.clone());
+                            let child = query::get_job(tx, &child_q, &dep.child_id)?;
+                            slots.push(pb::JobSlot { job: child.as_ref().map(convert::job).into(), ..Default::default() });
+                        }
+                    }
                     let dependencies = deps.iter().map(|(k, d)| convert::dependency(k, d)).collect();
-                    R::from(pb::DependencyList { dependencies, ..Default::default() })
-                }
+                    Ok(R::from(pb::DependencyList { dependencies, jobs: slots, ..Default::default() }))
+                })?,
                 Query::Metrics(m) => {
                     if m.kind != "completed" && m.kind != "failed" {
                         return Err(JobsError::invalid("metrics kind must be completed or failed"));

@@ -295,3 +295,62 @@ async fn grpc_grpc_web_and_connect_share_one_port_and_watch_resumes() {
     let m = tokio::time::timeout(Duration::from_secs(5), resumed.message::<pb::WatchResponse>()).await.unwrap().unwrap().unwrap();
     assert!(m.to_owned_message().event.into_option().unwrap().seq > cursor);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flow_parent_waits_for_children_in_another_queue() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let mut parent = job("parent", b"{}");
+    parent.job_id = Some("p1".into());
+    let child = |id: &str| {
+        let mut j = job("child", b"{}");
+        j.job_id = Some(id.into());
+        j.parent = pb::ParentRef { queue: "parents".into(), id: "p1".into(), ..Default::default() }.into();
+        pb::FlowNode { queue: "kids".into(), job: j.into(), ..Default::default() }
+    };
+    let nodes = vec![
+        pb::FlowNode { queue: "parents".into(), job: parent.into(), wait_children: true, ..Default::default() },
+        child("c1"),
+        child("c2"),
+    ];
+    let out = c.flow(pb::FlowRequest { nodes, ..Default::default() }).await.unwrap().into_owned().enqueued;
+    assert_eq!(out[0].state.as_known(), Some(pb::JobState::JOB_STATE_WAITING_CHILDREN));
+    let leased = c.lease(lease_req("kids", 2, 1000, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
+    assert_eq!(leased.leases.len(), 2);
+    let first = &leased.leases[0];
+    c.complete(complete_req("kids", &first.job.as_option().unwrap().id, epoch(first.epoch), success(b"42")))
+        .await
+        .unwrap();
+    let deps = |with_jobs| {
+        query_req(
+            "parents",
+            oneof::query_request::Query::from(pb::query_request::Dependencies {
+                job_id: "p1".into(),
+                with_jobs,
+                ..Default::default()
+            }),
+        )
+    };
+    let Some(oneof::query_response::Result::Dependencies(list)) = c.query(deps(true)).await.unwrap().into_owned().result
+    else {
+        panic!("dependencies")
+    };
+    assert_eq!(list.dependencies.len(), 2);
+    assert_eq!(list.jobs.len(), 2);
+    let processed: Vec<_> = list
+        .dependencies
+        .iter()
+        .filter(|d| d.status.as_known() == Some(pb::DependencyStatus::DEPENDENCY_STATUS_PROCESSED))
+        .collect();
+    assert_eq!(processed.len(), 1);
+    assert_eq!(processed[0].value.as_deref(), Some("42"));
+    assert!(list.jobs.iter().all(|s| s.job.as_option().is_some_and(|j| j.name == "child")));
+    let second = &leased.leases[1];
+    c.complete(complete_req("kids", &second.job.as_option().unwrap().id, epoch(second.epoch), success(b"1")))
+        .await
+        .unwrap();
+    // Both children done: the parent runs.
+    let parent = c.lease(lease_req("parents", 1, 2000, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
+    assert_eq!(parent.leases[0].job.as_option().unwrap().id, "p1");
+}
