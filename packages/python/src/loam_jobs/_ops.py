@@ -77,6 +77,9 @@ from .models import (
 
 # The server caps one long-poll at 30 s; longer waits are several calls.
 SERVER_MAX_WAIT_MS = 30_000
+# BullMQ's default length of a queue's event log (its maxLenEvents); the
+# server trims to whatever a publish names, 0 included.
+DEFAULT_MAX_EVENTS = 10_000
 
 T = TypeVar("T")
 
@@ -294,6 +297,11 @@ def queue_admin_until_done(queue: str, field_name: str, value: Any) -> Op[None]:
         resp = yield from queue_admin(queue, field_name, value)
         if not resp.more:
             return None
+
+
+def _pause_then(queue: str, op: Op[T]) -> Op[T]:
+    yield from queue_admin(queue, "pause", True)
+    return (yield from op)
 
 
 def job_admin(queue: str, job_id: str, field_name: str, value: Any) -> Op[bool]:
@@ -630,8 +638,9 @@ class Operations(ABC):
         return self._run(_then(queue_admin(queue, "resume", True), _nothing))
 
     def is_paused(self, queue: str) -> bool:
-        """Whether the queue is paused (read from a zero-job lease)."""
-        return self._run(_then(lease(queue, lease_options(0), 0), lambda batch: batch.paused))
+        """Whether the queue is paused (the `paused` field of its meta, as BullMQ keeps it)."""
+        op = query(queue, "meta", QueryRequest.Meta(fields=["paused"]))
+        return self._run(_then(op, lambda result: bool(result and "paused" in result.values)))
 
     def drain(self, queue: str, *, delayed: bool = False) -> int:
         """Removes the waiting jobs (and the delayed ones with `delayed`); returns how many."""
@@ -644,15 +653,23 @@ class Operations(ABC):
         return self._run(_then(op, _job_ids))
 
     def obliterate(self, queue: str, *, force: bool = False, chunk: int = 1000) -> None:
-        """Removes the queue and all its jobs; without `force`, refuses while jobs are active."""
+        """Pauses the queue, then removes it with all its jobs, `chunk` jobs per
+        call (BullMQ's obliterate); without `force`, refuses while jobs are active."""
         value = QueueAdminRequest.Obliterate(force=force, count=chunk)
-        return self._run(queue_admin_until_done(queue, "obliterate", value))
+        return self._run(_pause_then(queue, queue_admin_until_done(queue, "obliterate", value)))
 
     def retry_jobs(
-        self, queue: str, *, state: JobState = JobState.FAILED, before_ms: int = 0, chunk: int = 1000
+        self,
+        queue: str,
+        *,
+        state: JobState = JobState.FAILED,
+        before_ms: int | None = None,
+        chunk: int = 1000,
     ) -> None:
-        """Moves every failed (or completed) job back to waiting."""
-        value = QueueAdminRequest.RetryJobs(state=state, count=chunk, before=before_ms)
+        """Moves the failed (or completed) jobs that finished at or before
+        `before_ms` (default now) back to waiting."""
+        before = int(time.time() * 1000) if before_ms is None else before_ms
+        value = QueueAdminRequest.RetryJobs(state=state, count=chunk, before=before)
         return self._run(queue_admin_until_done(queue, "retry_jobs", value))
 
     def promote_jobs(self, queue: str, *, chunk: int = 1000) -> None:
@@ -708,8 +725,11 @@ class Operations(ABC):
     def get_config(self, queue: str) -> QueueConfig:
         return self._run(_then(query(queue, "config", True), lambda config: config or QueueConfig()))
 
-    def publish_event(self, queue: str, name: str, fields: Mapping[str, str], *, max_events: int = 0) -> str:
-        """Appends an event to the queue's log; returns its id (`<ms>-<seq>`)."""
+    def publish_event(
+        self, queue: str, name: str, fields: Mapping[str, str], *, max_events: int = DEFAULT_MAX_EVENTS
+    ) -> str:
+        """Appends an event to the queue's log, trimming the log to its newest
+        `max_events`; returns the event's id (`<ms>-<seq>`)."""
         value = QueueAdminRequest.PublishEvent(
             name=name, fields=[EventField(key=k, value=v) for k, v in fields.items()], max_events=max_events
         )
