@@ -128,6 +128,10 @@ class Client(Operations):
         `watch(after=w.cursor)` continues where this one stopped. `job_id`
         keeps only that job's events. Close it (or use `with`) to stop.
         """
+        if after is None:
+            # "From now on" is now, not the first iteration; a sequence also
+            # lets a reconnect before the first event resume without a gap.
+            after = self.last_event_seq(queue)
         return Watch(self, queue, after, job_id, _Reconnect(max_reconnects))
 
     def close(self) -> None:
@@ -150,7 +154,7 @@ class Watch(Iterator[QueueEvent]):
     ) -> None:
         self.queue = queue
         self.job_id = job_id
-        # The last sequence seen; None until the first event when watching from now.
+        # The last sequence seen (at first, the one it started after).
         self.cursor = after
         self._client = client
         self._reconnect = reconnect
@@ -165,10 +169,6 @@ class Watch(Iterator[QueueEvent]):
         while not self._closed:
             try:
                 if self._stream is None:
-                    if self.cursor is None:
-                        # Pin "from now on" to a sequence, so that a reconnect
-                        # before the first event resumes without a gap.
-                        self.cursor = self._client.last_event_seq(self.queue)
                     self._stream = self._open()
                 response = next(self._stream)
             except StopIteration:
@@ -256,7 +256,9 @@ class AsyncClient(Operations):
         job_id: str | None = None,
         max_reconnects: int | None = 10,
     ) -> AsyncWatch:
-        """Like `Client.watch`, as an async iterator (`async for event in ...`)."""
+        """Like `Client.watch`, as an async iterator. With `after=None`, "now"
+        is when `async with` enters it (or, without `async with`, the first
+        iteration)."""
         return AsyncWatch(self, queue, after, job_id, _Reconnect(max_reconnects))
 
     async def close(self) -> None:
@@ -279,6 +281,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
     ) -> None:
         self.queue = queue
         self.job_id = job_id
+        # The last sequence seen; None until the watch is entered or first iterated.
         self.cursor = after
         self._client = client
         self._reconnect = reconnect
@@ -293,8 +296,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         while not self._closed:
             try:
                 if self._stream is None:
-                    if self.cursor is None:
-                        self.cursor = await self._client.last_event_seq(self.queue)
+                    await self._pin()
                     self._stream = self._open()
                 response = await anext(self._stream)
             except StopAsyncIteration:
@@ -314,6 +316,12 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
             return event
         raise StopAsyncIteration
 
+    async def _pin(self) -> None:
+        # "From now on" becomes a sequence, so that a reconnect before the
+        # first event resumes without a gap.
+        if self.cursor is None:
+            self.cursor = await self._client.last_event_seq(self.queue)
+
     async def close(self) -> None:
         self._closed = True
         if self._stream is not None:
@@ -323,6 +331,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
             self._stream = None
 
     async def __aenter__(self) -> Self:
+        await self._pin()
         return self
 
     async def __aexit__(
