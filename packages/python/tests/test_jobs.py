@@ -25,7 +25,7 @@ from loam_jobs import (
     job,
 )
 
-from .conftest import MAX_PAYLOAD_BYTES
+from .conftest import MAX_PAYLOAD_BYTES, Server
 
 
 def test_enqueue_lease_complete_round_trip(client: Client, queue: str) -> None:
@@ -214,3 +214,11 @@ def test_missing_job_is_not_found_with_bullmq_code(client: Client, queue: str) -
     assert missing.value.bullmq_code == -1
     assert missing.value.subject == "nope"
     assert isinstance(missing.value, LoamJobsError)
+
+
+def test_gzip_requests(server: Server, queue: str) -> None:
+    with Client(server.url, compress_requests=True) as gzipping:
+        payload = {"text": "compressible " * 1_000}
+        enqueued = gzipping.enqueue(queue, "big", payload)
+        assert gzipping.lease(queue)[0].json() == payload
+        assert gzipping.get_job(queue, enqueued.id).state == JobState.ACTIVE
