@@ -63,8 +63,8 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(data_dir: Path, env_extra: dict[str, str] | None = None) -> Server:
-    port = free_port()
+def start_server(data_dir: Path, env_extra: dict[str, str] | None = None, port: int | None = None) -> Server:
+    port = port or free_port()
     log_path = data_dir.parent / f"{data_dir.name}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOAM_JOBS_")}
     env.update(env_extra or {})

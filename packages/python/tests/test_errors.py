@@ -6,6 +6,7 @@ import pytest
 
 from loam_jobs import (
     Client,
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     LoamJobsError,
@@ -68,6 +69,14 @@ def test_unreachable_server_is_unavailable() -> None:
         with pytest.raises(UnavailableError) as down:
             nowhere.result_get("k")
     assert down.value.reason == ""
+
+
+def test_client_timeout_is_deadline_exceeded(server: Server) -> None:
+    # A zero budget expires before the request is sent.
+    with Client(server.url, timeout_ms=0) as hurried:
+        with pytest.raises(DeadlineExceededError) as late:
+            hurried.result_get("k")
+    assert isinstance(late.value, TimeoutError)
 
 
 def test_tokens_choose_the_namespace(auth_server: Server) -> None:

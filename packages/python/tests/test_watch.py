@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from itertools import islice
+from pathlib import Path
 
 from loam_jobs import Client, Success
+
+from .conftest import start_server, stop_server
 
 
 def test_watch_iterates_live_events(client: Client, queue: str) -> None:
@@ -58,3 +61,25 @@ def test_events_long_poll(client: Client, queue: str) -> None:
     client.enqueue(queue, "a", None)
     events = client.events(queue, after=start, limit=1)
     assert len(events) == 1 and events[0].seq == start + 1
+
+
+def test_watch_survives_a_server_restart(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    server = start_server(data_dir)
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        with Client(server.url) as client, client.watch("restarts") as watch:
+            first = client.enqueue("restarts", "a", None)
+            before = list(islice(watch, 2))
+            assert [(e.name, e.job_id) for e in before] == [("added", first.id), ("waiting", first.id)]
+
+            # SIGTERM ends the stream; the watch reconnects from its cursor
+            # once the server is back on the same port and data.
+            stop_server(server)
+            server = start_server(data_dir, port=port)
+            second = client.enqueue("restarts", "b", None)
+            after = list(islice(watch, 2))
+            assert [(e.name, e.job_id) for e in after] == [("added", second.id), ("waiting", second.id)]
+            assert [e.seq for e in before + after] == list(range(before[0].seq, before[0].seq + 4))
+    finally:
+        stop_server(server)
