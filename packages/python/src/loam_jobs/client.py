@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from connectrpc.errors import ConnectError
 
@@ -217,7 +217,14 @@ class Watch(Iterator[QueueEvent]):
         self.close()
 
 
-class AsyncClient(Operations):
+if TYPE_CHECKING:
+    # The same operations, declared as coroutines (generated from _ops.py).
+    from ._gen.async_operations import AsyncOperations
+else:
+    AsyncOperations = Operations
+
+
+class AsyncClient(AsyncOperations):
     """The asyncio client: the same methods as `Client`, each returning an
     awaitable, and `watch` returning an async iterator.
 
