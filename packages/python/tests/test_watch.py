@@ -5,7 +5,9 @@ from __future__ import annotations
 from itertools import islice
 from pathlib import Path
 
-from loam_jobs import Client, Success
+import pytest
+
+from loam_jobs import Client, InvalidArgumentError, Success, UnavailableError
 
 from .conftest import start_server, stop_server
 
@@ -83,3 +85,19 @@ def test_watch_survives_a_server_restart(tmp_path: Path) -> None:
             assert [e.seq for e in before + after] == list(range(before[0].seq, before[0].seq + 4))
     finally:
         stop_server(server)
+
+
+def test_watch_gives_up_on_a_server_that_stays_down(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "data")
+    with Client(server.url) as client:
+        watch = client.watch("gone", max_reconnects=2)
+        stop_server(server)
+        with pytest.raises(UnavailableError):
+            next(watch)
+
+
+def test_watching_an_invalid_queue_is_refused(client: Client) -> None:
+    with pytest.raises(InvalidArgumentError):
+        client.watch("")
+    with pytest.raises(InvalidArgumentError):
+        next(client.watch("", after=0))

@@ -19,7 +19,7 @@ from connectrpc.errors import ConnectError
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
 from ._gen.loam.jobs.v1.jobs_pb import WatchRequest
 from ._ops import Call, Op, Operations
-from .errors import LoamJobsError, UnavailableError, from_connect_error
+from .errors import LoamJobsError, QueuePausedError, UnavailableError, from_connect_error
 from .models import QueueEvent
 
 __all__ = ["AsyncClient", "AsyncWatch", "Client", "Watch", "DEFAULT_URL"]
@@ -69,9 +69,10 @@ class _Reconnect:
     def pause_after(self, err: LoamJobsError) -> float:
         """Seconds to wait before reconnecting; re-raises `err` when it is not
         worth another try."""
-        if not isinstance(err, UnavailableError) or err.reason:
-            # A server-side refusal (a paused queue has reason `queue_paused`,
-            # a bad queue name is invalid_argument): reconnecting changes nothing.
+        if not isinstance(err, UnavailableError) or isinstance(err, QueuePausedError):
+            # A refusal (a bad queue name, a token the server does not know):
+            # reconnecting changes nothing. Unavailable is a server that is
+            # unreachable or shutting down, which a reconnect outlasts.
             raise err
         self.failures += 1
         if self.max_attempts is not None and self.failures > self.max_attempts:
@@ -190,9 +191,6 @@ class Watch(Iterator[QueueEvent]):
             except ConnectError as err:
                 self._stream = None
                 time.sleep(self._reconnect.pause_after(from_connect_error(err)))
-                continue
-            except LoamJobsError as err:
-                time.sleep(self._reconnect.pause_after(err))
                 continue
             self._reconnect.failures = 0
             event = QueueEvent.from_proto(response.event)
@@ -327,6 +325,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
                 await asyncio.sleep(self._reconnect.pause_after(from_connect_error(err)))
                 continue
             except LoamJobsError as err:
+                # From pinning the cursor (last_event_seq), before the stream opens.
                 await asyncio.sleep(self._reconnect.pause_after(err))
                 continue
             self._reconnect.failures = 0
