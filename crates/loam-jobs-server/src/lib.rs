@@ -21,6 +21,7 @@ use std::time::Duration;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use axum::serve::ListenerExt;
 use connectrpc::{ConnectRpcService, Limits};
 use loam_jobs::{Config, Durability, Interrupt, Jobs};
 use loam_jobs_proto::loam::jobs::v1::JobsServiceExt;
@@ -126,6 +127,12 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
             shutdown.fire();
         }
     };
+    // Small replies must not wait for Nagle's algorithm.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY not set");
+        }
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(stopping);
     let grace = Duration::from_secs(args.shutdown_grace_secs);
     let outcome = {
