@@ -23,7 +23,8 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::serve::ListenerExt;
 use connectrpc::{ConnectRpcService, Limits};
-use loam_jobs::{Config, Durability, Interrupt, Jobs};
+use loam_jobs::store::redb::{RedbOptions, RedbStore};
+use loam_jobs::{Config, Durability, FollowingClock, Interrupt, Jobs, SystemClock};
 use loam_jobs_proto::loam::jobs::v1::JobsServiceExt;
 
 use crate::cli::{DurabilityArg, ServeArgs, StoreKind};
@@ -56,9 +57,10 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let path = match args.store {
         StoreKind::Redb => args.data_dir.join("jobs.redb"),
     };
+    let following = args.follow_client_clock.then(|| Arc::new(FollowingClock::new()));
     let jobs = {
-        let path = path.clone();
-        tokio::task::spawn_blocking(move || Jobs::open(&path, config))
+        let (path, following) = (path.clone(), following.clone());
+        tokio::task::spawn_blocking(move || open_store(&path, config, following))
             .await
             .map_err(|e| ServerError::Config(format!("opening the store panicked: {e}")))??
     };
@@ -71,7 +73,8 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let shutdown = Interrupt::new();
     let index = Arc::new(schedules::Index::default());
     let found = index.load(&jobs)?;
-    let svc = service::JobsSvc::new(jobs.clone(), auth.clone(), Arc::clone(&metrics), shutdown.clone(), Arc::clone(&index));
+    let svc = service::JobsSvc::new(jobs.clone(), auth.clone(), Arc::clone(&metrics), shutdown.clone(), Arc::clone(&index))
+        .following(following);
     let router = Arc::new(svc).register(connectrpc::Router::new());
     let limits = Limits::default()
         .with_max_request_body_size(args.max_request_bytes)
@@ -158,6 +161,19 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let _ = tokio::task::spawn_blocking(move || closing.close()).await;
     tracing::info!("store closed; bye");
     outcome
+}
+
+/// Opens the redb store. With a following clock, job times follow the
+/// clients' `loam-now-ms` while leases keep real time (as Redis lock TTLs do).
+fn open_store(path: &std::path::Path, config: Config, following: Option<Arc<FollowingClock>>) -> Result<Jobs, ServerError> {
+    match following {
+        None => Ok(Jobs::open(path, config)?),
+        Some(clock) => {
+            let store = RedbStore::open(path, RedbOptions { durability: config.durability, ..Default::default() })
+                .map_err(loam_jobs::JobsError::from)?;
+            Ok(Jobs::with_clocks(Box::new(store), clock, Arc::new(SystemClock), config)?)
+        }
+    }
 }
 
 async fn wait_for_signal() {

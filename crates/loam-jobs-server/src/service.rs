@@ -69,6 +69,8 @@ pub struct JobsSvc {
     shutdown: Interrupt,
     schedules: Arc<schedules::Index>,
     workers: Mutex<HashMap<(String, String), HashMap<String, Instant>>>,
+    /// With --follow-client-clock: the core's clock, moved by `loam-now-ms`.
+    following: Option<Arc<loam_jobs::FollowingClock>>,
 }
 
 impl JobsSvc {
@@ -79,7 +81,11 @@ impl JobsSvc {
         shutdown: Interrupt,
         schedules: Arc<schedules::Index>,
     ) -> Self {
-        Self { jobs, auth, metrics, shutdown, schedules, workers: Mutex::new(HashMap::new()) }
+        Self { jobs, auth, metrics, shutdown, schedules, workers: Mutex::new(HashMap::new()), following: None }
+    }
+
+    pub fn following(self, following: Option<Arc<loam_jobs::FollowingClock>>) -> Self {
+        Self { following, ..self }
     }
 
     fn caller(&self, ctx: &RequestContext) -> Result<Caller, ConnectError> {
@@ -91,6 +97,9 @@ impl JobsSvc {
                     .ok()
                     .and_then(|s| s.parse::<u64>().ok())
                     .ok_or_else(|| invalid("loam-now-ms must be milliseconds since the epoch"))?;
+                if let Some(clock) = &self.following {
+                    clock.observe(at);
+                }
                 self.jobs.at(at)
             }
             None => self.jobs.clone(),

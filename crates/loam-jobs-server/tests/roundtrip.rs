@@ -354,3 +354,23 @@ async fn a_flow_parent_waits_for_children_in_another_queue() {
     let parent = c.lease(lease_req("parents", 1, 2000, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
     assert_eq!(parent.leases[0].job.as_option().unwrap().id, "p1");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_background_clock_can_follow_the_clients_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--follow-client-clock"], &[]);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let c = server.client_with(&[("loam-now-ms", &now.to_string())]);
+    let mut delayed = job("later", b"{}");
+    delayed.delay_ms = 3_600_000;
+    c.enqueue(enqueue_req("faked", delayed)).await.unwrap();
+    assert_eq!(counts(&c, "faked", &["delayed", "wait"]).await, vec![1, 0]);
+    // A client that says it is two hours later moves the promoter's clock too.
+    let later = server.client_with(&[("loam-now-ms", &(now + 7_200_000).to_string())]);
+    assert_eq!(counts(&later, "faked", &["delayed"]).await, vec![1]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counts(&server.client(), "faked", &["wait"]).await != vec![1] {
+        assert!(Instant::now() < deadline, "the delayed job was not promoted on the followed clock");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
