@@ -41,11 +41,12 @@ fn cpu_seconds(pid: u32) -> f64 {
     ticks / 100.0
 }
 
-fn report(name: &str, calls: usize, wall: Duration, cpu: f64) {
+fn report(name: &str, calls: usize, wall: Duration, cpu: f64, client_cpu: f64) {
     println!(
-        "{name:<44} {calls:>7} calls  {:>9.0} calls/s  server CPU {:>6.1} µs/call",
+        "{name:<44} {calls:>7} calls  {:>9.0} calls/s  server CPU {:>6.1} µs/call  client CPU {:>6.1} µs/call",
         calls as f64 / wall.as_secs_f64(),
-        cpu * 1e6 / calls as f64
+        cpu * 1e6 / calls as f64,
+        client_cpu * 1e6 / calls as f64
     );
 }
 
@@ -54,9 +55,10 @@ where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = ()>,
 {
-    let (t0, c0) = (Instant::now(), cpu_seconds(args.pid));
+    let me = std::process::id();
+    let (t0, c0, m0) = (Instant::now(), cpu_seconds(args.pid), cpu_seconds(me));
     f().await;
-    report(name, calls, t0.elapsed(), cpu_seconds(args.pid) - c0);
+    report(name, calls, t0.elapsed(), cpu_seconds(args.pid) - c0, cpu_seconds(me) - m0);
 }
 
 fn job(queue: &str) -> pb::EnqueueRequest {
@@ -110,6 +112,13 @@ async fn main() {
     let n = args.jobs;
     let run = format!("bench-{}", std::process::id());
 
+    phase(&args, "Query (a snapshot read), one caller", n, || async {
+        for _ in 0..n {
+            let q = pb::QueryRequest { queue: run.clone(), query: Some(oneof::query_request::Query::IsMaxed(true)), ..Default::default() };
+            client.query(q).await.unwrap();
+        }
+    })
+    .await;
     phase(&args, "Enqueue, one caller", n, || async {
         for _ in 0..n {
             client.enqueue(job(&format!("{run}-seq"))).await.unwrap();
