@@ -14,7 +14,7 @@ use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 
 use crate::convert::{self, SERVER_OWNED};
-use crate::errors::{code_name, detail, invalid, to_connect};
+use crate::errors::{code_name, detail, events_trimmed, invalid, to_connect};
 use crate::metrics::Metrics;
 use crate::schedules;
 
@@ -760,6 +760,17 @@ impl JobsSvc {
                 }
                 if st.failed || st.stop.is_fired() || st.jobs.is_closed() {
                     return None;
+                }
+                match st.jobs.query(&st.ns, &st.queue, |tx, q| Ok(tx.stats(q)?.first_event)) {
+                    Ok(oldest) if st.cursor > 0 && oldest > st.cursor + 1 => {
+                        st.failed = true;
+                        return Some((Err(events_trimmed(st.cursor, oldest)), st));
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        st.failed = true;
+                        return Some((Err(core_err(e)), st));
+                    }
                 }
                 let read = st
                     .jobs

@@ -374,3 +374,24 @@ async fn the_background_clock_can_follow_the_clients_time() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_cursor_behind_the_trimmed_log_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    for _ in 0..5 {
+        c.enqueue(enqueue_req("short", job("x", b"{}"))).await.unwrap();
+    }
+    let trim = pb::queue_admin_request::TrimEvents { max_length: 2, ..Default::default() };
+    let req = pb::QueueAdminRequest { queue: "short".into(), op: Some(trim.into()), ..Default::default() };
+    c.queue_admin(req).await.unwrap();
+    let mut stale = c.watch(pb::WatchRequest { queue: "short".into(), after: Some(1), ..Default::default() }).await.unwrap();
+    let e = stale.message::<pb::WatchResponse>().await.unwrap_err();
+    assert_eq!((e.code, detail(&e).reason.as_str()), (connectrpc::ErrorCode::OutOfRange, "events_trimmed"));
+    // From 0: whatever the log still holds.
+    let mut from_start = c.watch(pb::WatchRequest { queue: "short".into(), after: Some(0), ..Default::default() }).await.unwrap();
+    let first = from_start.message::<pb::WatchResponse>().await.unwrap().unwrap();
+    assert_eq!(first.to_owned_message().event.into_option().unwrap().seq, all_events(&c, "short").await[0].seq);
+    assert!(server.healthy());
+}
