@@ -22,6 +22,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::serve::ListenerExt;
+use futures::FutureExt;
 use connectrpc::{ConnectRpcService, Limits};
 use loam_jobs::store::redb::{RedbOptions, RedbStore};
 use loam_jobs::{Config, Durability, FollowingClock, Interrupt, Jobs, SystemClock};
@@ -82,18 +83,32 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let rpc = ConnectRpcService::new(router).with_limits(limits);
 
     let scrape = {
-        let (jobs, metrics) = (jobs.clone(), Arc::clone(&metrics));
-        move || {
+        let (jobs, metrics, auth) = (jobs.clone(), Arc::clone(&metrics), auth.clone());
+        move |headers: axum::http::HeaderMap| {
             let (jobs, metrics) = (jobs.clone(), Arc::clone(&metrics));
+            // With tokens, a scrape needs one too and sees only its namespace's series.
+            let only = if auth.is_on() {
+                match auth.namespace(&headers) {
+                    Ok(ns) => Some(ns),
+                    Err(e) => return std::future::ready(e.http_status().into_response()).boxed(),
+                }
+            } else {
+                None
+            };
             async move {
                 match tokio::task::spawn_blocking(move || metrics.render(&jobs)).await {
                     Ok(text) => {
+                        let text = match only {
+                            Some(ns) => metrics::only_namespace(&text, &ns),
+                            None => text,
+                        };
                         ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
                             .into_response()
                     }
                     Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
                 }
             }
+            .boxed()
         }
     };
     let health = {

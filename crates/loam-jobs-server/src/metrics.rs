@@ -167,3 +167,30 @@ impl Metrics {
         out
     }
 }
+
+/// The exposition without the series of other namespaces. Namespaces hold no
+/// quote, backslash or newline (auth refuses them), so the label matches
+/// exactly as written.
+pub fn only_namespace(text: &str, ns: &str) -> String {
+    let mine = format!("ns=\"{ns}\"");
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        if line.starts_with('#') || !line.contains("ns=\"") || line.contains(&mine) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_namespace_sees_only_its_series() {
+        let text = "# HELP x\nx_total{ns=\"a\",queue=\"q\"} 1\nx_total{ns=\"ab\",queue=\"q\"} 2\ny_total{method=\"Lease\"} 3\n# EOF\n";
+        let only = only_namespace(text, "a");
+        assert!(only.contains("ns=\"a\"") && !only.contains("ns=\"ab\"") && only.contains("Lease") && only.ends_with("# EOF\n"));
+    }
+}

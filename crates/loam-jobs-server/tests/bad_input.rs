@@ -260,6 +260,15 @@ async fn tokens_keep_namespaces_apart() {
     assert!(names.names.is_empty(), "{:?}", names.names);
     // A still has its job.
     assert_eq!(counts(&a, "shared", &["wait"]).await, vec![1]);
+    b.enqueue(enqueue_req("b-only", job("x", b"{}"))).await.unwrap();
+
+    // /metrics needs a token too, and shows only the token's namespace.
+    assert_eq!(server.http("GET", "/metrics", "", b"").unwrap().0, 401);
+    let (status, body) = server.http_with("GET", "/metrics", &[("Authorization", &bearer(TOKEN_A))], "", b"").unwrap();
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 200);
+    assert!(text.contains("ns=\"alpha\"") && !text.contains("beta") && !text.contains("b-only"), "{text}");
+    assert!(server.healthy());
 }
 
 #[test]
