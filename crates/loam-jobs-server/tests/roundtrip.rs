@@ -395,3 +395,62 @@ async fn a_watch_cursor_behind_the_trimmed_log_is_refused() {
     assert_eq!(first.to_owned_message().event.into_option().unwrap().seq, all_events(&c, "short").await[0].seq);
     assert!(server.healthy());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_schedules_follow_cron_in_a_time_zone_and_their_end_date() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let sched = |s: pb::ServerSchedule| pb::ScheduleRequest {
+        queue: "tz".into(),
+        schedule: Some(oneof::schedule_request::Schedule::from(s)),
+        ..Default::default()
+    };
+    // Every second, by a six-field cron in Paris time; three ticks.
+    let cron = pb::ServerSchedule {
+        id: "secs".into(),
+        name: "s".into(),
+        cron: Some("* * * * * *".into()),
+        tz: Some("Europe/Paris".into()),
+        limit: Some(3),
+        ..Default::default()
+    };
+    c.schedule(sched(cron)).await.unwrap();
+    // Every 100 ms from a start date until an end date 350 ms later: ticks at +0, +100, +200, +300.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64 + 500;
+    let until = pb::ServerSchedule {
+        id: "until".into(),
+        name: "u".into(),
+        every_ms: Some(100),
+        start_date: Some(now),
+        end_date: Some(now + 350),
+        ..Default::default()
+    };
+    c.schedule(sched(until)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(3600)).await;
+    let q = oneof::query_request::Query::from(pb::query_request::Ranges {
+        types: vec!["wait".into(), "delayed".into()],
+        start: 0,
+        end: -1,
+        asc: true,
+        ..Default::default()
+    });
+    let Some(oneof::query_response::Result::Ranges(r)) = c.query(query_req("tz", q)).await.unwrap().into_owned().result else {
+        panic!("ranges")
+    };
+    let ids: Vec<String> = r.ranges.into_iter().flat_map(|l| l.ids).collect();
+    let ticks = |prefix: &str| {
+        let mut t: Vec<u64> = ids
+            .iter()
+            .filter_map(|id| id.strip_prefix(prefix))
+            .map(|t| t.parse().unwrap())
+            .collect();
+        t.sort();
+        t
+    };
+    let secs = ticks("repeat:secs:");
+    assert_eq!(secs.len(), 3, "{ids:?}");
+    assert!(secs.iter().all(|t| t % 1000 == 0) && secs.windows(2).all(|w| w[1] - w[0] == 1000), "{secs:?}");
+    let until_ticks = ticks("repeat:until:");
+    assert_eq!(until_ticks, vec![now, now + 100, now + 200, now + 300]);
+}
