@@ -454,3 +454,30 @@ async fn server_schedules_follow_cron_in_a_time_zone_and_their_end_date() {
     let until_ticks = ticks("repeat:until:");
     assert_eq!(until_ticks, vec![now, now + 100, now + 200, now + 300]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn immediately_runs_the_first_tick_now() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let yearly = |id: &str, immediately: bool| pb::ScheduleRequest {
+        queue: "yearly".into(),
+        schedule: Some(oneof::schedule_request::Schedule::from(pb::ServerSchedule {
+            id: id.into(),
+            name: "y".into(),
+            cron: Some("0 0 1 1 *".into()),
+            immediately,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let tick = |r: pb::ScheduleResponse| -> (u64, u64) {
+        (r.job_id.unwrap().rsplit(':').next().unwrap().parse().unwrap(), r.delay_ms)
+    };
+    let (t, delay) = tick(c.schedule(yearly("now", true)).await.unwrap().into_owned());
+    assert!(t.abs_diff(now) < 5_000 && delay == 0, "{t} {now}");
+    let (t, delay) = tick(c.schedule(yearly("later", false)).await.unwrap().into_owned());
+    assert!(t > now && t - now <= 366 * 86_400_000 && delay > 0);
+    assert_eq!(t % 86_400_000, 0, "midnight UTC");
+}
