@@ -293,6 +293,8 @@ async fn sigterm_ends_long_polls_and_closes_the_store() {
     // A worker long-polls an empty queue.
     let poller = server.client();
     let poll = tokio::spawn(async move { poller.lease(lease_req("empty", 1, 30_000, 0)).await });
+    // And a client watches a queue.
+    let mut watch = c.watch(pb::WatchRequest { queue: "q".into(), ..Default::default() }).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let started = Instant::now();
     let status = server.terminate(Duration::from_secs(10)).expect("exits after SIGTERM");
@@ -300,6 +302,9 @@ async fn sigterm_ends_long_polls_and_closes_the_store() {
     assert!(started.elapsed() < Duration::from_secs(5), "the long-poll did not hold up shutdown");
     let leased = poll.await.unwrap().unwrap().into_owned().leased.into_option().unwrap();
     assert!(leased.leases.is_empty());
+    // The watch ended cleanly rather than hanging.
+    let end = tokio::time::timeout(Duration::from_secs(5), watch.message::<pb::WatchResponse>()).await.unwrap();
+    assert!(matches!(end, Ok(None)), "{end:?}");
     assert!(server.log_text().contains("store closed"));
     // The store reopens (it was closed, not left locked) with its job.
     server.restart();
