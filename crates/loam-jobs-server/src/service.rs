@@ -22,6 +22,8 @@ use crate::schedules;
 const MAX_WAIT: Duration = Duration::from_secs(30);
 /// Events per Watch read and the default for Query's `events`.
 const EVENT_BATCH: usize = 256;
+/// Most events one `Query.events` returns.
+const MAX_EVENTS_PER_READ: usize = 10_000;
 /// How long a worker name stays listed after it was last seen.
 const WORKER_TTL: Duration = Duration::from_secs(300);
 /// Header that runs an operation at the caller's time (BullMQ's tests fake it).
@@ -196,6 +198,10 @@ impl JobsSvc {
         let c = self.caller(&ctx)?;
         let started = Instant::now();
         let options = convert::lease_options(req.options.into_option().unwrap_or_default());
+        if options.max == 0 {
+            // Zero would wait out the whole long-poll for nothing.
+            return Err(invalid("lease options.max must be at least 1"));
+        }
         if let Some(w) = &options.worker {
             self.saw_worker(&c.ns, &req.queue, w);
         }
@@ -644,7 +650,7 @@ impl JobsSvc {
                 Query::IsMaxed(_) => R::Flag(jobs.query(ns, queue, query::is_maxed)?),
                 Query::LastEvent(_) => R::Number(jobs.query(ns, queue, query::last_event_seq)?),
                 Query::Events(e) => {
-                    let limit = if e.limit == 0 { EVENT_BATCH } else { e.limit as usize };
+                    let limit = if e.limit == 0 { EVENT_BATCH } else { (e.limit as usize).min(MAX_EVENTS_PER_READ) };
                     let events = jobs
                         .read_events(ns, queue, e.after, limit, wait_of(e.wait_ms), Some(&self.shutdown))
                         .await?;

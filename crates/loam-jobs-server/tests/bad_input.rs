@@ -76,8 +76,9 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     assert_eq!((e.code.as_str(), e.detail.as_option().unwrap().reason.as_str()), ("resource_exhausted", "payload_too_large"));
     assert_code(c.enqueue_bulk(pb::EnqueueBulkRequest { queue: "\u{0}".repeat(0), ..Default::default() }).await, InvalidArgument, inv);
 
-    // Lease: invalid queue.
+    // Lease: invalid queue; asking for nothing.
     assert_code(c.lease(lease_req("", 1, 0, 0)).await, InvalidArgument, inv);
+    assert_code(c.lease(lease_req("q", 0, 1000, 0)).await, InvalidArgument, inv);
 
     // Extend, Complete, Report: stale lease tokens and epochs, missing fences and outcomes.
     let leased = c.lease(lease_req("q", 1, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
