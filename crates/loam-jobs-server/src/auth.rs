@@ -45,8 +45,10 @@ impl Auth {
             if token.len() < MIN_TOKEN_LEN {
                 return Err(ServerError::Config(format!("{origin}: a token must be at least {MIN_TOKEN_LEN} characters")));
             }
-            if ns.is_empty() || ns.len() > 128 {
-                return Err(ServerError::Config(format!("{origin}: a namespace must be 1 to 128 bytes")));
+            if ns.is_empty() || ns.len() > 128 || ns.contains(['"', '\\', '\n']) {
+                return Err(ServerError::Config(format!(
+                    "{origin}: a namespace must be 1 to 128 bytes, without quotes, backslashes or newlines"
+                )));
             }
             tokens.insert(token.to_string(), ns.to_string());
             Ok(())

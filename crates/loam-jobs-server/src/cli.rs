@@ -92,6 +92,13 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_secs: u64,
 
+    /// Let the core's background clock (the delayed-job promoter) follow the
+    /// `loam-now-ms` header of the latest call, as the in-process binding
+    /// follows its host. For test suites that fake time (BullMQ's); not for
+    /// a server shared by clients whose clocks disagree.
+    #[arg(long)]
+    pub follow_client_clock: bool,
+
     /// Log format on stderr. The level comes from RUST_LOG (default `info`).
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

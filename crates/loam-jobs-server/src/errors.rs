@@ -136,6 +136,17 @@ pub fn permission_denied(msg: &str) -> ConnectError {
         .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
 }
 
+/// A watch cursor older than the oldest event the log still holds: the
+/// events in between are gone, so the client must resynchronise.
+pub fn events_trimmed(cursor: u64, oldest: u64) -> ConnectError {
+    let detail = pb::ErrorDetail { reason: "events_trimmed".into(), subject: oldest.to_string(), ..Default::default() };
+    ConnectError::new(
+        ErrorCode::OutOfRange,
+        format!("events after {cursor} were trimmed from the log; the oldest kept is {oldest}"),
+    )
+    .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

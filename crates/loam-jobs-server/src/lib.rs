@@ -21,8 +21,11 @@ use std::time::Duration;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use axum::serve::ListenerExt;
+use futures::FutureExt;
 use connectrpc::{ConnectRpcService, Limits};
-use loam_jobs::{Config, Durability, Interrupt, Jobs};
+use loam_jobs::store::redb::{RedbOptions, RedbStore};
+use loam_jobs::{Config, Durability, FollowingClock, Interrupt, Jobs, SystemClock};
 use loam_jobs_proto::loam::jobs::v1::JobsServiceExt;
 
 use crate::cli::{DurabilityArg, ServeArgs, StoreKind};
@@ -55,9 +58,10 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let path = match args.store {
         StoreKind::Redb => args.data_dir.join("jobs.redb"),
     };
+    let following = args.follow_client_clock.then(|| Arc::new(FollowingClock::new()));
     let jobs = {
-        let path = path.clone();
-        tokio::task::spawn_blocking(move || Jobs::open(&path, config))
+        let (path, following) = (path.clone(), following.clone());
+        tokio::task::spawn_blocking(move || open_store(&path, config, following))
             .await
             .map_err(|e| ServerError::Config(format!("opening the store panicked: {e}")))??
     };
@@ -70,7 +74,8 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let shutdown = Interrupt::new();
     let index = Arc::new(schedules::Index::default());
     let found = index.load(&jobs)?;
-    let svc = service::JobsSvc::new(jobs.clone(), auth.clone(), Arc::clone(&metrics), shutdown.clone(), Arc::clone(&index));
+    let svc = service::JobsSvc::new(jobs.clone(), auth.clone(), Arc::clone(&metrics), shutdown.clone(), Arc::clone(&index))
+        .following(following);
     let router = Arc::new(svc).register(connectrpc::Router::new());
     let limits = Limits::default()
         .with_max_request_body_size(args.max_request_bytes)
@@ -78,18 +83,32 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let rpc = ConnectRpcService::new(router).with_limits(limits);
 
     let scrape = {
-        let (jobs, metrics) = (jobs.clone(), Arc::clone(&metrics));
-        move || {
+        let (jobs, metrics, auth) = (jobs.clone(), Arc::clone(&metrics), auth.clone());
+        move |headers: axum::http::HeaderMap| {
             let (jobs, metrics) = (jobs.clone(), Arc::clone(&metrics));
+            // With tokens, a scrape needs one too and sees only its namespace's series.
+            let only = if auth.is_on() {
+                match auth.namespace(&headers) {
+                    Ok(ns) => Some(ns),
+                    Err(e) => return std::future::ready(e.http_status().into_response()).boxed(),
+                }
+            } else {
+                None
+            };
             async move {
                 match tokio::task::spawn_blocking(move || metrics.render(&jobs)).await {
                     Ok(text) => {
+                        let text = match only {
+                            Some(ns) => metrics::only_namespace(&text, &ns),
+                            None => text,
+                        };
                         ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
                             .into_response()
                     }
                     Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
                 }
             }
+            .boxed()
         }
     };
     let health = {
@@ -126,6 +145,12 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
             shutdown.fire();
         }
     };
+    // Small replies must not wait for Nagle's algorithm.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY not set");
+        }
+    });
     let server = axum::serve(listener, app).with_graceful_shutdown(stopping);
     let grace = Duration::from_secs(args.shutdown_grace_secs);
     let outcome = {
@@ -151,6 +176,19 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let _ = tokio::task::spawn_blocking(move || closing.close()).await;
     tracing::info!("store closed; bye");
     outcome
+}
+
+/// Opens the redb store. With a following clock, job times follow the
+/// clients' `loam-now-ms` while leases keep real time (as Redis lock TTLs do).
+fn open_store(path: &std::path::Path, config: Config, following: Option<Arc<FollowingClock>>) -> Result<Jobs, ServerError> {
+    match following {
+        None => Ok(Jobs::open(path, config)?),
+        Some(clock) => {
+            let store = RedbStore::open(path, RedbOptions { durability: config.durability, ..Default::default() })
+                .map_err(loam_jobs::JobsError::from)?;
+            Ok(Jobs::with_clocks(Box::new(store), clock, Arc::new(SystemClock), config)?)
+        }
+    }
 }
 
 async fn wait_for_signal() {

@@ -27,6 +27,7 @@ pub struct Metrics {
     leased: Family<Labels, Counter>,
     completed: Family<Labels, Counter>,
     fenced: Family<Labels, Counter>,
+    stalled: Family<Labels, Counter>,
     rpcs: Family<Labels, Counter>,
     rpc_seconds: Family<Labels, Histogram>,
     lease_seconds: Family<Labels, Histogram>,
@@ -35,6 +36,7 @@ pub struct Metrics {
     active: Family<Labels, Gauge>,
     waiting_children: Family<Labels, Gauge>,
     finished: Family<Labels, Gauge>,
+    oldest_waiting: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -56,6 +58,7 @@ impl Metrics {
             leased: Family::default(),
             completed: Family::default(),
             fenced: Family::default(),
+            stalled: Family::default(),
             rpcs: Family::default(),
             rpc_seconds: Family::new_with_constructor(latency_histogram),
             lease_seconds: Family::new_with_constructor(latency_histogram),
@@ -64,12 +67,14 @@ impl Metrics {
             active: Family::default(),
             waiting_children: Family::default(),
             finished: Family::default(),
+            oldest_waiting: Family::default(),
         };
         if let Ok(mut r) = m.registry.lock() {
             r.register("loam_jobs_enqueued", "Jobs created by Enqueue, EnqueueBulk, Flow and schedules", m.enqueued.clone());
             r.register("loam_jobs_leased", "Jobs handed to workers", m.leased.clone());
             r.register("loam_jobs_completed", "Completions by outcome (ok, retry, fail, release, delay, wait_children, rate_limited)", m.completed.clone());
             r.register("loam_jobs_fenced", "Writes refused because the lease had moved", m.fenced.clone());
+            r.register("loam_jobs_stalled", "Jobs reclaimed from expired leases by workers' stalled checks (QueueAdmin sweep_stalled)", m.stalled.clone());
             r.register("loam_jobs_rpc_requests", "Calls by method and Connect code", m.rpcs.clone());
             r.register("loam_jobs_rpc_duration_seconds", "Time to answer a call, by method", m.rpc_seconds.clone());
             r.register("loam_jobs_lease_latency_seconds", "Time a Lease call took, waits included", m.lease_seconds.clone());
@@ -78,6 +83,7 @@ impl Metrics {
             r.register("loam_jobs_active", "Leased jobs", m.active.clone());
             r.register("loam_jobs_waiting_children", "Parents waiting for children", m.waiting_children.clone());
             r.register("loam_jobs_finished", "Finished jobs still kept, by state (completed, failed)", m.finished.clone());
+            r.register("loam_jobs_oldest_waiting_seconds", "Age of the job that runs next (FIFO band)", m.oldest_waiting.clone());
         }
         m
     }
@@ -106,6 +112,12 @@ impl Metrics {
         self.fenced.get_or_create(&queue_labels(ns, queue)).inc();
     }
 
+    pub fn stalled(&self, ns: &str, queue: &str, n: u64) {
+        if n > 0 {
+            self.stalled.get_or_create(&queue_labels(ns, queue)).inc_by(n);
+        }
+    }
+
     pub fn rpc(&self, method: &'static str, code: &'static str, took: Duration) {
         self.rpcs.get_or_create(&vec![("method", method.to_string()), ("code", code.to_string())]).inc();
         self.rpc_seconds.get_or_create(&vec![("method", method.to_string())]).observe(took.as_secs_f64());
@@ -116,6 +128,8 @@ impl Metrics {
         for family in [&self.waiting, &self.delayed, &self.active, &self.waiting_children, &self.finished] {
             family.clear();
         }
+        self.oldest_waiting.clear();
+        let now = jobs.now_ms();
         if let Ok(queues) = crate::service::all_queues(jobs) {
             for q in queues {
                 let Ok(stats) = jobs.query(&q.ns, &q.name, |tx, q| Ok(tx.stats(q)?.clone())) else { continue };
@@ -135,6 +149,15 @@ impl Metrics {
                 set(&self.waiting_children, &labels, stats.count(JobState::WaitingChildren));
                 set(&self.finished, &with("state", "completed"), stats.count(JobState::Completed));
                 set(&self.finished, &with("state", "failed"), stats.count(JobState::Failed));
+                let head = jobs.query(&q.ns, &q.name, |tx, q| {
+                    let Some(id) = loam_jobs::ops::query::range(tx, q, JobState::Waiting, 0, 0, true)?.into_iter().next() else {
+                        return Ok(None);
+                    };
+                    Ok(loam_jobs::ops::query::get_job(tx, q, &id)?.map(|j| j.timestamp))
+                });
+                if let Ok(Some(ts)) = head {
+                    self.oldest_waiting.get_or_create(&labels).set(now.saturating_sub(ts) as f64 / 1000.0);
+                }
             }
         }
         let mut out = String::new();
@@ -142,5 +165,32 @@ impl Metrics {
             let _ = encode(&mut out, &r);
         }
         out
+    }
+}
+
+/// The exposition without the series of other namespaces. Namespaces hold no
+/// quote, backslash or newline (auth refuses them), so the label matches
+/// exactly as written.
+pub fn only_namespace(text: &str, ns: &str) -> String {
+    let mine = format!("ns=\"{ns}\"");
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        if line.starts_with('#') || !line.contains("ns=\"") || line.contains(&mine) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_namespace_sees_only_its_series() {
+        let text = "# HELP x\nx_total{ns=\"a\",queue=\"q\"} 1\nx_total{ns=\"ab\",queue=\"q\"} 2\ny_total{method=\"Lease\"} 3\n# EOF\n";
+        let only = only_namespace(text, "a");
+        assert!(only.contains("ns=\"a\"") && !only.contains("ns=\"ab\"") && only.contains("Lease") && only.ends_with("# EOF\n"));
     }
 }

@@ -10,7 +10,7 @@
 //! that tick's job, so ticks missed while the server was down are each
 //! enqueued once on restart, and none is enqueued twice.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -118,16 +118,21 @@ pub fn prepare(s: pb::ServerSchedule, now: u64) -> Result<(SchedulerSpec, BTreeM
     Ok((spec, extra))
 }
 
-/// The server schedules it knows of: (namespace, queue, id).
+type Key = (String, String, String);
+
+/// The server schedules it knows of, (namespace, queue, id), each with the
+/// time of its pending tick once read, so a pass reads only the schedules
+/// that are due.
 #[derive(Default)]
 pub struct Index {
-    entries: Mutex<BTreeSet<(String, String, String)>>,
+    entries: Mutex<BTreeMap<Key, Option<u64>>>,
 }
 
 impl Index {
+    /// A new or changed schedule: read it on the next pass.
     pub fn add(&self, ns: &str, queue: &str, id: &str) {
         if let Ok(mut e) = self.entries.lock() {
-            e.insert((ns.into(), queue.into(), id.into()));
+            e.insert((ns.into(), queue.into(), id.into()), None);
         }
     }
 
@@ -137,8 +142,18 @@ impl Index {
         }
     }
 
-    fn snapshot(&self) -> Vec<(String, String, String)> {
-        self.entries.lock().map(|e| e.iter().cloned().collect()).unwrap_or_default()
+    fn set_due(&self, key: &Key, due: u64) {
+        if let Ok(mut e) = self.entries.lock()
+            && let Some(slot) = e.get_mut(key)
+        {
+            *slot = Some(due);
+        }
+    }
+
+    /// The schedules whose tick may have come by `now`.
+    fn due(&self, now: u64) -> Vec<Key> {
+        let Ok(e) = self.entries.lock() else { return Vec::new() };
+        e.iter().filter(|(_, due)| due.is_none_or(|d| d <= now)).map(|(k, _)| k.clone()).collect()
     }
 
     /// Finds the server schedules in the store (at start).
@@ -160,14 +175,18 @@ impl Index {
 pub async fn run(jobs: Jobs, index: Arc<Index>, metrics: Arc<crate::metrics::Metrics>, stop: Interrupt) {
     const PASS: Duration = Duration::from_millis(200);
     while !stop.is_fired() {
-        for (ns, queue, id) in index.snapshot() {
+        for key in index.due(jobs.now_ms()) {
+            let (ns, queue, id) = &key;
             let q = QueueId::new(ns.clone(), queue.clone());
             for _ in 0..CATCH_UP_PER_PASS {
-                match tick(&jobs, &q, &id).await {
-                    Ok(Tick::Advanced) => metrics.enqueued(&ns, &queue, 1),
-                    Ok(Tick::Idle) => break,
+                match tick(&jobs, &q, id).await {
+                    Ok(Tick::Advanced) => metrics.enqueued(ns, queue, 1),
+                    Ok(Tick::Idle(due)) => {
+                        index.set_due(&key, due);
+                        break;
+                    }
                     Ok(Tick::Gone) => {
-                        index.remove(&ns, &queue, &id);
+                        index.remove(ns, queue, id);
                         break;
                     }
                     Err(e) => {
@@ -184,8 +203,8 @@ pub async fn run(jobs: Jobs, index: Arc<Index>, metrics: Arc<crate::metrics::Met
 enum Tick {
     /// The next tick's job was enqueued.
     Advanced,
-    /// Nothing is due.
-    Idle,
+    /// Nothing is due before this time.
+    Idle(u64),
     /// The schedule was removed, replaced by a worker's, or has run out.
     Gone,
 }
@@ -196,7 +215,7 @@ async fn tick(jobs: &Jobs, q: &QueueId, id: &str) -> Result<Tick, JobsError> {
         return Ok(Tick::Gone);
     }
     if rec.next_millis > jobs.now_ms() {
-        return Ok(Tick::Idle);
+        return Ok(Tick::Idle(rec.next_millis));
     }
     let next = tick_after(&rec, rec.next_millis)?;
     let template: EnqueueRequest = rec
@@ -209,7 +228,8 @@ async fn tick(jobs: &Jobs, q: &QueueId, id: &str) -> Result<Tick, JobsError> {
     let advanced = jobs
         .admin(&q.ns, &q.name, move |tx, q| schedule::advance_to(tx, q, &id, next, &producer, &template))
         .await?;
-    Ok(if advanced.is_some() { Tick::Advanced } else { Tick::Idle })
+    // Not advanced: another caller moved it first; read it again next pass.
+    Ok(if advanced.is_some() { Tick::Advanced } else { Tick::Idle(0) })
 }
 
 #[cfg(test)]

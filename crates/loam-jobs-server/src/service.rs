@@ -14,7 +14,7 @@ use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 
 use crate::convert::{self, SERVER_OWNED};
-use crate::errors::{code_name, detail, invalid, to_connect};
+use crate::errors::{code_name, detail, events_trimmed, invalid, to_connect};
 use crate::metrics::Metrics;
 use crate::schedules;
 
@@ -22,6 +22,8 @@ use crate::schedules;
 const MAX_WAIT: Duration = Duration::from_secs(30);
 /// Events per Watch read and the default for Query's `events`.
 const EVENT_BATCH: usize = 256;
+/// Most events one `Query.events` returns.
+const MAX_EVENTS_PER_READ: usize = 10_000;
 /// How long a worker name stays listed after it was last seen.
 const WORKER_TTL: Duration = Duration::from_secs(300);
 /// Header that runs an operation at the caller's time (BullMQ's tests fake it).
@@ -69,6 +71,8 @@ pub struct JobsSvc {
     shutdown: Interrupt,
     schedules: Arc<schedules::Index>,
     workers: Mutex<HashMap<(String, String), HashMap<String, Instant>>>,
+    /// With --follow-client-clock: the core's clock, moved by `loam-now-ms`.
+    following: Option<Arc<loam_jobs::FollowingClock>>,
 }
 
 impl JobsSvc {
@@ -79,7 +83,11 @@ impl JobsSvc {
         shutdown: Interrupt,
         schedules: Arc<schedules::Index>,
     ) -> Self {
-        Self { jobs, auth, metrics, shutdown, schedules, workers: Mutex::new(HashMap::new()) }
+        Self { jobs, auth, metrics, shutdown, schedules, workers: Mutex::new(HashMap::new()), following: None }
+    }
+
+    pub fn following(self, following: Option<Arc<loam_jobs::FollowingClock>>) -> Self {
+        Self { following, ..self }
     }
 
     fn caller(&self, ctx: &RequestContext) -> Result<Caller, ConnectError> {
@@ -91,6 +99,9 @@ impl JobsSvc {
                     .ok()
                     .and_then(|s| s.parse::<u64>().ok())
                     .ok_or_else(|| invalid("loam-now-ms must be milliseconds since the epoch"))?;
+                if let Some(clock) = &self.following {
+                    clock.observe(at);
+                }
                 self.jobs.at(at)
             }
             None => self.jobs.clone(),
@@ -187,6 +198,10 @@ impl JobsSvc {
         let c = self.caller(&ctx)?;
         let started = Instant::now();
         let options = convert::lease_options(req.options.into_option().unwrap_or_default());
+        if options.max == 0 {
+            // Zero would wait out the whole long-poll for nothing.
+            return Err(invalid("lease options.max must be at least 1"));
+        }
         if let Some(w) = &options.worker {
             self.saw_worker(&c.ns, &req.queue, w);
         }
@@ -443,6 +458,7 @@ impl JobsSvc {
                         })
                         .await?;
                     out.count = out.job_ids.len() as u64;
+                    self.metrics.stalled(ns, queue, out.count);
                     Ok(())
                 }
                 Op::SetConfig(cfg) => jobs.set_queue_config(ns, queue, convert::queue_config_from(*cfg)).await,
@@ -634,7 +650,7 @@ impl JobsSvc {
                 Query::IsMaxed(_) => R::Flag(jobs.query(ns, queue, query::is_maxed)?),
                 Query::LastEvent(_) => R::Number(jobs.query(ns, queue, query::last_event_seq)?),
                 Query::Events(e) => {
-                    let limit = if e.limit == 0 { EVENT_BATCH } else { e.limit as usize };
+                    let limit = if e.limit == 0 { EVENT_BATCH } else { (e.limit as usize).min(MAX_EVENTS_PER_READ) };
                     let events = jobs
                         .read_events(ns, queue, e.after, limit, wait_of(e.wait_ms), Some(&self.shutdown))
                         .await?;
@@ -751,6 +767,17 @@ impl JobsSvc {
                 }
                 if st.failed || st.stop.is_fired() || st.jobs.is_closed() {
                     return None;
+                }
+                match st.jobs.query(&st.ns, &st.queue, |tx, q| Ok(tx.stats(q)?.first_event)) {
+                    Ok(oldest) if st.cursor > 0 && oldest > st.cursor + 1 => {
+                        st.failed = true;
+                        return Some((Err(events_trimmed(st.cursor, oldest)), st));
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        st.failed = true;
+                        return Some((Err(core_err(e)), st));
+                    }
                 }
                 let read = st
                     .jobs

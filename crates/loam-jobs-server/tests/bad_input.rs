@@ -76,8 +76,9 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     assert_eq!((e.code.as_str(), e.detail.as_option().unwrap().reason.as_str()), ("resource_exhausted", "payload_too_large"));
     assert_code(c.enqueue_bulk(pb::EnqueueBulkRequest { queue: "\u{0}".repeat(0), ..Default::default() }).await, InvalidArgument, inv);
 
-    // Lease: invalid queue.
+    // Lease: invalid queue; asking for nothing.
     assert_code(c.lease(lease_req("", 1, 0, 0)).await, InvalidArgument, inv);
+    assert_code(c.lease(lease_req("q", 0, 1000, 0)).await, InvalidArgument, inv);
 
     // Extend, Complete, Report: stale lease tokens and epochs, missing fences and outcomes.
     let leased = c.lease(lease_req("q", 1, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
@@ -260,6 +261,15 @@ async fn tokens_keep_namespaces_apart() {
     assert!(names.names.is_empty(), "{:?}", names.names);
     // A still has its job.
     assert_eq!(counts(&a, "shared", &["wait"]).await, vec![1]);
+    b.enqueue(enqueue_req("b-only", job("x", b"{}"))).await.unwrap();
+
+    // /metrics needs a token too, and shows only the token's namespace.
+    assert_eq!(server.http("GET", "/metrics", "", b"").unwrap().0, 401);
+    let (status, body) = server.http_with("GET", "/metrics", &[("Authorization", &bearer(TOKEN_A))], "", b"").unwrap();
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 200);
+    assert!(text.contains("ns=\"alpha\"") && !text.contains("beta") && !text.contains("b-only"), "{text}");
+    assert!(server.healthy());
 }
 
 #[test]
@@ -284,6 +294,8 @@ async fn sigterm_ends_long_polls_and_closes_the_store() {
     // A worker long-polls an empty queue.
     let poller = server.client();
     let poll = tokio::spawn(async move { poller.lease(lease_req("empty", 1, 30_000, 0)).await });
+    // And a client watches a queue.
+    let mut watch = c.watch(pb::WatchRequest { queue: "q".into(), ..Default::default() }).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let started = Instant::now();
     let status = server.terminate(Duration::from_secs(10)).expect("exits after SIGTERM");
@@ -291,6 +303,9 @@ async fn sigterm_ends_long_polls_and_closes_the_store() {
     assert!(started.elapsed() < Duration::from_secs(5), "the long-poll did not hold up shutdown");
     let leased = poll.await.unwrap().unwrap().into_owned().leased.into_option().unwrap();
     assert!(leased.leases.is_empty());
+    // The watch ended cleanly rather than hanging.
+    let end = tokio::time::timeout(Duration::from_secs(5), watch.message::<pb::WatchResponse>()).await.unwrap();
+    assert!(matches!(end, Ok(None)), "{end:?}");
     assert!(server.log_text().contains("store closed"));
     // The store reopens (it was closed, not left locked) with its job.
     server.restart();

@@ -354,3 +354,130 @@ async fn a_flow_parent_waits_for_children_in_another_queue() {
     let parent = c.lease(lease_req("parents", 1, 2000, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
     assert_eq!(parent.leases[0].job.as_option().unwrap().id, "p1");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_background_clock_can_follow_the_clients_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--follow-client-clock"], &[]);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let c = server.client_with(&[("loam-now-ms", &now.to_string())]);
+    let mut delayed = job("later", b"{}");
+    delayed.delay_ms = 3_600_000;
+    c.enqueue(enqueue_req("faked", delayed)).await.unwrap();
+    assert_eq!(counts(&c, "faked", &["delayed", "wait"]).await, vec![1, 0]);
+    // A client that says it is two hours later moves the promoter's clock too.
+    let later = server.client_with(&[("loam-now-ms", &(now + 7_200_000).to_string())]);
+    assert_eq!(counts(&later, "faked", &["delayed"]).await, vec![1]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while counts(&server.client(), "faked", &["wait"]).await != vec![1] {
+        assert!(Instant::now() < deadline, "the delayed job was not promoted on the followed clock");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_cursor_behind_the_trimmed_log_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    for _ in 0..5 {
+        c.enqueue(enqueue_req("short", job("x", b"{}"))).await.unwrap();
+    }
+    let trim = pb::queue_admin_request::TrimEvents { max_length: 2, ..Default::default() };
+    let req = pb::QueueAdminRequest { queue: "short".into(), op: Some(trim.into()), ..Default::default() };
+    c.queue_admin(req).await.unwrap();
+    let mut stale = c.watch(pb::WatchRequest { queue: "short".into(), after: Some(1), ..Default::default() }).await.unwrap();
+    let e = stale.message::<pb::WatchResponse>().await.unwrap_err();
+    assert_eq!((e.code, detail(&e).reason.as_str()), (connectrpc::ErrorCode::OutOfRange, "events_trimmed"));
+    // From 0: whatever the log still holds.
+    let mut from_start = c.watch(pb::WatchRequest { queue: "short".into(), after: Some(0), ..Default::default() }).await.unwrap();
+    let first = from_start.message::<pb::WatchResponse>().await.unwrap().unwrap();
+    assert_eq!(first.to_owned_message().event.into_option().unwrap().seq, all_events(&c, "short").await[0].seq);
+    assert!(server.healthy());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_schedules_follow_cron_in_a_time_zone_and_their_end_date() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let sched = |s: pb::ServerSchedule| pb::ScheduleRequest {
+        queue: "tz".into(),
+        schedule: Some(oneof::schedule_request::Schedule::from(s)),
+        ..Default::default()
+    };
+    // Every second, by a six-field cron in Paris time; three ticks.
+    let cron = pb::ServerSchedule {
+        id: "secs".into(),
+        name: "s".into(),
+        cron: Some("* * * * * *".into()),
+        tz: Some("Europe/Paris".into()),
+        limit: Some(3),
+        ..Default::default()
+    };
+    c.schedule(sched(cron)).await.unwrap();
+    // Every 100 ms from a start date until an end date 350 ms later: ticks at +0, +100, +200, +300.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64 + 500;
+    let until = pb::ServerSchedule {
+        id: "until".into(),
+        name: "u".into(),
+        every_ms: Some(100),
+        start_date: Some(now),
+        end_date: Some(now + 350),
+        ..Default::default()
+    };
+    c.schedule(sched(until)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(3600)).await;
+    let q = oneof::query_request::Query::from(pb::query_request::Ranges {
+        types: vec!["wait".into(), "delayed".into()],
+        start: 0,
+        end: -1,
+        asc: true,
+        ..Default::default()
+    });
+    let Some(oneof::query_response::Result::Ranges(r)) = c.query(query_req("tz", q)).await.unwrap().into_owned().result else {
+        panic!("ranges")
+    };
+    let ids: Vec<String> = r.ranges.into_iter().flat_map(|l| l.ids).collect();
+    let ticks = |prefix: &str| {
+        let mut t: Vec<u64> = ids
+            .iter()
+            .filter_map(|id| id.strip_prefix(prefix))
+            .map(|t| t.parse().unwrap())
+            .collect();
+        t.sort();
+        t
+    };
+    let secs = ticks("repeat:secs:");
+    assert_eq!(secs.len(), 3, "{ids:?}");
+    assert!(secs.iter().all(|t| t % 1000 == 0) && secs.windows(2).all(|w| w[1] - w[0] == 1000), "{secs:?}");
+    let until_ticks = ticks("repeat:until:");
+    assert_eq!(until_ticks, vec![now, now + 100, now + 200, now + 300]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn immediately_runs_the_first_tick_now() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let yearly = |id: &str, immediately: bool| pb::ScheduleRequest {
+        queue: "yearly".into(),
+        schedule: Some(oneof::schedule_request::Schedule::from(pb::ServerSchedule {
+            id: id.into(),
+            name: "y".into(),
+            cron: Some("0 0 1 1 *".into()),
+            immediately,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let tick = |r: pb::ScheduleResponse| -> (u64, u64) {
+        (r.job_id.unwrap().rsplit(':').next().unwrap().parse().unwrap(), r.delay_ms)
+    };
+    let (t, delay) = tick(c.schedule(yearly("now", true)).await.unwrap().into_owned());
+    assert!(t.abs_diff(now) < 5_000 && delay == 0, "{t} {now}");
+    let (t, delay) = tick(c.schedule(yearly("later", false)).await.unwrap().into_owned());
+    assert!(t > now && t - now <= 366 * 86_400_000 && delay > 0);
+    assert_eq!(t % 86_400_000, 0, "midnight UTC");
+}

@@ -128,11 +128,26 @@ impl Server {
 
     /// One HTTP/1.1 request on a fresh connection: (status, body).
     pub fn http(&self, method: &str, path: &str, content_type: &str, body: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
+        self.http_with(method, path, &[], content_type, body)
+    }
+
+    /// [`Server::http`] with extra request headers.
+    pub fn http_with(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        content_type: &str,
+        body: &[u8],
+    ) -> std::io::Result<(u16, Vec<u8>)> {
         let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
         let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
         if !content_type.is_empty() {
             head.push_str(&format!("Content-Type: {content_type}\r\n"));
+        }
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
         }
         head.push_str("\r\n");
         s.write_all(head.as_bytes())?;
