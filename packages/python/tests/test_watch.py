@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loam_jobs import Client, InvalidArgumentError, Success, UnavailableError
+from loam_jobs import Client, EventsTrimmedError, InvalidArgumentError, Success, UnavailableError
 
 from .conftest import start_server, stop_server
 
@@ -101,3 +101,18 @@ def test_watching_an_invalid_queue_is_refused(client: Client) -> None:
         client.watch("")
     with pytest.raises(InvalidArgumentError):
         next(client.watch("", after=0))
+
+
+def test_a_cursor_behind_the_trimmed_log_is_refused(client: Client, queue: str) -> None:
+    start = client.last_event_seq(queue)
+    for i in range(5):
+        client.enqueue(queue, "a", i)
+    assert client.trim_events(queue, 2) == 8
+    with pytest.raises(EventsTrimmedError) as trimmed:
+        next(client.watch(queue, after=start + 1))
+    assert trimmed.value.code == "out_of_range"
+    oldest = int(trimmed.value.subject)
+    assert oldest == start + 9
+    # From the oldest kept event on, nothing is missing.
+    with client.watch(queue, after=0) as watch:
+        assert [e.seq for e in islice(watch, 2)] == [oldest, oldest + 1]

@@ -139,6 +139,8 @@ class Client(Operations):
         itself (up to `max_reconnects` failures in a row), and a later
         `watch(after=w.cursor)` continues where this one stopped. `job_id`
         keeps only that job's events. Close it (or use `with`) to stop.
+        `after=0` starts at the oldest event the log holds; a cursor the log
+        has trimmed past raises `EventsTrimmedError` (events were lost).
         """
         if after is None:
             # "From now on" is now, not the first iteration; a sequence also

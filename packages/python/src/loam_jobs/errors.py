@@ -33,6 +33,8 @@ __all__ = [
     "PermissionDeniedError",
     "InternalError",
     "CanceledError",
+    "OutOfRangeError",
+    "EventsTrimmedError",
     "from_connect_error",
 ]
 
@@ -157,6 +159,16 @@ class PermissionDeniedError(LoamJobsError):
     code = "permission_denied"
 
 
+class OutOfRangeError(LoamJobsError):
+    code = "out_of_range"
+
+
+class EventsTrimmedError(OutOfRangeError):
+    """A watch cursor older than the oldest event the queue's log still
+    holds: the events in between are gone. `subject` is the oldest kept
+    sequence; resynchronise (read the jobs' state) before watching again."""
+
+
 class InternalError(LoamJobsError):
     code = "internal"
 
@@ -179,6 +191,7 @@ _BY_CODE: dict[str, type[LoamJobsError]] = {
         PermissionDeniedError,
         InternalError,
         CanceledError,
+        OutOfRangeError,
     )
 }
 
@@ -194,6 +207,8 @@ def _class_for(code: str, reason: str) -> type[LoamJobsError]:
         return RateLimitedError
     if reason == "queue_paused":
         return QueuePausedError
+    if reason == "events_trimmed":
+        return EventsTrimmedError
     if code == "resource_exhausted" and not reason:
         # The server refuses an oversized request body before decoding it,
         # so that refusal carries no detail.
