@@ -7,9 +7,12 @@ repository's target/ (debug, then release). Build it with
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +32,7 @@ MAX_REQUEST_BYTES = 256 * 1024
 # Tokens are at least 16 characters (the server refuses shorter ones).
 ALPHA_TOKEN = "alpha-token-0123456789"
 BETA_TOKEN = "beta-token-0123456789"
+PR_SET_PDEATHSIG = 1
 
 
 def server_binary() -> Path:
@@ -45,6 +49,13 @@ def server_binary() -> Path:
         "no loam-jobs binary: run `cargo build -p loam-jobs-server` or set LOAM_JOBS_BIN",
         returncode=2,
     )
+
+
+def _die_with_parent() -> None:
+    # A killed test run (a timeout, Ctrl-C) must not leave servers behind:
+    # on Linux the kernel sends the server SIGTERM when pytest dies.
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -88,6 +99,7 @@ def start_server(data_dir: Path, env_extra: dict[str, str] | None = None, port: 
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
+            preexec_fn=_die_with_parent,
         )
     server = Server(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
     deadline = time.monotonic() + 20
