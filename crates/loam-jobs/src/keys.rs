@@ -19,6 +19,10 @@ const QUEUE: u8 = b'Q';
 const REGISTRY: u8 = b'R';
 /// `G`: how many times the store has been opened (see `Tx::generation`).
 const GENERATION: u8 = b'G';
+/// `V ns key`: a result-store entry (design 26 section 7.1.4), per namespace.
+const RESULT_ENTRY: u8 = b'V';
+/// `X expires-at ns key`: result-store entries by expiry, for the purge.
+const RESULT_EXPIRY: u8 = b'X';
 
 // Per-queue sub-tags.
 const JOB: u8 = b'j';
@@ -336,6 +340,39 @@ impl QueueKeys {
     pub fn result(&self, key: &str) -> Key {
         self.tagged_str(RESULT, key)
     }
+}
+
+/// A result-store entry of namespace `ns`.
+pub fn result_entry(ns: &str, key: &str) -> Key {
+    let mut k = vec![RESULT_ENTRY];
+    push_str(&mut k, ns);
+    push_str(&mut k, key);
+    k
+}
+
+/// The expiry index entry of a result-store entry.
+pub fn result_expiry(expires_at: u64, ns: &str, key: &str) -> Key {
+    let mut k = vec![RESULT_EXPIRY];
+    k.extend_from_slice(&expires_at.to_be_bytes());
+    push_str(&mut k, ns);
+    push_str(&mut k, key);
+    k
+}
+
+/// Expiry index entries due at or before `now`.
+pub fn result_expiry_due(now: u64) -> KeyRange {
+    let mut end = vec![RESULT_EXPIRY];
+    end.extend_from_slice(&now.saturating_add(1).to_be_bytes());
+    KeyRange::new(vec![RESULT_EXPIRY], end)
+}
+
+/// The namespace and key of an expiry index entry.
+pub fn parse_result_expiry(key: &[u8]) -> Option<(String, String)> {
+    let rest = key.strip_prefix(&[RESULT_EXPIRY])?;
+    let (_, rest) = read_u64(rest)?;
+    let (ns, rest) = read_str(rest)?;
+    let (k, _) = read_str(rest)?;
+    Some((ns, k))
 }
 
 /// The trailing big-endian u64 of an index key (its sequence or tiebreak).

@@ -5,4 +5,5 @@ pub mod complete;
 pub mod enqueue;
 pub mod lease;
 pub mod query;
+pub mod results;
 pub mod schedule;

@@ -297,3 +297,51 @@ pub fn list(tx: &mut Tx, q: &QueueId, start: i64, end: i64, asc: bool) -> Result
 pub fn count(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError> {
     Ok(tx.scan(&QueueKeys::new(q).schedulers(), usize::MAX, false)?.len() as u64)
 }
+
+/// Like [`advance`], with the next tick chosen by the caller for `every`
+/// schedulers too: a server that owns a schedule moves it tick by tick, so
+/// ticks missed while it was down are each enqueued once instead of skipped.
+/// Returns the next iteration's job id, or None as [`advance`] does.
+pub fn advance_to(
+    tx: &mut Tx,
+    q: &QueueId,
+    id: &str,
+    next: u64,
+    producer_id: &str,
+    template: &EnqueueRequest,
+) -> Result<Option<String>, JobsError> {
+    let keys = QueueKeys::new(q);
+    let Some(mut rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(None) };
+    if producer_id != iteration_id(id, rec.next_millis) || next <= rec.next_millis {
+        return Ok(None);
+    }
+    let prev = rec.next_millis;
+    let next_id = iteration_id(id, next);
+    if tx.load_job(q, &next_id)?.is_some() {
+        tx.event(q, "duplicated", &[("jobId", &next_id)])?;
+        return Ok(None);
+    }
+    rec.next_millis = next;
+    rec.iteration_count += 1;
+    rec.next_job_id = Some(next_id.clone());
+    save(tx, q, Some(prev), &rec)?;
+    if finished_scheduling(&rec) {
+        return Ok(None);
+    }
+    add_iteration(tx, q, &rec, template)?;
+    Ok(Some(next_id))
+}
+
+/// Stores `extra` with scheduler `id` (the server's own bookkeeping).
+pub fn set_extra(tx: &mut Tx, q: &QueueId, id: &str, extra: std::collections::BTreeMap<String, String>) -> Result<bool, JobsError> {
+    let keys = QueueKeys::new(q);
+    let Some(mut rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(false) };
+    rec.extra = extra;
+    tx.put_record(&keys.scheduler(id), &rec)?;
+    Ok(true)
+}
+
+/// Whether a scheduler has run out (its limit or end date passed).
+pub fn has_finished(rec: &SchedulerRecord) -> bool {
+    finished_scheduling(rec)
+}

@@ -1,0 +1,163 @@
+//! Who is calling: the namespace of each request.
+//!
+//! With tokens configured, a request must carry `Authorization: Bearer
+//! <token>` and its namespace is the token's; a `loam-namespace` header that
+//! names another one is refused, and nothing in a request body can name a
+//! namespace. Without tokens (loopback only) the namespace is the
+//! `loam-namespace` header, or `default`.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use connectrpc::ConnectError;
+use http::HeaderMap;
+
+use crate::errors::{ServerError, permission_denied, unauthenticated};
+
+pub const NAMESPACE_HEADER: &str = "loam-namespace";
+pub const DEFAULT_NAMESPACE: &str = "default";
+/// Shorter tokens are refused: they can be guessed.
+const MIN_TOKEN_LEN: usize = 16;
+
+#[derive(Clone, Debug, Default)]
+pub struct Auth {
+    /// token -> namespace; None = authentication off.
+    tokens: Option<HashMap<String, String>>,
+}
+
+impl Auth {
+    pub fn off() -> Self {
+        Self { tokens: None }
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.tokens.is_some()
+    }
+
+    /// Tokens from a file (lines `TOKEN NAMESPACE`, `#` comments) and from
+    /// `env` (`TOKEN=NAMESPACE` pairs separated by commas or whitespace).
+    pub fn load(file: Option<&Path>, env: Option<&str>) -> Result<Self, ServerError> {
+        if file.is_none() && env.is_none() {
+            return Ok(Self::off());
+        }
+        let mut tokens = HashMap::new();
+        let mut add = |token: &str, ns: &str, origin: &str| -> Result<(), ServerError> {
+            if token.len() < MIN_TOKEN_LEN {
+                return Err(ServerError::Config(format!("{origin}: a token must be at least {MIN_TOKEN_LEN} characters")));
+            }
+            if ns.is_empty() || ns.len() > 128 || ns.contains(['"', '\\', '\n']) {
+                return Err(ServerError::Config(format!(
+                    "{origin}: a namespace must be 1 to 128 bytes, without quotes, backslashes or newlines"
+                )));
+            }
+            tokens.insert(token.to_string(), ns.to_string());
+            Ok(())
+        };
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|source| ServerError::Tokens { path: path.display().to_string(), source })?;
+            for (n, line) in text.lines().enumerate() {
+                let line = line.split('#').next().unwrap_or("").trim();
+                if line.is_empty() {
+                    continue;
+                }
+                let mut parts = line.split_whitespace();
+                match (parts.next(), parts.next(), parts.next()) {
+                    (Some(t), Some(ns), None) => add(t, ns, &format!("{}:{}", path.display(), n + 1))?,
+                    _ => {
+                        return Err(ServerError::Config(format!(
+                            "{}:{}: expected `TOKEN NAMESPACE`",
+                            path.display(),
+                            n + 1
+                        )));
+                    }
+                }
+            }
+        }
+        if let Some(env) = env {
+            for pair in env.split(|c: char| c == ',' || c.is_whitespace()).filter(|p| !p.is_empty()) {
+                match pair.split_once('=') {
+                    Some((t, ns)) => add(t, ns, "LOAM_JOBS_TOKENS")?,
+                    None => return Err(ServerError::Config("LOAM_JOBS_TOKENS: expected TOKEN=NAMESPACE pairs".into())),
+                }
+            }
+        }
+        if tokens.is_empty() {
+            return Err(ServerError::Config("token authentication is configured but lists no token".into()));
+        }
+        Ok(Self { tokens: Some(tokens) })
+    }
+
+    /// The namespace a request acts in.
+    pub fn namespace(&self, headers: &HeaderMap) -> Result<String, ConnectError> {
+        let named = match headers.get(NAMESPACE_HEADER) {
+            Some(v) => Some(v.to_str().map_err(|_| crate::errors::invalid("the loam-namespace header is not text"))?),
+            None => None,
+        };
+        let Some(tokens) = &self.tokens else {
+            let ns = named.unwrap_or(DEFAULT_NAMESPACE);
+            if ns.is_empty() || ns.len() > 128 {
+                return Err(crate::errors::invalid("a namespace must be 1 to 128 bytes"));
+            }
+            return Ok(ns.to_string());
+        };
+        let presented = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .ok_or_else(|| unauthenticated("a bearer token is required"))?;
+        // Every token is compared in full, so the time taken says nothing
+        // about which one, or how much of one, matched.
+        let mut found: Option<&String> = None;
+        for (token, ns) in tokens {
+            if constant_time_eq(token.as_bytes(), presented.as_bytes()) {
+                found = Some(ns);
+            }
+        }
+        let ns = found.ok_or_else(|| unauthenticated("unknown token"))?;
+        match named {
+            Some(other) if other != ns => Err(permission_denied("the token does not grant that namespace")),
+            _ => Ok(ns.clone()),
+        }
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(*k, v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn off_uses_the_header_or_default() {
+        let auth = Auth::off();
+        assert_eq!(auth.namespace(&headers(&[])).unwrap(), "default");
+        assert_eq!(auth.namespace(&headers(&[(NAMESPACE_HEADER, "team")])).unwrap(), "team");
+    }
+
+    #[test]
+    fn tokens_decide_the_namespace() {
+        let auth = Auth::load(None, Some("aaaaaaaaaaaaaaaa=alpha, bbbbbbbbbbbbbbbb=beta")).unwrap();
+        let a = headers(&[("authorization", "Bearer aaaaaaaaaaaaaaaa")]);
+        assert_eq!(auth.namespace(&a).unwrap(), "alpha");
+        let wrong_ns = headers(&[("authorization", "Bearer aaaaaaaaaaaaaaaa"), (NAMESPACE_HEADER, "beta")]);
+        assert_eq!(auth.namespace(&wrong_ns).unwrap_err().code, connectrpc::ErrorCode::PermissionDenied);
+        assert_eq!(auth.namespace(&headers(&[])).unwrap_err().code, connectrpc::ErrorCode::Unauthenticated);
+        let bad = headers(&[("authorization", "Bearer cccccccccccccccc")]);
+        assert_eq!(auth.namespace(&bad).unwrap_err().code, connectrpc::ErrorCode::Unauthenticated);
+        assert!(Auth::load(None, Some("short=alpha")).is_err());
+    }
+}

@@ -1,0 +1,105 @@
+//! The command line.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser, Debug)]
+#[command(name = "loam-jobs", version, about = "Loam Jobs: the queue core served over the network as loam.jobs.v1")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Serve loam.jobs.v1 (Connect, gRPC and gRPC-Web on one port), with
+    /// /metrics (Prometheus text) and /healthz on the same port.
+    ///
+    /// SIGTERM or Ctrl-C stops accepting connections, ends long-polls and
+    /// watches, lets in-flight calls finish (up to --shutdown-grace-secs) and
+    /// closes the store cleanly.
+    Serve(ServeArgs),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StoreKind {
+    /// One redb file, DATA_DIR/jobs.redb, owned by this process.
+    Redb,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DurabilityArg {
+    /// Every acknowledged write is fsynced first (group commit shares the fsync).
+    Immediate,
+    /// Writes are acknowledged before fsync and flushed every --flush-interval-ms;
+    /// a crash can lose the last interval.
+    Relaxed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address and port to listen on. An address other than loopback
+    /// (127.0.0.0/8, ::1) is refused unless token authentication is
+    /// configured (--tokens or LOAM_JOBS_TOKENS).
+    #[arg(long, env = "LOAM_JOBS_LISTEN", default_value = "127.0.0.1:7720")]
+    pub listen: SocketAddr,
+
+    /// Directory of the store; created if missing. One process owns it at a time.
+    #[arg(long, env = "LOAM_JOBS_DATA_DIR", default_value = ".loam")]
+    pub data_dir: PathBuf,
+
+    /// The store engine.
+    #[arg(long, value_enum, default_value_t = StoreKind::Redb)]
+    pub store: StoreKind,
+
+    /// File of bearer tokens, one `TOKEN NAMESPACE` per line (`#` starts a
+    /// comment; tokens are at least 16 characters). With tokens, every call
+    /// needs `Authorization: Bearer TOKEN` and acts in the token's namespace
+    /// only. More tokens can come from the LOAM_JOBS_TOKENS environment
+    /// variable as `TOKEN=NAMESPACE` pairs separated by commas. Without any,
+    /// calls name their namespace in the `loam-namespace` header (default
+    /// `default`).
+    #[arg(long, env = "LOAM_JOBS_TOKENS_FILE")]
+    pub tokens: Option<PathBuf>,
+
+    /// Largest job payload, result or result-store value, in bytes.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub max_payload_bytes: usize,
+
+    /// Largest request body (one message, or one streamed message), in bytes.
+    /// Larger requests are refused with resource_exhausted before they are decoded.
+    #[arg(long, default_value_t = 80 << 20)]
+    pub max_request_bytes: usize,
+
+    /// When writes are acknowledged.
+    #[arg(long, value_enum, default_value_t = DurabilityArg::Immediate)]
+    pub durability: DurabilityArg,
+
+    /// With --durability relaxed: the longest time between flushes.
+    #[arg(long, default_value_t = 100)]
+    pub flush_interval_ms: u64,
+
+    /// How long a graceful shutdown waits for in-flight calls before it
+    /// closes the store anyway.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace_secs: u64,
+
+    /// Let the core's background clock (the delayed-job promoter) follow the
+    /// `loam-now-ms` header of the latest call, as the in-process binding
+    /// follows its host. For test suites that fake time (BullMQ's); not for
+    /// a server shared by clients whose clocks disagree.
+    #[arg(long)]
+    pub follow_client_clock: bool,
+
+    /// Log format on stderr. The level comes from RUST_LOG (default `info`).
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}

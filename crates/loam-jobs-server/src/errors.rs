@@ -1,0 +1,166 @@
+//! The one place where the core's errors become Connect errors (design 26,
+//! section 5.3), each with an [`ErrorDetail`] that names the reason and,
+//! where one applies, BullMQ's error code, so a client can rebuild BullMQ's
+//! own errors without parsing messages.
+
+use connectrpc::{ConnectError, ErrorCode};
+use loam_jobs::{FenceFailure, JobsError, Missing, Precondition};
+use loam_jobs_proto::loam::jobs::v1 as pb;
+
+/// Full name of the detail message, as Connect carries it.
+const DETAIL_TYPE: &str = "loam.jobs.v1.ErrorDetail";
+
+/// Failures of the server itself, before or after serving.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("{0}")]
+    Config(String),
+    #[error("cannot read the tokens file {path}: {source}")]
+    Tokens { path: String, source: std::io::Error },
+    #[error("cannot open the store: {0}")]
+    Store(#[from] JobsError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("serving failed: {0}")]
+    Serve(std::io::Error),
+}
+
+/// BullMQ's code for an error (its `ErrorCode` enum), or 0.
+fn bullmq_code(err: &JobsError) -> i32 {
+    match err {
+        JobsError::NotFound(Missing::Job(_)) => -1,
+        JobsError::Fenced { reason: FenceFailure::NoLease, .. } => -2,
+        JobsError::Precondition(Precondition::NotInState { .. }) => -3,
+        JobsError::Precondition(Precondition::PendingChildren { .. }) => -4,
+        JobsError::NotFound(Missing::ParentJob(_)) => -5,
+        JobsError::Fenced { reason: FenceFailure::Mismatch, .. } => -6,
+        JobsError::Precondition(Precondition::ParentCannotBeReplaced { .. }) => -7,
+        JobsError::Precondition(Precondition::BelongsToScheduler { .. }) => -8,
+        JobsError::Precondition(Precondition::FailedChildren { .. }) => -9,
+        JobsError::Precondition(Precondition::SchedulerIdCollision { .. }) => -10,
+        JobsError::Precondition(Precondition::SchedulerSlotsBusy { .. }) => -11,
+        _ => 0,
+    }
+}
+
+/// A stable, machine-readable name of the error, and what it is about.
+fn reason(err: &JobsError) -> (&'static str, String) {
+    match err {
+        JobsError::InvalidArgument(_) => ("invalid_argument", String::new()),
+        JobsError::NotFound(m) => match m {
+            Missing::Job(id) => ("not_found.job", id.clone()),
+            Missing::ParentJob(key) => ("not_found.parent_job", key.clone()),
+            Missing::Queue(q) => ("not_found.queue", q.clone()),
+            Missing::Scheduler(id) => ("not_found.scheduler", id.clone()),
+        },
+        JobsError::AlreadyExists { existing } => ("already_exists", existing.clone()),
+        JobsError::IdempotencyConflict { key } => ("idempotency_conflict", key.clone()),
+        JobsError::Fenced { job, reason: FenceFailure::NoLease, .. } => ("fenced.no_lease", job.clone()),
+        JobsError::Fenced { job, reason: FenceFailure::Mismatch, .. } => ("fenced.mismatch", job.clone()),
+        JobsError::Precondition(p) => match p {
+            Precondition::NotInState { job, .. } => ("precondition.not_in_state", job.clone()),
+            Precondition::PendingChildren { job } => ("precondition.pending_children", job.clone()),
+            Precondition::FailedChildren { job } => ("precondition.failed_children", job.clone()),
+            Precondition::ParentCannotBeReplaced { job } => ("precondition.parent_cannot_be_replaced", job.clone()),
+            Precondition::BelongsToScheduler { job } => ("precondition.belongs_to_scheduler", job.clone()),
+            Precondition::SchedulerIdCollision { scheduler } => ("precondition.scheduler_id_collision", scheduler.clone()),
+            Precondition::SchedulerSlotsBusy { scheduler } => ("precondition.scheduler_slots_busy", scheduler.clone()),
+            Precondition::QueueNotPaused { queue } => ("precondition.queue_not_paused", queue.clone()),
+            Precondition::QueueHasActiveJobs { queue } => ("precondition.queue_has_active_jobs", queue.clone()),
+        },
+        JobsError::QueuePaused(q) => ("queue_paused", q.clone()),
+        JobsError::RateLimited { .. } => ("rate_limited", String::new()),
+        JobsError::PayloadTooLarge { .. } => ("payload_too_large", String::new()),
+        JobsError::Unavailable(_) => ("unavailable", String::new()),
+        JobsError::DeadlineExceeded => ("deadline_exceeded", String::new()),
+        JobsError::Internal(_) => ("internal", String::new()),
+    }
+}
+
+fn code(err: &JobsError) -> ErrorCode {
+    match err {
+        JobsError::InvalidArgument(_) => ErrorCode::InvalidArgument,
+        JobsError::NotFound(_) => ErrorCode::NotFound,
+        JobsError::AlreadyExists { .. } => ErrorCode::AlreadyExists,
+        JobsError::IdempotencyConflict { .. } | JobsError::Fenced { .. } | JobsError::Precondition(_) => {
+            ErrorCode::FailedPrecondition
+        }
+        JobsError::QueuePaused(_) | JobsError::Unavailable(_) => ErrorCode::Unavailable,
+        JobsError::RateLimited { .. } | JobsError::PayloadTooLarge { .. } => ErrorCode::ResourceExhausted,
+        JobsError::DeadlineExceeded => ErrorCode::DeadlineExceeded,
+        JobsError::Internal(_) => ErrorCode::Internal,
+    }
+}
+
+/// The detail message of a core error.
+pub fn detail(err: &JobsError) -> pb::ErrorDetail {
+    let (reason, subject) = reason(err);
+    let retry_after_ms = match err {
+        JobsError::RateLimited { retry_after_ms } => *retry_after_ms,
+        _ => 0,
+    };
+    pb::ErrorDetail { reason: reason.into(), bullmq_code: bullmq_code(err), subject, retry_after_ms, ..Default::default() }
+}
+
+/// A core error as the client sees it.
+pub fn to_connect(err: &JobsError) -> ConnectError {
+    if matches!(err, JobsError::Internal(_)) {
+        tracing::error!(error = %err, "internal error");
+    }
+    let detail = detail(err);
+    ConnectError::new(code(err), err.to_string())
+        .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
+}
+
+/// The Connect code name of a core error (for bulk results).
+pub fn code_name(err: &JobsError) -> &'static str {
+    code(err).as_str()
+}
+
+/// A request the server refuses before it reaches the core.
+pub fn invalid(msg: impl Into<String>) -> ConnectError {
+    to_connect(&JobsError::InvalidArgument(msg.into()))
+}
+
+/// A caller without a valid credential.
+pub fn unauthenticated(msg: &str) -> ConnectError {
+    let detail = pb::ErrorDetail { reason: "unauthenticated".into(), ..Default::default() };
+    ConnectError::new(ErrorCode::Unauthenticated, msg)
+        .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
+}
+
+/// A caller whose credential does not cover the namespace it named.
+pub fn permission_denied(msg: &str) -> ConnectError {
+    let detail = pb::ErrorDetail { reason: "permission_denied".into(), ..Default::default() };
+    ConnectError::new(ErrorCode::PermissionDenied, msg)
+        .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
+}
+
+/// A watch cursor older than the oldest event the log still holds: the
+/// events in between are gone, so the client must resynchronise.
+pub fn events_trimmed(cursor: u64, oldest: u64) -> ConnectError {
+    let detail = pb::ErrorDetail { reason: "events_trimmed".into(), subject: oldest.to_string(), ..Default::default() };
+    ConnectError::new(
+        ErrorCode::OutOfRange,
+        format!("events after {cursor} were trimmed from the log; the oldest kept is {oldest}"),
+    )
+    .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_follow_the_design_table() {
+        let fenced = JobsError::Fenced { job: "1".into(), current_epoch: 3, reason: FenceFailure::Mismatch };
+        assert_eq!(code(&fenced), ErrorCode::FailedPrecondition);
+        assert_eq!(detail(&fenced).bullmq_code, -6);
+        assert_eq!(detail(&fenced).reason, "fenced.mismatch");
+        let big = JobsError::PayloadTooLarge { size: 10, limit: 5 };
+        assert_eq!(code(&big), ErrorCode::ResourceExhausted);
+        assert_eq!(code(&JobsError::job_missing("x")), ErrorCode::NotFound);
+        assert_eq!(detail(&JobsError::job_missing("x")).bullmq_code, -1);
+        assert_eq!(code_name(&JobsError::QueuePaused("q".into())), "unavailable");
+    }
+}

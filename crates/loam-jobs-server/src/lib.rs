@@ -1,0 +1,213 @@
+//! `loam-jobs serve`: the queue core behind loam.jobs.v1 (Connect, gRPC and
+//! gRPC-Web on one port), with `/metrics` and `/healthz` beside it.
+//!
+//! One process owns the store. Calls resolve their namespace from the
+//! bearer token (or a header on loopback without tokens), convert their
+//! message and run one core operation; the core's errors become Connect
+//! errors in one place (`errors`). Server-owned schedules tick in a
+//! background task (`schedules`).
+
+pub mod auth;
+pub mod cli;
+pub mod convert;
+pub mod errors;
+pub mod metrics;
+pub mod schedules;
+pub mod service;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::serve::ListenerExt;
+use futures::FutureExt;
+use connectrpc::{ConnectRpcService, Limits};
+use loam_jobs::store::redb::{RedbOptions, RedbStore};
+use loam_jobs::{Config, Durability, FollowingClock, Interrupt, Jobs, SystemClock};
+use loam_jobs_proto::loam::jobs::v1::JobsServiceExt;
+
+use crate::cli::{DurabilityArg, ServeArgs, StoreKind};
+use crate::errors::ServerError;
+
+/// Environment variable with extra `TOKEN=NAMESPACE` pairs.
+pub const TOKENS_ENV: &str = "LOAM_JOBS_TOKENS";
+
+/// Opens the store, serves until SIGTERM or Ctrl-C, then shuts down cleanly.
+pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
+    let env_tokens = std::env::var(TOKENS_ENV).ok().filter(|t| !t.trim().is_empty());
+    let auth = auth::Auth::load(args.tokens.as_deref(), env_tokens.as_deref())?;
+    if !args.listen.ip().is_loopback() && !auth.is_on() {
+        return Err(ServerError::Config(format!(
+            "refusing to listen on {} without token authentication: anyone who can reach it could add and take jobs. \
+             Configure --tokens FILE or {TOKENS_ENV}, or listen on a loopback address",
+            args.listen
+        )));
+    }
+    if args.max_request_bytes < 1024 {
+        return Err(ServerError::Config("--max-request-bytes must be at least 1024".into()));
+    }
+    let durability = match args.durability {
+        DurabilityArg::Immediate => Durability::Immediate,
+        DurabilityArg::Relaxed => Durability::Relaxed { flush_interval_ms: args.flush_interval_ms.max(1) },
+    };
+    let config = Config { max_payload_bytes: args.max_payload_bytes, durability, ..Config::default() };
+    std::fs::create_dir_all(&args.data_dir)
+        .map_err(|e| ServerError::Config(format!("cannot create {}: {e}", args.data_dir.display())))?;
+    let path = match args.store {
+        StoreKind::Redb => args.data_dir.join("jobs.redb"),
+    };
+    let following = args.follow_client_clock.then(|| Arc::new(FollowingClock::new()));
+    let jobs = {
+        let (path, following) = (path.clone(), following.clone());
+        tokio::task::spawn_blocking(move || open_store(&path, config, following))
+            .await
+            .map_err(|e| ServerError::Config(format!("opening the store panicked: {e}")))??
+    };
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|source| ServerError::Listen { addr: args.listen, source })?;
+    let local = listener.local_addr().map_err(ServerError::Serve)?;
+
+    let metrics = Arc::new(metrics::Metrics::new());
+    let shutdown = Interrupt::new();
+    let index = Arc::new(schedules::Index::default());
+    let found = index.load(&jobs)?;
+    let svc = service::JobsSvc::new(jobs.clone(), auth.clone(), Arc::clone(&metrics), shutdown.clone(), Arc::clone(&index))
+        .following(following);
+    let router = Arc::new(svc).register(connectrpc::Router::new());
+    let limits = Limits::default()
+        .with_max_request_body_size(args.max_request_bytes)
+        .with_max_message_size(args.max_request_bytes);
+    let rpc = ConnectRpcService::new(router).with_limits(limits);
+
+    let scrape = {
+        let (jobs, metrics, auth) = (jobs.clone(), Arc::clone(&metrics), auth.clone());
+        move |headers: axum::http::HeaderMap| {
+            let (jobs, metrics) = (jobs.clone(), Arc::clone(&metrics));
+            // With tokens, a scrape needs one too and sees only its namespace's series.
+            let only = if auth.is_on() {
+                match auth.namespace(&headers) {
+                    Ok(ns) => Some(ns),
+                    Err(e) => return std::future::ready(e.http_status().into_response()).boxed(),
+                }
+            } else {
+                None
+            };
+            async move {
+                match tokio::task::spawn_blocking(move || metrics.render(&jobs)).await {
+                    Ok(text) => {
+                        let text = match only {
+                            Some(ns) => metrics::only_namespace(&text, &ns),
+                            None => text,
+                        };
+                        ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
+                            .into_response()
+                    }
+                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                }
+            }
+            .boxed()
+        }
+    };
+    let health = {
+        let jobs = jobs.clone();
+        move || {
+            let jobs = jobs.clone();
+            async move {
+                if jobs.is_closed() {
+                    (StatusCode::SERVICE_UNAVAILABLE, "closing\n").into_response()
+                } else {
+                    (StatusCode::OK, "ok\n").into_response()
+                }
+            }
+        }
+    };
+    let app = axum::Router::new().route("/metrics", get(scrape)).route("/healthz", get(health)).fallback_service(rpc);
+
+    let ticker = tokio::spawn(schedules::run(jobs.clone(), index, Arc::clone(&metrics), shutdown.clone()));
+    let purger = tokio::spawn(service::purge_results(jobs.clone(), shutdown.clone()));
+    tracing::info!(
+        listen = %local,
+        store = %path.display(),
+        auth = auth.is_on(),
+        server_schedules = found,
+        "loam-jobs serving loam.jobs.v1 (Connect, gRPC, gRPC-Web), /metrics and /healthz"
+    );
+
+    let stopping = {
+        let shutdown = shutdown.clone();
+        async move {
+            wait_for_signal().await;
+            tracing::info!("shutting down: no new connections; ending long-polls and watches");
+            // Long-polls and watches return now, so their calls can finish.
+            shutdown.fire();
+        }
+    };
+    // Small replies must not wait for Nagle's algorithm.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY not set");
+        }
+    });
+    let server = axum::serve(listener, app).with_graceful_shutdown(stopping);
+    let grace = Duration::from_secs(args.shutdown_grace_secs);
+    let outcome = {
+        let fired = shutdown.clone();
+        tokio::select! {
+            r = server => r.map_err(ServerError::Serve),
+            () = async move {
+                while !fired.is_fired() {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                tokio::time::sleep(grace).await;
+            } => {
+                tracing::warn!(grace_secs = args.shutdown_grace_secs, "calls still in flight after the grace period; closing anyway");
+                Ok(())
+            }
+        }
+    };
+    shutdown.fire();
+    let _ = ticker.await;
+    purger.abort();
+    // Pending writes finish, the maintenance thread stops, the store closes.
+    let closing = jobs.clone();
+    let _ = tokio::task::spawn_blocking(move || closing.close()).await;
+    tracing::info!("store closed; bye");
+    outcome
+}
+
+/// Opens the redb store. With a following clock, job times follow the
+/// clients' `loam-now-ms` while leases keep real time (as Redis lock TTLs do).
+fn open_store(path: &std::path::Path, config: Config, following: Option<Arc<FollowingClock>>) -> Result<Jobs, ServerError> {
+    match following {
+        None => Ok(Jobs::open(path, config)?),
+        Some(clock) => {
+            let store = RedbStore::open(path, RedbOptions { durability: config.durability, ..Default::default() })
+                .map_err(loam_jobs::JobsError::from)?;
+            Ok(Jobs::with_clocks(Box::new(store), clock, Arc::new(SystemClock), config)?)
+        }
+    }
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {},
+                    () = ctrl_c => {},
+                }
+            }
+            Err(_) => ctrl_c.await,
+        }
+    }
+    #[cfg(not(unix))]
+    ctrl_c.await;
+}

@@ -1,0 +1,258 @@
+//! Schedules the server owns (design 26 section 8.1): cron with time zones
+//! or `every`, start and end dates, a limit, `immediately`.
+//!
+//! A schedule is stored as the core's job scheduler, marked as the server's
+//! in its `extra` map, so BullMQ's getters list it and one transaction moves
+//! it. Its pending tick is a delayed job `repeat:<id>:<tick ms>`: the tick
+//! time is in the job id, so a tick is enqueued at most once however often it
+//! is processed. When a tick falls due, the ticker advances the schedule to
+//! the tick after it (not after now) in one transaction that also enqueues
+//! that tick's job, so ticks missed while the server was down are each
+//! enqueued once on restart, and none is enqueued twice.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::TimeZone;
+use chrono_tz::Tz;
+use croner::Cron;
+use croner::parser::{CronParser, Seconds};
+use loam_jobs::ops::schedule;
+use loam_jobs::{EnqueueRequest, Interrupt, Jobs, JobsError, QueueId, SchedulerRecord, SchedulerSpec};
+use loam_jobs_proto::loam::jobs::v1 as pb;
+
+use crate::convert::{self, SERVER_OWNED};
+
+/// Where a server schedule keeps the options of each tick's job.
+const TEMPLATE: &str = "loam.job";
+/// Most ticks one schedule catches up per pass, so one long-stopped
+/// schedule cannot hold up the others.
+const CATCH_UP_PER_PASS: usize = 100;
+
+fn parse_cron(pattern: &str) -> Result<Cron, JobsError> {
+    CronParser::builder()
+        .seconds(Seconds::Optional)
+        .build()
+        .parse(pattern)
+        .map_err(|e| JobsError::invalid(format!("bad cron expression {pattern:?}: {e}")))
+}
+
+fn parse_tz(tz: Option<&str>) -> Result<Tz, JobsError> {
+    match tz {
+        None => Ok(Tz::UTC),
+        Some(name) => Tz::from_str(name).map_err(|_| JobsError::invalid(format!("unknown time zone {name:?}"))),
+    }
+}
+
+/// The first cron time at or after `at` (strictly after when not `inclusive`).
+fn cron_next(pattern: &str, tz: Option<&str>, at: u64, inclusive: bool) -> Result<u64, JobsError> {
+    let cron = parse_cron(pattern)?;
+    let tz = parse_tz(tz)?;
+    let ms = i64::try_from(at).map_err(|_| JobsError::invalid("time out of range"))?;
+    let start = tz.timestamp_millis_opt(ms).single().ok_or_else(|| JobsError::invalid("time out of range"))?;
+    let next = cron
+        .find_next_occurrence(&start, inclusive)
+        .map_err(|e| JobsError::invalid(format!("cron expression {pattern:?} has no next time: {e}")))?;
+    u64::try_from(next.timestamp_millis()).map_err(|_| JobsError::invalid("time out of range"))
+}
+
+/// The tick after `prev`.
+fn tick_after(rec: &SchedulerRecord, prev: u64) -> Result<u64, JobsError> {
+    match (&rec.pattern, rec.every_ms) {
+        (_, Some(every)) => Ok(prev.saturating_add(every.max(1))),
+        (Some(p), None) => cron_next(p, rec.tz.as_deref(), prev, false),
+        (None, None) => Err(JobsError::invalid("a schedule needs cron or every")),
+    }
+}
+
+/// A ServerSchedule as the core's scheduler spec and the server's
+/// bookkeeping, with its first tick.
+pub fn prepare(s: pb::ServerSchedule, now: u64) -> Result<(SchedulerSpec, BTreeMap<String, String>), JobsError> {
+    if s.cron.is_some() == s.every_ms.is_some() {
+        return Err(JobsError::invalid("a schedule needs exactly one of cron and every_ms"));
+    }
+    if s.every_ms == Some(0) {
+        return Err(JobsError::invalid("every_ms must be at least 1"));
+    }
+    parse_tz(s.tz.as_deref())?;
+    if let (Some(start), Some(end)) = (s.start_date, s.end_date)
+        && end < start
+    {
+        return Err(JobsError::invalid("end_date is before start_date"));
+    }
+    let mut job = match s.job.into_option() {
+        Some(j) => convert::job_spec(j).map_err(|e| JobsError::invalid(e.message.unwrap_or_default()))?,
+        None => EnqueueRequest { attempts: 1, ..Default::default() },
+    };
+    let data = String::from_utf8(std::mem::take(&mut job.data))
+        .map_err(|_| JobsError::invalid("a schedule's job data must be UTF-8 text"))?;
+    let opts = std::mem::take(&mut job.opts);
+    job.job_id = None;
+    let base = now.max(s.start_date.unwrap_or(0));
+    // `every` starts at once (BullMQ's rule); cron at its first time, or at
+    // once with `immediately`.
+    let next_millis = match &s.cron {
+        Some(_) if s.immediately => Some(base),
+        Some(p) => Some(cron_next(p, s.tz.as_deref(), base, true)?),
+        None => None,
+    };
+    let template = serde_json::to_string(&job).map_err(|e| JobsError::Internal(e.to_string()))?;
+    let spec = SchedulerSpec {
+        id: s.id,
+        name: s.name,
+        pattern: s.cron,
+        every_ms: s.every_ms,
+        offset_ms: None,
+        tz: s.tz,
+        start_date: s.start_date,
+        end_date: s.end_date,
+        limit: s.limit,
+        next_millis,
+        template_data: data,
+        template_opts: opts,
+        job,
+    };
+    let extra = BTreeMap::from([(SERVER_OWNED.to_string(), "server".to_string()), (TEMPLATE.to_string(), template)]);
+    Ok((spec, extra))
+}
+
+type Key = (String, String, String);
+
+/// The server schedules it knows of, (namespace, queue, id), each with the
+/// time of its pending tick once read, so a pass reads only the schedules
+/// that are due.
+#[derive(Default)]
+pub struct Index {
+    entries: Mutex<BTreeMap<Key, Option<u64>>>,
+}
+
+impl Index {
+    /// A new or changed schedule: read it on the next pass.
+    pub fn add(&self, ns: &str, queue: &str, id: &str) {
+        if let Ok(mut e) = self.entries.lock() {
+            e.insert((ns.into(), queue.into(), id.into()), None);
+        }
+    }
+
+    pub fn remove(&self, ns: &str, queue: &str, id: &str) {
+        if let Ok(mut e) = self.entries.lock() {
+            e.remove(&(ns.to_string(), queue.to_string(), id.to_string()));
+        }
+    }
+
+    fn set_due(&self, key: &Key, due: u64) {
+        if let Ok(mut e) = self.entries.lock()
+            && let Some(slot) = e.get_mut(key)
+        {
+            *slot = Some(due);
+        }
+    }
+
+    /// The schedules whose tick may have come by `now`.
+    fn due(&self, now: u64) -> Vec<Key> {
+        let Ok(e) = self.entries.lock() else { return Vec::new() };
+        e.iter().filter(|(_, due)| due.is_none_or(|d| d <= now)).map(|(k, _)| k.clone()).collect()
+    }
+
+    /// Finds the server schedules in the store (at start).
+    pub fn load(&self, jobs: &Jobs) -> Result<usize, JobsError> {
+        let mut n = 0;
+        for q in crate::service::all_queues(jobs)? {
+            let recs = jobs.query(&q.ns, &q.name, |tx, q| schedule::list(tx, q, 0, -1, true))?;
+            for rec in recs.iter().filter(|r| r.extra.contains_key(SERVER_OWNED)) {
+                self.add(&q.ns, &q.name, &rec.id);
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// Advances every server schedule whose pending tick has come, until
+/// `stop` fires.
+pub async fn run(jobs: Jobs, index: Arc<Index>, metrics: Arc<crate::metrics::Metrics>, stop: Interrupt) {
+    const PASS: Duration = Duration::from_millis(200);
+    while !stop.is_fired() {
+        for key in index.due(jobs.now_ms()) {
+            let (ns, queue, id) = &key;
+            let q = QueueId::new(ns.clone(), queue.clone());
+            for _ in 0..CATCH_UP_PER_PASS {
+                match tick(&jobs, &q, id).await {
+                    Ok(Tick::Advanced) => metrics.enqueued(ns, queue, 1),
+                    Ok(Tick::Idle(due)) => {
+                        index.set_due(&key, due);
+                        break;
+                    }
+                    Ok(Tick::Gone) => {
+                        index.remove(ns, queue, id);
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(ns, queue, schedule = id, error = %e, "schedule tick failed");
+                        break;
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(PASS).await;
+    }
+}
+
+enum Tick {
+    /// The next tick's job was enqueued.
+    Advanced,
+    /// Nothing is due before this time.
+    Idle(u64),
+    /// The schedule was removed, replaced by a worker's, or has run out.
+    Gone,
+}
+
+async fn tick(jobs: &Jobs, q: &QueueId, id: &str) -> Result<Tick, JobsError> {
+    let Some(rec) = jobs.query(&q.ns, &q.name, |tx, q| schedule::get(tx, q, id))? else { return Ok(Tick::Gone) };
+    if !rec.extra.contains_key(SERVER_OWNED) || schedule::has_finished(&rec) {
+        return Ok(Tick::Gone);
+    }
+    if rec.next_millis > jobs.now_ms() {
+        return Ok(Tick::Idle(rec.next_millis));
+    }
+    let next = tick_after(&rec, rec.next_millis)?;
+    let template: EnqueueRequest = rec
+        .extra
+        .get(TEMPLATE)
+        .and_then(|t| serde_json::from_str(t).ok())
+        .unwrap_or_else(|| EnqueueRequest { attempts: 1, ..Default::default() });
+    let producer = schedule::iteration_id(id, rec.next_millis);
+    let id = id.to_string();
+    let advanced = jobs
+        .admin(&q.ns, &q.name, move |tx, q| schedule::advance_to(tx, q, &id, next, &producer, &template))
+        .await?;
+    // Not advanced: another caller moved it first; read it again next pass.
+    Ok(if advanced.is_some() { Tick::Advanced } else { Tick::Idle(0) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cron_follows_the_time_zone() {
+        // 2026-01-01T00:00:00Z; 09:00 in New York (UTC-5) is 14:00 UTC.
+        let t0 = 1_767_225_600_000;
+        let next = cron_next("0 9 * * *", Some("America/New_York"), t0, true).unwrap();
+        assert_eq!(next, t0 + 14 * 3_600_000);
+        let utc = cron_next("0 9 * * *", None, t0, true).unwrap();
+        assert_eq!(utc, t0 + 9 * 3_600_000);
+        assert!(cron_next("61 * * * *", None, t0, true).is_err());
+        assert!(cron_next("0 9 * * *", Some("Mars/Olympus"), t0, true).is_err());
+    }
+
+    #[test]
+    fn ticks_follow_the_previous_tick_not_now() {
+        let rec = SchedulerRecord { every_ms: Some(1000), ..Default::default() };
+        assert_eq!(tick_after(&rec, 5000).unwrap(), 6000);
+        let rec = SchedulerRecord { pattern: Some("*/10 * * * * *".into()), ..Default::default() };
+        assert_eq!(tick_after(&rec, 1_767_225_600_000).unwrap(), 1_767_225_610_000);
+    }
+}

@@ -1,0 +1,998 @@
+//! `JobsService` over the queue core: each call resolves its namespace,
+//! converts its message, runs one core operation (one transaction, or one
+//! snapshot read) and converts the result back.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
+use loam_jobs::ops::{admin, complete, lease, query, results, schedule};
+use loam_jobs::{Event, FlowNode, Interrupt, JobState, Jobs, JobsError, Outcome, QueueId};
+use loam_jobs_proto::loam::jobs::v1 as pb;
+use pb::__buffa::oneof;
+
+use crate::convert::{self, SERVER_OWNED};
+use crate::errors::{code_name, detail, events_trimmed, invalid, to_connect};
+use crate::metrics::Metrics;
+use crate::schedules;
+
+/// The longest a Lease, an event read or a wait may block.
+const MAX_WAIT: Duration = Duration::from_secs(30);
+/// Events per Watch read and the default for Query's `events`.
+const EVENT_BATCH: usize = 256;
+/// Most events one `Query.events` returns.
+const MAX_EVENTS_PER_READ: usize = 10_000;
+/// How long a worker name stays listed after it was last seen.
+const WORKER_TTL: Duration = Duration::from_secs(300);
+/// Header that runs an operation at the caller's time (BullMQ's tests fake it).
+const NOW_HEADER: &str = "loam-now-ms";
+
+/// Every queue of every namespace.
+pub fn all_queues(jobs: &Jobs) -> Result<Vec<QueueId>, JobsError> {
+    jobs.read("", |tx| {
+        let all = loam_jobs::keys::prefix_range(loam_jobs::keys::registry_prefix());
+        Ok(tx.scan(&all, usize::MAX, false)?.into_iter().filter_map(|(k, _)| loam_jobs::keys::parse_registry(&k)).collect())
+    })
+}
+
+fn core_err(e: JobsError) -> ConnectError {
+    to_connect(&e)
+}
+
+fn wait_of(ms: u32) -> Duration {
+    Duration::from_millis(u64::from(ms)).min(MAX_WAIT)
+}
+
+fn outcome_name(o: &Outcome) -> &'static str {
+    match o {
+        Outcome::Ok { .. } => "ok",
+        Outcome::Retry { .. } => "retry",
+        Outcome::Fail { .. } => "fail",
+        Outcome::Release { .. } => "release",
+        Outcome::Delay { .. } => "delay",
+        Outcome::WaitChildren { .. } => "wait_children",
+        Outcome::RateLimited { .. } => "rate_limited",
+    }
+}
+
+/// The namespace and core handle a call runs with.
+struct Caller {
+    ns: String,
+    jobs: Jobs,
+}
+
+pub struct JobsSvc {
+    jobs: Jobs,
+    auth: crate::auth::Auth,
+    metrics: Arc<Metrics>,
+    /// Fired at shutdown: ends long-polls, event waits and watches.
+    shutdown: Interrupt,
+    schedules: Arc<schedules::Index>,
+    workers: Mutex<HashMap<(String, String), HashMap<String, Instant>>>,
+    /// With --follow-client-clock: the core's clock, moved by `loam-now-ms`.
+    following: Option<Arc<loam_jobs::FollowingClock>>,
+}
+
+impl JobsSvc {
+    pub fn new(
+        jobs: Jobs,
+        auth: crate::auth::Auth,
+        metrics: Arc<Metrics>,
+        shutdown: Interrupt,
+        schedules: Arc<schedules::Index>,
+    ) -> Self {
+        Self { jobs, auth, metrics, shutdown, schedules, workers: Mutex::new(HashMap::new()), following: None }
+    }
+
+    pub fn following(self, following: Option<Arc<loam_jobs::FollowingClock>>) -> Self {
+        Self { following, ..self }
+    }
+
+    fn caller(&self, ctx: &RequestContext) -> Result<Caller, ConnectError> {
+        let ns = self.auth.namespace(ctx.headers())?;
+        let jobs = match ctx.headers().get(NOW_HEADER) {
+            Some(v) => {
+                let at = v
+                    .to_str()
+                    .ok()
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .ok_or_else(|| invalid("loam-now-ms must be milliseconds since the epoch"))?;
+                if let Some(clock) = &self.following {
+                    clock.observe(at);
+                }
+                self.jobs.at(at)
+            }
+            None => self.jobs.clone(),
+        };
+        Ok(Caller { ns, jobs })
+    }
+
+    /// Runs a call, counting it and its time by method and code.
+    async fn observe<T>(
+        &self,
+        method: &'static str,
+        call: impl Future<Output = Result<T, ConnectError>>,
+    ) -> ServiceResult<T> {
+        let started = Instant::now();
+        let result = call.await;
+        let code = match &result {
+            Ok(_) => "ok",
+            Err(e) => e.code.as_str(),
+        };
+        self.metrics.rpc(method, code, started.elapsed());
+        if let Err(e) = &result {
+            tracing::debug!(method, code, message = e.message.as_deref().unwrap_or(""), "call refused");
+        }
+        result.map(Response::new)
+    }
+
+    fn count_fenced(&self, ns: &str, queue: &str, e: &JobsError) {
+        if matches!(e, JobsError::Fenced { .. }) {
+            self.metrics.fenced(ns, queue);
+        }
+    }
+
+    fn saw_worker(&self, ns: &str, queue: &str, name: &str) {
+        if let Ok(mut w) = self.workers.lock() {
+            let names = w.entry((ns.to_string(), queue.to_string())).or_default();
+            let now = Instant::now();
+            names.retain(|_, seen| now.duration_since(*seen) < WORKER_TTL);
+            names.insert(name.to_string(), now);
+        }
+    }
+
+    fn workers_of(&self, ns: &str, queue: &str) -> Vec<String> {
+        let now = Instant::now();
+        let Ok(w) = self.workers.lock() else { return Vec::new() };
+        let mut names: Vec<String> = w
+            .get(&(ns.to_string(), queue.to_string()))
+            .map(|m| m.iter().filter(|(_, seen)| now.duration_since(**seen) < WORKER_TTL).map(|(n, _)| n.clone()).collect())
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+
+    // ---- calls ------------------------------------------------------------------
+
+    async fn do_enqueue(&self, ctx: RequestContext, req: pb::EnqueueRequest) -> Result<pb::EnqueueResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let job = convert::job_spec(req.job.into_option().ok_or_else(|| invalid("job is required"))?)?;
+        let done = c.jobs.enqueue(&c.ns, &req.queue, job).await.map_err(core_err)?;
+        if done.created {
+            self.metrics.enqueued(&c.ns, &req.queue, 1);
+        }
+        Ok(pb::EnqueueResponse { enqueued: convert::enqueued(&done).into(), ..Default::default() })
+    }
+
+    async fn do_enqueue_bulk(
+        &self,
+        ctx: RequestContext,
+        req: pb::EnqueueBulkRequest,
+    ) -> Result<pb::EnqueueBulkResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let jobs = req.jobs.into_iter().map(convert::job_spec).collect::<Result<Vec<_>, _>>()?;
+        let done = c.jobs.enqueue_bulk(&c.ns, &req.queue, jobs).await.map_err(core_err)?;
+        let created = done.iter().filter(|r| r.as_ref().is_ok_and(|e| e.created)).count() as u64;
+        self.metrics.enqueued(&c.ns, &req.queue, created);
+        let results = done
+            .iter()
+            .map(|r| {
+                let result = match r {
+                    Ok(e) => oneof::enqueue_result::Result::from(convert::enqueued(e)),
+                    Err(e) => oneof::enqueue_result::Result::from(pb::BulkError {
+                        code: code_name(e).into(),
+                        message: e.to_string(),
+                        detail: detail(e).into(),
+                        ..Default::default()
+                    }),
+                };
+                pb::EnqueueResult { result: Some(result), ..Default::default() }
+            })
+            .collect();
+        Ok(pb::EnqueueBulkResponse { results, ..Default::default() })
+    }
+
+    async fn do_lease(&self, ctx: RequestContext, req: pb::LeaseRequest) -> Result<pb::LeaseResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let started = Instant::now();
+        let options = convert::lease_options(req.options.into_option().unwrap_or_default());
+        if options.max == 0 {
+            // Zero would wait out the whole long-poll for nothing.
+            return Err(invalid("lease options.max must be at least 1"));
+        }
+        if let Some(w) = &options.worker {
+            self.saw_worker(&c.ns, &req.queue, w);
+        }
+        let wait = wait_of(req.wait_ms);
+        let leased = if wait.is_zero() {
+            c.jobs.lease(&c.ns, &req.queue, options).await
+        } else {
+            c.jobs.lease_wait(&c.ns, &req.queue, options, wait, Some(&self.shutdown)).await
+        }
+        .map_err(core_err)?;
+        self.metrics.leased(&c.ns, &req.queue, leased.leases.len() as u64, started.elapsed());
+        Ok(pb::LeaseResponse { leased: convert::leased(&leased).into(), ..Default::default() })
+    }
+
+    async fn do_extend(&self, ctx: RequestContext, req: pb::ExtendRequest) -> Result<pb::ExtendResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let mut items = Vec::with_capacity(req.items.len());
+        for item in req.items {
+            items.push((item.job_id, convert::fence(item.fence.into_option())?));
+        }
+        match items.len() {
+            0 => Err(invalid("extend needs at least one item")),
+            1 => {
+                let Some((id, fence)) = items.pop() else { return Err(invalid("extend needs at least one item")) };
+                let deadline = c.jobs.extend(&c.ns, &req.queue, &id, fence, req.duration_ms).await.map_err(|e| {
+                    self.count_fenced(&c.ns, &req.queue, &e);
+                    core_err(e)
+                })?;
+                Ok(pb::ExtendResponse { deadline, ..Default::default() })
+            }
+            _ => {
+                let failed = c.jobs.extend_many(&c.ns, &req.queue, items, req.duration_ms).await.map_err(core_err)?;
+                Ok(pb::ExtendResponse { failed_job_ids: failed, ..Default::default() })
+            }
+        }
+    }
+
+    async fn do_complete(&self, ctx: RequestContext, req: pb::CompleteRequest) -> Result<pb::CompleteResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let fence = convert::fence(req.fence.into_option())?;
+        let outcome = convert::outcome(req.outcome.into_option())?;
+        let opts = convert::complete_options(req.options.into_option())?;
+        let name = outcome_name(&outcome);
+        let ttl_for = req.rate_limit_ttl_for.into_option().map(convert::rate_limit);
+        let id = req.job_id.clone();
+        let result = match ttl_for {
+            None => c.jobs.complete(&c.ns, &req.queue, &id, fence, outcome, opts).await.map(|done| (done, None)),
+            Some(limiter) => {
+                c.jobs
+                    .admin(&c.ns, &req.queue, move |tx, q| {
+                        let done = complete::complete(tx, q, &id, &fence, outcome.clone(), &opts)?;
+                        let limit = lease::limiter(tx, q, Some(&limiter))?;
+                        let ttl = lease::rate_limit_ttl(tx, q, limit.as_ref())?;
+                        Ok((done, Some(ttl)))
+                    })
+                    .await
+            }
+        };
+        let (done, ttl) = result.map_err(|e| {
+            self.count_fenced(&c.ns, &req.queue, &e);
+            core_err(e)
+        })?;
+        self.metrics.completed(&c.ns, &req.queue, name);
+        if let Some(next) = &done.next {
+            self.metrics.leased(&c.ns, &req.queue, next.leases.len() as u64, Duration::ZERO);
+        }
+        Ok(pb::CompleteResponse { completed: convert::completed(&done).into(), rate_limit_ttl_ms: ttl, ..Default::default() })
+    }
+
+    async fn do_report(&self, ctx: RequestContext, req: pb::ReportRequest) -> Result<pb::ReportResponse, ConnectError> {
+        use oneof::report_request::Report;
+        let c = self.caller(&ctx)?;
+        let fence = convert::fence(req.fence.into_option())?;
+        let (ns, queue, id) = (&c.ns, &req.queue, &req.job_id);
+        let result = match req.report {
+            Some(Report::Progress(p)) => c.jobs.update_progress(ns, queue, id, fence, p).await.map(|_| 0),
+            Some(Report::Log(l)) => c.jobs.add_log(ns, queue, id, fence, l.row, l.keep).await,
+            Some(Report::Data(d)) => c.jobs.update_data(ns, queue, id, fence, d).await.map(|_| 0),
+            None => return Err(invalid("a report (progress, log or data) is required")),
+        };
+        let log_count = result.map_err(|e| {
+            self.count_fenced(ns, queue, &e);
+            core_err(e)
+        })?;
+        Ok(pb::ReportResponse { log_count, ..Default::default() })
+    }
+
+    async fn do_schedule(&self, ctx: RequestContext, req: pb::ScheduleRequest) -> Result<pb::ScheduleResponse, ConnectError> {
+        use oneof::schedule_request::Schedule;
+        let c = self.caller(&ctx)?;
+        let queue = req.queue;
+        let (job_id, delay_ms) = match req.schedule {
+            Some(Schedule::Upsert(spec)) => {
+                let spec = convert::scheduler_spec(*spec)?;
+                let id = spec.id.clone();
+                // A worker's scheduler replaces a server schedule of the same id.
+                let done = c
+                    .jobs
+                    .admin(&c.ns, &queue, move |tx, q| {
+                        let done = schedule::upsert(tx, q, spec.clone())?;
+                        if let Some(rec) = schedule::get(tx, q, &spec.id)?
+                            && rec.extra.contains_key(SERVER_OWNED)
+                        {
+                            let mut extra = rec.extra;
+                            extra.retain(|k, _| !k.starts_with("loam."));
+                            schedule::set_extra(tx, q, &spec.id, extra)?;
+                        }
+                        Ok(done)
+                    })
+                    .await
+                    .map_err(core_err)?;
+                self.schedules.remove(&c.ns, &queue, &id);
+                done.map_or((None, 0), |(j, d)| (Some(j), d))
+            }
+            Some(Schedule::Advance(mut a)) => {
+                let template = convert::job_spec(a.job.take().unwrap_or_default())?;
+                let next = c
+                    .jobs
+                    .admin(&c.ns, &queue, move |tx, q| {
+                        // The server alone moves its own schedules.
+                        if schedule::get(tx, q, &a.id)?.is_some_and(|r| r.extra.contains_key(SERVER_OWNED)) {
+                            return Ok(None);
+                        }
+                        schedule::advance(tx, q, &a.id, a.next_millis, &a.producer_id, &template)
+                    })
+                    .await
+                    .map_err(core_err)?;
+                (next, 0)
+            }
+            Some(Schedule::Server(s)) => {
+                let (spec, extra) = schedules::prepare(*s, c.jobs.now_ms()).map_err(core_err)?;
+                let id = spec.id.clone();
+                let done = c
+                    .jobs
+                    .admin(&c.ns, &queue, move |tx, q| {
+                        let done = schedule::upsert(tx, q, spec.clone())?;
+                        schedule::set_extra(tx, q, &spec.id, extra.clone())?;
+                        Ok(done)
+                    })
+                    .await
+                    .map_err(core_err)?;
+                self.schedules.add(&c.ns, &queue, &id);
+                if done.is_some() {
+                    self.metrics.enqueued(&c.ns, &queue, 1);
+                }
+                done.map_or((None, 0), |(j, d)| (Some(j), d))
+            }
+            None => return Err(invalid("a schedule (upsert, advance or server) is required")),
+        };
+        Ok(pb::ScheduleResponse { job_id, delay_ms, ..Default::default() })
+    }
+
+    async fn do_unschedule(
+        &self,
+        ctx: RequestContext,
+        req: pb::UnscheduleRequest,
+    ) -> Result<pb::UnscheduleResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let id = req.scheduler_id.clone();
+        let removed =
+            c.jobs.admin(&c.ns, &req.queue, move |tx, q| schedule::remove(tx, q, &id)).await.map_err(core_err)?;
+        self.schedules.remove(&c.ns, &req.queue, &req.scheduler_id);
+        Ok(pb::UnscheduleResponse { removed, ..Default::default() })
+    }
+
+    async fn do_flow(&self, ctx: RequestContext, req: pb::FlowRequest) -> Result<pb::FlowResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let mut nodes = Vec::with_capacity(req.nodes.len());
+        for n in req.nodes {
+            let request = convert::job_spec(n.job.into_option().ok_or_else(|| invalid("every flow node needs a job"))?)?;
+            nodes.push(FlowNode { queue: n.queue, request, wait_children: n.wait_children });
+        }
+        let queues: Vec<String> = nodes.iter().map(|n| n.queue.clone()).collect();
+        let done = c.jobs.flow(&c.ns, nodes).await.map_err(core_err)?;
+        for (q, e) in queues.iter().zip(&done) {
+            if e.created {
+                self.metrics.enqueued(&c.ns, q, 1);
+            }
+        }
+        Ok(pb::FlowResponse { enqueued: done.iter().map(convert::enqueued).collect(), ..Default::default() })
+    }
+
+    async fn do_queue_admin(
+        &self,
+        ctx: RequestContext,
+        req: pb::QueueAdminRequest,
+    ) -> Result<pb::QueueAdminResponse, ConnectError> {
+        use oneof::queue_admin_request::Op;
+        let c = self.caller(&ctx)?;
+        let (ns, queue, jobs) = (c.ns.as_str(), req.queue.as_str(), &c.jobs);
+        let mut out = pb::QueueAdminResponse::default();
+        let op = req.op.ok_or_else(|| invalid("an operation is required"))?;
+        let r: Result<(), JobsError> = async {
+            match op {
+                Op::Pause(_) => jobs.admin(ns, queue, |tx, q| admin::set_paused(tx, q, true)).await,
+                Op::Resume(_) => jobs.admin(ns, queue, |tx, q| admin::set_paused(tx, q, false)).await,
+                Op::Drain(d) => {
+                    out.count = jobs.admin(ns, queue, move |tx, q| admin::drain(tx, q, d.delayed)).await?;
+                    Ok(())
+                }
+                Op::Clean(cl) => {
+                    let (state, before, limit) = (cl.state.clone(), cl.before, cl.limit);
+                    out.job_ids = jobs.admin(ns, queue, move |tx, q| admin::clean(tx, q, &state, before, limit)).await?;
+                    out.count = out.job_ids.len() as u64;
+                    Ok(())
+                }
+                Op::Obliterate(o) => {
+                    let (force, count) = (o.force, o.count.max(1));
+                    out.more = jobs.admin(ns, queue, move |tx, q| admin::obliterate(tx, q, force, count)).await?;
+                    Ok(())
+                }
+                Op::RetryJobs(r) => {
+                    let state = convert::state_from_pb(&r.state).map_err(|e| JobsError::invalid(e.message.unwrap_or_default()))?;
+                    let (count, before) = (r.count, r.before);
+                    out.more = jobs
+                        .admin(ns, queue, move |tx, q| admin::retry_finished_jobs(tx, q, state, count, before))
+                        .await?;
+                    Ok(())
+                }
+                Op::PromoteJobs(p) => {
+                    let count = p.count;
+                    out.more = jobs.admin(ns, queue, move |tx, q| admin::promote_jobs(tx, q, count)).await?;
+                    Ok(())
+                }
+                Op::SetMeta(m) => {
+                    let values = m.values.into_iter().collect();
+                    out.count = jobs.set_meta(ns, queue, values).await?;
+                    Ok(())
+                }
+                Op::RemoveMetaFields(m) => {
+                    let fields = m.fields;
+                    out.count = jobs.admin(ns, queue, move |tx, q| admin::remove_meta_fields(tx, q, &fields)).await?;
+                    Ok(())
+                }
+                Op::SetRateLimit(s) => {
+                    let ms = s.ms;
+                    jobs.admin(ns, queue, move |tx, q| admin::set_rate_limit(tx, q, ms)).await
+                }
+                Op::RemoveRateLimitKey(_) => {
+                    out.count = jobs.admin(ns, queue, admin::remove_rate_limit_key).await?;
+                    Ok(())
+                }
+                Op::SweepStalled(s) => {
+                    let max_stalled = s.max_stalled;
+                    out.job_ids = jobs
+                        .admin(ns, queue, move |tx, q| {
+                            if let Some(max) = max_stalled {
+                                let current = tx.queue_config(q)?;
+                                if current.max_stalled != max {
+                                    tx.set_queue_config(q, loam_jobs::QueueConfig { max_stalled: max, ..current })?;
+                                }
+                            }
+                            lease::sweep_stalled(tx, q)
+                        })
+                        .await?;
+                    out.count = out.job_ids.len() as u64;
+                    self.metrics.stalled(ns, queue, out.count);
+                    Ok(())
+                }
+                Op::SetConfig(cfg) => jobs.set_queue_config(ns, queue, convert::queue_config_from(*cfg)).await,
+                Op::PublishEvent(p) => {
+                    let fields: Vec<(String, String)> = p.fields.into_iter().map(|f| (f.key, f.value)).collect();
+                    let (name, max) = (p.name, p.max_events);
+                    if name.is_empty() {
+                        return Err(JobsError::invalid("an event needs a name"));
+                    }
+                    out.event_id =
+                        jobs.admin(ns, queue, move |tx, q| admin::publish_event(tx, q, &name, &fields, max)).await?;
+                    Ok(())
+                }
+                Op::TrimEvents(t) => {
+                    let max = t.max_length;
+                    out.count = jobs.admin(ns, queue, move |tx, q| tx.trim_events(q, max)).await?;
+                    Ok(())
+                }
+                Op::RemoveDedupKey(d) => {
+                    let (id, job) = (d.dedup_id, d.job_id);
+                    out.count =
+                        jobs.admin(ns, queue, move |tx, q| admin::remove_dedup_key(tx, q, &id, job.as_deref())).await?;
+                    Ok(())
+                }
+                Op::RedriveDeadLetters(r) => {
+                    let limit = r.limit;
+                    out.count = jobs.admin(ns, queue, move |tx, q| admin::redrive_dead_letters(tx, q, limit)).await?;
+                    Ok(())
+                }
+                Op::RegisterWorker(w) => {
+                    if w.name.is_empty() || w.name.len() > 1024 {
+                        return Err(JobsError::invalid("a worker name must be 1 to 1024 bytes"));
+                    }
+                    // Validates the queue name as every other call does.
+                    jobs.query(ns, queue, |_, _| Ok(()))?;
+                    self.saw_worker(ns, queue, &w.name);
+                    Ok(())
+                }
+            }
+        }
+        .await;
+        r.map_err(core_err)?;
+        Ok(out)
+    }
+
+    async fn do_job_admin(&self, ctx: RequestContext, req: pb::JobAdminRequest) -> Result<pb::JobAdminResponse, ConnectError> {
+        use oneof::job_admin_request::Op;
+        let c = self.caller(&ctx)?;
+        let (ns, queue, jobs) = (c.ns.as_str(), req.queue.as_str(), &c.jobs);
+        let id = req.job_id;
+        let op = req.op.ok_or_else(|| invalid("an operation is required"))?;
+        let done = match op {
+            Op::Remove(r) => {
+                let children = r.remove_children;
+                jobs.admin(ns, queue, move |tx, q| admin::remove_job(tx, q, &id, children)).await
+            }
+            Op::RemoveUnprocessedChildren(_) => {
+                jobs.admin(ns, queue, move |tx, q| admin::remove_unprocessed_children(tx, q, &id).map(|_| true)).await
+            }
+            Op::RemoveChildDependency(r) => {
+                let parent = r.parent_key;
+                jobs.admin(ns, queue, move |tx, q| admin::remove_child_dependency(tx, q, &id, &parent)).await
+            }
+            Op::RetryFinished(r) => {
+                let from = convert::state_from_pb(&r.state)?;
+                if !from.is_finished() {
+                    return Err(invalid("only completed or failed jobs can be retried"));
+                }
+                let (made, started) = (r.reset_attempts_made, r.reset_attempts_started);
+                jobs.admin(ns, queue, move |tx, q| admin::retry_finished(tx, q, &id, from, made, started).map(|_| true))
+                    .await
+            }
+            Op::Promote(_) => jobs.admin(ns, queue, move |tx, q| admin::promote(tx, q, &id).map(|_| true)).await,
+            Op::ChangeDelay(d) => {
+                let delay = d.delay_ms;
+                jobs.admin(ns, queue, move |tx, q| admin::change_delay(tx, q, &id, delay).map(|_| true)).await
+            }
+            Op::ChangePriority(p) => {
+                let (priority, lifo) = (p.priority, p.lifo);
+                jobs.admin(ns, queue, move |tx, q| admin::change_priority(tx, q, &id, priority, lifo).map(|_| true))
+                    .await
+            }
+            Op::ClearLogs(l) => {
+                let keep = l.keep;
+                jobs.admin(ns, queue, move |tx, q| admin::clear_logs(tx, q, &id, keep).map(|_| true)).await
+            }
+        }
+        .map_err(core_err)?;
+        Ok(pb::JobAdminResponse { done, ..Default::default() })
+    }
+
+    async fn do_query(&self, ctx: RequestContext, req: pb::QueryRequest) -> Result<pb::QueryResponse, ConnectError> {
+        use oneof::query_request::Query;
+        use oneof::query_response::Result as R;
+        let c = self.caller(&ctx)?;
+        let (ns, queue, jobs) = (c.ns.as_str(), req.queue.as_str(), &c.jobs);
+        let q = req.query.ok_or_else(|| invalid("a query is required"))?;
+        let result: Result<R, JobsError> = async {
+            Ok(match q {
+                Query::Jobs(j) => {
+                    let slots = jobs.query(ns, queue, |tx, q| {
+                        j.ids
+                            .iter()
+                            .map(|id| {
+                                Ok(pb::JobSlot {
+                                    job: query::get_job(tx, q, id)?.as_ref().map(convert::job).into(),
+                                    ..Default::default()
+                                })
+                            })
+                            .collect::<Result<Vec<_>, JobsError>>()
+                    })?;
+                    R::from(pb::JobSlots { slots, ..Default::default() })
+                }
+                Query::Counts(cnt) => {
+                    let counts = jobs.query(ns, queue, |tx, q| {
+                        let mut out = Vec::with_capacity(cnt.types.len());
+                        for t in &cnt.types {
+                            // `paused` (a list BullMQ 6 never fills) and unknown types count 0.
+                            out.push(match (t.as_str(), JobState::parse(t)) {
+                                ("repeat", _) => schedule::count(tx, q)?,
+                                (_, Some(state)) => query::counts(tx, q, &[state], cnt.delayed_before)?[0],
+                                (_, None) => 0,
+                            });
+                        }
+                        Ok(out)
+                    })?;
+                    R::from(pb::CountList { counts, ..Default::default() })
+                }
+                Query::CountsPerPriority(p) => {
+                    let counts = jobs.query(ns, queue, |tx, q| query::counts_per_priority(tx, q, &p.priorities))?;
+                    R::from(pb::CountList { counts, ..Default::default() })
+                }
+                Query::Ranges(r) => {
+                    let ranges = jobs.query(ns, queue, |tx, q| {
+                        let mut out = Vec::with_capacity(r.types.len());
+                        for t in &r.types {
+                            let ids = match JobState::parse(t) {
+                                Some(state) => query::range(tx, q, state, r.start, r.end, r.asc)?,
+                                None => Vec::new(),
+                            };
+                            out.push(pb::IdList { ids, ..Default::default() });
+                        }
+                        Ok(out)
+                    })?;
+                    R::from(pb::IdRanges { ranges, ..Default::default() })
+                }
+                Query::Logs(l) => {
+                    let (logs, count) = jobs.query(ns, queue, |tx, q| query::logs(tx, q, &l.job_id, l.start, l.end, l.asc))?;
+                    R::from(pb::LogPage { logs, count, ..Default::default() })
+                }
+                Query::Dependencies(d) => jobs.query(ns, queue, |tx, q| {
+                    let deps = query::dependencies(tx, q, &d.job_id)?;
+                    let mut slots = Vec::new();
+                    if d.with_jobs {
+                        for (_, dep) in &deps {
+                            let child_q = QueueId::new(ns, dep.child_queue.clone());
+                            let child = query::get_job(tx, &child_q, &dep.child_id)?;
+                            slots.push(pb::JobSlot { job: child.as_ref().map(convert::job).into(), ..Default::default() });
+                        }
+                    }
+                    let dependencies = deps.iter().map(|(k, d)| convert::dependency(k, d)).collect();
+                    Ok(R::from(pb::DependencyList { dependencies, jobs: slots, ..Default::default() }))
+                })?,
+                Query::Metrics(m) => {
+                    if m.kind != "completed" && m.kind != "failed" {
+                        return Err(JobsError::invalid("metrics kind must be completed or failed"));
+                    }
+                    let rec = jobs.query(ns, queue, |tx, q| query::metrics(tx, q, &m.kind))?;
+                    R::from(rec.as_ref().map(convert::metrics).unwrap_or_default())
+                }
+                Query::Meta(m) => {
+                    let all = jobs.query(ns, queue, query::meta)?;
+                    let values = if m.fields.is_empty() {
+                        all.into_iter().collect()
+                    } else {
+                        all.into_iter().filter(|(k, _)| m.fields.contains(k)).collect()
+                    };
+                    R::from(pb::MetaValues { values, ..Default::default() })
+                }
+                Query::DedupJob(d) => R::DedupJob(
+                    jobs.query(ns, queue, |tx, q| query::dedup_job_id(tx, q, &d.dedup_id))?.unwrap_or_default(),
+                ),
+                Query::RateLimitTtl(r) => R::Number(jobs.query(ns, queue, |tx, q| {
+                    if r.max_jobs.is_none() && lease::limiter(tx, q, None)?.is_none() {
+                        return Ok(0);
+                    }
+                    query::rate_limit_ttl(tx, q, r.max_jobs)
+                })?),
+                Query::IsMaxed(_) => R::Flag(jobs.query(ns, queue, query::is_maxed)?),
+                Query::LastEvent(_) => R::Number(jobs.query(ns, queue, query::last_event_seq)?),
+                Query::Events(e) => {
+                    let limit = if e.limit == 0 { EVENT_BATCH } else { (e.limit as usize).min(MAX_EVENTS_PER_READ) };
+                    let events = jobs
+                        .read_events(ns, queue, e.after, limit, wait_of(e.wait_ms), Some(&self.shutdown))
+                        .await?;
+                    R::from(pb::EventList { events: events.iter().map(convert::event).collect(), ..Default::default() })
+                }
+                Query::WaitForJob(w) => {
+                    R::Flag(jobs.wait_for_job(ns, queue, wait_of(w.wait_ms), Some(&self.shutdown)).await?.is_some())
+                }
+                Query::Scheduler(s) => {
+                    let rec = jobs.query(ns, queue, |tx, q| schedule::get(tx, q, &s.id))?;
+                    R::from(pb::SchedulerSlot { scheduler: rec.as_ref().map(convert::scheduler).into(), ..Default::default() })
+                }
+                Query::Schedulers(s) => {
+                    let recs = jobs.query(ns, queue, |tx, q| schedule::list(tx, q, s.start, s.end, s.asc))?;
+                    R::from(pb::SchedulerList { schedulers: recs.iter().map(convert::scheduler).collect(), ..Default::default() })
+                }
+                Query::SchedulerCount(_) => R::Number(jobs.query(ns, queue, schedule::count)?),
+                Query::Workers(_) => {
+                    jobs.query(ns, queue, |_, _| Ok(()))?;
+                    R::from(pb::NameList { names: self.workers_of(ns, queue), ..Default::default() })
+                }
+                Query::Queues(_) => {
+                    let names = jobs.read(ns, |tx| query::queues(tx, ns))?.into_iter().map(|q| q.name).collect();
+                    R::from(pb::NameList { names, ..Default::default() })
+                }
+                Query::Config(_) => R::from(convert::queue_config_to(&jobs.query(ns, queue, |tx, q| tx.queue_config(q))?)),
+            })
+        }
+        .await;
+        Ok(pb::QueryResponse { result: Some(result.map_err(core_err)?), ..Default::default() })
+    }
+
+    // ---- the result store ------------------------------------------------------------
+
+    async fn do_result_get(&self, ctx: RequestContext, req: pb::ResultGetRequest) -> Result<pb::ResultGetResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let value = c.jobs.read(&c.ns, |tx| results::get(tx, &req.key)).map_err(core_err)?;
+        Ok(pb::ResultGetResponse { value, ..Default::default() })
+    }
+
+    async fn do_result_mget(
+        &self,
+        ctx: RequestContext,
+        req: pb::ResultMGetRequest,
+    ) -> Result<pb::ResultMGetResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let values = c.jobs.read(&c.ns, |tx| results::mget(tx, &req.keys)).map_err(core_err)?;
+        let values = values.into_iter().map(|value| pb::ResultValue { value, ..Default::default() }).collect();
+        Ok(pb::ResultMGetResponse { values, ..Default::default() })
+    }
+
+    async fn do_result_set(&self, ctx: RequestContext, req: pb::ResultSetRequest) -> Result<pb::ResultSetResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let (key, value, ttl) = (req.key, req.value, req.ttl_ms);
+        c.jobs.write(&c.ns, true, move |tx| results::set(tx, &key, value.clone(), ttl)).await.map_err(core_err)?;
+        Ok(pb::ResultSetResponse::default())
+    }
+
+    async fn do_result_delete(
+        &self,
+        ctx: RequestContext,
+        req: pb::ResultDeleteRequest,
+    ) -> Result<pb::ResultDeleteResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let key = req.key;
+        let deleted = c.jobs.write(&c.ns, true, move |tx| results::delete(tx, &key)).await.map_err(core_err)?;
+        Ok(pb::ResultDeleteResponse { deleted, ..Default::default() })
+    }
+
+    async fn do_result_incr(&self, ctx: RequestContext, req: pb::ResultIncrRequest) -> Result<pb::ResultIncrResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let (key, member, ttl) = (req.key, req.member, req.ttl_ms);
+        let counted = c.jobs.write(&c.ns, true, move |tx| results::incr(tx, &key, &member, ttl)).await.map_err(core_err)?;
+        Ok(pb::ResultIncrResponse { count: counted.count, added: counted.added, ..Default::default() })
+    }
+
+    async fn do_result_expire(
+        &self,
+        ctx: RequestContext,
+        req: pb::ResultExpireRequest,
+    ) -> Result<pb::ResultExpireResponse, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let (key, ttl) = (req.key, req.ttl_ms);
+        let found = c.jobs.write(&c.ns, true, move |tx| results::expire(tx, &key, ttl)).await.map_err(core_err)?;
+        Ok(pb::ResultExpireResponse { found, ..Default::default() })
+    }
+
+    // ---- watch ------------------------------------------------------------------------
+
+    async fn do_watch(&self, ctx: RequestContext, req: pb::WatchRequest) -> Result<ServiceStream<pb::WatchResponse>, ConnectError> {
+        let c = self.caller(&ctx)?;
+        let (ns, queue) = (c.ns, req.queue);
+        // "From now" is pinned before the stream starts, so nothing written
+        // after this call returns can be missed.
+        let cursor = match req.after {
+            Some(a) => a,
+            None => c.jobs.query(&ns, &queue, query::last_event_seq).map_err(core_err)?,
+        };
+        let state = WatchState {
+            jobs: self.jobs.clone(),
+            ns,
+            queue,
+            cursor,
+            job: req.job_id,
+            stop: self.shutdown.clone(),
+            buffered: std::collections::VecDeque::new(),
+            failed: false,
+        };
+        let stream = futures::stream::unfold(state, |mut st| async move {
+            loop {
+                if let Some(e) = st.buffered.pop_front() {
+                    let msg = pb::WatchResponse { event: convert::event(&e).into(), ..Default::default() };
+                    return Some((Ok(msg), st));
+                }
+                if st.failed || st.stop.is_fired() || st.jobs.is_closed() {
+                    return None;
+                }
+                match st.jobs.query(&st.ns, &st.queue, |tx, q| Ok(tx.stats(q)?.first_event)) {
+                    Ok(oldest) if st.cursor > 0 && oldest > st.cursor + 1 => {
+                        st.failed = true;
+                        return Some((Err(events_trimmed(st.cursor, oldest)), st));
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        st.failed = true;
+                        return Some((Err(core_err(e)), st));
+                    }
+                }
+                let read = st
+                    .jobs
+                    .read_events(&st.ns, &st.queue, Some(st.cursor), EVENT_BATCH, MAX_WAIT, Some(&st.stop))
+                    .await;
+                match read {
+                    Ok(events) => {
+                        for e in events {
+                            st.cursor = e.seq;
+                            if st.wanted(&e) {
+                                st.buffered.push_back(e);
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        st.failed = true;
+                        return Some((Err(core_err(e)), st));
+                    }
+                }
+            }
+        });
+        Ok(Box::pin(stream))
+    }
+}
+
+struct WatchState {
+    jobs: Jobs,
+    ns: String,
+    queue: String,
+    cursor: u64,
+    job: Option<String>,
+    stop: Interrupt,
+    buffered: std::collections::VecDeque<Event>,
+    failed: bool,
+}
+
+impl WatchState {
+    fn wanted(&self, e: &Event) -> bool {
+        match &self.job {
+            None => true,
+            Some(id) => e.fields.iter().any(|(k, v)| k == "jobId" && v == id),
+        }
+    }
+}
+
+#[allow(refining_impl_trait, reason = "each call returns its concrete response message")]
+impl pb::JobsService for JobsSvc {
+    async fn enqueue(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::EnqueueRequest>) -> ServiceResult<pb::EnqueueResponse> {
+        let r = r.to_owned_message();
+        self.observe("Enqueue", self.do_enqueue(ctx, r)).await
+    }
+
+    async fn enqueue_bulk(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::EnqueueBulkRequest>,
+    ) -> ServiceResult<pb::EnqueueBulkResponse> {
+        let r = r.to_owned_message();
+        self.observe("EnqueueBulk", self.do_enqueue_bulk(ctx, r)).await
+    }
+
+    async fn lease(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::LeaseRequest>) -> ServiceResult<pb::LeaseResponse> {
+        let r = r.to_owned_message();
+        self.observe("Lease", self.do_lease(ctx, r)).await
+    }
+
+    async fn extend(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::ExtendRequest>) -> ServiceResult<pb::ExtendResponse> {
+        let r = r.to_owned_message();
+        self.observe("Extend", self.do_extend(ctx, r)).await
+    }
+
+    async fn complete(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::CompleteRequest>,
+    ) -> ServiceResult<pb::CompleteResponse> {
+        let r = r.to_owned_message();
+        self.observe("Complete", self.do_complete(ctx, r)).await
+    }
+
+    async fn report(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::ReportRequest>) -> ServiceResult<pb::ReportResponse> {
+        let r = r.to_owned_message();
+        self.observe("Report", self.do_report(ctx, r)).await
+    }
+
+    async fn schedule(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::ScheduleRequest>,
+    ) -> ServiceResult<pb::ScheduleResponse> {
+        let r = r.to_owned_message();
+        self.observe("Schedule", self.do_schedule(ctx, r)).await
+    }
+
+    async fn unschedule(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::UnscheduleRequest>,
+    ) -> ServiceResult<pb::UnscheduleResponse> {
+        let r = r.to_owned_message();
+        self.observe("Unschedule", self.do_unschedule(ctx, r)).await
+    }
+
+    async fn flow(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::FlowRequest>) -> ServiceResult<pb::FlowResponse> {
+        let r = r.to_owned_message();
+        self.observe("Flow", self.do_flow(ctx, r)).await
+    }
+
+    async fn queue_admin(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::QueueAdminRequest>,
+    ) -> ServiceResult<pb::QueueAdminResponse> {
+        let r = r.to_owned_message();
+        self.observe("QueueAdmin", self.do_queue_admin(ctx, r)).await
+    }
+
+    async fn job_admin(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::JobAdminRequest>,
+    ) -> ServiceResult<pb::JobAdminResponse> {
+        let r = r.to_owned_message();
+        self.observe("JobAdmin", self.do_job_admin(ctx, r)).await
+    }
+
+    async fn query(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::QueryRequest>) -> ServiceResult<pb::QueryResponse> {
+        let r = r.to_owned_message();
+        self.observe("Query", self.do_query(ctx, r)).await
+    }
+
+    async fn result_get(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::ResultGetRequest>,
+    ) -> ServiceResult<pb::ResultGetResponse> {
+        let r = r.to_owned_message();
+        self.observe("ResultGet", self.do_result_get(ctx, r)).await
+    }
+
+    async fn result_m_get(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::ResultMGetRequest>,
+    ) -> ServiceResult<pb::ResultMGetResponse> {
+        let r = r.to_owned_message();
+        self.observe("ResultMGet", self.do_result_mget(ctx, r)).await
+    }
+
+    async fn result_set(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::ResultSetRequest>,
+    ) -> ServiceResult<pb::ResultSetResponse> {
+        let r = r.to_owned_message();
+        self.observe("ResultSet", self.do_result_set(ctx, r)).await
+    }
+
+    async fn result_delete(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::ResultDeleteRequest>,
+    ) -> ServiceResult<pb::ResultDeleteResponse> {
+        let r = r.to_owned_message();
+        self.observe("ResultDelete", self.do_result_delete(ctx, r)).await
+    }
+
+    async fn result_incr(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::ResultIncrRequest>,
+    ) -> ServiceResult<pb::ResultIncrResponse> {
+        let r = r.to_owned_message();
+        self.observe("ResultIncr", self.do_result_incr(ctx, r)).await
+    }
+
+    async fn result_expire(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::ResultExpireRequest>,
+    ) -> ServiceResult<pb::ResultExpireResponse> {
+        let r = r.to_owned_message();
+        self.observe("ResultExpire", self.do_result_expire(ctx, r)).await
+    }
+
+    async fn watch(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::WatchRequest>,
+    ) -> ServiceResult<ServiceStream<pb::WatchResponse>> {
+        let r = r.to_owned_message();
+        self.observe("Watch", self.do_watch(ctx, r)).await
+    }
+}
+
+/// Deletes expired result-store entries now and then, until `stop` fires.
+pub async fn purge_results(jobs: Jobs, stop: Interrupt) {
+    const EVERY: Duration = Duration::from_secs(30);
+    while !stop.is_fired() {
+        match jobs.write("", true, |tx| results::purge_expired(tx, 10_000)).await {
+            Ok(n) if n > 0 => tracing::debug!(purged = n, "expired results removed"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "purging expired results failed"),
+        }
+        tokio::time::sleep(EVERY).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_are_capped() {
+        assert_eq!(wait_of(120_000), MAX_WAIT);
+        assert_eq!(wait_of(5), Duration::from_millis(5));
+    }
+}

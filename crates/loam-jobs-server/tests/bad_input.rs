@@ -1,0 +1,313 @@
+//! Bad input on every RPC gets a typed error, and the server stays up and
+//! keeps its jobs; tokens keep namespaces apart; SIGTERM shuts down cleanly.
+
+// A failed unwrap is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use connectrpc::ErrorCode;
+use support::*;
+
+const METHODS: [&str; 19] = [
+    "Enqueue", "EnqueueBulk", "Lease", "Extend", "Complete", "Report", "Schedule", "Unschedule", "Flow",
+    "QueueAdmin", "JobAdmin", "Query", "ResultGet", "ResultMGet", "ResultSet", "ResultDelete", "ResultIncr",
+    "ResultExpire", "Watch",
+];
+
+/// Opens a watch and reads its first message: a refused watch fails there
+/// (the stream's headers are sent before the handler runs).
+async fn watch_first(c: &Client, req: pb::WatchRequest) -> Result<(), connectrpc::ConnectError> {
+    let mut stream = c.watch(req).await?;
+    let first = tokio::time::timeout(Duration::from_secs(5), stream.message::<pb::WatchResponse>()).await;
+    match first {
+        Ok(r) => r.map(|_| ()),
+        Err(_) => Ok(()),
+    }
+}
+
+fn admin(queue: &str, op: impl Into<oneof::queue_admin_request::Op>) -> pb::QueueAdminRequest {
+    pb::QueueAdminRequest { queue: queue.into(), op: Some(op.into()), ..Default::default() }
+}
+
+fn job_admin(queue: &str, id: &str, op: impl Into<oneof::job_admin_request::Op>) -> pb::JobAdminRequest {
+    pb::JobAdminRequest { queue: queue.into(), job_id: id.into(), op: Some(op.into()), ..Default::default() }
+}
+
+fn schedule(queue: &str, s: pb::ServerSchedule) -> pb::ScheduleRequest {
+    pb::ScheduleRequest { queue: queue.into(), schedule: Some(oneof::schedule_request::Schedule::from(s)), ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rpc_refuses_bad_input_with_a_typed_error() {
+    use ErrorCode::*;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--max-payload-bytes", "1024", "--max-request-bytes", "65536"], &[]);
+    let c = server.client();
+    let inv = Some("invalid_argument");
+
+    // A job that must survive everything below.
+    let keep = c.enqueue(enqueue_req("q", job("keep", b"{}"))).await.unwrap().into_owned().enqueued.into_option().unwrap();
+
+    // Enqueue: invalid names, no job, oversized payload, oversized request, bad priority.
+    assert_code(c.enqueue(enqueue_req("", job("x", b"{}"))).await, InvalidArgument, inv);
+    assert_code(c.enqueue(pb::EnqueueRequest { queue: "q".into(), ..Default::default() }).await, InvalidArgument, inv);
+    let mut long_id = job("x", b"{}");
+    long_id.job_id = Some("i".repeat(2000));
+    assert_code(c.enqueue(enqueue_req("q", long_id)).await, InvalidArgument, inv);
+    assert_code(c.enqueue(enqueue_req("q", job("x", &[b'a'; 2000]))).await, ResourceExhausted, Some("payload_too_large"));
+    let huge = c.enqueue(enqueue_req("q", job("x", &vec![b'a'; 100_000]))).await;
+    assert_eq!(huge.unwrap_err().code, ResourceExhausted);
+    let mut prio = job("x", b"{}");
+    prio.priority = 1 << 22;
+    assert_code(c.enqueue(enqueue_req("q", prio)).await, InvalidArgument, inv);
+    let mut both = job("x", b"{}");
+    both.priority = 3;
+    both.lifo = true;
+    assert_code(c.enqueue(enqueue_req("q", both)).await, InvalidArgument, inv);
+
+    // EnqueueBulk: each job has its own result.
+    let bulk = pb::EnqueueBulkRequest { queue: "q".into(), jobs: vec![job("a", b"{}"), job("b", &[0; 4096])], ..Default::default() };
+    let results = c.enqueue_bulk(bulk).await.unwrap().into_owned().results;
+    assert!(matches!(results[0].result, Some(oneof::enqueue_result::Result::Enqueued(_))));
+    let Some(oneof::enqueue_result::Result::Error(e)) = &results[1].result else { panic!("bulk error") };
+    assert_eq!((e.code.as_str(), e.detail.as_option().unwrap().reason.as_str()), ("resource_exhausted", "payload_too_large"));
+    assert_code(c.enqueue_bulk(pb::EnqueueBulkRequest { queue: "\u{0}".repeat(0), ..Default::default() }).await, InvalidArgument, inv);
+
+    // Lease: invalid queue; asking for nothing.
+    assert_code(c.lease(lease_req("", 1, 0, 0)).await, InvalidArgument, inv);
+    assert_code(c.lease(lease_req("q", 0, 1000, 0)).await, InvalidArgument, inv);
+
+    // Extend, Complete, Report: stale lease tokens and epochs, missing fences and outcomes.
+    let leased = c.lease(lease_req("q", 1, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
+    let l = &leased.leases[0];
+    let id = l.job.as_option().unwrap().id.clone();
+    assert_eq!(id, keep.id);
+    let stale_token = pb::Fence { kind: Some(oneof::fence::Kind::Token("stale".into())), ..Default::default() };
+    let extend = |fence: Option<pb::Fence>| pb::ExtendRequest {
+        queue: "q".into(),
+        items: vec![pb::ExtendItem { job_id: id.clone(), fence: fence.into(), ..Default::default() }],
+        duration_ms: 1000,
+        ..Default::default()
+    };
+    let e = assert_code(c.extend(extend(Some(stale_token.clone()))).await, FailedPrecondition, Some("fenced.mismatch"));
+    assert_eq!(detail(&e).bullmq_code, -6);
+    assert_code(c.extend(extend(None)).await, InvalidArgument, inv);
+    assert_code(c.extend(pb::ExtendRequest { queue: "q".into(), ..Default::default() }).await, InvalidArgument, inv);
+    assert_code(
+        c.complete(complete_req("q", &id, epoch(l.epoch + 1), success(b"1"))).await,
+        FailedPrecondition,
+        Some("fenced.mismatch"),
+    );
+    let e = assert_code(c.complete(complete_req("q", "no-such-job", epoch(1), success(b"1"))).await, NotFound, Some("not_found.job"));
+    assert_eq!(detail(&e).bullmq_code, -1);
+    let no_outcome = pb::CompleteRequest { queue: "q".into(), job_id: id.clone(), fence: epoch(l.epoch).into(), ..Default::default() };
+    assert_code(c.complete(no_outcome).await, InvalidArgument, inv);
+    let report = |fence: Option<pb::Fence>| pb::ReportRequest {
+        queue: "q".into(),
+        job_id: id.clone(),
+        fence: fence.into(),
+        report: Some(oneof::report_request::Report::Progress("50".into())),
+        ..Default::default()
+    };
+    assert_code(c.report(report(Some(stale_token))).await, FailedPrecondition, Some("fenced.mismatch"));
+    assert_code(c.report(report(None)).await, InvalidArgument, inv);
+
+    // Schedule: bad cron, bad time zone, cron and every together, nothing at all.
+    let bad_cron = pb::ServerSchedule { id: "s".into(), cron: Some("* * *".into()), ..Default::default() };
+    assert_code(c.schedule(schedule("q", bad_cron)).await, InvalidArgument, inv);
+    let bad_tz = pb::ServerSchedule { id: "s".into(), cron: Some("0 * * * *".into()), tz: Some("Nowhere/Else".into()), ..Default::default() };
+    assert_code(c.schedule(schedule("q", bad_tz)).await, InvalidArgument, inv);
+    let two = pb::ServerSchedule { id: "s".into(), cron: Some("0 * * * *".into()), every_ms: Some(5), ..Default::default() };
+    assert_code(c.schedule(schedule("q", two)).await, InvalidArgument, inv);
+    let no_id = pb::ServerSchedule { every_ms: Some(1000), ..Default::default() };
+    assert_code(c.schedule(schedule("q", no_id)).await, InvalidArgument, inv);
+    assert_code(c.schedule(pb::ScheduleRequest { queue: "q".into(), ..Default::default() }).await, InvalidArgument, inv);
+    // Unschedule: an unknown id removes nothing; an invalid queue is refused.
+    let un = |q: &str| pb::UnscheduleRequest { queue: q.into(), scheduler_id: "nope".into(), ..Default::default() };
+    assert!(!c.unschedule(un("q")).await.unwrap().into_owned().removed);
+    assert_code(c.unschedule(un("")).await, InvalidArgument, inv);
+
+    // Flow: a node without a job; a child of a missing parent.
+    let node = |queue: &str, j: Option<pb::JobSpec>| pb::FlowNode { queue: queue.into(), job: j.into(), ..Default::default() };
+    assert_code(c.flow(pb::FlowRequest { nodes: vec![node("q", None)], ..Default::default() }).await, InvalidArgument, inv);
+    let mut orphan = job("child", b"{}");
+    orphan.parent = pb::ParentRef { queue: "q".into(), id: "ghost".into(), ..Default::default() }.into();
+    let e = assert_code(
+        c.flow(pb::FlowRequest { nodes: vec![node("q", Some(orphan))], ..Default::default() }).await,
+        NotFound,
+        Some("not_found.parent_job"),
+    );
+    assert_eq!(detail(&e).bullmq_code, -5);
+
+    // QueueAdmin: no operation; obliterating a queue that is not paused; a bad clean state.
+    assert_code(c.queue_admin(pb::QueueAdminRequest { queue: "q".into(), ..Default::default() }).await, InvalidArgument, inv);
+    let ob = pb::queue_admin_request::Obliterate { force: false, count: 100, ..Default::default() };
+    assert_code(c.queue_admin(admin("q", ob)).await, FailedPrecondition, Some("precondition.queue_not_paused"));
+    let retry = pb::queue_admin_request::RetryJobs { state: pb::JobState::JOB_STATE_ACTIVE.into(), count: 1, ..Default::default() };
+    assert_code(c.queue_admin(admin("q", retry)).await, InvalidArgument, inv);
+
+    // JobAdmin: unknown job; a job in the wrong state; no operation.
+    assert_code(c.job_admin(job_admin("q", "ghost", oneof::job_admin_request::Op::Promote(true))).await, NotFound, Some("not_found.job"));
+    let e = assert_code(
+        c.job_admin(job_admin("q", &id, oneof::job_admin_request::Op::Promote(true))).await,
+        FailedPrecondition,
+        Some("precondition.not_in_state"),
+    );
+    assert_eq!(detail(&e).bullmq_code, -3);
+    let retry = pb::job_admin_request::RetryFinished { state: pb::JobState::JOB_STATE_WAITING.into(), ..Default::default() };
+    assert_code(c.job_admin(job_admin("q", &id, retry)).await, InvalidArgument, inv);
+    assert_code(c.job_admin(pb::JobAdminRequest { queue: "q".into(), job_id: id.clone(), ..Default::default() }).await, InvalidArgument, inv);
+
+    // Query: no query; a bad metrics kind; an invalid queue.
+    assert_code(c.query(pb::QueryRequest { queue: "q".into(), ..Default::default() }).await, InvalidArgument, inv);
+    let m = pb::query_request::MetricsOf { kind: "sideways".into(), ..Default::default() };
+    assert_code(c.query(query_req("q", oneof::query_request::Query::from(m))).await, InvalidArgument, inv);
+    assert_code(c.query(query_req("", oneof::query_request::Query::IsMaxed(true))).await, InvalidArgument, inv);
+
+    // The result store: empty keys, oversized values, a counter on a value.
+    assert_code(c.result_get(pb::ResultGetRequest::default()).await, InvalidArgument, inv);
+    assert_code(c.result_m_get(pb::ResultMGetRequest { keys: vec!["ok".into(), String::new()], ..Default::default() }).await, InvalidArgument, inv);
+    let big = pb::ResultSetRequest { key: "k".into(), value: vec![0; 4096], ..Default::default() };
+    assert_code(c.result_set(big).await, ResourceExhausted, Some("payload_too_large"));
+    assert_code(c.result_delete(pb::ResultDeleteRequest::default()).await, InvalidArgument, inv);
+    c.result_set(pb::ResultSetRequest { key: "v".into(), value: b"x".to_vec(), ..Default::default() }).await.unwrap();
+    let incr = pb::ResultIncrRequest { key: "v".into(), member: "m".into(), ..Default::default() };
+    assert_code(c.result_incr(incr).await, InvalidArgument, inv);
+    assert_code(c.result_expire(pb::ResultExpireRequest::default()).await, InvalidArgument, inv);
+
+    // Watch: an invalid queue.
+    assert_code(watch_first(&c, pb::WatchRequest::default()).await, InvalidArgument, inv);
+
+    // Garbage bodies on every method, as JSON and as protobuf; an unknown method.
+    for m in METHODS {
+        let path = format!("/loam.jobs.v1.JobsService/{m}");
+        let (status, body) = server.http("POST", &path, "application/json", b"{not json").unwrap();
+        let text = String::from_utf8_lossy(&body);
+        if m == "Watch" {
+            // Streams are refused for unary content types.
+            assert!(status >= 400, "{m}: {status} {text}");
+        } else {
+            assert_eq!(status, 400, "{m}: {text}");
+            assert!(text.contains("invalid_argument"), "{m}: {text}");
+        }
+        let (status, _) = server.http("POST", &path, "application/proto", &[0xff, 0xff, 0xff, 0x0f, 0x01]).unwrap();
+        assert!(status >= 400, "{m}: garbage protobuf got {status}");
+    }
+    let (status, _) = server.http("POST", "/loam.jobs.v1.JobsService/Nope", "application/json", b"{}").unwrap();
+    assert_eq!(status, 404);
+
+    // Still up, and the leased job is intact.
+    assert!(server.healthy());
+    let q = oneof::query_request::Query::from(pb::query_request::Jobs { ids: vec![id.clone()], ..Default::default() });
+    let Some(oneof::query_response::Result::Jobs(slots)) = c.query(query_req("q", q)).await.unwrap().into_owned().result else {
+        panic!("jobs")
+    };
+    assert_eq!(slots.slots[0].job.as_option().unwrap().state.as_known(), Some(pb::JobState::JOB_STATE_ACTIVE));
+    c.complete(complete_req("q", &id, epoch(l.epoch), success(b"1"))).await.unwrap();
+}
+
+const TOKEN_A: &str = "alpha-token-0123456789";
+const TOKEN_B: &str = "beta-token-0123456789";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_namespaces_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, format!("# token namespace\n{TOKEN_A} alpha\n")).unwrap();
+    let server = Server::start_in(
+        dir.path(),
+        &["--tokens", tokens.to_str().unwrap()],
+        &[("LOAM_JOBS_TOKENS", &format!("{TOKEN_B}=beta"))],
+    );
+    let bearer = |t: &str| format!("Bearer {t}");
+    let a = server.client_with(&[("authorization", &bearer(TOKEN_A))]);
+    let b = server.client_with(&[("authorization", &bearer(TOKEN_B))]);
+    let done = a.enqueue(enqueue_req("shared", job("secret", b"{}"))).await.unwrap().into_owned();
+    let id = done.enqueued.into_option().unwrap().id;
+
+    // No token, an unknown token, a namespace the token does not grant.
+    let none = server.client();
+    assert_code(none.enqueue(enqueue_req("shared", job("x", b"{}"))).await, ErrorCode::Unauthenticated, Some("unauthenticated"));
+    let wrong = server.client_with(&[("authorization", "Bearer not-a-real-token-at-all")]);
+    assert_code(wrong.lease(lease_req("shared", 1, 0, 0)).await, ErrorCode::Unauthenticated, Some("unauthenticated"));
+    let sneaky = server.client_with(&[("authorization", &bearer(TOKEN_B)), ("loam-namespace", "alpha")]);
+    assert_code(sneaky.lease(lease_req("shared", 1, 0, 0)).await, ErrorCode::PermissionDenied, Some("permission_denied"));
+    assert_code(
+        watch_first(&sneaky, pb::WatchRequest { queue: "shared".into(), ..Default::default() }).await,
+        ErrorCode::PermissionDenied,
+        None,
+    );
+
+    // B sees nothing of A's queue of the same name, and cannot take or touch A's job.
+    assert_eq!(counts(&b, "shared", &["wait"]).await, vec![0]);
+    let leased = b.lease(lease_req("shared", 10, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
+    assert!(leased.leases.is_empty());
+    let q = oneof::query_request::Query::from(pb::query_request::Jobs { ids: vec![id.clone()], ..Default::default() });
+    let Some(oneof::query_response::Result::Jobs(slots)) = b.query(query_req("shared", q)).await.unwrap().into_owned().result else {
+        panic!("jobs")
+    };
+    assert!(slots.slots[0].job.is_unset());
+    let rm = pb::job_admin_request::Remove { remove_children: true, ..Default::default() };
+    // Removing a job that does not exist succeeds (BullMQ's rule), in B's namespace only.
+    b.job_admin(job_admin("shared", &id, rm)).await.unwrap();
+    let Some(oneof::query_response::Result::Names(names)) =
+        b.query(query_req("", oneof::query_request::Query::Queues(true))).await.unwrap().into_owned().result
+    else {
+        panic!("names")
+    };
+    assert!(names.names.is_empty(), "{:?}", names.names);
+    // A still has its job.
+    assert_eq!(counts(&a, "shared", &["wait"]).await, vec![1]);
+    b.enqueue(enqueue_req("b-only", job("x", b"{}"))).await.unwrap();
+
+    // /metrics needs a token too, and shows only the token's namespace.
+    assert_eq!(server.http("GET", "/metrics", "", b"").unwrap().0, 401);
+    let (status, body) = server.http_with("GET", "/metrics", &[("Authorization", &bearer(TOKEN_A))], "", b"").unwrap();
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 200);
+    assert!(text.contains("ns=\"alpha\"") && !text.contains("beta") && !text.contains("b-only"), "{text}");
+    assert!(server.healthy());
+}
+
+#[test]
+fn refuses_a_public_address_without_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_loam-jobs"))
+        .args(["serve", "--listen", &format!("0.0.0.0:{}", free_port()), "--data-dir"])
+        .arg(dir.path())
+        .env_remove("LOAM_JOBS_TOKENS")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("without token authentication"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_long_polls_and_closes_the_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    c.enqueue(enqueue_req("q", job("kept", b"{}"))).await.unwrap();
+    // A worker long-polls an empty queue.
+    let poller = server.client();
+    let poll = tokio::spawn(async move { poller.lease(lease_req("empty", 1, 30_000, 0)).await });
+    // And a client watches a queue.
+    let mut watch = c.watch(pb::WatchRequest { queue: "q".into(), ..Default::default() }).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let status = server.terminate(Duration::from_secs(10)).expect("exits after SIGTERM");
+    assert!(status.success(), "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "the long-poll did not hold up shutdown");
+    let leased = poll.await.unwrap().unwrap().into_owned().leased.into_option().unwrap();
+    assert!(leased.leases.is_empty());
+    // The watch ended cleanly rather than hanging.
+    let end = tokio::time::timeout(Duration::from_secs(5), watch.message::<pb::WatchResponse>()).await.unwrap();
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    assert!(server.log_text().contains("store closed"));
+    // The store reopens (it was closed, not left locked) with its job.
+    server.restart();
+    assert_eq!(counts(&server.client(), "q", &["wait"]).await, vec![1]);
+}

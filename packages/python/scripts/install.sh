@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Makes (or reuses) a virtualenv and installs the Python client with its test
+# extras into it. The build generates the protobuf messages and Connect stubs
+# (scripts/generate.py); its requirements are installed into the venv first
+# and the package is built without isolation, so that after the first install
+# a rebuild needs no network.
+#
+#   LOAM_PY_VENV  the virtualenv (default: packages/python/.venv)
+#   PYTHON        the interpreter for a new virtualenv (default: python3, >= 3.11)
+set -euo pipefail
+
+package_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${LOAM_PY_VENV:-$package_dir/.venv}"
+
+if [[ ! -x "$venv/bin/python" ]]; then
+  "${PYTHON:-python3}" -m venv "$venv"
+fi
+py="$venv/bin/python"
+
+cd "$package_dir"
+mapfile -t build_requires < <("$py" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))')
+"$py" -m pip install --quiet --disable-pip-version-check "${build_requires[@]}"
+"$py" -m pip install --quiet --disable-pip-version-check --no-build-isolation ".[test]"

@@ -1,0 +1,920 @@
+"""Every client operation, written once for the sync and the async client.
+
+An operation is a generator: it yields a `Call` (which RPC, which request)
+and is sent the response; its return value is what the public method
+returns. `Client` drives it with blocking calls and `AsyncClient` with
+awaited ones, so the two clients cannot drift apart, and operations that
+take several calls (obliterate in chunks, a lease wait longer than the
+server's 30 s cap) are written once too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from protobuf import Message, Oneof
+
+from ._gen.loam.jobs.v1.events_pb import EventField
+from ._gen.loam.jobs.v1.jobs_pb import (
+    CompleteRequest,
+    EnqueueBulkRequest,
+    EnqueueRequest,
+    ExtendItem,
+    ExtendRequest,
+    FlowRequest,
+    JobAdminRequest,
+    LeaseRequest,
+    QueryRequest,
+    QueueAdminRequest,
+    ReportRequest,
+    ResultDeleteRequest,
+    ResultExpireRequest,
+    ResultGetRequest,
+    ResultIncrRequest,
+    ResultMGetRequest,
+    ResultSetRequest,
+    SchedulerAdvance,
+    ScheduleRequest,
+    UnscheduleRequest,
+)
+from ._gen.loam.jobs.v1.types_pb import (
+    CompleteOptions,
+    Dependency,
+    Enqueued,
+    Fence,
+    FlowNode,
+    Job,
+    JobSpec,
+    JobState,
+    Keep,
+    LeaseOptions,
+    Metrics,
+    QueueConfig,
+    RateLimit,
+    Retention,
+    Scheduler,
+    SchedulerSpec,
+    ServerSchedule,
+)
+from .errors import InvalidArgumentError, LoamJobsError, from_bulk_error
+from .models import (
+    CompleteResult,
+    LeaseBatch,
+    LeasedJob,
+    OutcomeSpec,
+    QueueEvent,
+    Success,
+    encode_data,
+    job,
+    lease_options,
+    retention,
+)
+
+# The server caps one long-poll at 30 s; longer waits are several calls.
+SERVER_MAX_WAIT_MS = 30_000
+# BullMQ's default length of a queue's event log (its maxLenEvents); the
+# server trims to whatever a publish names, 0 included.
+DEFAULT_MAX_EVENTS = 10_000
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Call:
+    # The generated stub's method name (`enqueue`, `queue_admin`, ...).
+    rpc: str
+    request: Message
+    # How long the server may hold the call on purpose (a long-poll), on top
+    # of the client's own timeout.
+    wait_ms: int = 0
+
+
+Op = Generator[Call, Any, T]
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    # The pending iteration's job; None when the schedule has run out.
+    job_id: str | None
+    delay_ms: int
+
+
+@dataclass(frozen=True)
+class IncrResult:
+    # Members counted so far.
+    count: int
+    # Whether this call added the member (False for a repeat).
+    added: bool
+
+
+@dataclass(frozen=True)
+class LogPage:
+    logs: list[str]
+    count: int
+
+
+@dataclass(frozen=True)
+class Dependencies:
+    dependencies: list[Dependency]
+    # With `with_jobs`: each child's job (None when it no longer exists).
+    jobs: list[Job | None]
+
+
+def _present(message: Message, name: str) -> Any:
+    """An optional field's value, or None when unset."""
+    return getattr(message, name) if message.has_field(name) else None
+
+
+def _fence(target: LeasedJob | str, epoch: int | None, token: str | None, unchecked: bool) -> Fence:
+    given = sum(x is not None for x in (epoch, token)) + (1 if unchecked else 0)
+    if given > 1:
+        raise InvalidArgumentError("give at most one of epoch, token and unchecked")
+    if epoch is not None:
+        return Fence(kind=Oneof("epoch", epoch))
+    if token is not None:
+        return Fence(kind=Oneof("token", token))
+    if unchecked:
+        return Fence(kind=Oneof("unchecked", True))
+    if isinstance(target, LeasedJob):
+        return target.fence()
+    raise InvalidArgumentError("a job id needs a fence: epoch=, token= or unchecked=True")
+
+
+def _target(target: LeasedJob | str, queue: str | None) -> tuple[str, str]:
+    """The queue and job id a fenced call is about."""
+    if isinstance(target, LeasedJob):
+        return queue or target.queue, target.id
+    if not queue:
+        raise InvalidArgumentError("a job id needs its queue: pass queue=")
+    return queue, target
+
+
+def _job_slot_list(slots: Iterable[Any]) -> list[Job | None]:
+    return [slot.job if slot.has_field("job") else None for slot in slots]
+
+
+# Producing
+
+
+def enqueue(queue: str, spec: JobSpec) -> Op[Enqueued]:
+    resp = yield Call("enqueue", EnqueueRequest(queue=queue, job=spec))
+    return resp.enqueued
+
+
+def enqueue_bulk(queue: str, specs: Iterable[JobSpec]) -> Op[list[Enqueued | LoamJobsError]]:
+    resp = yield Call("enqueue_bulk", EnqueueBulkRequest(queue=queue, jobs=list(specs)))
+    results: list[Enqueued | LoamJobsError] = []
+    for item in resp.results:
+        match item.result:
+            case Oneof(field="enqueued", value=enqueued):
+                results.append(enqueued)
+            case Oneof(field="error", value=error):
+                results.append(from_bulk_error(error))
+            case _:
+                results.append(LoamJobsError("the server returned an empty bulk result"))
+    return results
+
+
+def flow(nodes: Sequence[FlowNode]) -> Op[list[Enqueued]]:
+    resp = yield Call("flow", FlowRequest(nodes=list(nodes)))
+    return list(resp.enqueued)
+
+
+# Working
+
+
+def lease(queue: str, options: LeaseOptions, wait_ms: int) -> Op[LeaseBatch]:
+    # Wait in server-sized slices until a job comes or the caller's wait ends.
+    deadline = time.monotonic() + wait_ms / 1000
+    while True:
+        remaining = max(0, int((deadline - time.monotonic()) * 1000))
+        slice_ms = min(remaining, SERVER_MAX_WAIT_MS)
+        resp = yield Call(
+            "lease", LeaseRequest(queue=queue, options=options, wait_ms=slice_ms), wait_ms=slice_ms
+        )
+        batch = LeaseBatch.from_proto(queue, resp.leased)
+        if batch.jobs or remaining <= SERVER_MAX_WAIT_MS:
+            return batch
+
+
+def extend_one(target: LeasedJob, duration_ms: int, fence: Fence) -> Op[int]:
+    item = ExtendItem(job_id=target.id, fence=fence)
+    resp = yield Call("extend", ExtendRequest(queue=target.queue, items=[item], duration_ms=duration_ms))
+    target.deadline = resp.deadline
+    return resp.deadline
+
+
+def extend_many(queue: str, items: Sequence[tuple[str, Fence]], duration_ms: int) -> Op[list[str]]:
+    request = ExtendRequest(
+        queue=queue,
+        items=[ExtendItem(job_id=job_id, fence=fence) for job_id, fence in items],
+        duration_ms=duration_ms,
+    )
+    resp = yield Call("extend", request)
+    return list(resp.failed_job_ids)
+
+
+def complete(
+    queue: str,
+    job_id: str,
+    fence: Fence,
+    outcome: OutcomeSpec,
+    fetch_next: LeaseOptions | None,
+    remove_on_complete: Retention | None,
+    remove_on_fail: Retention | None,
+    metrics_max_points: int | None,
+    rate_limit_ttl_for: RateLimit | None,
+) -> Op[CompleteResult]:
+    options = CompleteOptions(
+        fetch_next=fetch_next,
+        remove_on_complete=remove_on_complete,
+        remove_on_fail=remove_on_fail,
+        metrics_max_points=metrics_max_points,
+    )
+    request = CompleteRequest(
+        queue=queue,
+        job_id=job_id,
+        fence=fence,
+        outcome=outcome.to_proto(),
+        options=options,
+        rate_limit_ttl_for=rate_limit_ttl_for,
+    )
+    resp = yield Call("complete", request)
+    completed = resp.completed
+    return CompleteResult(
+        state=completed.state if completed else JobState.UNSPECIFIED,
+        finished_on=_present(completed, "finished_on") if completed else None,
+        moved=completed.moved if completed else False,
+        next=LeaseBatch.from_proto(queue, completed.next if completed else None),
+        rate_limit_ttl_ms=_present(resp, "rate_limit_ttl_ms"),
+    )
+
+
+def report(queue: str, job_id: str, fence: Fence, report: Oneof) -> Op[int]:
+    resp = yield Call("report", ReportRequest(queue=queue, job_id=job_id, fence=fence, report=report))
+    return resp.log_count
+
+
+# Schedules
+
+
+def schedule_server(queue: str, spec: ServerSchedule) -> Op[ScheduleResult]:
+    resp = yield Call("schedule", ScheduleRequest(queue=queue, schedule=Oneof("server", spec)))
+    return ScheduleResult(job_id=_present(resp, "job_id"), delay_ms=resp.delay_ms)
+
+
+def schedule_upsert(queue: str, spec: SchedulerSpec) -> Op[ScheduleResult]:
+    resp = yield Call("schedule", ScheduleRequest(queue=queue, schedule=Oneof("upsert", spec)))
+    return ScheduleResult(job_id=_present(resp, "job_id"), delay_ms=resp.delay_ms)
+
+
+def schedule_advance(queue: str, advance: SchedulerAdvance) -> Op[ScheduleResult]:
+    resp = yield Call("schedule", ScheduleRequest(queue=queue, schedule=Oneof("advance", advance)))
+    return ScheduleResult(job_id=_present(resp, "job_id"), delay_ms=resp.delay_ms)
+
+
+def unschedule(queue: str, scheduler_id: str) -> Op[bool]:
+    resp = yield Call("unschedule", UnscheduleRequest(queue=queue, scheduler_id=scheduler_id))
+    return resp.removed
+
+
+# Queue administration
+
+
+def queue_admin(queue: str, field_name: str, value: Any) -> Op[Any]:
+    resp = yield Call("queue_admin", QueueAdminRequest(queue=queue, op=Oneof(field_name, value)))
+    return resp
+
+
+def queue_admin_until_done(queue: str, field_name: str, value: Any) -> Op[None]:
+    """Obliterate, retry and promote work in chunks: call again while `more`."""
+    while True:
+        resp = yield from queue_admin(queue, field_name, value)
+        if not resp.more:
+            return None
+
+
+def _pause_then(queue: str, op: Op[T]) -> Op[T]:
+    yield from queue_admin(queue, "pause", True)
+    return (yield from op)
+
+
+def job_admin(queue: str, job_id: str, field_name: str, value: Any) -> Op[bool]:
+    resp = yield Call("job_admin", JobAdminRequest(queue=queue, job_id=job_id, op=Oneof(field_name, value)))
+    return resp.done
+
+
+# Reads
+
+
+def query(queue: str, field_name: str, value: Any, wait_ms: int = 0) -> Op[Any]:
+    resp = yield Call("query", QueryRequest(queue=queue, query=Oneof(field_name, value)), wait_ms=wait_ms)
+    if resp.result is None:
+        return None
+    return resp.result.value
+
+
+def get_jobs(queue: str, ids: Sequence[str]) -> Op[list[Job | None]]:
+    slots = yield from query(queue, "jobs", QueryRequest.Jobs(ids=list(ids)))
+    return _job_slot_list(slots.slots) if slots else [None] * len(ids)
+
+
+def counts(queue: str, types: Sequence[str], delayed_before: int | None) -> Op[dict[str, int]]:
+    result = yield from query(
+        queue, "counts", QueryRequest.Counts(types=list(types), delayed_before=delayed_before)
+    )
+    values = list(result.counts) if result else []
+    return dict(zip(types, values + [0] * (len(types) - len(values)), strict=True))
+
+
+def dependencies(queue: str, job_id: str, with_jobs: bool) -> Op[Dependencies]:
+    result = yield from query(
+        queue, "dependencies", QueryRequest.Dependencies(job_id=job_id, with_jobs=with_jobs)
+    )
+    if result is None:
+        return Dependencies(dependencies=[], jobs=[])
+    return Dependencies(dependencies=list(result.dependencies), jobs=_job_slot_list(result.jobs))
+
+
+def events(queue: str, after: int | None, limit: int, wait_ms: int) -> Op[list[QueueEvent]]:
+    result = yield from query(
+        queue,
+        "events",
+        QueryRequest.Events(after=after, limit=limit, wait_ms=min(wait_ms, SERVER_MAX_WAIT_MS)),
+        wait_ms=min(wait_ms, SERVER_MAX_WAIT_MS),
+    )
+    return [QueueEvent.from_proto(e) for e in result.events] if result else []
+
+
+# The result store
+
+
+def result_get(key: str) -> Op[bytes | None]:
+    resp = yield Call("result_get", ResultGetRequest(key=key))
+    return _present(resp, "value")
+
+
+def result_mget(keys: Sequence[str]) -> Op[list[bytes | None]]:
+    resp = yield Call("result_m_get", ResultMGetRequest(keys=list(keys)))
+    return [_present(v, "value") for v in resp.values]
+
+
+def result_set(key: str, value: Any, ttl_ms: int | None) -> Op[None]:
+    yield Call("result_set", ResultSetRequest(key=key, value=encode_data(value), ttl_ms=ttl_ms))
+    return None
+
+
+def result_delete(key: str) -> Op[bool]:
+    resp = yield Call("result_delete", ResultDeleteRequest(key=key))
+    return resp.deleted
+
+
+def result_incr(key: str, member: str, ttl_ms: int | None) -> Op[IncrResult]:
+    resp = yield Call("result_incr", ResultIncrRequest(key=key, member=member, ttl_ms=ttl_ms))
+    return IncrResult(count=resp.count, added=resp.added)
+
+
+def result_expire(key: str, ttl_ms: int) -> Op[bool]:
+    resp = yield Call("result_expire", ResultExpireRequest(key=key, ttl_ms=ttl_ms))
+    return resp.found
+
+
+U = TypeVar("U")
+
+
+def _then(op: Op[T], convert: Callable[[T], U]) -> Op[U]:
+    """`op`, with its result converted (inside the operation, so the async
+    client converts after the await)."""
+    result = yield from op
+    return convert(result)
+
+
+def _nothing(_: Any) -> None:
+    return None
+
+
+def _count(resp: Any) -> int:
+    return resp.count
+
+
+def _job_ids(resp: Any) -> list[str]:
+    return list(resp.job_ids)
+
+
+def _names(result: Any) -> list[str]:
+    return list(result.names) if result else []
+
+
+class Operations(ABC):
+    """The public API, shared by `Client` and `AsyncClient`.
+
+    Each method builds an operation and hands it to `_run`, which the sync
+    client runs to its result and the async client turns into an awaitable.
+    """
+
+    @abstractmethod
+    def _run(self, op: Op[T]) -> T:
+        """Performs the operation's calls; the async client returns an awaitable instead."""
+
+    # --- producing ---------------------------------------------------------
+
+    def enqueue(self, queue: str, name: str, data: Any = None, **options: Any) -> Enqueued:
+        """Adds one job; `options` are those of `loam_jobs.job()`."""
+        return self._run(enqueue(queue, job(name, data, **options)))
+
+    def enqueue_job(self, queue: str, spec: JobSpec) -> Enqueued:
+        """Adds a job built with `loam_jobs.job()`."""
+        return self._run(enqueue(queue, spec))
+
+    def enqueue_bulk(self, queue: str, specs: Iterable[JobSpec]) -> list[Enqueued | LoamJobsError]:
+        """Adds many jobs in one transaction. Each entry of the result is the
+        job's `Enqueued`, or the error (not raised) that refused that job."""
+        return self._run(enqueue_bulk(queue, specs))
+
+    def flow(self, nodes: Sequence[FlowNode]) -> list[Enqueued]:
+        """Adds a tree of jobs across queues, all or nothing (parents first)."""
+        return self._run(flow(nodes))
+
+    # --- working -----------------------------------------------------------
+
+    def lease(
+        self,
+        queue: str,
+        *,
+        max_jobs: int = 1,
+        wait_ms: int = 0,
+        token: str = "",
+        worker: str | None = None,
+        lock_duration_ms: int = 0,
+        names: list[str] | None = None,
+        limiter: RateLimit | None = None,
+    ) -> LeaseBatch:
+        """Takes up to `max_jobs` ready jobs, waiting up to `wait_ms` for the first."""
+        options = lease_options(
+            max_jobs,
+            token=token,
+            worker=worker,
+            lock_duration_ms=lock_duration_ms,
+            names=names,
+            limiter=limiter,
+        )
+        return self._run(lease(queue, options, wait_ms))
+
+    def extend(
+        self,
+        target: LeasedJob | Sequence[LeasedJob],
+        duration_ms: int,
+        *,
+        epoch: int | None = None,
+        token: str | None = None,
+    ) -> Any:
+        """Extends one lease (returns its new deadline; raises FencedError if
+        it was lost) or several of one queue (returns the ids that failed)."""
+        if isinstance(target, LeasedJob):
+            return self._run(extend_one(target, duration_ms, _fence(target, epoch, token, False)))
+        leases = list(target)
+        queues = {lease.queue for lease in leases}
+        if len(queues) != 1:
+            raise InvalidArgumentError("extend takes leases of one queue at a time")
+        items = [(lease.id, lease.fence()) for lease in leases]
+        return self._run(extend_many(queues.pop(), items, duration_ms))
+
+    def complete(
+        self,
+        target: LeasedJob | str,
+        outcome: OutcomeSpec | None = None,
+        *,
+        queue: str | None = None,
+        epoch: int | None = None,
+        token: str | None = None,
+        unchecked: bool = False,
+        fetch_next: int = 0,
+        fetch_next_options: LeaseOptions | None = None,
+        remove_on_complete: bool | int | Keep | Retention | None = None,
+        remove_on_fail: bool | int | Keep | Retention | None = None,
+        metrics_max_points: int | None = None,
+        rate_limit_ttl_for: RateLimit | None = None,
+    ) -> CompleteResult:
+        """Ends a leased job with `outcome` (default `Success()`).
+
+        `target` is the `LeasedJob` (fenced by its epoch), or a job id with
+        `queue=` and one of `epoch=`, `token=` or `unchecked=True`.
+        `fetch_next=n` leases up to n more jobs in the same transaction
+        (`fetch_next_options` for the full lease options); they are in
+        the result's `next`.
+        """
+        queue_name, job_id = _target(target, queue)
+        fence = _fence(target, epoch, token, unchecked)
+        next_options = fetch_next_options or (lease_options(fetch_next) if fetch_next else None)
+        return self._run(
+            complete(
+                queue_name,
+                job_id,
+                fence,
+                outcome or Success(),
+                next_options,
+                None if remove_on_complete is None else retention(remove_on_complete),
+                None if remove_on_fail is None else retention(remove_on_fail),
+                metrics_max_points,
+                rate_limit_ttl_for,
+            )
+        )
+
+    def report(
+        self,
+        target: LeasedJob | str,
+        *,
+        progress: Any = None,
+        log: str | None = None,
+        keep_logs: int | None = None,
+        data: Any = None,
+        queue: str | None = None,
+        epoch: int | None = None,
+        token: str | None = None,
+        unchecked: bool = False,
+    ) -> int:
+        """Reports exactly one of: `progress` (any JSON value), a `log` line
+        (keeping the newest `keep_logs`), or new `data` for the job. Returns
+        the number of log lines kept (0 for progress and data)."""
+        chosen = [name for name, v in (("progress", progress), ("log", log), ("data", data)) if v is not None]
+        if len(chosen) != 1:
+            raise InvalidArgumentError("report takes exactly one of progress, log and data")
+        if progress is not None:
+            body = Oneof("progress", json.dumps(progress, separators=(",", ":")))
+        elif log is not None:
+            body = Oneof("log", ReportRequest.Log(row=log, keep=keep_logs))
+        else:
+            body = Oneof("data", encode_data(data))
+        queue_name, job_id = _target(target, queue)
+        return self._run(report(queue_name, job_id, _fence(target, epoch, token, unchecked), body))
+
+    # --- schedules ---------------------------------------------------------
+
+    def schedule(
+        self,
+        queue: str,
+        scheduler_id: str,
+        name: str,
+        data: Any = None,
+        *,
+        cron: str | None = None,
+        tz: str | None = None,
+        every_ms: int | None = None,
+        start_ms: int | None = None,
+        end_ms: int | None = None,
+        limit: int | None = None,
+        immediately: bool = False,
+        **job_options: Any,
+    ) -> ScheduleResult:
+        """Creates or replaces a schedule the server ticks itself: a `cron`
+        expression (5 or 6 fields) in time zone `tz` (IANA, default UTC), or
+        `every_ms`. Each tick enqueues one job `name` with `data` and
+        `job_options` (those of `loam_jobs.job()`, less `job_id`)."""
+        if (cron is None) == (every_ms is None):
+            raise InvalidArgumentError("give exactly one of cron and every_ms")
+        spec = ServerSchedule(
+            id=scheduler_id,
+            name=name,
+            cron=cron,
+            tz=tz,
+            every_ms=every_ms,
+            start_date=start_ms,
+            end_date=end_ms,
+            limit=limit,
+            immediately=immediately,
+            job=job(name, data, **job_options),
+        )
+        return self._run(schedule_server(queue, spec))
+
+    def upsert_scheduler(self, queue: str, spec: SchedulerSpec) -> ScheduleResult:
+        """BullMQ's upsertJobScheduler: the caller computes cron times."""
+        return self._run(schedule_upsert(queue, spec))
+
+    def advance_scheduler(
+        self,
+        queue: str,
+        scheduler_id: str,
+        producer_id: str,
+        *,
+        next_millis: int | None = None,
+        spec: JobSpec | None = None,
+    ) -> ScheduleResult:
+        """BullMQ's updateJobSchedulerNextMillis: after iteration `producer_id`
+        started, enqueue the next one (`next_millis` is required for cron)."""
+        advance = SchedulerAdvance(
+            id=scheduler_id, next_millis=next_millis, producer_id=producer_id, job=spec
+        )
+        return self._run(schedule_advance(queue, advance))
+
+    def unschedule(self, queue: str, scheduler_id: str) -> bool:
+        return self._run(unschedule(queue, scheduler_id))
+
+    def get_scheduler(self, queue: str, scheduler_id: str) -> Scheduler | None:
+        op = query(queue, "scheduler", QueryRequest.SchedulerOf(id=scheduler_id))
+        return self._run(
+            _then(op, lambda slot: slot.scheduler if slot and slot.has_field("scheduler") else None)
+        )
+
+    def get_schedulers(
+        self, queue: str, start: int = 0, end: int = -1, *, asc: bool = True
+    ) -> list[Scheduler]:
+        op = query(queue, "schedulers", QueryRequest.Schedulers(start=start, end=end, asc=asc))
+        return self._run(_then(op, lambda result: list(result.schedulers) if result else []))
+
+    def scheduler_count(self, queue: str) -> int:
+        return self._run(_then(query(queue, "scheduler_count", True), lambda n: n or 0))
+
+    # --- queue administration ----------------------------------------------
+
+    def pause(self, queue: str) -> None:
+        return self._run(_then(queue_admin(queue, "pause", True), _nothing))
+
+    def resume(self, queue: str) -> None:
+        return self._run(_then(queue_admin(queue, "resume", True), _nothing))
+
+    def is_paused(self, queue: str) -> bool:
+        """Whether the queue is paused (the `paused` field of its meta, as BullMQ keeps it)."""
+        op = query(queue, "meta", QueryRequest.Meta(fields=["paused"]))
+        return self._run(_then(op, lambda result: bool(result and "paused" in result.values)))
+
+    def drain(self, queue: str, *, delayed: bool = False) -> int:
+        """Removes the waiting jobs (and the delayed ones with `delayed`); returns how many."""
+        return self._run(_then(queue_admin(queue, "drain", QueueAdminRequest.Drain(delayed=delayed)), _count))
+
+    def clean(self, queue: str, state: str, *, before_ms: int, limit: int = 0) -> list[str]:
+        """Removes jobs in BullMQ state `state` (`completed`, `failed`, `wait`,
+        `delayed`, ...) finished or created at or before `before_ms`; returns their ids."""
+        op = queue_admin(queue, "clean", QueueAdminRequest.Clean(state=state, before=before_ms, limit=limit))
+        return self._run(_then(op, _job_ids))
+
+    def obliterate(self, queue: str, *, force: bool = False, chunk: int = 1000) -> None:
+        """Pauses the queue, then removes it with all its jobs, `chunk` jobs per
+        call (BullMQ's obliterate); without `force`, refuses while jobs are active."""
+        value = QueueAdminRequest.Obliterate(force=force, count=chunk)
+        return self._run(_pause_then(queue, queue_admin_until_done(queue, "obliterate", value)))
+
+    def retry_jobs(
+        self,
+        queue: str,
+        *,
+        state: JobState = JobState.FAILED,
+        before_ms: int | None = None,
+        chunk: int = 1000,
+    ) -> None:
+        """Moves the failed (or completed) jobs that finished at or before
+        `before_ms` (default now) back to waiting."""
+        before = int(time.time() * 1000) if before_ms is None else before_ms
+        value = QueueAdminRequest.RetryJobs(state=state, count=chunk, before=before)
+        return self._run(queue_admin_until_done(queue, "retry_jobs", value))
+
+    def promote_jobs(self, queue: str, *, chunk: int = 1000) -> None:
+        """Moves every delayed job to waiting."""
+        value = QueueAdminRequest.PromoteJobs(count=chunk)
+        return self._run(queue_admin_until_done(queue, "promote_jobs", value))
+
+    def set_meta(self, queue: str, values: Mapping[str, str]) -> int:
+        return self._run(
+            _then(queue_admin(queue, "set_meta", QueueAdminRequest.SetMeta(values=dict(values))), _count)
+        )
+
+    def remove_meta_fields(self, queue: str, fields: Sequence[str]) -> int:
+        value = QueueAdminRequest.RemoveMetaFields(fields=list(fields))
+        return self._run(_then(queue_admin(queue, "remove_meta_fields", value), _count))
+
+    def get_meta(self, queue: str, fields: Sequence[str] = ()) -> dict[str, str]:
+        """The queue's meta fields asked for (all with none); absent fields are left out."""
+        op = query(queue, "meta", QueryRequest.Meta(fields=list(fields)))
+        return self._run(_then(op, lambda result: dict(result.values) if result else {}))
+
+    def set_rate_limit(self, queue: str, ms: int) -> None:
+        """Stops the whole queue for `ms` (BullMQ's rateLimit)."""
+        return self._run(
+            _then(queue_admin(queue, "set_rate_limit", QueueAdminRequest.SetRateLimit(ms=ms)), _nothing)
+        )
+
+    def remove_rate_limit_key(self, queue: str) -> int:
+        return self._run(_then(queue_admin(queue, "remove_rate_limit_key", True), _count))
+
+    def sweep_stalled(self, queue: str, *, max_stalled: int | None = None) -> list[str]:
+        """Reclaims expired leases now; returns the reclaimed ids."""
+        value = QueueAdminRequest.SweepStalled(max_stalled=max_stalled)
+        return self._run(_then(queue_admin(queue, "sweep_stalled", value), _job_ids))
+
+    def set_config(
+        self,
+        queue: str,
+        *,
+        max_stalled: int = 0,
+        stalled_interval_ms: int = 0,
+        dead_letter_queue: str | None = None,
+        dead_letter_on_exhausted: bool = False,
+    ) -> None:
+        config = QueueConfig(
+            max_stalled=max_stalled,
+            stalled_interval_ms=stalled_interval_ms,
+            dead_letter_queue=dead_letter_queue,
+            dead_letter_on_exhausted=dead_letter_on_exhausted,
+        )
+        return self._run(_then(queue_admin(queue, "set_config", config), _nothing))
+
+    def get_config(self, queue: str) -> QueueConfig:
+        return self._run(_then(query(queue, "config", True), lambda config: config or QueueConfig()))
+
+    def publish_event(
+        self, queue: str, name: str, fields: Mapping[str, str], *, max_events: int = DEFAULT_MAX_EVENTS
+    ) -> str:
+        """Appends an event to the queue's log, trimming the log to its newest
+        `max_events`; returns the event's id (`<ms>-<seq>`)."""
+        value = QueueAdminRequest.PublishEvent(
+            name=name, fields=[EventField(key=k, value=v) for k, v in fields.items()], max_events=max_events
+        )
+        return self._run(_then(queue_admin(queue, "publish_event", value), lambda resp: resp.event_id))
+
+    def trim_events(self, queue: str, max_length: int) -> int:
+        value = QueueAdminRequest.TrimEvents(max_length=max_length)
+        return self._run(_then(queue_admin(queue, "trim_events", value), _count))
+
+    def remove_dedup_key(self, queue: str, dedup_id: str, *, job_id: str | None = None) -> int:
+        """Frees a dedup id (only if it still points at `job_id`, when given)."""
+        value = QueueAdminRequest.RemoveDedupKey(dedup_id=dedup_id, job_id=job_id)
+        return self._run(_then(queue_admin(queue, "remove_dedup_key", value), _count))
+
+    def redrive_dead_letters(self, queue: str, *, limit: int = 0) -> int:
+        """Moves jobs from the queue's dead-letter queue back to it; returns how many."""
+        value = QueueAdminRequest.RedriveDeadLetters(limit=limit)
+        return self._run(_then(queue_admin(queue, "redrive_dead_letters", value), _count))
+
+    def register_worker(self, queue: str, name: str) -> None:
+        value = QueueAdminRequest.RegisterWorker(name=name)
+        return self._run(_then(queue_admin(queue, "register_worker", value), _nothing))
+
+    def workers(self, queue: str) -> list[str]:
+        """Worker names seen on the queue in the last 5 minutes."""
+        return self._run(_then(query(queue, "workers", True), _names))
+
+    def queues(self) -> list[str]:
+        """The namespace's queues."""
+        return self._run(_then(query("", "queues", True), _names))
+
+    # --- jobs ----------------------------------------------------------------
+
+    def get_job(self, queue: str, job_id: str) -> Job | None:
+        return self._run(_then(get_jobs(queue, [job_id]), lambda jobs: jobs[0]))
+
+    def get_jobs(self, queue: str, job_ids: Sequence[str]) -> list[Job | None]:
+        return self._run(get_jobs(queue, job_ids))
+
+    def remove(self, queue: str, job_id: str, *, remove_children: bool = False) -> bool:
+        """Removes a job; False when it or a descendant is locked (nothing removed)."""
+        value = JobAdminRequest.Remove(remove_children=remove_children)
+        return self._run(job_admin(queue, job_id, "remove", value))
+
+    def remove_unprocessed_children(self, queue: str, job_id: str) -> None:
+        return self._run(_then(job_admin(queue, job_id, "remove_unprocessed_children", True), _nothing))
+
+    def remove_child_dependency(self, queue: str, job_id: str, parent_key: str) -> bool:
+        value = JobAdminRequest.RemoveChildDependency(parent_key=parent_key)
+        return self._run(job_admin(queue, job_id, "remove_child_dependency", value))
+
+    def retry(
+        self,
+        queue: str,
+        job_id: str,
+        *,
+        state: JobState = JobState.FAILED,
+        reset_attempts_made: bool = False,
+        reset_attempts_started: bool = False,
+    ) -> None:
+        """Moves a finished job back to waiting."""
+        value = JobAdminRequest.RetryFinished(
+            state=state,
+            reset_attempts_made=reset_attempts_made,
+            reset_attempts_started=reset_attempts_started,
+        )
+        return self._run(_then(job_admin(queue, job_id, "retry_finished", value), _nothing))
+
+    def promote(self, queue: str, job_id: str) -> None:
+        """Makes a delayed job ready now."""
+        return self._run(_then(job_admin(queue, job_id, "promote", True), _nothing))
+
+    def change_delay(self, queue: str, job_id: str, delay_ms: int) -> None:
+        value = JobAdminRequest.ChangeDelay(delay_ms=delay_ms)
+        return self._run(_then(job_admin(queue, job_id, "change_delay", value), _nothing))
+
+    def change_priority(self, queue: str, job_id: str, priority: int, *, lifo: bool = False) -> None:
+        value = JobAdminRequest.ChangePriority(priority=priority, lifo=lifo)
+        return self._run(_then(job_admin(queue, job_id, "change_priority", value), _nothing))
+
+    def clear_logs(self, queue: str, job_id: str, *, keep: int | None = None) -> None:
+        value = JobAdminRequest.ClearLogs(keep=keep)
+        return self._run(_then(job_admin(queue, job_id, "clear_logs", value), _nothing))
+
+    # --- reads ---------------------------------------------------------------
+
+    def counts(self, queue: str, *types: str, delayed_before: int | None = None) -> dict[str, int]:
+        """Jobs per BullMQ type (`wait`, `active`, `delayed`, `prioritized`,
+        `waiting-children`, `completed`, `failed`, `paused`, `repeat`, ...);
+        all the usual ones when none are named."""
+        names = list(types) or [
+            "wait",
+            "prioritized",
+            "delayed",
+            "active",
+            "waiting-children",
+            "completed",
+            "failed",
+        ]
+        return self._run(counts(queue, names, delayed_before))
+
+    def counts_per_priority(self, queue: str, priorities: Sequence[int]) -> dict[int, int]:
+        op = query(queue, "counts_per_priority", QueryRequest.CountsPerPriority(priorities=list(priorities)))
+
+        def by_priority(result: Any) -> dict[int, int]:
+            values = list(result.counts) if result else []
+            return {p: (values[i] if i < len(values) else 0) for i, p in enumerate(priorities)}
+
+        return self._run(_then(op, by_priority))
+
+    def ranges(
+        self, queue: str, types: Sequence[str], start: int = 0, end: int = -1, *, asc: bool = False
+    ) -> dict[str, list[str]]:
+        """Job ids per BullMQ type, from `start` to `end` (negative counts from the end)."""
+        value = QueryRequest.Ranges(types=list(types), start=start, end=end, asc=asc)
+
+        def by_type(result: Any) -> dict[str, list[str]]:
+            lists = [list(r.ids) for r in result.ranges] if result else []
+            return {t: (lists[i] if i < len(lists) else []) for i, t in enumerate(types)}
+
+        return self._run(_then(query(queue, "ranges", value), by_type))
+
+    def logs(self, queue: str, job_id: str, start: int = 0, end: int = -1, *, asc: bool = True) -> LogPage:
+        op = query(queue, "logs", QueryRequest.Logs(job_id=job_id, start=start, end=end, asc=asc))
+        return self._run(
+            _then(op, lambda r: LogPage(logs=list(r.logs), count=r.count) if r else LogPage(logs=[], count=0))
+        )
+
+    def dependencies(self, queue: str, job_id: str, *, with_jobs: bool = False) -> Dependencies:
+        return self._run(dependencies(queue, job_id, with_jobs))
+
+    def metrics(self, queue: str, kind: str) -> Metrics:
+        """Per-minute counts of `completed` or `failed` jobs."""
+        op = query(queue, "metrics", QueryRequest.MetricsOf(kind=kind))
+        return self._run(_then(op, lambda metrics: metrics or Metrics()))
+
+    def dedup_job(self, queue: str, dedup_id: str) -> str | None:
+        """The job holding a dedup id, or None."""
+        op = query(queue, "dedup_job", QueryRequest.DedupJob(dedup_id=dedup_id))
+        return self._run(_then(op, lambda job_id: job_id or None))
+
+    def rate_limit_ttl(self, queue: str, *, max_jobs: int | None = None) -> int:
+        op = query(queue, "rate_limit_ttl", QueryRequest.RateLimitTtl(max_jobs=max_jobs))
+        return self._run(_then(op, lambda n: n or 0))
+
+    def is_maxed(self, queue: str) -> bool:
+        return self._run(_then(query(queue, "is_maxed", True), bool))
+
+    def last_event_seq(self, queue: str) -> int:
+        """The sequence of the queue's newest event (0 when none): a cursor for `watch(after=...)`."""
+        return self._run(_then(query(queue, "last_event", True), lambda n: n or 0))
+
+    def events(
+        self, queue: str, *, after: int | None = None, limit: int = 100, wait_ms: int = 0
+    ) -> list[QueueEvent]:
+        """Events after sequence `after` (None: from now on), waiting up to
+        `wait_ms` (at most 30 s) for the first."""
+        return self._run(events(queue, after, limit, wait_ms))
+
+    def wait_for_job(self, queue: str, wait_ms: int) -> bool:
+        """Waits up to `wait_ms` (at most 30 s); True once a job may be ready."""
+        wait = min(wait_ms, SERVER_MAX_WAIT_MS)
+        op = query(queue, "wait_for_job", QueryRequest.WaitForJob(wait_ms=wait), wait_ms=wait)
+        return self._run(_then(op, bool))
+
+    # --- the result store ----------------------------------------------------
+
+    def result_get(self, key: str) -> bytes | None:
+        """The value at `key`, or None when missing or expired."""
+        return self._run(result_get(key))
+
+    def result_mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._run(result_mget(keys))
+
+    def result_set(self, key: str, value: Any, *, ttl_ms: int | None = None) -> None:
+        """Stores `value` (bytes, or JSON for anything else), expiring after `ttl_ms`."""
+        return self._run(result_set(key, value, ttl_ms))
+
+    def result_delete(self, key: str) -> bool:
+        return self._run(result_delete(key))
+
+    def result_incr(self, key: str, member: str, *, ttl_ms: int | None = None) -> IncrResult:
+        """Counts `member` once in the counter at `key` (a repeat adds nothing)."""
+        return self._run(result_incr(key, member, ttl_ms))
+
+    def result_expire(self, key: str, ttl_ms: int) -> bool:
+        """Sets a key's expiry; False when the key does not exist."""
+        return self._run(result_expire(key, ttl_ms))

@@ -1,0 +1,360 @@
+"""`Client` (blocking) and `AsyncClient` (asyncio) for a `loam-jobs serve` server.
+
+Both speak the Connect protocol (binary protobuf over HTTP/1.1, the
+connectrpc default; gRPC would need HTTP/2) through the generated
+`JobsServiceClientSync` / `JobsServiceClient` stubs, and share every
+operation (`_ops.Operations`); they differ only in how a call is performed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self, TypeVar
+
+from connectrpc.errors import ConnectError
+
+from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
+from ._gen.loam.jobs.v1.jobs_pb import WatchRequest
+from ._ops import Call, Op, Operations
+from .errors import LoamJobsError, QueuePausedError, UnavailableError, from_connect_error
+from .models import QueueEvent
+
+__all__ = ["AsyncClient", "AsyncWatch", "Client", "Watch", "DEFAULT_URL"]
+
+DEFAULT_URL = "http://127.0.0.1:7720"
+# The header the server reads the namespace from when tokens are off (and
+# checks against the token's namespace when they are on).
+NAMESPACE_HEADER = "loam-namespace"
+
+T = TypeVar("T")
+S = TypeVar("S", JobsServiceClientSync, JobsServiceClient)
+
+
+def _headers(token: str | None, namespace: str | None) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    if namespace:
+        headers[NAMESPACE_HEADER] = namespace
+    return headers
+
+
+def _timeout(client_timeout_ms: int | None, call: Call) -> int | None:
+    # A long-poll is held by the server on purpose: the client's timeout
+    # counts from when the server may answer, not from the request.
+    if client_timeout_ms is None:
+        return None
+    return client_timeout_ms + call.wait_ms
+
+
+def _stub(kind: type[S], url: str, compress_requests: bool) -> S:
+    if compress_requests:
+        return kind(url)  # connectrpc's default: gzip every request
+    # Most requests are a few hundred bytes, where gzip costs more CPU than
+    # it saves; responses are still compressed when the server chooses to.
+    return kind(url, send_compression=None)
+
+
+class _Reconnect:
+    """When a watch reconnects: after a transport failure, with a growing
+    pause, until `max_attempts` failures in a row (an event resets it)."""
+
+    def __init__(self, max_attempts: int | None) -> None:
+        self.max_attempts = max_attempts
+        self.failures = 0
+
+    def pause_after(self, err: LoamJobsError) -> float:
+        """Seconds to wait before reconnecting; re-raises `err` when it is not
+        worth another try."""
+        if not isinstance(err, UnavailableError) or isinstance(err, QueuePausedError):
+            # A refusal (a bad queue name, a token the server does not know):
+            # reconnecting changes nothing. Unavailable is a server that is
+            # unreachable or shutting down, which a reconnect outlasts.
+            raise err
+        self.failures += 1
+        if self.max_attempts is not None and self.failures > self.max_attempts:
+            raise err
+        return min(0.05 * 2 ** (self.failures - 1), 2.0)
+
+
+class Client(Operations):
+    """A blocking client.
+
+    >>> with Client("http://127.0.0.1:7720") as jobs:
+    ...     jobs.enqueue("emails", "send", {"to": "a@b.c"})
+
+    `token` is sent as `Authorization: Bearer <token>` (required when the
+    server has tokens; the namespace is then the token's). `namespace` is
+    sent in the `loam-namespace` header (without tokens it picks the
+    namespace; default `default`). `timeout_ms` bounds each call (None: no
+    bound); long-polls get their wait on top. `compress_requests` gzips
+    request bodies (worth it for large payloads over slow links).
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        token: str | None = None,
+        namespace: str | None = None,
+        *,
+        timeout_ms: int | None = 30_000,
+        compress_requests: bool = False,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.namespace = namespace
+        self._headers = _headers(token, namespace)
+        self._timeout_ms = timeout_ms
+        self.stub = _stub(JobsServiceClientSync, self.url, compress_requests)
+
+    def _call(self, call: Call) -> Any:
+        method = getattr(self.stub, call.rpc)
+        try:
+            return method(call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call))
+        except ConnectError as err:
+            raise from_connect_error(err) from None
+
+    def _run(self, op: Op[T]) -> T:
+        try:
+            call = next(op)
+            while True:
+                call = op.send(self._call(call))
+        except StopIteration as done:
+            return done.value
+
+    def watch(
+        self,
+        queue: str,
+        *,
+        after: int | None = None,
+        job_id: str | None = None,
+        max_reconnects: int | None = 10,
+    ) -> Watch:
+        """The queue's events from sequence `after` (None: from now on), live.
+
+        Iterate it; it blocks for each new event. Its `cursor` is the last
+        sequence seen: after a dropped connection it resumes from there by
+        itself (up to `max_reconnects` failures in a row), and a later
+        `watch(after=w.cursor)` continues where this one stopped. `job_id`
+        keeps only that job's events. Close it (or use `with`) to stop.
+        `after=0` starts at the oldest event the log holds; a cursor the log
+        has trimmed past raises `EventsTrimmedError` (events were lost).
+        """
+        if after is None:
+            # "From now on" is now, not the first iteration; a sequence also
+            # lets a reconnect before the first event resume without a gap.
+            after = self.last_event_seq(queue)
+        return Watch(self, queue, after, job_id, _Reconnect(max_reconnects))
+
+    def close(self) -> None:
+        self.stub.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Watch(Iterator[QueueEvent]):
+    """A live, resumable iterator over a queue's events (see `Client.watch`)."""
+
+    def __init__(
+        self, client: Client, queue: str, after: int | None, job_id: str | None, reconnect: _Reconnect
+    ) -> None:
+        self.queue = queue
+        self.job_id = job_id
+        # The last sequence seen (at first, the one it started after).
+        self.cursor = after
+        self._client = client
+        self._reconnect = reconnect
+        self._stream: Iterator[Any] | None = None
+        self._closed = False
+
+    def _open(self) -> Iterator[Any]:
+        request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
+        return self._client.stub.watch(request, headers=self._client._headers, timeout_ms=None)
+
+    def __next__(self) -> QueueEvent:
+        while not self._closed:
+            try:
+                if self._stream is None:
+                    self._stream = self._open()
+                response = next(self._stream)
+            except StopIteration:
+                # The server ended the stream (it is shutting down): reconnect.
+                self._stream = None
+                time.sleep(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
+                continue
+            except ConnectError as err:
+                self._stream = None
+                time.sleep(self._reconnect.pause_after(from_connect_error(err)))
+                continue
+            self._reconnect.failures = 0
+            event = QueueEvent.from_proto(response.event)
+            self.cursor = event.seq
+            return event
+        raise StopIteration
+
+    def close(self) -> None:
+        self._closed = True
+        if self._stream is not None:
+            close = getattr(self._stream, "close", None)
+            if close is not None:
+                close()
+            self._stream = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+if TYPE_CHECKING:
+    # The same operations, declared as coroutines (generated from _ops.py).
+    from ._gen.async_operations import AsyncOperations
+else:
+    AsyncOperations = Operations
+
+
+class AsyncClient(AsyncOperations):
+    """The asyncio client: the same methods as `Client`, each returning an
+    awaitable, and `watch` returning an async iterator.
+
+    >>> async with AsyncClient("http://127.0.0.1:7720") as jobs:
+    ...     await jobs.enqueue("emails", "send", {"to": "a@b.c"})
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        token: str | None = None,
+        namespace: str | None = None,
+        *,
+        timeout_ms: int | None = 30_000,
+        compress_requests: bool = False,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.namespace = namespace
+        self._headers = _headers(token, namespace)
+        self._timeout_ms = timeout_ms
+        self.stub = _stub(JobsServiceClient, self.url, compress_requests)
+
+    async def _call(self, call: Call) -> Any:
+        method = getattr(self.stub, call.rpc)
+        try:
+            return await method(
+                call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call)
+            )
+        except ConnectError as err:
+            raise from_connect_error(err) from None
+
+    async def _drive(self, op: Op[T]) -> T:
+        try:
+            call = next(op)
+            while True:
+                call = op.send(await self._call(call))
+        except StopIteration as done:
+            return done.value
+
+    def _run(self, op: Op[T]) -> Any:
+        return self._drive(op)
+
+    def watch(
+        self,
+        queue: str,
+        *,
+        after: int | None = None,
+        job_id: str | None = None,
+        max_reconnects: int | None = 10,
+    ) -> AsyncWatch:
+        """Like `Client.watch`, as an async iterator. With `after=None`, "now"
+        is when `async with` enters it (or, without `async with`, the first
+        iteration)."""
+        return AsyncWatch(self, queue, after, job_id, _Reconnect(max_reconnects))
+
+    async def close(self) -> None:
+        await self.stub.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+class AsyncWatch(AsyncIterator[QueueEvent]):
+    """A live, resumable async iterator over a queue's events (see `AsyncClient.watch`)."""
+
+    def __init__(
+        self, client: AsyncClient, queue: str, after: int | None, job_id: str | None, reconnect: _Reconnect
+    ) -> None:
+        self.queue = queue
+        self.job_id = job_id
+        # The last sequence seen; None until the watch is entered or first iterated.
+        self.cursor = after
+        self._client = client
+        self._reconnect = reconnect
+        self._stream: AsyncIterator[Any] | None = None
+        self._closed = False
+
+    def _open(self) -> AsyncIterator[Any]:
+        request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
+        return self._client.stub.watch(request, headers=self._client._headers, timeout_ms=None)
+
+    async def __anext__(self) -> QueueEvent:
+        while not self._closed:
+            try:
+                if self._stream is None:
+                    await self._pin()
+                    self._stream = self._open()
+                response = await anext(self._stream)
+            except StopAsyncIteration:
+                self._stream = None
+                await asyncio.sleep(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
+                continue
+            except ConnectError as err:
+                self._stream = None
+                await asyncio.sleep(self._reconnect.pause_after(from_connect_error(err)))
+                continue
+            except LoamJobsError as err:
+                # From pinning the cursor (last_event_seq), before the stream opens.
+                await asyncio.sleep(self._reconnect.pause_after(err))
+                continue
+            self._reconnect.failures = 0
+            event = QueueEvent.from_proto(response.event)
+            self.cursor = event.seq
+            return event
+        raise StopAsyncIteration
+
+    async def _pin(self) -> None:
+        # "From now on" becomes a sequence, so that a reconnect before the
+        # first event resumes without a gap.
+        if self.cursor is None:
+            self.cursor = await self._client.last_event_seq(self.queue)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._stream is not None:
+            aclose = getattr(self._stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            self._stream = None
+
+    async def __aenter__(self) -> Self:
+        await self._pin()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

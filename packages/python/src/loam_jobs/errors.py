@@ -1,0 +1,245 @@
+"""Typed errors of the Loam Jobs client.
+
+The server answers every failed call with a Connect error code and an
+`loam.jobs.v1.ErrorDetail` (a stable `reason` such as `fenced.no_lease`,
+BullMQ's error code, the subject and a retry-after). `from_connect_error`
+turns that into one exception class per code, with the few reasons a caller
+acts on (fencing, payload size, rate limits, paused queues) as subclasses.
+It is the only place where Connect errors become client errors.
+"""
+
+from __future__ import annotations
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+
+from ._gen.loam.jobs.v1.jobs_pb import BulkError, ErrorDetail
+
+__all__ = [
+    "LoamJobsError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "AlreadyExistsError",
+    "FailedPreconditionError",
+    "FencedError",
+    "IdempotencyConflictError",
+    "ResourceExhaustedError",
+    "PayloadTooLargeError",
+    "RateLimitedError",
+    "UnavailableError",
+    "QueuePausedError",
+    "DeadlineExceededError",
+    "UnauthenticatedError",
+    "PermissionDeniedError",
+    "InternalError",
+    "CanceledError",
+    "OutOfRangeError",
+    "EventsTrimmedError",
+    "from_connect_error",
+]
+
+_DETAIL_TYPE = "loam.jobs.v1.ErrorDetail"
+
+
+class LoamJobsError(Exception):
+    """A call the server (or the connection to it) refused.
+
+    Attributes:
+        code: the Connect code name (`invalid_argument`, `not_found`, ...).
+        message: the server's human-readable message.
+        reason: the server's stable, machine-readable reason
+            (`not_found.job`, `fenced.mismatch`, `payload_too_large`, ...);
+            empty when the error did not come from the server's handlers
+            (a transport failure, a refused request body).
+        bullmq_code: BullMQ's error code (-1 JobNotExist ... -11), or 0.
+        subject: the job id, queue, scheduler or key the error is about, or "".
+        retry_after_ms: for rate limits, when to try again; else 0.
+    """
+
+    code: str = "unknown"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        reason: str = "",
+        bullmq_code: int = 0,
+        subject: str = "",
+        retry_after_ms: int = 0,
+    ) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        self.message = message
+        self.reason = reason
+        self.bullmq_code = bullmq_code
+        self.subject = subject
+        self.retry_after_ms = retry_after_ms
+
+    def __str__(self) -> str:
+        extra = f" ({self.reason})" if self.reason else ""
+        return f"[{self.code}] {self.message}{extra}"
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(message={self.message!r}, reason={self.reason!r}, "
+            f"bullmq_code={self.bullmq_code}, subject={self.subject!r})"
+        )
+
+
+class InvalidArgumentError(LoamJobsError):
+    """A malformed request: a bad queue name, cron expression, option..."""
+
+    code = "invalid_argument"
+
+
+class NotFoundError(LoamJobsError):
+    """The job, parent job, queue or scheduler does not exist."""
+
+    code = "not_found"
+
+
+class AlreadyExistsError(LoamJobsError):
+    code = "already_exists"
+
+
+class FailedPreconditionError(LoamJobsError):
+    """The store is not in the state the call needs (job not in that state,
+    pending children, queue not paused, ...)."""
+
+    code = "failed_precondition"
+
+
+class FencedError(FailedPreconditionError):
+    """The caller no longer holds the job's lease (`fenced.no_lease`) or holds
+    another one (`fenced.mismatch`): its outcome was not recorded."""
+
+
+class IdempotencyConflictError(FailedPreconditionError):
+    """An idempotency key was reused with a different job."""
+
+
+class ResourceExhaustedError(LoamJobsError):
+    code = "resource_exhausted"
+
+
+class PayloadTooLargeError(ResourceExhaustedError):
+    """A payload, result or value over the server's --max-payload-bytes, or a
+    request over --max-request-bytes."""
+
+
+class RateLimitedError(ResourceExhaustedError):
+    """The queue's rate limit is reached; see `retry_after_ms`."""
+
+
+class UnavailableError(LoamJobsError):
+    """The server cannot be reached or is shutting down, or the queue is paused."""
+
+    code = "unavailable"
+
+
+class QueuePausedError(UnavailableError):
+    code = "unavailable"
+
+
+class DeadlineExceededError(LoamJobsError, TimeoutError):
+    code = "deadline_exceeded"
+
+
+class UnauthenticatedError(LoamJobsError):
+    """No bearer token, or one the server does not know."""
+
+    code = "unauthenticated"
+
+
+class PermissionDeniedError(LoamJobsError):
+    """The token does not grant the namespace the call named."""
+
+    code = "permission_denied"
+
+
+class OutOfRangeError(LoamJobsError):
+    code = "out_of_range"
+
+
+class EventsTrimmedError(OutOfRangeError):
+    """A watch cursor older than the oldest event the queue's log still
+    holds: the events in between are gone. `subject` is the oldest kept
+    sequence; resynchronise (read the jobs' state) before watching again."""
+
+
+class InternalError(LoamJobsError):
+    code = "internal"
+
+
+class CanceledError(LoamJobsError):
+    code = "canceled"
+
+
+_BY_CODE: dict[str, type[LoamJobsError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        NotFoundError,
+        AlreadyExistsError,
+        FailedPreconditionError,
+        ResourceExhaustedError,
+        UnavailableError,
+        DeadlineExceededError,
+        UnauthenticatedError,
+        PermissionDeniedError,
+        InternalError,
+        CanceledError,
+        OutOfRangeError,
+    )
+}
+
+
+def _class_for(code: str, reason: str) -> type[LoamJobsError]:
+    if reason.startswith("fenced."):
+        return FencedError
+    if reason == "idempotency_conflict":
+        return IdempotencyConflictError
+    if reason == "payload_too_large":
+        return PayloadTooLargeError
+    if reason == "rate_limited":
+        return RateLimitedError
+    if reason == "queue_paused":
+        return QueuePausedError
+    if reason == "events_trimmed":
+        return EventsTrimmedError
+    if code == "resource_exhausted" and not reason:
+        # The server refuses an oversized request body before decoding it,
+        # so that refusal carries no detail.
+        return PayloadTooLargeError
+    return _BY_CODE.get(code, LoamJobsError)
+
+
+def _build(code: str, message: str, detail: ErrorDetail | None) -> LoamJobsError:
+    detail = detail or ErrorDetail()
+    cls = _class_for(code, detail.reason)
+    return cls(
+        message,
+        code=code,
+        reason=detail.reason,
+        bullmq_code=detail.bullmq_code,
+        subject=detail.subject,
+        retry_after_ms=detail.retry_after_ms,
+    )
+
+
+def from_connect_error(err: ConnectError) -> LoamJobsError:
+    """The client error for a Connect error raised by the generated stubs."""
+    detail = None
+    for attached in err.details:
+        if attached.type_name == _DETAIL_TYPE:
+            detail = attached.value(ErrorDetail)
+            break
+    code = err.code.value if isinstance(err.code, Code) else str(err.code)
+    return _build(code, err.message, detail)
+
+
+def from_bulk_error(err: BulkError) -> LoamJobsError:
+    """The client error for one failed job of an EnqueueBulk."""
+    return _build(err.code, err.message, err.detail)

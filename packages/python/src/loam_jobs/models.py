@@ -1,0 +1,402 @@
+"""What callers pass to and get from the client.
+
+Records the server returns whole (`Job`, `Scheduler`, `QueueConfig`, ...)
+are the generated loam.jobs.v1 messages, re-exported here. The few things a
+worker handles on every job (a lease, an outcome, an event) get small
+classes of their own; `job()` builds the `JobSpec` that enqueue, bulk
+enqueue, flows and schedules share.
+
+Times are milliseconds since the Unix epoch and durations are milliseconds,
+as on the wire. Job data, results and result-store values are bytes: bytes
+pass through unchanged, anything else is encoded as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from protobuf import Oneof
+
+from ._gen.loam.jobs.v1.events_pb import Event
+from ._gen.loam.jobs.v1.types_pb import (
+    Backoff,
+    BackoffKind,
+    Dedup,
+    Dependency,
+    DependencyStatus,
+    Enqueued,
+    Fence,
+    FlowNode,
+    Idempotency,
+    Job,
+    JobError,
+    JobSpec,
+    JobState,
+    Keep,
+    Lease,
+    Leased,
+    LeaseOptions,
+    Metrics,
+    OnChildFailure,
+    Outcome,
+    ParentRef,
+    QueueConfig,
+    RateLimit,
+    Retention,
+    Scheduler,
+    SchedulerSpec,
+)
+
+__all__ = [
+    "Backoff",
+    "BackoffKind",
+    "CompleteResult",
+    "Dedup",
+    "Delay",
+    "Dependency",
+    "DependencyStatus",
+    "Enqueued",
+    "Fail",
+    "FlowNode",
+    "Job",
+    "JobSpec",
+    "JobState",
+    "Keep",
+    "LeaseBatch",
+    "LeasedJob",
+    "Metrics",
+    "OnChildFailure",
+    "ParentRef",
+    "QueueConfig",
+    "QueueEvent",
+    "RateLimit",
+    "RateLimited",
+    "Release",
+    "Retention",
+    "Retry",
+    "Scheduler",
+    "SchedulerSpec",
+    "Success",
+    "WaitChildren",
+    "encode_data",
+    "exponential_backoff",
+    "fixed_backoff",
+    "flow_node",
+    "job",
+    "retention",
+]
+
+
+def encode_data(value: Any) -> bytes:
+    """Bytes as they are; anything else as JSON text."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def fixed_backoff(delay_ms: int, *, jitter: float = 0.0) -> Backoff:
+    return Backoff(kind=BackoffKind.FIXED, delay_ms=delay_ms, jitter=jitter)
+
+
+def exponential_backoff(delay_ms: int, *, jitter: float = 0.0, max_ms: int | None = None) -> Backoff:
+    """2^(attempts_made - 1) * delay_ms between attempts, capped by max_ms."""
+    return Backoff(kind=BackoffKind.EXPONENTIAL, delay_ms=delay_ms, jitter=jitter, max_ms=max_ms)
+
+
+def retention(policy: bool | int | Keep | Retention) -> Retention:
+    """BullMQ's removeOnComplete / removeOnFail: True removes the job at once,
+    False keeps every job, a number keeps that many, a `Keep` bounds count
+    and age."""
+    if isinstance(policy, Retention):
+        return policy
+    if isinstance(policy, Keep):
+        return Retention(policy=Oneof("keep", policy))
+    if policy is True:
+        return Retention(policy=Oneof("remove_immediately", True))
+    if policy is False:
+        return Retention(policy=Oneof("keep_all", True))
+    return Retention(policy=Oneof("keep", Keep(count=int(policy))))
+
+
+def job(
+    name: str,
+    data: Any = None,
+    *,
+    job_id: str | None = None,
+    delay_ms: int = 0,
+    priority: int = 0,
+    lifo: bool = False,
+    attempts: int = 0,
+    backoff: int | Backoff | None = None,
+    headers: Mapping[str, str] | None = None,
+    idempotency_key: str | None = None,
+    idempotency_ttl_ms: int | None = None,
+    dedup: str | Dedup | None = None,
+    lock_duration_ms: int | None = None,
+    timeout_ms: int | None = None,
+    expires: int | None = None,
+    parent: ParentRef | None = None,
+    on_child_failure: OnChildFailure = OnChildFailure.UNSPECIFIED,
+    remove_on_complete: bool | int | Keep | Retention | None = None,
+    remove_on_fail: bool | int | Keep | Retention | None = None,
+    keep_logs: int | None = None,
+    dead_letter: str | None = None,
+    timestamp: int | None = None,
+    opts: str | Mapping[str, Any] = "",
+) -> JobSpec:
+    """A job as a producer describes it.
+
+    `data` is encoded with `encode_data` (None sends no data). `backoff` as a
+    number is a fixed delay in ms. `dedup` as a string is the dedup id with
+    BullMQ's default mode (until the job finishes). `opts` is the caller's
+    own options document (BullMQ's job options), kept verbatim by the server.
+    """
+    return JobSpec(
+        name=name,
+        data=b"" if data is None else encode_data(data),
+        opts=opts if isinstance(opts, str) else json.dumps(opts, separators=(",", ":")),
+        headers=dict(headers or {}),
+        job_id=job_id,
+        idempotency=Idempotency(key=idempotency_key, ttl_ms=idempotency_ttl_ms) if idempotency_key else None,
+        dedup=Dedup(id=dedup) if isinstance(dedup, str) else dedup,
+        delay_ms=delay_ms,
+        priority=priority,
+        lifo=lifo,
+        attempts=attempts,
+        backoff=fixed_backoff(backoff) if isinstance(backoff, int) else backoff,
+        lock_duration_ms=lock_duration_ms,
+        timeout_ms=timeout_ms,
+        expires=expires,
+        parent=parent,
+        on_child_failure=on_child_failure,
+        remove_on_complete=None if remove_on_complete is None else retention(remove_on_complete),
+        remove_on_fail=None if remove_on_fail is None else retention(remove_on_fail),
+        keep_logs=keep_logs,
+        dead_letter=dead_letter,
+        timestamp=timestamp,
+    )
+
+
+def flow_node(queue: str, spec: JobSpec, *, wait_children: bool = False) -> FlowNode:
+    """One node of a flow; list parents (wait_children=True) before their children."""
+    return FlowNode(queue=queue, job=spec, wait_children=wait_children)
+
+
+# Outcomes: how a leased job ends.
+
+
+def _job_error(error: str | BaseException, stacktrace: str | None, stacktrace_limit: int | None) -> JobError:
+    return JobError(message=str(error), stacktrace=stacktrace, stacktrace_limit=stacktrace_limit)
+
+
+@dataclass(frozen=True)
+class Success:
+    """The job succeeded; `result` is stored as its return value."""
+
+    result: Any = None
+
+    def to_proto(self) -> Outcome:
+        value = None if self.result is None else encode_data(self.result)
+        return Outcome(kind=Oneof("success", Outcome.Success(result=value)))
+
+
+@dataclass(frozen=True)
+class Retry:
+    """The attempt failed; try again.
+
+    Without `after_ms` the job's own settings decide: another attempt after
+    its backoff while attempts remain, else the job fails. With `after_ms`
+    the job is retried after that long whatever its attempts (BullMQ's
+    retryJob, where the worker has already decided)."""
+
+    error: str | BaseException
+    after_ms: int | None = None
+    stacktrace: str | None = None
+    stacktrace_limit: int | None = None
+
+    def to_proto(self) -> Outcome:
+        err = _job_error(self.error, self.stacktrace, self.stacktrace_limit)
+        return Outcome(kind=Oneof("retry", Outcome.Retry(error=err, after_ms=self.after_ms)))
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The job failed for good; `dead_letter` moves it to the dead-letter queue."""
+
+    error: str | BaseException
+    dead_letter: bool = False
+    stacktrace: str | None = None
+    stacktrace_limit: int | None = None
+
+    def to_proto(self) -> Outcome:
+        err = _job_error(self.error, self.stacktrace, self.stacktrace_limit)
+        return Outcome(kind=Oneof("fail", Outcome.Fail(error=err, dead_letter=self.dead_letter)))
+
+
+@dataclass(frozen=True)
+class Release:
+    """Give the job back without spending an attempt, optionally after a pause."""
+
+    after_ms: int | None = None
+
+    def to_proto(self) -> Outcome:
+        return Outcome(kind=Oneof("release", Outcome.Release(after_ms=self.after_ms)))
+
+
+@dataclass(frozen=True)
+class Delay:
+    """Park the job until `until_ms` (epoch ms; BullMQ's moveToDelayed)."""
+
+    until_ms: int
+
+    def to_proto(self) -> Outcome:
+        return Outcome(kind=Oneof("delay", Outcome.Delay(until=self.until_ms)))
+
+
+@dataclass(frozen=True)
+class WaitChildren:
+    """Park a parent until its children (or the one named child) finish."""
+
+    child: str | None = None
+
+    def to_proto(self) -> Outcome:
+        return Outcome(kind=Oneof("wait_children", Outcome.WaitChildren(child=self.child)))
+
+
+@dataclass(frozen=True)
+class RateLimited:
+    """Give the job back and stop the whole queue for `for_ms`."""
+
+    for_ms: int
+
+    def to_proto(self) -> Outcome:
+        return Outcome(kind=Oneof("rate_limited", Outcome.RateLimited(for_ms=self.for_ms)))
+
+
+OutcomeSpec = Success | Retry | Fail | Release | Delay | WaitChildren | RateLimited
+
+
+@dataclass
+class LeasedJob:
+    """A job this worker holds. Pass it back to complete, extend and report:
+    they are fenced by its `epoch`, so a worker that lost the lease cannot
+    overwrite the outcome of the one that took over."""
+
+    queue: str
+    job: Job
+    epoch: int
+    token: str
+    deadline: int
+
+    @property
+    def id(self) -> str:
+        return self.job.id
+
+    @property
+    def name(self) -> str:
+        return self.job.name
+
+    @property
+    def data(self) -> bytes:
+        return self.job.data
+
+    def json(self) -> Any:
+        """The job's data decoded as JSON."""
+        return json.loads(self.job.data) if self.job.data else None
+
+    def fence(self) -> Fence:
+        return Fence(kind=Oneof("epoch", self.epoch))
+
+    @classmethod
+    def from_proto(cls, queue: str, lease: Lease) -> LeasedJob:
+        return cls(
+            queue=queue, job=lease.job or Job(), epoch=lease.epoch, token=lease.token, deadline=lease.deadline
+        )
+
+
+@dataclass
+class LeaseBatch:
+    """The jobs one lease call took, and why there were fewer than asked for."""
+
+    jobs: list[LeasedJob]
+    # The queue's rate limit holds jobs back for this long.
+    rate_limit_ms: int = 0
+    # When the next delayed job is due, if one is.
+    next_due: int | None = None
+    paused: bool = False
+    # The queue's global concurrency is reached.
+    maxed: bool = False
+
+    def __iter__(self) -> Iterator[LeasedJob]:
+        return iter(self.jobs)
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def __getitem__(self, index: int) -> LeasedJob:
+        return self.jobs[index]
+
+    @classmethod
+    def from_proto(cls, queue: str, leased: Leased | None) -> LeaseBatch:
+        if leased is None:
+            return cls(jobs=[])
+        info = leased.info
+        return cls(
+            jobs=[LeasedJob.from_proto(queue, lease) for lease in leased.leases],
+            rate_limit_ms=info.rate_limit_ms if info else 0,
+            next_due=info.next_due if info and info.has_field("next_due") else None,
+            paused=info.paused if info else False,
+            maxed=info.maxed if info else False,
+        )
+
+
+@dataclass
+class CompleteResult:
+    # UNSPECIFIED when retention removed the job at once.
+    state: JobState
+    finished_on: int | None
+    # For WaitChildren: whether the job now waits.
+    moved: bool
+    # The next job, when fetch_next asked for one.
+    next: LeaseBatch
+    rate_limit_ttl_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class QueueEvent:
+    """One entry of a queue's event log; `seq` is the cursor to resume after it."""
+
+    seq: int
+    ts: int
+    name: str
+    fields: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def job_id(self) -> str | None:
+        return self.fields.get("jobId")
+
+    @classmethod
+    def from_proto(cls, event: Event) -> QueueEvent:
+        return cls(seq=event.seq, ts=event.ts, name=event.name, fields={f.key: f.value for f in event.fields})
+
+
+def lease_options(
+    max_jobs: int,
+    *,
+    token: str = "",
+    worker: str | None = None,
+    lock_duration_ms: int = 0,
+    names: list[str] | None = None,
+    limiter: RateLimit | None = None,
+) -> LeaseOptions:
+    return LeaseOptions(
+        max=max_jobs,
+        token=token,
+        worker=worker,
+        lock_duration_ms=lock_duration_ms,
+        names=list(names or []),
+        limiter=limiter,
+    )

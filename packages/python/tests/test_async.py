@@ -1,0 +1,61 @@
+"""The asyncio client: the same operations, awaited, and an async watch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loam_jobs import AsyncClient, FencedError, InvalidArgumentError, JobState, Retry, Success
+
+from .conftest import Server
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_async_round_trip_and_errors(server: Server, queue: str) -> None:
+    async with AsyncClient(server.url) as client:
+        enqueued = await client.enqueue(queue, "send", {"n": 1}, attempts=2)
+        batch = await client.lease(queue, wait_ms=1_000)
+        leased = batch[0]
+        assert leased.id == enqueued.id and leased.json() == {"n": 1}
+        await client.report(leased, progress=10)
+        await client.extend(leased, 5_000)
+        await client.complete(leased, Retry("again"))
+        leased = (await client.lease(queue, wait_ms=1_000))[0]
+        result = await client.complete(leased, Success("done"))
+        assert result.state == JobState.COMPLETED
+        with pytest.raises(FencedError):
+            await client.complete(leased, Success("twice"))
+        with pytest.raises(InvalidArgumentError):
+            await client.enqueue("", "a", None)
+        assert await client.counts(queue, "completed") == {"completed": 1}
+        await client.pause(queue)
+        assert await client.is_paused(queue)
+        await client.result_set(f"{queue}:k", {"v": 1}, ttl_ms=60_000)
+        assert await client.result_get(f"{queue}:k") == b'{"v":1}'
+
+
+async def test_async_lease_long_poll_wakes_on_enqueue(server: Server, queue: str) -> None:
+    async with AsyncClient(server.url) as worker, AsyncClient(server.url) as producer:
+        waiting = asyncio.create_task(worker.lease(queue, wait_ms=5_000))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await producer.enqueue(queue, "a", None)
+        batch = await asyncio.wait_for(waiting, 3)
+        assert len(batch) == 1
+
+
+async def test_async_watch_resumes_from_cursor(server: Server, queue: str) -> None:
+    async with AsyncClient(server.url) as client:
+        async with client.watch(queue) as watch:
+            first = await client.enqueue(queue, "a", None)
+            event = await anext(watch)
+            assert event.name == "added" and event.job_id == first.id
+            cursor = watch.cursor
+        second = await client.enqueue(queue, "b", None)
+        async with client.watch(queue, after=cursor) as watch:
+            names = [(await anext(watch)).name for _ in range(3)]
+            assert names == ["waiting", "added", "waiting"]
+            assert watch.cursor == cursor + 3
+        assert (await client.get_job(queue, second.id)).name == "b"

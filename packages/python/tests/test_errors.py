@@ -1,0 +1,112 @@
+"""Bad input, limits and authentication raise typed errors with the server's reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from loam_jobs import (
+    Client,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    LoamJobsError,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    Success,
+    UnauthenticatedError,
+    UnavailableError,
+)
+
+from .conftest import ALPHA_TOKEN, BETA_TOKEN, MAX_PAYLOAD_BYTES, MAX_REQUEST_BYTES, Server, free_port
+
+
+def test_invalid_queue_names(client: Client) -> None:
+    with pytest.raises(InvalidArgumentError) as empty:
+        client.enqueue("", "a", None)
+    assert empty.value.reason == "invalid_argument"
+    assert empty.value.code == "invalid_argument"
+    assert "queue name" in empty.value.message
+    with pytest.raises(InvalidArgumentError):
+        client.enqueue("q" * 1025, "a", None)
+
+
+def test_oversized_payloads(client: Client, queue: str) -> None:
+    with pytest.raises(PayloadTooLargeError) as payload:
+        client.enqueue(queue, "big", b"x" * (MAX_PAYLOAD_BYTES + 1))
+    assert payload.value.reason == "payload_too_large"
+    assert isinstance(payload.value, ResourceExhaustedError)
+
+    client.enqueue(queue, "small", None)
+    leased = client.lease(queue)[0]
+    with pytest.raises(PayloadTooLargeError):
+        client.complete(leased, Success(b"r" * (MAX_PAYLOAD_BYTES + 1)))
+    with pytest.raises(PayloadTooLargeError):
+        client.result_set(f"{queue}:big", b"v" * (MAX_PAYLOAD_BYTES + 1))
+
+    # A request over --max-request-bytes is refused before it is decoded.
+    with pytest.raises(ResourceExhaustedError) as request:
+        client.enqueue(queue, "huge", b"x" * (MAX_REQUEST_BYTES + 1))
+    assert isinstance(request.value, PayloadTooLargeError)
+
+
+def test_not_found_and_preconditions(client: Client, queue: str) -> None:
+    with pytest.raises(NotFoundError) as missing:
+        client.retry(queue, "missing")
+    assert missing.value.bullmq_code == -1 and missing.value.subject == "missing"
+
+    waiting = client.enqueue(queue, "w", None)
+    # Only a finished job can be retried.
+    with pytest.raises(FailedPreconditionError) as state:
+        client.retry(queue, waiting.id)
+    assert state.value.reason == "precondition.not_in_state"
+    assert state.value.bullmq_code == -3
+
+
+def test_unreachable_server_is_unavailable() -> None:
+    with Client(f"http://127.0.0.1:{free_port()}") as nowhere:
+        with pytest.raises(UnavailableError) as down:
+            nowhere.result_get("k")
+    assert down.value.reason == ""
+
+
+def test_client_timeout_is_deadline_exceeded(server: Server) -> None:
+    # A zero budget expires before the request is sent.
+    with Client(server.url, timeout_ms=0) as hurried:
+        with pytest.raises(DeadlineExceededError) as late:
+            hurried.result_get("k")
+    assert isinstance(late.value, TimeoutError)
+
+
+def test_tokens_choose_the_namespace(auth_server: Server) -> None:
+    with pytest.raises(UnauthenticatedError) as no_token:
+        Client(auth_server.url).enqueue("q", "a", None)
+    assert no_token.value.reason == "unauthenticated"
+    with pytest.raises(UnauthenticatedError):
+        Client(auth_server.url, token="wrong-token-0123456789").enqueue("q", "a", None)
+    with pytest.raises(PermissionDeniedError) as other_ns:
+        Client(auth_server.url, token=ALPHA_TOKEN, namespace="beta").enqueue("q", "a", None)
+    assert other_ns.value.reason == "permission_denied"
+
+    alpha = Client(auth_server.url, token=ALPHA_TOKEN)
+    beta = Client(auth_server.url, token=BETA_TOKEN, namespace="beta")
+    alpha.enqueue("shared-name", "a", None)
+    alpha.result_set("k", b"alpha's")
+    # The same queue and key names in another namespace are other queues and keys.
+    assert beta.counts("shared-name", "wait") == {"wait": 0}
+    assert beta.result_get("k") is None
+    assert alpha.counts("shared-name", "wait") == {"wait": 1}
+    assert alpha.result_get("k") == b"alpha's"
+
+
+def test_namespaces_without_tokens(client: Client, server: Server, queue: str) -> None:
+    team = Client(server.url, namespace="team-b")
+    team.enqueue(queue, "a", None)
+    assert team.counts(queue, "wait") == {"wait": 1}
+    assert client.counts(queue, "wait") == {"wait": 0}
+
+
+def test_every_error_is_a_loam_jobs_error(client: Client) -> None:
+    with pytest.raises(LoamJobsError):
+        client.enqueue("", "a", None)

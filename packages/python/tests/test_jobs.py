@@ -1,0 +1,224 @@
+"""Producing and working: enqueue, lease, complete, retries, leases and fencing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from loam_jobs import (
+    Client,
+    Delay,
+    Enqueued,
+    Fail,
+    FencedError,
+    InvalidArgumentError,
+    JobState,
+    LoamJobsError,
+    NotFoundError,
+    ParentRef,
+    PayloadTooLargeError,
+    Release,
+    Retry,
+    Success,
+    flow_node,
+    job,
+)
+
+from .conftest import MAX_PAYLOAD_BYTES, Server
+
+
+def test_enqueue_lease_complete_round_trip(client: Client, queue: str) -> None:
+    enqueued = client.enqueue(queue, "send", {"to": "a@b.c"}, attempts=3)
+    assert enqueued.created and enqueued.state == JobState.WAITING
+
+    batch = client.lease(queue, max_jobs=5, wait_ms=1_000)
+    assert len(batch) == 1
+    leased = batch[0]
+    assert leased.id == enqueued.id and leased.name == "send"
+    assert leased.json() == {"to": "a@b.c"}
+
+    result = client.complete(leased, Success({"sent": True}))
+    assert result.state == JobState.COMPLETED
+    assert result.finished_on is not None
+
+    stored = client.get_job(queue, enqueued.id)
+    assert stored is not None
+    assert stored.state == JobState.COMPLETED
+    assert stored.return_value == b'{"sent":true}'
+    assert client.counts(queue, "completed", "wait") == {"completed": 1, "wait": 0}
+    assert client.get_job(queue, "no-such-job") is None
+
+
+def test_job_id_and_bulk_results(client: Client, queue: str) -> None:
+    first = client.enqueue(queue, "a", b"raw bytes", job_id="fixed")
+    again = client.enqueue(queue, "a", b"other", job_id="fixed")
+    assert first.created and not again.created and again.id == "fixed"
+
+    too_big = b"x" * (MAX_PAYLOAD_BYTES + 1)
+    results = client.enqueue_bulk(queue, [job("b", 1), job("big", too_big), job("c", 3)])
+    assert isinstance(results[0], Enqueued) and isinstance(results[2], Enqueued)
+    # An oversized job is refused on its own; the others are added.
+    assert isinstance(results[1], PayloadTooLargeError)
+    assert results[1].reason == "payload_too_large"
+    assert client.counts(queue, "wait")["wait"] == 3
+    assert client.get_job(queue, "fixed").data == b"raw bytes"
+
+
+def test_lease_waits_for_a_job_and_fetch_next(client: Client, queue: str) -> None:
+    started = time.monotonic()
+    assert len(client.lease(queue, wait_ms=300)) == 0
+    assert time.monotonic() - started >= 0.25
+
+    for i in range(3):
+        client.enqueue(queue, "n", i)
+    first = client.lease(queue)[0]
+    # Finish one job and take the next in the same transaction.
+    result = client.complete(first, Success(), fetch_next=1)
+    assert len(result.next) == 1
+    second = result.next[0]
+    assert second.json() == 1
+    client.complete(second, Success())
+
+
+def test_retries_then_failure(client: Client, queue: str) -> None:
+    enqueued = client.enqueue(queue, "flaky", None, attempts=2)
+
+    leased = client.lease(queue, wait_ms=1_000)[0]
+    client.complete(leased, Retry("first try failed"))
+    after_retry = client.get_job(queue, enqueued.id)
+    assert after_retry.attempts_made == 1
+    assert after_retry.state in (JobState.WAITING, JobState.DELAYED)
+
+    leased = client.lease(queue, wait_ms=2_000)[0]
+    assert leased.job.attempts_made == 1
+    # Without after_ms the job's attempts decide: the last attempt's retry is a failure.
+    result = client.complete(leased, Retry(RuntimeError("second try failed")))
+    assert result.state == JobState.FAILED
+    failed = client.get_job(queue, enqueued.id)
+    assert failed.failed_reason == "second try failed"
+
+    # An admin retry brings it back.
+    client.retry(queue, enqueued.id, reset_attempts_made=True)
+    leased = client.lease(queue, wait_ms=1_000)[0]
+    assert leased.id == enqueued.id
+    # With after_ms the retry happens whatever the attempts (BullMQ's retryJob).
+    client.complete(leased, Retry("once more", after_ms=0))
+    leased = client.lease(queue, wait_ms=1_000)[0]
+    client.complete(leased, Fail("gave up"))
+    assert client.get_job(queue, enqueued.id).state == JobState.FAILED
+
+
+def test_release_and_delay_spend_no_attempt(client: Client, queue: str) -> None:
+    enqueued = client.enqueue(queue, "x", None, attempts=1)
+    leased = client.lease(queue)[0]
+    client.complete(leased, Release())
+    released = client.get_job(queue, enqueued.id)
+    assert released.state == JobState.WAITING and released.attempts_made == 0
+
+    leased = client.lease(queue)[0]
+    client.complete(leased, Delay(until_ms=int(time.time() * 1000) + 60_000))
+    assert client.get_job(queue, enqueued.id).state == JobState.DELAYED
+    client.promote(queue, enqueued.id)
+    assert client.get_job(queue, enqueued.id).state == JobState.WAITING
+
+
+def test_extend_and_a_stale_lease_is_fenced(client: Client, queue: str) -> None:
+    client.enqueue(queue, "slow", None)
+    leased = client.lease(queue, lock_duration_ms=200)[0]
+    old_deadline = leased.deadline
+    new_deadline = client.extend(leased, 5_000)
+    assert new_deadline > old_deadline and leased.deadline == new_deadline
+
+    # Let the lease lapse and have the stalled sweep hand the job to another worker.
+    client.extend(leased, 100)
+    time.sleep(0.3)
+    assert client.sweep_stalled(queue, max_stalled=5) == [leased.id]
+    taker = client.lease(queue, wait_ms=1_000)[0]
+    assert taker.id == leased.id and taker.epoch > leased.epoch
+
+    # The first worker's writes are refused: its lease is gone.
+    with pytest.raises(FencedError) as refused:
+        client.complete(leased, Success("late"))
+    assert refused.value.reason.startswith("fenced.")
+    assert refused.value.bullmq_code in (-2, -6)
+    assert refused.value.subject == leased.id
+    with pytest.raises(FencedError):
+        client.extend(leased, 1_000)
+    with pytest.raises(FencedError):
+        client.report(leased, progress=50)
+
+    # The second worker's outcome is the one recorded.
+    client.complete(taker, Success("on time"))
+    assert client.get_job(queue, leased.id).return_value == b'"on time"'
+    with pytest.raises(FencedError) as again:
+        client.complete(taker, Success("twice"))
+    assert again.value.reason == "fenced.no_lease"
+
+
+def test_extend_many_reports_the_lost_ones(client: Client, queue: str) -> None:
+    for i in range(2):
+        client.enqueue(queue, "x", i)
+    held = list(client.lease(queue, max_jobs=2))
+    client.complete(held[1], Success())
+    assert client.extend(held, 5_000) == [held[1].id]
+
+
+def test_report_progress_logs_and_data(client: Client, queue: str) -> None:
+    enqueued = client.enqueue(queue, "x", {"v": 1})
+    leased = client.lease(queue)[0]
+    client.report(leased, progress={"done": 3, "of": 10})
+    assert client.report(leased, log="line 1") == 1
+    assert client.report(leased, log="line 2") == 2
+    client.report(leased, data={"v": 2})
+    stored = client.get_job(queue, enqueued.id)
+    assert stored.progress == '{"done":3,"of":10}'
+    assert stored.data == b'{"v":2}'
+    page = client.logs(queue, enqueued.id)
+    assert page.logs == ["line 1", "line 2"] and page.count == 2
+    # An admin write by id, with no lease.
+    assert client.report(enqueued.id, queue=queue, log="admin", unchecked=True) == 3
+    with pytest.raises(InvalidArgumentError):
+        client.report(leased, progress=1, log="both")
+    with pytest.raises(InvalidArgumentError):
+        client.complete(enqueued.id, Success())  # a job id needs its queue and a fence
+
+
+def test_flow_parent_waits_for_children(client: Client, queue: str) -> None:
+    children_queue = f"{queue}-children"
+    parent = job("parent", None, job_id="p1")
+    parent_ref = ParentRef(queue=queue, id="p1")
+    nodes = [
+        flow_node(queue, parent, wait_children=True),
+        flow_node(children_queue, job("child", 1, parent=parent_ref)),
+        flow_node(children_queue, job("child", 2, parent=parent_ref)),
+    ]
+    enqueued = client.flow(nodes)
+    assert len(enqueued) == 3
+    assert enqueued[0].state == JobState.WAITING_CHILDREN
+    deps = client.dependencies(queue, "p1", with_jobs=True)
+    assert len(deps.dependencies) == 2 and all(j is not None for j in deps.jobs)
+
+    for leased in client.lease(children_queue, max_jobs=2):
+        client.complete(leased, Success())
+    assert client.get_job(queue, "p1").state == JobState.WAITING
+    parent_lease = client.lease(queue, wait_ms=1_000)[0]
+    assert parent_lease.id == "p1"
+    client.complete(parent_lease, Success())
+
+
+def test_missing_job_is_not_found_with_bullmq_code(client: Client, queue: str) -> None:
+    with pytest.raises(NotFoundError) as missing:
+        client.promote(queue, "nope")
+    assert missing.value.reason == "not_found.job"
+    assert missing.value.bullmq_code == -1
+    assert missing.value.subject == "nope"
+    assert isinstance(missing.value, LoamJobsError)
+
+
+def test_gzip_requests(server: Server, queue: str) -> None:
+    with Client(server.url, compress_requests=True) as gzipping:
+        payload = {"text": "compressible " * 1_000}
+        enqueued = gzipping.enqueue(queue, "big", payload)
+        assert gzipping.lease(queue)[0].json() == payload
+        assert gzipping.get_job(queue, enqueued.id).state == JobState.ACTIVE

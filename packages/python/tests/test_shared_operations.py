@@ -1,0 +1,45 @@
+"""The sync and async clients share `Operations`; this holds only while every
+public method hands its operation to `_run` and returns what `_run` returns
+(the async `_run` returns an awaitable, so nothing may touch its result)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+from loam_jobs import AsyncClient, Client
+from loam_jobs._ops import Operations
+
+
+def _is_run_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "_run"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+    )
+
+
+def test_every_public_method_returns_the_run_result_untouched() -> None:
+    checked = 0
+    for name, method in vars(Operations).items():
+        if name.startswith("_") or not callable(method):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+        runs = [n for n in ast.walk(tree) if _is_run_call(n)]
+        returned = [n.value for n in ast.walk(tree) if isinstance(n, ast.Return) and n.value is not None]
+        assert runs, f"{name} performs no call through _run"
+        assert all(any(r is v for v in returned) for r in runs), (
+            f"{name} uses _run's result instead of returning it"
+        )
+        checked += 1
+    assert checked > 50
+
+
+def test_both_clients_have_the_same_public_methods() -> None:
+    def public(cls: type) -> set[str]:
+        return {n for n in dir(cls) if not n.startswith("_")}
+
+    assert public(Client) == public(AsyncClient)

@@ -1,0 +1,118 @@
+"""Watching a queue's events, and resuming from a cursor."""
+
+from __future__ import annotations
+
+from itertools import islice
+from pathlib import Path
+
+import pytest
+
+from loam_jobs import Client, EventsTrimmedError, InvalidArgumentError, Success, UnavailableError
+
+from .conftest import start_server, stop_server
+
+
+def test_watch_iterates_live_events(client: Client, queue: str) -> None:
+    with client.watch(queue) as watch:
+        enqueued = client.enqueue(queue, "a", None)
+        first = next(watch)
+        assert first.name == "added" and first.job_id == enqueued.id
+        assert watch.cursor == first.seq
+
+
+def test_watch_resumes_from_its_cursor_without_gaps_or_repeats(client: Client, queue: str) -> None:
+    start = client.last_event_seq(queue)
+    ids = [client.enqueue(queue, "a", i).id for i in range(3)]
+
+    # Each enqueue writes `added` then `waiting`: read the first three events only.
+    with client.watch(queue, after=start) as watch:
+        first_part = list(islice(watch, 3))
+        cursor = watch.cursor
+    assert [e.name for e in first_part] == ["added", "waiting", "added"]
+
+    # More events happen while nobody watches.
+    leased = client.lease(queue)[0]
+    client.complete(leased, Success())
+
+    with client.watch(queue, after=cursor) as watch:
+        rest = list(islice(watch, 5))
+    seqs = [e.seq for e in first_part + rest]
+    assert seqs == list(range(start + 1, start + 9))
+    assert [(e.name, e.job_id) for e in rest] == [
+        ("waiting", ids[1]),
+        ("added", ids[2]),
+        ("waiting", ids[2]),
+        ("active", ids[0]),
+        ("completed", ids[0]),
+    ]
+
+
+def test_watch_one_job(client: Client, queue: str) -> None:
+    other = client.enqueue(queue, "other", None)
+    mine = client.enqueue(queue, "mine", None)
+    with client.watch(queue, after=0, job_id=mine.id) as watch:
+        events = list(islice(watch, 2))
+    assert [e.name for e in events] == ["added", "waiting"]
+    assert all(e.job_id == mine.id for e in events)
+    assert other.id != mine.id
+
+
+def test_events_long_poll(client: Client, queue: str) -> None:
+    start = client.last_event_seq(queue)
+    assert client.events(queue, after=start, wait_ms=100) == []
+    client.enqueue(queue, "a", None)
+    events = client.events(queue, after=start, limit=1)
+    assert len(events) == 1 and events[0].seq == start + 1
+
+
+def test_watch_survives_a_server_restart(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    server = start_server(data_dir)
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        with Client(server.url) as client, client.watch("restarts") as watch:
+            first = client.enqueue("restarts", "a", None)
+            before = list(islice(watch, 2))
+            assert [(e.name, e.job_id) for e in before] == [("added", first.id), ("waiting", first.id)]
+
+            # SIGTERM ends the stream; the watch reconnects from its cursor
+            # once the server is back on the same port and data.
+            stop_server(server)
+            server = start_server(data_dir, port=port)
+            second = client.enqueue("restarts", "b", None)
+            after = list(islice(watch, 2))
+            assert [(e.name, e.job_id) for e in after] == [("added", second.id), ("waiting", second.id)]
+            assert [e.seq for e in before + after] == list(range(before[0].seq, before[0].seq + 4))
+    finally:
+        stop_server(server)
+
+
+def test_watch_gives_up_on_a_server_that_stays_down(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "data")
+    with Client(server.url) as client:
+        watch = client.watch("gone", max_reconnects=2)
+        stop_server(server)
+        with pytest.raises(UnavailableError):
+            next(watch)
+
+
+def test_watching_an_invalid_queue_is_refused(client: Client) -> None:
+    with pytest.raises(InvalidArgumentError):
+        client.watch("")
+    with pytest.raises(InvalidArgumentError):
+        next(client.watch("", after=0))
+
+
+def test_a_cursor_behind_the_trimmed_log_is_refused(client: Client, queue: str) -> None:
+    start = client.last_event_seq(queue)
+    for i in range(5):
+        client.enqueue(queue, "a", i)
+    assert client.trim_events(queue, 2) == 8
+    with pytest.raises(EventsTrimmedError) as trimmed:
+        next(client.watch(queue, after=start + 1))
+    assert trimmed.value.code == "out_of_range"
+    oldest = int(trimmed.value.subject)
+    assert oldest == start + 9
+    # From the oldest kept event on, nothing is missing.
+    with client.watch(queue, after=0) as watch:
+        assert [e.seq for e in islice(watch, 2)] == [oldest, oldest + 1]
