@@ -23,4 +23,8 @@ if [ -f packages/bullmq/package.json ]; then
   pnpm --filter @loam/bullmq run build:native
   pnpm --filter @loam/bullmq run build:ts
 fi
+if [ -f packages/python/pyproject.toml ]; then
+  echo "install: python client (packages/python/.venv)"
+  bash packages/python/scripts/install.sh
+fi
 echo "install: done"

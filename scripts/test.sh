@@ -10,8 +10,12 @@ cargo test --workspace 2>&1 | tee -a "$log"
 if [ -n "$(ls packages/*/package.json test/*/package.json 2>/dev/null)" ]; then
   pnpm -r --if-present run test 2>&1 | tee -a "$log"
 fi
+if [ -f packages/python/pyproject.toml ]; then
+  bash packages/python/scripts/test.sh -q 2>&1 | tee -a "$log"
+fi
 
-# cargo: "test result: ok. 12 passed; 0 failed; ..."; vitest: "Tests  12 passed (12)" or "Tests  1 failed | 11 passed (12)".
+# cargo: "test result: ok. 12 passed; 0 failed; ..."; vitest: "Tests  12 passed (12)" or "Tests  1 failed | 11 passed (12)";
+# pytest -q: "41 passed in 8.57s" or "1 failed, 40 passed, 2 skipped in 9.01s".
 python3 - "$log" <<'PY'
 import re, sys
 text = open(sys.argv[1], errors="replace").read()
@@ -24,6 +28,10 @@ for line in re.findall(r"^(?:\S+ test: )?\s*Tests\s+(.*)$", text, re.M):
     p = re.search(r"(\d+) passed", line); f = re.search(r"(\d+) failed", line)
     passed += int(p.group(1)) if p else 0
     failed += int(f.group(1)) if f else 0
+for line in re.findall(r"^=*\s*((?:\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|warnings?|deselected)(?:, )?)+) in [\d.]+s", text, re.M):
+    p = re.search(r"(\d+) passed", line); f = re.search(r"(\d+) failed", line); e = re.search(r"(\d+) errors?", line)
+    passed += int(p.group(1)) if p else 0
+    failed += (int(f.group(1)) if f else 0) + (int(e.group(1)) if e else 0)
 print(f"total: {passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
 PY
