@@ -21,6 +21,10 @@
 // with a message, which is all an unwrap would add.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+// As the addon and the server do (see the workspace Cargo.toml).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

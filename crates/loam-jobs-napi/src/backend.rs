@@ -28,6 +28,18 @@ use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, St
 use crate::error::{BullmqCode, Op, invalid};
 use crate::store::{self, OpenOptions, SharedStore};
 
+/// The id a flow node got, or the BullMQ code of its refusal.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum FlowId {
+    Id(String),
+    Code(i32),
+}
+
+/// One `addFlow` result, `[error message | null, id | code]` (BullMQ's shape,
+/// with the error as its tagged message, see `src/errors.ts`).
+type FlowResult = (Option<String>, FlowId);
+
 /// Most events one `readEvents` returns.
 const EVENTS_PER_READ: usize = 1000;
 
@@ -129,8 +141,31 @@ fn now_ms() -> u64 {
 /// The promise of a write already submitted to the core. Write methods are
 /// synchronous napi functions that submit on the JavaScript thread, so the
 /// core applies writes in the order JavaScript issued them, awaited or not
-/// (as Redis does for the commands of one connection); only the wait for the
-/// commit runs on napi's tokio runtime, where a panic rejects the promise.
+/// (as Redis does for the commands of one connection). The core's committer
+/// resolves the promise itself, through napi's thread-safe call, with no hop
+/// through an async runtime; a panic while shaping the result rejects it.
+fn settle_with<'env, R, T>(
+    env: &'env Env,
+    pending: Pending<R>,
+    finish: impl FnOnce(std::result::Result<R, JobsError>) -> Result<T> + Send + 'static,
+) -> Result<PromiseRaw<'env, T>>
+where
+    R: Send + 'static,
+    T: ToNapiValue + Send + 'static,
+{
+    let (deferred, promise) = env.create_deferred()?;
+    pending.then(move |result| {
+        let shaped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| finish(result)))
+            .unwrap_or_else(|panic| Err(crate::error::panicked(panic)));
+        match shaped {
+            Ok(value) => deferred.resolve(move |_| Ok(value)),
+            Err(e) => deferred.reject(e),
+        }
+    });
+    Ok(PromiseRaw::new(env.raw(), promise.raw()))
+}
+
+/// [`settle_with`] for a write whose errors are `op`'s BullMQ errors.
 fn settle<'env, R, T>(
     env: &'env Env,
     op: Op,
@@ -141,7 +176,7 @@ where
     R: Send + 'static,
     T: ToNapiValue + Send + 'static,
 {
-    env.spawn_future(async move { pending.await.map(map).map_err(|e| op.error(e)) })
+    settle_with(env, pending, move |r| r.map(map).map_err(|e| op.error(e)))
 }
 
 /// `{result?, finishedOn}` of moveToCompleted / moveToFailed, as JSON.
@@ -343,6 +378,16 @@ impl LoamQueue {
         self.store.dir.display().to_string()
     }
 
+    /// Resolves once the store answers a read (Redis' PING after connecting):
+    /// `waitUntilReady`. Not a read of this queue: a FlowProducer's backend
+    /// has no queue of its own.
+    #[napi]
+    pub async fn ready(&self) -> Result<()> {
+        self.jobs()?
+            .read(&self.ns, |_| Ok(()))
+            .map_err(|e| Op::new("waitUntilReady").error(e))
+    }
+
     /// Ends blocking waits and gives back this backend's use of the store.
     #[napi]
     pub async fn close(&self) -> Result<()> {
@@ -411,8 +456,8 @@ impl LoamQueue {
             .map_err(invalid)?;
         let parents: Vec<Option<String>> = jobs.iter().map(|j| j.parent_key.clone()).collect();
         let pending = self.jobs()?.enqueue_bulk(&self.ns, &self.queue, reqs);
-        env.spawn_future(async move {
-            let results = pending.await.map_err(|e| Op::new("addJob").error(e))?;
+        settle_with(env, pending, move |results| {
+            let results = results.map_err(|e| Op::new("addJob").error(e))?;
             results
                 .into_iter()
                 .zip(parents)
@@ -444,21 +489,21 @@ impl LoamQueue {
                 wait_children: e.add_to_waiting_children,
             });
         }
-        let pending = self.jobs()?.flow(&self.ns, nodes);
-        let count = entries.len();
+        let added = self.jobs()?.flows(&self.ns, nodes);
         env.spawn_future(async move {
-            match pending.await {
-                Ok(added) => Ok(json(
-                    &added
-                        .iter()
-                        .map(|a| (None::<()>, a.id.as_str()))
-                        .collect::<Vec<_>>(),
-                )),
-                Err(e) => match BullmqCode::of(&e) {
-                    Some(code) => Ok(json(&vec![(None::<()>, code as i32); count])),
-                    None => Err(Op::new("addJob").error(e)),
-                },
-            }
+            let results: Vec<FlowResult> = added
+                .await
+                .into_iter()
+                .map(|r| match r {
+                    Ok(a) => (None, FlowId::Id(a.id)),
+                    // Redis answers a refused insert with its code, not an error.
+                    Err(e) => match BullmqCode::of(&e) {
+                        Some(code) => (None, FlowId::Code(code as i32)),
+                        None => (Some(Op::new("addJob").error(e).reason), FlowId::Code(0)),
+                    },
+                })
+                .collect();
+            Ok(json(&results))
         })
     }
 
@@ -517,12 +562,10 @@ impl LoamQueue {
             fence(Some(&token)),
             ms(duration),
         );
-        env.spawn_future(async move {
-            match pending.await {
-                Ok(_) => Ok(1),
-                Err(e) if is_lock_refusal(&e) => Ok(0),
-                Err(e) => Err(Op::new("extendLock").job(&job_id).error(e)),
-            }
+        settle_with(env, pending, move |extended| match extended {
+            Ok(_) => Ok(1),
+            Err(e) if is_lock_refusal(&e) => Ok(0),
+            Err(e) => Err(Op::new("extendLock").job(&job_id).error(e)),
         })
     }
 

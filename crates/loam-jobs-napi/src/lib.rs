@@ -10,3 +10,8 @@ pub mod backend;
 pub mod convert;
 pub mod error;
 pub mod store;
+
+// The addon's own allocations (Node keeps its allocator): see the workspace
+// Cargo.toml for why.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -118,11 +118,7 @@ fn snapshot(jobs: &Jobs) -> Snapshot {
                 let entries = tx.scan(&state_range(&keys, state), usize::MAX, false)?;
                 index.push(entries.into_iter().map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned())).collect());
             }
-            let events = tx
-                .scan(&keys.events(), usize::MAX, false)?
-                .into_iter()
-                .map(|(_, v)| decode::<Event>(&v))
-                .collect::<Result<Vec<_>, _>>()?;
+            let events = loam_jobs::ops::query::events_after(tx, q, 0, usize::MAX)?;
             Ok(Snapshot { jobs: records, index, stats: tx.stats(q)?.clone(), events, counts: Vec::new() })
         })
         .expect("read the queue");

@@ -6,14 +6,11 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::cmp::Reverse;
 use std::future::Future;
 use std::path::Path;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use event_listener::{Event as Signal, Listener};
-use futures_channel::oneshot;
 use parking_lot::{Condvar, Mutex};
 
 use crate::clock::{Clock, SystemClock};
@@ -27,27 +24,7 @@ use crate::store::redb::{RedbOptions, RedbStore};
 use crate::store::{Store, WriteOp};
 use crate::tx::{Effects, Tx};
 
-/// The result of a write, once its transaction has committed.
-#[must_use = "a write is only known to be done once its Pending resolves"]
-pub struct Pending<T> {
-    rx: oneshot::Receiver<Result<T, JobsError>>,
-}
-
-impl<T> Pending<T> {
-    /// Blocks the calling thread until the write is settled.
-    pub fn wait(self) -> Result<T, JobsError> {
-        futures_executor::block_on(self)
-    }
-}
-
-impl<T> Future for Pending<T> {
-    type Output = Result<T, JobsError>;
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.rx)
-            .poll(cx)
-            .map(|r| r.unwrap_or_else(|_| Err(JobsError::Unavailable("the store closed before the write settled".into()))))
-    }
-}
+pub use crate::pending::Pending;
 
 /// Lets a caller cut its own waits short (BullMQ's `disconnectBlocking`).
 #[derive(Clone, Default)]
@@ -245,11 +222,10 @@ impl Jobs {
         T: Send + 'static,
         F: FnMut(&mut Tx) -> Result<T, JobsError> + Send + 'static,
     {
-        let (tx_done, rx) = oneshot::channel();
         if self.is_closed() {
-            let _ = tx_done.send(Err(JobsError::Unavailable("the queue core is closed".into())));
-            return Pending { rx };
+            return Pending::settled(Err(JobsError::Unavailable("the queue core is closed".into())));
         }
+        let (settle, pending) = crate::pending::pending();
         let inner = Arc::clone(&self.inner);
         let ns = ns.to_string();
         let now_clock = Arc::clone(&self.inner.clock);
@@ -277,11 +253,11 @@ impl Jobs {
                     inner.apply(effects);
                     value
                 });
-                let _ = tx_done.send(value);
+                settle.settle(value);
             }),
         };
         self.inner.store.submit(op);
-        Pending { rx }
+        pending
     }
 
     /// Runs `f` on a snapshot of everything committed so far.
@@ -306,9 +282,7 @@ impl Jobs {
         match Self::queue(ns, queue) {
             Ok(q) => self.write(ns, sync, move |tx| body(tx, &q)),
             Err(e) => {
-                let (tx_done, rx) = oneshot::channel();
-                let _ = tx_done.send(Err(e));
-                Pending { rx }
+                Pending::settled(Err(e))
             }
         }
     }
@@ -335,6 +309,42 @@ impl Jobs {
     /// Inserts a flow tree atomically: all of it, or none of it.
     pub fn flow(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> Pending<Vec<Enqueued>> {
         self.write(ns, true, move |tx| enqueue::flow(tx, nodes.clone()))
+    }
+
+    /// Inserts several flows, each tree atomically on its own: one tree's
+    /// failure leaves the others in (a FlowProducer.addBulk on Redis does the
+    /// same). Resolves to one result per node, in the nodes' order.
+    pub fn flows(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> impl Future<Output = Vec<Result<Enqueued, JobsError>>> + Send + 'static {
+        let count = nodes.len();
+        let trees = enqueue::flow_trees(&nodes);
+        let mut slots: Vec<Option<enqueue::FlowNode>> = nodes.into_iter().map(Some).collect();
+        let pending: Vec<(Vec<usize>, Pending<Vec<Enqueued>>)> = trees
+            .into_iter()
+            .map(|positions| {
+                let tree = positions.iter().filter_map(|&i| slots[i].take()).collect();
+                (positions, self.flow(ns, tree))
+            })
+            .collect();
+        async move {
+            let mut out: Vec<Option<Result<Enqueued, JobsError>>> = (0..count).map(|_| None).collect();
+            for (positions, tree) in pending {
+                match tree.await {
+                    Ok(added) => {
+                        for (i, e) in positions.into_iter().zip(added) {
+                            out[i] = Some(Ok(e));
+                        }
+                    }
+                    Err(e) => {
+                        for i in positions {
+                            out[i] = Some(Err(e.clone()));
+                        }
+                    }
+                }
+            }
+            out.into_iter()
+                .map(|r| r.unwrap_or_else(|| Err(JobsError::Internal("a flow node got no result".into()))))
+                .collect()
+        }
     }
 
     // ---- consuming -------------------------------------------------------

@@ -7,6 +7,12 @@
 
 use crate::kv::{Key, KeyRange};
 
+/// Events per key of a queue's event log. A queue writes several events per
+/// job; one page per batch of them keeps the log to a few B-tree writes per
+/// commit, where a key per event cost an insert and (once trimming) a delete
+/// per event.
+pub const EVENTS_PER_PAGE: u64 = 64;
+
 /// Every queue's keys start with `Q ns queue`.
 const QUEUE: u8 = b'Q';
 /// `R ns queue` registers a queue, so sweeps and listings can find it.
@@ -250,17 +256,18 @@ impl QueueKeys {
         self.range(FAILED)
     }
 
-    pub fn event(&self, seq: u64) -> Key {
+    /// The page of the event log that holds event `seq` (see [`EVENTS_PER_PAGE`]).
+    pub fn event_page(&self, seq: u64) -> Key {
         let mut k = self.with(EVENT);
-        k.extend_from_slice(&seq.to_be_bytes());
+        k.extend_from_slice(&(seq / EVENTS_PER_PAGE).to_be_bytes());
         k
     }
     pub fn events(&self) -> KeyRange {
         self.range(EVENT)
     }
-    /// Events with a sequence number greater than `after`.
-    pub fn events_after(&self, after: u64) -> KeyRange {
-        KeyRange::new(self.event(after.saturating_add(1)), self.range(EVENT).end)
+    /// The pages that may hold events with a sequence number above `after`.
+    pub fn event_pages_after(&self, after: u64) -> KeyRange {
+        KeyRange::new(self.event_page(after.saturating_add(1)), self.range(EVENT).end)
     }
 
     pub fn meta(&self, field: &str) -> Key {

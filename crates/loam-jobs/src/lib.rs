@@ -14,6 +14,7 @@ pub mod kv;
 pub mod model;
 pub mod notify;
 pub mod ops;
+pub mod pending;
 pub mod store;
 pub mod tx;
 

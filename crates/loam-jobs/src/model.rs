@@ -336,6 +336,37 @@ pub(crate) struct EventRef<'a> {
     pub fields: &'a [(&'a str, &'a str)],
 }
 
+/// Appends one encoded record to a page of records (a length, then the bytes).
+pub(crate) fn append_to_page(page: &mut Vec<u8>, record: &[u8]) {
+    page.reserve(4 + record.len());
+    page.extend_from_slice(&(record.len() as u32).to_be_bytes());
+    page.extend_from_slice(record);
+}
+
+/// The records of a page, oldest first; a truncated page is a corrupt record.
+pub(crate) fn page_records(page: &[u8]) -> impl Iterator<Item = Result<&[u8], StoreError>> {
+    let mut rest = page;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let record = rest
+            .get(..4)
+            .map(|n| u32::from_be_bytes([n[0], n[1], n[2], n[3]]) as usize)
+            .and_then(|len| rest.get(4..4 + len).map(|r| (r, 4 + len)));
+        match record {
+            Some((r, used)) => {
+                rest = &rest[used..];
+                Some(Ok(r))
+            }
+            None => {
+                rest = &[];
+                Some(Err(StoreError::Corrupt("an event page ends inside a record".into())))
+            }
+        }
+    })
+}
+
 impl Event {
     /// The Redis-stream-shaped id BullMQ shows: `<ms>-<seq>`.
     pub fn id(&self) -> String {
@@ -379,6 +410,16 @@ pub struct DedupRecord {
     pub expires_at: Option<u64>,
     /// keepLastIfActive: the newest add, to be enqueued when the job finishes.
     pub next: Option<Box<EnqueueRequest>>,
+}
+
+impl DedupRecord {
+    /// Whether the key still deduplicates at `now`: before its ttl, or, with
+    /// keepLastIfActive, for as long as its job is active (so a long job
+    /// never runs twice in parallel).
+    pub fn is_live(&self, job: &JobRecord, now: u64) -> bool {
+        let held = job.state == JobState::Active && job.dedup.as_ref().is_some_and(|d| d.keep_last_if_active);
+        held || self.expires_at.is_none_or(|e| e > now)
+    }
 }
 
 /// The fixed-window counter behind a queue's rate limit.

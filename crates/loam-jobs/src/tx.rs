@@ -7,6 +7,7 @@ use std::collections::{BTreeSet, HashMap};
 use crate::config::{Config, QueueConfig};
 use crate::error::JobsError;
 use crate::keys::{self, QueueId, QueueKeys};
+use crate::keys::EVENTS_PER_PAGE;
 use crate::kv::{Key, KeyRange, KvTxn, Value};
 use crate::model::{self, EventRef, JobRecord, JobState, QueueStats};
 
@@ -238,6 +239,11 @@ impl<'a> Tx<'a> {
         self.delete(&key)?;
         let count = self.stats_mut(q)?.count_mut(job.state);
         *count = count.saturating_sub(1);
+        // A job leaving active frees a slot of a queue's global concurrency:
+        // workers waiting on a maxed queue may take the next job.
+        if job.state == JobState::Active && self.meta_u64(q, "concurrency")?.is_some_and(|c| c > 0) {
+            self.effects.wake_jobs.insert(q.clone());
+        }
         Ok(())
     }
 
@@ -290,15 +296,20 @@ impl<'a> Tx<'a> {
             stats.first_event = stats.last_event;
         }
         let seq = stats.last_event;
-        let event = EventRef { seq, ts: now, name, fields };
-        self.put(&QueueKeys::new(q).event(seq), model::encode(&event))?;
+        let event = model::encode(&EventRef { seq, ts: now, name, fields });
+        let key = QueueKeys::new(q).event_page(seq);
+        let mut page = self.get(&key)?.unwrap_or_default();
+        model::append_to_page(&mut page, &event);
+        self.put(&key, page)?;
         let id = format!("{now}-{seq}");
         self.trim_events(q, max)?;
         self.effects.wake_events.insert(q.clone());
         Ok(id)
     }
 
-    /// Keeps the newest `max` events; returns how many were removed.
+    /// Keeps the newest `max` events; returns how many were dropped. Pages
+    /// whose events are all dropped are deleted; readers skip the dropped
+    /// events of a page still in use (see [`crate::ops::query::events_after`]).
     pub fn trim_events(&mut self, q: &QueueId, max: u64) -> Result<u64, JobsError> {
         let stats = self.stats(q)?.clone();
         if stats.first_event == 0 {
@@ -309,11 +320,13 @@ impl<'a> Tx<'a> {
             return Ok(0);
         }
         let excess = kept - max;
+        let first = stats.first_event + excess;
         let keys = QueueKeys::new(q);
-        for seq in stats.first_event..stats.first_event + excess {
-            self.delete(&keys.event(seq))?;
+        let (old_page, new_page) = (stats.first_event / EVENTS_PER_PAGE, first / EVENTS_PER_PAGE);
+        for page in old_page..new_page {
+            self.delete(&keys.event_page(page * EVENTS_PER_PAGE))?;
         }
-        self.stats_mut(q)?.first_event += excess;
+        self.stats_mut(q)?.first_event = first;
         Ok(excess)
     }
 }

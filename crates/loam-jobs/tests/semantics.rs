@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use loam_jobs::ops::{admin, query};
+use loam_jobs::ops::{admin, query, schedule};
 use loam_jobs::store::redb::RedbStore;
 use loam_jobs::*;
 
@@ -337,6 +337,31 @@ fn event_log_is_trimmed_to_its_length() {
     let kept = jobs.read_events_blocking("ns", "q", Some(0), 100, Duration::ZERO).unwrap();
     assert_eq!(kept.len(), 5);
     assert_eq!(kept.last().map(|e| e.seq), Some(20));
+}
+
+#[test]
+fn event_pages_read_in_order_across_trims_and_limits() {
+    let (jobs, _) = core();
+    jobs.set_meta("ns", "q", BTreeMap::from([("opts.maxLenEvents".to_string(), "150".to_string())])).wait().unwrap();
+    // 2 events per add (added, waiting): 600 events over many pages.
+    for i in 0..300 {
+        jobs.enqueue("ns", "q", job(&format!("j{i}"))).wait().unwrap();
+    }
+    let all = jobs.read_events_blocking("ns", "q", Some(0), 10_000, Duration::ZERO).unwrap();
+    let seqs: Vec<u64> = all.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (451..=600).collect::<Vec<_>>(), "the newest 150, in order, none trimmed");
+    // Paging through with small limits from a cursor gives the same events.
+    let mut cursor = 0;
+    let mut paged = Vec::new();
+    loop {
+        let page = jobs.read_events_blocking("ns", "q", Some(cursor), 7, Duration::ZERO).unwrap();
+        let Some(last) = page.last() else { break };
+        assert!(page.len() <= 7);
+        cursor = last.seq;
+        paged.extend(page.into_iter().map(|e| e.seq));
+    }
+    assert_eq!(paged, seqs);
+    assert_eq!(jobs.read_events_blocking("ns", "q", Some(590), 100, Duration::ZERO).unwrap().len(), 10);
 }
 
 #[test]
@@ -689,4 +714,113 @@ fn a_retry_without_an_error_keeps_the_jobs_error_fields() {
     finish(&jobs, "q", &l, Outcome::Retry { error: None, after_ms: Some(0) }).unwrap();
     let j = jobs.get_job("ns", "q", "1").unwrap().unwrap();
     assert_eq!((j.attempts_made, j.failed_reason.as_deref()), (2, Some("first")));
+}
+
+#[test]
+fn removing_a_parent_removes_its_grandchildren_without_releasing_anything() {
+    let (jobs, _) = core();
+    let nodes = vec![
+        FlowNode { queue: "parents".into(), request: EnqueueRequest { job_id: Some("p".into()), ..job("parent") }, wait_children: true },
+        FlowNode {
+            queue: "kids".into(),
+            request: EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("parents", "p")), ..job("c") },
+            wait_children: true,
+        },
+        FlowNode {
+            queue: "kids".into(),
+            request: EnqueueRequest { job_id: Some("g".into()), parent: Some(parent("kids", "c")), ..job("g") },
+            wait_children: false,
+        },
+    ];
+    jobs.flow("ns", nodes).wait().unwrap();
+    assert!(jobs.admin("ns", "parents", |tx, q| admin::remove_job(tx, q, "p", true)).wait().unwrap());
+    for (q, id) in [("parents", "p"), ("kids", "c"), ("kids", "g")] {
+        assert_eq!(state(&jobs, q, id), None, "{id} is gone");
+    }
+    // The middle job was never released to waiting on its way out.
+    assert_eq!(jobs.counts("ns", "kids", &[JobState::Waiting, JobState::WaitingChildren]).unwrap(), vec![0, 0]);
+}
+
+#[test]
+fn a_batch_of_flows_inserts_each_tree_on_its_own() {
+    let (jobs, _) = core();
+    let nodes = vec![
+        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("good".into()), ..job("good") }, wait_children: false },
+        FlowNode {
+            queue: "q".into(),
+            request: EnqueueRequest { job_id: Some("orphan".into()), parent: Some(parent("q", "missing")), ..job("orphan") },
+            wait_children: false,
+        },
+    ];
+    let results = futures_executor::block_on(jobs.flows("ns", nodes));
+    assert_eq!(results.len(), 2);
+    assert_eq!(results[0].as_ref().unwrap().id, "good");
+    assert!(matches!(results[1], Err(JobsError::NotFound(_))), "{:?}", results[1]);
+    assert_eq!(state(&jobs, "q", "good"), Some(JobState::Waiting));
+    assert_eq!(state(&jobs, "q", "orphan"), None);
+}
+
+#[test]
+fn an_expired_dedup_key_is_not_removed_and_no_longer_deduplicates() {
+    let (jobs, clock) = core();
+    let first = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(100))), ..job("a") }).wait().unwrap();
+    clock.advance(101);
+    let removed = jobs.admin("ns", "q", move |tx, q| admin::remove_dedup_key(tx, q, "d", Some(&first.id))).wait().unwrap();
+    assert_eq!(removed, 0, "a key past its ttl is gone already");
+}
+
+#[test]
+fn keep_last_if_active_holds_the_key_past_its_ttl_while_the_job_runs() {
+    let (jobs, clock) = core();
+    let d = Dedup { keep_last_if_active: true, ..dedup("d", Some(200)) };
+    let first = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), ..job("a") }).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    clock.advance(300);
+    let second = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d), ..job("a") }).wait().unwrap();
+    assert!(!second.created);
+    assert_eq!(second.id, first.id, "the running job still owns the key");
+    ok(&jobs, "q", &l, "1");
+    // The kept add runs once the first finished.
+    assert!(lease_one(&jobs, "q").is_some());
+}
+
+#[test]
+fn a_replaced_every_iteration_keeps_the_scheduler_phase() {
+    let (jobs, clock) = core();
+    // 1 s past a 60 s boundary: the scheduler's phase (offset) is 1000.
+    clock.set(60_000 * 1000 + 1000);
+    let every = |ms| SchedulerSpec { id: "s".into(), name: "tick".into(), every_ms: Some(ms), job: job("tick"), ..Default::default() };
+    jobs.upsert_scheduler("ns", "q", every(60_000)).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    jobs.admin("ns", "q", {
+        let id = l.job.id.clone();
+        move |tx, q| schedule::advance(tx, q, "s", None, &id, &job("tick"))
+    })
+    .wait()
+    .unwrap();
+    clock.advance(1);
+    jobs.upsert_scheduler("ns", "q", every(120_000)).wait().unwrap();
+    let rec = jobs.query("ns", "q", |tx, q| schedule::get(tx, q, "s")).unwrap().unwrap();
+    assert_eq!(rec.offset_ms, Some(1000));
+    assert_eq!(rec.every_ms, Some(120_000));
+}
+
+#[test]
+fn a_job_leaving_active_wakes_workers_of_a_maxed_queue() {
+    let (jobs, _) = core();
+    jobs.set_meta("ns", "q", BTreeMap::from([("concurrency".to_string(), "1".to_string())])).wait().unwrap();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    jobs.enqueue("ns", "q", job("b")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+            rt.block_on(jobs.wait_for_job("ns", "q", Duration::from_secs(5), None))
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let started = std::time::Instant::now();
+        ok(&jobs, "q", &l, "1");
+        assert_eq!(waiter.join().unwrap().unwrap(), Some(0));
+        assert!(started.elapsed() < Duration::from_secs(2), "woken by the freed slot, not the timeout");
+    });
 }

@@ -31,7 +31,7 @@ import type {
   StreamReadRaw,
 } from 'bullmq';
 import { LoamQueue } from '../native/index.js';
-import { call } from './errors.js';
+import { call, fromNative } from './errors.js';
 
 /** What a backend needs to open its queue (see `loamBackend()`). */
 export interface LoamBackendSettings {
@@ -128,6 +128,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   private readonly native: LoamQueue;
   private releaseName: (() => void) | undefined;
   private readonly ready: Promise<void>;
+  /** Set once `ready` resolved; a worker takes jobs only from then on. */
+  private isReady = false;
   /** Where a QueueEvents started reading (`'$'` resolved at construction). */
   private eventsStart: Promise<string> | undefined;
 
@@ -154,9 +156,16 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
       this.ready = start.then(() => undefined);
       this.ready.catch(() => undefined);
     } else {
-      this.ready = Promise.resolve();
+      this.ready = call(native.ready());
+      this.ready.catch(() => undefined);
     }
-    queueMicrotask(() => this.emit('ready'));
+    this.ready.then(
+      () => {
+        this.isReady = true;
+        this.emit('ready');
+      },
+      (err) => this.emit('error', err),
+    );
   }
 
   // ---- lifecycle ------------------------------------------------------------
@@ -237,17 +246,20 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     entries: { jobData: JobJson; jobId: string; parentKeyOpts: ParentKeyOpts; prefix: string; queueName: string }[],
   ): Promise<[Error | null, string | number][]> {
     const nodes = entries.map(e => newJobJson(e.jobData, e.jobId, e.parentKeyOpts, e.queueName));
-    try {
-      return JSON.parse(await call(this.native.addFlow(Date.now(), JSON.stringify(nodes))));
-    } catch (err) {
-      // The tree is inserted atomically: on failure nothing was, for any entry.
-      return entries.map(() => [err as Error, 0]);
-    }
+    // Each tree goes in atomically on its own; a refused one answers, per
+    // node, BullMQ's code (or an error when BullMQ has none), as Redis does.
+    const results: [string | null, string | number][] = JSON.parse(
+      await call(this.native.addFlow(Date.now(), JSON.stringify(nodes))),
+    );
+    return results.map(([message, id]) => [message === null ? null : fromNative(new Error(message)), id]);
   }
 
   // ---- worker: fetch, locks, stalled ------------------------------------------
 
   async moveToActive(token: string, name?: string): Promise<any[]> {
+    // Like a Redis connection still being set up, a new backend fetches only
+    // once ready: a worker already waiting gets a just-added job first.
+    if (!this.isReady) await this.ready;
     return JSON.parse(await call(this.native.moveToActive(Date.now(), token, name)));
   }
 

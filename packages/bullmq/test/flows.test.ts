@@ -49,6 +49,23 @@ describe('flows', () => {
     await flow.close();
   });
 
+  it('adds each tree of a FlowProducer.addBulk on its own, as Redis does', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const flow = new FlowProducer({ connection });
+    const [valid, orphan] = await flow.addBulk([
+      { name: 'valid', queueName: name, children: [{ name: 'kid', queueName: name }] },
+      { name: 'orphan', queueName: name, opts: { parent: { id: 'missing', queue: `bull:${name}` } } },
+    ]);
+    expect(await queue.getJobState(valid.job.id!)).toBe('waiting-children');
+    expect(await queue.getJob(orphan.job.id!)).toBeUndefined();
+    await expect(
+      flow.add({ name: 'orphan', queueName: name, opts: { parent: { id: 'missing', queue: `bull:${name}` } } }),
+    ).rejects.toThrow('Missing key for parent job');
+    await flow.close();
+    await queue.close();
+  });
+
   it('parks a running parent until the children it added finish (moveToWaitingChildren)', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });

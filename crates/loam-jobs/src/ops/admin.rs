@@ -24,8 +24,14 @@ pub fn purge_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsEr
 /// Removes a job from everything: its index, its parent's pending children,
 /// its dedup key, its record.
 fn drop_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
-    tx.unindex(q, job)?;
     detach_from_parent(tx, q, job)?;
+    drop_detached(tx, q, job)
+}
+
+/// [`drop_job`] for a job whose parent is going too: unlinking it would
+/// release that parent (to waiting) just before its own removal.
+fn drop_detached(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    tx.unindex(q, job)?;
     release_dedup_key(tx, q, job)?;
     purge_job(tx, q, job)
 }
@@ -144,15 +150,23 @@ pub fn remove_job(tx: &mut Tx, q: &QueueId, id: &str, remove_children: bool) -> 
 }
 
 fn remove_tree(tx: &mut Tx, q: &QueueId, job: JobRecord, remove_children: bool) -> Result<(), JobsError> {
-    if remove_children {
-        for (cq, dep) in children(tx, q, &job.id)? {
-            if let Some(child) = tx.load_job(&cq, &dep.child_id)? {
-                remove_tree(tx, &cq, child, true)?;
-            }
-        }
-    }
+    let children = if remove_children { children(tx, q, &job.id)? } else { Vec::new() };
     drop_job(tx, q, &job)?;
     tx.event(q, "removed", &[("jobId", &job.id), ("prev", removed_prev(job.state))])?;
+    remove_descendants_of(tx, children)
+}
+
+/// Removes the subtree under a job that is itself being removed. The children
+/// are read before the job's dependency records go (see [`purge_job`]).
+fn remove_descendants_of(tx: &mut Tx, children: Vec<(QueueId, Dependency)>) -> Result<(), JobsError> {
+    for (cq, dep) in children {
+        if let Some(child) = tx.load_job(&cq, &dep.child_id)? {
+            let grandchildren = self::children(tx, &cq, &child.id)?;
+            drop_detached(tx, &cq, &child)?;
+            tx.event(&cq, "removed", &[("jobId", &child.id), ("prev", removed_prev(child.state))])?;
+            remove_descendants_of(tx, grandchildren)?;
+        }
+    }
     Ok(())
 }
 
@@ -548,7 +562,12 @@ pub fn remove_rate_limit_key(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError>
 pub fn remove_dedup_key(tx: &mut Tx, q: &QueueId, dedup_id: &str, job_id: Option<&str>) -> Result<u64, JobsError> {
     let key = QueueKeys::new(q).dedup(dedup_id);
     let Some(rec) = tx.get_record::<DedupRecord>(&key)? else { return Ok(0) };
-    if job_id.is_some_and(|j| j != rec.job_id) {
+    let live = match tx.load_job(q, &rec.job_id)? {
+        Some(job) => rec.is_live(&job, tx.now),
+        None => rec.expires_at.is_none_or(|e| e > tx.now),
+    };
+    // An expired key is gone already (a Redis key past its TTL): nothing to remove.
+    if !live || job_id.is_some_and(|j| j != rec.job_id) {
         return Ok(0);
     }
     tx.delete(&key)?;

@@ -262,12 +262,13 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     let keys = QueueKeys::new(q);
     let dkey = keys.dedup(&d.id);
     let now = tx.now;
-    let current = tx
-        .get_record::<DedupRecord>(&dkey)?
-        .filter(|r| r.expires_at.is_none_or(|e| e > now));
-    let current_job = match &current {
-        Some(r) => tx.load_job(q, &r.job_id)?,
-        None => None,
+    let (current, current_job) = match tx.get_record::<DedupRecord>(&dkey)? {
+        Some(r) => {
+            let job = tx.load_job(q, &r.job_id)?;
+            let live = job.as_ref().is_some_and(|j| r.is_live(j, now));
+            (live.then_some(r), job)
+        }
+        None => (None, None),
     };
     let (Some(rec), Some(mut job)) = (current, current_job) else {
         let expires_at = d.ttl_ms.filter(|t| *t > 0).map(|t| now + t);
@@ -330,6 +331,26 @@ pub struct FlowNode {
     pub queue: String,
     pub request: EnqueueRequest,
     pub wait_children: bool,
+}
+
+/// Splits the nodes of several flows into their trees, in order: a node whose
+/// parent is an earlier node of the batch joins that node's tree, any other
+/// node starts one. Returns, per tree, the positions of its nodes.
+pub fn flow_trees(nodes: &[FlowNode]) -> Vec<Vec<usize>> {
+    let mut tree_of: std::collections::HashMap<(&str, &str), usize> = std::collections::HashMap::new();
+    let mut trees: Vec<Vec<usize>> = Vec::new();
+    for (i, node) in nodes.iter().enumerate() {
+        let parent_tree = node.request.parent.as_ref().and_then(|p| tree_of.get(&(p.queue.as_str(), p.id.as_str())).copied());
+        let tree = parent_tree.unwrap_or_else(|| {
+            trees.push(Vec::new());
+            trees.len() - 1
+        });
+        trees[tree].push(i);
+        if let Some(id) = &node.request.job_id {
+            tree_of.insert((node.queue.as_str(), id.as_str()), tree);
+        }
+    }
+    trees
 }
 
 /// Inserts a flow tree; parents come before their children. Parents whose

@@ -111,10 +111,22 @@ pub fn dependencies(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(String, D
 
 /// Events with a sequence above `after`, oldest first.
 pub fn events_after(tx: &mut Tx, q: &QueueId, after: u64, limit: usize) -> Result<Vec<Event>, JobsError> {
-    tx.scan(&QueueKeys::new(q).events_after(after), limit, false)?
-        .into_iter()
-        .map(|(_, v)| Ok(model::decode(&v)?))
-        .collect()
+    // Trimmed events may linger in the oldest page: start past them.
+    let after = after.max(tx.stats(q)?.first_event.saturating_sub(1));
+    let pages = limit.div_ceil(keys::EVENTS_PER_PAGE as usize).saturating_add(1);
+    let mut out = Vec::new();
+    for (_, page) in tx.scan(&QueueKeys::new(q).event_pages_after(after), pages, false)? {
+        for record in model::page_records(&page) {
+            let event: Event = model::decode(record?)?;
+            if event.seq > after {
+                out.push(event);
+                if out.len() == limit {
+                    return Ok(out);
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 pub fn last_event_seq(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError> {

@@ -140,28 +140,33 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
     {
         prev = None;
     }
-    let mut offset = spec.offset_ms.unwrap_or(0);
+    let offset = spec.offset_ms.unwrap_or(0);
     let mut next = match (spec.every_ms, spec.next_millis) {
         (Some(every), _) => every_next(tx.now, every, offset, prev, spec.start_date),
         (None, Some(n)) => n,
         (None, None) => return Err(JobsError::invalid("a cron scheduler needs its next run time")),
     };
-    // The previous iteration gives way if it has not started.
-    let mut removed_prev = true;
+    // The previous iteration gives way if it has not started. As in BullMQ,
+    // a waiting one of a paused queue is not found where Redis looks for it
+    // (its legacy paused list), so it stays and a new iteration is added.
+    let paused = tx.is_paused(q)?;
+    let mut removed_prev = false;
     if let Some(o) = &old
         && let Some(pid) = &o.next_job_id
         && let Some(pjob) = tx.load_job(q, pid)?
+        && match pjob.state {
+            JobState::Delayed | JobState::Prioritized => true,
+            JobState::Waiting => !paused,
+            _ => false,
+        }
     {
-        if matches!(pjob.state, JobState::Delayed | JobState::Waiting | JobState::Prioritized) {
-            let mut detached = o.clone();
-            detached.next_job_id = None;
-            tx.put_record(&keys.scheduler(&o.id), &detached)?;
-            admin::remove_job(tx, q, pid, false)?;
-            if spec.every_ms.is_some() && o.every_ms == spec.every_ms && prev.is_some() {
-                next = o.next_millis;
-            }
-        } else {
-            removed_prev = false;
+        let mut detached = o.clone();
+        detached.next_job_id = None;
+        tx.put_record(&keys.scheduler(&o.id), &detached)?;
+        admin::remove_job(tx, q, pid, false)?;
+        removed_prev = true;
+        if spec.every_ms.is_some() && o.every_ms == spec.every_ms && prev.is_some() {
+            next = o.next_millis;
         }
     }
     if tx.load_job(q, &iteration_id(&spec.id, next))?.is_some() {
@@ -182,11 +187,13 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
             None => {}
         }
     }
-    if let Some(every) = spec.every_ms
-        && offset == 0
-    {
-        offset = next - (next / every) * every;
-    }
+    // An `every` scheduler keeps the phase it was given or first found; a
+    // replaced iteration keeps the stored one (BullMQ's offset rule).
+    let offset = match spec.every_ms {
+        Some(_) if removed_prev => spec.offset_ms.or(old.as_ref().and_then(|o| o.offset_ms)).unwrap_or(0),
+        Some(every) if offset == 0 => next - (next / every) * every,
+        _ => offset,
+    };
     let rec = SchedulerRecord {
         id: spec.id.clone(),
         name: spec.name.clone(),

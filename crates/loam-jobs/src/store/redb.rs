@@ -5,7 +5,10 @@
 //! [`Overlay`] over the batch's overlay (so a failed operation leaves nothing
 //! behind), and hands the batch's net writes to the **committer** thread,
 //! which writes them into one redb transaction, commits it with one fsync, and
-//! only then acknowledges the batch's operations.
+//! only then acknowledges the batch's operations that need durability. The
+//! others (every write under relaxed durability; leases under immediate) are
+//! acknowledged as soon as their batch is handed over, and reads wait for that
+//! batch's commit, so nobody reads older state than they were told of.
 //!
 //! The two threads overlap: while batch N is written and fsynced, batch N+1
 //! runs on top of N's writes (a [`Layer`] over the last committed snapshot).
@@ -62,6 +65,8 @@ impl Default for RedbOptions {
 pub struct RedbStore {
     /// Taken by `close`, which releases the file for another opener.
     db: Mutex<Option<Arc<Database>>>,
+    /// The committer's progress: reads start from its latest snapshot.
+    progress: Arc<Progress>,
     sender: Mutex<Option<Sender<WriteOp>>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -92,14 +97,14 @@ impl RedbStore {
         txn.commit().map_err(io)?;
         let db = Arc::new(db);
         let progress = Arc::new(Progress {
-            state: Mutex::new(Committed { batch: 0, failed: None, snapshot: Arc::new(RedbSnapshot::new(&db)?) }),
+            state: Mutex::new(Committed { batch: 0, failed: None, acked: 0, snapshot: Arc::new(RedbSnapshot::new(&db)?) }),
             changed: Condvar::new(),
         });
         let (sender, receiver) = mpsc::channel();
         // Capacity 1: the executor hands over a batch only when the committer is free.
         let (to_committer, from_executor) = mpsc::sync_channel(1);
         let executor = Executor { progress: Arc::clone(&progress), to_committer, durability };
-        let committer = Committer { db: Arc::clone(&db), progress, durability, unflushed_since: None };
+        let committer = Committer { db: Arc::clone(&db), progress: Arc::clone(&progress), durability, unflushed_since: None };
         let threads = vec![
             std::thread::Builder::new()
                 .name("loam-jobs-writer".into())
@@ -110,7 +115,7 @@ impl RedbStore {
                 .spawn(move || committer.run(from_executor))
                 .map_err(io)?,
         ];
-        Ok(Self { db: Mutex::new(Some(db)), sender: Mutex::new(Some(sender)), threads: Mutex::new(threads) })
+        Ok(Self { db: Mutex::new(Some(db)), progress, sender: Mutex::new(Some(sender)), threads: Mutex::new(threads) })
     }
 }
 
@@ -125,9 +130,18 @@ impl Store for RedbStore {
         }
     }
 
+    /// The state as of the last acknowledged write: a write acknowledged
+    /// before its commit (see [`Executor::ack_early`]) is waited for, so a
+    /// caller always reads what it was told was written.
     fn snapshot(&self) -> Result<Box<dyn KvRead + Send>, StoreError> {
-        let db = self.db.lock().clone().ok_or(StoreError::Closed)?;
-        Ok(Box::new(SnapshotReader(Arc::new(RedbSnapshot::new(&db)?))))
+        if self.db.lock().is_none() {
+            return Err(StoreError::Closed);
+        }
+        let mut state = self.progress.state.lock();
+        while state.batch < state.acked {
+            self.progress.changed.wait(&mut state);
+        }
+        Ok(Box::new(SnapshotReader(Arc::clone(&state.snapshot))))
     }
 
     fn close(&self) {
@@ -206,6 +220,8 @@ struct Committed {
     batch: u64,
     /// The last batch whose commit failed, and why.
     failed: Option<(u64, StoreError)>,
+    /// The last batch whose writes were acknowledged before their commit.
+    acked: u64,
     /// The file as of the last successful commit.
     snapshot: Arc<RedbSnapshot>,
 }
@@ -215,6 +231,7 @@ struct Batch {
     number: u64,
     writes: Arc<Writes>,
     sync: bool,
+    /// Acknowledgements that wait for the commit (the rest went out early).
     acks: Vec<Ack>,
 }
 
@@ -255,19 +272,31 @@ impl Executor {
             if in_flight.is_some() {
                 let (_, failed) = self.view(&mut in_flight, true);
                 if let Some(e) = failed {
-                    for (done, _) in acks {
+                    for (_, (done, _)) in acks {
                         done(Err(JobsError::from(e.clone())));
                     }
                     continue;
                 }
             }
+            // Acknowledgements that need not wait for the commit go out once
+            // the batch is with the committer (a reader they wake then waits
+            // for that commit, see `RedbStore::snapshot`).
+            let relaxed = matches!(self.durability, Durability::Relaxed { .. });
+            let (early, late): (Vec<_>, Vec<_>) = acks.into_iter().partition(|(sync, _)| relaxed || !*sync);
+            if !early.is_empty() {
+                self.progress.state.lock().acked = number;
+            }
+            let late = late.into_iter().map(|(_, ack)| ack).collect();
             let writes = Arc::new(writes);
             in_flight = Some((number, Arc::clone(&writes)));
-            if let Err(mpsc::SendError(batch)) = self.to_committer.send(Batch { number, writes, sync, acks }) {
-                for (done, _) in batch.acks {
+            if let Err(mpsc::SendError(batch)) = self.to_committer.send(Batch { number, writes, sync, acks: late }) {
+                for (done, _) in batch.acks.into_iter().chain(early.into_iter().map(|(_, ack)| ack)) {
                     done(Err(StoreError::Closed.into()));
                 }
                 return;
+            }
+            for (_, (done, result)) in early {
+                done(result);
             }
         }
     }
@@ -298,11 +327,13 @@ impl Executor {
 }
 
 /// Runs a batch's operations, each in its own overlay over the batch's.
-fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>) {
+/// Returns the batch's writes, and each operation's acknowledgement with
+/// whether it must wait for fsync.
+fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<(bool, Ack)>) {
     let mut acks = Vec::with_capacity(ops.len());
     let mut group = Overlay::caching(base);
     for op in ops {
-        let WriteOp { mut body, done, .. } = op;
+        let WriteOp { mut body, done, sync } = op;
         let mut local = Overlay::new(&mut group);
         // A bug in an operation must fail that operation, not the writer
         // thread and with it every caller (and a Node host).
@@ -312,7 +343,7 @@ fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>) {
         if result.is_ok() {
             group.absorb(local);
         }
-        acks.push((done, result));
+        acks.push((sync, (done, result)));
     }
     (group.into_writes(), acks)
 }

@@ -1,0 +1,145 @@
+//! [`Pending`]: the result of a submitted write. A caller awaits it, blocks on
+//! it, or hands it a callback ([`Pending::then`]) that the committing thread
+//! runs itself: a host with its own event loop (Node) resolves its promise from
+//! there, without a hop through an async runtime.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use parking_lot::Mutex;
+
+use crate::error::JobsError;
+
+type Callback<T> = Box<dyn FnOnce(Result<T, JobsError>) + Send>;
+
+enum Slot<T> {
+    Empty,
+    Waiting(Waker),
+    Callback(Callback<T>),
+    Done(Result<T, JobsError>),
+    Taken,
+}
+
+/// The result of a write, once its transaction has committed.
+#[must_use = "a write is only known to be done once its Pending resolves"]
+pub struct Pending<T> {
+    slot: Arc<Mutex<Slot<T>>>,
+}
+
+/// The writer's end of a [`Pending`]. Dropped unsettled (the store went away
+/// with the write), it settles the write as unavailable.
+pub(crate) struct Settle<T> {
+    slot: Option<Arc<Mutex<Slot<T>>>>,
+}
+
+/// A pending result and the end that settles it.
+pub(crate) fn pending<T>() -> (Settle<T>, Pending<T>) {
+    let slot = Arc::new(Mutex::new(Slot::Empty));
+    (Settle { slot: Some(Arc::clone(&slot)) }, Pending { slot })
+}
+
+impl<T> Settle<T> {
+    pub(crate) fn settle(mut self, result: Result<T, JobsError>) {
+        if let Some(slot) = self.slot.take() {
+            deliver(&slot, result);
+        }
+    }
+}
+
+impl<T> Drop for Settle<T> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            deliver(&slot, Err(JobsError::Unavailable("the store closed before the write settled".into())));
+        }
+    }
+}
+
+fn deliver<T>(slot: &Mutex<Slot<T>>, result: Result<T, JobsError>) {
+    let mut guard = slot.lock();
+    match std::mem::replace(&mut *guard, Slot::Taken) {
+        Slot::Callback(callback) => {
+            drop(guard);
+            callback(result);
+        }
+        Slot::Waiting(waker) => {
+            *guard = Slot::Done(result);
+            drop(guard);
+            waker.wake();
+        }
+        _ => *guard = Slot::Done(result),
+    }
+}
+
+impl<T> Pending<T> {
+    /// A write already settled (refused before it reached the store).
+    pub(crate) fn settled(result: Result<T, JobsError>) -> Self {
+        Pending { slot: Arc::new(Mutex::new(Slot::Done(result))) }
+    }
+
+    /// Blocks the calling thread until the write is settled.
+    pub fn wait(self) -> Result<T, JobsError> {
+        futures_executor::block_on(self)
+    }
+
+    /// Runs `callback` with the result: now if settled, else on the thread
+    /// that settles it (the store's committer), which it must not hold up.
+    pub fn then(self, callback: impl FnOnce(Result<T, JobsError>) + Send + 'static) {
+        let mut guard = self.slot.lock();
+        match std::mem::replace(&mut *guard, Slot::Taken) {
+            Slot::Done(result) => {
+                drop(guard);
+                callback(result);
+            }
+            _ => *guard = Slot::Callback(Box::new(callback)),
+        }
+    }
+}
+
+impl<T> Future for Pending<T> {
+    type Output = Result<T, JobsError>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut guard = self.slot.lock();
+        match std::mem::replace(&mut *guard, Slot::Taken) {
+            Slot::Done(result) => Poll::Ready(result),
+            Slot::Taken => Poll::Ready(Err(JobsError::Internal("a write's result was taken twice".into()))),
+            _ => {
+                *guard = Slot::Waiting(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_callback_runs_once_with_the_result_before_or_after_settling() {
+        let (settle, p) = pending::<u32>();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tx2 = tx.clone();
+        p.then(move |r| tx.send(r).unwrap());
+        settle.settle(Ok(7));
+        assert_eq!(rx.recv().unwrap(), Ok(7));
+
+        let (settle, p) = pending::<u32>();
+        settle.settle(Ok(8));
+        p.then(move |r| tx2.send(r).unwrap());
+        assert_eq!(rx.recv().unwrap(), Ok(8));
+    }
+
+    #[test]
+    fn a_dropped_writer_settles_as_unavailable() {
+        let (settle, p) = pending::<u32>();
+        drop(settle);
+        assert!(matches!(p.wait(), Err(JobsError::Unavailable(_))));
+        let (settle, p) = pending::<u32>();
+        let waiter = std::thread::spawn(move || p.wait());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        settle.settle(Ok(1));
+        assert_eq!(waiter.join().unwrap(), Ok(1));
+    }
+}
