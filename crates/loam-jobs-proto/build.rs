@@ -8,7 +8,8 @@ use std::process::Command;
 const FILES: [&str; 3] = ["loam/jobs/v1/jobs.proto", "loam/jobs/v1/types.proto", "loam/jobs/v1/events.proto"];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let proto = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // Read at run time: a build script compiled for one checkout may be reused for another.
+    let proto = Path::new(&std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     for f in FILES {
         println!("cargo:rerun-if-changed={}", proto.join(f).display());
     }

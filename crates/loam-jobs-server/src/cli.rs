@@ -79,6 +79,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 80 << 20)]
     pub max_request_bytes: usize,
 
+    /// Most calls one HTTP/2 connection may have in flight (long-polls and
+    /// watches included). A client that opens more has its connection closed.
+    #[arg(long, default_value_t = 1000)]
+    pub max_concurrent_streams: u32,
+
     /// When writes are acknowledged.
     #[arg(long, value_enum, default_value_t = DurabilityArg::Immediate)]
     pub durability: DurabilityArg,

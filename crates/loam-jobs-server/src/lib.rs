@@ -11,6 +11,7 @@ pub mod auth;
 pub mod cli;
 pub mod convert;
 pub mod errors;
+pub mod listen;
 pub mod metrics;
 pub mod schedules;
 pub mod service;
@@ -21,7 +22,6 @@ use std::time::Duration;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use axum::serve::ListenerExt;
 use futures::FutureExt;
 use connectrpc::{ConnectRpcService, Limits};
 use loam_jobs::store::redb::{RedbOptions, RedbStore};
@@ -145,29 +145,10 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
             shutdown.fire();
         }
     };
-    // Small replies must not wait for Nagle's algorithm.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY not set");
-        }
-    });
-    let server = axum::serve(listener, app).with_graceful_shutdown(stopping);
     let grace = Duration::from_secs(args.shutdown_grace_secs);
-    let outcome = {
-        let fired = shutdown.clone();
-        tokio::select! {
-            r = server => r.map_err(ServerError::Serve),
-            () = async move {
-                while !fired.is_fired() {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                tokio::time::sleep(grace).await;
-            } => {
-                tracing::warn!(grace_secs = args.shutdown_grace_secs, "calls still in flight after the grace period; closing anyway");
-                Ok(())
-            }
-        }
-    };
+    if !listen::serve(listener, app, args.max_concurrent_streams, stopping, grace).await {
+        tracing::warn!(grace_secs = args.shutdown_grace_secs, "calls still in flight after the grace period; closing anyway");
+    }
     shutdown.fire();
     let _ = ticker.await;
     purger.abort();
@@ -175,7 +156,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let closing = jobs.clone();
     let _ = tokio::task::spawn_blocking(move || closing.close()).await;
     tracing::info!("store closed; bye");
-    outcome
+    Ok(())
 }
 
 /// Opens the redb store. With a following clock, job times follow the

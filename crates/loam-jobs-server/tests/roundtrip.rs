@@ -481,3 +481,27 @@ async fn immediately_runs_the_first_tick_now() {
     assert!(t > now && t - now <= 366 * 86_400_000 && delay > 0);
     assert_eq!(t % 86_400_000, 0, "midnight UTC");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_http2_connection_carries_hundreds_of_long_polls() {
+    use connectrpc::client::{ClientConfig, HttpClient};
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let client = Arc::new(pb::JobsServiceClient::new(
+        HttpClient::plaintext_http2_only(),
+        ClientConfig::new(server.url().parse().unwrap()).with_protocol(connectrpc::Protocol::Grpc),
+    ));
+    // 500 workers long-poll an empty queue for a second, all at once: past
+    // hyper's default of 200 streams they would queue in waves.
+    let started = Instant::now();
+    let polls: Vec<_> = (0..500)
+        .map(|_| {
+            let c = Arc::clone(&client);
+            tokio::spawn(async move { c.lease(lease_req("idle", 1, 1000, 0)).await })
+        })
+        .collect();
+    for p in polls {
+        assert!(p.await.unwrap().unwrap().into_owned().leased.into_option().unwrap().leases.is_empty());
+    }
+    assert!(started.elapsed() < Duration::from_millis(2500), "took {:?}", started.elapsed());
+}
