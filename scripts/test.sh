@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
+pnpm lint:proto
 cargo test --workspace 2>&1 | tee -a "$log"
 if [ -n "$(ls packages/*/package.json test/*/package.json 2>/dev/null)" ]; then
   pnpm -r --if-present run test 2>&1 | tee -a "$log"

@@ -230,7 +230,7 @@ pub fn advance(
     template: &EnqueueRequest,
 ) -> Result<Option<String>, JobsError> {
     let keys = QueueKeys::new(q);
-    let Some(mut rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(None) };
+    let Some(rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(None) };
     if producer_id != iteration_id(id, rec.next_millis) {
         return Ok(None);
     }
@@ -240,7 +240,15 @@ pub fn advance(
         (None, Some(n)) => n,
         (None, None) => return Err(JobsError::invalid("a cron scheduler needs its next run time")),
     };
-    let next_id = iteration_id(id, next);
+    move_to_tick(tx, q, rec, next, template)
+}
+
+/// Moves a scheduler on to tick `next` and enqueues that tick's iteration,
+/// unless a job holds its id already (then a `duplicated` event) or the
+/// scheduler is past its limit or end date.
+fn move_to_tick(tx: &mut Tx, q: &QueueId, mut rec: SchedulerRecord, next: u64, template: &EnqueueRequest) -> Result<Option<String>, JobsError> {
+    let prev = rec.next_millis;
+    let next_id = iteration_id(&rec.id, next);
     if tx.load_job(q, &next_id)?.is_some() {
         tx.event(q, "duplicated", &[("jobId", &next_id)])?;
         return Ok(None);
@@ -311,25 +319,11 @@ pub fn advance_to(
     template: &EnqueueRequest,
 ) -> Result<Option<String>, JobsError> {
     let keys = QueueKeys::new(q);
-    let Some(mut rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(None) };
+    let Some(rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(None) };
     if producer_id != iteration_id(id, rec.next_millis) || next <= rec.next_millis {
         return Ok(None);
     }
-    let prev = rec.next_millis;
-    let next_id = iteration_id(id, next);
-    if tx.load_job(q, &next_id)?.is_some() {
-        tx.event(q, "duplicated", &[("jobId", &next_id)])?;
-        return Ok(None);
-    }
-    rec.next_millis = next;
-    rec.iteration_count += 1;
-    rec.next_job_id = Some(next_id.clone());
-    save(tx, q, Some(prev), &rec)?;
-    if finished_scheduling(&rec) {
-        return Ok(None);
-    }
-    add_iteration(tx, q, &rec, template)?;
-    Ok(Some(next_id))
+    move_to_tick(tx, q, rec, next, template)
 }
 
 /// Stores `extra` with scheduler `id` (the server's own bookkeeping).
