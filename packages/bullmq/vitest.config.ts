@@ -19,6 +19,8 @@ export default defineConfig({
         test: {
           ...shared,
           name: 'remote',
+          // Pure conversions, no backend: they run once, in the other project.
+          exclude: ['test/wire.test.ts'],
           env: { LOAM_TEST_BACKEND: 'remote' },
           globalSetup: ['test/remote-server.ts'],
         },
