@@ -9,6 +9,7 @@
  * of at most 30 s (the server's cap) that `disconnectBlocking`, `disconnect`
  * and `close` cut short by aborting the call.
  */
+import { randomBytes } from 'node:crypto';
 import { EventEmitter } from 'node:events';
 import type {
   DependenciesOpts,
@@ -122,6 +123,22 @@ export function workerSettings(opts: FactoryOptions): WorkerSettings {
     removeOnFail: retention(opts.removeOnFail),
     name: opts.name,
   };
+}
+
+/**
+ * Redis lists one client per connection, so two workers of one queue with no
+ * name both appear under the same client name and BullMQ counts two. The
+ * server keeps a set of names; each backend registers its name with this
+ * process-unique tag appended, and the tag is dropped again when listing.
+ */
+const INSTANCE_TAG = /#[0-9a-f]{12}$/;
+
+function taggedName(name: string): string {
+  return `${name}#${randomBytes(6).toString('hex')}`;
+}
+
+function untaggedName(name: string): string {
+  return name.replace(INSTANCE_TAG, '');
 }
 
 /** BullMQ's token `"0"` (and no token) is an admin write with no lease check. */
@@ -269,8 +286,9 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** Registers `name` in the server's client list now and every minute while open. */
   private announce(name: string): Promise<void> {
     this.stopAnnouncing();
+    const tagged = taggedName(name);
     const register = () =>
-      this.queueAdmin({ command: 'setName' }, { case: 'registerWorker', value: { name } }).then(() => undefined);
+      this.queueAdmin({ command: 'setName' }, { case: 'registerWorker', value: { name: tagged } }).then(() => undefined);
     this.clientNameTimer = setInterval(() => register().catch(err => this.emit('error', err)), NAME_REFRESH_MS);
     this.clientNameTimer.unref();
     return register();
@@ -910,7 +928,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** The names the server saw recently for this queue, as one CLIENT LIST text. */
   async getClientList(): Promise<string[]> {
     const r = await this.query({ command: 'getClientList' }, { case: 'workers', value: true });
-    return clientListText(r.case === 'names' ? r.value.names : []);
+    return clientListText(r.case === 'names' ? r.value.names.map(untaggedName) : []);
   }
 
   /** `paginate` of a parent's pending (`:dependencies`) or processed (`:processed`) children. */

@@ -35,6 +35,19 @@ describeRemote('remote backend', () => {
     await b.close();
   });
 
+  it('lists two unnamed workers of a queue as two clients, as Redis does', async () => {
+    const url = inject('loamServerUrl');
+    const { Queue: RemoteQueue, Worker: RemoteWorker } = withBackend(loamBackend({ url, namespace: `t-${randomUUID()}` }));
+    const name = `q-${randomUUID()}`;
+    const queue = new RemoteQueue(name, { connection: {} });
+    const workers = [1, 2].map(() => new RemoteWorker(name, async () => 1, { connection: {} }));
+    await Promise.all(workers.map(w => w.waitUntilReady()));
+    const listed = await queue.getWorkers();
+    expect(listed.map(w => w.rawname)).toEqual([queue.clientName(), queue.clientName()]);
+    await Promise.all(workers.map(w => w.close()));
+    await queue.close();
+  });
+
   it('disconnectBlocking and close cut a long-poll short', async () => {
     const url = inject('loamServerUrl');
     const factory = loamBackend({ url, namespace: `t-${randomUUID()}` });
