@@ -55,18 +55,27 @@ function listening(server: ChildProcess): Promise<string> {
   });
 }
 
-export default async function setup(project: TestProject) {
+/** Starts a server with its own data dir; `env` adds settings such as LOAM_JOBS_TOKENS. */
+export async function startLoamServer(env: Record<string, string> = {}): Promise<{ url: string; stop(): Promise<void> }> {
   const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-remote-test-'));
   const server = spawn(serverBinary(), ['serve', '--listen', '127.0.0.1:0', '--data-dir', dataDir], {
-    env: { ...process.env, NO_COLOR: '1', RUST_LOG: process.env.RUST_LOG ?? 'info' },
+    env: { ...process.env, NO_COLOR: '1', RUST_LOG: process.env.RUST_LOG ?? 'info', ...env },
     stdio: ['ignore', 'pipe', 'pipe'],
   });
   const address = await listening(server);
-  project.provide('loamServerUrl', `http://${address}`);
-  return async () => {
-    const exited = new Promise(resolve => server.once('exit', resolve));
-    server.kill('SIGTERM');
-    await exited;
-    rmSync(dataDir, { recursive: true, force: true });
+  return {
+    url: `http://${address}`,
+    stop: async () => {
+      const exited = new Promise(resolve => server.once('exit', resolve));
+      server.kill('SIGTERM');
+      await exited;
+      rmSync(dataDir, { recursive: true, force: true });
+    },
   };
+}
+
+export default async function setup(project: TestProject) {
+  const server = await startLoamServer();
+  project.provide('loamServerUrl', server.url);
+  return server.stop;
 }

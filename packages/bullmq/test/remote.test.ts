@@ -3,6 +3,7 @@ import { randomUUID } from 'node:crypto';
 import { Queue, getDefaultBackendFactory, setDefaultBackendFactory, withBackend } from 'bullmq';
 import { backendKind, until } from './helpers.js';
 import { loamBackend, RemoteQueueBackend } from '../src/index.js';
+import { startLoamServer } from './remote-server.js';
 
 /** What only the remote backend has: the factory's LOAM_URL, namespaces, interrupts, stream limits. */
 const describeRemote = backendKind === 'remote' ? describe : describe.skip;
@@ -33,6 +34,35 @@ describeRemote('remote backend', () => {
     expect(await b.getJobCounts('waiting')).toEqual({ waiting: 0 });
     await a.close();
     await b.close();
+  });
+
+  it('sends the token; the token decides the namespace', async () => {
+    const server = await startLoamServer({
+      LOAM_JOBS_TOKENS: 'token-alpha-0123456789=alpha,token-beta-01234567890=beta',
+    });
+    try {
+      const alpha = new (withBackend(loamBackend({ url: server.url, token: 'token-alpha-0123456789' })).Queue)('q', {
+        connection: {},
+      });
+      const beta = new (withBackend(loamBackend({ url: server.url, token: 'token-beta-01234567890' })).Queue)('q', {
+        connection: {},
+      });
+      await alpha.add('a', {});
+      expect(await alpha.getJobCounts('waiting')).toEqual({ waiting: 1 });
+      expect(await beta.getJobCounts('waiting')).toEqual({ waiting: 0 });
+
+      const stranger = new (withBackend(loamBackend({ url: server.url, token: 'not-a-known-token-000' })).Queue)('q', {
+        connection: {},
+      });
+      await expect(stranger.add('x', {})).rejects.toMatchObject({ code: 'LOAM_UNAUTHENTICATED' });
+      const trespasser = new (
+        withBackend(loamBackend({ url: server.url, token: 'token-beta-01234567890', namespace: 'alpha' })).Queue
+      )('q', { connection: {} });
+      await expect(trespasser.getJobCounts('waiting')).rejects.toMatchObject({ code: 'LOAM_PERMISSION_DENIED' });
+      await Promise.all([alpha, beta, stranger, trespasser].map(q => q.close()));
+    } finally {
+      await server.stop();
+    }
   });
 
   it('lists two unnamed workers of a queue as two clients, as Redis does', async () => {
