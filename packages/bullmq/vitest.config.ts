@@ -1,9 +1,30 @@
 import { defineConfig } from 'vitest/config';
 
+const shared = {
+  include: ['test/**/*.test.ts'],
+  testTimeout: 20_000,
+  hookTimeout: 20_000,
+};
+
+/**
+ * The same tests twice: against the in-process backend, and against a
+ * `loam-jobs serve` that `test/remote-server.ts` starts (`loamBackend({ url })`).
+ * `vitest run --project in-process` (or `remote`) runs one of them.
+ */
 export default defineConfig({
   test: {
-    include: ['test/**/*.test.ts'],
-    testTimeout: 20_000,
-    hookTimeout: 20_000,
+    projects: [
+      { test: { ...shared, name: 'in-process' } },
+      {
+        test: {
+          ...shared,
+          name: 'remote',
+          // Pure conversions, no backend: they run once, in the other project.
+          exclude: ['test/wire.test.ts'],
+          env: { LOAM_TEST_BACKEND: 'remote' },
+          globalSetup: ['test/remote-server.ts'],
+        },
+      },
+    ],
   },
 });

@@ -1,16 +1,23 @@
 // BullMQ on @loam/bullmq beside BullMQ on Redis: the same scenarios, in one
 // run, with the ratios printed. Not a test: figures vary with machine load.
 //
-//   node bench.mjs [--only loam|redis] [--scale 0.5] [--json out.json]
+//   node bench.mjs [--only loam|remote|redis[,...]] [--scale 0.5] [--json out.json]
 //
 // Redis is started here (redis-server from the machine, on a free loopback
 // port, default persistence: RDB snapshots, no AOF). Loam uses its default
 // immediate durability unless LOAM_DURABILITY=relaxed.
+//
+// `remote` is BullMQ through `loamBackend({ url })` on a `loam-jobs serve`
+// started here ($LOAM_JOBS_BIN, else target/release/loam-jobs; build it with
+// `cargo build --release -p loam-jobs-server`), for the scenarios named in
+// --remote (default: process at concurrency 100). It runs when the binary
+// exists, or when --only names it.
 import { spawn } from 'node:child_process';
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir, loadavg, cpus } from 'node:os';
-import { join } from 'node:path';
+import { dirname, join, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
 import { performance } from 'node:perf_hooks';
 import { FlowProducer, Queue, Worker, setDefaultBackendFactory } from 'bullmq';
 import { loamBackend } from '@loam/bullmq';
@@ -22,7 +29,12 @@ const arg = (name, fallback) => {
 };
 const scale = Number(arg('scale', '1'));
 const only = arg('only', '');
+/** The backends to run: all by default, or those --only lists. */
+const wants = (backend) => only === '' || only.split(',').includes(backend);
 const jsonOut = arg('json', '');
+const remoteScenarios = arg('remote', 'process at concurrency 100').split(',');
+const serverBin =
+  process.env.LOAM_JOBS_BIN ?? resolve(dirname(fileURLToPath(import.meta.url)), '../../target/release/loam-jobs');
 const n = (count) => Math.max(1, Math.round(count * scale));
 
 function freePort() {
@@ -60,6 +72,33 @@ async function startRedis() {
     child.on('exit', (code) => reject(new Error(`redis-server exited with ${code}`)));
   });
   return { port, pid: child.pid, stop: () => (child.kill('SIGTERM'), rmSync(dir, { recursive: true, force: true })) };
+}
+
+/** Starts `loam-jobs serve` on a free loopback port with a fresh data dir. */
+async function startLoamServer() {
+  const port = await freePort();
+  const dir = mkdtempSync(join(tmpdir(), 'bench-loam-serve-'));
+  const child = spawn(serverBin, ['serve', '--listen', `127.0.0.1:${port}`, '--data-dir', dir], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+    env: { ...process.env, NO_COLOR: '1' },
+  });
+  await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error('loam-jobs serve did not start')), 30000);
+    const ready = (d) => {
+      if (String(d).includes('listen=')) {
+        clearTimeout(timer);
+        resolve();
+      }
+    };
+    child.stdout.on('data', ready);
+    child.stderr.on('data', ready);
+    child.on('exit', (code) => reject(new Error(`loam-jobs serve exited with ${code}`)));
+  });
+  return {
+    url: `http://127.0.0.1:${port}`,
+    pid: child.pid,
+    stop: () => (child.kill('SIGTERM'), rmSync(dir, { recursive: true, force: true })),
+  };
 }
 
 /** Measures one scenario: wall time, jobs, and the CPU of this process and the server. */
@@ -226,9 +265,9 @@ const scenarios = {
   },
 };
 
-async function runBackend(label, b) {
+async function runBackend(label, b, names = Object.keys(scenarios)) {
   const results = {};
-  for (const [name, run] of Object.entries(scenarios)) {
+  for (const [name, run] of Object.entries(scenarios).filter(([name]) => names.includes(name))) {
     results[name] = await run(b);
     const x = results[name];
     const lat = x.p50Ms !== undefined ? `  p50 ${x.p50Ms.toFixed(2)} ms  p99 ${x.p99Ms.toFixed(2)} ms` : '';
@@ -243,7 +282,7 @@ async function runBackend(label, b) {
 async function main() {
   console.log(`bullmq bench: ${cpus().length} CPUs, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}, scale ${scale}`);
   const report = { cpus: cpus().length, loadBefore: loadavg(), scale, results: {} };
-  if (only !== 'redis') {
+  if (wants('loam')) {
     const dataDir = mkdtempSync(join(tmpdir(), 'bench-loam-'));
     const durability = process.env.LOAM_DURABILITY === 'relaxed' ? { durability: 'relaxed' } : {};
     // BullMQ's own classes, unchanged, over the Loam backend.
@@ -252,7 +291,17 @@ async function main() {
     setDefaultBackendFactory();
     rmSync(dataDir, { recursive: true, force: true });
   }
-  if (only !== 'loam') {
+  if (wants('remote') && (only !== '' || existsSync(serverBin))) {
+    const server = await startLoamServer();
+    try {
+      setDefaultBackendFactory(loamBackend({ url: server.url }));
+      report.results.remote = await runBackend('remote', { opts: { connection: {} }, serverPid: server.pid }, remoteScenarios);
+      setDefaultBackendFactory();
+    } finally {
+      server.stop();
+    }
+  }
+  if (wants('redis')) {
     const redis = await startRedis();
     try {
       const connection = { host: '127.0.0.1', port: redis.port, maxRetriesPerRequest: null };
@@ -271,6 +320,18 @@ async function main() {
       console.log(
         `| ${name} | ${l.jobsPerSec.toFixed(0)} | ${r.jobsPerSec.toFixed(0)} | ${(l.jobsPerSec / r.jobsPerSec).toFixed(2)}${lat} | ` +
           `${(l.nodeCpuMsPerJob + l.serverCpuMsPerJob).toFixed(3)} | ${(r.nodeCpuMsPerJob + r.serverCpuMsPerJob).toFixed(3)} |`,
+      );
+    }
+  }
+  if (report.results.remote && report.results.redis) {
+    console.log('\n| scenario (loamBackend({ url })) | remote jobs/s | redis jobs/s | remote / redis | remote cpu ms/job (node + server) |');
+    console.log('|---|---:|---:|---:|---:|');
+    for (const name of Object.keys(report.results.remote)) {
+      const l = report.results.remote[name];
+      const r = report.results.redis[name];
+      console.log(
+        `| ${name} | ${l.jobsPerSec.toFixed(0)} | ${r.jobsPerSec.toFixed(0)} | ${(l.jobsPerSec / r.jobsPerSec).toFixed(2)} | ` +
+          `${(l.nodeCpuMsPerJob + l.serverCpuMsPerJob).toFixed(3)} |`,
       );
     }
   }

@@ -31,6 +31,18 @@ import type {
   StreamReadRaw,
 } from 'bullmq';
 import { LoamQueue } from '../native/index.js';
+import {
+  clientListText,
+  dependenciesPage,
+  heldNames,
+  holdName,
+  newJobJson,
+  paginateTarget,
+  parseJob,
+  parseNodeKey,
+  type ChildrenByCategory,
+  type FinishedResult,
+} from './common.js';
 import { call, fromNative } from './errors.js';
 import { orderWrites } from './ordered-writes.js';
 
@@ -56,63 +68,6 @@ interface FactoryOptions {
   metrics?: { maxDataPoints?: number };
   removeOnComplete?: boolean | number | KeepJobs;
   removeOnFail?: boolean | number | KeepJobs;
-}
-
-/** A parent's children, as `getDependencies` reads them from the core. */
-interface ChildrenByCategory {
-  processed: [string, string][];
-  unprocessed: string[];
-  ignored: [string, string][];
-  failed: string[];
-}
-
-type NextJobTuple = [JobJson | null, string, number, number];
-type FinishedResult = { result?: NextJobTuple; finishedOn: number };
-
-/**
- * Names set through `setName` (and the names workers' blocking connections
- * get in Redis), so `getClientList` can report the workers and QueueEvents of
- * this process, which are all the clients an embedded store has.
- */
-const clientNames = new Map<string, number>();
-
-function holdName(name: string): () => void {
-  clientNames.set(name, (clientNames.get(name) ?? 0) + 1);
-  let held = true;
-  return () => {
-    if (!held) return;
-    held = false;
-    const left = (clientNames.get(name) ?? 1) - 1;
-    if (left > 0) clientNames.set(name, left);
-    else clientNames.delete(name);
-  };
-}
-
-function parseJob(text: string | null | undefined): JobJson | undefined {
-  return text ? (JSON.parse(text) as JobJson) : undefined;
-}
-
-/** The JSON text the core's job parser reads (BullMQ's JobJson + backend args). */
-function newJobJson(
-  job: JobJson,
-  jobId: string | undefined,
-  parentKeyOpts?: ParentKeyOpts,
-  queueName?: string,
-): Record<string, unknown> {
-  return {
-    name: job.name,
-    data: job.data,
-    opts: job.opts ?? {},
-    jobId: jobId || job.id || undefined,
-    timestamp: job.timestamp,
-    delay: (job as { delay?: number }).delay,
-    priority: (job as { priority?: number }).priority,
-    parent: job.parent,
-    parentKey: parentKeyOpts?.parentKey ?? job.parentKey,
-    repeatJobKey: job.repeatJobKey,
-    addToWaitingChildren: parentKeyOpts?.addToWaitingChildren ?? false,
-    queueName,
-  };
 }
 
 export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
@@ -219,13 +174,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   parseNodeKey(key: string): { prefix: string; queueName: string; id: string } {
-    const last = key.lastIndexOf(':');
-    const prev = key.lastIndexOf(':', last - 1);
-    if (last === -1 || prev === -1) {
-      const [prefix = '', queueName = '', id = ''] = key.split(':');
-      return { prefix, queueName, id };
-    }
-    return { prefix: key.slice(0, prev), queueName: key.slice(prev + 1, last), id: key.slice(last + 1) };
+    return parseNodeKey(key);
   }
 
   clientName(suffix = ''): string {
@@ -486,42 +435,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     unprocessed?: string[];
   }> {
     const all: ChildrenByCategory = JSON.parse(await call(this.native.getDependencies(Date.now(), jobId)));
-    const processedValues = (entries: [string, string][]) =>
-      Object.fromEntries(entries.map(([key, value]) => [key, JSON.parse(value)]));
-    if (!opts.processed && !opts.unprocessed && !opts.ignored && !opts.failed) {
-      return {
-        processed: processedValues(all.processed),
-        unprocessed: all.unprocessed,
-        failed: all.failed,
-        ignored: Object.fromEntries(all.ignored),
-      };
-    }
-    // Cursors are offsets into the category; 0 = no more (as Redis' SCAN).
-    const page = <T>(items: T[], o: { cursor?: number; count?: number }): [T[], number] => {
-      const from = o.cursor ?? 0;
-      const to = from + (o.count ?? 20);
-      return [items.slice(from, to), to < items.length ? to : 0];
-    };
-    const out: Awaited<ReturnType<IQueueBackend['getDependencies']>> = {};
-    if (opts.processed) {
-      const [items, next] = page(all.processed, opts.processed);
-      out.processed = processedValues(items);
-      out.nextProcessedCursor = next;
-    }
-    if (opts.unprocessed) {
-      [out.unprocessed, out.nextUnprocessedCursor] = page(all.unprocessed, opts.unprocessed);
-    }
-    if (opts.ignored) {
-      const [items, next] = page(all.ignored, opts.ignored);
-      out.ignored = Object.fromEntries(items);
-      out.nextIgnoredCursor = next;
-    }
-    if (opts.failed) {
-      const [items, next] = page(all.failed, opts.failed);
-      out.failed = items;
-      if (next) out.nextFailedCursor = next;
-    }
-    return out;
+    return dependenciesPage(all, opts);
   }
 
   async getProcessedChildrenValues(jobId: string): Promise<Record<string, string>> {
@@ -546,12 +460,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   /** One CLIENT LIST text with the names this process's backends hold. */
   async getClientList(): Promise<string[]> {
-    let id = 0;
-    const lines: string[] = [];
-    for (const [name, count] of clientNames) {
-      for (let i = 0; i < count; i++) lines.push(`id=${++id} name=${name}`);
-    }
-    return [lines.join('\n')];
+    return clientListText(heldNames());
   }
 
   /** `paginate` of `<qualifiedName>:<parentId>:dependencies` or `:processed`. */
@@ -559,15 +468,10 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     key: string,
     opts: { start: number; end: number; fetchJobs?: boolean },
   ): Promise<{ cursor: string; items: { id: string; v?: any; err?: string }[]; total: number; jobs?: JobJson[] }> {
-    const match = /^(.*):(dependencies|processed)$/.exec(key);
-    const own = `${this.qualifiedName}:`;
-    if (!match || !match[1].startsWith(own)) {
-      throw new Error(`LoamQueueBackend: cannot paginate key ${key}`);
-    }
-    const processed = match[2] === 'processed';
+    const { parentId, processed } = paginateTarget(key, this.qualifiedName);
     const page: { cursor: string; items: [string, string | null][]; total: number; jobs?: string[] } = JSON.parse(
       await call(
-        this.native.paginateChildren(Date.now(), match[1].slice(own.length), processed, opts.start, opts.end, !!opts.fetchJobs),
+        this.native.paginateChildren(Date.now(), parentId, processed, opts.start, opts.end, !!opts.fetchJobs),
       ),
     );
     return {

@@ -27,14 +27,22 @@ export function fromNative(err: unknown): Error {
   const [whole, family, code] = tag;
   const message = err.message.slice(whole.length);
   if (family === 'bullmq') {
-    const numeric = Number(code);
-    const error =
-      numeric === JOB_HAS_FAILED_CHILDREN ? new UnrecoverableError(message) : new Error(message);
-    (error as Error & { code: LoamErrorCode }).code = numeric;
-    return error;
+    return bullmqError(Number(code), message);
   }
+  return loamError(code, message);
+}
+
+/** BullMQ's error for a numeric code, as its `finishedErrors()` makes it. */
+export function bullmqError(code: number, message: string): Error {
+  const error = code === JOB_HAS_FAILED_CHILDREN ? new UnrecoverableError(message) : new Error(message);
+  (error as Error & { code: LoamErrorCode }).code = code;
+  return error;
+}
+
+/** An error BullMQ has no code for: `kind` is the Connect code name (`invalid_argument`). */
+export function loamError(kind: string, message: string): Error {
   const error = new Error(message);
-  (error as Error & { code: LoamErrorCode }).code = `LOAM_${code.toUpperCase()}`;
+  (error as Error & { code: LoamErrorCode }).code = `LOAM_${kind.toUpperCase()}`;
   return error;
 }
 
@@ -54,4 +62,81 @@ export function callSync<T>(fn: () => T): T {
   } catch (err) {
     throw fromNative(err);
   }
+}
+
+/**
+ * The BullMQ command a remote call runs for, with the arguments BullMQ's
+ * `finishedErrors()` names in its texts. The server sends the code; the
+ * text is rebuilt here from what the caller knows.
+ */
+export interface BullmqCommand {
+  command: string;
+  jobId?: string;
+  state?: string;
+  parentKey?: string;
+}
+
+/** BullMQ's `finishedErrors()` text for `code` (a missing argument prints as `undefined`, as in BullMQ). */
+export function finishedErrorText(code: number, { command, jobId, state, parentKey }: BullmqCommand): string {
+  switch (code) {
+    case -1:
+      return `Missing key for job ${jobId}. ${command}`;
+    case -2:
+      return `Missing lock for job ${jobId}. ${command}`;
+    case -3:
+      return `Job ${jobId} is not in the ${state} state. ${command}`;
+    case -4:
+      return `Job ${jobId} has pending dependencies. ${command}`;
+    case -5:
+      return `Missing key for parent job ${parentKey}. ${command}`;
+    case -6:
+      return `Lock mismatch for job ${jobId}. Cmd ${command} from ${state}`;
+    case -7:
+      return `The parent job ${parentKey} cannot be replaced. ${command}`;
+    case -8:
+      return `Job ${jobId} belongs to a job scheduler and cannot be removed directly. ${command}`;
+    case -9:
+      return `Cannot complete job ${jobId} because it has at least one failed child. ${command}`;
+    case -10:
+      return `Cannot create job scheduler iteration - job ID already exists. ${command}`;
+    case -11:
+      return `Cannot create job scheduler iteration - current and next time slots already have jobs. ${command}`;
+    default:
+      return `Unknown code ${code} error for ${jobId}. ${command}`;
+  }
+}
+
+/** What the server says about a refused call (`loam.jobs.v1.ErrorDetail`), when it says it. */
+export interface ServerRefusal {
+  /** The Connect code name: `not_found`, `failed_precondition`, ... */
+  code: string;
+  message: string;
+  reason?: string;
+  bullmqCode?: number;
+  subject?: string;
+}
+
+/**
+ * A server refusal as the in-process backend would have thrown it: BullMQ's
+ * coded error when the server names a BullMQ code (the subject fills in a
+ * job or parent the caller did not know), else `LOAM_<CODE>`. Obliterate's
+ * two refusals keep BullMQ's texts.
+ */
+export function fromServer(refusal: ServerRefusal, call: BullmqCommand): Error {
+  if (refusal.bullmqCode) {
+    const subject = refusal.subject || undefined;
+    const named: BullmqCommand = {
+      ...call,
+      jobId: call.jobId ?? subject,
+      parentKey: call.parentKey ?? (refusal.bullmqCode === -5 || refusal.bullmqCode === -7 ? subject : undefined),
+    };
+    return bullmqError(refusal.bullmqCode, finishedErrorText(refusal.bullmqCode, named));
+  }
+  if (refusal.reason === 'precondition.queue_not_paused') {
+    return loamError('failed_precondition', 'Cannot obliterate non-paused queue');
+  }
+  if (refusal.reason === 'precondition.queue_has_active_jobs') {
+    return loamError('failed_precondition', 'Cannot obliterate queue with active jobs');
+  }
+  return loamError(refusal.code, refusal.message);
 }

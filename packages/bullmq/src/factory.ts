@@ -1,9 +1,15 @@
 /**
- * `@loam/bullmq/factory`: a ready BullMQ `BackendFactory` (data in `./.loam`
- * or `$LOAM_DATA_DIR`), for tools that take a factory module, e.g.
+ * `@loam/bullmq/factory`: a ready BullMQ `BackendFactory`, for tools that take
+ * a factory module, e.g.
  * `setDefaultBackendFactory((await import('@loam/bullmq/factory')).default)`.
+ * With `$LOAM_URL` set it is a client of that `loam-jobs serve` (with
+ * `$LOAM_TOKEN` and `$LOAM_NAMESPACE` when set); otherwise data lives in
+ * `./.loam` or `$LOAM_DATA_DIR`.
  */
 import { loamBackend } from './index.js';
 
-const factory = loamBackend();
+const url = process.env.LOAM_URL;
+const factory = url
+  ? loamBackend({ url, token: process.env.LOAM_TOKEN || undefined, namespace: process.env.LOAM_NAMESPACE || undefined })
+  : loamBackend();
 export default factory;

@@ -1,5 +1,6 @@
 /**
- * `@loam/bullmq`: BullMQ 6.7 on the Loam Jobs core, in-process.
+ * `@loam/bullmq`: BullMQ 6.7 on the Loam Jobs core, in-process or over the
+ * network (`loamBackend({ url })`, a `loam-jobs serve`).
  *
  * ```ts
  * import { Queue, Worker } from '@loam/bullmq';          // BullMQ's classes, bound to Loam
@@ -13,30 +14,47 @@
  * or a queue's `connection: { dataDir }`). Every queue, worker and
  * QueueEvents of the process that names the same directory shares one open
  * store; a second process opening it fails at once (use `loam-jobs serve`).
+ *
+ * With a `url`, every backend is a client of that server instead:
+ * `loamBackend({ url: 'http://127.0.0.1:7720', token, namespace })`.
  */
 import * as path from 'node:path';
 import { withBackend, type BackendFactory, type QueueBaseOptions } from 'bullmq';
 import { LoamQueue } from '../native/index.js';
 import { backendOptionsJson, LoamQueueBackend, type FactoryOptions, type LoamBackendSettings } from './backend.js';
+import { RemoteChannel, type RemoteSettings } from './channel.js';
 import { callSync } from './errors.js';
+import { RemoteQueueBackend, workerSettings } from './remote.js';
 
 export { LoamQueueBackend } from './backend.js';
 export type { LoamBackendSettings } from './backend.js';
+export { RemoteQueueBackend } from './remote.js';
+export type { RemoteSettings } from './channel.js';
 export { fromNative } from './errors.js';
 
 /** A queue's `connection` option: settings that override the factory's. */
-export type LoamConnectionOptions = Partial<LoamBackendSettings>;
+export type LoamConnectionOptions = Partial<LoamBackendSettings> & Partial<RemoteSettings>;
 
 /** Where data lives when nothing says otherwise. */
 export const DEFAULT_DATA_DIR = '.loam';
 
 /**
- * A BullMQ `BackendFactory` over the embedded store. Relative directories are
- * resolved against the working directory when `loamBackend()` is called.
+ * A BullMQ `BackendFactory`: over a `loam-jobs serve` when `settings.url` is
+ * given, else over the embedded store (relative directories are resolved
+ * against the working directory when `loamBackend()` is called).
  */
+export function loamBackend(settings: RemoteSettings): BackendFactory<RemoteQueueBackend, LoamConnectionOptions>;
 export function loamBackend(
-  settings: Partial<LoamBackendSettings> = {},
-): BackendFactory<LoamQueueBackend, LoamConnectionOptions> {
+  settings?: Partial<LoamBackendSettings>,
+): BackendFactory<LoamQueueBackend, LoamConnectionOptions>;
+export function loamBackend(
+  settings: LoamConnectionOptions = {},
+): BackendFactory<LoamQueueBackend | RemoteQueueBackend, LoamConnectionOptions> {
+  if (settings.url) return remoteBackend({ ...settings, url: settings.url });
+  return embeddedBackend(settings);
+}
+
+function embeddedBackend(settings: Partial<LoamBackendSettings>): BackendFactory<LoamQueueBackend, LoamConnectionOptions> {
   const base: LoamBackendSettings = {
     ...settings,
     dataDir: path.resolve(settings.dataDir ?? process.env.LOAM_DATA_DIR ?? DEFAULT_DATA_DIR),
@@ -51,6 +69,36 @@ export function loamBackend(
     const factoryOpts = opts as FactoryOptions;
     const native = callSync(() => LoamQueue.open(backendOptionsJson(resolved, name, factoryOpts)));
     return new LoamQueueBackend(native, name, factoryOpts.prefix ?? 'bull', true, {
+      blocking: options.blocking,
+      withBlockingConnection: options.withBlockingConnection,
+      workerName: factoryOpts.name,
+    });
+  };
+}
+
+/**
+ * Backends that are clients of one server. Backends with the same url, token
+ * and namespace share a channel (its HTTP/2 connections), which closes when
+ * the last of them does.
+ */
+function remoteBackend(settings: RemoteSettings): BackendFactory<RemoteQueueBackend, LoamConnectionOptions> {
+  const channels = new Map<string, RemoteChannel>();
+  return (name, opts: QueueBaseOptions<LoamConnectionOptions>, options = {}) => {
+    const connection = isSettings(opts.connection) ? opts.connection : {};
+    const resolved: RemoteSettings = {
+      ...settings,
+      url: connection.url ?? settings.url,
+      token: connection.token ?? settings.token,
+      namespace: connection.namespace ?? settings.namespace,
+    };
+    const key = JSON.stringify([resolved.url, resolved.token ?? '', resolved.namespace ?? '']);
+    let channel = channels.get(key);
+    if (!channel) {
+      channel = new RemoteChannel(resolved);
+      channels.set(key, channel);
+    }
+    const factoryOpts = opts as FactoryOptions;
+    return new RemoteQueueBackend(channel, name, factoryOpts.prefix ?? 'bull', true, workerSettings(factoryOpts), {
       blocking: options.blocking,
       withBlockingConnection: options.withBlockingConnection,
       workerName: factoryOpts.name,

@@ -1,7 +1,7 @@
 import { afterAll, describe, expect, it } from 'vitest';
 import { UnrecoverableError } from 'bullmq';
-import { freshLoam } from './helpers.js';
-import { LoamQueueBackend } from '../src/index.js';
+import { backendKind, freshLoam, itInProcess } from './helpers.js';
+import type { LoamQueueBackend } from '../src/index.js';
 
 const loam = freshLoam();
 const { Queue, Worker } = loam;
@@ -47,7 +47,7 @@ describe('errors', () => {
     expect((err as Error & { code: number }).code).toBe(-9);
   });
 
-  it('turns a Rust panic into a rejected promise', async () => {
+  itInProcess('turns a Rust panic into a rejected promise', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const native = (queue.getBackend() as unknown as { native: { panicForTest(m: string): Promise<void> } }).native;
     await expect(native.panicForTest('deliberate')).rejects.toThrow();
@@ -65,7 +65,11 @@ describe('errors', () => {
     const workers = await queue.getWorkers();
     expect(workers.map(w => w.rawname)).toContain(`${queue.clientName()}:w:w1`);
     await worker.close();
-    expect(await queue.getWorkersCount()).toBe(0);
+    if (backendKind === 'in-process') {
+      expect(await queue.getWorkersCount()).toBe(0);
+    }
+    // The server lists the names it saw in the last 5 minutes and has no call
+    // to forget one, so a closed remote worker stays listed that long.
     await queue.close();
   });
 });

@@ -3,19 +3,41 @@ import { tmpdir } from 'node:os';
 import * as path from 'node:path';
 import { randomUUID } from 'node:crypto';
 import { withBackend } from 'bullmq';
-import { loamBackend } from '../src/index.js';
+import { describe, inject, it } from 'vitest';
+import { loamBackend, type LoamConnectionOptions } from '../src/index.js';
 
-/** BullMQ's classes bound to a fresh store in a temporary directory. */
+/**
+ * Which backend the suite runs against: `in-process` (the addon over a store
+ * in a temporary directory) or `remote` (a `loam-jobs serve` that the
+ * `remote` vitest project starts, see `remote-server.ts`).
+ */
+export const backendKind: 'in-process' | 'remote' =
+  process.env.LOAM_TEST_BACKEND === 'remote' ? 'remote' : 'in-process';
+
+/** Tests of what only the in-process backend has (the addon, the store's file lock). */
+export const describeInProcess = backendKind === 'in-process' ? describe : describe.skip;
+export const itInProcess = backendKind === 'in-process' ? it : it.skip;
+
+/**
+ * BullMQ's classes bound to a fresh store: a temporary directory in-process,
+ * a namespace of its own on the test server when remote.
+ */
 export function freshLoam() {
-  const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-bullmq-'));
-  const factory = loamBackend({ dataDir });
+  const settings: LoamConnectionOptions =
+    backendKind === 'remote'
+      ? { url: inject('loamServerUrl'), namespace: `t-${randomUUID()}` }
+      : { dataDir: mkdtempSync(path.join(tmpdir(), 'loam-bullmq-')) };
+  const factory = settings.url ? loamBackend({ ...settings, url: settings.url }) : loamBackend(settings);
   const classes = withBackend(factory);
   return {
     ...classes,
     factory,
-    dataDir,
+    /** The settings that reach the same store, for `loamBackend()` in a child process. */
+    settings,
     queueName: () => `q-${randomUUID()}`,
-    cleanup: () => rmSync(dataDir, { recursive: true, force: true }),
+    cleanup: () => {
+      if (settings.dataDir) rmSync(settings.dataDir, { recursive: true, force: true });
+    },
   };
 }
 
@@ -25,5 +47,12 @@ export async function until(predicate: () => boolean | Promise<boolean>, timeout
   while (!(await predicate())) {
     if (Date.now() > deadline) throw new Error('condition not met in time');
     await new Promise(r => setTimeout(r, 10));
+  }
+}
+
+declare module 'vitest' {
+  export interface ProvidedContext {
+    /** `http://127.0.0.1:<port>` of the server the remote project runs against. */
+    loamServerUrl: string;
   }
 }

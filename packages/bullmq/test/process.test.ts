@@ -3,7 +3,7 @@ import { spawn } from 'node:child_process';
 import { fileURLToPath } from 'node:url';
 import * as path from 'node:path';
 import type { Job } from 'bullmq';
-import { freshLoam, until } from './helpers.js';
+import { freshLoam, itInProcess, until } from './helpers.js';
 
 const loam = freshLoam();
 const { Queue, Worker } = loam;
@@ -25,14 +25,14 @@ function runNode(code: string, onLine?: (line: string, kill: () => void) => void
   });
 }
 
-describe('one store, one process', () => {
-  it('a second process fails at once, pointing to loam-jobs serve', async () => {
+describe('processes', () => {
+  itInProcess('a second process fails at once, pointing to loam-jobs serve', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     await queue.add('held', {});
     const started = Date.now();
     const { out } = await runNode(`
       const { loamBackend } = await import(${JSON.stringify(entry)});
-      try { loamBackend({ dataDir: ${JSON.stringify(loam.dataDir)} })('other', {}, {}); console.log('opened'); }
+      try { loamBackend(${JSON.stringify(loam.settings)})('other', {}, {}); console.log('opened'); }
       catch (e) { console.log(JSON.stringify({ code: e.code, message: e.message })); }
     `);
     const result = JSON.parse(out.trim());
@@ -45,12 +45,12 @@ describe('one store, one process', () => {
 
   it('recovers the jobs of a worker process killed mid-job', async () => {
     const name = loam.queueName();
-    const dataDir = JSON.stringify(loam.dataDir);
+    const settings = JSON.stringify(loam.settings);
     const { signal } = await runNode(
       `
       const { withBackend } = await import('bullmq');
       const { loamBackend } = await import(${JSON.stringify(entry)});
-      const { Queue, Worker } = withBackend(loamBackend({ dataDir: ${dataDir} }));
+      const { Queue, Worker } = withBackend(loamBackend(${settings}));
       const queue = new Queue(${JSON.stringify(name)}, { connection: {} });
       await queue.addBulk([1, 2, 3, 4, 5].map(n => ({ name: 'job', data: { n } })));
       new Worker(${JSON.stringify(name)}, async job => {
@@ -100,7 +100,7 @@ describe('one store, one process', () => {
       `
       const { withBackend } = await import('bullmq');
       const { loamBackend } = await import(${JSON.stringify(entry)});
-      const { Queue } = withBackend(loamBackend({ dataDir: ${JSON.stringify(loam.dataDir)} }));
+      const { Queue } = withBackend(loamBackend(${JSON.stringify(loam.settings)}));
       const queue = new Queue(${JSON.stringify(name)}, { connection: {} });
       for (let i = 0; ; i++) {
         const job = await queue.add('job', { i });

@@ -1,0 +1,168 @@
+/**
+ * `RemoteChannel`: the connections of the remote backend to one
+ * `loam-jobs serve`, shared by every backend a `loamBackend({ url })` factory
+ * makes. Calls use the Connect protocol (binary) over HTTP/2; each
+ * connection carries at most `maxStreamsPerConnection` calls at once (the
+ * server's HTTP/2 limit is 200 concurrent streams, and Node's client is sent
+ * GOAWAY ENHANCE_YOUR_CALM near it), further calls open another connection,
+ * up to `maxConnections`, then wait for a free stream.
+ *
+ * Errors are converted here, once: a refused call becomes the error the
+ * in-process backend throws for the same BullMQ command.
+ */
+import { Code, ConnectError, createClient, type CallOptions, type Client } from '@connectrpc/connect';
+import { createConnectTransport, Http2SessionManager } from '@connectrpc/connect-node';
+import { ErrorDetailSchema, JobsService } from './gen/loam/jobs/v1/jobs_pb.js';
+import { fromServer, type BullmqCommand } from './errors.js';
+
+export type JobsClient = Client<typeof JobsService>;
+
+/** How to reach a server (see `loamBackend({ url })`). */
+export interface RemoteSettings {
+  /** `http://host:port` of `loam-jobs serve` (`https://` for TLS). */
+  url: string;
+  /** Bearer token, when the server has authentication on. */
+  token?: string;
+  /** Namespace to work in, when the server has no tokens (with tokens the token decides it). */
+  namespace?: string;
+  /** Concurrent calls per HTTP/2 connection (default 100). */
+  maxStreamsPerConnection?: number;
+  /** HTTP/2 connections to open at most (default 4). */
+  maxConnections?: number;
+}
+
+/** A call the caller itself cut short (disconnectBlocking, close). */
+export class CallAborted extends Error {
+  constructor() {
+    super('the call was interrupted');
+    this.name = 'CallAborted';
+  }
+}
+
+interface Connection {
+  session: Http2SessionManager;
+  client: JobsClient;
+  inFlight: number;
+}
+
+const DEFAULT_STREAMS = 100;
+const DEFAULT_CONNECTIONS = 4;
+
+export class RemoteChannel {
+  private readonly connections: Connection[] = [];
+  /** Calls waiting for a free stream, oldest first. */
+  private readonly waiting: (() => void)[] = [];
+  private readonly fixedHeaders: Record<string, string> = {};
+  private readonly maxStreams: number;
+  private readonly maxConnections: number;
+  /** Backends using the channel; with none and no call in flight, the connections close. */
+  private users = 0;
+
+  constructor(readonly settings: RemoteSettings) {
+    this.maxStreams = Math.max(1, settings.maxStreamsPerConnection ?? DEFAULT_STREAMS);
+    this.maxConnections = Math.max(1, settings.maxConnections ?? DEFAULT_CONNECTIONS);
+    if (settings.token) this.fixedHeaders.authorization = `Bearer ${settings.token}`;
+    if (settings.namespace) this.fixedHeaders['loam-namespace'] = settings.namespace;
+  }
+
+  /** A backend starts using the channel. */
+  retain(): void {
+    this.users++;
+  }
+
+  /**
+   * A backend stops using it. Once the last one has, the connections close
+   * as soon as the calls still in flight have finished (BullMQ's `close`
+   * waits for in-flight work; blocking calls were interrupted before).
+   */
+  release(): void {
+    this.users = Math.max(0, this.users - 1);
+    this.closeIfUnused();
+  }
+
+  /**
+   * Runs one RPC for `command`. Every call carries the caller's clock
+   * (`loam-now-ms`): BullMQ's operations run at the client's time, as its
+   * Redis scripts do, and its tests fake that clock.
+   */
+  async call<T>(
+    command: BullmqCommand,
+    rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
+    signal?: AbortSignal,
+  ): Promise<T> {
+    if (signal?.aborted) throw new CallAborted();
+    const connection = await this.acquire();
+    try {
+      const headers = { ...this.fixedHeaders, 'loam-now-ms': String(Date.now()) };
+      return await rpc(connection.client, { headers, signal });
+    } catch (err) {
+      if (signal?.aborted) throw new CallAborted();
+      throw toBullmqError(err, command);
+    } finally {
+      this.releaseStream(connection);
+    }
+  }
+
+  private async acquire(): Promise<Connection> {
+    for (;;) {
+      let best: Connection | undefined;
+      for (const c of this.connections) {
+        if (c.inFlight < this.maxStreams && (!best || c.inFlight < best.inFlight)) best = c;
+      }
+      if (!best && this.connections.length < this.maxConnections) best = this.open();
+      if (best) {
+        best.inFlight++;
+        return best;
+      }
+      await new Promise<void>(resolve => this.waiting.push(resolve));
+    }
+  }
+
+  private releaseStream(connection: Connection): void {
+    connection.inFlight--;
+    this.waiting.shift()?.();
+    this.closeIfUnused();
+  }
+
+  private open(): Connection {
+    const session = new Http2SessionManager(this.settings.url);
+    // The Connect protocol, binary, on HTTP/2: unary calls have no trailers to
+    // parse, which measured about 10% less client CPU per call than gRPC here.
+    const transport = createConnectTransport({
+      baseUrl: this.settings.url,
+      httpVersion: '2',
+      useBinaryFormat: true,
+      sessionManager: session,
+    });
+    const connection = { session, client: createClient(JobsService, transport), inFlight: 0 };
+    this.connections.push(connection);
+    return connection;
+  }
+
+  /** Closes the connections when no backend uses them and no call is in flight (a later call reopens one). */
+  private closeIfUnused(): void {
+    if (this.users > 0 || this.waiting.length > 0 || this.connections.some(c => c.inFlight > 0)) return;
+    for (const c of this.connections.splice(0)) c.session.abort();
+  }
+}
+
+/** Connect code names as the server's bulk results spell them (`invalid_argument`). */
+function codeName(code: Code): string {
+  return (Code[code] ?? 'unknown').replace(/([a-z])([A-Z])/g, '$1_$2').toLowerCase();
+}
+
+/** A failed call's error in BullMQ's form (see `fromServer`). */
+export function toBullmqError(err: unknown, command: BullmqCommand): Error {
+  if (!(err instanceof ConnectError)) return err instanceof Error ? err : new Error(String(err));
+  const [detail] = err.findDetails(ErrorDetailSchema);
+  return fromServer(
+    {
+      code: codeName(err.code),
+      message: err.rawMessage,
+      reason: detail?.reason,
+      bullmqCode: detail?.bullmqCode,
+      subject: detail?.subject,
+    },
+    command,
+  );
+}

@@ -1,0 +1,160 @@
+/**
+ * What the in-process backend (`backend.ts`) and the remote one (`remote.ts`)
+ * share: the shapes BullMQ hands a backend and expects back, independent of
+ * how the core is reached.
+ */
+import type { DependenciesOpts, IQueueBackend, JobJson, ParentKeyOpts } from 'bullmq';
+
+/** BullMQ's next-job tuple: `[jobJson | null, id, rateLimitDelayMs, delayUntilMs]`. */
+export type NextJobTuple = [JobJson | null, string, number, number];
+export type FinishedResult = { result?: NextJobTuple; finishedOn: number };
+
+/** A parent's children, by BullMQ category, in the core's order. */
+export interface ChildrenByCategory {
+  /** Child key and its return value as JSON text. */
+  processed: [string, string][];
+  unprocessed: string[];
+  /** Child key and its failure reason. */
+  ignored: [string, string][];
+  failed: string[];
+}
+
+/**
+ * Names set through `setName` (and the names workers' blocking connections
+ * get in Redis), so `getClientList` can report the workers and QueueEvents of
+ * this process, which are all the clients an embedded store has.
+ */
+const clientNames = new Map<string, number>();
+
+export function holdName(name: string): () => void {
+  clientNames.set(name, (clientNames.get(name) ?? 0) + 1);
+  let held = true;
+  return () => {
+    if (!held) return;
+    held = false;
+    const left = (clientNames.get(name) ?? 1) - 1;
+    if (left > 0) clientNames.set(name, left);
+    else clientNames.delete(name);
+  };
+}
+
+/** Every name held in this process, once per holder. */
+export function heldNames(): string[] {
+  const names: string[] = [];
+  for (const [name, count] of clientNames) {
+    for (let i = 0; i < count; i++) names.push(name);
+  }
+  return names;
+}
+
+/** Client names as one Redis CLIENT LIST text, the shape BullMQ's getWorkers parses. */
+export function clientListText(names: string[]): string[] {
+  return [names.map((name, i) => `id=${i + 1} name=${name}`).join('\n')];
+}
+
+export function parseJob(text: string | null | undefined): JobJson | undefined {
+  return text ? (JSON.parse(text) as JobJson) : undefined;
+}
+
+/** A new job as the core reads it: BullMQ's JobJson plus the backend arguments. */
+export interface NewJobJson {
+  name: string;
+  /** The payload's JSON text. */
+  data: string;
+  opts: Record<string, any>;
+  jobId: string | undefined;
+  timestamp: number | undefined;
+  delay: number | undefined;
+  priority: number | undefined;
+  parent: JobJson['parent'];
+  parentKey: string | undefined;
+  repeatJobKey: string | undefined;
+  addToWaitingChildren: boolean;
+  queueName: string | undefined;
+}
+
+/** The JSON text the core's job parser reads (BullMQ's JobJson + backend args). */
+export function newJobJson(
+  job: JobJson,
+  jobId: string | undefined,
+  parentKeyOpts?: ParentKeyOpts,
+  queueName?: string,
+): NewJobJson {
+  return {
+    name: job.name,
+    data: job.data,
+    opts: job.opts ?? {},
+    jobId: jobId || job.id || undefined,
+    timestamp: job.timestamp,
+    delay: (job as { delay?: number }).delay,
+    priority: (job as { priority?: number }).priority,
+    parent: job.parent,
+    parentKey: parentKeyOpts?.parentKey ?? job.parentKey,
+    repeatJobKey: job.repeatJobKey,
+    addToWaitingChildren: parentKeyOpts?.addToWaitingChildren ?? false,
+    queueName,
+  };
+}
+
+/** Splits a flow node key `<prefix>:<queue>:<id>` (the prefix may hold colons). */
+export function parseNodeKey(key: string): { prefix: string; queueName: string; id: string } {
+  const last = key.lastIndexOf(':');
+  const prev = key.lastIndexOf(':', last - 1);
+  if (last === -1 || prev === -1) {
+    const [prefix = '', queueName = '', id = ''] = key.split(':');
+    return { prefix, queueName, id };
+  }
+  return { prefix: key.slice(0, prev), queueName: key.slice(prev + 1, last), id: key.slice(last + 1) };
+}
+
+type DependenciesPage = Awaited<ReturnType<IQueueBackend['getDependencies']>>;
+
+/** `getDependencies`: every category at once, or the pages `opts` asks for. */
+export function dependenciesPage(all: ChildrenByCategory, opts: DependenciesOpts): DependenciesPage {
+  const processedValues = (entries: [string, string][]) =>
+    Object.fromEntries(entries.map(([key, value]) => [key, JSON.parse(value)]));
+  if (!opts.processed && !opts.unprocessed && !opts.ignored && !opts.failed) {
+    return {
+      processed: processedValues(all.processed),
+      unprocessed: all.unprocessed,
+      failed: all.failed,
+      ignored: Object.fromEntries(all.ignored),
+    };
+  }
+  // Cursors are offsets into the category; 0 = no more (as Redis' SCAN).
+  const page = <T>(items: T[], o: { cursor?: number; count?: number }): [T[], number] => {
+    const from = o.cursor ?? 0;
+    const to = from + (o.count ?? 20);
+    return [items.slice(from, to), to < items.length ? to : 0];
+  };
+  const out: DependenciesPage = {};
+  if (opts.processed) {
+    const [items, next] = page(all.processed, opts.processed);
+    out.processed = processedValues(items);
+    out.nextProcessedCursor = next;
+  }
+  if (opts.unprocessed) {
+    [out.unprocessed, out.nextUnprocessedCursor] = page(all.unprocessed, opts.unprocessed);
+  }
+  if (opts.ignored) {
+    const [items, next] = page(all.ignored, opts.ignored);
+    out.ignored = Object.fromEntries(items);
+    out.nextIgnoredCursor = next;
+  }
+  if (opts.failed) {
+    const [items, next] = page(all.failed, opts.failed);
+    out.failed = items;
+    if (next) out.nextFailedCursor = next;
+  }
+  return out;
+}
+
+/** `paginate` keys: `<qualifiedName>:<parentId>:dependencies` or `:processed`. */
+export function paginateTarget(key: string, qualifiedName: string): { parentId: string; processed: boolean } {
+  const match = /^(.*):(dependencies|processed)$/.exec(key);
+  const own = `${qualifiedName}:`;
+  if (!match || !match[1].startsWith(own)) {
+    throw new Error(`cannot paginate key ${key}: only a parent's dependencies or processed children of this queue`);
+  }
+  return { parentId: match[1].slice(own.length), processed: match[2] === 'processed' };
+}

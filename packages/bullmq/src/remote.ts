@@ -1,0 +1,1166 @@
+/**
+ * `RemoteQueueBackend`: BullMQ 6.7's `IQueueBackend` over `loam-jobs serve`.
+ * Every member that touches queue state is one loam.jobs.v1 call (one
+ * transaction or one snapshot read on the server); this file adapts
+ * arguments and results, as `backend.ts` does for the in-process addon, and
+ * `wire.ts` converts between BullMQ's shapes and the messages.
+ *
+ * Blocking reads (`waitForJob`, a QueueEvents' `readEvents`) are long-polls
+ * of at most 30 s (the server's cap) that `disconnectBlocking`, `disconnect`
+ * and `close` cut short by aborting the call.
+ */
+import { randomBytes } from 'node:crypto';
+import { EventEmitter } from 'node:events';
+import type {
+  DependenciesOpts,
+  FinishedStatus,
+  IQueueBackend,
+  JobJson,
+  JobProgress,
+  JobsOptions,
+  JobState as BullmqJobState,
+  JobType,
+  KeepJobs,
+  KeysMap,
+  MinimalJob,
+  MoveToDelayedOpts,
+  MoveToWaitingChildrenOpts,
+  ParentKeyOpts,
+  RepeatableOptions,
+  RetryJobOpts,
+  RetryOptions,
+  StreamReadRaw,
+} from 'bullmq';
+import type { MessageInitShape } from '@bufbuild/protobuf';
+import type { FactoryOptions } from './backend.js';
+import { CallAborted, type RemoteChannel } from './channel.js';
+import {
+  clientListText,
+  dependenciesPage,
+  newJobJson,
+  paginateTarget,
+  parseNodeKey,
+  type NextJobTuple,
+} from './common.js';
+import { fromServer, type BullmqCommand, type LoamErrorCode } from './errors.js';
+import type {
+  JobAdminRequestSchema,
+  QueryRequestSchema,
+  QueueAdminRequestSchema,
+  ReportRequestSchema,
+} from './gen/loam/jobs/v1/jobs_pb.js';
+import {
+  DependencyStatus,
+  JobState,
+  type CompleteOptionsSchema,
+  type FenceSchema,
+  type Job,
+  type LeaseOptionsSchema,
+  type OutcomeSchema,
+  type RateLimitSchema,
+  type RetentionSchema,
+} from './gen/loam/jobs/v1/types_pb.js';
+import {
+  bytes,
+  childrenByCategory,
+  eventSeq,
+  jobError,
+  jobJson,
+  jobSpec,
+  nextJob,
+  optionsSpec,
+  retention,
+  schedulerSpec,
+  stateName,
+  stateOf,
+  streamEntry,
+  text,
+  u32,
+  u64,
+} from './wire.js';
+
+type FenceInit = MessageInitShape<typeof FenceSchema>;
+type LeaseOptionsInit = MessageInitShape<typeof LeaseOptionsSchema>;
+type CompleteOptionsInit = MessageInitShape<typeof CompleteOptionsSchema>;
+type OutcomeInit = MessageInitShape<typeof OutcomeSchema>;
+type QueryInit = NonNullable<MessageInitShape<typeof QueryRequestSchema>['query']>;
+type QueueAdminInit = NonNullable<MessageInitShape<typeof QueueAdminRequestSchema>['op']>;
+type JobAdminInit = NonNullable<MessageInitShape<typeof JobAdminRequestSchema>['op']>;
+type ReportInit = NonNullable<MessageInitShape<typeof ReportRequestSchema>['report']>;
+
+/** The server's longest wait for a long-poll, in ms. */
+const MAX_WAIT_MS = 30_000;
+/** Most events one `readEvents` returns. */
+const EVENTS_PER_READ = 1000;
+/**
+ * How often a named client (a worker, `setName`) tells the server it is
+ * still there: the server lists names seen in the last 5 minutes.
+ */
+const NAME_REFRESH_MS = 60_000;
+
+/** The worker settings BullMQ keeps out of the per-call arguments, read once from the factory options. */
+interface WorkerSettings {
+  lockDurationMs: bigint;
+  limiter: MessageInitShape<typeof RateLimitSchema> | undefined;
+  maxStalled: number;
+  metricsMaxPoints: bigint | undefined;
+  removeOnComplete: MessageInitShape<typeof RetentionSchema> | undefined;
+  removeOnFail: MessageInitShape<typeof RetentionSchema> | undefined;
+  name: string | undefined;
+}
+
+export function workerSettings(opts: FactoryOptions): WorkerSettings {
+  const maxPoints = u64(opts.metrics?.maxDataPoints);
+  return {
+    lockDurationMs: opts.lockDuration === undefined ? 30_000n : u64(opts.lockDuration),
+    limiter:
+      opts.limiter && u64(opts.limiter.max) > 0n
+        ? { max: u64(opts.limiter.max), durationMs: u64(opts.limiter.duration) }
+        : undefined,
+    maxStalled: opts.maxStalledCount === undefined ? 1 : u32(opts.maxStalledCount),
+    metricsMaxPoints: maxPoints > 0n ? maxPoints : undefined,
+    removeOnComplete: retention(opts.removeOnComplete),
+    removeOnFail: retention(opts.removeOnFail),
+    name: opts.name,
+  };
+}
+
+/**
+ * Redis lists one client per connection, so two workers of one queue with no
+ * name both appear under the same client name and BullMQ counts two. The
+ * server keeps a set of names; each backend registers its name with this
+ * process-unique tag appended, and the tag is dropped again when listing.
+ */
+const INSTANCE_TAG = /#[0-9a-f]{12}$/;
+
+function taggedName(name: string): string {
+  return `${name}#${randomBytes(6).toString('hex')}`;
+}
+
+function untaggedName(name: string): string {
+  return name.replace(INSTANCE_TAG, '');
+}
+
+/** BullMQ's token `"0"` (and no token) is an admin write with no lease check. */
+function fence(token: string | undefined): FenceInit {
+  return !token || token === '0'
+    ? { kind: { case: 'unchecked', value: true } }
+    : { kind: { case: 'token', value: token } };
+}
+
+function hasCode(err: unknown): err is Error & { code: LoamErrorCode } {
+  return err instanceof Error && 'code' in err;
+}
+
+/**
+ * A lease that expired, a job gone or not active: `extendLock` reports these
+ * as "not extended" (0), as Redis does; anything else is a real failure.
+ */
+function isLockRefusal(err: unknown): boolean {
+  if (!hasCode(err)) return false;
+  return (
+    typeof err.code === 'number' ||
+    err.code === 'LOAM_NOT_FOUND' ||
+    err.code === 'LOAM_FAILED_PRECONDITION' ||
+    err.code === 'LOAM_DEADLINE_EXCEEDED'
+  );
+}
+
+export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
+  closing: Promise<void> | undefined;
+  readonly keys: KeysMap = {} as KeysMap;
+  /** The server wakes waiters on its own notifications; any timeout works. */
+  readonly minimumBlockTimeout = 0.001;
+  /** The server caps a long-poll at 30 s; BullMQ then simply asks again. */
+  readonly maximumBlockTimeout = MAX_WAIT_MS / 1000;
+
+  /** Cuts `waitForJob` short (`disconnectBlocking`); replaced by `reconnectBlocking`. */
+  private blocking = new AbortController();
+  /** Cuts `readEvents` short (`disconnect`, `close`). */
+  private readonly events = new AbortController();
+  private readonly ready: Promise<void>;
+  /** Where a QueueEvents started reading (`'$'` resolved at construction). */
+  private eventsStart: Promise<string> | undefined;
+  /** The name this backend reports to the server's client list, refreshed while open. */
+  private clientNameTimer: NodeJS.Timeout | undefined;
+  /** The last add sent (see `inAddOrder`). */
+  private lastAdd: Promise<unknown> = Promise.resolve();
+
+  constructor(
+    private readonly channel: RemoteChannel,
+    private readonly queueName: string,
+    private readonly prefix: string,
+    private readonly owner: boolean,
+    private readonly settings: WorkerSettings,
+    options: { blocking?: boolean; withBlockingConnection?: boolean; workerName?: string } = {},
+  ) {
+    super();
+    if (owner) channel.retain();
+    let started: Promise<unknown> = Promise.resolve();
+    if (options.withBlockingConnection) {
+      // Redis names a worker's blocking connection so getWorkers finds it.
+      const suffix = options.workerName ? `:w:${options.workerName}` : '';
+      started = this.announce(this.clientName(suffix));
+    }
+    if (options.blocking) {
+      // A QueueEvents reads from "now": fix that point when it is created (and
+      // be ready only then), so events written between its creation and its
+      // first read are not lost.
+      const start = this.query({ command: 'readEvents' }, { case: 'lastEvent', value: true }).then(
+        r => `0-${r.case === 'number' ? r.value : 0n}`,
+      );
+      this.eventsStart = start;
+      started = Promise.all([started, start]);
+    }
+    this.ready = started.then(() => undefined);
+    this.ready.catch(() => undefined);
+    queueMicrotask(() => this.emit('ready'));
+  }
+
+  // ---- calls ------------------------------------------------------------------
+
+  /** One Query call; returns its result oneof. */
+  private async query(
+    command: BullmqCommand,
+    query: QueryInit,
+    signal?: AbortSignal,
+  ) {
+    const response = await this.channel.call(command, (c, o) => c.query({ queue: this.queueName, query }, o), signal);
+    return response.result;
+  }
+
+  private async queueAdmin(
+    command: BullmqCommand,
+    op: QueueAdminInit,
+  ) {
+    return this.channel.call(command, (c, o) => c.queueAdmin({ queue: this.queueName, op }, o));
+  }
+
+  private async jobAdmin(
+    command: BullmqCommand & { jobId: string },
+    op: JobAdminInit,
+  ): Promise<boolean> {
+    const response = await this.channel.call(command, (c, o) =>
+      c.jobAdmin({ queue: this.queueName, jobId: command.jobId, op }, o),
+    );
+    return response.done;
+  }
+
+  /** Ends the lease of `command.jobId` with `outcome`. */
+  private complete(
+    command: BullmqCommand & { jobId: string },
+    token: string | undefined,
+    outcome: OutcomeInit['kind'],
+    options?: CompleteOptionsInit,
+  ) {
+    return this.channel.call(command, (c, o) =>
+      c.complete({ queue: this.queueName, jobId: command.jobId, fence: fence(token), outcome: { kind: outcome }, options }, o),
+    );
+  }
+
+  /** The job `id`, read in one snapshot, or undefined. */
+  private async job(command: BullmqCommand, id: string): Promise<Job | undefined> {
+    const r = await this.query(command, { case: 'jobs', value: { ids: [id] } });
+    return r.case === 'jobs' ? r.value.slots[0]?.job : undefined;
+  }
+
+  private leaseOptions(token: string, name?: string): LeaseOptionsInit {
+    return {
+      max: 1,
+      token,
+      worker: name ?? this.settings.name,
+      lockDurationMs: this.settings.lockDurationMs,
+      limiter: this.settings.limiter,
+    };
+  }
+
+  private completeOptions(token: string, fetchNext: boolean): CompleteOptionsInit {
+    return {
+      fetchNext: fetchNext ? this.leaseOptions(token) : undefined,
+      removeOnComplete: this.settings.removeOnComplete,
+      removeOnFail: this.settings.removeOnFail,
+      metricsMaxPoints: this.settings.metricsMaxPoints,
+    };
+  }
+
+  /** Registers `name` in the server's client list now and every minute while open. */
+  private announce(name: string): Promise<void> {
+    this.stopAnnouncing();
+    const tagged = taggedName(name);
+    const register = () =>
+      this.queueAdmin({ command: 'setName' }, { case: 'registerWorker', value: { name: tagged } }).then(() => undefined);
+    this.clientNameTimer = setInterval(() => register().catch(err => this.emit('error', err)), NAME_REFRESH_MS);
+    this.clientNameTimer.unref();
+    return register();
+  }
+
+  private stopAnnouncing(): void {
+    if (this.clientNameTimer) clearInterval(this.clientNameTimer);
+    this.clientNameTimer = undefined;
+  }
+
+  // ---- lifecycle ------------------------------------------------------------
+
+  waitUntilReady(): Promise<void> {
+    return this.ready;
+  }
+
+  close(_force?: boolean): Promise<void> {
+    if (!this.closing) {
+      this.stopAnnouncing();
+      this.blocking.abort();
+      this.events.abort();
+      if (this.owner) this.channel.release();
+      this.closing = Promise.resolve().then(() => {
+        this.emit('close');
+      });
+    }
+    return this.closing;
+  }
+
+  async disconnect(): Promise<void> {
+    this.blocking.abort();
+    this.events.abort();
+  }
+
+  async setName(name: string): Promise<void> {
+    await this.announce(name);
+  }
+
+  async disconnectBlocking(_wait?: boolean): Promise<void> {
+    this.blocking.abort();
+  }
+
+  async reconnectBlocking(): Promise<void> {
+    if (!this.closing && this.blocking.signal.aborted) this.blocking = new AbortController();
+  }
+
+  // ---- identity -------------------------------------------------------------
+
+  forQueue(queueName: string, prefix?: string): IQueueBackend {
+    return new RemoteQueueBackend(this.channel, queueName, prefix ?? this.prefix, false, this.settings);
+  }
+
+  get qualifiedName(): string {
+    return `${this.prefix}:${this.queueName}`;
+  }
+
+  toKey(type: string): string {
+    return `${this.qualifiedName}:${type}`;
+  }
+
+  parseNodeKey(key: string): { prefix: string; queueName: string; id: string } {
+    return parseNodeKey(key);
+  }
+
+  clientName(suffix = ''): string {
+    return `${this.prefix}:${Buffer.from(this.queueName).toString('base64')}${suffix}`;
+  }
+
+  // ---- adding ---------------------------------------------------------------
+
+  /**
+   * Sends an add once the previous add of this backend has been answered.
+   * Over one Redis connection BullMQ's adds apply in call order, awaited or
+   * not, so jobs added in a loop wait in that order; concurrent calls on
+   * HTTP/2 streams have no order, so adds take turns (other writes do not:
+   * a worker's completions are for different jobs and gain from overlapping).
+   */
+  private inAddOrder<T>(send: () => Promise<T>): Promise<T> {
+    const sent = this.lastAdd.then(send, send);
+    this.lastAdd = sent.catch(() => undefined);
+    return sent;
+  }
+
+  addJob(job: JobJson, jobId: string, parentKeyOpts?: ParentKeyOpts): Promise<string> {
+    return this.inAddOrder(() => this.sendJob(job, jobId, parentKeyOpts));
+  }
+
+  private async sendJob(job: JobJson, jobId: string, parentKeyOpts?: ParentKeyOpts): Promise<string> {
+    const entry = newJobJson(job, jobId, parentKeyOpts);
+    const command = { command: 'addJob', parentKey: entry.parentKey };
+    if (entry.addToWaitingChildren) {
+      // Only a flow node is stored waiting for children; a one-node flow is that.
+      const r = await this.channel.call(command, (c, o) =>
+        c.flow({ nodes: [{ queue: this.queueName, job: jobSpec(entry), waitChildren: true }] }, o),
+      );
+      return r.enqueued[0]?.id ?? '';
+    }
+    const r = await this.channel.call(command, (c, o) => c.enqueue({ queue: this.queueName, job: jobSpec(entry) }, o));
+    return r.enqueued?.id ?? '';
+  }
+
+  /** One transaction; the first failing job fails the call, as in-process. */
+  async addJobs(entries: { job: JobJson; jobId: string; parentKeyOpts?: ParentKeyOpts }[]): Promise<string[]> {
+    const jobs = entries.map(e => newJobJson(e.job, e.jobId, e.parentKeyOpts));
+    const r = await this.inAddOrder(() =>
+      this.channel.call({ command: 'addJob' }, (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: jobs.map(jobSpec) }, o)),
+    );
+    return r.results.map((result, i) => {
+      if (result.result.case === 'enqueued') return result.result.value.id;
+      const failure = result.result.value;
+      const detail = failure?.detail;
+      throw fromServer(
+        {
+          code: failure?.code ?? 'unknown',
+          message: failure?.message ?? 'the job was not added',
+          reason: detail?.reason,
+          bullmqCode: detail?.bullmqCode,
+          subject: detail?.subject,
+        },
+        { command: 'addJob', parentKey: jobs[i].parentKey },
+      );
+    });
+  }
+
+  async addFlow(
+    entries: { jobData: JobJson; jobId: string; parentKeyOpts: ParentKeyOpts; prefix: string; queueName: string }[],
+  ): Promise<[Error | null, string | number][]> {
+    const nodes = entries.map(e => {
+      const entry = newJobJson(e.jobData, e.jobId, e.parentKeyOpts, e.queueName);
+      return { queue: e.queueName || this.queueName, job: jobSpec(entry), waitChildren: entry.addToWaitingChildren };
+    });
+    try {
+      const r = await this.inAddOrder(() => this.channel.call({ command: 'addJob' }, (c, o) => c.flow({ nodes }, o)));
+      return r.enqueued.map(e => [null, e.id]);
+    } catch (err) {
+      // The tree is inserted atomically: on failure nothing was, for any
+      // entry. A refusal BullMQ has a code for is that code on every entry.
+      const code = hasCode(err) && typeof err.code === 'number' ? err.code : undefined;
+      return entries.map(() => (code === undefined ? [err as Error, 0] : [null, code]));
+    }
+  }
+
+  // ---- worker: fetch, locks, stalled ------------------------------------------
+
+  async moveToActive(token: string, name?: string): Promise<any[]> {
+    const r = await this.channel.call({ command: 'moveToActive' }, (c, o) =>
+      c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
+    );
+    return nextJob(r.leased);
+  }
+
+  /** Resolves once a job may be ready, or null on timeout or interrupt. */
+  async waitForJob(blockTimeout: number): Promise<{ member: string; score: number } | null> {
+    const waitMs = Math.min(MAX_WAIT_MS, u32(blockTimeout * 1000));
+    try {
+      const r = await this.query(
+        { command: 'waitForJob' },
+        { case: 'waitForJob', value: { waitMs } },
+        this.blocking.signal,
+      );
+      // Redis' marker member "0" with score 0: a job is ready now.
+      return r.case === 'flag' && r.value ? { member: '0', score: 0 } : null;
+    } catch (err) {
+      if (err instanceof CallAborted) return null;
+      throw err;
+    }
+  }
+
+  async extendLock(jobId: string, token: string, duration: number): Promise<number> {
+    try {
+      await this.channel.call({ command: 'extendLock', jobId }, (c, o) =>
+        c.extend({ queue: this.queueName, items: [{ jobId, fence: fence(token) }], durationMs: u64(duration) }, o),
+      );
+      return 1;
+    } catch (err) {
+      if (isLockRefusal(err)) return 0;
+      throw err;
+    }
+  }
+
+  /** The ids whose lock could not be extended. */
+  async extendLocks(jobIds: string[], tokens: string[], duration: number): Promise<string[]> {
+    if (jobIds.length === 0) return [];
+    if (jobIds.length === 1) {
+      // With one item the server answers with that item's error, not a list.
+      return (await this.extendLock(jobIds[0], tokens[0], duration)) ? [] : [jobIds[0]];
+    }
+    const items = jobIds.map((jobId, i) => ({ jobId, fence: fence(tokens[i]) }));
+    const r = await this.channel.call({ command: 'extendLocks' }, (c, o) =>
+      c.extend({ queue: this.queueName, items, durationMs: u64(duration) }, o),
+    );
+    return r.failedJobIds;
+  }
+
+  /**
+   * Applies the worker's `maxStalledCount` to the queue, then reclaims
+   * expired leases and returns their ids (the Worker emits `stalled` for them).
+   */
+  async moveStalledJobsToWait(): Promise<string[]> {
+    const r = await this.queueAdmin(
+      { command: 'moveStalledJobsToWait' },
+      { case: 'sweepStalled', value: { maxStalled: this.settings.maxStalled } },
+    );
+    return r.jobIds;
+  }
+
+  async isMaxed(): Promise<boolean> {
+    const r = await this.query({ command: 'isMaxed' }, { case: 'isMaxed', value: true });
+    return r.case === 'flag' && r.value;
+  }
+
+  // ---- finishing ---------------------------------------------------------------
+
+  async moveToCompleted<T = any, R = any, N extends string = string>(
+    job: MinimalJob<T, R, N>,
+    returnValue: R,
+    _removeOnComplete: boolean | number | KeepJobs,
+    token: string,
+    fetchNext: boolean,
+  ): Promise<{ result: void | any[]; finishedOn: number }> {
+    // The job's own removeOnComplete is stored with it; the worker's default
+    // travels in the options. Both are applied on the server.
+    const value = JSON.stringify(returnValue) ?? 'null';
+    const r = await this.complete(
+      { command: 'moveToFinished', jobId: job.id!, state: 'active' },
+      token,
+      { case: 'success', value: { result: bytes(value) } },
+      this.completeOptions(token, fetchNext),
+    );
+    return this.finished(r.completed, fetchNext);
+  }
+
+  async moveToFailed<T = any, R = any, N extends string = string>(
+    job: MinimalJob<T, R, N>,
+    failedReason: string,
+    _removeOnFail: boolean | number | KeepJobs,
+    token: string,
+    fetchNext: boolean,
+    fieldsToUpdate?: Record<string, any>,
+  ): Promise<{ result: void | any[]; finishedOn: number }> {
+    const r = await this.complete(
+      { command: 'moveToFinished', jobId: job.id!, state: 'active' },
+      token,
+      { case: 'fail', value: { error: jobError(failedReason ?? '', fieldsToUpdate), deadLetter: false } },
+      this.completeOptions(token, fetchNext),
+    );
+    return this.finished(r.completed, fetchNext);
+  }
+
+  private finished(
+    completed: { finishedOn?: bigint; next?: Parameters<typeof nextJob>[0] } | undefined,
+    fetchNext: boolean,
+  ): { result: NextJobTuple | undefined; finishedOn: number } {
+    return {
+      result: fetchNext && completed?.next ? nextJob(completed.next) : undefined,
+      finishedOn: completed?.finishedOn !== undefined ? Number(completed.finishedOn) : Date.now(),
+    };
+  }
+
+  /**
+   * A retry after a backoff (an attempt is spent) or, with `skipAttempt`, a
+   * manual delay. Returns the next-job tuple when `fetchNext` claimed one,
+   * else `[]` (what the Redis adapter returns).
+   */
+  async moveToDelayed(
+    jobId: string,
+    timestamp: number,
+    delay: number,
+    token?: string,
+    opts: MoveToDelayedOpts = {},
+  ): Promise<void | any[]> {
+    const outcome: OutcomeInit['kind'] = opts.skipAttempt
+      ? { case: 'delay', value: { until: u64(timestamp) + u64(delay) } }
+      : {
+          case: 'retry',
+          value: {
+            error: opts.fieldsToUpdate ? jobError(undefined, opts.fieldsToUpdate) : undefined,
+            afterMs: u64(delay),
+          },
+        };
+    const r = await this.complete(
+      { command: 'moveToDelayed', jobId, state: 'active' },
+      token,
+      outcome,
+      this.completeOptions(token ?? '', !!opts.fetchNext),
+    );
+    const next = r.completed?.next;
+    return next && next.leases.length > 0 ? nextJob(next) : [];
+  }
+
+  /** True when the job now waits for children (with `opts.child`, for that one). */
+  async moveToWaitingChildren(jobId: string, token: string, opts: MoveToWaitingChildrenOpts = {}): Promise<boolean> {
+    const child = opts.child ? `${opts.child.queue}:${opts.child.id}` : undefined;
+    const r = await this.complete({ command: 'moveToWaitingChildren', jobId, state: 'active' }, token, {
+      case: 'waitChildren',
+      value: { child },
+    });
+    return !!r.completed?.moved;
+  }
+
+  /** A processor's RateLimitError: the job goes back; returns the queue's rate-limit ttl. */
+  async moveJobFromActiveToWait(jobId: string, token?: string): Promise<number> {
+    const r = await this.channel.call({ command: 'moveJobFromActiveToWait', jobId, state: 'active' }, (c, o) =>
+      c.complete(
+        {
+          queue: this.queueName,
+          jobId,
+          fence: fence(token),
+          outcome: { kind: { case: 'release', value: {} } },
+          // A limiter with max 0 is "none": only a global or manual limit counts.
+          rateLimitTtlFor: this.settings.limiter ?? { max: 0n, durationMs: 0n },
+        },
+        o,
+      ),
+    );
+    return Number(r.rateLimitTtlMs ?? 0n);
+  }
+
+  /** An immediate retry (an attempt is spent). */
+  async retryJob(jobId: string, _lifo: boolean, token?: string, opts?: RetryJobOpts): Promise<void> {
+    const error = opts?.fieldsToUpdate ? jobError(undefined, opts.fieldsToUpdate) : undefined;
+    await this.complete({ command: 'retryJob', jobId, state: 'active' }, token, {
+      case: 'retry',
+      value: { error, afterMs: 0n },
+    });
+  }
+
+  async retryFinishedJob<T = any, R = any, N extends string = string>(
+    job: MinimalJob<T, R, N>,
+    state: 'failed' | 'completed',
+    opts: RetryOptions = {},
+  ): Promise<void> {
+    const from = state === 'completed' ? JobState.COMPLETED : JobState.FAILED;
+    await this.jobAdmin(
+      { command: 'reprocessJob', jobId: job.id!, state: state === 'completed' ? 'completed' : 'failed' },
+      {
+        case: 'retryFinished',
+        value: {
+          state: from,
+          resetAttemptsMade: !!opts.resetAttemptsMade,
+          resetAttemptsStarted: !!opts.resetAttemptsStarted,
+        },
+      },
+    );
+  }
+
+  async promote(jobId: string): Promise<void> {
+    await this.jobAdmin({ command: 'promote', jobId, state: 'delayed' }, { case: 'promote', value: true });
+  }
+
+  async changeDelay(jobId: string, delay: number): Promise<void> {
+    await this.jobAdmin(
+      { command: 'changeDelay', jobId, state: 'delayed' },
+      { case: 'changeDelay', value: { delayMs: u64(delay) } },
+    );
+  }
+
+  async changePriority(jobId: string, priority = 0, lifo = false): Promise<void> {
+    await this.jobAdmin(
+      { command: 'changePriority', jobId },
+      { case: 'changePriority', value: { priority: u32(priority), lifo } },
+    );
+  }
+
+  /** 1 when removed (or already gone), 0 when it or a child is locked. */
+  async remove(jobId: string, removeChildren: boolean): Promise<number> {
+    const done = await this.jobAdmin({ command: 'removeJob', jobId }, { case: 'remove', value: { removeChildren } });
+    return done ? 1 : 0;
+  }
+
+  async removeUnprocessedChildren(jobId: string): Promise<void> {
+    await this.jobAdmin(
+      { command: 'removeUnprocessedChildren', jobId },
+      { case: 'removeUnprocessedChildren', value: true },
+    );
+  }
+
+  removeChildDependency(jobId: string, parentKey: string): Promise<boolean> {
+    return this.jobAdmin(
+      { command: 'removeChildDependency', jobId, parentKey },
+      { case: 'removeChildDependency', value: { parentKey } },
+    );
+  }
+
+  // ---- job data --------------------------------------------------------------------
+
+  /** BullMQ's token-less writes to a job: no lease is checked. */
+  private async report(
+    command: BullmqCommand & { jobId: string },
+    report: ReportInit,
+  ): Promise<number> {
+    const r = await this.channel.call(command, (c, o) =>
+      c.report({ queue: this.queueName, jobId: command.jobId, fence: fence(undefined), report }, o),
+    );
+    return Number(r.logCount);
+  }
+
+  async updateData<T = any, R = any, N extends string = string>(job: MinimalJob<T, R, N>, data: T): Promise<void> {
+    await this.report({ command: 'updateData', jobId: job.id! }, { case: 'data', value: bytes(JSON.stringify(data) ?? '{}') });
+  }
+
+  async updateProgress(jobId: string, progress: JobProgress): Promise<void> {
+    await this.report({ command: 'updateProgress', jobId }, { case: 'progress', value: JSON.stringify(progress) });
+  }
+
+  addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
+    const keep = keepLogs === undefined ? undefined : u64(keepLogs);
+    return this.report({ command: 'addLog', jobId }, { case: 'log', value: { row: logRow, keep } });
+  }
+
+  async clearLogs(jobId: string, keepLogs?: number): Promise<void> {
+    const keep = keepLogs === undefined ? undefined : u64(keepLogs);
+    await this.jobAdmin({ command: 'clearLogs', jobId }, { case: 'clearLogs', value: { keep } });
+  }
+
+  // ---- queue admin ---------------------------------------------------------------------
+
+  async pause(pause: boolean): Promise<void> {
+    await this.queueAdmin({ command: 'pause' }, pause ? { case: 'pause', value: true } : { case: 'resume', value: true });
+  }
+
+  async drain(delayed: boolean): Promise<void> {
+    await this.queueAdmin({ command: 'drain' }, { case: 'drain', value: { delayed } });
+  }
+
+  async cleanJobsByState(state: string, timestamp: number, limit?: number): Promise<string[]> {
+    const r = await this.queueAdmin(
+      { command: 'cleanJobsByState' },
+      { case: 'clean', value: { state, before: u64(timestamp), limit: u64(limit) } },
+    );
+    return r.jobIds;
+  }
+
+  /** 1 while jobs remain (call again), 0 once the queue is gone. */
+  async obliterate(opts: { force: boolean; count: number }): Promise<number> {
+    const r = await this.queueAdmin(
+      { command: 'obliterate' },
+      { case: 'obliterate', value: { force: !!opts.force, count: u64(opts.count) } },
+    );
+    return r.more ? 1 : 0;
+  }
+
+  async retryFinishedJobs(state: FinishedStatus = 'failed', count = 1000, timestamp = Date.now()): Promise<number> {
+    const from = state === 'completed' ? JobState.COMPLETED : JobState.FAILED;
+    const r = await this.queueAdmin(
+      { command: 'retryJobs' },
+      { case: 'retryJobs', value: { state: from, count: u64(count), before: u64(timestamp) } },
+    );
+    return r.more ? 1 : 0;
+  }
+
+  async promoteJobs(count = 1000): Promise<number> {
+    const r = await this.queueAdmin({ command: 'promoteJobs' }, { case: 'promoteJobs', value: { count: u64(count) } });
+    return r.more ? 1 : 0;
+  }
+
+  /** Redis keyspace repair; the core's store has no orphaned keys. */
+  async removeOrphanedJobs(_count?: number, _limit?: number): Promise<number> {
+    return 0;
+  }
+
+  /** The pre-v6 Redis `priority` key never exists here. */
+  async removeDeprecatedPriorityKey(): Promise<number> {
+    return 0;
+  }
+
+  // ---- getters ---------------------------------------------------------------------------
+
+  async getState(jobId: string): Promise<BullmqJobState | 'unknown'> {
+    const job = await this.job({ command: 'getState', jobId }, jobId);
+    return (job ? stateName(job.state) : 'unknown') as BullmqJobState | 'unknown';
+  }
+
+  /** BullMQ's `code` or `[code, value]`: -1 missing, 0 not finished, 1 completed, 2 failed. */
+  async isFinished(jobId: string, returnValue = false): Promise<number | [number, string]> {
+    const job = await this.job({ command: 'isFinished', jobId }, jobId);
+    let code: number;
+    let value: string | undefined;
+    if (!job) {
+      code = -1;
+      value = `Missing key for job ${this.qualifiedName}:${jobId}. isFinished`;
+    } else if (job.state === JobState.COMPLETED) {
+      code = 1;
+      value = job.returnValue !== undefined ? text(job.returnValue) : 'null';
+    } else if (job.state === JobState.FAILED) {
+      code = 2;
+      value = job.failedReason ?? '';
+    } else {
+      code = 0;
+    }
+    if (!returnValue) return code;
+    return (value === undefined ? [code] : [code, value]) as [number, string];
+  }
+
+  async isJobInState(state: string, jobId: string): Promise<boolean> {
+    // BullMQ 6 never fills the legacy `paused` list.
+    if (state === 'paused') return false;
+    const wanted = stateOf(state);
+    if (wanted === undefined) throw new Error(`Unknown job state: ${state}`);
+    const job = await this.job({ command: 'isJobInState', jobId }, jobId);
+    return job?.state === wanted;
+  }
+
+  async getJobData(jobId: string): Promise<JobJson | undefined> {
+    const job = await this.job({ command: 'getJobData', jobId }, jobId);
+    return job ? jobJson(job) : undefined;
+  }
+
+  async getJobLogs(jobId: string, start: number, end: number, asc: boolean): Promise<{ logs: string[]; count: number }> {
+    const r = await this.query(
+      { command: 'getJobLogs', jobId },
+      { case: 'logs', value: { jobId, start: BigInt(Math.trunc(start)), end: BigInt(Math.trunc(end)), asc } },
+    );
+    return r.case === 'logs' ? { logs: r.value.logs, count: Number(r.value.count) } : { logs: [], count: 0 };
+  }
+
+  async getCounts(types: JobType[], delayedTimestamp?: number): Promise<number[]> {
+    const delayedBefore = delayedTimestamp === undefined ? undefined : u64(delayedTimestamp);
+    const r = await this.query({ command: 'getCounts' }, { case: 'counts', value: { types, delayedBefore } });
+    return r.case === 'counts' ? r.value.counts.map(Number) : types.map(() => 0);
+  }
+
+  async getCountsPerPriority(priorities: number[]): Promise<number[]> {
+    const r = await this.query(
+      { command: 'getCountsPerPriority' },
+      { case: 'countsPerPriority', value: { priorities: priorities.map(u32) } },
+    );
+    return r.case === 'counts' ? r.value.counts.map(Number) : priorities.map(() => 0);
+  }
+
+  /**
+   * Ids per type. For BullMQ's list types (`wait`, `active`) an ascending
+   * page is returned newest-first, because its caller reverses those (Redis
+   * LRANGE order).
+   */
+  async getRanges(types: JobType[], start = 0, end = 1, asc = false): Promise<[string][]> {
+    const r = await this.query(
+      { command: 'getRanges' },
+      { case: 'ranges', value: { types, start: BigInt(Math.trunc(start)), end: BigInt(Math.trunc(end)), asc } },
+    );
+    const lists = r.case === 'ranges' ? r.value.ranges : [];
+    return types.map((type, i) => {
+      const ids = [...(lists[i]?.ids ?? [])];
+      const state = stateOf(type);
+      if (asc && (state === JobState.WAITING || state === JobState.ACTIVE)) ids.reverse();
+      return ids;
+    }) as unknown as [string][];
+  }
+
+  /** A parent's children, read in one snapshot. */
+  private async dependencies(command: BullmqCommand, jobId: string, withJobs = false) {
+    const r = await this.query(command, { case: 'dependencies', value: { jobId, withJobs } });
+    return r.case === 'dependencies' ? r.value : { dependencies: [], jobs: [] };
+  }
+
+  async getDependencyCounts(jobId: string, types: string[]): Promise<number[]> {
+    const { dependencies } = await this.dependencies({ command: 'getDependencyCounts', jobId }, jobId);
+    const count = (status: DependencyStatus) => dependencies.filter(d => d.status === status).length;
+    return types.map(type => {
+      switch (type) {
+        case 'processed':
+          return count(DependencyStatus.PROCESSED);
+        case 'unprocessed':
+          return count(DependencyStatus.PENDING);
+        case 'ignored':
+          return count(DependencyStatus.IGNORED);
+        default:
+          return count(DependencyStatus.FAILED);
+      }
+    });
+  }
+
+  async getDependencies(
+    jobId: string,
+    opts: DependenciesOpts = {},
+  ): Promise<{
+    nextFailedCursor?: number;
+    failed?: string[];
+    nextIgnoredCursor?: number;
+    ignored?: Record<string, any>;
+    nextProcessedCursor?: number;
+    processed?: Record<string, any>;
+    nextUnprocessedCursor?: number;
+    unprocessed?: string[];
+  }> {
+    const { dependencies } = await this.dependencies({ command: 'getDependencies', jobId }, jobId);
+    return dependenciesPage(childrenByCategory(dependencies), opts);
+  }
+
+  /** Child key → value of the children in `status`, keys in order. */
+  private async childrenValues(command: string, jobId: string, status: DependencyStatus): Promise<Record<string, string>> {
+    const { dependencies } = await this.dependencies({ command, jobId }, jobId);
+    const entries = dependencies
+      .filter(d => d.status === status)
+      .map(d => [d.key, d.value ?? 'null'] as [string, string])
+      .sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
+    return Object.fromEntries(entries);
+  }
+
+  getProcessedChildrenValues(jobId: string): Promise<Record<string, string>> {
+    return this.childrenValues('getProcessedChildrenValues', jobId, DependencyStatus.PROCESSED);
+  }
+
+  getIgnoredChildrenFailures(jobId: string): Promise<Record<string, string>> {
+    return this.childrenValues('getIgnoredChildrenFailures', jobId, DependencyStatus.IGNORED);
+  }
+
+  async getDeduplicationJobId(deduplicationId: string): Promise<string | null> {
+    const r = await this.query(
+      { command: 'getDeduplicationJobId' },
+      { case: 'dedupJob', value: { dedupId: deduplicationId } },
+    );
+    return r.case === 'dedupJob' && r.value ? r.value : null;
+  }
+
+  async getRateLimitTtl(maxJobs?: number): Promise<number> {
+    const r = await this.query(
+      { command: 'getRateLimitTtl' },
+      { case: 'rateLimitTtl', value: { maxJobs: maxJobs === undefined ? undefined : u64(maxJobs) } },
+    );
+    return r.case === 'number' ? Number(r.value) : 0;
+  }
+
+  /** `[[count, prevTS, prevCount], data[start..=end], total]`. */
+  async getMetrics(type: 'completed' | 'failed', start = 0, end = -1): Promise<[string[], string[], number]> {
+    const r = await this.query({ command: 'getMetrics' }, { case: 'metrics', value: { kind: type } });
+    if (r.case !== 'metrics') return [[], [], 0];
+    const m = r.value;
+    const total = m.data.length;
+    const norm = (i: number) => (i < 0 ? total + i : i);
+    const from = Math.max(0, norm(Math.trunc(start)));
+    const to = Math.min(total - 1, norm(Math.trunc(end)));
+    const page = m.data.slice(from, Math.max(from, to + 1)).map(String);
+    return [[String(m.count), String(m.prevTs), String(m.prevCount)], page, total];
+  }
+
+  /** The names the server saw recently for this queue, as one CLIENT LIST text. */
+  async getClientList(): Promise<string[]> {
+    const r = await this.query({ command: 'getClientList' }, { case: 'workers', value: true });
+    return clientListText(r.case === 'names' ? r.value.names.map(untaggedName) : []);
+  }
+
+  /** `paginate` of a parent's pending (`:dependencies`) or processed (`:processed`) children. */
+  async paginate(
+    key: string,
+    opts: { start: number; end: number; fetchJobs?: boolean },
+  ): Promise<{ cursor: string; items: { id: string; v?: any; err?: string }[]; total: number; jobs?: JobJson[] }> {
+    const { parentId, processed } = paginateTarget(key, this.qualifiedName);
+    const fetchJobs = !!opts.fetchJobs;
+    const { dependencies, jobs } = await this.dependencies({ command: 'paginate', jobId: parentId }, parentId, fetchJobs);
+    const wanted = processed ? DependencyStatus.PROCESSED : DependencyStatus.PENDING;
+    const all = dependencies.map((d, i) => ({ d, job: jobs[i]?.job })).filter(({ d }) => d.status === wanted);
+    const total = all.length;
+    const last = opts.end < 0 ? total - 1 : Math.min(Math.trunc(opts.end), total - 1);
+    const first = Math.max(0, Math.trunc(opts.start));
+    const page = all.slice(first, Math.max(first, last + 1));
+    return {
+      cursor: '0',
+      total,
+      items: page.map(({ d }) => (processed ? { id: d.key, v: JSON.parse(d.value ?? 'null') } : { id: d.key })),
+      jobs: fetchJobs ? page.flatMap(({ job }) => (job ? [jobJson(job)] : [])) : undefined,
+    };
+  }
+
+  // ---- queue meta ----------------------------------------------------------------------------
+
+  async setQueueMeta(values: Record<string, string | number>): Promise<number> {
+    const strings = Object.fromEntries(
+      Object.entries(values).map(([k, v]) => [k, typeof v === 'string' ? v : JSON.stringify(v)]),
+    );
+    const r = await this.queueAdmin({ command: 'setQueueMeta' }, { case: 'setMeta', value: { values: strings } });
+    return Number(r.count);
+  }
+
+  /** The meta fields asked for (an empty list asks for all of them). */
+  private async meta(fields: string[]): Promise<Record<string, string>> {
+    const r = await this.query({ command: 'getQueueMeta' }, { case: 'meta', value: { fields } });
+    return r.case === 'meta' ? r.value.values : {};
+  }
+
+  async getQueueMetaField(field: string): Promise<string | null> {
+    return (await this.meta([field]))[field] ?? null;
+  }
+
+  async getQueueMetaFields(fields: string[]): Promise<(string | null)[]> {
+    if (fields.length === 0) return [];
+    const values = await this.meta(fields);
+    return fields.map(f => values[f] ?? null);
+  }
+
+  getQueueMeta(): Promise<Record<string, string>> {
+    return this.meta([]);
+  }
+
+  async removeQueueMetaFields(fields: string[]): Promise<number> {
+    const r = await this.queueAdmin({ command: 'removeQueueMetaFields' }, { case: 'removeMetaFields', value: { fields } });
+    return Number(r.count);
+  }
+
+  async hasQueueMetaField(field: string): Promise<boolean> {
+    return (await this.getQueueMetaField(field)) !== null;
+  }
+
+  // ---- rate limit, dedup ---------------------------------------------------------------------
+
+  async setRateLimit(expireTimeMs: number): Promise<void> {
+    await this.queueAdmin({ command: 'setRateLimit' }, { case: 'setRateLimit', value: { ms: u64(expireTimeMs) } });
+  }
+
+  async removeRateLimitKey(): Promise<number> {
+    const r = await this.queueAdmin({ command: 'removeRateLimitKey' }, { case: 'removeRateLimitKey', value: true });
+    return Number(r.count);
+  }
+
+  /** Removes the dedup key only while it still names `jobId`. */
+  async removeDeduplicationKey(deduplicationId: string, jobId: string): Promise<number> {
+    const r = await this.queueAdmin(
+      { command: 'removeDeduplicationKey' },
+      { case: 'removeDedupKey', value: { dedupId: deduplicationId, jobId } },
+    );
+    return Number(r.count);
+  }
+
+  async deleteDeduplicationKey(deduplicationId: string): Promise<number> {
+    const r = await this.queueAdmin(
+      { command: 'removeDeduplicationKey' },
+      { case: 'removeDedupKey', value: { dedupId: deduplicationId } },
+    );
+    return Number(r.count);
+  }
+
+  // ---- events -----------------------------------------------------------------------------------
+
+  /** The entries after `id` (`$` = from now), in XREAD's shape, or null when none came in time. */
+  async readEvents(id: string, blockTimeout: number): Promise<StreamReadRaw> {
+    let from = id;
+    if (id === '$' && this.eventsStart) from = await this.eventsStart;
+    const after = from === '$' ? undefined : eventSeq(from);
+    const waitMs = Math.min(MAX_WAIT_MS, u32(blockTimeout));
+    let events;
+    try {
+      const r = await this.query(
+        { command: 'readEvents' },
+        { case: 'events', value: { after, limit: EVENTS_PER_READ, waitMs } },
+        this.events.signal,
+      );
+      events = r.case === 'events' ? r.value.events : [];
+    } catch (err) {
+      if (err instanceof CallAborted) return null as unknown as StreamReadRaw;
+      throw err;
+    }
+    if (events.length === 0) return null as unknown as StreamReadRaw;
+    this.eventsStart = undefined;
+    return [[this.toKey('events'), events.map(streamEntry)]] as unknown as StreamReadRaw;
+  }
+
+  async publishEvent(fields: Record<string, string | number>, maxEvents: number): Promise<string> {
+    let name = '';
+    const rest: { key: string; value: string }[] = [];
+    for (const [key, raw] of Object.entries(fields)) {
+      const value = typeof raw === 'string' ? raw : JSON.stringify(raw);
+      if (key === 'event') name = value;
+      else rest.push({ key, value });
+    }
+    const r = await this.queueAdmin(
+      { command: 'publishEvent' },
+      { case: 'publishEvent', value: { name, fields: rest, maxEvents: u64(maxEvents) } },
+    );
+    return r.eventId;
+  }
+
+  async trimEvents(maxLength: number): Promise<number> {
+    const r = await this.queueAdmin({ command: 'trimEvents' }, { case: 'trimEvents', value: { maxLength: u64(maxLength) } });
+    return Number(r.count);
+  }
+
+  // ---- job schedulers -----------------------------------------------------------------------------
+
+  /** `[jobId, delay]` of the next iteration, or `[undefined, 0]` when the scheduler has run out. */
+  async addJobScheduler(
+    jobSchedulerId: string,
+    nextMillis: number,
+    templateData: string,
+    templateOpts: JobsOptions,
+    opts: RepeatableOptions,
+    _delayedJobOpts: JobsOptions,
+    _producerId?: string,
+  ): Promise<[string, number]> {
+    const spec = schedulerSpec(
+      jobSchedulerId,
+      nextMillis ?? undefined,
+      templateData,
+      (templateOpts ?? {}) as Record<string, any>,
+      (opts ?? {}) as Record<string, any>,
+    );
+    const r = await this.channel.call({ command: 'addJobScheduler', jobId: jobSchedulerId }, (c, o) =>
+      c.schedule({ queue: this.queueName, schedule: { case: 'upsert', value: spec } }, o),
+    );
+    return r.jobId !== undefined ? [r.jobId, Number(r.delayMs)] : [undefined as unknown as string, 0];
+  }
+
+  /** The next iteration's id, or null (the scheduler ran out, or `producerId` was not current). */
+  async updateJobSchedulerNextMillis(
+    jobSchedulerId: string,
+    nextMillis: number,
+    _templateData: string,
+    delayedJobOpts: JobsOptions,
+    producerId?: string,
+  ): Promise<string | null> {
+    const advance = {
+      id: jobSchedulerId,
+      nextMillis: nextMillis === undefined || nextMillis === null ? undefined : u64(nextMillis),
+      producerId: producerId ?? '',
+      job: optionsSpec((delayedJobOpts ?? {}) as Record<string, any>),
+    };
+    const r = await this.channel.call({ command: 'updateJobScheduler', jobId: jobSchedulerId }, (c, o) =>
+      c.schedule({ queue: this.queueName, schedule: { case: 'advance', value: advance } }, o),
+    );
+    return r.jobId ?? null;
+  }
+
+  /** 0 when the scheduler existed, 1 when it did not (the Lua script's convention). */
+  async removeJobScheduler(jobSchedulerId: string): Promise<number> {
+    const r = await this.channel.call({ command: 'removeJobScheduler' }, (c, o) =>
+      c.unschedule({ queue: this.queueName, schedulerId: jobSchedulerId }, o),
+    );
+    return r.removed ? 0 : 1;
+  }
+
+  /** A scheduler as BullMQ reads its Redis hash `repeat:<id>`, with its next run. */
+  private async schedulerHash(id: string): Promise<[Record<string, string> | null, string | null]> {
+    const r = await this.query({ command: 'getJobScheduler' }, { case: 'scheduler', value: { id } });
+    const s = r.case === 'scheduler' ? r.value.scheduler : undefined;
+    if (!s) return [null, null];
+    const hash: Record<string, string> = { name: s.name, ic: String(s.iterationCount) };
+    if (s.limit !== undefined) hash.limit = String(s.limit);
+    if (s.startDate !== undefined) hash.startDate = String(s.startDate);
+    if (s.endDate !== undefined) hash.endDate = String(s.endDate);
+    if (s.tz !== undefined) hash.tz = s.tz;
+    if (s.pattern !== undefined) hash.pattern = s.pattern;
+    if (s.everyMs !== undefined) hash.every = String(s.everyMs);
+    if (s.offsetMs !== undefined) hash.offset = String(s.offsetMs);
+    if (s.templateData && s.templateData !== '{}') hash.data = s.templateData;
+    if (s.templateOpts && s.templateOpts !== '{}') hash.opts = s.templateOpts;
+    return [hash, String(s.nextMillis)];
+  }
+
+  async getJobScheduler(id: string): Promise<[any, string | null]> {
+    const [hash, next] = await this.schedulerHash(id);
+    return [hash ? Object.entries(hash).flat() : null, next];
+  }
+
+  async isJobScheduler(id: string): Promise<boolean> {
+    return (await this.schedulerHash(id))[0] !== null;
+  }
+
+  async getJobSchedulerData(key: string): Promise<Record<string, string>> {
+    return (await this.schedulerHash(key))[0] ?? {};
+  }
+
+  /** `[id, next, id, next, ...]` by next run. */
+  async getJobSchedulersRange(start: number, end: number, asc: boolean): Promise<string[]> {
+    const r = await this.query(
+      { command: 'getJobSchedulersRange' },
+      { case: 'schedulers', value: { start: BigInt(Math.trunc(start)), end: BigInt(Math.trunc(end)), asc } },
+    );
+    const list = r.case === 'schedulers' ? r.value.schedulers : [];
+    return list.flatMap(s => [s.id, String(s.nextMillis)]);
+  }
+
+  async getJobSchedulersCount(): Promise<number> {
+    const r = await this.query({ command: 'getJobSchedulersCount' }, { case: 'schedulerCount', value: true });
+    return r.case === 'number' ? Number(r.value) : 0;
+  }
+}

@@ -1,0 +1,341 @@
+/**
+ * BullMQ's shapes ⇄ loam.jobs.v1 messages, for the remote backend. The
+ * in-process addon does the same conversions in Rust
+ * (`crates/loam-jobs-napi/src/convert.rs`); the rules here are the same, so a
+ * job added through either backend is stored alike.
+ *
+ * 64-bit fields are `bigint` in the generated code; BullMQ's are numbers
+ * (milliseconds and counts, well inside 2^53), converted at this edge.
+ */
+import type { MessageInitShape } from '@bufbuild/protobuf';
+import type { JobJson, KeepJobs } from 'bullmq';
+import type { NewJobJson, NextJobTuple } from './common.js';
+import type { Event } from './gen/loam/jobs/v1/events_pb.js';
+import {
+  BackoffKind,
+  DependencyStatus,
+  JobState,
+  OnChildFailure,
+  type Dependency,
+  type Job,
+  type JobSpec,
+  type JobSpecSchema,
+  type Leased,
+  type RetentionSchema,
+  type SchedulerSpecSchema,
+} from './gen/loam/jobs/v1/types_pb.js';
+import type { ChildrenByCategory } from './common.js';
+
+/** A JobSpec as a plain init object (never a built message, so it can be spread). */
+export type JobSpecInit = Exclude<MessageInitShape<typeof JobSpecSchema>, JobSpec>;
+type RetentionInit = MessageInitShape<typeof RetentionSchema>;
+
+/** A number BullMQ passes (maybe a float, negative or NaN) as a uint64; those become 0. */
+export function u64(n: number | undefined | null): bigint {
+  return n !== undefined && n !== null && Number.isFinite(n) && n > 0 ? BigInt(Math.floor(n)) : 0n;
+}
+
+/** As [`u64`], for uint32 fields. */
+export function u32(n: number | undefined | null): number {
+  return n !== undefined && n !== null && Number.isFinite(n) && n > 0 ? Math.min(Math.floor(n), 0xffff_ffff) : 0;
+}
+
+function optU64(n: number | undefined | null): bigint | undefined {
+  return n === undefined || n === null ? undefined : u64(n);
+}
+
+const utf8 = new TextEncoder();
+const fromUtf8 = new TextDecoder();
+
+export function bytes(text: string): Uint8Array {
+  return utf8.encode(text);
+}
+
+export function text(data: Uint8Array): string {
+  return fromUtf8.decode(data);
+}
+
+// ---- inputs ----------------------------------------------------------------
+
+/** BullMQ's `removeOnComplete` / `removeOnFail`: `true`, `false`, a count or `KeepJobs` (age in seconds). */
+export function retention(keep: boolean | number | KeepJobs | null | undefined): RetentionInit | undefined {
+  if (keep === undefined || keep === null) return undefined;
+  if (keep === true) return { policy: { case: 'removeImmediately', value: true } };
+  if (keep === false) return { policy: { case: 'keepAll', value: true } };
+  if (typeof keep === 'number') {
+    // BullMQ's `-1` (any negative count) keeps everything.
+    return keep < 0 ? { policy: { case: 'keepAll', value: true } } : { policy: { case: 'keep', value: { count: u64(keep) } } };
+  }
+  if (typeof keep !== 'object') return undefined;
+  const { age, limit: most } = keep as { age?: number; limit?: number };
+  const count = typeof keep.count === 'number' && keep.count >= 0 ? u64(keep.count) : undefined;
+  const ageMs = typeof age === 'number' ? u64(age * 1000) : undefined;
+  const limit = typeof most === 'number' ? u64(most) : undefined;
+  if (count === undefined && ageMs === undefined && limit === undefined) {
+    return { policy: { case: 'keepAll', value: true } };
+  }
+  return { policy: { case: 'keep', value: { count, ageMs, limit } } };
+}
+
+/** BullMQ's `backoff`; custom strategies have none here (their delays arrive with each retry). */
+function backoff(opt: unknown): JobSpecInit['backoff'] {
+  if (typeof opt === 'number') return { kind: BackoffKind.FIXED, delayMs: u64(opt) };
+  if (!opt || typeof opt !== 'object') return undefined;
+  const { type, delay, jitter } = opt as { type?: string; delay?: number; jitter?: number };
+  const kind = type === 'fixed' ? BackoffKind.FIXED : type === 'exponential' ? BackoffKind.EXPONENTIAL : undefined;
+  return kind === undefined ? undefined : { kind, delayMs: u64(delay), jitter: jitter ?? 0 };
+}
+
+function onChildFailure(opts: Record<string, any>): OnChildFailure {
+  if (opts.failParentOnFailure) return OnChildFailure.FAIL_PARENT;
+  if (opts.continueParentOnFailure) return OnChildFailure.CONTINUE_PARENT;
+  if (opts.ignoreDependencyOnFailure) return OnChildFailure.IGNORE;
+  if (opts.removeDependencyOnFailure) return OnChildFailure.REMOVE;
+  return OnChildFailure.UNSPECIFIED;
+}
+
+/** `<prefix>:<queue>` → its parts (queue names cannot hold `:`, so the last one splits). */
+function splitQualified(queueKey: string): { prefix: string; queue: string } {
+  const at = queueKey.lastIndexOf(':');
+  return at === -1 ? { prefix: '', queue: queueKey } : { prefix: queueKey.slice(0, at), queue: queueKey.slice(at + 1) };
+}
+
+/** Everything BullMQ's job options alone decide (a scheduler's template too). */
+export function optionsSpec(opts: Record<string, any>): JobSpecInit & { delayMs: bigint; priority: number } {
+  const dedup = opts.deduplication;
+  return {
+    opts: JSON.stringify(opts),
+    delayMs: u64(opts.delay),
+    priority: u32(opts.priority),
+    lifo: !!opts.lifo,
+    attempts: u32(opts.attempts),
+    backoff: backoff(opts.backoff),
+    onChildFailure: onChildFailure(opts),
+    removeOnComplete: retention(opts.removeOnComplete),
+    removeOnFail: retention(opts.removeOnFail),
+    keepLogs: optU64(opts.keepLogs),
+    timestamp: optU64(opts.timestamp),
+    dedup:
+      dedup && typeof dedup.id === 'string'
+        ? {
+            id: dedup.id,
+            ttlMs: u64(dedup.ttl) > 0n ? u64(dedup.ttl) : undefined,
+            extend: !!dedup.extend,
+            replace: !!dedup.replace,
+            keepLastIfActive: !!dedup.keepLastIfActive,
+            reschedule: !!dedup.reschedule,
+          }
+        : undefined,
+  };
+}
+
+/** A new job as the server's Enqueue takes it. */
+export function jobSpec(job: NewJobJson): JobSpecInit {
+  const opts = job.opts ?? {};
+  const base = optionsSpec(opts);
+  // An empty custom id means "no custom id" (the core makes one).
+  const jobId = job.jobId || (typeof opts.jobId === 'string' ? opts.jobId : '') || undefined;
+  const parentOf = job.parent
+    ? { ...splitQualified(job.parent.queueKey), id: job.parent.id ?? '' }
+    : opts.parent
+      ? { ...splitQualified(String(opts.parent.queue)), id: String(opts.parent.id) }
+      : undefined;
+  return {
+    ...base,
+    name: job.name,
+    data: bytes(job.data ?? '{}'),
+    jobId,
+    delayMs: job.delay !== undefined && job.delay !== null ? u64(job.delay) : base.delayMs,
+    priority: job.priority !== undefined && job.priority !== null ? u32(job.priority) : base.priority,
+    timestamp: job.timestamp !== undefined && job.timestamp !== null ? u64(job.timestamp) : base.timestamp,
+    parent: parentOf,
+  };
+}
+
+/** BullMQ's repeat options and template as a scheduler upsert. */
+export function schedulerSpec(
+  id: string,
+  nextMillis: number | undefined,
+  templateData: string,
+  templateOpts: Record<string, any>,
+  repeat: Record<string, any>,
+): MessageInitShape<typeof SchedulerSpecSchema> {
+  const date = (d: unknown) => (d === undefined || d === null ? undefined : u64(new Date(d as string | number).getTime()));
+  const optsText = JSON.stringify(templateOpts ?? {});
+  return {
+    id,
+    name: typeof repeat.name === 'string' ? repeat.name : '',
+    pattern: repeat.pattern ?? undefined,
+    everyMs: optU64(repeat.every),
+    offsetMs: optU64(repeat.offset),
+    tz: repeat.tz ?? undefined,
+    startDate: date(repeat.startDate),
+    endDate: date(repeat.endDate),
+    limit: optU64(repeat.limit),
+    nextMillis: optU64(nextMillis),
+    templateData,
+    templateOpts: optsText,
+    job: optionsSpec(templateOpts ?? {}),
+  };
+}
+
+/** BullMQ's `fieldsToUpdate` on a failure or retry: the reason and the whole stack array. */
+export function jobError(
+  reason: string | undefined,
+  fields: Record<string, any> | undefined,
+): { message: string; stacktrace?: string; stacktraceLimit?: number } {
+  // The core appends one trace and trims to a limit; appending the newest of
+  // BullMQ's array with the array's length as the limit yields that array.
+  let traces: string[] | undefined;
+  if (typeof fields?.stacktrace === 'string') {
+    try {
+      const parsed: unknown = JSON.parse(fields.stacktrace);
+      traces = Array.isArray(parsed) ? parsed.filter((t): t is string => typeof t === 'string') : [];
+    } catch {
+      traces = [];
+    }
+  }
+  return {
+    message: reason ?? (typeof fields?.failedReason === 'string' ? fields.failedReason : ''),
+    stacktrace: traces?.[traces.length - 1],
+    stacktraceLimit: traces?.length,
+  };
+}
+
+// ---- outputs ---------------------------------------------------------------
+
+const STATE_NAMES: Record<JobState, string> = {
+  [JobState.UNSPECIFIED]: 'unknown',
+  [JobState.WAITING]: 'waiting',
+  [JobState.PRIORITIZED]: 'prioritized',
+  [JobState.DELAYED]: 'delayed',
+  [JobState.ACTIVE]: 'active',
+  [JobState.WAITING_CHILDREN]: 'waiting-children',
+  [JobState.COMPLETED]: 'completed',
+  [JobState.FAILED]: 'failed',
+};
+
+export function stateName(state: JobState): string {
+  return STATE_NAMES[state] ?? 'unknown';
+}
+
+/** BullMQ's state name (`wait` too) as the enum, or undefined. */
+export function stateOf(name: string): JobState | undefined {
+  switch (name) {
+    case 'wait':
+    case 'waiting':
+      return JobState.WAITING;
+    case 'prioritized':
+      return JobState.PRIORITIZED;
+    case 'delayed':
+      return JobState.DELAYED;
+    case 'active':
+      return JobState.ACTIVE;
+    case 'waiting-children':
+      return JobState.WAITING_CHILDREN;
+    case 'completed':
+      return JobState.COMPLETED;
+    case 'failed':
+      return JobState.FAILED;
+    default:
+      return undefined;
+  }
+}
+
+/** Stored JSON text as a value, or `fallback` when it is missing or not JSON. */
+function jsonOr(source: string | undefined, fallback: unknown): unknown {
+  if (source === undefined || source === '') return fallback;
+  try {
+    return JSON.parse(source);
+  } catch {
+    return fallback;
+  }
+}
+
+function nodeKey(p: { prefix: string; queue: string; id: string }): string {
+  return p.prefix ? `${p.prefix}:${p.queue}:${p.id}` : `${p.queue}:${p.id}`;
+}
+
+/** BullMQ's `JobJson` of a stored job (what `getJobData` and next-job tuples carry). */
+export function jobJson(job: Job): JobJson {
+  const out: Record<string, unknown> = {
+    id: job.id,
+    name: job.name,
+    data: text(job.data),
+    opts: jsonOr(job.opts, {}),
+    progress: jsonOr(job.progress, 0),
+    delay: Number(job.delay),
+    priority: job.priority,
+    timestamp: Number(job.timestamp),
+    attemptsMade: job.attemptsMade,
+    attemptsStarted: job.attemptsStarted,
+    stalledCounter: job.stalledCounter,
+    stacktrace: JSON.stringify(job.stacktrace),
+  };
+  if (job.finishedOn !== undefined) out.finishedOn = Number(job.finishedOn);
+  if (job.processedOn !== undefined) out.processedOn = Number(job.processedOn);
+  if (job.processedBy !== undefined) out.processedBy = job.processedBy;
+  if (job.failedReason !== undefined) out.failedReason = job.failedReason;
+  if (job.returnValue !== undefined) out.returnvalue = text(job.returnValue);
+  if (job.parent) {
+    const policy = job.onChildFailure;
+    out.parentKey = nodeKey(job.parent);
+    out.parent = {
+      id: job.parent.id,
+      queueKey: job.parent.prefix ? `${job.parent.prefix}:${job.parent.queue}` : job.parent.queue,
+      ...(policy === OnChildFailure.FAIL_PARENT && { fpof: true }),
+      ...(policy === OnChildFailure.CONTINUE_PARENT && { cpof: true }),
+      ...(policy === OnChildFailure.IGNORE && { idof: true }),
+      ...(policy === OnChildFailure.REMOVE && { rdof: true }),
+    };
+  }
+  if (job.schedulerId !== undefined) out.repeatJobKey = job.schedulerId;
+  if (job.dedup) out.deduplicationId = job.dedup.id;
+  if (job.deferredFailure !== undefined) out.deferredFailure = job.deferredFailure;
+  return out as unknown as JobJson;
+}
+
+/** The next-job tuple for the first lease of `leased` (BullMQ fetches one job at a time). */
+export function nextJob(leased: Leased | undefined): NextJobTuple {
+  const lease = leased?.leases[0];
+  if (lease?.job) return [jobJson(lease.job), lease.job.id, 0, 0];
+  const info = leased?.info;
+  if (info && info.rateLimitMs > 0n) return [null, '', Number(info.rateLimitMs), 0];
+  return [null, '', 0, info?.nextDue !== undefined ? Number(info.nextDue) : 0];
+}
+
+/** A parent's children by BullMQ category (values as JSON text, as the core keeps them). */
+export function childrenByCategory(deps: Dependency[]): ChildrenByCategory {
+  const all: ChildrenByCategory = { processed: [], unprocessed: [], ignored: [], failed: [] };
+  for (const d of deps) {
+    switch (d.status) {
+      case DependencyStatus.PROCESSED:
+        all.processed.push([d.key, d.value ?? 'null']);
+        break;
+      case DependencyStatus.PENDING:
+        all.unprocessed.push(d.key);
+        break;
+      case DependencyStatus.IGNORED:
+        all.ignored.push([d.key, d.value ?? '']);
+        break;
+      case DependencyStatus.FAILED:
+        all.failed.push(d.key);
+        break;
+    }
+  }
+  return all;
+}
+
+/** One event as Redis XREAD shapes a stream entry: `[id, [k1, v1, ...]]`, `event` first. */
+export function streamEntry(e: Event): [string, string[]] {
+  const fields = ['event', e.name];
+  for (const f of e.fields) fields.push(f.key, f.value);
+  return [`${e.ts}-${e.seq}`, fields];
+}
+
+/** The sequence in an event id `<ms>-<seq>` (or a bare number). */
+export function eventSeq(id: string): bigint {
+  const at = id.lastIndexOf('-');
+  const seq = at === -1 ? id : id.slice(at + 1);
+  return /^\d+$/.test(seq) ? BigInt(seq) : 0n;
+}

@@ -1,0 +1,131 @@
+import { describe, expect, it } from 'vitest';
+import { create } from '@bufbuild/protobuf';
+import { UnrecoverableError } from 'bullmq';
+import { newJobJson } from '../src/common.js';
+import { fromServer } from '../src/errors.js';
+import { JobSchema, JobState, OnChildFailure, BackoffKind } from '../src/gen/loam/jobs/v1/types_pb.js';
+import { eventSeq, jobError, jobJson, jobSpec, nextJob, retention, streamEntry } from '../src/wire.js';
+import { EventSchema } from '../src/gen/loam/jobs/v1/events_pb.js';
+
+/** The conversions of the remote backend, which follow the addon's convert.rs. */
+describe('wire conversions', () => {
+  it('maps BullMQ job options onto a JobSpec', () => {
+    const opts = {
+      jobId: 'j',
+      delay: 10,
+      priority: 3,
+      attempts: 4,
+      backoff: { type: 'exponential', delay: 100, jitter: 0.5 },
+      removeOnComplete: { age: 60, count: 5 },
+      removeOnFail: true,
+      keepLogs: 7,
+      deduplication: { id: 'd', ttl: 1000, extend: true },
+      parent: { id: 'p', queue: 'bull:pq' },
+      ignoreDependencyOnFailure: true,
+      telemetry: { x: 1 },
+    };
+    const spec = jobSpec(newJobJson({ name: 'n', data: '{}', opts, timestamp: 5 } as any, ''));
+    expect(spec).toMatchObject({
+      name: 'n',
+      jobId: 'j',
+      delayMs: 10n,
+      priority: 3,
+      attempts: 4,
+      timestamp: 5n,
+      keepLogs: 7n,
+      backoff: { kind: BackoffKind.EXPONENTIAL, delayMs: 100n, jitter: 0.5 },
+      removeOnComplete: { policy: { case: 'keep', value: { count: 5n, ageMs: 60_000n } } },
+      removeOnFail: { policy: { case: 'removeImmediately', value: true } },
+      dedup: { id: 'd', ttlMs: 1000n, extend: true, replace: false },
+      parent: { prefix: 'bull', queue: 'pq', id: 'p' },
+      onChildFailure: OnChildFailure.IGNORE,
+    });
+    expect(JSON.parse(spec.opts!)).toEqual(opts);
+    expect(jobSpec(newJobJson({ name: 'n', data: '{}', opts: { jobId: '' } } as any, '')).jobId).toBeUndefined();
+    expect(retention(false)).toEqual({ policy: { case: 'keepAll', value: true } });
+    expect(retention(-1)).toEqual({ policy: { case: 'keepAll', value: true } });
+    expect(retention(3)).toEqual({ policy: { case: 'keep', value: { count: 3n } } });
+    expect(retention(undefined)).toBeUndefined();
+  });
+
+  it('rebuilds the stack array and reason of a failure', () => {
+    expect(jobError(undefined, { failedReason: 'boom', stacktrace: '["a","b"]' })).toEqual({
+      message: 'boom',
+      stacktrace: 'b',
+      stacktraceLimit: 2,
+    });
+    expect(jobError('r', { stacktrace: '[]' })).toEqual({ message: 'r', stacktrace: undefined, stacktraceLimit: 0 });
+  });
+
+  it('shapes a stored job as BullMQ JobJson and next-job tuple', () => {
+    const job = create(JobSchema, {
+      id: '7',
+      name: 'n',
+      data: new TextEncoder().encode('{"a":1}'),
+      opts: '{"attempts":2}',
+      state: JobState.ACTIVE,
+      timestamp: 100n,
+      attemptsMade: 1,
+      processedOn: 150n,
+      returnValue: new TextEncoder().encode('"ok"'),
+      stacktrace: ['s1'],
+      parent: { queue: 'pq', id: 'p', prefix: 'bull' },
+      onChildFailure: OnChildFailure.FAIL_PARENT,
+      schedulerId: 'sched',
+      dedup: { id: 'd' },
+    });
+    expect(jobJson(job)).toEqual({
+      id: '7',
+      name: 'n',
+      data: '{"a":1}',
+      opts: { attempts: 2 },
+      progress: 0,
+      delay: 0,
+      priority: 0,
+      timestamp: 100,
+      attemptsMade: 1,
+      attemptsStarted: 0,
+      stalledCounter: 0,
+      processedOn: 150,
+      returnvalue: '"ok"',
+      stacktrace: '["s1"]',
+      parentKey: 'bull:pq:p',
+      parent: { id: 'p', queueKey: 'bull:pq', fpof: true },
+      repeatJobKey: 'sched',
+      deduplicationId: 'd',
+    });
+    expect(nextJob(undefined)).toEqual([null, '', 0, 0]);
+    expect(nextJob({ leases: [], info: { rateLimitMs: 40n, nextDue: 9n } } as any)).toEqual([null, '', 40, 0]);
+    expect(nextJob({ leases: [], info: { rateLimitMs: 0n, nextDue: 9n } } as any)).toEqual([null, '', 0, 9]);
+  });
+
+  it('shapes events as XREAD entries and reads their cursors', () => {
+    const e = create(EventSchema, { seq: 7n, ts: 100n, name: 'completed', fields: [{ key: 'jobId', value: '1' }] });
+    expect(streamEntry(e)).toEqual(['100-7', ['event', 'completed', 'jobId', '1']]);
+    expect(eventSeq('100-7')).toBe(7n);
+    expect(eventSeq('0-0')).toBe(0n);
+  });
+
+  it("rebuilds BullMQ's errors from the server's detail", () => {
+    const mismatch = fromServer(
+      { code: 'failed_precondition', message: 'fenced', reason: 'fenced.mismatch', bullmqCode: -6, subject: '7' },
+      { command: 'moveToFinished', jobId: '7', state: 'active' },
+    );
+    expect(mismatch).toMatchObject({ code: -6, message: 'Lock mismatch for job 7. Cmd moveToFinished from active' });
+    const parent = fromServer(
+      { code: 'not_found', message: 'x', reason: 'not_found.parent_job', bullmqCode: -5, subject: 'bull:p:1' },
+      { command: 'addJob' },
+    );
+    expect(parent).toMatchObject({ code: -5, message: 'Missing key for parent job bull:p:1. addJob' });
+    expect(
+      fromServer({ code: 'failed_precondition', message: 'x', bullmqCode: -9 }, { command: 'moveToFinished', jobId: '1' }),
+    ).toBeInstanceOf(UnrecoverableError);
+    expect(fromServer({ code: 'invalid_argument', message: 'bad' }, { command: 'addJob' })).toMatchObject({
+      code: 'LOAM_INVALID_ARGUMENT',
+      message: 'bad',
+    });
+    expect(
+      fromServer({ code: 'failed_precondition', message: 'x', reason: 'precondition.queue_not_paused' }, { command: 'obliterate' }),
+    ).toMatchObject({ message: 'Cannot obliterate non-paused queue' });
+  });
+});
