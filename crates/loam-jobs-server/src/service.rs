@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
 use loam_jobs::ops::{admin, complete, lease, query, results, schedule};
-use loam_jobs::{Event, FlowNode, Interrupt, JobState, Jobs, JobsError, Outcome, QueueId};
+use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, Outcome, QueueId};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 
@@ -176,22 +176,7 @@ impl JobsSvc {
         let done = c.jobs.enqueue_bulk(&c.ns, &req.queue, jobs).await.map_err(core_err)?;
         let created = done.iter().filter(|r| r.as_ref().is_ok_and(|e| e.created)).count() as u64;
         self.metrics.enqueued(&c.ns, &req.queue, created);
-        let results = done
-            .iter()
-            .map(|r| {
-                let result = match r {
-                    Ok(e) => oneof::enqueue_result::Result::from(convert::enqueued(e)),
-                    Err(e) => oneof::enqueue_result::Result::from(pb::BulkError {
-                        code: code_name(e).into(),
-                        message: e.to_string(),
-                        detail: detail(e).into(),
-                        ..Default::default()
-                    }),
-                };
-                pb::EnqueueResult { result: Some(result), ..Default::default() }
-            })
-            .collect();
-        Ok(pb::EnqueueBulkResponse { results, ..Default::default() })
+        Ok(pb::EnqueueBulkResponse { results: done.iter().map(enqueue_result).collect(), ..Default::default() })
     }
 
     async fn do_lease(&self, ctx: RequestContext, req: pb::LeaseRequest) -> Result<pb::LeaseResponse, ConnectError> {
@@ -375,6 +360,15 @@ impl JobsSvc {
             nodes.push(FlowNode { queue: n.queue, request, wait_children: n.wait_children });
         }
         let queues: Vec<String> = nodes.iter().map(|n| n.queue.clone()).collect();
+        if req.each_tree {
+            let done = c.jobs.flows(&c.ns, nodes).await;
+            for (q, r) in queues.iter().zip(&done) {
+                if r.as_ref().is_ok_and(|e| e.created) {
+                    self.metrics.enqueued(&c.ns, q, 1);
+                }
+            }
+            return Ok(pb::FlowResponse { results: done.iter().map(enqueue_result).collect(), ..Default::default() });
+        }
         let done = c.jobs.flow(&c.ns, nodes).await.map_err(core_err)?;
         for (q, e) in queues.iter().zip(&done) {
             if e.created {
@@ -995,4 +989,19 @@ mod tests {
         assert_eq!(wait_of(120_000), MAX_WAIT);
         assert_eq!(wait_of(5), Duration::from_millis(5));
     }
+}
+
+/// One job's answer in a call that answers per job (EnqueueBulk, a Flow of
+/// several trees): what was enqueued, or why not.
+fn enqueue_result(r: &Result<Enqueued, JobsError>) -> pb::EnqueueResult {
+    let result = match r {
+        Ok(e) => oneof::enqueue_result::Result::from(convert::enqueued(e)),
+        Err(e) => oneof::enqueue_result::Result::from(pb::BulkError {
+            code: code_name(e).into(),
+            message: e.to_string(),
+            detail: detail(e).into(),
+            ..Default::default()
+        }),
+    };
+    pb::EnqueueResult { result: Some(result), ..Default::default() }
 }

@@ -44,6 +44,7 @@ import {
 } from './common.js';
 import { fromServer, type BullmqCommand, type LoamErrorCode } from './errors.js';
 import type {
+  EnqueueResult,
   JobAdminRequestSchema,
   QueryRequestSchema,
   QueueAdminRequestSchema,
@@ -253,8 +254,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     outcome: OutcomeInit['kind'],
     options?: CompleteOptionsInit,
   ) {
-    return this.channel.call(command, (c, o) =>
-      c.complete({ queue: this.queueName, jobId: command.jobId, fence: fence(token), outcome: { kind: outcome }, options }, o),
+    return this.channel.ordered(
+      this.channel.call(command, (c, o) =>
+        c.complete({ queue: this.queueName, jobId: command.jobId, fence: fence(token), outcome: { kind: outcome }, options }, o),
+      ),
     );
   }
 
@@ -373,7 +376,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   addJob(job: JobJson, jobId: string, parentKeyOpts?: ParentKeyOpts): Promise<string> {
-    return this.inAddOrder(() => this.sendJob(job, jobId, parentKeyOpts));
+    return this.channel.ordered(this.inAddOrder(() => this.sendJob(job, jobId, parentKeyOpts)));
   }
 
   private async sendJob(job: JobJson, jobId: string, parentKeyOpts?: ParentKeyOpts): Promise<string> {
@@ -393,49 +396,45 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** One transaction; the first failing job fails the call, as in-process. */
   async addJobs(entries: { job: JobJson; jobId: string; parentKeyOpts?: ParentKeyOpts }[]): Promise<string[]> {
     const jobs = entries.map(e => newJobJson(e.job, e.jobId, e.parentKeyOpts));
-    const r = await this.inAddOrder(() =>
-      this.channel.call({ command: 'addJob' }, (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: jobs.map(jobSpec) }, o)),
+    const r = await this.channel.ordered(
+      this.inAddOrder(() =>
+        this.channel.call({ command: 'addJob' }, (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: jobs.map(jobSpec) }, o)),
+      ),
     );
     return r.results.map((result, i) => {
       if (result.result.case === 'enqueued') return result.result.value.id;
-      const failure = result.result.value;
-      const detail = failure?.detail;
-      throw fromServer(
-        {
-          code: failure?.code ?? 'unknown',
-          message: failure?.message ?? 'the job was not added',
-          reason: detail?.reason,
-          bullmqCode: detail?.bullmqCode,
-          subject: detail?.subject,
-        },
-        { command: 'addJob', parentKey: jobs[i].parentKey },
-      );
+      throw refusal(result, jobs[i].parentKey);
     });
   }
 
   async addFlow(
     entries: { jobData: JobJson; jobId: string; parentKeyOpts: ParentKeyOpts; prefix: string; queueName: string }[],
   ): Promise<[Error | null, string | number][]> {
-    const nodes = entries.map(e => {
-      const entry = newJobJson(e.jobData, e.jobId, e.parentKeyOpts, e.queueName);
-      return { queue: e.queueName || this.queueName, job: jobSpec(entry), waitChildren: entry.addToWaitingChildren };
+    const jobs = entries.map(e => newJobJson(e.jobData, e.jobId, e.parentKeyOpts, e.queueName));
+    const nodes = jobs.map((entry, i) => ({
+      queue: entries[i].queueName || this.queueName,
+      job: jobSpec(entry),
+      waitChildren: entry.addToWaitingChildren,
+    }));
+    // Each tree goes in atomically on its own; a refused one answers, per
+    // node, BullMQ's code (or an error when BullMQ has none), as Redis does.
+    const r = await this.channel.ordered(
+      this.inAddOrder(() => this.channel.call({ command: 'addJob' }, (c, o) => c.flow({ nodes, eachTree: true }, o))),
+    );
+    return r.results.map((result, i): [Error | null, string | number] => {
+      if (result.result.case === 'enqueued') return [null, result.result.value.id];
+      const error = refusal(result, jobs[i].parentKey);
+      return hasCode(error) && typeof error.code === 'number' ? [null, error.code] : [error, 0];
     });
-    try {
-      const r = await this.inAddOrder(() => this.channel.call({ command: 'addJob' }, (c, o) => c.flow({ nodes }, o)));
-      return r.enqueued.map(e => [null, e.id]);
-    } catch (err) {
-      // The tree is inserted atomically: on failure nothing was, for any
-      // entry. A refusal BullMQ has a code for is that code on every entry.
-      const code = hasCode(err) && typeof err.code === 'number' ? err.code : undefined;
-      return entries.map(() => (code === undefined ? [err as Error, 0] : [null, code]));
-    }
   }
 
   // ---- worker: fetch, locks, stalled ------------------------------------------
 
   async moveToActive(token: string, name?: string): Promise<any[]> {
-    const r = await this.channel.call({ command: 'moveToActive' }, (c, o) =>
-      c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
+    const r = await this.channel.ordered(
+      this.channel.call({ command: 'moveToActive' }, (c, o) =>
+        c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
+      ),
     );
     return nextJob(r.leased);
   }
@@ -1163,4 +1162,20 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const r = await this.query({ command: 'getJobSchedulersCount' }, { case: 'schedulerCount', value: true });
     return r.case === 'number' ? Number(r.value) : 0;
   }
+}
+
+/** The error of a job a per-job call (EnqueueBulk, a Flow of several trees) did not add. */
+function refusal(result: EnqueueResult, parentKey: string | undefined): Error {
+  const failure = result.result.case === 'error' ? result.result.value : undefined;
+  const detail = failure?.detail;
+  return fromServer(
+    {
+      code: failure?.code ?? 'unknown',
+      message: failure?.message ?? 'the job was not added',
+      reason: detail?.reason,
+      bullmqCode: detail?.bullmqCode,
+      subject: detail?.subject,
+    },
+    { command: 'addJob', parentKey },
+  );
 }
