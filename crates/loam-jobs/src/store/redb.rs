@@ -272,7 +272,7 @@ impl Executor {
             if in_flight.is_some() {
                 let (_, failed) = self.view(&mut in_flight, true);
                 if let Some(e) = failed {
-                    for (_, (done, _)) in acks {
+                    for (done, _) in acks {
                         done(Err(JobsError::from(e.clone())));
                     }
                     continue;
@@ -284,21 +284,22 @@ impl Executor {
             // even leases wait for their commit: acknowledged early, a worker
             // would see a job before the producer saw its `add` resolve, which
             // BullMQ callers (and Redis, answering in order) never show.
-            let relaxed = matches!(self.durability, Durability::Relaxed { .. });
-            let (early, late): (Vec<(bool, Ack)>, Vec<(bool, Ack)>) = acks.into_iter().partition(|_| relaxed);
+            let (early, late) = match self.durability {
+                Durability::Relaxed { .. } => (acks, Vec::new()),
+                Durability::Immediate => (Vec::new(), acks),
+            };
             if !early.is_empty() {
                 self.progress.state.lock().acked = number;
             }
-            let late = late.into_iter().map(|(_, ack)| ack).collect();
             let writes = Arc::new(writes);
             in_flight = Some((number, Arc::clone(&writes)));
             if let Err(mpsc::SendError(batch)) = self.to_committer.send(Batch { number, writes, sync, acks: late }) {
-                for (done, _) in batch.acks.into_iter().chain(early.into_iter().map(|(_, ack)| ack)) {
+                for (done, _) in batch.acks.into_iter().chain(early) {
                     done(Err(StoreError::Closed.into()));
                 }
                 return;
             }
-            for (_, (done, result)) in early {
+            for (done, result) in early {
                 done(result);
             }
         }
@@ -330,13 +331,11 @@ impl Executor {
 }
 
 /// Runs a batch's operations, each in its own overlay over the batch's.
-/// Returns the batch's writes, and each operation's acknowledgement with
-/// whether it must wait for fsync.
-fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<(bool, Ack)>) {
+fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>) {
     let mut acks = Vec::with_capacity(ops.len());
     let mut group = Overlay::caching(base);
     for op in ops {
-        let WriteOp { mut body, done, sync } = op;
+        let WriteOp { mut body, done, .. } = op;
         let mut local = Overlay::new(&mut group);
         // A bug in an operation must fail that operation, not the writer
         // thread and with it every caller (and a Node host).
@@ -346,7 +345,7 @@ fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<(bool, Ack)
         if result.is_ok() {
             group.absorb(local);
         }
-        acks.push((sync, (done, result)));
+        acks.push((done, result));
     }
     (group.into_writes(), acks)
 }
