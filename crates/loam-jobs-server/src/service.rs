@@ -980,17 +980,6 @@ pub async fn purge_results(jobs: Jobs, stop: Interrupt) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn waits_are_capped() {
-        assert_eq!(wait_of(120_000), MAX_WAIT);
-        assert_eq!(wait_of(5), Duration::from_millis(5));
-    }
-}
-
 /// One job's answer in a call that answers per job (EnqueueBulk, a Flow of
 /// several trees): what was enqueued, or why not.
 fn enqueue_result(r: &Result<Enqueued, JobsError>) -> pb::EnqueueResult {
@@ -1004,4 +993,15 @@ fn enqueue_result(r: &Result<Enqueued, JobsError>) -> pb::EnqueueResult {
         }),
     };
     pb::EnqueueResult { result: Some(result), ..Default::default() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_are_capped() {
+        assert_eq!(wait_of(120_000), MAX_WAIT);
+        assert_eq!(wait_of(5), Duration::from_millis(5));
+    }
 }
