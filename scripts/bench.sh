@@ -13,6 +13,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 cargo run --release -p loam-jobs-bench -- "$@"
+# The BullMQ comparison also runs through loamBackend({ url }) on this server.
+cargo build --release -p loam-jobs-server
 if [ -n "$(ls packages/*/package.json 2>/dev/null)" ]; then
   pnpm -r --if-present run bench
 fi
