@@ -8,6 +8,9 @@ trap 'rm -f "$log"' EXIT
 
 pnpm lint:proto
 cargo test --workspace 2>&1 | tee -a "$log"
+# The remote tests of @loam/bullmq and the Python client run against this server.
+cargo build -p loam-jobs-server
+export LOAM_JOBS_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/loam-jobs"
 if [ -n "$(ls packages/*/package.json test/*/package.json 2>/dev/null)" ]; then
   pnpm -r --if-present run test 2>&1 | tee -a "$log"
 fi

@@ -57,8 +57,6 @@ export class RemoteChannel {
   private readonly maxConnections: number;
   /** Backends using the channel; with none and no call in flight, the connections close. */
   private users = 0;
-  /** The settlement of the last ordered call (see `ordered`). */
-  private lastOrdered: Promise<unknown> = Promise.resolve();
 
   constructor(readonly settings: RemoteSettings) {
     this.maxStreams = Math.max(1, settings.maxStreamsPerConnection ?? DEFAULT_STREAMS);
@@ -87,21 +85,6 @@ export class RemoteChannel {
    * (`loam-now-ms`): BullMQ's operations run at the client's time, as its
    * Redis scripts do, and its tests fake that clock.
    */
-  /**
-   * `call`, resolving only after every earlier ordered call of this channel
-   * settled. HTTP/2 streams have no order: without this a worker's lease could
-   * answer before the add that made its job, which no BullMQ caller (nor
-   * Redis, answering in order) shows.
-   */
-  ordered<T>(call: Promise<T>): Promise<T> {
-    const result = this.lastOrdered.then(
-      () => call,
-      () => call,
-    );
-    this.lastOrdered = result.then(settledQuietly, settledQuietly);
-    return result;
-  }
-
   async call<T>(
     command: BullmqCommand,
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
@@ -182,8 +165,4 @@ export function toBullmqError(err: unknown, command: BullmqCommand): Error {
     },
     command,
   );
-}
-
-function settledQuietly(): undefined {
-  return undefined;
 }

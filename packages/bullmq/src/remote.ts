@@ -33,7 +33,8 @@ import type {
 } from 'bullmq';
 import type { MessageInitShape } from '@bufbuild/protobuf';
 import type { FactoryOptions } from './backend.js';
-import { CallAborted, type RemoteChannel } from './channel.js';
+import type { CallOptions } from '@connectrpc/connect';
+import { CallAborted, type JobsClient, type RemoteChannel } from './channel.js';
 import {
   clientListText,
   dependenciesPage,
@@ -184,8 +185,9 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   private eventsStart: Promise<string> | undefined;
   /** The name this backend reports to the server's client list, refreshed while open. */
   private clientNameTimer: NodeJS.Timeout | undefined;
-  /** The last add sent (see `inAddOrder`). */
-  private lastAdd: Promise<unknown> = Promise.resolve();
+  /** Settles once every ordered write issued so far has been answered (see `send`). */
+  private orderedWrites: Promise<void> = Promise.resolve();
+  private orderedInFlight = 0;
 
   constructor(
     private readonly channel: RemoteChannel,
@@ -220,13 +222,39 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   // ---- calls ------------------------------------------------------------------
 
+  /**
+   * Runs one RPC. Over one Redis connection BullMQ's commands apply in call
+   * order, awaited or not: a Queue's constructor writes its meta without
+   * waiting, jobs added in a loop wait in that order. Concurrent calls on
+   * HTTP/2 streams have no order, so writes that callers issue and leave
+   * behind (adds, queue and job admin, schedulers, progress and logs) are
+   * `ordered`: each is sent once the previous one was answered, and every
+   * other call starts after the ordered writes issued before it. A worker's
+   * own calls (lease, extend, complete) do not wait for one another.
+   */
+  private send<T>(
+    command: BullmqCommand,
+    rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
+    { ordered = false, signal }: { ordered?: boolean; signal?: AbortSignal } = {},
+  ): Promise<T> {
+    const start = () => this.channel.call(command, rpc, signal);
+    if (!ordered) return this.orderedInFlight === 0 ? start() : this.orderedWrites.then(start);
+    this.orderedInFlight++;
+    const sent = this.orderedWrites.then(start);
+    const answered = () => {
+      this.orderedInFlight--;
+    };
+    this.orderedWrites = sent.then(answered, answered);
+    return sent;
+  }
+
   /** One Query call; returns its result oneof. */
   private async query(
     command: BullmqCommand,
     query: QueryInit,
     signal?: AbortSignal,
   ) {
-    const response = await this.channel.call(command, (c, o) => c.query({ queue: this.queueName, query }, o), signal);
+    const response = await this.send(command, (c, o) => c.query({ queue: this.queueName, query }, o), { signal });
     return response.result;
   }
 
@@ -234,15 +262,17 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     command: BullmqCommand,
     op: QueueAdminInit,
   ) {
-    return this.channel.call(command, (c, o) => c.queueAdmin({ queue: this.queueName, op }, o));
+    return this.send(command, (c, o) => c.queueAdmin({ queue: this.queueName, op }, o), { ordered: true });
   }
 
   private async jobAdmin(
     command: BullmqCommand & { jobId: string },
     op: JobAdminInit,
   ): Promise<boolean> {
-    const response = await this.channel.call(command, (c, o) =>
-      c.jobAdmin({ queue: this.queueName, jobId: command.jobId, op }, o),
+    const response = await this.send(
+      command,
+      (c, o) => c.jobAdmin({ queue: this.queueName, jobId: command.jobId, op }, o),
+      { ordered: true },
     );
     return response.done;
   }
@@ -254,10 +284,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     outcome: OutcomeInit['kind'],
     options?: CompleteOptionsInit,
   ) {
-    return this.channel.ordered(
-      this.channel.call(command, (c, o) =>
-        c.complete({ queue: this.queueName, jobId: command.jobId, fence: fence(token), outcome: { kind: outcome }, options }, o),
-      ),
+    return this.send(command, (c, o) =>
+      c.complete({ queue: this.queueName, jobId: command.jobId, fence: fence(token), outcome: { kind: outcome }, options }, o),
     );
   }
 
@@ -362,44 +390,31 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   // ---- adding ---------------------------------------------------------------
 
-  /**
-   * Sends an add once the previous add of this backend has been answered.
-   * Over one Redis connection BullMQ's adds apply in call order, awaited or
-   * not, so jobs added in a loop wait in that order; concurrent calls on
-   * HTTP/2 streams have no order, so adds take turns (other writes do not:
-   * a worker's completions are for different jobs and gain from overlapping).
-   */
-  private inAddOrder<T>(send: () => Promise<T>): Promise<T> {
-    const sent = this.lastAdd.then(send, send);
-    this.lastAdd = sent.catch(() => undefined);
-    return sent;
-  }
-
-  addJob(job: JobJson, jobId: string, parentKeyOpts?: ParentKeyOpts): Promise<string> {
-    return this.channel.ordered(this.inAddOrder(() => this.sendJob(job, jobId, parentKeyOpts)));
-  }
-
-  private async sendJob(job: JobJson, jobId: string, parentKeyOpts?: ParentKeyOpts): Promise<string> {
+  async addJob(job: JobJson, jobId: string, parentKeyOpts?: ParentKeyOpts): Promise<string> {
     const entry = newJobJson(job, jobId, parentKeyOpts);
     const command = { command: 'addJob', parentKey: entry.parentKey };
     if (entry.addToWaitingChildren) {
       // Only a flow node is stored waiting for children; a one-node flow is that.
-      const r = await this.channel.call(command, (c, o) =>
-        c.flow({ nodes: [{ queue: this.queueName, job: jobSpec(entry), waitChildren: true }] }, o),
+      const r = await this.send(
+        command,
+        (c, o) => c.flow({ nodes: [{ queue: this.queueName, job: jobSpec(entry), waitChildren: true }] }, o),
+        { ordered: true },
       );
       return r.enqueued[0]?.id ?? '';
     }
-    const r = await this.channel.call(command, (c, o) => c.enqueue({ queue: this.queueName, job: jobSpec(entry) }, o));
+    const r = await this.send(command, (c, o) => c.enqueue({ queue: this.queueName, job: jobSpec(entry) }, o), {
+      ordered: true,
+    });
     return r.enqueued?.id ?? '';
   }
 
   /** One transaction; the first failing job fails the call, as in-process. */
   async addJobs(entries: { job: JobJson; jobId: string; parentKeyOpts?: ParentKeyOpts }[]): Promise<string[]> {
     const jobs = entries.map(e => newJobJson(e.job, e.jobId, e.parentKeyOpts));
-    const r = await this.channel.ordered(
-      this.inAddOrder(() =>
-        this.channel.call({ command: 'addJob' }, (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: jobs.map(jobSpec) }, o)),
-      ),
+    const r = await this.send(
+      { command: 'addJob' },
+      (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: jobs.map(jobSpec) }, o),
+      { ordered: true },
     );
     return r.results.map((result, i) => {
       if (result.result.case === 'enqueued') return result.result.value.id;
@@ -418,9 +433,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     }));
     // Each tree goes in atomically on its own; a refused one answers, per
     // node, BullMQ's code (or an error when BullMQ has none), as Redis does.
-    const r = await this.channel.ordered(
-      this.inAddOrder(() => this.channel.call({ command: 'addJob' }, (c, o) => c.flow({ nodes, eachTree: true }, o))),
-    );
+    const r = await this.send({ command: 'addJob' }, (c, o) => c.flow({ nodes, eachTree: true }, o), { ordered: true });
     return r.results.map((result, i): [Error | null, string | number] => {
       if (result.result.case === 'enqueued') return [null, result.result.value.id];
       const error = refusal(result, jobs[i].parentKey);
@@ -431,10 +444,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- worker: fetch, locks, stalled ------------------------------------------
 
   async moveToActive(token: string, name?: string): Promise<any[]> {
-    const r = await this.channel.ordered(
-      this.channel.call({ command: 'moveToActive' }, (c, o) =>
-        c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
-      ),
+    const r = await this.send({ command: 'moveToActive' }, (c, o) =>
+      c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
     );
     return nextJob(r.leased);
   }
@@ -458,7 +469,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   async extendLock(jobId: string, token: string, duration: number): Promise<number> {
     try {
-      await this.channel.call({ command: 'extendLock', jobId }, (c, o) =>
+      await this.send({ command: 'extendLock', jobId }, (c, o) =>
         c.extend({ queue: this.queueName, items: [{ jobId, fence: fence(token) }], durationMs: u64(duration) }, o),
       );
       return 1;
@@ -476,7 +487,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       return (await this.extendLock(jobIds[0], tokens[0], duration)) ? [] : [jobIds[0]];
     }
     const items = jobIds.map((jobId, i) => ({ jobId, fence: fence(tokens[i]) }));
-    const r = await this.channel.call({ command: 'extendLocks' }, (c, o) =>
+    const r = await this.send({ command: 'extendLocks' }, (c, o) =>
       c.extend({ queue: this.queueName, items, durationMs: u64(duration) }, o),
     );
     return r.failedJobIds;
@@ -590,7 +601,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   /** A processor's RateLimitError: the job goes back; returns the queue's rate-limit ttl. */
   async moveJobFromActiveToWait(jobId: string, token?: string): Promise<number> {
-    const r = await this.channel.call({ command: 'moveJobFromActiveToWait', jobId, state: 'active' }, (c, o) =>
+    const r = await this.send({ command: 'moveJobFromActiveToWait', jobId, state: 'active' }, (c, o) =>
       c.complete(
         {
           queue: this.queueName,
@@ -679,8 +690,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     command: BullmqCommand & { jobId: string },
     report: ReportInit,
   ): Promise<number> {
-    const r = await this.channel.call(command, (c, o) =>
-      c.report({ queue: this.queueName, jobId: command.jobId, fence: fence(undefined), report }, o),
+    const r = await this.send(
+      command,
+      (c, o) => c.report({ queue: this.queueName, jobId: command.jobId, fence: fence(undefined), report }, o),
+      { ordered: true },
     );
     return Number(r.logCount);
   }
@@ -1083,8 +1096,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       (templateOpts ?? {}) as Record<string, any>,
       (opts ?? {}) as Record<string, any>,
     );
-    const r = await this.channel.call({ command: 'addJobScheduler', jobId: jobSchedulerId }, (c, o) =>
-      c.schedule({ queue: this.queueName, schedule: { case: 'upsert', value: spec } }, o),
+    const r = await this.send(
+      { command: 'addJobScheduler', jobId: jobSchedulerId },
+      (c, o) => c.schedule({ queue: this.queueName, schedule: { case: 'upsert', value: spec } }, o),
+      { ordered: true },
     );
     return r.jobId !== undefined ? [r.jobId, Number(r.delayMs)] : [undefined as unknown as string, 0];
   }
@@ -1103,16 +1118,20 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       producerId: producerId ?? '',
       job: optionsSpec((delayedJobOpts ?? {}) as Record<string, any>),
     };
-    const r = await this.channel.call({ command: 'updateJobScheduler', jobId: jobSchedulerId }, (c, o) =>
-      c.schedule({ queue: this.queueName, schedule: { case: 'advance', value: advance } }, o),
+    const r = await this.send(
+      { command: 'updateJobScheduler', jobId: jobSchedulerId },
+      (c, o) => c.schedule({ queue: this.queueName, schedule: { case: 'advance', value: advance } }, o),
+      { ordered: true },
     );
     return r.jobId ?? null;
   }
 
   /** 0 when the scheduler existed, 1 when it did not (the Lua script's convention). */
   async removeJobScheduler(jobSchedulerId: string): Promise<number> {
-    const r = await this.channel.call({ command: 'removeJobScheduler' }, (c, o) =>
-      c.unschedule({ queue: this.queueName, schedulerId: jobSchedulerId }, o),
+    const r = await this.send(
+      { command: 'removeJobScheduler' },
+      (c, o) => c.unschedule({ queue: this.queueName, schedulerId: jobSchedulerId }, o),
+      { ordered: true },
     );
     return r.removed ? 0 : 1;
   }

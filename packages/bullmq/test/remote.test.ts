@@ -65,6 +65,18 @@ describeRemote('remote backend', () => {
     }
   });
 
+  it('a read starts after the writes issued before it, awaited or not (as on one Redis connection)', async () => {
+    const url = inject('loamServerUrl');
+    const { Queue: RemoteQueue } = withBackend(loamBackend({ url, namespace: `t-${randomUUID()}` }));
+    const queue = new RemoteQueue(`q-${randomUUID()}`, { connection: {} });
+    const written = queue.setGlobalConcurrency(3);
+    const added = queue.add('a', {});
+    expect(await queue.getGlobalConcurrency()).toBe(3);
+    expect(await queue.getJobCounts('waiting')).toEqual({ waiting: 1 });
+    await Promise.all([written, added]);
+    await queue.close();
+  });
+
   it('lists two unnamed workers of a queue as two clients, as Redis does', async () => {
     const url = inject('loamServerUrl');
     const { Queue: RemoteQueue, Worker: RemoteWorker } = withBackend(loamBackend({ url, namespace: `t-${randomUUID()}` }));
