@@ -1,0 +1,100 @@
+/**
+ * Producers and workers in Node (BullMQ's classes over `loamBackend({ url })`)
+ * and in Python (`loam_jobs`), each in its own process, on one queue of a real
+ * `loam-jobs serve`: every job either language added is completed exactly
+ * once, by whichever worker leased it.
+ */
+import { spawn, type ChildProcess } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import * as path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { withBackend } from 'bullmq';
+import { loamBackend } from '@loam/bullmq';
+import { startLoamServer } from '../../packages/bullmq/test/remote-server.js';
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const repo = path.resolve(here, '../..');
+const python = path.join(process.env.LOAM_PY_VENV ?? path.join(repo, 'packages/python/.venv'), 'bin/python');
+
+/** A child process whose stdout lines are collected. */
+interface Child {
+  process: ChildProcess;
+  lines: string[];
+  exited: Promise<number | null>;
+}
+
+function run(command: string, args: string[]): Child {
+  const child = spawn(command, args, { cwd: here, stdio: ['ignore', 'pipe', 'inherit'] });
+  const lines: string[] = [];
+  let partial = '';
+  child.stdout!.on('data', (chunk: Buffer) => {
+    const text = partial + chunk.toString();
+    const parts = text.split('\n');
+    partial = parts.pop() ?? '';
+    lines.push(...parts);
+  });
+  const exited = new Promise<number | null>(resolve => child.once('exit', code => resolve(code)));
+  return { process: child, lines, exited };
+}
+
+async function until(what: string, predicate: () => boolean, timeoutMs = 60_000): Promise<void> {
+  const deadline = Date.now() + timeoutMs;
+  while (!predicate()) {
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await new Promise(r => setTimeout(r, 50));
+  }
+}
+
+let server: { url: string; stop(): Promise<void> };
+
+beforeAll(async () => {
+  if (!existsSync(python)) {
+    throw new Error(`no Python client at ${python}: run ./scripts/install.sh (or set LOAM_PY_VENV)`);
+  }
+  server = await startLoamServer();
+});
+
+afterAll(async () => {
+  await server?.stop();
+});
+
+describe('Node and Python on one queue of loam-jobs serve', () => {
+  it('completes every job of both producers exactly once, across both kinds of worker', async () => {
+    const queue = `mixed-${Date.now()}`;
+    const perProducer = 60;
+    const workers = [
+      run('node', ['node-worker.mjs', server.url, queue]),
+      run('node', ['node-worker.mjs', server.url, queue]),
+      run(python, ['py_worker.py', server.url, queue]),
+      run(python, ['py_worker.py', server.url, queue]),
+    ];
+    await until('the workers', () => workers.every(w => w.lines.includes('ready')));
+
+    const producers = [
+      run('node', ['node-producer.mjs', server.url, queue, String(perProducer)]),
+      run(python, ['py_producer.py', server.url, queue, String(perProducer)]),
+    ];
+    expect(await Promise.all(producers.map(p => p.exited))).toEqual([0, 0]);
+    const added = producers.flatMap(p => p.lines.filter(l => l.startsWith('added ')).map(l => l.split(' ')[1]));
+    expect(added).toHaveLength(2 * perProducer);
+    expect(new Set(added).size).toBe(2 * perProducer);
+
+    const done = () => workers.flatMap(w => w.lines.filter(l => l.startsWith('done ')));
+    await until('every job to be done', () => done().length >= added.length);
+    for (const w of workers) w.process.kill('SIGTERM');
+    expect(await Promise.all(workers.map(w => w.exited))).toEqual([0, 0, 0, 0]);
+
+    const completed = done().map(l => l.split(' ')[1]);
+    expect(completed).toHaveLength(added.length);
+    expect(new Set(completed)).toEqual(new Set(added));
+    expect(workers.flatMap(w => w.lines.filter(l => l.startsWith('failed ')))).toEqual([]);
+    // Both origins reached the workers intact (each worker checks the data).
+    const origins = new Set(done().map(l => l.split(' ')[3]));
+    expect(origins).toEqual(new Set(['node', 'python']));
+
+    const { Queue } = withBackend(loamBackend({ url: server.url }));
+    const counts = await new Queue(queue, { connection: {} }).getJobCounts('completed', 'failed', 'active', 'wait');
+    expect(counts).toEqual({ completed: added.length, failed: 0, active: 0, wait: 0 });
+  });
+});
