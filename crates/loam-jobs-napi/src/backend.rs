@@ -1315,15 +1315,7 @@ impl LoamQueue {
     pub async fn get_rate_limit_ttl(&self, host_now: f64, max_jobs: Option<f64>) -> Result<f64> {
         self.store.observe(host_now);
         self.read(Op::new("getRateLimitTtl"), |tx, q| {
-            if max_jobs.is_none() && lease::limiter(tx, q, None)?.is_none() {
-                let window = lease::limiter_window(tx, q)?;
-                return Ok(if window.window_end == 0 {
-                    -2.0
-                } else {
-                    window.window_end.saturating_sub(tx.now) as f64
-                });
-            }
-            Ok(query::rate_limit_ttl(tx, q, max_jobs.map(ms))? as f64)
+            query::rate_limit_ttl_or_missing(tx, q, max_jobs.map(ms)).map(|ttl| ttl as f64)
         })
     }
 

@@ -635,12 +635,9 @@ impl JobsSvc {
                 Query::DedupJob(d) => R::DedupJob(
                     jobs.query(ns, queue, |tx, q| query::dedup_job_id(tx, q, &d.dedup_id))?.unwrap_or_default(),
                 ),
-                Query::RateLimitTtl(r) => R::Number(jobs.query(ns, queue, |tx, q| {
-                    if r.max_jobs.is_none() && lease::limiter(tx, q, None)?.is_none() {
-                        return Ok(0);
-                    }
-                    query::rate_limit_ttl(tx, q, r.max_jobs)
-                })?),
+                Query::RateLimitTtl(r) => {
+                    R::TtlMs(jobs.query(ns, queue, |tx, q| query::rate_limit_ttl_or_missing(tx, q, r.max_jobs))?)
+                }
                 Query::IsMaxed(_) => R::Flag(jobs.query(ns, queue, query::is_maxed)?),
                 Query::LastEvent(_) => R::Number(jobs.query(ns, queue, query::last_event_seq)?),
                 Query::Events(e) => {

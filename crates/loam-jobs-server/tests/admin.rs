@@ -144,11 +144,16 @@ async fn queue_and_job_admin_reports_and_queries() {
     assert_eq!(meta.values.len(), 1);
     assert_eq!(qa(&c, qn, pb::queue_admin_request::RemoveMetaFields { fields: vec!["x".into(), "concurrency".into()], ..Default::default() }).await.count, 2);
     qa(&c, qn, pb::queue_admin_request::SetRateLimit { ms: 5_000, ..Default::default() }).await;
-    let R::Number(ttl) = q(&c, qn, pb::query_request::RateLimitTtl { max_jobs: Some(1), ..Default::default() }).await else {
+    let R::TtlMs(ttl) = q(&c, qn, pb::query_request::RateLimitTtl { max_jobs: Some(1), ..Default::default() }).await else {
         panic!("ttl")
     };
     assert!(ttl > 0 && ttl <= 5_000, "{ttl}");
+    // Without a limiter, the manual limit's window still counts (BullMQ's getRateLimitTtl).
+    let R::TtlMs(ttl) = q(&c, qn, pb::query_request::RateLimitTtl::default()).await else { panic!("ttl") };
+    assert!(ttl > 0 && ttl <= 5_000, "{ttl}");
     assert_eq!(qa(&c, qn, oneof::queue_admin_request::Op::RemoveRateLimitKey(true)).await.count, 1);
+    let R::TtlMs(ttl) = q(&c, qn, pb::query_request::RateLimitTtl::default()).await else { panic!("ttl") };
+    assert_eq!(ttl, -2, "no window: Redis' PTTL of a missing key");
     let ev = pb::queue_admin_request::PublishEvent {
         name: "custom".into(),
         fields: vec![pb::EventField { key: "k".into(), value: "v".into(), ..Default::default() }],

@@ -921,7 +921,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       { command: 'getRateLimitTtl' },
       { case: 'rateLimitTtl', value: { maxJobs: maxJobs === undefined ? undefined : u64(maxJobs) } },
     );
-    return r.case === 'number' ? Number(r.value) : 0;
+    return r.case === 'ttlMs' ? Number(r.value) : -2;
   }
 
   /** `[[count, prevTS, prevCount], data[start..=end], total]`. */

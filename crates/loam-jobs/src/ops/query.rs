@@ -159,6 +159,18 @@ pub fn rate_limit_ttl(tx: &mut Tx, q: &QueueId, max: Option<u64>) -> Result<u64,
     lease::rate_limit_ttl(tx, q, limit.as_ref())
 }
 
+/// BullMQ's `getRateLimitTtl`: the milliseconds left for a limit of `max`
+/// jobs, or, with no limit given and none configured, what is left of a
+/// window a manual rate limit opened; -2 when there is no window at all
+/// (Redis' PTTL of a missing key).
+pub fn rate_limit_ttl_or_missing(tx: &mut Tx, q: &QueueId, max: Option<u64>) -> Result<i64, JobsError> {
+    if max.is_none() && lease::limiter(tx, q, None)?.is_none() {
+        let window = lease::limiter_window(tx, q)?;
+        return Ok(if window.window_end == 0 { -2 } else { window.window_end.saturating_sub(tx.now) as i64 });
+    }
+    Ok(rate_limit_ttl(tx, q, max)? as i64)
+}
+
 pub fn is_maxed(tx: &mut Tx, q: &QueueId) -> Result<bool, JobsError> {
     let active = tx.stats(q)?.active;
     Ok(tx.meta_u64(q, "concurrency")?.is_some_and(|c| c > 0 && active >= c))
