@@ -11,7 +11,7 @@ import { fileURLToPath } from 'node:url';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { withBackend } from 'bullmq';
 import { loamBackend } from '@loam/bullmq';
-import { startLoamServer } from '../../packages/bullmq/test/remote-server.js';
+import { startLoamServer, type LoamServer } from '../../packages/bullmq/test/remote-server.js';
 
 const here = path.dirname(fileURLToPath(import.meta.url));
 const repo = path.resolve(here, '../..');
@@ -46,7 +46,7 @@ async function until(what: string, predicate: () => boolean, timeoutMs = 60_000)
   }
 }
 
-let server: { url: string; stop(): Promise<void> };
+let server: LoamServer;
 
 beforeAll(async () => {
   if (!existsSync(python)) {
@@ -96,5 +96,59 @@ describe('Node and Python on one queue of loam-jobs serve', () => {
     const { Queue } = withBackend(loamBackend({ url: server.url }));
     const counts = await new Queue(queue, { connection: {} }).getJobCounts('completed', 'failed', 'active', 'wait');
     expect(counts).toEqual({ completed: added.length, failed: 0, active: 0, wait: 0 });
+  });
+
+  it('loses no acknowledged job and records each outcome once when the server is SIGKILLed under load', async () => {
+    const queue = `crash-${Date.now()}`;
+    const perProducer = 150;
+    const workers = [
+      run('node', ['node-worker.mjs', server.url, queue]),
+      run('node', ['node-worker.mjs', server.url, queue]),
+      run(python, ['py_worker.py', server.url, queue]),
+      run(python, ['py_worker.py', server.url, queue]),
+    ];
+    await until('the workers', () => workers.every(w => w.lines.includes('ready')));
+    const producers = [
+      run('node', ['node-producer.mjs', server.url, queue, String(perProducer)]),
+      run(python, ['py_producer.py', server.url, queue, String(perProducer)]),
+    ];
+    const acknowledged = () => producers.flatMap(p => p.lines.filter(l => l.startsWith('added ')).map(l => l.split(' ')[1]));
+    const done = () => workers.flatMap(w => w.lines.filter(l => l.startsWith('done ')).map(l => l.split(' ')[1]));
+
+    // Mid-load: some jobs added, some completed, the rest still to come.
+    await until('the load to be under way', () => acknowledged().length >= 60 && done().length >= 10);
+    const beforeCrash = new Set(acknowledged());
+    await server.kill();
+    await new Promise(r => setTimeout(r, 300));
+    server = await startLoamServer({}, { listen: new URL(server.url).host, dataDir: server.dataDir });
+
+    expect(await Promise.all(producers.map(p => p.exited))).toEqual([0, 0]);
+    const all = acknowledged();
+    expect(new Set(all).size).toBe(2 * perProducer);
+    for (const id of beforeCrash) expect(all).toContain(id);
+
+    const { Queue } = withBackend(loamBackend({ url: server.url }));
+    const q = new Queue(queue, { connection: {} });
+    // The store, not the workers' output, says when all is done: a completion
+    // committed just before the kill may never have reached its worker.
+    let counts: Record<string, number> = {};
+    const deadline = Date.now() + 60_000;
+    try {
+      while ((counts = await q.getJobCounts('completed', 'failed', 'active', 'wait', 'delayed')).completed < all.length) {
+        if (Date.now() > deadline) throw new Error(`not every job completed in time: ${JSON.stringify(counts)}`);
+        await new Promise(r => setTimeout(r, 100));
+      }
+    } finally {
+      for (const w of workers) w.process.kill('SIGTERM');
+    }
+    expect(await Promise.all(workers.map(w => w.exited))).toEqual([0, 0, 0, 0]);
+    expect(counts).toEqual({ completed: all.length, failed: 0, active: 0, wait: 0, delayed: 0 });
+
+    // No completion was acknowledged twice, and only acknowledged jobs were completed.
+    expect(done()).toHaveLength(new Set(done()).size);
+    for (const id of done()) expect(all).toContain(id);
+    const completed = await q.getJobs(['completed'], 0, -1);
+    expect(new Set(completed.map(j => j.id))).toEqual(new Set(all));
+    await q.close();
   });
 });

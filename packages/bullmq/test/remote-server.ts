@@ -55,21 +55,44 @@ function listening(server: ChildProcess): Promise<string> {
   });
 }
 
-/** Starts a server with its own data dir; `env` adds settings such as LOAM_JOBS_TOKENS. */
-export async function startLoamServer(env: Record<string, string> = {}): Promise<{ url: string; stop(): Promise<void> }> {
-  const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-remote-test-'));
-  const server = spawn(serverBinary(), ['serve', '--listen', '127.0.0.1:0', '--data-dir', dataDir], {
+/** A running `loam-jobs serve`. */
+export interface LoamServer {
+  url: string;
+  dataDir: string;
+  /** SIGTERM, wait for the exit, remove the data dir. */
+  stop(): Promise<void>;
+  /** SIGKILL, wait for the exit; the data dir stays for a restart. */
+  kill(): Promise<void>;
+}
+
+/**
+ * Starts a server: `env` adds settings such as LOAM_JOBS_TOKENS; `listen` and
+ * `dataDir` restart one where another was (default: a free port, a new dir).
+ */
+export async function startLoamServer(
+  env: Record<string, string> = {},
+  options: { listen?: string; dataDir?: string } = {},
+): Promise<LoamServer> {
+  const dataDir = options.dataDir ?? mkdtempSync(path.join(tmpdir(), 'loam-remote-test-'));
+  const server = spawn(serverBinary(), ['serve', '--listen', options.listen ?? '127.0.0.1:0', '--data-dir', dataDir], {
     env: { ...process.env, NO_COLOR: '1', RUST_LOG: process.env.RUST_LOG ?? 'info', ...env },
     stdio: ['ignore', 'pipe', 'pipe'],
   });
   const address = await listening(server);
+  const ended = (signal: NodeJS.Signals) => {
+    const exited = new Promise(resolve => server.once('exit', resolve));
+    server.kill(signal);
+    return exited;
+  };
   return {
     url: `http://${address}`,
+    dataDir,
     stop: async () => {
-      const exited = new Promise(resolve => server.once('exit', resolve));
-      server.kill('SIGTERM');
-      await exited;
+      await ended('SIGTERM');
       rmSync(dataDir, { recursive: true, force: true });
+    },
+    kill: async () => {
+      await ended('SIGKILL');
     },
   };
 }
