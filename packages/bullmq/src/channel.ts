@@ -57,6 +57,8 @@ export class RemoteChannel {
   private readonly maxConnections: number;
   /** Backends using the channel; with none and no call in flight, the connections close. */
   private users = 0;
+  /** Ordered writes of every backend on this channel not answered yet (see `track`). */
+  private readonly pendingWrites = new Set<Promise<void>>();
 
   constructor(readonly settings: RemoteSettings) {
     this.maxStreams = Math.max(1, settings.maxStreamsPerConnection ?? DEFAULT_STREAMS);
@@ -85,6 +87,30 @@ export class RemoteChannel {
    * (`loam-now-ms`): BullMQ's operations run at the client's time, as its
    * Redis scripts do, and its tests fake that clock.
    */
+  /** Tracks an ordered write (an add, an admin write) of any backend on this channel. */
+  track<T>(write: Promise<T>): Promise<T> {
+    const answered = write.then(
+      () => undefined,
+      () => undefined,
+    );
+    this.pendingWrites.add(answered);
+    void answered.then(() => this.pendingWrites.delete(answered));
+    return write;
+  }
+
+  /**
+   * Settles once every write tracked so far was answered. A lease that returns
+   * a job waits for it: HTTP/2 calls have no order, and the job may come from an
+   * add whose answer is still on its way, which BullMQ callers (and Redis,
+   * answering in order) never see resolve after the job started.
+   */
+  writesAnswered(): Promise<void> {
+    if (this.pendingWrites.size === 0) return Promise.resolve();
+    // Then one turn of the event loop, so the callers of those writes (their
+    // chains of awaits) see them resolve before anyone sees the job.
+    return Promise.all([...this.pendingWrites]).then(() => new Promise<void>(resolve => setImmediate(resolve)));
+  }
+
   async call<T>(
     command: BullmqCommand,
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,

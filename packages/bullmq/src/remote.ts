@@ -245,7 +245,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       this.orderedInFlight--;
     };
     this.orderedWrites = sent.then(answered, answered);
-    return sent;
+    return this.channel.track(sent);
   }
 
   /** One Query call; returns its result oneof. */
@@ -278,15 +278,18 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   /** Ends the lease of `command.jobId` with `outcome`. */
-  private complete(
+  private async complete(
     command: BullmqCommand & { jobId: string },
     token: string | undefined,
     outcome: OutcomeInit['kind'],
     options?: CompleteOptionsInit,
   ) {
-    return this.send(command, (c, o) =>
+    const r = await this.send(command, (c, o) =>
       c.complete({ queue: this.queueName, jobId: command.jobId, fence: fence(token), outcome: { kind: outcome }, options }, o),
     );
+    // A next job (fetchNext) waits for the adds still on their way, as a lease does.
+    if (r.completed?.next?.leases.length) await this.channel.writesAnswered();
+    return r;
   }
 
   /** The job `id`, read in one snapshot, or undefined. */
@@ -447,6 +450,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const r = await this.send({ command: 'moveToActive' }, (c, o) =>
       c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
     );
+    if (r.leased?.leases.length) await this.channel.writesAnswered();
     return nextJob(r.leased);
   }
 
