@@ -175,11 +175,7 @@ pub fn invalid(message: impl std::fmt::Display) -> napi::Error {
 /// The error a panic inside the addon becomes: a rejected call, never a
 /// crash of the host process.
 pub fn panicked(panic: Box<dyn std::any::Any + Send>) -> napi::Error {
-    let text = panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".to_string());
+    let text = loam_jobs::error::panic_text(panic.as_ref());
     napi::Error::from_reason(format!("[loam:internal] panic in the Loam addon: {text}"))
 }
 

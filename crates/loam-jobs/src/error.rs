@@ -173,3 +173,13 @@ impl From<StoreError> for JobsError {
         }
     }
 }
+
+/// The message a panic carried (`panic!` with a literal or a formatted
+/// string), for turning a caught panic into an error.
+pub fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_string())
+}

@@ -460,10 +460,5 @@ impl Committer {
 }
 
 fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
-    let text = panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".to_string());
-    format!("operation panicked: {text}")
+    format!("operation panicked: {}", crate::error::panic_text(panic.as_ref()))
 }
