@@ -284,6 +284,23 @@ impl LoamQueue {
         settle(env, op, pending, map)
     }
 
+    /// moveToCompleted / moveToFailed: ends the active job `job_id` with
+    /// `outcome` and answers `{result?, finishedOn}` as JSON.
+    fn finish_active<'env>(
+        &self,
+        env: &'env Env,
+        job_id: &str,
+        token: &str,
+        fetch_next: bool,
+        outcome: Outcome,
+    ) -> Result<PromiseRaw<'env, String>> {
+        let op = Op::new("moveToFinished").job(job_id).state("active");
+        let opts = self.complete_options(token, fetch_next);
+        self.complete(env, op, Some(token), outcome, opts, move |done| {
+            finished_json(&done, fetch_next)
+        })
+    }
+
     /// One read on a snapshot of this queue.
     fn read<T>(
         &self,
@@ -639,14 +656,10 @@ impl LoamQueue {
         fetch_next: bool,
     ) -> Result<PromiseRaw<'env, String>> {
         self.store.observe(host_now);
-        let op = Op::new("moveToFinished").job(&job_id).state("active");
         let outcome = Outcome::Ok {
             result: Some(return_value.into_bytes()),
         };
-        let opts = self.complete_options(&token, fetch_next);
-        self.complete(env, op, Some(&token), outcome, opts, move |done| {
-            finished_json(&done, fetch_next)
-        })
+        self.finish_active(env, &job_id, &token, fetch_next, outcome)
     }
 
     /// `moveToFailed`: the final failure (BullMQ decided not to retry).
@@ -666,7 +679,6 @@ impl LoamQueue {
         fields_to_update: Option<String>,
     ) -> Result<PromiseRaw<'env, String>> {
         self.store.observe(host_now);
-        let op = Op::new("moveToFinished").job(&job_id).state("active");
         let fields: FailureFields = fields_to_update
             .as_deref()
             .map_or(Ok(FailureFields::default()), |f| parse("fieldsToUpdate", f))?;
@@ -674,10 +686,7 @@ impl LoamQueue {
             error: fields.to_error(Some(&failed_reason)),
             dead_letter: false,
         };
-        let opts = self.complete_options(&token, fetch_next);
-        self.complete(env, op, Some(&token), outcome, opts, move |done| {
-            finished_json(&done, fetch_next)
-        })
+        self.finish_active(env, &job_id, &token, fetch_next, outcome)
     }
 
     /// `moveToDelayed`: a retry after a backoff (an attempt is spent) or, with
