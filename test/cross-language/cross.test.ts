@@ -46,6 +46,27 @@ async function until(what: string, predicate: () => boolean, timeoutMs = 60_000)
   }
 }
 
+/** The `index`-th word of each line of `children` that starts with `tag` (`added`, `done`, ...). */
+function field(children: Child[], tag: string, index = 1): string[] {
+  return children.flatMap(c => c.lines.filter(l => l.startsWith(`${tag} `)).map(l => l.split(' ')[index]));
+}
+
+/** Two Node and two Python workers on `queue`, ready; then a Node and a Python producer of `perProducer` jobs each. */
+async function startLoad(url: string, queue: string, perProducer: number): Promise<{ workers: Child[]; producers: Child[] }> {
+  const workers = [
+    run('node', ['node-worker.mjs', url, queue]),
+    run('node', ['node-worker.mjs', url, queue]),
+    run(python, ['py_worker.py', url, queue]),
+    run(python, ['py_worker.py', url, queue]),
+  ];
+  await until('the workers', () => workers.every(w => w.lines.includes('ready')));
+  const producers = [
+    run('node', ['node-producer.mjs', url, queue, String(perProducer)]),
+    run(python, ['py_producer.py', url, queue, String(perProducer)]),
+  ];
+  return { workers, producers };
+}
+
 let server: LoamServer;
 
 beforeAll(async () => {
@@ -63,57 +84,36 @@ describe('Node and Python on one queue of loam-jobs serve', () => {
   it('completes every job of both producers exactly once, across both kinds of worker', async () => {
     const queue = `mixed-${Date.now()}`;
     const perProducer = 60;
-    const workers = [
-      run('node', ['node-worker.mjs', server.url, queue]),
-      run('node', ['node-worker.mjs', server.url, queue]),
-      run(python, ['py_worker.py', server.url, queue]),
-      run(python, ['py_worker.py', server.url, queue]),
-    ];
-    await until('the workers', () => workers.every(w => w.lines.includes('ready')));
-
-    const producers = [
-      run('node', ['node-producer.mjs', server.url, queue, String(perProducer)]),
-      run(python, ['py_producer.py', server.url, queue, String(perProducer)]),
-    ];
+    const { workers, producers } = await startLoad(server.url, queue, perProducer);
     expect(await Promise.all(producers.map(p => p.exited))).toEqual([0, 0]);
-    const added = producers.flatMap(p => p.lines.filter(l => l.startsWith('added ')).map(l => l.split(' ')[1]));
+    const added = field(producers, 'added');
     expect(added).toHaveLength(2 * perProducer);
     expect(new Set(added).size).toBe(2 * perProducer);
 
-    const done = () => workers.flatMap(w => w.lines.filter(l => l.startsWith('done ')));
-    await until('every job to be done', () => done().length >= added.length);
+    await until('every job to be done', () => field(workers, 'done').length >= added.length);
     for (const w of workers) w.process.kill('SIGTERM');
     expect(await Promise.all(workers.map(w => w.exited))).toEqual([0, 0, 0, 0]);
 
-    const completed = done().map(l => l.split(' ')[1]);
+    const completed = field(workers, 'done');
     expect(completed).toHaveLength(added.length);
     expect(new Set(completed)).toEqual(new Set(added));
-    expect(workers.flatMap(w => w.lines.filter(l => l.startsWith('failed ')))).toEqual([]);
+    expect(field(workers, 'failed')).toEqual([]);
     // Both origins reached the workers intact (each worker checks the data).
-    const origins = new Set(done().map(l => l.split(' ')[3]));
-    expect(origins).toEqual(new Set(['node', 'python']));
+    expect(new Set(field(workers, 'done', 3))).toEqual(new Set(['node', 'python']));
 
     const { Queue } = withBackend(loamBackend({ url: server.url }));
-    const counts = await new Queue(queue, { connection: {} }).getJobCounts('completed', 'failed', 'active', 'wait');
+    const q = new Queue(queue, { connection: {} });
+    const counts = await q.getJobCounts('completed', 'failed', 'active', 'wait');
     expect(counts).toEqual({ completed: added.length, failed: 0, active: 0, wait: 0 });
+    await q.close();
   });
 
   it('loses no acknowledged job and records each outcome once when the server is SIGKILLed under load', async () => {
     const queue = `crash-${Date.now()}`;
     const perProducer = 150;
-    const workers = [
-      run('node', ['node-worker.mjs', server.url, queue]),
-      run('node', ['node-worker.mjs', server.url, queue]),
-      run(python, ['py_worker.py', server.url, queue]),
-      run(python, ['py_worker.py', server.url, queue]),
-    ];
-    await until('the workers', () => workers.every(w => w.lines.includes('ready')));
-    const producers = [
-      run('node', ['node-producer.mjs', server.url, queue, String(perProducer)]),
-      run(python, ['py_producer.py', server.url, queue, String(perProducer)]),
-    ];
-    const acknowledged = () => producers.flatMap(p => p.lines.filter(l => l.startsWith('added ')).map(l => l.split(' ')[1]));
-    const done = () => workers.flatMap(w => w.lines.filter(l => l.startsWith('done ')).map(l => l.split(' ')[1]));
+    const { workers, producers } = await startLoad(server.url, queue, perProducer);
+    const acknowledged = () => field(producers, 'added');
+    const done = () => field(workers, 'done');
 
     // Mid-load: some jobs added, some completed, the rest still to come.
     await until('the load to be under way', () => acknowledged().length >= 60 && done().length >= 10);
