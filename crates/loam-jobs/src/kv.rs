@@ -188,23 +188,58 @@ fn local_range<'w>(
     if reverse { writes.range(bounds).rev().collect() } else { writes.range(bounds).collect() }
 }
 
-/// Writes that are not in the base yet, read through without being owned: a
-/// batch that has been executed and is being committed, under the next batch.
+/// The writes of batches that ran but whose commit is not done yet, merged
+/// (the newest write of a key wins), each stamped with the batch that made it.
+#[derive(Default)]
+pub struct PendingWrites {
+    writes: BTreeMap<Key, (u64, Option<Value>)>,
+}
+
+impl PendingWrites {
+    pub fn add(&mut self, batch: u64, writes: &BTreeMap<Key, Option<Value>>) {
+        for (key, value) in writes {
+            self.writes.insert(key.clone(), (batch, value.clone()));
+        }
+    }
+
+    /// Forgets `batch`'s writes that no later batch overwrote: once `batch` is
+    /// committed the base has them; once it failed, nobody may read them.
+    pub fn forget(&mut self, batch: u64, writes: &BTreeMap<Key, Option<Value>>) {
+        for key in writes.keys() {
+            if self.writes.get(key).is_some_and(|(by, _)| *by == batch) {
+                self.writes.remove(key);
+            }
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.writes.is_empty()
+    }
+
+    fn range(&self, range: &KeyRange, reverse: bool) -> Vec<(&Key, &Option<Value>)> {
+        let bounds = (Bound::Included(range.start.clone()), Bound::Excluded(range.end.clone()));
+        let entries = self.writes.range(bounds).map(|(k, (_, v))| (k, v));
+        if reverse { entries.rev().collect() } else { entries.collect() }
+    }
+}
+
+/// Pending writes over a base they are not in yet, read through without being
+/// owned: the batches being committed, under the next batch.
 pub struct Layer<'a> {
     pub below: &'a mut dyn KvRead,
-    pub writes: &'a BTreeMap<Key, Option<Value>>,
+    pub writes: &'a PendingWrites,
 }
 
 impl KvRead for Layer<'_> {
     fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
-        match self.writes.get(key) {
-            Some(v) => Ok(v.clone()),
+        match self.writes.writes.get(key) {
+            Some((_, v)) => Ok(v.clone()),
             None => self.below.get(key),
         }
     }
 
     fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
-        let local = local_range(self.writes, range, reverse);
+        let local = self.writes.range(range, reverse);
         if local.is_empty() {
             return self.below.scan(range, limit, reverse);
         }
@@ -332,21 +367,41 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// A layer of borrowed writes reads like the base with them applied.
+        /// Pending writes over a base that has the committed batches' writes
+        /// read like the base with every batch applied.
         #[test]
         fn layer_scan_matches_applied_map(
             base in proptest::collection::btree_map(0u8..32, 0u8..4, 0..24),
-            writes in proptest::collection::btree_map(0u8..32, proptest::option::of(0u8..4), 0..24),
+            batches in proptest::collection::vec(
+                proptest::collection::btree_map(0u8..32, proptest::option::of(0u8..4), 0..12), 0..5),
+            committed in 0usize..5,
             lo in 0u8..32, width in 0u8..40, limit in 0usize..40, rev in proptest::bool::ANY,
         ) {
-            let base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
-            let writes: BTreeMap<Key, Option<Value>> = writes.into_iter().map(|(k, v)| (vec![k], v.map(|v| vec![v]))).collect();
+            let batches: Vec<BTreeMap<Key, Option<Value>>> = batches
+                .into_iter()
+                .map(|b| b.into_iter().map(|(k, v)| (vec![k], v.map(|v| vec![v]))).collect())
+                .collect();
+            let committed = committed.min(batches.len());
+            let apply = |map: &mut BTreeMap<Key, Value>, writes: &BTreeMap<Key, Option<Value>>| {
+                for (k, v) in writes {
+                    match v { Some(v) => { map.insert(k.clone(), v.clone()); } None => { map.remove(k); } }
+                }
+            };
+            let mut base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
             let mut expected = base.clone();
-            for (k, v) in &writes {
-                match v { Some(v) => { expected.insert(k.clone(), v.clone()); } None => { expected.remove(k); } }
+            let mut pending = PendingWrites::default();
+            for (n, writes) in batches.iter().enumerate() {
+                pending.add(n as u64 + 1, writes);
+                apply(&mut expected, writes);
+                if n < committed {
+                    apply(&mut base, writes);
+                }
+            }
+            for (n, writes) in batches.iter().enumerate().take(committed) {
+                pending.forget(n as u64 + 1, writes);
             }
             let mut below = MapRead(base);
-            let mut layer = Layer { below: &mut below, writes: &writes };
+            let mut layer = Layer { below: &mut below, writes: &pending };
             let range = KeyRange::new(vec![lo], vec![lo.saturating_add(width)]);
             let got = layer.scan(&range, limit, rev).unwrap();
             let want = MapRead(expected.clone()).scan(&range, limit, rev).unwrap();

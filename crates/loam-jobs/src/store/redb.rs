@@ -10,17 +10,19 @@
 //! and reads wait for that batch's commit, so nobody reads older state than
 //! they were told of.
 //!
-//! The two threads overlap: while batch N is written and fsynced, batch N+1
-//! runs on top of N's writes (a [`Layer`] over the last committed snapshot).
-//! At most one batch is being committed while the next one runs. If a commit
-//! fails, the batch that ran on top of it fails too, since what it read never
-//! reached the store.
+//! The two threads overlap: the executor runs each batch as soon as it comes,
+//! over the last committed snapshot and the merged writes of every batch not
+//! yet committed (a [`Layer`]), and never waits for a commit. The
+//! committer writes every batch that ran while it wrote the previous commit
+//! in one transaction, so the busier the store, the more operations one fsync
+//! carries. If a commit fails, its batches fail, and so does every batch that
+//! ran on top of them, since what it read never reached the store.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, SyncSender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -29,7 +31,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 use super::{Durability, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
-use crate::kv::{Key, KeyRange, KvRead, Layer, Overlay, Value};
+use crate::kv::{Key, KeyRange, KvRead, Layer, Overlay, PendingWrites, Value};
 
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("loam_jobs");
 
@@ -97,14 +99,19 @@ impl RedbStore {
         txn.commit().map_err(io)?;
         let db = Arc::new(db);
         let progress = Arc::new(Progress {
-            state: Mutex::new(Committed { batch: 0, failed: None, acked: 0, snapshot: Arc::new(RedbSnapshot::new(&db)?) }),
+            state: Mutex::new(Committed {
+                batch: 0,
+                acked: 0,
+                snapshot: Arc::new(RedbSnapshot::new(&db)?),
+                snapshot_batch: 0,
+            }),
             changed: Condvar::new(),
         });
         let (sender, receiver) = mpsc::channel();
-        // Capacity 1: the executor hands over a batch only when the committer is free.
-        let (to_committer, from_executor) = mpsc::sync_channel(1);
+        let (to_committer, from_executor) = mpsc::channel();
         let executor = Executor { progress: Arc::clone(&progress), to_committer, durability };
-        let committer = Committer { db: Arc::clone(&db), progress: Arc::clone(&progress), durability, unflushed_since: None };
+        let committer =
+            Committer { db: Arc::clone(&db), progress: Arc::clone(&progress), durability, unflushed_since: None, last_failed: 0 };
         let threads = vec![
             std::thread::Builder::new()
                 .name("loam-jobs-writer".into())
@@ -209,7 +216,7 @@ fn scan_table<T: ReadableTable<&'static [u8], &'static [u8]>>(
     if reverse { iter.rev().take(limit).map(owned).collect() } else { iter.take(limit).map(owned).collect() }
 }
 
-/// What the committer has done, for the executor.
+/// What the committer has done, for the executor and for readers.
 struct Progress {
     state: Mutex<Committed>,
     changed: Condvar,
@@ -218,32 +225,44 @@ struct Progress {
 struct Committed {
     /// The last batch the committer finished, committed or failed.
     batch: u64,
-    /// The last batch whose commit failed, and why.
-    failed: Option<(u64, StoreError)>,
     /// The last batch whose writes were acknowledged before their commit.
     acked: u64,
     /// The file as of the last successful commit.
     snapshot: Arc<RedbSnapshot>,
+    /// The batch that `snapshot` ends with.
+    snapshot_batch: u64,
 }
 
 /// An executed batch on its way to the file.
 struct Batch {
     number: u64,
+    /// The batch whose writes this one read last: its predecessor while that
+    /// was still uncommitted, else the batch the committed snapshot ended with.
+    /// A batch that read a failed batch's writes fails too.
+    read_through: u64,
     writes: Arc<Writes>,
     sync: bool,
     /// Acknowledgements that wait for the commit (the rest went out early).
     acks: Vec<Ack>,
 }
 
+/// Most executed batches that may wait for the committer at once; past it the
+/// executor waits, so a slow disk slows callers down instead of growing memory.
+const MAX_UNCOMMITTED_BATCHES: usize = 64;
+
 struct Executor {
     progress: Arc<Progress>,
-    to_committer: SyncSender<Batch>,
+    to_committer: Sender<Batch>,
     durability: Durability,
 }
 
 impl Executor {
+    /// Runs batches as they come, each over the last committed snapshot and
+    /// the writes of every batch not yet committed, and never waits for a
+    /// commit (short of [`MAX_UNCOMMITTED_BATCHES`]): the committer takes all
+    /// the batches that ran while it wrote the previous ones in one commit.
     fn run(self, receiver: Receiver<WriteOp>) {
-        let mut in_flight: Option<(u64, Arc<Writes>)> = None;
+        let mut uncommitted = Uncommitted::default();
         let mut number = 0;
         while let Ok(first) = receiver.recv() {
             let mut ops = vec![first];
@@ -254,30 +273,20 @@ impl Executor {
                 }
             }
             number += 1;
-            // A failed in-flight batch only matters to the batch that ran on
-            // top of it; this one runs on the last good snapshot.
-            let (snapshot, _) = self.view(&mut in_flight, false);
+            let (snapshot, snapshot_batch) = self.view(&mut uncommitted);
+            let read_through = uncommitted.batches.back().map_or(snapshot_batch, |(n, _)| *n);
             let sync = match self.durability {
                 Durability::Immediate => ops.iter().any(|op| op.sync),
                 Durability::Relaxed { .. } => false,
             };
             let (writes, acks) = {
                 let mut committed = SnapshotReader(snapshot);
-                match &in_flight {
-                    Some((_, below)) => execute(ops, &mut Layer { below: &mut committed, writes: below }),
-                    None => execute(ops, &mut committed),
+                if uncommitted.writes.is_empty() {
+                    execute(ops, &mut committed)
+                } else {
+                    execute(ops, &mut Layer { below: &mut committed, writes: &uncommitted.writes })
                 }
             };
-            // Hand over once the committer is done with the batch this one ran on.
-            if in_flight.is_some() {
-                let (_, failed) = self.view(&mut in_flight, true);
-                if let Some(e) = failed {
-                    for (done, _) in acks {
-                        done(Err(JobsError::from(e.clone())));
-                    }
-                    continue;
-                }
-            }
             // Under relaxed durability, acknowledgements go out once the batch
             // is with the committer (a reader they wake then waits for that
             // commit, see `RedbStore::snapshot`). Under immediate durability
@@ -292,8 +301,11 @@ impl Executor {
                 self.progress.state.lock().acked = number;
             }
             let writes = Arc::new(writes);
-            in_flight = Some((number, Arc::clone(&writes)));
-            if let Err(mpsc::SendError(batch)) = self.to_committer.send(Batch { number, writes, sync, acks: late }) {
+            uncommitted.writes.add(number, &writes);
+            uncommitted.batches.push_back((number, Arc::clone(&writes)));
+            if let Err(mpsc::SendError(batch)) =
+                self.to_committer.send(Batch { number, read_through, writes, sync, acks: late })
+            {
                 for (done, _) in batch.acks.into_iter().chain(early) {
                     done(Err(StoreError::Closed.into()));
                 }
@@ -305,29 +317,32 @@ impl Executor {
         }
     }
 
-    /// The latest committed snapshot, dropping the in-flight batch once it is
-    /// committed. With `wait`, first waits until the in-flight batch is done.
-    /// Returns the error if the in-flight batch failed.
-    fn view(&self, in_flight: &mut Option<(u64, Arc<Writes>)>, wait: bool) -> (Arc<RedbSnapshot>, Option<StoreError>) {
+    /// The latest committed snapshot and the batch it ends with, after
+    /// forgetting the batches the committer is done with (committed, or failed
+    /// and so never to be read). Waits while too many batches are uncommitted.
+    fn view(&self, uncommitted: &mut Uncommitted) -> (Arc<RedbSnapshot>, u64) {
         let mut state = self.progress.state.lock();
-        if wait && let Some((n, _)) = in_flight {
-            while state.batch < *n {
-                self.progress.changed.wait(&mut state);
-            }
-        }
-        let mut failed = None;
-        if let Some((n, _)) = in_flight
-            && state.batch >= *n
-        {
-            if let Some((f, e)) = &state.failed
-                && f == n
+        loop {
+            while let Some((n, writes)) = uncommitted.batches.front()
+                && *n <= state.batch
             {
-                failed = Some(e.clone());
+                uncommitted.writes.forget(*n, writes);
+                uncommitted.batches.pop_front();
             }
-            *in_flight = None;
+            if uncommitted.batches.len() < MAX_UNCOMMITTED_BATCHES {
+                return (Arc::clone(&state.snapshot), state.snapshot_batch);
+            }
+            self.progress.changed.wait(&mut state);
         }
-        (Arc::clone(&state.snapshot), failed)
     }
+}
+
+/// The batches the executor handed over whose commit is not done yet, oldest
+/// first, and their writes merged, which the next batches read through.
+#[derive(Default)]
+struct Uncommitted {
+    batches: VecDeque<(u64, Arc<Writes>)>,
+    writes: PendingWrites,
 }
 
 /// Runs a batch's operations, each in its own overlay over the batch's.
@@ -350,12 +365,17 @@ fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>) {
     (group.into_writes(), acks)
 }
 
+/// Most batches one commit takes.
+const MAX_BATCHES_PER_COMMIT: usize = 256;
+
 struct Committer {
     db: Arc<Database>,
     progress: Arc<Progress>,
     durability: Durability,
     /// When the oldest commit not yet flushed to disk was made.
     unflushed_since: Option<Instant>,
+    /// The last batch whose commit failed: a batch that read its writes fails too.
+    last_failed: u64,
 }
 
 impl Committer {
@@ -368,7 +388,7 @@ impl Committer {
 
     fn run(mut self, receiver: Receiver<Batch>) {
         loop {
-            let batch = match self.unflushed_since {
+            let first = match self.unflushed_since {
                 None => match receiver.recv() {
                     Ok(b) => b,
                     Err(_) => break,
@@ -382,7 +402,16 @@ impl Committer {
                     Err(RecvTimeoutError::Disconnected) => break,
                 },
             };
-            self.commit(batch);
+            // Group commit: every batch that ran while the last commit was
+            // written goes into this one.
+            let mut batches = vec![first];
+            while batches.len() < MAX_BATCHES_PER_COMMIT {
+                match receiver.try_recv() {
+                    Ok(b) => batches.push(b),
+                    Err(_) => break,
+                }
+            }
+            self.commit(batches);
             if let Some(since) = self.unflushed_since
                 && since.elapsed() >= self.flush_interval()
             {
@@ -403,12 +432,12 @@ impl Committer {
         }
     }
 
-    fn write(&self, writes: &Writes, sync: bool) -> Result<(), StoreError> {
+    fn write(&self, batches: &[Batch], sync: bool) -> Result<(), StoreError> {
         let mut txn = self.db.begin_write().map_err(io)?;
         txn.set_durability(if sync { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
         {
             let mut table = txn.open_table(TABLE).map_err(io)?;
-            for (key, value) in writes {
+            for (key, value) in batches.iter().flat_map(|b| b.writes.iter()) {
                 match value {
                     Some(v) => {
                         table.insert(key.as_slice(), v.as_slice()).map_err(io)?;
@@ -422,38 +451,63 @@ impl Committer {
         txn.commit().map_err(io)
     }
 
-    fn commit(&mut self, batch: Batch) {
-        let result = self.write(&batch.writes, batch.sync).and_then(|()| RedbSnapshot::new(&self.db));
+    /// Commits `batches` (in order) in one transaction, except those that read
+    /// a failed batch's writes, which fail with its error.
+    fn commit(&mut self, batches: Vec<Batch>) {
+        let last = batches.last().map_or(0, |b| b.number);
+        let mut doomed = Vec::new();
+        let mut good = Vec::with_capacity(batches.len());
+        for batch in batches {
+            if batch.read_through != 0 && batch.read_through == self.last_failed {
+                self.last_failed = batch.number;
+                doomed.push(batch);
+            } else {
+                good.push(batch);
+            }
+        }
+        let sync = good.iter().any(|b| b.sync);
+        let newest = good.last().map(|b| b.number);
+        let result = match newest {
+            None => Ok(None),
+            Some(_) => self.write(&good, sync).and_then(|()| RedbSnapshot::new(&self.db)).map(Some),
+        };
         let result = {
             let mut state = self.progress.state.lock();
-            state.batch = batch.number;
-            match result {
-                Ok(snapshot) => {
+            state.batch = last;
+            result.map(|snapshot| {
+                if let (Some(snapshot), Some(newest)) = (snapshot, newest) {
                     state.snapshot = Arc::new(snapshot);
-                    Ok(())
+                    state.snapshot_batch = newest;
                 }
-                Err(e) => {
-                    state.failed = Some((batch.number, e.clone()));
-                    Err(e)
-                }
-            }
+            })
         };
         self.progress.changed.notify_all();
-        match result {
+        let failure = match result {
             Ok(()) => {
-                if batch.sync {
-                    self.unflushed_since = None;
-                } else if self.unflushed_since.is_none() {
-                    self.unflushed_since = Some(Instant::now());
+                if !good.is_empty() {
+                    if sync {
+                        self.unflushed_since = None;
+                    } else if self.unflushed_since.is_none() {
+                        self.unflushed_since = Some(Instant::now());
+                    }
                 }
-                for (done, r) in batch.acks {
+                for (done, r) in good.into_iter().flat_map(|b| b.acks) {
                     done(r);
                 }
+                None
             }
             Err(e) => {
-                for (done, _) in batch.acks {
+                self.last_failed = good.last().map_or(self.last_failed, |b| b.number);
+                for (done, _) in good.into_iter().flat_map(|b| b.acks) {
                     done(Err(JobsError::from(e.clone())));
                 }
+                Some(e)
+            }
+        };
+        if !doomed.is_empty() {
+            let e = failure.unwrap_or_else(|| StoreError::Io("an earlier commit failed".into()));
+            for (done, _) in doomed.into_iter().flat_map(|b| b.acks) {
+                done(Err(JobsError::from(e.clone())));
             }
         }
     }
@@ -461,4 +515,104 @@ impl Committer {
 
 fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
     format!("operation panicked: {}", crate::error::panic_text(panic.as_ref()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use redb::StorageBackend;
+    use redb::backends::InMemoryBackend;
+
+    use super::*;
+    use crate::kv::KvTxn;
+
+    /// Memory that starts failing every write and sync once told to, as a
+    /// full or dying disk does.
+    #[derive(Debug)]
+    struct FailingDisk {
+        memory: InMemoryBackend,
+        failing: Arc<AtomicBool>,
+    }
+
+    impl FailingDisk {
+        fn check(&self) -> std::io::Result<()> {
+            if self.failing.load(Ordering::SeqCst) { Err(std::io::Error::other("disk failed")) } else { Ok(()) }
+        }
+    }
+
+    impl StorageBackend for FailingDisk {
+        fn len(&self) -> std::io::Result<u64> {
+            self.memory.len()
+        }
+        fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+            self.memory.read(offset, out)
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.check()?;
+            self.memory.set_len(len)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            self.check()?;
+            self.memory.sync_data()
+        }
+        fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.check()?;
+            self.memory.write(offset, data)
+        }
+    }
+
+    fn read_u64(txn: &mut dyn KvRead, key: &[u8]) -> u64 {
+        txn.get(key).unwrap().map_or(0, |v| u64::from_be_bytes(v.try_into().unwrap()))
+    }
+
+    /// A commit that fails takes down its batches and every batch that read
+    /// their writes: no operation acknowledged as done read a write that was
+    /// lost, and every one acknowledged is in the store.
+    #[test]
+    fn failed_commit_fails_what_ran_on_it_and_keeps_what_was_acknowledged() {
+        let failing = Arc::new(AtomicBool::new(false));
+        let disk = FailingDisk { memory: InMemoryBackend::new(), failing: Arc::clone(&failing) };
+        let store = RedbStore::start(Database::builder().create_with_backend(disk).unwrap(), Durability::Immediate).unwrap();
+        let (sender, outcomes) = mpsc::channel();
+        let mut settled = BTreeMap::new();
+        for i in 0u64..3000 {
+            if i == 1000 {
+                // The first thousand are in; the disk fails while the next run.
+                settled.extend(outcomes.iter().take(1000));
+            }
+            if i == 1200 {
+                failing.store(true, Ordering::SeqCst);
+            }
+            // Each operation takes the next number of a counter, so one that
+            // read a lost write would record a number that is taken twice.
+            let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
+                let next = read_u64(txn, b"counter") + 1;
+                txn.put(b"counter", next.to_be_bytes().to_vec())?;
+                txn.put(format!("op/{i:05}").as_bytes(), next.to_be_bytes().to_vec())?;
+                Ok(Box::new(next) as OpOutput)
+            });
+            let sender = sender.clone();
+            let done: OpDone = Box::new(move |result| {
+                let _ = sender.send((i, result.map(|out| *out.downcast::<u64>().unwrap()).ok()));
+            });
+            store.submit(WriteOp { body, sync: true, done });
+        }
+        drop(sender);
+        assert!(settled.values().all(Option::is_some), "the disk was fine for the first thousand");
+        settled.extend(outcomes.iter());
+        let outcomes = settled;
+        assert_eq!(outcomes.len(), 3000, "every operation is settled");
+        let acknowledged: Vec<u64> = outcomes.values().flatten().copied().collect();
+        assert!(acknowledged.len() < 3000, "the failing disk failed some");
+        let mut numbers = acknowledged.clone();
+        numbers.sort_unstable();
+        assert_eq!(numbers, (1..=acknowledged.len() as u64).collect::<Vec<_>>(), "no number taken twice or skipped");
+        let mut snapshot = store.snapshot().unwrap();
+        for (i, outcome) in &outcomes {
+            let stored = snapshot.get(format!("op/{i:05}").as_bytes()).unwrap();
+            assert_eq!(stored.map(|v| u64::from_be_bytes(v.try_into().unwrap())), *outcome, "operation {i}");
+        }
+        assert_eq!(read_u64(&mut *snapshot, b"counter"), acknowledged.len() as u64);
+    }
 }
