@@ -22,8 +22,8 @@
 //!   delayed and active indexes are also compared in full with the model.
 //!
 //! `queue_keeps_its_guarantees` restarts cleanly (close, reopen the file).
-//! `fencing_survives_a_hard_crash` also reopens a copy of the file taken while
-//! the core runs (a kill -9): writes acknowledged before they were durable
+//! `fencing_survives_a_hard_crash` also reopens a copy of the file and its
+//! write-ahead log taken while the core runs (a kill -9): writes acknowledged before they were durable
 //! (lease, extend) may be lost, so the store may be in the state after any
 //! write since the last durable one; the workers keep the leases they got, and
 //! a lost lease must stay fenced. (The copy is taken right after the step;
@@ -721,6 +721,14 @@ impl Harness {
                 // What a kill -9 right now would leave on disk.
                 self.hard_crashes += 1;
                 let copy = self.dir.path().join(format!("crashed-{}.redb", self.hard_crashes));
+                // The write-ahead log first: a checkpoint between the two
+                // copies then only makes the log's records redundant.
+                let log = |path: &std::path::Path| {
+                    let mut name = path.as_os_str().to_owned();
+                    name.push(".wal");
+                    std::path::PathBuf::from(name)
+                };
+                std::fs::copy(log(&self.path), log(&copy)).map_err(|e| TestCaseError::fail(format!("copy the log: {e}")))?;
                 std::fs::copy(&self.path, &copy).map_err(|e| TestCaseError::fail(format!("copy the store: {e}")))?;
                 if let Some(jobs) = self.jobs.take() {
                     jobs.close();

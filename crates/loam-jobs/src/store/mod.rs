@@ -11,6 +11,7 @@ use crate::error::{JobsError, StoreError};
 use crate::kv::{KvRead, KvTxn};
 
 pub mod redb;
+mod wal;
 
 pub type OpOutput = Box<dyn Any + Send>;
 pub type OpBody = Box<dyn FnMut(&mut dyn KvTxn) -> Result<OpOutput, JobsError> + Send>;

@@ -29,11 +29,23 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
+use super::wal::Wal;
 use super::{Durability, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
 use crate::kv::{Key, KeyRange, KvRead, Layer, Overlay, PendingWrites, Value};
 
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("loam_jobs");
+/// The write-ahead log's generation (see [`super::wal`]), set by each checkpoint.
+const LOG_TABLE: TableDefinition<&str, u64> = TableDefinition::new("loam_jobs_log");
+const LOG_GENERATION: &str = "generation";
+
+/// The write-ahead log's size. A checkpoint starts it over once it is half
+/// full, or [`CHECKPOINT_INTERVAL`] after the last one.
+const LOG_CAPACITY: u64 = 16 << 20;
+/// How long the redb file may go without a durable commit while the log
+/// carries durability: bounds the replay after a crash, and how long redb
+/// keeps pages freed since the last durable commit from being reused.
+const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Most operations one batch takes; bounds the latency a large backlog adds
 /// to the first operation of a batch.
@@ -82,7 +94,8 @@ impl RedbStore {
             redb::DatabaseError::DatabaseAlreadyOpen => StoreError::Locked(path.display().to_string()),
             other => io(other),
         })?;
-        Self::start(db, options.durability)
+        let wal = recover(&db, &log_path(path))?;
+        Self::start(db, options.durability, Some(wal))
     }
 
     /// A store that lives in memory only, for tests.
@@ -90,10 +103,12 @@ impl RedbStore {
         let db = Database::builder()
             .create_with_backend(redb::backends::InMemoryBackend::new())
             .map_err(io)?;
-        Self::start(db, Durability::Immediate)
+        Self::start(db, Durability::Immediate, None)
     }
 
-    fn start(db: Database, durability: Durability) -> Result<Self, StoreError> {
+    /// Starts the threads over an open file. Without a log (a store in
+    /// memory), redb's own commits are made durable where needed.
+    fn start(db: Database, durability: Durability, wal: Option<Wal>) -> Result<Self, StoreError> {
         let txn = db.begin_write().map_err(io)?;
         txn.open_table(TABLE).map_err(io)?;
         txn.commit().map_err(io)?;
@@ -110,8 +125,16 @@ impl RedbStore {
         let (sender, receiver) = mpsc::channel();
         let (to_committer, from_executor) = mpsc::channel();
         let executor = Executor { progress: Arc::clone(&progress), to_committer, durability };
-        let committer =
-            Committer { db: Arc::clone(&db), progress: Arc::clone(&progress), durability, unflushed_since: None, last_failed: 0 };
+        let committer = Committer {
+            db: Arc::clone(&db),
+            progress: Arc::clone(&progress),
+            durability,
+            unflushed_since: None,
+            last_failed: 0,
+            wal,
+            last_checkpoint: Instant::now(),
+            broken: None,
+        };
         let threads = vec![
             std::thread::Builder::new()
                 .name("loam-jobs-writer".into())
@@ -124,6 +147,53 @@ impl RedbStore {
         ];
         Ok(Self { db: Mutex::new(Some(db)), progress, sender: Mutex::new(Some(sender)), threads: Mutex::new(threads) })
     }
+}
+
+/// The log beside the file at `path`.
+fn log_path(path: &Path) -> std::path::PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".wal");
+    name.into()
+}
+
+/// Replays what the log holds beyond the file's last durable commit (what a
+/// crash left only in the log), in one durable commit that also starts the
+/// log's next generation.
+fn recover(db: &Database, path: &Path) -> Result<Wal, StoreError> {
+    let generation = {
+        let txn = db.begin_read().map_err(io)?;
+        match txn.open_table(LOG_TABLE) {
+            Ok(table) => table.get(LOG_GENERATION).map_err(io)?.map_or(0, |g| g.value()),
+            Err(redb::TableError::TableDoesNotExist(_)) => 0,
+            Err(e) => return Err(io(e)),
+        }
+    };
+    let (mut wal, records) = Wal::open(path, generation, LOG_CAPACITY).map_err(io)?;
+    let txn = db.begin_write().map_err(io)?;
+    {
+        let mut table = txn.open_table(TABLE).map_err(io)?;
+        for writes in &records {
+            apply(&mut table, writes)?;
+        }
+        txn.open_table(LOG_TABLE).map_err(io)?.insert(LOG_GENERATION, generation + 1).map_err(io)?;
+    }
+    txn.commit().map_err(io)?;
+    wal.restart(generation + 1);
+    Ok(wal)
+}
+
+fn apply(table: &mut redb::Table<&'static [u8], &'static [u8]>, writes: &Writes) -> Result<(), StoreError> {
+    for (key, value) in writes {
+        match value {
+            Some(v) => {
+                table.insert(key.as_slice(), v.as_slice()).map_err(io)?;
+            }
+            None => {
+                table.remove(key.as_slice()).map_err(io)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Store for RedbStore {
@@ -376,6 +446,12 @@ struct Committer {
     unflushed_since: Option<Instant>,
     /// The last batch whose commit failed: a batch that read its writes fails too.
     last_failed: u64,
+    /// The write-ahead log that makes commits durable; without it, redb does.
+    wal: Option<Wal>,
+    last_checkpoint: Instant,
+    /// Why the log failed: from then on every commit fails, as redb's own do
+    /// after an I/O error, so nothing is acknowledged that may not survive.
+    broken: Option<StoreError>,
 }
 
 impl Committer {
@@ -417,38 +493,106 @@ impl Committer {
             {
                 self.flush();
             }
-        }
-        self.flush();
-    }
-
-    /// An empty durable commit makes every earlier non-durable commit durable.
-    fn flush(&mut self) {
-        if self.unflushed_since.is_none() {
-            return;
-        }
-        let result = self.db.begin_write().map_err(io).and_then(|t| t.commit().map_err(io));
-        if result.is_ok() {
-            self.unflushed_since = None;
-        }
-    }
-
-    fn write(&self, batches: &[Batch], sync: bool) -> Result<(), StoreError> {
-        let mut txn = self.db.begin_write().map_err(io)?;
-        txn.set_durability(if sync { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
-        {
-            let mut table = txn.open_table(TABLE).map_err(io)?;
-            for (key, value) in batches.iter().flat_map(|b| b.writes.iter()) {
-                match value {
-                    Some(v) => {
-                        table.insert(key.as_slice(), v.as_slice()).map_err(io)?;
-                    }
-                    None => {
-                        table.remove(key.as_slice()).map_err(io)?;
-                    }
-                }
+            if self.checkpoint_due() {
+                self.checkpoint();
             }
         }
-        txn.commit().map_err(io)
+        self.flush();
+        // Closed cleanly, the file holds everything by itself.
+        self.checkpoint();
+    }
+
+    /// Makes every commit so far durable: an fsync of the log, or without a
+    /// log an empty durable commit, which makes every earlier one durable.
+    fn flush(&mut self) {
+        if self.unflushed_since.is_none() || self.broken.is_some() {
+            return;
+        }
+        let result = match &self.wal {
+            Some(wal) => wal.sync().map_err(io),
+            None => self.db.begin_write().map_err(io).and_then(|t| t.commit().map_err(io)),
+        };
+        match result {
+            Ok(()) => self.unflushed_since = None,
+            Err(e) => self.broken = Some(e),
+        }
+    }
+
+    /// A durable redb commit, which makes every record in the log redundant:
+    /// the log starts over under the next generation.
+    fn checkpoint(&mut self) {
+        let Some(wal) = &mut self.wal else { return };
+        if self.broken.is_some() {
+            return;
+        }
+        let next = wal.generation() + 1;
+        let result = self.db.begin_write().map_err(io).and_then(|txn| {
+            txn.open_table(LOG_TABLE).map_err(io)?.insert(LOG_GENERATION, next).map_err(io)?;
+            txn.commit().map_err(io)
+        });
+        match result {
+            Ok(()) => {
+                wal.restart(next);
+                self.last_checkpoint = Instant::now();
+                self.unflushed_since = None;
+            }
+            Err(e) => self.broken = Some(e),
+        }
+    }
+
+    fn checkpoint_due(&self) -> bool {
+        self.wal.as_ref().is_some_and(|wal| {
+            !wal.is_empty() && (wal.half_full() || self.last_checkpoint.elapsed() >= CHECKPOINT_INTERVAL)
+        })
+    }
+
+    /// Writes `batches` in one redb transaction. With a log, the commit is not
+    /// fsynced: the batches' record in the log is, when `sync` asks for it.
+    /// A group too large for what is left of the log is committed durably
+    /// instead, as a checkpoint.
+    fn write(&mut self, batches: &[Batch], sync: bool) -> Result<(), StoreError> {
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
+        }
+        let record = self.wal.as_ref().map(|_| Wal::encode(batches.iter().map(|b| b.writes.as_ref())));
+        let logged = matches!((&self.wal, &record), (Some(wal), Some(r)) if wal.fits(r));
+        let durable = match &self.wal {
+            Some(_) => !logged,
+            None => sync,
+        };
+        let mut txn = self.db.begin_write().map_err(io)?;
+        txn.set_durability(if durable { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
+        {
+            let mut table = txn.open_table(TABLE).map_err(io)?;
+            for batch in batches {
+                apply(&mut table, &batch.writes)?;
+            }
+            if let Some(wal) = &self.wal
+                && !logged
+            {
+                txn.open_table(LOG_TABLE).map_err(io)?.insert(LOG_GENERATION, wal.generation() + 1).map_err(io)?;
+            }
+        }
+        txn.commit().map_err(io)?;
+        let Some(wal) = &mut self.wal else { return Ok(()) };
+        if !logged {
+            wal.restart(wal.generation() + 1);
+            self.last_checkpoint = Instant::now();
+            self.unflushed_since = None;
+            return Ok(());
+        }
+        // In redb but not yet in the log: a failure from here on must stop
+        // every later commit, or an operation reported failed could be read.
+        let logged = match record {
+            Some(record) => wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }),
+            None => Ok(()),
+        };
+        if let Err(e) = logged {
+            let e = io(e);
+            self.broken = Some(e.clone());
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// Commits `batches` (in order) in one transaction, except those that read
@@ -571,9 +715,23 @@ mod tests {
     /// lost, and every one acknowledged is in the store.
     #[test]
     fn failed_commit_fails_what_ran_on_it_and_keeps_what_was_acknowledged() {
+        failing_disk_keeps_what_was_acknowledged(false);
+    }
+
+    /// The same, with the log making commits durable: redb's own writes fail
+    /// at the next checkpoint.
+    #[test]
+    fn failed_checkpoint_keeps_what_was_acknowledged() {
+        failing_disk_keeps_what_was_acknowledged(true);
+    }
+
+    fn failing_disk_keeps_what_was_acknowledged(logged: bool) {
         let failing = Arc::new(AtomicBool::new(false));
         let disk = FailingDisk { memory: InMemoryBackend::new(), failing: Arc::clone(&failing) };
-        let store = RedbStore::start(Database::builder().create_with_backend(disk).unwrap(), Durability::Immediate).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let wal = logged.then(|| Wal::open(&dir.path().join("log"), 1, LOG_CAPACITY).unwrap().0);
+        let db = Database::builder().create_with_backend(disk).unwrap();
+        let store = RedbStore::start(db, Durability::Immediate, wal).unwrap();
         let (sender, outcomes) = mpsc::channel();
         let mut settled = BTreeMap::new();
         for i in 0u64..3000 {
@@ -614,5 +772,52 @@ mod tests {
             assert_eq!(stored.map(|v| u64::from_be_bytes(v.try_into().unwrap())), *outcome, "operation {i}");
         }
         assert_eq!(read_u64(&mut *snapshot, b"counter"), acknowledged.len() as u64);
+    }
+}
+
+#[cfg(test)]
+mod log_tests {
+    use super::*;
+    use crate::kv::KvTxn;
+
+    fn put(store: &RedbStore, key: &'static str) {
+        let (sender, receiver) = mpsc::channel();
+        let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
+            txn.put(key.as_bytes(), b"v".to_vec())?;
+            Ok(Box::new(()) as OpOutput)
+        });
+        let done: OpDone = Box::new(move |result| {
+            let _ = sender.send(result.is_ok());
+        });
+        store.submit(WriteOp { body, sync: true, done });
+        assert!(receiver.recv().unwrap(), "the write of {key} is acknowledged");
+    }
+
+    /// What a kill -9 leaves: the file and its log as they are on disk while
+    /// the store runs. Every acknowledged write is there after reopening.
+    #[test]
+    fn acknowledged_writes_are_replayed_from_the_log_after_a_kill() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("jobs.redb");
+        let store = RedbStore::open(&path, RedbOptions::default()).unwrap();
+        for key in ["a", "b", "c"] {
+            put(&store, key);
+        }
+        let copy = dir.path().join("killed.redb");
+        std::fs::copy(log_path(&path), log_path(&copy)).unwrap();
+        std::fs::copy(&path, &copy).unwrap();
+        let bare = dir.path().join("bare.redb");
+        std::fs::copy(&path, &bare).unwrap();
+        drop(store);
+        let reopened = RedbStore::open(&copy, RedbOptions::default()).unwrap();
+        let mut snapshot = reopened.snapshot().unwrap();
+        for key in ["a", "b", "c"] {
+            assert_eq!(snapshot.get(key.as_bytes()).unwrap(), Some(b"v".to_vec()), "{key}");
+        }
+        // The file alone lacks them (its commits were not fsynced): the log
+        // is what kept them.
+        let bare = RedbStore::open(&bare, RedbOptions::default()).unwrap();
+        let mut snapshot = bare.snapshot().unwrap();
+        assert!(["a", "b", "c"].iter().any(|k| snapshot.get(k.as_bytes()).unwrap().is_none()));
     }
 }
