@@ -15,6 +15,7 @@ pub mod listen;
 pub mod metrics;
 pub mod schedules;
 pub mod service;
+pub mod session;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
+use connectrpc::{ConnectError, InboundStream, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
 use loam_jobs::ops::{admin, complete, lease, query, results, schedule};
 use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, Outcome, QueueId};
 use loam_jobs_proto::loam::jobs::v1 as pb;
@@ -63,6 +63,7 @@ struct Caller {
     jobs: Jobs,
 }
 
+#[derive(Clone)]
 pub struct JobsSvc {
     jobs: Jobs,
     auth: crate::auth::Auth,
@@ -70,7 +71,7 @@ pub struct JobsSvc {
     /// Fired at shutdown: ends long-polls, event waits and watches.
     shutdown: Interrupt,
     schedules: Arc<schedules::Index>,
-    workers: Mutex<HashMap<(String, String), HashMap<String, Instant>>>,
+    workers: Arc<Mutex<HashMap<(String, String), HashMap<String, Instant>>>>,
     /// With --follow-client-clock: the core's clock, moved by `loam-now-ms`.
     following: Option<Arc<loam_jobs::FollowingClock>>,
 }
@@ -83,7 +84,7 @@ impl JobsSvc {
         shutdown: Interrupt,
         schedules: Arc<schedules::Index>,
     ) -> Self {
-        Self { jobs, auth, metrics, shutdown, schedules, workers: Mutex::new(HashMap::new()), following: None }
+        Self { jobs, auth, metrics, shutdown, schedules, workers: Arc::default(), following: None }
     }
 
     pub fn following(self, following: Option<Arc<loam_jobs::FollowingClock>>) -> Self {
@@ -115,6 +116,10 @@ impl JobsSvc {
         method: &'static str,
         call: impl Future<Output = Result<T, ConnectError>>,
     ) -> ServiceResult<T> {
+        self.timed(method, call).await.map(Response::new)
+    }
+
+    async fn timed<T>(&self, method: &'static str, call: impl Future<Output = Result<T, ConnectError>>) -> Result<T, ConnectError> {
         let started = Instant::now();
         let result = call.await;
         let code = match &result {
@@ -125,7 +130,7 @@ impl JobsSvc {
         if let Err(e) = &result {
             tracing::debug!(method, code, message = e.message.as_deref().unwrap_or(""), "call refused");
         }
-        result.map(Response::new)
+        result
     }
 
     fn count_fenced(&self, ns: &str, queue: &str, e: &JobsError) {
@@ -814,6 +819,49 @@ impl WatchState {
     }
 }
 
+impl JobsSvc {
+    /// One call of a Session: the unary RPC its request names, with its
+    /// answer in the session's oneof. Counted by method like a single call.
+    pub(crate) async fn dispatch(
+        &self,
+        ctx: RequestContext,
+        call: oneof::session_request::Call,
+    ) -> Result<oneof::session_response::Result, ConnectError> {
+        use oneof::session_request::Call as C;
+        use oneof::session_response::Result as R;
+        Ok(match call {
+            C::Enqueue(r) => R::from(self.timed("Enqueue", self.do_enqueue(ctx, *r)).await?),
+            C::EnqueueBulk(r) => R::from(self.timed("EnqueueBulk", self.do_enqueue_bulk(ctx, *r)).await?),
+            C::Lease(r) => R::from(self.timed("Lease", self.do_lease(ctx, *r)).await?),
+            C::Extend(r) => R::from(self.timed("Extend", self.do_extend(ctx, *r)).await?),
+            C::Complete(r) => R::from(self.timed("Complete", self.do_complete(ctx, *r)).await?),
+            C::Report(r) => R::from(self.timed("Report", self.do_report(ctx, *r)).await?),
+            C::Schedule(r) => R::from(self.timed("Schedule", self.do_schedule(ctx, *r)).await?),
+            C::Unschedule(r) => R::from(self.timed("Unschedule", self.do_unschedule(ctx, *r)).await?),
+            C::Flow(r) => R::from(self.timed("Flow", self.do_flow(ctx, *r)).await?),
+            C::QueueAdmin(r) => R::from(self.timed("QueueAdmin", self.do_queue_admin(ctx, *r)).await?),
+            C::JobAdmin(r) => R::from(self.timed("JobAdmin", self.do_job_admin(ctx, *r)).await?),
+            C::Query(r) => R::from(self.timed("Query", self.do_query(ctx, *r)).await?),
+            C::ResultGet(r) => R::from(self.timed("ResultGet", self.do_result_get(ctx, *r)).await?),
+            C::ResultMGet(r) => R::from(self.timed("ResultMGet", self.do_result_mget(ctx, *r)).await?),
+            C::ResultSet(r) => R::from(self.timed("ResultSet", self.do_result_set(ctx, *r)).await?),
+            C::ResultDelete(r) => R::from(self.timed("ResultDelete", self.do_result_delete(ctx, *r)).await?),
+            C::ResultIncr(r) => R::from(self.timed("ResultIncr", self.do_result_incr(ctx, *r)).await?),
+            C::ResultExpire(r) => R::from(self.timed("ResultExpire", self.do_result_expire(ctx, *r)).await?),
+            C::Cancel(_) => return Err(invalid("a cancel is not a call")),
+        })
+    }
+
+    /// The namespace of a session, checked once when it opens.
+    pub(crate) fn authorize(&self, ctx: &RequestContext) -> Result<(), ConnectError> {
+        self.caller(ctx).map(|_| ())
+    }
+
+    pub(crate) fn shutdown(&self) -> &Interrupt {
+        &self.shutdown
+    }
+}
+
 #[allow(refining_impl_trait, reason = "each call returns its concrete response message")]
 impl pb::JobsService for JobsSvc {
     async fn enqueue(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::EnqueueRequest>) -> ServiceResult<pb::EnqueueResponse> {
@@ -961,6 +1009,14 @@ impl pb::JobsService for JobsSvc {
     ) -> ServiceResult<ServiceStream<pb::WatchResponse>> {
         let r = r.to_owned_message();
         self.observe("Watch", self.do_watch(ctx, r)).await
+    }
+
+    async fn session(
+        &self,
+        ctx: RequestContext,
+        requests: InboundStream<pb::SessionRequest>,
+    ) -> ServiceResult<ServiceStream<pb::SessionResponse>> {
+        self.observe("Session", crate::session::open(self.clone(), ctx, requests)).await
     }
 }
 

@@ -48,6 +48,19 @@ impl Interrupt {
     pub fn is_fired(&self) -> bool {
         self.fired.load(Ordering::SeqCst)
     }
+    /// Resolves once the interrupt is fired.
+    pub async fn fired(&self) {
+        loop {
+            if self.is_fired() {
+                return;
+            }
+            let listener = self.signal.listen();
+            if self.is_fired() {
+                return;
+            }
+            listener.await;
+        }
+    }
 }
 
 struct Timers {

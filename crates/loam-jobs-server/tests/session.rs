@@ -1,0 +1,79 @@
+//! `Session`: many calls on one HTTP/2 stream, answered by id in any order.
+
+// A failed unwrap is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use connectrpc::client::{ClientConfig, HttpClient};
+use pb::__buffa::oneof::{session_request::Call, session_response::Result as Answer};
+use support::*;
+
+fn request(id: u64, call: impl Into<Call>) -> pb::SessionRequest {
+    pb::SessionRequest { id, call: Some(call.into()), ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_on_one_stream_are_answered_by_id_and_a_wait_can_be_cancelled() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let client = pb::JobsServiceClient::new(HttpClient::plaintext_http2_only(), ClientConfig::new(server.url().parse().unwrap()));
+    let mut session = client.session().await.unwrap();
+
+    // A long poll on an empty queue first: the calls after it do not wait for it.
+    session.send(request(1, lease_req("idle", 1, 20_000, 0))).await.unwrap();
+    for i in 0..20u64 {
+        session.send(request(10 + i, enqueue_req("mail", job("send", b"{}")))).await.unwrap();
+    }
+    // A bad call answers with the error a single call would end with.
+    session.send(request(2, enqueue_req("", job("send", b"{}")))).await.unwrap();
+    let started = Instant::now();
+    let mut answers = HashMap::new();
+    while answers.len() < 21 {
+        let answer = session.message().await.unwrap().unwrap().to_owned_message();
+        answers.insert(answer.id, answer.result.unwrap());
+    }
+    assert!(started.elapsed() < Duration::from_secs(5), "the long poll held the others up");
+    for i in 0..20u64 {
+        assert!(matches!(answers.get(&(10 + i)), Some(Answer::Enqueue(e)) if e.enqueued.as_option().is_some_and(|e| e.created)));
+    }
+    match answers.get(&2) {
+        Some(Answer::Error(e)) => {
+            assert_eq!(e.code, "invalid_argument");
+            assert!(e.detail.as_option().is_some_and(|d| !d.reason.is_empty()), "the error's detail comes along: {e:?}");
+        }
+        other => panic!("expected an error, got {other:?}"),
+    }
+    // Cancelling the long poll answers it at once.
+    session.send(request(1, pb::SessionCancel::default())).await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(5), session.message()).await.unwrap().unwrap().unwrap().to_owned_message();
+    assert_eq!(answer.id, 1);
+    assert!(matches!(answer.result, Some(Answer::Error(e)) if e.code == "canceled"));
+
+    // A lease at the caller's clock, and the jobs are there for it.
+    let leased = pb::SessionRequest { now_ms: 1_700_000_000_000, ..request(3, lease_req("mail", 20, 0, 0)) };
+    session.send(leased).await.unwrap();
+    let answer = session.message().await.unwrap().unwrap().to_owned_message();
+    assert_eq!(answer.id, 3);
+    match answer.result {
+        Some(Answer::Lease(l)) => assert_eq!(l.leased.as_option().unwrap().leases.len(), 20),
+        other => panic!("expected leases, got {other:?}"),
+    }
+    // Closing our side ends the stream once everything is answered.
+    session.close_send();
+    assert!(session.message().await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_needs_a_token_like_any_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[("LOAM_JOBS_TOKENS", "team-a-token-0123456789=a")]);
+    let client = pb::JobsServiceClient::new(HttpClient::plaintext_http2_only(), ClientConfig::new(server.url().parse().unwrap()));
+    let mut session = client.session().await.unwrap();
+    session.send(request(1, enqueue_req("mail", job("send", b"{}")))).await.unwrap();
+    let e = session.message().await.err().expect("refused");
+    assert_eq!(e.code, connectrpc::ErrorCode::Unauthenticated);
+}
