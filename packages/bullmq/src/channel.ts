@@ -14,6 +14,7 @@ import { Code, ConnectError, createClient, type CallOptions, type Client } from 
 import { createConnectTransport, Http2SessionManager } from '@connectrpc/connect-node';
 import { ErrorDetailSchema, JobsService } from './gen/loam/jobs/v1/jobs_pb.js';
 import { fromServer, type BullmqCommand } from './errors.js';
+import { Session } from './session.js';
 
 export type JobsClient = Client<typeof JobsService>;
 
@@ -29,6 +30,12 @@ export interface RemoteSettings {
   maxStreamsPerConnection?: number;
   /** HTTP/2 connections to open at most (default 4). */
   maxConnections?: number;
+  /**
+   * `session` (the default): every call is a message on one `Session` stream.
+   * `unary`: one HTTP/2 stream per call, for proxies that carry no
+   * bidirectional streams.
+   */
+  calls?: 'session' | 'unary';
 }
 
 /** A call the caller itself cut short (disconnectBlocking, close). */
@@ -59,12 +66,24 @@ export class RemoteChannel {
   private users = 0;
   /** Ordered writes of every backend on this channel not answered yet (see `track`). */
   private readonly pendingWrites = new Set<Promise<void>>();
+  /** With `calls: 'session'`: the stream every call goes on, and a client whose methods use it. */
+  private readonly session?: Session;
+  private readonly sessionClient?: JobsClient;
 
   constructor(readonly settings: RemoteSettings) {
     this.maxStreams = Math.max(1, settings.maxStreamsPerConnection ?? DEFAULT_STREAMS);
     this.maxConnections = Math.max(1, settings.maxConnections ?? DEFAULT_CONNECTIONS);
     if (settings.token) this.fixedHeaders.authorization = `Bearer ${settings.token}`;
     if (settings.namespace) this.fixedHeaders['loam-namespace'] = settings.namespace;
+    if ((settings.calls ?? 'session') === 'session') {
+      const session = new Session(settings.url, this.fixedHeaders);
+      this.session = session;
+      // The same methods as a Connect client's, each a message on the session.
+      this.sessionClient = new Proxy({} as JobsClient, {
+        get: (_, method: string) => (request: never, options?: CallOptions) =>
+          session.call(method as never, request, Date.now(), options?.signal),
+      });
+    }
   }
 
   /** A backend starts using the channel. */
@@ -117,6 +136,16 @@ export class RemoteChannel {
     signal?: AbortSignal,
   ): Promise<T> {
     if (signal?.aborted) throw new CallAborted();
+    if (this.sessionClient) {
+      try {
+        return await rpc(this.sessionClient, { signal });
+      } catch (err) {
+        if (signal?.aborted) throw new CallAborted();
+        throw toBullmqError(err, command);
+      } finally {
+        this.closeIfUnused();
+      }
+    }
     const connection = await this.acquire();
     try {
       const headers = { ...this.fixedHeaders, 'loam-now-ms': String(Date.now()) };
@@ -168,6 +197,8 @@ export class RemoteChannel {
   /** Closes the connections when no backend uses them and no call is in flight (a later call reopens one). */
   private closeIfUnused(): void {
     if (this.users > 0 || this.waiting.length > 0 || this.connections.some(c => c.inFlight > 0)) return;
+    if (this.session?.busy) return;
+    this.session?.close();
     for (const c of this.connections.splice(0)) c.session.abort();
   }
 }
