@@ -4,7 +4,7 @@
 //   node examples/producer.mjs
 import { Queue } from '@loam/bullmq';
 
-const queue = new Queue('emails', { connection: {} });
+const queue = new Queue('emails');
 for (const to of ['ada@example.com', 'grace@example.com', 'edsger@example.com']) {
   const job = await queue.add('send', { to, subject: 'hello' }, { attempts: 3, backoff: { type: 'exponential', delay: 500 } });
   console.log(`added job ${job.id} for ${to}`);

@@ -12,7 +12,7 @@ const worker = new Worker(
     await job.log(`sending to ${job.data.to}`);
     return { sent: true, to: job.data.to };
   },
-  { connection: {}, concurrency: 10 },
+  { concurrency: 10 },
 );
 worker.on('completed', (job, result) => console.log(`job ${job.id} done:`, result));
 worker.on('failed', (job, err) => console.log(`job ${job?.id} failed: ${err.message}`));

@@ -8,7 +8,7 @@ use loam_jobs::{FenceFailure, JobsError, Missing, Precondition};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 
 /// Full name of the detail message, as Connect carries it.
-const DETAIL_TYPE: &str = "loam.jobs.v1.ErrorDetail";
+pub(crate) const DETAIL_TYPE: &str = "loam.jobs.v1.ErrorDetail";
 
 /// Failures of the server itself, before or after serving.
 #[derive(Debug, thiserror::Error)]

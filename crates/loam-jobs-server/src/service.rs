@@ -27,7 +27,7 @@ const MAX_EVENTS_PER_READ: usize = 10_000;
 /// How long a worker name stays listed after it was last seen.
 const WORKER_TTL: Duration = Duration::from_secs(300);
 /// Header that runs an operation at the caller's time (BullMQ's tests fake it).
-const NOW_HEADER: &str = "loam-now-ms";
+pub(crate) const NOW_HEADER: &str = "loam-now-ms";
 
 /// Every queue of every namespace.
 pub fn all_queues(jobs: &Jobs) -> Result<Vec<QueueId>, JobsError> {

@@ -18,11 +18,8 @@ use pb::__buffa::oneof;
 use tokio::sync::mpsc;
 use futures::future::AbortHandle;
 
-use crate::errors::invalid;
-use crate::service::JobsSvc;
-
-const NOW_HEADER: &str = "loam-now-ms";
-const DETAIL_TYPE: &str = "loam.jobs.v1.ErrorDetail";
+use crate::errors::{DETAIL_TYPE, invalid};
+use crate::service::{JobsSvc, NOW_HEADER};
 
 type Answers = mpsc::UnboundedSender<Result<pb::SessionResponse, ConnectError>>;
 

@@ -30,7 +30,7 @@ import type {
   RetryOptions,
   StreamReadRaw,
 } from 'bullmq';
-import { LoamQueue } from '../native/index.js';
+import type { LoamQueue } from '../native/index.js';
 import {
   clientListText,
   dependenciesPage,

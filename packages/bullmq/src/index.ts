@@ -20,11 +20,28 @@
  */
 import * as path from 'node:path';
 import { withBackend, type BackendFactory, type QueueBaseOptions } from 'bullmq';
-import { LoamQueue } from '../native/index.js';
 import { backendOptionsJson, LoamQueueBackend, type FactoryOptions, type LoamBackendSettings } from './backend.js';
 import { RemoteChannel, type RemoteSettings } from './channel.js';
 import { callSync } from './errors.js';
 import { RemoteQueueBackend, workerSettings } from './remote.js';
+
+/**
+ * The native addon. A platform without it can still use the package over a
+ * server (`loamBackend({ url })`); only the in-process backend needs it.
+ */
+const addon: typeof import('../native/index.js') | Error = await import('../native/index.js').catch((err: unknown) =>
+  err instanceof Error ? err : new Error(String(err)),
+);
+
+function nativeAddon(): typeof import('../native/index.js') {
+  if (addon instanceof Error) {
+    throw new Error(
+      `@loam/bullmq: the native addon did not load (${addon.message}). The in-process backend needs it; ` +
+        'loamBackend({ url }) with a loam-jobs serve does not.',
+    );
+  }
+  return addon;
+}
 
 export { LoamQueueBackend } from './backend.js';
 export type { LoamBackendSettings } from './backend.js';
@@ -67,6 +84,7 @@ function embeddedBackend(settings: Partial<LoamBackendSettings>): BackendFactory
       dataDir: connection.dataDir ? path.resolve(connection.dataDir) : base.dataDir,
     };
     const factoryOpts = opts as FactoryOptions;
+    const { LoamQueue } = nativeAddon();
     const native = callSync(() => LoamQueue.open(backendOptionsJson(resolved, name, factoryOpts)));
     return new LoamQueueBackend(native, name, factoryOpts.prefix ?? 'bull', true, {
       blocking: options.blocking,
@@ -112,9 +130,18 @@ function isSettings(value: unknown): value is LoamConnectionOptions {
 
 const bound = withBackend(loamBackend());
 
-/** BullMQ's classes, bound to `loamBackend()` with the default data dir. */
+/**
+ * BullMQ's classes, bound to `loamBackend()` with the default data dir. A
+ * Worker, which BullMQ refuses to make without a `connection`, needs none
+ * here: the backend is the connection.
+ */
 export const Queue = bound.Queue;
-export const Worker = bound.Worker;
+export const Worker = new Proxy(bound.Worker, {
+  construct(target, [name, processor, opts, ...rest]: unknown[], newTarget) {
+    const withConnection = { connection: {}, ...(opts as object | undefined) };
+    return Reflect.construct(target, [name, processor, withConnection, ...rest], newTarget);
+  },
+});
 export const QueueEvents = bound.QueueEvents;
 export const QueueEventsProducer = bound.QueueEventsProducer;
 export const FlowProducer = bound.FlowProducer;

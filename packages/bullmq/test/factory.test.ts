@@ -38,4 +38,22 @@ describeInProcess('factory entry points', () => {
     await a.close();
     await b.close();
   });
+
+  it('a bound Worker needs no connection option, and can be subclassed', async () => {
+    const { Queue: LoamQueue, Worker: LoamWorker } = await import('../src/index.js');
+    class Doubler extends LoamWorker {
+      describe(): string {
+        return `doubler of ${this.name}`;
+      }
+    }
+    const queue = new LoamQueue('no-connection');
+    const worker = new Doubler('no-connection', async job => job.data.n * 2);
+    expect(worker).toBeInstanceOf(LoamWorker);
+    expect(worker.describe()).toBe('doubler of no-connection');
+    const done = new Promise(resolve => worker.on('completed', (_job, value) => resolve(value)));
+    await queue.add('double', { n: 21 });
+    expect(await done).toBe(42);
+    await worker.close();
+    await queue.close();
+  });
 });

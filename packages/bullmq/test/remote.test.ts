@@ -90,9 +90,9 @@ describeRemote('remote backend', () => {
     await queue.close();
   });
 
-  it('disconnectBlocking and close cut a long-poll short', async () => {
+  it.each(['session', 'unary'] as const)('disconnectBlocking and close cut a long-poll short (calls: %s)', async calls => {
     const url = inject('loamServerUrl');
-    const factory = loamBackend({ url, namespace: `t-${randomUUID()}` });
+    const factory = loamBackend({ url, namespace: `t-${randomUUID()}`, calls });
     const backend = factory('idle', {}, { withBlockingConnection: true });
     await backend.waitUntilReady();
     let started = Date.now();
@@ -114,9 +114,12 @@ describeRemote('remote backend', () => {
     await backend.close();
   });
 
-  it('a worker at concurrency 300 stays within the per-connection stream limit', async () => {
+  // On a session, 300 calls in flight on one stream; one stream per call, within the per-connection limit.
+  it.each(['session', 'unary'] as const)('a worker at concurrency 300 works (calls: %s)', async calls => {
     const url = inject('loamServerUrl');
-    const { Queue: RemoteQueue, Worker: RemoteWorker } = withBackend(loamBackend({ url, namespace: `t-${randomUUID()}` }));
+    const { Queue: RemoteQueue, Worker: RemoteWorker } = withBackend(
+      loamBackend({ url, namespace: `t-${randomUUID()}`, calls }),
+    );
     const name = `q-${randomUUID()}`;
     const queue = new RemoteQueue(name, { connection: {} });
     await queue.addBulk(Array.from({ length: 600 }, (_, i) => ({ name: 'n', data: { i } })));
