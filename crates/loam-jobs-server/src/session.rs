@@ -1,6 +1,7 @@
-//! `Session`: many calls on one stream. Each request is run at once, beside
-//! the others (a 30 s Lease must not hold up a Complete), and its answer goes
-//! out when it is done, with the request's id.
+//! `Session`: many calls on one stream. Each request is started at once, in
+//! the order the requests came, and runs beside the others (a 30 s Lease must
+//! not hold up a Complete); its answer goes out when it is done, with the
+//! request's id.
 //!
 //! The stream ends when the client has closed its side and every call it made
 //! is answered, or at shutdown once the calls in flight are answered (their
@@ -8,11 +9,11 @@
 //! calls it left in flight are stopped.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 
 use base64::Engine;
 use connectrpc::{ConnectError, InboundStream, RequestContext, ServiceStream};
-use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 use tokio::sync::mpsc;
@@ -32,69 +33,70 @@ pub async fn open(
 ) -> Result<ServiceStream<pb::SessionResponse>, ConnectError> {
     svc.authorize(&ctx)?;
     let (answers, out) = mpsc::unbounded_channel();
-    tokio::spawn(read(svc, ctx, requests, answers));
+    tokio::spawn(async move { read(svc, ctx, requests, answers).await });
     Ok(Box::pin(futures::stream::unfold(out, |mut out| async move { out.recv().await.map(|a| (a, out)) })))
 }
 
 async fn read(svc: JobsSvc, ctx: RequestContext, mut requests: InboundStream<pb::SessionRequest>, answers: Answers) {
-    let in_flight: Arc<Mutex<HashMap<u64, AbortHandle>>> = Arc::default();
-    loop {
-        let next = tokio::select! {
-            next = requests.next() => next,
-            () = answers.closed() => {
-                // The client is gone: nobody waits for what it left running.
-                for (_, call) in in_flight.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default() {
-                    call.abort();
-                }
-                return;
-            }
-            () = svc.shutdown().fired() => return,
-        };
-        let request = match next {
-            None => return,
-            Some(Err(e)) => {
-                let _ = answers.send(Err(e));
-                return;
-            }
-            Some(Ok(message)) => message.to_owned_message(),
-        };
-        let id = request.id;
-        match request.call {
-            None => answer(&answers, id, Err(invalid("a session request names no call"))),
-            Some(oneof::session_request::Call::Cancel(_)) => {
-                let call = in_flight.lock().ok().and_then(|mut m| m.remove(&id));
-                if let Some(call) = call {
-                    call.abort();
-                    answer(&answers, id, Err(ConnectError::canceled("the call was canceled")));
+    // Every call runs on this task. A call's first poll hands its operation to
+    // the core, and FuturesUnordered polls new futures in the order they were
+    // pushed, so the core applies the calls of a session in the order they
+    // were sent, as Redis does the commands of one connection; answers then
+    // go out as the calls finish.
+    let mut calls = FuturesUnordered::new();
+    let mut stops: HashMap<u64, AbortHandle> = HashMap::new();
+    let mut reading = true;
+    while reading || !calls.is_empty() {
+        tokio::select! {
+            biased;
+            // The client is gone: dropping the calls stops them.
+            () = answers.closed() => return,
+            Some((id, result)) = calls.next(), if !calls.is_empty() => {
+                // A cancelled call was answered when it was cancelled.
+                if let Ok(result) = result
+                    && stops.remove(&id).is_some()
+                {
+                    answer(&answers, id, result);
                 }
             }
-            Some(call) => {
-                let ctx = at_time(&ctx, request.now_ms);
-                let (svc, answers, registry) = (svc.clone(), answers.clone(), Arc::clone(&in_flight));
-                let (call, stop) = futures::future::abortable(async move {
-                    let result = svc.dispatch(ctx, call).await;
-                    // Removed by a cancel, the call was answered already.
-                    let cancelled = registry.lock().map(|mut m| m.remove(&id).is_none()).unwrap_or(false);
-                    if !cancelled {
-                        answer(&answers, id, result);
+            next = requests.next(), if reading => match next {
+                None => reading = false,
+                Some(Err(e)) => {
+                    let _ = answers.send(Err(e));
+                    return;
+                }
+                Some(Ok(message)) => {
+                    let request = message.to_owned_message();
+                    let id = request.id;
+                    match request.call {
+                        None => answer(&answers, id, Err(invalid("a session request names no call"))),
+                        Some(oneof::session_request::Call::Cancel(_)) => {
+                            if let Some(stop) = stops.remove(&id) {
+                                stop.abort();
+                                answer(&answers, id, Err(ConnectError::canceled("the call was canceled")));
+                            }
+                        }
+                        Some(call) => {
+                            let (run, stop) = futures::future::abortable(svc.dispatch(at_time(&ctx, request.now_ms), call));
+                            stops.insert(id, stop);
+                            calls.push(run.map(move |result| (id, result)));
+                        }
                     }
-                });
-                if let Ok(mut m) = in_flight.lock() {
-                    m.insert(id, stop);
                 }
-                tokio::spawn(call);
-            }
+            },
+            // At shutdown, no new calls; the waits of those in flight end.
+            () = svc.shutdown().fired(), if reading => reading = false,
         }
     }
 }
 
 /// The session's context for one call: its own clock, as a single call's
 /// `loam-now-ms` header would give it.
-fn at_time(ctx: &RequestContext, now_ms: i64) -> RequestContext {
+fn at_time(ctx: &RequestContext, now_ms: Option<i64>) -> RequestContext {
     let mut ctx = ctx.clone();
     let headers = ctx.headers_mut();
     headers.remove(NOW_HEADER);
-    if now_ms > 0
+    if let Some(now_ms) = now_ms
         && let Ok(value) = http::HeaderValue::from_str(&now_ms.to_string())
     {
         headers.insert(NOW_HEADER, value);

@@ -54,7 +54,7 @@ async fn calls_on_one_stream_are_answered_by_id_and_a_wait_can_be_cancelled() {
     assert!(matches!(answer.result, Some(Answer::Error(e)) if e.code == "canceled"));
 
     // A lease at the caller's clock, and the jobs are there for it.
-    let leased = pb::SessionRequest { now_ms: 1_700_000_000_000, ..request(3, lease_req("mail", 20, 0, 0)) };
+    let leased = pb::SessionRequest { now_ms: Some(1_700_000_000_000), ..request(3, lease_req("mail", 20, 0, 0)) };
     session.send(leased).await.unwrap();
     let answer = session.message().await.unwrap().unwrap().to_owned_message();
     assert_eq!(answer.id, 3);
@@ -76,4 +76,33 @@ async fn a_session_needs_a_token_like_any_call() {
     session.send(request(1, enqueue_req("mail", job("send", b"{}")))).await.unwrap();
     let e = session.message().await.err().expect("refused");
     assert_eq!(e.code, connectrpc::ErrorCode::Unauthenticated);
+}
+
+/// The core applies a session's calls in the order they were sent, as Redis
+/// does the commands of one connection: jobs added in one burst get their
+/// ids in that order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_apply_in_the_order_they_were_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let client = pb::JobsServiceClient::new(HttpClient::plaintext_http2_only(), ClientConfig::new(server.url().parse().unwrap()));
+    let mut session = client.session().await.unwrap();
+    for round in 0..5u64 {
+        for i in 0..200u64 {
+            session.send(request(round * 1000 + i, enqueue_req("ordered", job("n", b"{}")))).await.unwrap();
+        }
+        let mut ids = Vec::new();
+        while ids.len() < 200 {
+            let answer = session.message().await.unwrap().unwrap().to_owned_message();
+            match answer.result {
+                Some(Answer::Enqueue(e)) => ids.push((answer.id, e.enqueued.into_option().unwrap().id.parse::<u64>().unwrap())),
+                other => panic!("expected an enqueue, got {other:?}"),
+            }
+        }
+        ids.sort_unstable();
+        let job_ids: Vec<u64> = ids.iter().map(|(_, job)| *job).collect();
+        let mut sorted = job_ids.clone();
+        sorted.sort_unstable();
+        assert_eq!(job_ids, sorted, "round {round}: job ids follow the order the calls were sent");
+    }
 }

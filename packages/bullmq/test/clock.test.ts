@@ -29,4 +29,19 @@ describe("the core's clock", () => {
     vi.useRealTimers();
     await queue.close();
   });
+
+  // A test's fake clock may stand at the epoch: 0 is a time too, in process
+  // and over a session alike.
+  it("runs a call at the caller's time, even at the epoch", async () => {
+    const queue = new loam.Queue(loam.queueName(), { connection: {} });
+    await queue.waitUntilReady();
+    vi.useFakeTimers({ toFake: ['Date'] });
+    vi.setSystemTime(0);
+    const job = await queue.add('at-the-epoch', {});
+    const [claimed] = await queue.getBackend().moveToActive('token');
+    vi.useRealTimers();
+    expect(claimed.id).toBe(job.id);
+    expect(claimed.processedOn).toBeLessThan(1_000);
+    await queue.close();
+  });
 });
