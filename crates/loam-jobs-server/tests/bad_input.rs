@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use connectrpc::ErrorCode;
 use support::*;
 
-const METHODS: [&str; 19] = [
+const METHODS: [&str; 20] = [
     "Enqueue", "EnqueueBulk", "Lease", "Extend", "Complete", "Report", "Schedule", "Unschedule", "Flow",
     "QueueAdmin", "JobAdmin", "Query", "ResultGet", "ResultMGet", "ResultSet", "ResultDelete", "ResultIncr",
-    "ResultExpire", "Watch",
+    "ResultExpire", "Watch", "Session",
 ];
 
 /// Opens a watch and reads its first message: a refused watch fails there
@@ -186,7 +186,7 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
         let path = format!("/loam.jobs.v1.JobsService/{m}");
         let (status, body) = server.http("POST", &path, "application/json", b"{not json").unwrap();
         let text = String::from_utf8_lossy(&body);
-        if m == "Watch" {
+        if m == "Watch" || m == "Session" {
             // Streams are refused for unary content types.
             assert!(status >= 400, "{m}: {status} {text}");
         } else {
@@ -198,6 +198,12 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     }
     let (status, _) = server.http("POST", "/loam.jobs.v1.JobsService/Nope", "application/json", b"{}").unwrap();
     assert_eq!(status, 404);
+    // A session whose message is garbage ends with an error, not a crash.
+    let garbage = [0u8, 0, 0, 0, 5, 0xff, 0xff, 0xff, 0x0f, 0x01];
+    let (status, body) =
+        server.http("POST", "/loam.jobs.v1.JobsService/Session", "application/connect+proto", &garbage).unwrap();
+    let text = String::from_utf8_lossy(&body);
+    assert!(status >= 400 || text.contains("invalid_argument"), "a garbage session message got {status} {text}");
 
     // Still up, and the leased job is intact.
     assert!(server.healthy());

@@ -28,11 +28,13 @@ async fn calls_on_one_stream_are_answered_by_id_and_a_wait_can_be_cancelled() {
     for i in 0..20u64 {
         session.send(request(10 + i, enqueue_req("mail", job("send", b"{}")))).await.unwrap();
     }
-    // A bad call answers with the error a single call would end with.
+    // A bad call answers with the error a single call would end with; a
+    // request that names no call is refused the same way.
     session.send(request(2, enqueue_req("", job("send", b"{}")))).await.unwrap();
+    session.send(pb::SessionRequest { id: 4, ..Default::default() }).await.unwrap();
     let started = Instant::now();
     let mut answers = HashMap::new();
-    while answers.len() < 21 {
+    while answers.len() < 22 {
         let answer = session.message().await.unwrap().unwrap().to_owned_message();
         answers.insert(answer.id, answer.result.unwrap());
     }
@@ -47,6 +49,7 @@ async fn calls_on_one_stream_are_answered_by_id_and_a_wait_can_be_cancelled() {
         }
         other => panic!("expected an error, got {other:?}"),
     }
+    assert!(matches!(answers.get(&4), Some(Answer::Error(e)) if e.code == "invalid_argument"));
     // Cancelling the long poll answers it at once.
     session.send(request(1, pb::SessionCancel::default())).await.unwrap();
     let answer = tokio::time::timeout(Duration::from_secs(5), session.message()).await.unwrap().unwrap().unwrap().to_owned_message();
