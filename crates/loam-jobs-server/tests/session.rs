@@ -109,3 +109,22 @@ async fn calls_apply_in_the_order_they_were_sent() {
         assert_eq!(job_ids, sorted, "round {round}: job ids follow the order the calls were sent");
     }
 }
+
+/// A message over the server's request size ends the session with
+/// resource_exhausted (the stream's framing cannot be trusted past it), and
+/// the server stays up. So a client sends such calls on their own streams
+/// (`@loam/bullmq` does, past 1 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_message_ends_the_session_with_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--max-request-bytes", "65536"], &[]);
+    let client = pb::JobsServiceClient::new(HttpClient::plaintext_http2_only(), ClientConfig::new(server.url().parse().unwrap()));
+    let mut session = client.session().await.unwrap();
+    session.send(request(1, enqueue_req("big", job("small", b"{}")))).await.unwrap();
+    let answer = session.message().await.unwrap().unwrap().to_owned_message();
+    assert!(matches!(answer.result, Some(Answer::Enqueue(_))));
+    let _ = session.send(request(2, enqueue_req("big", job("huge", &vec![b'a'; 100_000])))).await;
+    let ended = tokio::time::timeout(Duration::from_secs(5), session.message()).await.unwrap();
+    assert_eq!(ended.err().map(|e| e.code), Some(connectrpc::ErrorCode::ResourceExhausted));
+    assert!(server.healthy());
+}

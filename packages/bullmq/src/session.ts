@@ -22,6 +22,19 @@ import {
 /** The calls a session carries: a `JobsService` unary method name each. */
 export type SessionCall = Exclude<SessionRequest['call']['case'], 'cancel' | undefined>;
 
+/** A call framed for the stream, with the id its answer will carry. */
+export interface EncodedCall {
+  id: bigint;
+  framed: Buffer;
+}
+
+/**
+ * The largest call a session carries. A larger one goes on its own HTTP/2
+ * stream: a message over the server's request limit ends the whole session
+ * (its framing cannot be trusted past it), which would fail every call on it.
+ */
+export const SESSION_MAX_MESSAGE_BYTES = 1 << 20;
+
 const PATH = '/loam.jobs.v1.JobsService/Session';
 /** The Connect envelope flag of the stream's last message (its end, maybe an error). */
 const END_STREAM = 0b10;
@@ -50,11 +63,17 @@ export class Session {
   }
 
   /**
-   * Runs `request` (a message or its init object) as the unary call `call`,
-   * at the caller's clock `nowMs`; resolves with the call's response message.
+   * `request` (a message or its init object) as the unary call `call`, at the
+   * caller's clock `nowMs`, framed for the stream; see [`send`](Session.send).
    */
-  call(call: SessionCall, request: unknown, nowMs: number, signal?: AbortSignal): Promise<unknown> {
+  encode(call: SessionCall, request: unknown, nowMs: number): EncodedCall {
     const id = this.nextId++;
+    const message = create(SessionRequestSchema, { id, nowMs: BigInt(nowMs), call: { case: call, value: request } } as never);
+    return { id, framed: envelope(toBinary(SessionRequestSchema, message)) };
+  }
+
+  /** Sends an encoded call; resolves with the call's response message. */
+  send({ id, framed }: EncodedCall, signal?: AbortSignal): Promise<unknown> {
     return new Promise<unknown>((resolve, reject) => {
       const stream = this.open();
       let onAbort: (() => void) | undefined;
@@ -68,8 +87,7 @@ export class Session {
           reject(err);
         },
       });
-      const message = { id, nowMs: BigInt(nowMs), call: { case: call, value: request } };
-      stream.write(envelope(toBinary(SessionRequestSchema, create(SessionRequestSchema, message as never))));
+      stream.write(framed);
       if (signal) {
         onAbort = () => {
           // The server stops the call; its answer (canceled) finds nobody waiting.

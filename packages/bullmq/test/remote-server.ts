@@ -71,10 +71,11 @@ export interface LoamServer {
  */
 export async function startLoamServer(
   env: Record<string, string> = {},
-  options: { listen?: string; dataDir?: string } = {},
+  options: { listen?: string; dataDir?: string; args?: string[] } = {},
 ): Promise<LoamServer> {
   const dataDir = options.dataDir ?? mkdtempSync(path.join(tmpdir(), 'loam-remote-test-'));
-  const server = spawn(serverBinary(), ['serve', '--listen', options.listen ?? '127.0.0.1:0', '--data-dir', dataDir], {
+  const args = ['serve', '--listen', options.listen ?? '127.0.0.1:0', '--data-dir', dataDir, ...(options.args ?? [])];
+  const server = spawn(serverBinary(), args, {
     env: { ...process.env, NO_COLOR: '1', RUST_LOG: process.env.RUST_LOG ?? 'info', ...env },
     stdio: ['ignore', 'pipe', 'pipe'],
   });

@@ -114,6 +114,31 @@ describeRemote('remote backend', () => {
     await backend.close();
   });
 
+  it('a call too large for a session goes on its own stream: a refusal fails it alone', async () => {
+    const server = await startLoamServer({}, { args: ['--max-request-bytes', String(3 << 20)] });
+    try {
+      const factory = loamBackend({ url: server.url, namespace: `t-${randomUUID()}` });
+      const { Queue: RemoteQueue } = withBackend(factory);
+      const queue = new RemoteQueue('large', { connection: {} });
+      const waiter = factory('large', {}, { withBlockingConnection: true });
+      await waiter.waitUntilReady();
+      // A long-poll on the session while the large calls go.
+      const waiting = waiter.waitForJob(10);
+      const large = await queue.add('large', { blob: 'x'.repeat(2 << 20) });
+      await expect(queue.add('too-large', { blob: 'x'.repeat(4 << 20) })).rejects.toMatchObject({
+        code: 'LOAM_RESOURCE_EXHAUSTED',
+      });
+      // The long-poll saw the first add; the session lived through the refusal.
+      expect(await waiting).toEqual({ member: '0', score: 0 });
+      expect((await queue.getJob(large.id!))?.data.blob.length).toBe(2 << 20);
+      expect(await queue.getJobCounts('waiting')).toEqual({ waiting: 1 });
+      await waiter.close();
+      await queue.close();
+    } finally {
+      await server.stop();
+    }
+  });
+
   // On a session, 300 calls in flight on one stream; one stream per call, within the per-connection limit.
   it.each(['session', 'unary'] as const)('a worker at concurrency 300 works (calls: %s)', async calls => {
     const url = inject('loamServerUrl');
