@@ -12,6 +12,11 @@ use connectrpc::client::{ClientConfig, HttpClient};
 use pb::__buffa::oneof::{session_request::Call, session_response::Result as Answer};
 use support::*;
 
+/// A client whose calls go over HTTP/2, as a session's must.
+fn http2_client(server: &Server) -> Client {
+    pb::JobsServiceClient::new(HttpClient::plaintext_http2_only(), ClientConfig::new(server.url().parse().unwrap()))
+}
+
 fn request(id: u64, call: impl Into<Call>) -> pb::SessionRequest {
     pb::SessionRequest { id, call: Some(call.into()), ..Default::default() }
 }
@@ -20,7 +25,7 @@ fn request(id: u64, call: impl Into<Call>) -> pb::SessionRequest {
 async fn calls_on_one_stream_are_answered_by_id_and_a_wait_can_be_cancelled() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &[], &[]);
-    let client = pb::JobsServiceClient::new(HttpClient::plaintext_http2_only(), ClientConfig::new(server.url().parse().unwrap()));
+    let client = http2_client(&server);
     let mut session = client.session().await.unwrap();
 
     // A long poll on an empty queue first: the calls after it do not wait for it.
@@ -74,7 +79,7 @@ async fn calls_on_one_stream_are_answered_by_id_and_a_wait_can_be_cancelled() {
 async fn a_session_needs_a_token_like_any_call() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &[], &[("LOAM_JOBS_TOKENS", "team-a-token-0123456789=a")]);
-    let client = pb::JobsServiceClient::new(HttpClient::plaintext_http2_only(), ClientConfig::new(server.url().parse().unwrap()));
+    let client = http2_client(&server);
     let mut session = client.session().await.unwrap();
     session.send(request(1, enqueue_req("mail", job("send", b"{}")))).await.unwrap();
     let e = session.message().await.err().expect("refused");
@@ -88,7 +93,7 @@ async fn a_session_needs_a_token_like_any_call() {
 async fn calls_apply_in_the_order_they_were_sent() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &[], &[]);
-    let client = pb::JobsServiceClient::new(HttpClient::plaintext_http2_only(), ClientConfig::new(server.url().parse().unwrap()));
+    let client = http2_client(&server);
     let mut session = client.session().await.unwrap();
     for round in 0..5u64 {
         for i in 0..200u64 {
@@ -118,7 +123,7 @@ async fn calls_apply_in_the_order_they_were_sent() {
 async fn an_oversized_message_ends_the_session_with_a_typed_error() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &["--max-request-bytes", "65536"], &[]);
-    let client = pb::JobsServiceClient::new(HttpClient::plaintext_http2_only(), ClientConfig::new(server.url().parse().unwrap()));
+    let client = http2_client(&server);
     let mut session = client.session().await.unwrap();
     session.send(request(1, enqueue_req("big", job("small", b"{}")))).await.unwrap();
     let answer = session.message().await.unwrap().unwrap().to_owned_message();
