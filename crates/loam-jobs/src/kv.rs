@@ -12,6 +12,8 @@ use crate::error::StoreError;
 
 pub type Key = Vec<u8>;
 pub type Value = Vec<u8>;
+/// Net writes to apply in key order: `None` deletes the key.
+pub type Writes = BTreeMap<Key, Option<Value>>;
 
 /// A half-open key range `[start, end)`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,7 +60,7 @@ pub trait KvTxn: KvRead {
 /// written by many operations of one batch reach the engine once.
 pub struct Overlay<'a> {
     base: &'a mut dyn KvRead,
-    writes: BTreeMap<Key, Option<Value>>,
+    writes: Writes,
     /// Per forward-scan start: every base key in `[start, floor)` has a write
     /// here. The base does not change under an overlay, so a later scan from
     /// the same start can read the base from the floor. This keeps the many
@@ -119,11 +121,11 @@ impl<'a> Overlay<'a> {
         Ok(v)
     }
 
-    pub fn into_writes(self) -> BTreeMap<Key, Option<Value>> {
+    pub fn into_writes(self) -> Writes {
         self.writes
     }
 
-    pub fn absorb(&mut self, writes: BTreeMap<Key, Option<Value>>) {
+    pub fn absorb(&mut self, writes: Writes) {
         self.writes.extend(writes);
     }
 }
@@ -180,7 +182,7 @@ fn merge(
 }
 
 fn local_range<'w>(
-    writes: &'w BTreeMap<Key, Option<Value>>,
+    writes: &'w Writes,
     range: &KeyRange,
     reverse: bool,
 ) -> Vec<(&'w Key, &'w Option<Value>)> {
@@ -196,7 +198,7 @@ pub struct PendingWrites {
 }
 
 impl PendingWrites {
-    pub fn add(&mut self, batch: u64, writes: &BTreeMap<Key, Option<Value>>) {
+    pub fn add(&mut self, batch: u64, writes: &Writes) {
         for (key, value) in writes {
             self.writes.insert(key.clone(), (batch, value.clone()));
         }
@@ -204,7 +206,7 @@ impl PendingWrites {
 
     /// Forgets `batch`'s writes that no later batch overwrote: once `batch` is
     /// committed the base has them; once it failed, nobody may read them.
-    pub fn forget(&mut self, batch: u64, writes: &BTreeMap<Key, Option<Value>>) {
+    pub fn forget(&mut self, batch: u64, writes: &Writes) {
         for key in writes.keys() {
             if self.writes.get(key).is_some_and(|(by, _)| *by == batch) {
                 self.writes.remove(key);

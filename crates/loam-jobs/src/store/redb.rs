@@ -18,7 +18,7 @@
 //! carries. If a commit fails, its batches fail, and so does every batch that
 //! ran on top of them, since what it read never reached the store.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::Arc;
@@ -32,7 +32,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use super::wal::Wal;
 use super::{Durability, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
-use crate::kv::{Key, KeyRange, KvRead, Layer, Overlay, PendingWrites, Value};
+use crate::kv::{Key, KeyRange, KvRead, Layer, Overlay, PendingWrites, Value, Writes};
 
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("loam_jobs");
 /// The write-ahead log's generation (see [`super::wal`]), set by each checkpoint.
@@ -55,7 +55,6 @@ const MAX_BATCH: usize = 4096;
 /// durability, when no durable commit comes along to carry them.
 const IMMEDIATE_MODE_IDLE_FLUSH: Duration = Duration::from_millis(100);
 
-type Writes = BTreeMap<Key, Option<Value>>;
 /// An operation's completion and its result, to be delivered after the commit.
 type Ack = (OpDone, Result<OpOutput, JobsError>);
 type RawEntry<'a> = (redb::AccessGuard<'a, &'static [u8]>, redb::AccessGuard<'a, &'static [u8]>);
@@ -175,11 +174,17 @@ fn recover(db: &Database, path: &Path) -> Result<Wal, StoreError> {
         for writes in &records {
             apply(&mut table, writes)?;
         }
-        txn.open_table(LOG_TABLE).map_err(io)?.insert(LOG_GENERATION, generation + 1).map_err(io)?;
     }
+    store_generation(&txn, generation + 1)?;
     txn.commit().map_err(io)?;
     wal.restart(generation + 1);
     Ok(wal)
+}
+
+/// Records in `txn` the log generation that starts when it commits durably.
+fn store_generation(txn: &redb::WriteTransaction, generation: u64) -> Result<(), StoreError> {
+    txn.open_table(LOG_TABLE).map_err(io)?.insert(LOG_GENERATION, generation).map_err(io)?;
+    Ok(())
 }
 
 fn apply(table: &mut redb::Table<&'static [u8], &'static [u8]>, writes: &Writes) -> Result<(), StoreError> {
@@ -335,13 +340,7 @@ impl Executor {
         let mut uncommitted = Uncommitted::default();
         let mut number = 0;
         while let Ok(first) = receiver.recv() {
-            let mut ops = vec![first];
-            while ops.len() < MAX_BATCH {
-                match receiver.try_recv() {
-                    Ok(op) => ops.push(op),
-                    Err(_) => break,
-                }
-            }
+            let ops = with_waiting(&receiver, first, MAX_BATCH);
             number += 1;
             let (snapshot, snapshot_batch) = self.view(&mut uncommitted);
             let read_through = uncommitted.batches.back().map_or(snapshot_batch, |(n, _)| *n);
@@ -415,6 +414,18 @@ struct Uncommitted {
     writes: PendingWrites,
 }
 
+/// `first` and what else is waiting in `receiver` already, up to `max` in all.
+fn with_waiting<T>(receiver: &Receiver<T>, first: T, max: usize) -> Vec<T> {
+    let mut items = vec![first];
+    while items.len() < max {
+        match receiver.try_recv() {
+            Ok(item) => items.push(item),
+            Err(_) => break,
+        }
+    }
+    items
+}
+
 /// Runs a batch's operations, each in its own overlay over the batch's.
 fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>) {
     let mut acks = Vec::with_capacity(ops.len());
@@ -480,14 +491,7 @@ impl Committer {
             };
             // Group commit: every batch that ran while the last commit was
             // written goes into this one.
-            let mut batches = vec![first];
-            while batches.len() < MAX_BATCHES_PER_COMMIT {
-                match receiver.try_recv() {
-                    Ok(b) => batches.push(b),
-                    Err(_) => break,
-                }
-            }
-            self.commit(batches);
+            self.commit(with_waiting(&receiver, first, MAX_BATCHES_PER_COMMIT));
             if let Some(since) = self.unflushed_since
                 && since.elapsed() >= self.flush_interval()
             {
@@ -527,17 +531,22 @@ impl Committer {
         }
         let next = wal.generation() + 1;
         let result = self.db.begin_write().map_err(io).and_then(|txn| {
-            txn.open_table(LOG_TABLE).map_err(io)?.insert(LOG_GENERATION, next).map_err(io)?;
+            store_generation(&txn, next)?;
             txn.commit().map_err(io)
         });
         match result {
-            Ok(()) => {
-                wal.restart(next);
-                self.last_checkpoint = Instant::now();
-                self.unflushed_since = None;
-            }
+            Ok(()) => self.checkpointed(next),
             Err(e) => self.broken = Some(e),
         }
+    }
+
+    /// After a durable commit that stored `generation`: the log starts over.
+    fn checkpointed(&mut self, generation: u64) {
+        if let Some(wal) = &mut self.wal {
+            wal.restart(generation);
+        }
+        self.last_checkpoint = Instant::now();
+        self.unflushed_since = None;
     }
 
     fn checkpoint_due(&self) -> bool {
@@ -554,12 +563,16 @@ impl Committer {
         if let Some(e) = &self.broken {
             return Err(e.clone());
         }
-        let record = self.wal.as_ref().map(|_| Wal::encode(batches.iter().map(|b| b.writes.as_ref())));
-        let logged = matches!((&self.wal, &record), (Some(wal), Some(r)) if wal.fits(r));
-        let durable = match &self.wal {
-            Some(_) => !logged,
-            None => sync,
+        // With a log: the group's record, or the generation a checkpoint
+        // starts when the record does not fit.
+        let (record, checkpoint) = match &self.wal {
+            None => (None, None),
+            Some(wal) => {
+                let record = Wal::encode(batches.iter().map(|b| b.writes.as_ref()));
+                if wal.fits(&record) { (Some(record), None) } else { (None, Some(wal.generation() + 1)) }
+            }
         };
+        let durable = if self.wal.is_some() { checkpoint.is_some() } else { sync };
         let mut txn = self.db.begin_write().map_err(io)?;
         txn.set_durability(if durable { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
         {
@@ -567,27 +580,18 @@ impl Committer {
             for batch in batches {
                 apply(&mut table, &batch.writes)?;
             }
-            if let Some(wal) = &self.wal
-                && !logged
-            {
-                txn.open_table(LOG_TABLE).map_err(io)?.insert(LOG_GENERATION, wal.generation() + 1).map_err(io)?;
-            }
+        }
+        if let Some(next) = checkpoint {
+            store_generation(&txn, next)?;
         }
         txn.commit().map_err(io)?;
-        let Some(wal) = &mut self.wal else { return Ok(()) };
-        if !logged {
-            wal.restart(wal.generation() + 1);
-            self.last_checkpoint = Instant::now();
-            self.unflushed_since = None;
-            return Ok(());
+        if let Some(next) = checkpoint {
+            self.checkpointed(next);
         }
+        let (Some(wal), Some(record)) = (&mut self.wal, record) else { return Ok(()) };
         // In redb but not yet in the log: a failure from here on must stop
         // every later commit, or an operation reported failed could be read.
-        let logged = match record {
-            Some(record) => wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }),
-            None => Ok(()),
-        };
-        if let Err(e) = logged {
+        if let Err(e) = wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }) {
             let e = io(e);
             self.broken = Some(e.clone());
             return Err(e);
@@ -663,6 +667,7 @@ fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
     use std::sync::atomic::{AtomicBool, Ordering};
 
     use redb::StorageBackend;

@@ -17,15 +17,12 @@
 //! harmless: records are replayed in order and each sets keys to the values
 //! they had after it.
 
-use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use crate::kv::{Key, Value};
-
-pub(crate) type Writes = BTreeMap<Key, Option<Value>>;
+use crate::kv::Writes;
 
 const HEADER: usize = 4 + 8 + 8 + 4;
 const DELETE: u8 = 0;
