@@ -188,7 +188,7 @@ export class Session {
     if (result.case === 'error') {
       const { code, message, detail } = result.value;
       const details = detail ? [{ desc: ErrorDetailSchema, value: detail }] : undefined;
-      waiter.reject(new ConnectError(message, codeFromString(code) ?? Code.Unknown, undefined, details));
+      waiter.reject(connectError(code, message, details));
     } else if (result.case === undefined) {
       waiter.reject(new ConnectError('the session answered with nothing', Code.Internal));
     } else {
@@ -212,12 +212,20 @@ function envelope(message: Uint8Array): Buffer {
   return framed;
 }
 
+/** An error as Connect names its code (`invalid_argument`), with its details. */
+function connectError(
+  code: string | undefined,
+  message: string,
+  details?: ConstructorParameters<typeof ConnectError>[3],
+): ConnectError {
+  return new ConnectError(message, codeFromString(code ?? '') ?? Code.Unknown, undefined, details);
+}
+
 /** The error of the stream's end message (JSON), if it carries one. */
 function endError(message: Uint8Array): ConnectError | undefined {
   try {
     const end = JSON.parse(Buffer.from(message).toString('utf8')) as { error?: { code?: string; message?: string } };
-    if (!end.error) return undefined;
-    return new ConnectError(end.error.message ?? '', codeFromString(end.error.code ?? '') ?? Code.Unknown);
+    return end.error && connectError(end.error.code, end.error.message ?? '');
   } catch {
     return new ConnectError('the session ended with an unreadable message', Code.Internal);
   }
@@ -227,7 +235,7 @@ function endError(message: Uint8Array): ConnectError | undefined {
 function httpError(status: number, body: Buffer): ConnectError {
   try {
     const error = JSON.parse(body.toString('utf8')) as { code?: string; message?: string };
-    return new ConnectError(error.message ?? `HTTP ${status}`, codeFromString(error.code ?? '') ?? Code.Unknown);
+    return connectError(error.code, error.message ?? `HTTP ${status}`);
   } catch {
     return new ConnectError(`HTTP ${status}`, status === 401 ? Code.Unauthenticated : Code.Unavailable);
   }

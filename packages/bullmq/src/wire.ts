@@ -219,27 +219,17 @@ export function stateName(state: JobState): string {
   return STATE_NAMES[state] ?? 'unknown';
 }
 
+/** BullMQ's state names (and its `wait` alias) back to the enum. */
+const STATE_OF: ReadonlyMap<string, JobState> = new Map([
+  ['wait', JobState.WAITING],
+  ...Object.entries(STATE_NAMES)
+    .map(([state, name]) => [name, Number(state) as JobState] as const)
+    .filter(([, state]) => state !== JobState.UNSPECIFIED),
+]);
+
 /** BullMQ's state name (`wait` too) as the enum, or undefined. */
 export function stateOf(name: string): JobState | undefined {
-  switch (name) {
-    case 'wait':
-    case 'waiting':
-      return JobState.WAITING;
-    case 'prioritized':
-      return JobState.PRIORITIZED;
-    case 'delayed':
-      return JobState.DELAYED;
-    case 'active':
-      return JobState.ACTIVE;
-    case 'waiting-children':
-      return JobState.WAITING_CHILDREN;
-    case 'completed':
-      return JobState.COMPLETED;
-    case 'failed':
-      return JobState.FAILED;
-    default:
-      return undefined;
-  }
+  return STATE_OF.get(name);
 }
 
 /** Stored JSON text as a value, or `fallback` when it is missing or not JSON. */
