@@ -33,7 +33,7 @@ pub async fn open(
 ) -> Result<ServiceStream<pb::SessionResponse>, ConnectError> {
     svc.authorize(&ctx)?;
     let (answers, out) = mpsc::unbounded_channel();
-    tokio::spawn(async move { read(svc, ctx, requests, answers).await });
+    tokio::spawn(read(svc, ctx, requests, answers));
     Ok(Box::pin(futures::stream::unfold(out, |mut out| async move { out.recv().await.map(|a| (a, out)) })))
 }
 
