@@ -63,6 +63,9 @@ struct Caller {
     jobs: Jobs,
 }
 
+/// Per (namespace, queue): the worker names seen, and when.
+type WorkersSeen = HashMap<(String, String), HashMap<String, Instant>>;
+
 #[derive(Clone)]
 pub struct JobsSvc {
     jobs: Jobs,
@@ -71,7 +74,7 @@ pub struct JobsSvc {
     /// Fired at shutdown: ends long-polls, event waits and watches.
     shutdown: Interrupt,
     schedules: Arc<schedules::Index>,
-    workers: Arc<Mutex<HashMap<(String, String), HashMap<String, Instant>>>>,
+    workers: Arc<Mutex<WorkersSeen>>,
     /// With --follow-client-clock: the core's clock, moved by `loam-now-ms`.
     following: Option<Arc<loam_jobs::FollowingClock>>,
 }

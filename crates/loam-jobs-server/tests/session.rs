@@ -82,7 +82,7 @@ async fn a_session_needs_a_token_like_any_call() {
     let client = http2_client(&server);
     let mut session = client.session().await.unwrap();
     session.send(request(1, enqueue_req("mail", job("send", b"{}")))).await.unwrap();
-    let e = session.message().await.err().expect("refused");
+    let e = session.message().await.expect_err("refused");
     assert_eq!(e.code, connectrpc::ErrorCode::Unauthenticated);
 }
 
