@@ -4,8 +4,9 @@
 //! thread takes every operation waiting there (a batch), runs each in its own
 //! [`Overlay`] over the batch's overlay (so a failed operation leaves nothing
 //! behind), and hands the batch's net writes to the **committer** thread,
-//! which writes them into one redb transaction, commits it with one fsync, and
-//! only then acknowledges the batch's operations. Under relaxed durability the
+//! which makes them durable with one record and one fsync in the write-ahead
+//! log, acknowledges the batch's operations, and then writes them into one
+//! redb transaction, which reads wait for. Under relaxed durability the
 //! operations are acknowledged as soon as their batch is handed over instead,
 //! and reads wait for that batch's commit, so nobody reads older state than
 //! they were told of.
@@ -116,6 +117,7 @@ impl RedbStore {
             state: Mutex::new(Committed {
                 batch: 0,
                 acked: 0,
+                unreadable: None,
                 snapshot: Arc::new(RedbSnapshot::new(&db)?),
                 snapshot_batch: 0,
             }),
@@ -223,6 +225,9 @@ impl Store for RedbStore {
         while state.batch < state.acked {
             self.progress.changed.wait(&mut state);
         }
+        if let Some(e) = &state.unreadable {
+            return Err(e.clone());
+        }
         Ok(Box::new(SnapshotReader(Arc::clone(&state.snapshot))))
     }
 
@@ -302,6 +307,11 @@ struct Committed {
     batch: u64,
     /// The last batch whose writes were acknowledged before their commit.
     acked: u64,
+    /// Why the file lacks writes that were acknowledged (their commit failed
+    /// after they were logged, or under relaxed durability): reads fail from
+    /// then on rather than show older state than callers were told of.
+    /// Reopening replays what the log holds.
+    unreadable: Option<StoreError>,
     /// The file as of the last successful commit.
     snapshot: Arc<RedbSnapshot>,
     /// The batch that `snapshot` ends with.
@@ -555,24 +565,40 @@ impl Committer {
         })
     }
 
-    /// Writes `batches` in one redb transaction. With a log, the commit is not
-    /// fsynced: the batches' record in the log is, when `sync` asks for it.
-    /// A group too large for what is left of the log is committed durably
-    /// instead, as a checkpoint.
-    fn write(&mut self, batches: &[Batch], sync: bool) -> Result<(), StoreError> {
+    /// Writes `batches` in one redb transaction. With a log, the group's record
+    /// goes to the log first (fsynced when `sync` asks for it), the batches'
+    /// operations are acknowledged, and only then is redb written, without
+    /// fsync: a crash in between is what the log's replay redoes, so redb's
+    /// commit is off the operations' latency. A group too large for what is
+    /// left of the log is committed durably to redb instead, as a checkpoint,
+    /// and acknowledged by the caller afterwards.
+    fn write(&mut self, batches: &mut [Batch], sync: bool) -> Result<(), StoreError> {
         if let Some(e) = &self.broken {
             return Err(e.clone());
         }
-        // With a log: the group's record, or the generation a checkpoint
-        // starts when the record does not fit.
-        let (record, checkpoint) = match &self.wal {
-            None => (None, None),
-            Some(wal) => {
-                let record = Wal::encode(batches.iter().map(|b| b.writes.as_ref()));
-                if wal.fits(&record) { (Some(record), None) } else { (None, Some(wal.generation() + 1)) }
-            }
-        };
-        let durable = if self.wal.is_some() { checkpoint.is_some() } else { sync };
+        let Some(wal) = &mut self.wal else { return self.write_file(batches, sync, None) };
+        let record = Wal::encode(batches.iter().map(|b| b.writes.as_ref()));
+        if !wal.fits(&record) {
+            let next = wal.generation() + 1;
+            self.write_file(batches, true, Some(next))?;
+            self.checkpointed(next);
+            return Ok(());
+        }
+        if let Err(e) = wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }) {
+            // The record may be partly written: nothing more may follow it.
+            let e = io(e);
+            self.broken = Some(e.clone());
+            return Err(e);
+        }
+        self.acknowledge(batches);
+        // The log now answers for these writes: if redb cannot take them, no
+        // later commit may be made over the gap.
+        self.write_file(batches, false, None).inspect_err(|e| self.broken = Some(e.clone()))
+    }
+
+    /// One redb transaction with the batches' writes (and the log generation
+    /// a checkpoint starts), fsynced when `durable`.
+    fn write_file(&self, batches: &[Batch], durable: bool, generation: Option<u64>) -> Result<(), StoreError> {
         let mut txn = self.db.begin_write().map_err(io)?;
         txn.set_durability(if durable { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
         {
@@ -581,22 +607,21 @@ impl Committer {
                 apply(&mut table, &batch.writes)?;
             }
         }
-        if let Some(next) = checkpoint {
-            store_generation(&txn, next)?;
+        if let Some(generation) = generation {
+            store_generation(&txn, generation)?;
         }
-        txn.commit().map_err(io)?;
-        if let Some(next) = checkpoint {
-            self.checkpointed(next);
+        txn.commit().map_err(io)
+    }
+
+    /// Delivers the batches' acknowledgements, which a reader they wake may
+    /// follow at once: reads wait for the batches' commit (see `snapshot`).
+    fn acknowledge(&self, batches: &mut [Batch]) {
+        if let Some(last) = batches.last() {
+            self.progress.state.lock().acked = last.number;
         }
-        let (Some(wal), Some(record)) = (&mut self.wal, record) else { return Ok(()) };
-        // In redb but not yet in the log: a failure from here on must stop
-        // every later commit, or an operation reported failed could be read.
-        if let Err(e) = wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }) {
-            let e = io(e);
-            self.broken = Some(e.clone());
-            return Err(e);
+        for (done, result) in batches.iter_mut().flat_map(|b| b.acks.drain(..)) {
+            done(result);
         }
-        Ok(())
     }
 
     /// Commits `batches` (in order) in one transaction, except those that read
@@ -617,11 +642,16 @@ impl Committer {
         let newest = good.last().map(|b| b.number);
         let result = match newest {
             None => Ok(None),
-            Some(_) => self.write(&good, sync).and_then(|()| RedbSnapshot::new(&self.db)).map(Some),
+            Some(_) => self.write(&mut good, sync).and_then(|()| RedbSnapshot::new(&self.db)).map(Some),
         };
         let result = {
             let mut state = self.progress.state.lock();
             state.batch = last;
+            if let (Err(e), Some(first)) = (&result, good.first())
+                && state.acked >= first.number
+            {
+                state.unreadable = Some(e.clone());
+            }
             result.map(|snapshot| {
                 if let (Some(snapshot), Some(newest)) = (snapshot, newest) {
                     state.snapshot = Arc::new(snapshot);
@@ -680,7 +710,8 @@ mod tests {
     /// full or dying disk does.
     #[derive(Debug)]
     struct FailingDisk {
-        memory: InMemoryBackend,
+        /// Shared, so the store can be reopened over what the disk kept.
+        memory: Arc<InMemoryBackend>,
         failing: Arc<AtomicBool>,
     }
 
@@ -717,14 +748,16 @@ mod tests {
 
     /// A commit that fails takes down its batches and every batch that read
     /// their writes: no operation acknowledged as done read a write that was
-    /// lost, and every one acknowledged is in the store.
+    /// lost, and every one acknowledged is in the store once it is reopened
+    /// on a healed disk.
     #[test]
     fn failed_commit_fails_what_ran_on_it_and_keeps_what_was_acknowledged() {
         failing_disk_keeps_what_was_acknowledged(false);
     }
 
     /// The same, with the log making commits durable: redb's own writes fail
-    /// at the next checkpoint.
+    /// at the next checkpoint, or after a group was logged and acknowledged
+    /// (the store then refuses reads too, and reopening replays the log).
     #[test]
     fn failed_checkpoint_keeps_what_was_acknowledged() {
         failing_disk_keeps_what_was_acknowledged(true);
@@ -732,11 +765,16 @@ mod tests {
 
     fn failing_disk_keeps_what_was_acknowledged(logged: bool) {
         let failing = Arc::new(AtomicBool::new(false));
-        let disk = FailingDisk { memory: InMemoryBackend::new(), failing: Arc::clone(&failing) };
+        let memory = Arc::new(InMemoryBackend::new());
         let dir = tempfile::tempdir().unwrap();
-        let wal = logged.then(|| Wal::open(&dir.path().join("log"), 1, LOG_CAPACITY).unwrap().0);
-        let db = Database::builder().create_with_backend(disk).unwrap();
-        let store = RedbStore::start(db, Durability::Immediate, wal).unwrap();
+        let log = dir.path().join("log");
+        let open = |failing: &Arc<AtomicBool>| {
+            let disk = FailingDisk { memory: Arc::clone(&memory), failing: Arc::clone(failing) };
+            let db = Database::builder().create_with_backend(disk).unwrap();
+            let wal = logged.then(|| recover(&db, &log).unwrap());
+            RedbStore::start(db, Durability::Immediate, wal).unwrap()
+        };
+        let store = open(&failing);
         let (sender, outcomes) = mpsc::channel();
         let mut settled = BTreeMap::new();
         for i in 0u64..3000 {
@@ -782,6 +820,8 @@ mod tests {
         let mut numbers = acknowledged.clone();
         numbers.sort_unstable();
         assert_eq!(numbers, (1..=acknowledged.len() as u64).collect::<Vec<_>>(), "no number taken twice or skipped");
+        drop(store);
+        let store = open(&Arc::new(AtomicBool::new(false)));
         let mut snapshot = store.snapshot().unwrap();
         for (i, outcome) in &outcomes {
             let stored = snapshot.get(format!("op/{i:05}").as_bytes()).unwrap();
