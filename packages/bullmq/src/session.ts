@@ -8,7 +8,6 @@
  * the client's CPU. On a session a call is one framed message each way.
  */
 import * as http2 from 'node:http2';
-import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { Code, ConnectError } from '@connectrpc/connect';
 import { codeFromString } from '@connectrpc/connect/protocol-connect';
 import {
@@ -18,6 +17,7 @@ import {
   type SessionRequest,
   type SessionResponse,
 } from './gen/loam/jobs/v1/jobs_pb.js';
+import { decodeMessage, encodeMessage } from './codec.js';
 
 /** The calls a session carries: a `JobsService` unary method name each. */
 export type SessionCall = Exclude<SessionRequest['call']['case'], 'cancel' | undefined>;
@@ -68,8 +68,8 @@ export class Session {
    */
   encode(call: SessionCall, request: unknown, nowMs: number): EncodedCall {
     const id = this.nextId++;
-    const message = create(SessionRequestSchema, { id, nowMs: BigInt(nowMs), call: { case: call, value: request } } as never);
-    return { id, framed: envelope(toBinary(SessionRequestSchema, message)) };
+    const message = { id, nowMs: BigInt(nowMs), call: { case: call, value: request } } as never;
+    return { id, framed: envelope(encodeMessage(SessionRequestSchema, message)) };
   }
 
   /** Sends an encoded call; resolves with the call's response message. */
@@ -95,8 +95,8 @@ export class Session {
           if (!waiter) return;
           this.waiting.delete(id);
           if (this.stream === stream && !stream.closed) {
-            const cancel = create(SessionRequestSchema, { id, call: { case: 'cancel', value: {} } });
-            stream.write(envelope(toBinary(SessionRequestSchema, cancel)));
+            const cancel = encodeMessage(SessionRequestSchema, { id, call: { case: 'cancel', value: {} } });
+            stream.write(envelope(cancel));
           }
           waiter.reject(new ConnectError('the call was canceled', Code.Canceled));
         };
@@ -175,7 +175,17 @@ export class Session {
         this.fail(endError(message) ?? new ConnectError('the session ended', Code.Unavailable));
         continue;
       }
-      this.answer(fromBinary(SessionResponseSchema, message));
+      let response: SessionResponse;
+      try {
+        response = decodeMessage(SessionResponseSchema, message);
+      } catch (err) {
+        // The stream cannot be trusted past a message it cannot read.
+        this.fail(new ConnectError(`the server sent an unreadable message: ${String(err)}`, Code.Internal));
+        this.stream?.close();
+        this.stream = undefined;
+        return;
+      }
+      this.answer(response);
     }
     this.received = bytes;
   }

@@ -1,0 +1,455 @@
+/**
+ * The protobuf binary format for the session's messages, from protobuf-es's
+ * own descriptors, without its reflection.
+ *
+ * `toBinary`, `fromBinary` and `create` walk a message through a reflection
+ * layer (a field lookup, a presence check and a boxed get or set per field,
+ * a reflective wrapper per nested message): at a worker's rate of calls that
+ * was about 40% of the remote backend's CPU, and most of its garbage. Here a
+ * message type is turned once into a table of its fields, each with its
+ * writer and reader picked in advance, and messages are read into the plain
+ * objects protobuf-es itself creates, so the generated types and every
+ * caller stay as they are. Only what our proto3 files use is supported
+ * (checked when a type is first used; the tests cover every type of the
+ * package against protobuf-es, both ways).
+ */
+import { ScalarType, type DescField, type DescMessage, type MessageInitShape, type MessageShape } from '@bufbuild/protobuf';
+import { BinaryReader, BinaryWriter, WireType } from '@bufbuild/protobuf/wire';
+
+/** How deep messages may nest in what we read (protobuf-es's own limit). */
+const RECURSION_LIMIT = 100;
+
+type Value = any; // eslint-disable-line @typescript-eslint/no-explicit-any
+type Write = (writer: BinaryWriter, value: Value) => void;
+type Read = (reader: BinaryReader, depth: number) => Value;
+
+interface FieldPlan {
+  number: number;
+  /** The property: the field's, or its oneof's. */
+  property: string;
+  /** Set when the field is a member of a oneof: the case that selects it. */
+  oneofCase?: string;
+  kind: DescField['fieldKind'];
+  /** Implicit presence: a zero value is not written. */
+  implicit: boolean;
+  /** Writes the tag and the value (each item's, for a list). */
+  write: Write;
+  /** Reads one value (one item, one map entry as [key, value]). */
+  read: Read;
+  /** A list of numbers or bools, which may come packed. */
+  packable: boolean;
+  readPacked?: Read;
+  isZero: (value: Value) => boolean;
+  /** A message field's type, to merge a second occurrence into the first. */
+  message?: DescMessage;
+}
+
+interface MessagePlan {
+  typeName: string;
+  /** Sorted by number, the order protobuf-es writes in. */
+  fields: FieldPlan[];
+  byNumber: Map<number, FieldPlan>;
+  /** The zero message's properties, each a value or a maker of one. */
+  zero: [string, () => Value][];
+}
+
+const plans = new WeakMap<DescMessage, MessagePlan>();
+
+/** `message` (a message or an init object of `schema`) in the binary format. */
+export function encodeMessage<Desc extends DescMessage>(schema: Desc, message: MessageInitShape<Desc>): Uint8Array {
+  const writer = new BinaryWriter();
+  writeFields(writer, plan(schema), message);
+  return writer.finish();
+}
+
+/** A message of `schema` read from `bytes`, as protobuf-es's `fromBinary` makes it (unknown fields dropped). */
+export function decodeMessage<Desc extends DescMessage>(schema: Desc, bytes: Uint8Array): MessageShape<Desc> {
+  const reader = new BinaryReader(bytes);
+  return readFields(reader, plan(schema), reader.len, 0, undefined) as MessageShape<Desc>;
+}
+
+function plan(desc: DescMessage): MessagePlan {
+  let made = plans.get(desc);
+  if (!made) {
+    // Stored before its fields are planned: a message may contain itself.
+    made = { typeName: desc.typeName, fields: [], byNumber: new Map(), zero: [] };
+    plans.set(desc, made);
+    fill(made, desc);
+  }
+  return made;
+}
+
+function fill(made: MessagePlan, desc: DescMessage): void {
+  if (desc.file.edition !== 999 /* EDITION_PROTO3 */) {
+    throw new Error(`${desc.typeName}: only proto3 messages are supported by the session codec`);
+  }
+  for (const member of desc.members) {
+    if (member.kind === 'oneof') made.zero.push([member.localName, () => ({ case: undefined })]);
+    else if (member.presence === 2 /* IMPLICIT */) made.zero.push([member.localName, zeroOf(member)]);
+  }
+  for (const field of [...desc.fields].sort((a, b) => a.number - b.number)) {
+    const p = fieldPlan(field);
+    made.fields.push(p);
+    made.byNumber.set(field.number, p);
+  }
+}
+
+function fieldPlan(field: DescField): FieldPlan {
+  const base = {
+    number: field.number,
+    property: field.oneof ? field.oneof.localName : field.localName,
+    oneofCase: field.oneof ? field.localName : undefined,
+    kind: field.fieldKind,
+    implicit: field.presence === 2 && !field.oneof,
+    packable: false,
+  };
+  switch (field.fieldKind) {
+    case 'scalar': {
+      const s = scalar(field.scalar, field.number, field.longAsString, field.utf8Validation);
+      return { ...base, ...s };
+    }
+    case 'enum': {
+      const s = scalar(ScalarType.INT32, field.number, false, false);
+      return { ...base, ...s };
+    }
+    case 'message': {
+      if (field.delimitedEncoding) throw new Error(`${field.parent.typeName}.${field.name}: groups are not supported`);
+      const m = messageIo(field.message, field.number);
+      return { ...base, ...m, message: field.message, isZero: v => v === undefined };
+    }
+    case 'list': {
+      if (field.listKind === 'message') {
+        if (field.delimitedEncoding) throw new Error(`${field.parent.typeName}.${field.name}: groups are not supported`);
+        const m = messageIo(field.message, field.number);
+        return { ...base, write: eachOf(m.write), read: m.read, isZero: isEmptyList };
+      }
+      const type = field.listKind === 'enum' ? ScalarType.INT32 : field.scalar;
+      const long = field.listKind === 'scalar' && field.longAsString;
+      const utf8 = field.listKind === 'scalar' && field.utf8Validation;
+      const one = scalar(type, field.number, long, utf8);
+      const packable = type !== ScalarType.STRING && type !== ScalarType.BYTES;
+      const write: Write = field.packed
+        ? (writer, list: Value[]) => {
+            writer.tag(field.number, WireType.LengthDelimited).fork();
+            for (const item of list) one.value(writer, item);
+            writer.join();
+          }
+        : eachOf(one.write);
+      const readPacked: Read = (reader, depth) => {
+        const end = reader.uint32() + reader.pos;
+        const items: Value[] = [];
+        while (reader.pos < end) items.push(one.read(reader, depth));
+        return items;
+      };
+      return { ...base, packable, write, read: one.read, readPacked, isZero: isEmptyList };
+    }
+    case 'map': {
+      const key = scalar(field.mapKey, 1, false, field.utf8Validation);
+      const value =
+        field.mapKind === 'message'
+          ? messageIo(field.message, 2)
+          : scalar(field.mapKind === 'enum' ? ScalarType.INT32 : field.scalar, 2, false, field.utf8Validation);
+      const zeroValue: () => Value =
+        field.mapKind === 'message'
+          ? () => readFields(new BinaryReader(new Uint8Array(0)), plan(field.message), 0, 0, undefined)
+          : field.mapKind === 'enum'
+            ? () => field.enum.values[0].number
+            : () => scalarZero(field.scalar, false);
+      const zeroKey = scalarZero(field.mapKey, false);
+      const write: Write = (writer, map: Record<string, Value>) => {
+        for (const k of Object.keys(map)) {
+          writer.tag(field.number, WireType.LengthDelimited).fork();
+          key.write(writer, mapKeyValue(field.mapKey, k));
+          value.write(writer, map[k]);
+          writer.join();
+        }
+      };
+      const read: Read = (reader, depth) => {
+        const end = reader.uint32() + reader.pos;
+        let k: Value = zeroKey;
+        let v: Value;
+        while (reader.pos < end) {
+          const { number, wireType } = tag(reader);
+          if (number === 1) k = key.read(reader, depth);
+          else if (number === 2) v = value.read(reader, depth);
+          else reader.skip(wireType, number);
+        }
+        return [String(k), v === undefined ? zeroValue() : v];
+      };
+      return { ...base, write, read, isZero: v => Object.keys(v).length === 0 };
+    }
+  }
+}
+
+function messageIo(desc: DescMessage, number: number): { write: Write; read: Read } {
+  return {
+    write: (writer, value) => {
+      writer.tag(number, WireType.LengthDelimited).fork();
+      writeFields(writer, plan(desc), value);
+      writer.join();
+    },
+    read: (reader, depth) => {
+      const length = reader.uint32();
+      return readFields(reader, plan(desc), reader.pos + length, depth + 1, undefined);
+    },
+  };
+}
+
+function eachOf(write: Write): Write {
+  return (writer, list: Value[]) => {
+    for (const item of list) write(writer, item);
+  };
+}
+
+function isEmptyList(list: Value[]): boolean {
+  return list.length === 0;
+}
+
+/** A map key as the wire has it: protobuf-es keys maps by the key's string form. */
+function mapKeyValue(type: ScalarType, key: string): Value {
+  switch (type) {
+    case ScalarType.BOOL:
+      return key === 'true';
+    case ScalarType.STRING:
+      return key;
+    case ScalarType.INT64:
+    case ScalarType.UINT64:
+    case ScalarType.SINT64:
+    case ScalarType.FIXED64:
+    case ScalarType.SFIXED64:
+      return BigInt(key);
+    default:
+      return Number(key);
+  }
+}
+
+function writeFields(writer: BinaryWriter, p: MessagePlan, message: Value): void {
+  for (const f of p.fields) {
+    let value: Value;
+    if (f.oneofCase !== undefined) {
+      const oneof = message[f.property];
+      if (oneof === undefined || oneof.case !== f.oneofCase) continue;
+      value = oneof.value;
+    } else {
+      value = message[f.property];
+      if (value === undefined || (f.implicit && f.isZero(value))) continue;
+    }
+    f.write(writer, value);
+  }
+}
+
+function readFields(reader: BinaryReader, p: MessagePlan, end: number, depth: number, into: Value): Value {
+  if (depth > RECURSION_LIMIT) throw new Error(`cannot decode ${p.typeName}: messages nest too deep`);
+  const message: Value = into ?? { $typeName: p.typeName };
+  if (!into) for (const [name, zero] of p.zero) message[name] = zero();
+  while (reader.pos < end) {
+    const { number, wireType } = tag(reader);
+    const f = p.byNumber.get(number);
+    if (!f) {
+      reader.skip(wireType, number);
+      continue;
+    }
+    switch (f.kind) {
+      case 'list':
+        if (f.packable && wireType === WireType.LengthDelimited) message[f.property].push(...f.readPacked!(reader, depth));
+        else message[f.property].push(f.read(reader, depth));
+        break;
+      case 'map': {
+        const [k, v] = f.read(reader, depth);
+        message[f.property][k] = v;
+        break;
+      }
+      case 'message': {
+        // A message field that comes twice is merged, as protobuf-es does.
+        const previous = f.oneofCase !== undefined ? undefined : message[f.property];
+        const value =
+          previous && f.message
+            ? readFields(reader, plan(f.message), reader.uint32() + reader.pos, depth + 1, previous)
+            : f.read(reader, depth);
+        if (f.oneofCase !== undefined) message[f.property] = { case: f.oneofCase, value };
+        else message[f.property] = value;
+        break;
+      }
+      default: {
+        const value = f.read(reader, depth);
+        if (f.oneofCase !== undefined) message[f.property] = { case: f.oneofCase, value };
+        else message[f.property] = value;
+      }
+    }
+  }
+  if (reader.pos !== end) throw new Error(`cannot decode ${p.typeName}: a field runs past the message's end`);
+  return message;
+}
+
+function tag(reader: BinaryReader): { number: number; wireType: WireType } {
+  const t = reader.uint32();
+  const number = t >>> 3;
+  const wireType = t & 7;
+  if (number <= 0 || wireType > 5) throw new Error(`illegal tag: field no ${number} wire type ${wireType}`);
+  return { number, wireType };
+}
+
+interface ScalarIo {
+  /** The tag, then the value. */
+  write: Write;
+  /** The value alone (an item of a packed list). */
+  value: Write;
+  read: Read;
+  isZero: (value: Value) => boolean;
+}
+
+function scalar(type: ScalarType, number: number, longAsString: boolean, utf8: boolean): ScalarIo {
+  const wire = wireTypeOf(type);
+  const value = valueWriter(type);
+  const read = valueReader(type, longAsString, utf8);
+  return {
+    write: (writer, v) => value(writer.tag(number, wire), v),
+    value,
+    read,
+    isZero: zeroTest(type),
+  };
+}
+
+function wireTypeOf(type: ScalarType): WireType {
+  switch (type) {
+    case ScalarType.BYTES:
+    case ScalarType.STRING:
+      return WireType.LengthDelimited;
+    case ScalarType.DOUBLE:
+    case ScalarType.FIXED64:
+    case ScalarType.SFIXED64:
+      return WireType.Bit64;
+    case ScalarType.FIXED32:
+    case ScalarType.SFIXED32:
+    case ScalarType.FLOAT:
+      return WireType.Bit32;
+    default:
+      return WireType.Varint;
+  }
+}
+
+function valueWriter(type: ScalarType): Write {
+  switch (type) {
+    case ScalarType.STRING:
+      return (w, v) => w.string(v);
+    case ScalarType.BOOL:
+      return (w, v) => w.bool(v);
+    case ScalarType.DOUBLE:
+      return (w, v) => w.double(v);
+    case ScalarType.FLOAT:
+      return (w, v) => w.float(v);
+    case ScalarType.INT32:
+      return (w, v) => w.int32(v);
+    case ScalarType.INT64:
+      return (w, v) => w.int64(v);
+    case ScalarType.UINT64:
+      return (w, v) => w.uint64(v);
+    case ScalarType.FIXED64:
+      return (w, v) => w.fixed64(v);
+    case ScalarType.BYTES:
+      return (w, v) => w.bytes(v);
+    case ScalarType.FIXED32:
+      return (w, v) => w.fixed32(v);
+    case ScalarType.SFIXED32:
+      return (w, v) => w.sfixed32(v);
+    case ScalarType.SFIXED64:
+      return (w, v) => w.sfixed64(v);
+    case ScalarType.SINT64:
+      return (w, v) => w.sint64(v);
+    case ScalarType.UINT32:
+      return (w, v) => w.uint32(v);
+    case ScalarType.SINT32:
+      return (w, v) => w.sint32(v);
+  }
+}
+
+function valueReader(type: ScalarType, longAsString: boolean, utf8: boolean): Read {
+  const long = (read: (r: BinaryReader) => bigint | string): Read =>
+    longAsString ? r => String(read(r)) : r => read(r);
+  switch (type) {
+    case ScalarType.STRING:
+      return r => r.string(utf8);
+    case ScalarType.BOOL:
+      return r => r.bool();
+    case ScalarType.DOUBLE:
+      return r => r.double();
+    case ScalarType.FLOAT:
+      return r => r.float();
+    case ScalarType.INT32:
+      return r => r.int32();
+    case ScalarType.INT64:
+      return long(r => r.int64());
+    case ScalarType.UINT64:
+      return long(r => r.uint64());
+    case ScalarType.FIXED64:
+      return long(r => r.fixed64());
+    case ScalarType.BYTES:
+      return r => r.bytes();
+    case ScalarType.FIXED32:
+      return r => r.fixed32();
+    case ScalarType.SFIXED32:
+      return r => r.sfixed32();
+    case ScalarType.SFIXED64:
+      return long(r => r.sfixed64());
+    case ScalarType.SINT64:
+      return long(r => r.sint64());
+    case ScalarType.UINT32:
+      return r => r.uint32();
+    case ScalarType.SINT32:
+      return r => r.sint32();
+  }
+}
+
+function zeroTest(type: ScalarType): (value: Value) => boolean {
+  switch (type) {
+    case ScalarType.STRING:
+      return v => v === '';
+    case ScalarType.BOOL:
+      return v => v === false;
+    case ScalarType.BYTES:
+      return v => v.length === 0;
+    default:
+      // Numbers, and 64-bit values as bigint, number or string.
+      return v => v == 0; // eslint-disable-line eqeqeq
+  }
+}
+
+function scalarZero(type: ScalarType, longAsString: boolean): Value {
+  switch (type) {
+    case ScalarType.STRING:
+      return '';
+    case ScalarType.BOOL:
+      return false;
+    case ScalarType.BYTES:
+      return new Uint8Array(0);
+    case ScalarType.INT64:
+    case ScalarType.UINT64:
+    case ScalarType.SINT64:
+    case ScalarType.FIXED64:
+    case ScalarType.SFIXED64:
+      return longAsString ? '0' : 0n;
+    default:
+      return 0;
+  }
+}
+
+/** A maker of a field's zero value (fresh where the value is mutable). */
+function zeroOf(field: DescField): () => Value {
+  switch (field.fieldKind) {
+    case 'list':
+      return () => [];
+    case 'map':
+      return () => ({});
+    case 'enum': {
+      const zero = field.enum.values[0].number;
+      return () => zero;
+    }
+    case 'scalar': {
+      if (field.scalar === ScalarType.BYTES) return () => new Uint8Array(0);
+      const zero = scalarZero(field.scalar, field.longAsString);
+      return () => zero;
+    }
+    case 'message':
+      return () => undefined;
+  }
+}
