@@ -53,6 +53,27 @@ fn priorities_lifo_and_delays_order_the_queue() {
     assert_eq!(names, ["later"]);
 }
 
+/// A delayed job made ready at its due time by one caller (or by the store's
+/// timer) and leased by a caller whose clock is a few ms behind (a remote
+/// worker's) never shows as started before it was due; one promoted by hand
+/// before its time starts when it is leased.
+#[test]
+fn a_delayed_job_never_starts_before_it_is_due() {
+    let (jobs, clock) = core();
+    let start = clock.now_ms();
+    jobs.enqueue("ns", "q", EnqueueRequest { delay_ms: 500, ..job("later") }).wait().unwrap();
+    clock.advance(500);
+    jobs.promote_due("ns", "q").wait().unwrap();
+    let behind = jobs.at(start + 497);
+    let leased = take(&behind, "q").remove(0);
+    assert_eq!(leased.job.processed_on, Some(start + 500));
+
+    jobs.enqueue("ns", "q", EnqueueRequest { delay_ms: 10_000, ..job("promoted") }).wait().unwrap();
+    jobs.admin("ns", "q", |tx, q| ops::admin::promote(tx, q, "2")).wait().unwrap();
+    let leased = take(&jobs, "q").remove(0);
+    assert_eq!(leased.job.processed_on, Some(start + 500));
+}
+
 #[test]
 fn stalled_job_is_redelivered_then_marked_to_fail() {
     let (jobs, clock) = core();

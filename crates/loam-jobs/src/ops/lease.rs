@@ -120,7 +120,11 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
             job.state = JobState::Active;
             job.epoch = job.epoch.max(tx.generation << 32) + 1;
             job.lock = Some(Lock { token: token.clone(), deadline: tx.lease_now + lock_ms, duration_ms: lock_ms });
-            job.processed_on = Some(tx.now);
+            // Never before it was due: a job made ready by the store's timer,
+            // or by a caller whose clock runs ahead, may be leased by a caller
+            // whose clock is behind (a remote worker's, by its message's time
+            // in transit or its machine's skew).
+            job.processed_on = Some(tx.now.max(job.due));
             job.attempts_started += 1;
             if let Some(w) = &req.worker {
                 job.processed_by = Some(w.clone());
@@ -190,6 +194,8 @@ pub fn make_ready(tx: &mut Tx, q: &QueueId, job: JobRecord, prev: Option<&str>, 
 pub fn requeue(tx: &mut Tx, q: &QueueId, mut job: JobRecord, prev: Option<&str>, line: Line) -> Result<JobRecord, JobsError> {
     job.seq = tx.next_seq(q, job.lifo || line == Line::Front)?;
     job.delay = 0;
+    // Ready now at the latest (a delayed job promoted by hand is due now).
+    job.due = job.due.min(tx.now);
     job.state = Tx::ready_state(&job);
     job.lock = None;
     tx.index(q, &job)?;
