@@ -1,7 +1,7 @@
 // BullMQ on @loam/bullmq beside BullMQ on Redis: the same scenarios, in one
 // run, with the ratios printed. Not a test: figures vary with machine load.
 //
-//   node bench.mjs [--only loam|remote|redis[,...]] [--scale 0.5] [--json out.json]
+//   node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--scale 0.5] [--json out.json]
 //
 // Redis is started here (redis-server from the machine, on a free loopback
 // port, default persistence: RDB snapshots, no AOF). Loam uses its default
@@ -33,6 +33,8 @@ const only = arg('only', '');
 const wants = (backend) => only === '' || only.split(',').includes(backend);
 const jsonOut = arg('json', '');
 const remoteScenarios = arg('remote', 'process at concurrency 100').split(',');
+/** The scenarios to run (their names as printed), all by default. */
+const chosen = arg('scenarios', '');
 const serverBin =
   process.env.LOAM_JOBS_BIN ?? resolve(dirname(fileURLToPath(import.meta.url)), '../../target/release/loam-jobs');
 const n = (count) => Math.max(1, Math.round(count * scale));
@@ -265,7 +267,7 @@ const scenarios = {
   },
 };
 
-async function runBackend(label, b, names = Object.keys(scenarios)) {
+async function runBackend(label, b, names = chosen === '' ? Object.keys(scenarios) : chosen.split(';')) {
   const results = {};
   for (const [name, run] of Object.entries(scenarios).filter(([name]) => names.includes(name))) {
     results[name] = await run(b);

@@ -1,22 +1,23 @@
-//! The embedded engine: one redb file, group commit, pipelined over two threads.
+//! The embedded engine: one redb file, group commit, pipelined over three threads.
 //!
 //! Callers on any thread submit operations to a channel. The **executor**
 //! thread takes every operation waiting there (a batch), runs each in its own
 //! [`Overlay`] over the batch's overlay (so a failed operation leaves nothing
 //! behind), and hands the batch's net writes to the **committer** thread,
-//! which makes them durable with one record and one fsync in the write-ahead
-//! log, acknowledges the batch's operations, and then writes them into one
-//! redb transaction, which reads wait for. Under relaxed durability the
-//! operations are acknowledged as soon as their batch is handed over instead,
-//! and reads wait for that batch's commit, so nobody reads older state than
-//! they were told of.
+//! which makes every batch waiting for it durable with one record and one
+//! fsync in the write-ahead log, acknowledges their operations, and hands the
+//! group to the **file writer** thread, which writes the groups waiting for it
+//! into one redb transaction; reads wait for the groups acknowledged before
+//! they began. Under relaxed durability the operations are acknowledged as
+//! soon as their batch is handed over instead. Without a log (a store in
+//! memory), the committer writes redb itself before acknowledging.
 //!
-//! The two threads overlap: the executor runs each batch as soon as it comes,
+//! The threads overlap: the executor runs each batch as soon as it comes,
 //! over the last committed snapshot and the merged writes of every batch not
-//! yet committed (a [`Layer`]), and never waits for a commit. The
-//! committer writes every batch that ran while it wrote the previous commit
-//! in one transaction, so the busier the store, the more operations one fsync
-//! carries. If a commit fails, its batches fail, and so does every batch that
+//! yet in it (a [`Layer`]), and never waits for a commit; the committer logs
+//! every batch that ran while it logged the previous group, so the busier the
+//! store, the more operations one fsync carries; and redb's commit is off
+//! both. If a commit fails, its batches fail, and so does every batch that
 //! ran on top of them, since what it read never reached the store.
 
 use std::collections::VecDeque;
@@ -126,26 +127,45 @@ impl RedbStore {
         let (sender, receiver) = mpsc::channel();
         let (to_committer, from_executor) = mpsc::channel();
         let executor = Executor { progress: Arc::clone(&progress), to_committer, durability };
+        let file_writer = FileWriter { db: Arc::clone(&db), progress: Arc::clone(&progress) };
+        let mut threads = Vec::new();
+        // With a log, redb is written on a thread of its own, behind the log;
+        // without one, its commits are what makes writes durable, before
+        // they are acknowledged.
+        let file = if wal.is_some() {
+            let (to_file, from_committer) = mpsc::channel();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("loam-jobs-file".into())
+                    .spawn(move || file_writer.run(from_committer))
+                    .map_err(io)?,
+            );
+            File::Behind(to_file)
+        } else {
+            File::Inline(file_writer)
+        };
         let committer = Committer {
-            db: Arc::clone(&db),
             progress: Arc::clone(&progress),
             durability,
             unflushed_since: None,
             last_failed: 0,
             wal,
+            file,
             last_checkpoint: Instant::now(),
             broken: None,
         };
-        let threads = vec![
+        threads.push(
             std::thread::Builder::new()
                 .name("loam-jobs-writer".into())
                 .spawn(move || executor.run(receiver))
                 .map_err(io)?,
+        );
+        threads.push(
             std::thread::Builder::new()
                 .name("loam-jobs-commit".into())
                 .spawn(move || committer.run(from_executor))
                 .map_err(io)?,
-        ];
+        );
         Ok(Self { db: Mutex::new(Some(db)), progress, sender: Mutex::new(Some(sender)), threads: Mutex::new(threads) })
     }
 }
@@ -222,7 +242,10 @@ impl Store for RedbStore {
             return Err(StoreError::Closed);
         }
         let mut state = self.progress.state.lock();
-        while state.batch < state.acked {
+        // What was acknowledged when the read began: later acknowledgements
+        // (a busy store makes them all the time) must not keep it waiting.
+        let acked = state.acked;
+        while state.batch < acked && state.unreadable.is_none() {
             self.progress.changed.wait(&mut state);
         }
         if let Some(e) = &state.unreadable {
@@ -234,11 +257,13 @@ impl Store for RedbStore {
     fn close(&self) {
         drop(self.sender.lock().take());
         let threads = std::mem::take(&mut *self.threads.lock());
-        for thread in threads {
-            // The last handle can be dropped by an operation's completion
-            // callback, which runs on the committer thread: that thread then
-            // finishes its queue and flushes on its own.
-            if thread.thread().id() != std::thread::current().id() {
+        // The last handle can be dropped by an operation's completion
+        // callback, which runs on one of the store's threads: each of them
+        // then finishes its queue (the committer flushes and checkpoints) on
+        // its own, and none may wait for another that waits for it.
+        let current = std::thread::current().id();
+        if threads.iter().all(|t| t.thread().id() != current) {
+            for thread in threads {
                 let _ = thread.join();
             }
         }
@@ -303,7 +328,7 @@ struct Progress {
 }
 
 struct Committed {
-    /// The last batch the committer finished, committed or failed.
+    /// The last batch that is done with: in the file, or failed.
     batch: u64,
     /// The last batch whose writes were acknowledged before their commit.
     acked: u64,
@@ -459,8 +484,10 @@ fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>) {
 /// Most batches one commit takes.
 const MAX_BATCHES_PER_COMMIT: usize = 256;
 
+/// Most groups the file writer takes into one redb transaction.
+const MAX_GROUPS_PER_FILE_COMMIT: usize = 64;
+
 struct Committer {
-    db: Arc<Database>,
     progress: Arc<Progress>,
     durability: Durability,
     /// When the oldest commit not yet flushed to disk was made.
@@ -469,10 +496,36 @@ struct Committer {
     last_failed: u64,
     /// The write-ahead log that makes commits durable; without it, redb does.
     wal: Option<Wal>,
+    /// Where groups go into redb.
+    file: File,
     last_checkpoint: Instant,
     /// Why the log failed: from then on every commit fails, as redb's own do
     /// after an I/O error, so nothing is acknowledged that may not survive.
     broken: Option<StoreError>,
+}
+
+/// How the committer's groups reach the redb file.
+enum File {
+    /// Without a log: on the committer's thread, before acknowledging.
+    Inline(FileWriter),
+    /// With a log: on the file writer's thread, after acknowledging.
+    Behind(Sender<ToFile>),
+}
+
+/// A committed group on its way into the file: the writes of its batches that
+/// did not fail (each with its number), and the last batch of the group, done
+/// with once the group is written (or at once, when nothing of it is left).
+struct Group {
+    batches: Vec<(u64, Arc<Writes>)>,
+    last: u64,
+}
+
+enum ToFile {
+    /// Written without fsync: the log answers for it.
+    Group(Group),
+    /// A durable commit that also stores the log's next `generation`, with a
+    /// group too large for the log, or none; answered on `done` once made.
+    Checkpoint { group: Option<Group>, generation: u64, done: mpsc::SyncSender<Result<(), StoreError>> },
 }
 
 impl Committer {
@@ -507,13 +560,14 @@ impl Committer {
             {
                 self.flush();
             }
+            // A failed checkpoint has broken the store; every later commit says so.
             if self.checkpoint_due() {
-                self.checkpoint();
+                let _ = self.checkpoint(None);
             }
         }
         self.flush();
         // Closed cleanly, the file holds everything by itself.
-        self.checkpoint();
+        let _ = self.checkpoint(None);
     }
 
     /// Makes every commit so far durable: an fsync of the log, or without a
@@ -522,9 +576,10 @@ impl Committer {
         if self.unflushed_since.is_none() || self.broken.is_some() {
             return;
         }
-        let result = match &self.wal {
-            Some(wal) => wal.sync().map_err(io),
-            None => self.db.begin_write().map_err(io).and_then(|t| t.commit().map_err(io)),
+        let result = match (&self.wal, &self.file) {
+            (Some(wal), _) => wal.sync().map_err(io),
+            (None, File::Inline(file)) => file.write(&[], true, None),
+            (None, File::Behind(_)) => Err(StoreError::Io("a file writer behind no log".into())),
         };
         match result {
             Ok(()) => self.unflushed_since = None,
@@ -532,31 +587,32 @@ impl Committer {
         }
     }
 
-    /// A durable redb commit, which makes every record in the log redundant:
-    /// the log starts over under the next generation.
-    fn checkpoint(&mut self) {
-        let Some(wal) = &mut self.wal else { return };
-        if self.broken.is_some() {
-            return;
+    /// A durable redb commit (with `group`, when it does not fit in the log),
+    /// which makes every record in the log redundant: the log starts over
+    /// under the next generation. The file writer has written every group
+    /// sent before it by then, since it takes them in order.
+    fn checkpoint(&mut self, group: Option<Group>) -> Result<(), StoreError> {
+        let (Some(wal), File::Behind(to_file)) = (&self.wal, &self.file) else { return Ok(()) };
+        if let Some(e) = &self.broken {
+            return Err(e.clone());
         }
-        let next = wal.generation() + 1;
-        let result = self.db.begin_write().map_err(io).and_then(|txn| {
-            store_generation(&txn, next)?;
-            txn.commit().map_err(io)
-        });
-        match result {
-            Ok(()) => self.checkpointed(next),
-            Err(e) => self.broken = Some(e),
+        let generation = wal.generation() + 1;
+        let (done, answer) = mpsc::sync_channel(1);
+        let result = to_file
+            .send(ToFile::Checkpoint { group, generation, done })
+            .map_err(|_| StoreError::Closed)
+            .and_then(|()| answer.recv().map_err(|_| StoreError::Closed)?);
+        match &result {
+            Ok(()) => {
+                if let Some(wal) = &mut self.wal {
+                    wal.restart(generation);
+                }
+                self.last_checkpoint = Instant::now();
+                self.unflushed_since = None;
+            }
+            Err(e) => self.broken = Some(e.clone()),
         }
-    }
-
-    /// After a durable commit that stored `generation`: the log starts over.
-    fn checkpointed(&mut self, generation: u64) {
-        if let Some(wal) = &mut self.wal {
-            wal.restart(generation);
-        }
-        self.last_checkpoint = Instant::now();
-        self.unflushed_since = None;
+        result
     }
 
     fn checkpoint_due(&self) -> bool {
@@ -565,52 +621,62 @@ impl Committer {
         })
     }
 
-    /// Writes `batches` in one redb transaction. With a log, the group's record
-    /// goes to the log first (fsynced when `sync` asks for it), the batches'
-    /// operations are acknowledged, and only then is redb written, without
-    /// fsync: a crash in between is what the log's replay redoes, so redb's
-    /// commit is off the operations' latency. A group too large for what is
-    /// left of the log is committed durably to redb instead, as a checkpoint,
-    /// and acknowledged by the caller afterwards.
-    fn write(&mut self, batches: &mut [Batch], sync: bool) -> Result<(), StoreError> {
-        if let Some(e) = &self.broken {
-            return Err(e.clone());
+    /// Makes `batches` durable and hands them to the file. With a log, the
+    /// group's record goes to the log (fsynced when `sync` asks for it), the
+    /// batches' operations are acknowledged here, and the file writer commits
+    /// them to redb without fsync on its own thread, behind the log: a crash
+    /// in between is what the log's replay redoes, so redb's commit is off
+    /// the operations' latency and off the next group's. A group too large for
+    /// what is left of the log is committed durably to redb instead, as a
+    /// checkpoint, and acknowledged by the caller afterwards. Without a log,
+    /// redb's commit (durable when `sync`) is made here, before acknowledging.
+    fn write(&mut self, batches: &mut [Batch], sync: bool, last: u64) -> Result<(), StoreError> {
+        let group = Group { batches: batches.iter().map(|b| (b.number, Arc::clone(&b.writes))).collect(), last };
+        let broken = self.broken.clone().or_else(|| self.progress.state.lock().unreadable.clone());
+        if let Some(e) = broken {
+            self.broken = Some(e.clone());
+            self.done_with(last);
+            return Err(e);
         }
-        let Some(wal) = &mut self.wal else { return self.write_file(batches, sync, None) };
+        let Some(wal) = &mut self.wal else {
+            return match &self.file {
+                File::Inline(file) => file.write(&[group], sync, None),
+                File::Behind(_) => Err(StoreError::Io("a file writer behind no log".into())),
+            };
+        };
         let record = Wal::encode(batches.iter().map(|b| b.writes.as_ref()));
         if !wal.fits(&record) {
-            let next = wal.generation() + 1;
-            self.write_file(batches, true, Some(next))?;
-            self.checkpointed(next);
-            return Ok(());
+            return self.checkpoint(Some(group));
         }
         if let Err(e) = wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }) {
             // The record may be partly written: nothing more may follow it.
             let e = io(e);
             self.broken = Some(e.clone());
+            self.done_with(last);
             return Err(e);
         }
         self.acknowledge(batches);
-        // The log now answers for these writes: if redb cannot take them, no
-        // later commit may be made over the gap.
-        self.write_file(batches, false, None).inspect_err(|e| self.broken = Some(e.clone()))
+        self.to_file(ToFile::Group(group));
+        Ok(())
     }
 
-    /// One redb transaction with the batches' writes (and the log generation
-    /// a checkpoint starts), fsynced when `durable`.
-    fn write_file(&self, batches: &[Batch], durable: bool, generation: Option<u64>) -> Result<(), StoreError> {
-        let mut txn = self.db.begin_write().map_err(io)?;
-        txn.set_durability(if durable { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
-        {
-            let mut table = txn.open_table(TABLE).map_err(io)?;
-            for batch in batches {
-                apply(&mut table, &batch.writes)?;
+    /// Tells the file writer that the batches up to `last` failed: it is done
+    /// with them once it has written what came before.
+    fn done_with(&self, last: u64) {
+        let group = Group { batches: Vec::new(), last };
+        match &self.file {
+            File::Inline(file) => {
+                let _ = file.write(&[group], false, None);
             }
+            File::Behind(_) => self.to_file(ToFile::Group(group)),
         }
-        if let Some(generation) = generation {
-            store_generation(&txn, generation)?;
+    }
+
+    fn to_file(&self, message: ToFile) {
+        if let File::Behind(to_file) = &self.file {
+            // The file writer ends only after the committer does.
+            let _ = to_file.send(message);
         }
-        txn.commit().map_err(io)
     }
 
     /// Delivers the batches' acknowledgements, which a reader they wake may
@@ -624,8 +690,8 @@ impl Committer {
         }
     }
 
-    /// Commits `batches` (in order) in one transaction, except those that read
-    /// a failed batch's writes, which fail with its error.
+    /// Commits `batches` (in order) as one group, except those that read a
+    /// failed batch's writes, which fail with its error.
     fn commit(&mut self, batches: Vec<Batch>) {
         let last = batches.last().map_or(0, |b| b.number);
         let mut doomed = Vec::new();
@@ -639,27 +705,12 @@ impl Committer {
             }
         }
         let sync = good.iter().any(|b| b.sync);
-        let newest = good.last().map(|b| b.number);
-        let result = match newest {
-            None => Ok(None),
-            Some(_) => self.write(&mut good, sync).and_then(|()| RedbSnapshot::new(&self.db)).map(Some),
+        let result = if good.is_empty() {
+            self.done_with(last);
+            Ok(())
+        } else {
+            self.write(&mut good, sync, last)
         };
-        let result = {
-            let mut state = self.progress.state.lock();
-            state.batch = last;
-            if let (Err(e), Some(first)) = (&result, good.first())
-                && state.acked >= first.number
-            {
-                state.unreadable = Some(e.clone());
-            }
-            result.map(|snapshot| {
-                if let (Some(snapshot), Some(newest)) = (snapshot, newest) {
-                    state.snapshot = Arc::new(snapshot);
-                    state.snapshot_batch = newest;
-                }
-            })
-        };
-        self.progress.changed.notify_all();
         let failure = match result {
             Ok(()) => {
                 if !good.is_empty() {
@@ -688,6 +739,103 @@ impl Committer {
                 done(Err(JobsError::from(e.clone())));
             }
         }
+    }
+}
+
+/// Writes groups into the redb file and publishes each new snapshot, which
+/// readers and the executor go on from.
+struct FileWriter {
+    db: Arc<Database>,
+    progress: Arc<Progress>,
+}
+
+impl FileWriter {
+    /// Behind a log: takes every group waiting in one transaction; a
+    /// checkpoint is made in its turn and answered.
+    fn run(self, receiver: Receiver<ToFile>) {
+        let mut next = None;
+        loop {
+            let first = match next.take() {
+                Some(message) => message,
+                None => match receiver.recv() {
+                    Ok(message) => message,
+                    Err(_) => return,
+                },
+            };
+            match first {
+                ToFile::Checkpoint { group, generation, done } => {
+                    let groups: Vec<Group> = group.into_iter().collect();
+                    let _ = done.send(self.write(&groups, true, Some(generation)));
+                }
+                ToFile::Group(group) => {
+                    let mut groups = vec![group];
+                    while groups.len() < MAX_GROUPS_PER_FILE_COMMIT {
+                        match receiver.try_recv() {
+                            Ok(ToFile::Group(group)) => groups.push(group),
+                            Ok(checkpoint) => {
+                                next = Some(checkpoint);
+                                break;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    // A failure is published (reads and the committer stop on it).
+                    let _ = self.write(&groups, false, None);
+                }
+            }
+        }
+    }
+
+    /// One redb transaction with the groups' writes (and the log generation
+    /// a checkpoint starts), fsynced when `durable`; then the groups are done
+    /// with. If it fails after any of their operations were acknowledged
+    /// (their record is in the log), the store refuses reads from then on.
+    fn write(&self, groups: &[Group], durable: bool, generation: Option<u64>) -> Result<(), StoreError> {
+        let batches: Vec<&(u64, Arc<Writes>)> = groups.iter().flat_map(|g| &g.batches).collect();
+        let result = if batches.is_empty() && !durable && generation.is_none() {
+            Ok(None)
+        } else {
+            self.commit(&batches, durable, generation).and_then(|()| RedbSnapshot::new(&self.db)).map(Some)
+        };
+        let outcome = {
+            let mut state = self.progress.state.lock();
+            if let Some(last) = groups.iter().map(|g| g.last).max() {
+                state.batch = state.batch.max(last);
+            }
+            match result {
+                Ok(Some(snapshot)) => {
+                    state.snapshot = Arc::new(snapshot);
+                    if let Some((newest, _)) = batches.last() {
+                        state.snapshot_batch = *newest;
+                    }
+                    Ok(())
+                }
+                Ok(None) => Ok(()),
+                Err(e) => {
+                    if batches.first().is_some_and(|(first, _)| state.acked >= *first) {
+                        state.unreadable = Some(e.clone());
+                    }
+                    Err(e)
+                }
+            }
+        };
+        self.progress.changed.notify_all();
+        outcome
+    }
+
+    fn commit(&self, batches: &[&(u64, Arc<Writes>)], durable: bool, generation: Option<u64>) -> Result<(), StoreError> {
+        let mut txn = self.db.begin_write().map_err(io)?;
+        txn.set_durability(if durable { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
+        {
+            let mut table = txn.open_table(TABLE).map_err(io)?;
+            for (_, writes) in batches {
+                apply(&mut table, writes)?;
+            }
+        }
+        if let Some(generation) = generation {
+            store_generation(&txn, generation)?;
+        }
+        txn.commit().map_err(io)
     }
 }
 
