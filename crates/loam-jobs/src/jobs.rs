@@ -246,6 +246,7 @@ impl Jobs {
         let at = self.at;
         let config = self.inner.config.clone();
         let generation = self.inner.generation.load(Ordering::SeqCst);
+        let early = Arc::clone(&self.inner);
         let op = WriteOp {
             sync,
             body: Box::new(move |kv| {
@@ -254,6 +255,16 @@ impl Jobs {
                 tx.lease_now = lease_clock.now_ms();
                 let value = body(&mut tx)?;
                 let effects = tx.finish()?;
+                // Workers waiting for a job are woken as soon as one is added,
+                // while its commit is being made durable: the lease they come
+                // for runs over the uncommitted writes and is acknowledged
+                // only after them, so no job starts before its add is durable,
+                // and the wake-up, the worker's call and the lease overlap the
+                // fsync instead of following it. (They are woken again with
+                // the acknowledgement; a wake-up is only a hint.)
+                for q in &effects.wake_jobs {
+                    early.notifier.notify(q, Channel::Jobs);
+                }
                 Ok(Box::new((value, effects)))
             }),
             done: Box::new(move |result| {
@@ -390,7 +401,7 @@ impl Jobs {
             }
             let until = self.wake_time(&got.info, deadline);
             let sleep = until.saturating_duration_since(now);
-            if !sleep_until_woken(listener, sleep, interrupt).await {
+            if sleep_until_woken(listener, sleep, interrupt).await == Wake::Interrupted {
                 return Ok(got);
             }
         }
@@ -464,8 +475,14 @@ impl Jobs {
                 until = until.min(now + Duration::from_millis(d.saturating_sub(now_ms)));
             }
             let sleep = until.saturating_duration_since(now);
-            if !sleep_until_woken(listener, sleep, interrupt).await {
-                return Ok(None);
+            match sleep_until_woken(listener, sleep, interrupt).await {
+                // Woken by a write that may have made a job ready: the
+                // snapshot may not show it yet (its commit may still be on
+                // its way to disk), while the lease BullMQ now asks for
+                // sees it.
+                Wake::Notified => return Ok(Some(0)),
+                Wake::TimedOut => {}
+                Wake::Interrupted => return Ok(None),
             }
         }
     }
@@ -571,7 +588,7 @@ impl Jobs {
                 return Ok(events);
             }
             let sleep = deadline - now;
-            if !sleep_until_woken(listener, sleep, interrupt).await {
+            if sleep_until_woken(listener, sleep, interrupt).await == Wake::Interrupted {
                 return Ok(events);
             }
         }
@@ -604,23 +621,32 @@ impl Jobs {
 
 /// Sleeps until `listener` fires, `sleep` passes, or `interrupt` fires.
 /// False, at once, when the interrupt had already fired.
-async fn sleep_until_woken(listener: event_listener::EventListener, sleep: Duration, interrupt: Option<&Interrupt>) -> bool {
+/// How a sleep in [`sleep_until_woken`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wake {
+    Notified,
+    TimedOut,
+    Interrupted,
+}
+
+async fn sleep_until_woken(listener: event_listener::EventListener, sleep: Duration, interrupt: Option<&Interrupt>) -> Wake {
     match interrupt {
         Some(i) => {
             let stop = i.signal.listen();
             if i.is_fired() {
-                return false;
+                return Wake::Interrupted;
             }
-            let _ = tokio::time::timeout(sleep, async {
-                tokio::select! { _ = listener => {}, _ = stop => {} }
+            let woken = tokio::time::timeout(sleep, async {
+                tokio::select! { _ = listener => Wake::Notified, _ = stop => Wake::Interrupted }
             })
             .await;
+            woken.unwrap_or(Wake::TimedOut)
         }
-        None => {
-            let _ = tokio::time::timeout(sleep, listener).await;
-        }
+        None => match tokio::time::timeout(sleep, listener).await {
+            Ok(_) => Wake::Notified,
+            Err(_) => Wake::TimedOut,
+        },
     }
-    true
 }
 
 /// Promotes delayed jobs when they fall due and sweeps each queue's expired
