@@ -619,8 +619,6 @@ impl Jobs {
     }
 }
 
-/// Sleeps until `listener` fires, `sleep` passes, or `interrupt` fires.
-/// False, at once, when the interrupt had already fired.
 /// How a sleep in [`sleep_until_woken`] ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Wake {
@@ -629,6 +627,8 @@ enum Wake {
     Interrupted,
 }
 
+/// Sleeps until `listener` fires, `sleep` passes, or `interrupt` fires;
+/// `Interrupted` at once when the interrupt had already fired.
 async fn sleep_until_woken(listener: event_listener::EventListener, sleep: Duration, interrupt: Option<&Interrupt>) -> Wake {
     match interrupt {
         Some(i) => {

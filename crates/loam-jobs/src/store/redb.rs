@@ -132,24 +132,24 @@ impl RedbStore {
         // With a log, redb is written on a thread of its own, behind the log;
         // without one, its commits are what makes writes durable, before
         // they are acknowledged.
-        let file = if wal.is_some() {
-            let (to_file, from_committer) = mpsc::channel();
-            threads.push(
-                std::thread::Builder::new()
-                    .name("loam-jobs-file".into())
-                    .spawn(move || file_writer.run(from_committer))
-                    .map_err(io)?,
-            );
-            File::Behind(to_file)
-        } else {
-            File::Inline(file_writer)
+        let file = match wal {
+            Some(wal) => {
+                let (to_file, from_committer) = mpsc::channel();
+                threads.push(
+                    std::thread::Builder::new()
+                        .name("loam-jobs-file".into())
+                        .spawn(move || file_writer.run(from_committer))
+                        .map_err(io)?,
+                );
+                File::Logged { wal, to_file }
+            }
+            None => File::Inline(file_writer),
         };
         let committer = Committer {
             progress: Arc::clone(&progress),
             durability,
             unflushed_since: None,
             last_failed: 0,
-            wal,
             file,
             last_checkpoint: Instant::now(),
             broken: None,
@@ -494,9 +494,7 @@ struct Committer {
     unflushed_since: Option<Instant>,
     /// The last batch whose commit failed: a batch that read its writes fails too.
     last_failed: u64,
-    /// The write-ahead log that makes commits durable; without it, redb does.
-    wal: Option<Wal>,
-    /// Where groups go into redb.
+    /// How commits are made durable and reach redb.
     file: File,
     last_checkpoint: Instant,
     /// Why the log failed: from then on every commit fails, as redb's own do
@@ -504,12 +502,14 @@ struct Committer {
     broken: Option<StoreError>,
 }
 
-/// How the committer's groups reach the redb file.
+/// How the committer's groups are made durable and reach the redb file.
 enum File {
-    /// Without a log: on the committer's thread, before acknowledging.
+    /// Without a log (a store in memory): redb's own commits make them
+    /// durable, on the committer's thread, before acknowledging.
     Inline(FileWriter),
-    /// With a log: on the file writer's thread, after acknowledging.
-    Behind(Sender<ToFile>),
+    /// The write-ahead log makes them durable; the file writer's thread
+    /// writes them into redb after acknowledging.
+    Logged { wal: Wal, to_file: Sender<ToFile> },
 }
 
 /// A committed group on its way into the file: the writes of its batches that
@@ -576,10 +576,9 @@ impl Committer {
         if self.unflushed_since.is_none() || self.broken.is_some() {
             return;
         }
-        let result = match (&self.wal, &self.file) {
-            (Some(wal), _) => wal.sync().map_err(io),
-            (None, File::Inline(file)) => file.write(&[], true, None),
-            (None, File::Behind(_)) => Err(StoreError::Io("a file writer behind no log".into())),
+        let result = match &self.file {
+            File::Logged { wal, .. } => wal.sync().map_err(io),
+            File::Inline(file) => file.write(&[], true, None),
         };
         match result {
             Ok(()) => self.unflushed_since = None,
@@ -592,7 +591,7 @@ impl Committer {
     /// under the next generation. The file writer has written every group
     /// sent before it by then, since it takes them in order.
     fn checkpoint(&mut self, group: Option<Group>) -> Result<(), StoreError> {
-        let (Some(wal), File::Behind(to_file)) = (&self.wal, &self.file) else { return Ok(()) };
+        let File::Logged { wal, to_file } = &mut self.file else { return Ok(()) };
         if let Some(e) = &self.broken {
             return Err(e.clone());
         }
@@ -604,9 +603,7 @@ impl Committer {
             .and_then(|()| answer.recv().map_err(|_| StoreError::Closed)?);
         match &result {
             Ok(()) => {
-                if let Some(wal) = &mut self.wal {
-                    wal.restart(generation);
-                }
+                wal.restart(generation);
                 self.last_checkpoint = Instant::now();
                 self.unflushed_since = None;
             }
@@ -616,9 +613,8 @@ impl Committer {
     }
 
     fn checkpoint_due(&self) -> bool {
-        self.wal.as_ref().is_some_and(|wal| {
-            !wal.is_empty() && (wal.half_full() || self.last_checkpoint.elapsed() >= CHECKPOINT_INTERVAL)
-        })
+        matches!(&self.file, File::Logged { wal, .. }
+            if !wal.is_empty() && (wal.half_full() || self.last_checkpoint.elapsed() >= CHECKPOINT_INTERVAL))
     }
 
     /// Makes `batches` durable and hands them to the file. With a log, the
@@ -638,11 +634,9 @@ impl Committer {
             self.done_with(last);
             return Err(e);
         }
-        let Some(wal) = &mut self.wal else {
-            return match &self.file {
-                File::Inline(file) => file.write(&[group], sync, None),
-                File::Behind(_) => Err(StoreError::Io("a file writer behind no log".into())),
-            };
+        let wal = match &mut self.file {
+            File::Inline(file) => return file.write(&[group], sync, None),
+            File::Logged { wal, .. } => wal,
         };
         let record = Wal::encode(batches.iter().map(|b| b.writes.as_ref()));
         if !wal.fits(&record) {
@@ -668,12 +662,12 @@ impl Committer {
             File::Inline(file) => {
                 let _ = file.write(&[group], false, None);
             }
-            File::Behind(_) => self.to_file(ToFile::Group(group)),
+            File::Logged { .. } => self.to_file(ToFile::Group(group)),
         }
     }
 
     fn to_file(&self, message: ToFile) {
-        if let File::Behind(to_file) = &self.file {
+        if let File::Logged { to_file, .. } = &self.file {
             // The file writer ends only after the committer does.
             let _ = to_file.send(message);
         }
