@@ -2,7 +2,7 @@
 //! queues' counters read once and written back once, and the effects
 //! (wake-ups, timers) to apply after the commit.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 
 use crate::config::{Config, QueueConfig};
 use crate::error::JobsError;
@@ -47,13 +47,15 @@ pub struct Tx<'a> {
     /// (faked) time; by default it is `now`.
     pub lease_now: u64,
     pub config: &'a Config,
-    queues: HashMap<QueueId, QueueCache>,
+    /// The queues the operation touched: one or two, rarely more (flows), so
+    /// a list beats hashing queue names on every counter update.
+    queues: Vec<(QueueId, QueueCache)>,
     pub effects: Effects,
 }
 
 impl<'a> Tx<'a> {
     pub fn new(kv: &'a mut dyn KvTxn, ns: &str, now: u64, config: &'a Config) -> Self {
-        Self { kv, ns: ns.to_string(), now, generation: 0, lease_now: now, config, queues: HashMap::new(), effects: Effects::default() }
+        Self { kv, ns: ns.to_string(), now, generation: 0, lease_now: now, config, queues: Vec::new(), effects: Effects::default() }
     }
 
     // ---- raw access -------------------------------------------------------
@@ -101,15 +103,19 @@ impl<'a> Tx<'a> {
     // ---- queues -----------------------------------------------------------
 
     fn cache(&mut self, q: &QueueId) -> Result<&mut QueueCache, JobsError> {
-        if !self.queues.contains_key(q) {
-            let keys = QueueKeys::new(q);
-            let (stats, new) = match self.kv.get(&keys.stats())? {
-                Some(bytes) => (model::decode(&bytes)?, false),
-                None => (QueueStats::default(), true),
-            };
-            self.queues.insert(q.clone(), QueueCache { stats, dirty: false, new, config: None, max_events: None, meta: None });
-        }
-        self.queues.get_mut(q).ok_or_else(|| JobsError::Internal("queue cache".into()))
+        let at = match self.queues.iter().position(|(known, _)| known == q) {
+            Some(at) => at,
+            None => {
+                let (stats, new) = match self.kv.get(&QueueKeys::new(q).stats())? {
+                    Some(bytes) => (model::decode(&bytes)?, false),
+                    None => (QueueStats::default(), true),
+                };
+                let cache = QueueCache { stats, dirty: false, new, config: None, max_events: None, meta: None };
+                self.queues.push((q.clone(), cache));
+                self.queues.len() - 1
+            }
+        };
+        Ok(&mut self.queues[at].1)
     }
 
     pub fn stats(&mut self, q: &QueueId) -> Result<&QueueStats, JobsError> {
@@ -173,7 +179,7 @@ impl<'a> Tx<'a> {
 
     /// Drops cached settings (meta, config) of a queue after they changed.
     pub fn forget_queue(&mut self, q: &QueueId) {
-        if let Some(c) = self.queues.get_mut(q) {
+        if let Some((_, c)) = self.queues.iter_mut().find(|(known, _)| known == q) {
             c.config = None;
             c.max_events = None;
             c.meta = None;
@@ -182,7 +188,7 @@ impl<'a> Tx<'a> {
 
     /// Drops everything cached of a queue that was deleted, counters included.
     pub fn drop_queue(&mut self, q: &QueueId) {
-        self.queues.remove(q);
+        self.queues.retain(|(known, _)| known != q);
     }
 
     /// Writes the queues' counters back. Called once, at the end of the body.
