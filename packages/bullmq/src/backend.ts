@@ -40,6 +40,7 @@ import {
   paginateTarget,
   parseJob,
   parseNodeKey,
+  Siblings,
   type ChildrenByCategory,
   type FinishedResult,
 } from './common.js';
@@ -88,6 +89,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   private isReady = false;
   /** Where a QueueEvents started reading (`'$'` resolved at construction). */
   private eventsStart: Promise<string> | undefined;
+  private readonly siblings = new Siblings<LoamQueueBackend>();
 
   constructor(
     native: LoamQueue,
@@ -162,7 +164,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   forQueue(queueName: string, prefix?: string): IQueueBackend {
     const p = prefix ?? this.prefix;
-    return new LoamQueueBackend(this.native.forQueue(queueName, p), queueName, p, false);
+    return this.siblings.get(queueName, p, () => new LoamQueueBackend(this.native.forQueue(queueName, p), queueName, p, false));
   }
 
   get qualifiedName(): string {

@@ -158,3 +158,27 @@ export function paginateTarget(key: string, qualifiedName: string): { parentId: 
   }
   return { parentId: match[1].slice(own.length), processed: match[2] === 'processed' };
 }
+
+/**
+ * The `forQueue` siblings a backend made, by prefix and queue. A FlowProducer
+ * asks for one per node of every flow it adds; building a backend costs more
+ * than adding the node (a native handle, its ordered-write wrappers, a ready
+ * check), so a queue's sibling is made once. Bounded, oldest first out, for
+ * producers that spread flows over very many queues.
+ */
+export class Siblings<B extends { closing: Promise<void> | undefined }> {
+  private readonly made = new Map<string, B>();
+
+  constructor(private readonly max = 256) {}
+
+  get(queueName: string, prefix: string, make: () => B): B {
+    const key = `${prefix}\u0000${queueName}`;
+    const known = this.made.get(key);
+    if (known && !known.closing) return known;
+    const sibling = make();
+    this.made.delete(key);
+    this.made.set(key, sibling);
+    if (this.made.size > this.max) this.made.delete(this.made.keys().next().value as string);
+    return sibling;
+  }
+}

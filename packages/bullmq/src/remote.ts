@@ -41,6 +41,7 @@ import {
   newJobJson,
   paginateTarget,
   parseNodeKey,
+  Siblings,
   type NextJobTuple,
 } from './common.js';
 import { fromServer, type BullmqCommand, type LoamErrorCode } from './errors.js';
@@ -183,6 +184,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   private readonly ready: Promise<void>;
   /** Where a QueueEvents started reading (`'$'` resolved at construction). */
   private eventsStart: Promise<string> | undefined;
+  private readonly siblings = new Siblings<RemoteQueueBackend>();
   /** The name this backend reports to the server's client list, refreshed while open. */
   private clientNameTimer: NodeJS.Timeout | undefined;
   /** Settles once every ordered write issued so far has been answered (see `send`). */
@@ -372,7 +374,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- identity -------------------------------------------------------------
 
   forQueue(queueName: string, prefix?: string): IQueueBackend {
-    return new RemoteQueueBackend(this.channel, queueName, prefix ?? this.prefix, false, this.settings);
+    const p = prefix ?? this.prefix;
+    return this.siblings.get(queueName, p, () => new RemoteQueueBackend(this.channel, queueName, p, false, this.settings));
   }
 
   get qualifiedName(): string {

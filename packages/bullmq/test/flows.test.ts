@@ -1,5 +1,5 @@
 import { afterAll, describe, expect, it } from 'vitest';
-import { WaitingChildrenError, type Job } from 'bullmq';
+import { WaitingChildrenError, type IQueueBackend, type Job } from 'bullmq';
 import { freshLoam, until } from './helpers.js';
 
 const loam = freshLoam();
@@ -46,6 +46,24 @@ describe('flows', () => {
     await childWorker.close();
     await parentWorker.close();
     await parentQueue.close();
+    await flow.close();
+  });
+
+  it("keeps one backend per queue for a FlowProducer's nodes", async () => {
+    const flow = new FlowProducer({ connection });
+    await flow.waitUntilReady();
+    const backend = (flow as unknown as { backend: IQueueBackend }).backend;
+    const [a, b] = [loam.queueName(), loam.queueName()];
+    const first = backend.forQueue(a);
+    expect(backend.forQueue(a)).toBe(first);
+    expect(backend.forQueue(b)).not.toBe(first);
+    expect(backend.forQueue(a, 'other')).not.toBe(first);
+    expect(backend.forQueue(a, 'other').qualifiedName).toBe(`other:${a}`);
+    // A sibling someone closed is not handed out again.
+    await first.close();
+    const second = backend.forQueue(a);
+    expect(second).not.toBe(first);
+    expect(second.qualifiedName).toBe(`bull:${a}`);
     await flow.close();
   });
 
