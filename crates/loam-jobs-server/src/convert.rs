@@ -178,7 +178,7 @@ pub fn job_spec(j: pb::JobSpec) -> Res<EnqueueRequest> {
         keep_logs: j.keep_logs,
         dead_letter: j.dead_letter,
         timestamp: j.timestamp,
-        scheduler_id: None,
+        scheduler_id: j.scheduler_id,
     })
 }
 

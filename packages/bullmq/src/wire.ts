@@ -149,6 +149,7 @@ export function jobSpec(job: NewJobJson): JobSpecInit {
     priority: job.priority !== undefined && job.priority !== null ? u32(job.priority) : base.priority,
     timestamp: job.timestamp !== undefined && job.timestamp !== null ? u64(job.timestamp) : base.timestamp,
     parent: parentOf,
+    schedulerId: job.repeatJobKey || undefined,
   };
 }
 

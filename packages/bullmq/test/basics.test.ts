@@ -47,6 +47,15 @@ describe('Queue and Worker on Loam', () => {
     await queue.close();
   });
 
+  it("keeps a job's repeatJobKey (the scheduler it belongs to)", async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const job = await queue.add('tick', {}, { repeatJobKey: 'every-minute' } as never);
+    expect((await queue.getJob(job.id!))?.repeatJobKey).toBe('every-minute');
+    const [bulk] = await queue.addBulk([{ name: 'tick', data: {}, opts: { repeatJobKey: 'nightly' } as never }]);
+    expect((await queue.getJob(bulk.id!))?.repeatJobKey).toBe('nightly');
+    await queue.close();
+  });
+
   it('applies writes in call order, awaited or not (like one Redis connection)', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const adds = Array.from({ length: 50 }, (_, n) => queue.add('ordered', { n }));

@@ -65,6 +65,12 @@ def test_job_id_and_bulk_results(client: Client, queue: str) -> None:
     assert client.get_job(queue, "fixed").data == b"raw bytes"
 
 
+def test_a_job_names_its_scheduler(client: Client, queue: str) -> None:
+    enqueued = client.enqueue(queue, "tick", scheduler_id="every-minute")
+    assert client.get_job(queue, enqueued.id).scheduler_id == "every-minute"
+    assert client.get_job(queue, client.enqueue(queue, "plain").id).scheduler_id == ""
+
+
 def test_lease_waits_for_a_job_and_fetch_next(client: Client, queue: str) -> None:
     started = time.monotonic()
     assert len(client.lease(queue, wait_ms=300)) == 0

@@ -145,6 +145,7 @@ def job(
     keep_logs: int | None = None,
     dead_letter: str | None = None,
     timestamp: int | None = None,
+    scheduler_id: str | None = None,
     opts: str | Mapping[str, Any] = "",
 ) -> JobSpec:
     """A job as a producer describes it.
@@ -153,6 +154,7 @@ def job(
     number is a fixed delay in ms. `dedup` as a string is the dedup id with
     BullMQ's default mode (until the job finishes). `opts` is the caller's
     own options document (BullMQ's job options), kept verbatim by the server.
+    `scheduler_id` names the job scheduler the job is an iteration of.
     """
     return JobSpec(
         name=name,
@@ -177,6 +179,7 @@ def job(
         keep_logs=keep_logs,
         dead_letter=dead_letter,
         timestamp=timestamp,
+        scheduler_id=scheduler_id,
     )
 
 
