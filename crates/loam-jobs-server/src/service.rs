@@ -151,6 +151,18 @@ impl JobsSvc {
         }
     }
 
+    /// Whether `name` was listed.
+    fn forget_worker(&self, ns: &str, queue: &str, name: &str) -> bool {
+        let Ok(mut w) = self.workers.lock() else { return false };
+        let key = (ns.to_string(), queue.to_string());
+        let Some(names) = w.get_mut(&key) else { return false };
+        let listed = names.remove(name).is_some();
+        if names.is_empty() {
+            w.remove(&key);
+        }
+        listed
+    }
+
     fn workers_of(&self, ns: &str, queue: &str) -> Vec<String> {
         let now = Instant::now();
         let Ok(w) = self.workers.lock() else { return Vec::new() };
@@ -497,6 +509,11 @@ impl JobsSvc {
                     // Validates the queue name as every other call does.
                     jobs.query(ns, queue, |_, _| Ok(()))?;
                     self.saw_worker(ns, queue, &w.name);
+                    Ok(())
+                }
+                Op::UnregisterWorker(w) => {
+                    jobs.query(ns, queue, |_, _| Ok(()))?;
+                    out.count = u64::from(self.forget_worker(ns, queue, &w.name));
                     Ok(())
                 }
             }

@@ -176,6 +176,11 @@ async fn queue_and_job_admin_reports_and_queries() {
     qa(&c, qn, pb::queue_admin_request::RegisterWorker { name: "host-1:42".into(), ..Default::default() }).await;
     let R::Names(w) = q(&c, qn, Q::Workers(true)).await else { panic!("workers") };
     assert_eq!(w.names, vec!["host-1:42".to_string()]);
+    let forget = || pb::queue_admin_request::UnregisterWorker { name: "host-1:42".into(), ..Default::default() };
+    assert_eq!(qa(&c, qn, forget()).await.count, 1);
+    assert_eq!(qa(&c, qn, forget()).await.count, 0, "forgotten once");
+    let R::Names(w) = q(&c, qn, Q::Workers(true)).await else { panic!("workers") };
+    assert!(w.names.is_empty(), "{:?}", w.names);
     let cfg = pb::QueueConfig { max_stalled: 3, stalled_interval_ms: 5_000, ..Default::default() };
     qa(&c, qn, oneof::queue_admin_request::Op::from(cfg)).await;
     let R::Config(got) = q(&c, qn, Q::Config(true)).await else { panic!("config") };

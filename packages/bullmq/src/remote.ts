@@ -100,6 +100,13 @@ const EVENTS_PER_READ = 1000;
  * still there: the server lists names seen in the last 5 minutes.
  */
 const NAME_REFRESH_MS = 60_000;
+/** How long a closing worker waits for the server to forget its name. */
+const UNREGISTER_WAIT_MS = 1_000;
+
+/** Resolves after `ms`, without keeping the process alive. */
+function delay(ms: number): Promise<void> {
+  return new Promise(resolve => setTimeout(resolve, ms).unref());
+}
 
 /** The worker settings BullMQ keeps out of the per-call arguments, read once from the factory options. */
 interface WorkerSettings {
@@ -187,6 +194,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   private readonly siblings = new Siblings<RemoteQueueBackend>();
   /** The name this backend reports to the server's client list, refreshed while open. */
   private clientNameTimer: NodeJS.Timeout | undefined;
+  /** The name this backend registered, while it is registered. */
+  private announced: string | undefined;
   /** Settles once every ordered write issued so far has been answered (see `send`). */
   private orderedWrites: Promise<void> = Promise.resolve();
   private orderedInFlight = 0;
@@ -321,18 +330,31 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   /** Registers `name` in the server's client list now and every minute while open. */
   private announce(name: string): Promise<void> {
-    this.stopAnnouncing();
+    const previous = this.stopAnnouncing();
     const tagged = taggedName(name);
+    this.announced = tagged;
     const register = () =>
       this.queueAdmin({ command: 'setName' }, { case: 'registerWorker', value: { name: tagged } }).then(() => undefined);
     this.clientNameTimer = setInterval(() => register().catch(err => this.emit('error', err)), NAME_REFRESH_MS);
     this.clientNameTimer.unref();
-    return register();
+    return Promise.all([previous, register()]).then(() => undefined);
   }
 
-  private stopAnnouncing(): void {
+  /**
+   * Stops refreshing the announced name and has the server forget it (as
+   * Redis forgets a closed connection's name). A server that cannot be
+   * reached forgets it within five minutes anyway, so that is no error.
+   */
+  private stopAnnouncing(): Promise<void> {
     if (this.clientNameTimer) clearInterval(this.clientNameTimer);
     this.clientNameTimer = undefined;
+    const name = this.announced;
+    this.announced = undefined;
+    if (name === undefined) return Promise.resolve();
+    return this.queueAdmin({ command: 'setName' }, { case: 'unregisterWorker', value: { name } }).then(
+      () => undefined,
+      () => undefined,
+    );
   }
 
   // ---- lifecycle ------------------------------------------------------------
@@ -343,11 +365,13 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   close(_force?: boolean): Promise<void> {
     if (!this.closing) {
-      this.stopAnnouncing();
+      // Closed once the server forgot this worker's name, so getWorkers no
+      // longer lists it, but not held up long by a server that is gone.
+      const forgotten = Promise.race([this.stopAnnouncing(), delay(UNREGISTER_WAIT_MS)]);
       this.blocking.abort();
       this.events.abort();
       if (this.owner) this.channel.release();
-      this.closing = Promise.resolve().then(() => {
+      this.closing = forgotten.then(() => {
         this.emit('close');
       });
     }

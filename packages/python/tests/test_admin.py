@@ -112,6 +112,9 @@ def test_meta_config_events_and_workers(client: Client, queue: str) -> None:
     client.register_worker(queue, "worker-1")
     client.lease(queue, worker="worker-2")
     assert {"worker-1", "worker-2"} <= set(client.workers(queue))
+    assert client.unregister_worker(queue, "worker-1")
+    assert not client.unregister_worker(queue, "worker-1")
+    assert "worker-1" not in client.workers(queue)
 
     client.enqueue(queue, "d", None, dedup="once")
     assert client.dedup_job(queue, "once") is not None

@@ -750,8 +750,14 @@ class Operations(ABC):
         return self._run(_then(queue_admin(queue, "redrive_dead_letters", value), _count))
 
     def register_worker(self, queue: str, name: str) -> None:
+        """Lists `name` among the queue's workers for 5 minutes (call again to stay listed)."""
         value = QueueAdminRequest.RegisterWorker(name=name)
         return self._run(_then(queue_admin(queue, "register_worker", value), _nothing))
+
+    def unregister_worker(self, queue: str, name: str) -> bool:
+        """Stops listing `name` (a worker that is closing); False if it was not listed."""
+        value = QueueAdminRequest.UnregisterWorker(name=name)
+        return self._run(_then(queue_admin(queue, "unregister_worker", value), lambda resp: resp.count == 1))
 
     def workers(self, queue: str) -> list[str]:
         """Worker names seen on the queue in the last 5 minutes."""
