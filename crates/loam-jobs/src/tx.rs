@@ -50,33 +50,43 @@ pub struct Tx<'a> {
     /// The queues the operation touched: one or two, rarely more (flows), so
     /// a list beats hashing queue names on every counter update.
     queues: Vec<(QueueId, QueueCache)>,
+    /// The event page the operation is appending to, written back when the
+    /// operation ends (or before anything reads, scans or replaces its key):
+    /// an operation may append many events (an addBulk two per job), and
+    /// writing the page back per event copied the whole page each time.
+    open_page: Option<(Key, Value)>,
     pub effects: Effects,
 }
 
 impl<'a> Tx<'a> {
     pub fn new(kv: &'a mut dyn KvTxn, ns: &str, now: u64, config: &'a Config) -> Self {
-        Self { kv, ns: ns.to_string(), now, generation: 0, lease_now: now, config, queues: Vec::new(), effects: Effects::default() }
+        Self { kv, ns: ns.to_string(), now, generation: 0, lease_now: now, config, queues: Vec::new(), open_page: None, effects: Effects::default() }
     }
 
     // ---- raw access -------------------------------------------------------
 
     pub fn get(&mut self, key: &[u8]) -> Result<Option<Value>, JobsError> {
+        self.close_page_if(|page| page == key)?;
         Ok(self.kv.get(key)?)
     }
     pub fn get_for_update(&mut self, key: &[u8]) -> Result<Option<Value>, JobsError> {
+        self.close_page_if(|page| page == key)?;
         Ok(self.kv.get_for_update(key)?)
     }
     pub fn put(&mut self, key: &[u8], value: Value) -> Result<(), JobsError> {
+        self.drop_page_if(key);
         Ok(self.kv.put(key, value)?)
     }
     pub fn delete(&mut self, key: &[u8]) -> Result<(), JobsError> {
+        self.drop_page_if(key);
         Ok(self.kv.delete(key)?)
     }
     pub fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, JobsError> {
+        self.close_page_if(|page| range.contains(page))?;
         Ok(self.kv.scan(range, limit, reverse)?)
     }
     pub fn get_record<T: for<'de> serde::Deserialize<'de>>(&mut self, key: &[u8]) -> Result<Option<T>, JobsError> {
-        match self.kv.get(key)? {
+        match self.get(key)? {
             Some(bytes) => Ok(Some(model::decode(&bytes)?)),
             None => Ok(None),
         }
@@ -193,6 +203,7 @@ impl<'a> Tx<'a> {
 
     /// Writes the queues' counters back. Called once, at the end of the body.
     pub fn finish(mut self) -> Result<Effects, JobsError> {
+        self.close_page_if(|_| true)?;
         let dirty: Vec<(QueueId, Vec<u8>, bool)> = self
             .queues
             .iter()
@@ -304,13 +315,37 @@ impl<'a> Tx<'a> {
         let seq = stats.last_event;
         let event = model::encode(&EventRef { seq, ts: now, name, fields });
         let key = QueueKeys::new(q).event_page(seq);
-        let mut page = self.get(&key)?.unwrap_or_default();
-        model::append_to_page(&mut page, &event);
-        self.put(&key, page)?;
+        if self.open_page.as_ref().is_none_or(|(open, _)| *open != key) {
+            self.close_page_if(|_| true)?;
+            let page = self.kv.get(&key)?.unwrap_or_default();
+            self.open_page = Some((key, page));
+        }
+        if let Some((_, page)) = self.open_page.as_mut() {
+            model::append_to_page(page, &event);
+        }
         let id = format!("{now}-{seq}");
         self.trim_events(q, max)?;
-        self.effects.wake_events.insert(q.clone());
+        if !self.effects.wake_events.contains(q) {
+            self.effects.wake_events.insert(q.clone());
+        }
         Ok(id)
+    }
+
+    /// Writes the open event page back if `touches` its key.
+    fn close_page_if(&mut self, touches: impl FnOnce(&[u8]) -> bool) -> Result<(), JobsError> {
+        if self.open_page.as_ref().is_some_and(|(key, _)| touches(key)) {
+            if let Some((key, page)) = self.open_page.take() {
+                self.kv.put(&key, page)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets the open event page when its key is overwritten or deleted.
+    fn drop_page_if(&mut self, key: &[u8]) {
+        if self.open_page.as_ref().is_some_and(|(open, _)| open == key) {
+            self.open_page = None;
+        }
     }
 
     /// Keeps the newest `max` events; returns how many were dropped. Pages

@@ -365,6 +365,35 @@ fn event_pages_read_in_order_across_trims_and_limits() {
 }
 
 #[test]
+fn one_operation_writing_many_events_keeps_them_in_order_and_trimmed() {
+    // An operation appends to an event page in memory and writes it back once;
+    // here one addBulk writes 600 events across ten pages and trims as it goes.
+    let (jobs, _) = core();
+    jobs.set_meta("ns", "q", BTreeMap::from([("opts.maxLenEvents".to_string(), "150".to_string())])).wait().unwrap();
+    let bulk = (0..300).map(|i| job(&format!("j{i}"))).collect();
+    assert!(jobs.enqueue_bulk("ns", "q", bulk).wait().unwrap().iter().all(Result::is_ok));
+    let seqs: Vec<u64> = jobs
+        .read_events_blocking("ns", "q", Some(0), 10_000, Duration::ZERO)
+        .unwrap()
+        .iter()
+        .map(|e| e.seq)
+        .collect();
+    assert_eq!(seqs, (451..=600).collect::<Vec<_>>());
+    // The next operation appends to the page the bulk left open.
+    jobs.enqueue("ns", "q", job("after")).wait().unwrap();
+    let tail = jobs.read_events_blocking("ns", "q", Some(598), 100, Duration::ZERO).unwrap();
+    assert_eq!(tail.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![599, 600, 601, 602]);
+    assert_eq!(tail[2].name, "added");
+
+    // A log of length 1 keeps only the newest event, even within one operation.
+    jobs.set_meta("ns", "r", BTreeMap::from([("opts.maxLenEvents".to_string(), "1".to_string())])).wait().unwrap();
+    let bulk = (0..100).map(|i| job(&format!("k{i}"))).collect();
+    jobs.enqueue_bulk("ns", "r", bulk).wait().unwrap();
+    let kept = jobs.read_events_blocking("ns", "r", Some(0), 100, Duration::ZERO).unwrap();
+    assert_eq!(kept.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![200]);
+}
+
+#[test]
 fn read_events_waits_for_the_next_event() {
     let (jobs, _) = core();
     let producer = jobs.clone();
