@@ -315,9 +315,10 @@ async function main() {
   if (report.results.loam && report.results.redis) {
     console.log('\n| scenario | loam jobs/s | redis jobs/s | loam / redis | loam cpu ms/job | redis cpu ms/job (node + server) |');
     console.log('|---|---:|---:|---:|---:|---:|');
-    for (const name of Object.keys(scenarios)) {
+    for (const name of Object.keys(report.results.loam)) {
       const l = report.results.loam[name];
       const r = report.results.redis[name];
+      if (!r) continue;
       const lat = l.p99Ms !== undefined ? ` (p99 ${l.p99Ms.toFixed(1)} vs ${r.p99Ms.toFixed(1)} ms)` : '';
       console.log(
         `| ${name} | ${l.jobsPerSec.toFixed(0)} | ${r.jobsPerSec.toFixed(0)} | ${(l.jobsPerSec / r.jobsPerSec).toFixed(2)}${lat} | ` +
@@ -331,6 +332,7 @@ async function main() {
     for (const name of Object.keys(report.results.remote)) {
       const l = report.results.remote[name];
       const r = report.results.redis[name];
+      if (!r) continue;
       console.log(
         `| ${name} | ${l.jobsPerSec.toFixed(0)} | ${r.jobsPerSec.toFixed(0)} | ${(l.jobsPerSec / r.jobsPerSec).toFixed(2)} | ` +
           `${(l.nodeCpuMsPerJob + l.serverCpuMsPerJob).toFixed(3)} |`,
