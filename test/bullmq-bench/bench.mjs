@@ -221,13 +221,16 @@ const scenarios = {
     const q = new Queue(name, b.opts);
     const count = n(5000);
     const delay = 1000;
-    await q.addBulk(Array.from({ length: count }, (_, i) => ({ name: 'job', data: { i }, opts: { delay } })));
+    // The first jobs fall due `delay` after the add began (BullMQ stamps each
+    // job as it adds it): measuring from the end of the add instead credited a
+    // slow add with the jobs it processed before that point.
     const dueAt = performance.now() + delay;
+    await q.addBulk(Array.from({ length: count }, (_, i) => ({ name: 'job', data: { i }, opts: { delay } })));
     let worker;
     const r = await measure(b, count, async () => {
       worker = new Worker(name, async () => 'ok', { ...b.opts, concurrency: 100 });
       await completions(worker, count);
-      // Rate from the moment the jobs fell due: the delay itself is not work.
+      // Rate from the moment the first jobs fell due: the delay itself is not work.
       const afterDueSeconds = (performance.now() - dueAt) / 1000;
       return { afterDueSeconds, jobsPerSec: count / afterDueSeconds };
     });
