@@ -47,12 +47,16 @@ const RESULT: u8 = b'v';
 const CONFIG: u8 = b'C';
 
 fn push_str(out: &mut Vec<u8>, s: &str) {
-    for &b in s.as_bytes() {
-        out.push(b);
-        if b == 0 {
-            out.push(0xFF);
-        }
+    // Copied a run at a time: keys are built on every access, and names
+    // almost never hold a 0x00.
+    out.reserve(s.len() + 2);
+    let mut rest = s.as_bytes();
+    while let Some(at) = rest.iter().position(|&b| b == 0) {
+        out.extend_from_slice(&rest[..=at]);
+        out.push(0xFF);
+        rest = &rest[at + 1..];
     }
+    out.extend_from_slice(rest);
     out.extend_from_slice(&[0, 1]);
 }
 
@@ -147,7 +151,8 @@ pub struct QueueKeys {
 
 impl QueueKeys {
     pub fn new(q: &QueueId) -> Self {
-        let mut prefix = vec![QUEUE];
+        let mut prefix = Vec::with_capacity(q.ns.len() + q.name.len() + 5);
+        prefix.push(QUEUE);
         push_str(&mut prefix, &q.ns);
         push_str(&mut prefix, &q.name);
         Self { prefix }
