@@ -1,7 +1,12 @@
 // BullMQ on @loam/bullmq beside BullMQ on Redis: the same scenarios, in one
 // run, with the ratios printed. Not a test: figures vary with machine load.
 //
-//   node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--scale 0.5] [--json out.json]
+//   node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--rounds 3] [--scale 0.5]
+//                  [--json out.json]
+//
+// Each round runs every scenario on every backend back to back; the tables
+// give each backend's median and the median (and range) of the ratios of
+// runs made in the same round.
 //
 // Redis is started here (redis-server from the machine, on a free loopback
 // port, default persistence: RDB snapshots, no AOF). Loam uses its default
@@ -270,78 +275,122 @@ const scenarios = {
   },
 };
 
-async function runBackend(label, b, names = chosen === '' ? Object.keys(scenarios) : chosen.split(';')) {
-  const results = {};
-  for (const [name, run] of Object.entries(scenarios).filter(([name]) => names.includes(name))) {
-    results[name] = await run(b);
-    const x = results[name];
-    const lat = x.p50Ms !== undefined ? `  p50 ${x.p50Ms.toFixed(2)} ms  p99 ${x.p99Ms.toFixed(2)} ms` : '';
+function printRun(label, name, x) {
+  const lat = x.p50Ms !== undefined ? `  p50 ${x.p50Ms.toFixed(2)} ms  p99 ${x.p99Ms.toFixed(2)} ms` : '';
+  console.log(
+    `${label.padEnd(6)} ${name.padEnd(40)} ${x.jobsPerSec.toFixed(0).padStart(8)} jobs/s  ` +
+      `cpu/job node ${x.nodeCpuMsPerJob.toFixed(3)} ms + server ${x.serverCpuMsPerJob.toFixed(3)} ms${lat}`,
+  );
+}
+
+function median(values) {
+  const sorted = [...values].sort((a, b) => a - b);
+  const mid = sorted.length >> 1;
+  return sorted.length % 2 ? sorted[mid] : (sorted[mid - 1] + sorted[mid]) / 2;
+}
+
+/** The median of each figure over the rounds. */
+function medians(runs) {
+  return Object.fromEntries(
+    Object.keys(runs[0])
+      .filter((k) => typeof runs[0][k] === 'number')
+      .map((k) => [k, median(runs.map((r) => r[k]))]),
+  );
+}
+
+/**
+ * `ours` against Redis, per scenario: the medians of both, and the median
+ * and range of the ratios of the runs made back to back in the same round.
+ */
+function printComparison(title, ours, redis) {
+  console.log(`\n| ${title} | jobs/s | redis jobs/s | ratio, median (range) | cpu ms/job (node + server) | redis cpu ms/job |`);
+  console.log('|---|---:|---:|---:|---:|---:|');
+  for (const [name, runs] of Object.entries(ours)) {
+    const theirs = redis[name];
+    if (!theirs) continue;
+    const ratios = runs.map((x, i) => x.jobsPerSec / theirs[i].jobsPerSec);
+    const [l, r] = [medians(runs), medians(theirs)];
+    const lat = l.p99Ms !== undefined ? `; p99 ${l.p99Ms.toFixed(1)} vs ${r.p99Ms.toFixed(1)} ms` : '';
+    const range = ratios.length > 1 ? ` (${Math.min(...ratios).toFixed(2)}-${Math.max(...ratios).toFixed(2)})` : '';
     console.log(
-      `${label.padEnd(6)} ${name.padEnd(40)} ${x.jobsPerSec.toFixed(0).padStart(8)} jobs/s  ` +
-        `cpu/job node ${x.nodeCpuMsPerJob.toFixed(3)} ms + server ${x.serverCpuMsPerJob.toFixed(3)} ms${lat}`,
+      `| ${name} | ${l.jobsPerSec.toFixed(0)} | ${r.jobsPerSec.toFixed(0)} | ${median(ratios).toFixed(2)}${range}${lat} | ` +
+        `${(l.nodeCpuMsPerJob + l.serverCpuMsPerJob).toFixed(3)} | ${(r.nodeCpuMsPerJob + r.serverCpuMsPerJob).toFixed(3)} |`,
     );
   }
-  return results;
 }
 
 async function main() {
-  console.log(`bullmq bench: ${cpus().length} CPUs, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}, scale ${scale}`);
-  const report = { cpus: cpus().length, loadBefore: loadavg(), scale, results: {} };
-  if (wants('loam')) {
-    const dataDir = mkdtempSync(join(tmpdir(), 'bench-loam-'));
-    const durability = process.env.LOAM_DURABILITY === 'relaxed' ? { durability: 'relaxed' } : {};
-    // BullMQ's own classes, unchanged, over the Loam backend.
-    setDefaultBackendFactory(loamBackend({ dataDir, ...durability }));
-    report.results.loam = await runBackend('loam', { opts: { connection: {} }, serverPid: 0 });
-    setDefaultBackendFactory();
-    rmSync(dataDir, { recursive: true, force: true });
-  }
-  if (wants('remote') && (only !== '' || existsSync(serverBin))) {
-    const server = await startLoamServer();
-    try {
-      setDefaultBackendFactory(loamBackend({ url: server.url }));
-      report.results.remote = await runBackend('remote', { opts: { connection: {} }, serverPid: server.pid }, remoteScenarios);
-      setDefaultBackendFactory();
-    } finally {
-      server.stop();
+  const rounds = Math.max(1, Number(arg('rounds', '3')));
+  const names = chosen === '' ? Object.keys(scenarios) : chosen.split(';');
+  console.log(
+    `bullmq bench: ${cpus().length} CPUs, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}, scale ${scale}, ` +
+      `${rounds} rounds`,
+  );
+  const report = { cpus: cpus().length, loadBefore: loadavg(), scale, rounds, results: {}, medians: {} };
+  /** Each backend: how BullMQ is pointed at it, and the scenarios it runs. */
+  const backends = [];
+  try {
+    if (wants('loam')) {
+      const dataDir = mkdtempSync(join(tmpdir(), 'bench-loam-'));
+      const durability = process.env.LOAM_DURABILITY === 'relaxed' ? { durability: 'relaxed' } : {};
+      // BullMQ's own classes, unchanged, over the Loam backend.
+      const factory = loamBackend({ dataDir, ...durability });
+      backends.push({
+        label: 'loam',
+        b: { opts: { connection: {} }, serverPid: 0 },
+        use: () => setDefaultBackendFactory(factory),
+        names,
+        stop: () => rmSync(dataDir, { recursive: true, force: true }),
+      });
     }
-  }
-  if (wants('redis')) {
-    const redis = await startRedis();
-    try {
+    if (wants('remote') && (only !== '' || existsSync(serverBin))) {
+      const server = await startLoamServer();
+      const factory = loamBackend({ url: server.url });
+      backends.push({
+        label: 'remote',
+        b: { opts: { connection: {} }, serverPid: server.pid },
+        use: () => setDefaultBackendFactory(factory),
+        names: names.filter((name) => remoteScenarios.includes(name)),
+        stop: server.stop,
+      });
+    }
+    if (wants('redis')) {
+      const redis = await startRedis();
       const connection = { host: '127.0.0.1', port: redis.port, maxRetriesPerRequest: null };
-      report.results.redis = await runBackend('redis', { opts: { connection }, serverPid: redis.pid });
-    } finally {
-      redis.stop();
+      backends.push({
+        label: 'redis',
+        b: { opts: { connection }, serverPid: redis.pid },
+        use: () => setDefaultBackendFactory(),
+        names,
+        stop: redis.stop,
+      });
     }
-  }
-  if (report.results.loam && report.results.redis) {
-    console.log('\n| scenario | loam jobs/s | redis jobs/s | loam / redis | loam cpu ms/job | redis cpu ms/job (node + server) |');
-    console.log('|---|---:|---:|---:|---:|---:|');
-    for (const name of Object.keys(report.results.loam)) {
-      const l = report.results.loam[name];
-      const r = report.results.redis[name];
-      if (!r) continue;
-      const lat = l.p99Ms !== undefined ? ` (p99 ${l.p99Ms.toFixed(1)} vs ${r.p99Ms.toFixed(1)} ms)` : '';
-      console.log(
-        `| ${name} | ${l.jobsPerSec.toFixed(0)} | ${r.jobsPerSec.toFixed(0)} | ${(l.jobsPerSec / r.jobsPerSec).toFixed(2)}${lat} | ` +
-          `${(l.nodeCpuMsPerJob + l.serverCpuMsPerJob).toFixed(3)} | ${(r.nodeCpuMsPerJob + r.serverCpuMsPerJob).toFixed(3)} |`,
-      );
+    for (const backend of backends) report.results[backend.label] = {};
+    // Each scenario runs on every backend back to back, in an order that turns
+    // with each round: these machines' speed drifts within minutes, and a
+    // ratio of runs made minutes apart measured the drift as much as the code.
+    for (let round = 0; round < rounds; round++) {
+      for (const name of names.filter((name) => name in scenarios)) {
+        for (let k = 0; k < backends.length; k++) {
+          const backend = backends[(k + round) % backends.length];
+          if (!backend.names.includes(name)) continue;
+          backend.use();
+          const x = await scenarios[name](backend.b);
+          (report.results[backend.label][name] ??= []).push(x);
+          printRun(backend.label, name, x);
+        }
+      }
     }
+  } finally {
+    setDefaultBackendFactory();
+    for (const backend of backends) backend.stop();
   }
-  if (report.results.remote && report.results.redis) {
-    console.log('\n| scenario (loamBackend({ url })) | remote jobs/s | redis jobs/s | remote / redis | remote cpu ms/job (node + server) |');
-    console.log('|---|---:|---:|---:|---:|');
-    for (const name of Object.keys(report.results.remote)) {
-      const l = report.results.remote[name];
-      const r = report.results.redis[name];
-      if (!r) continue;
-      console.log(
-        `| ${name} | ${l.jobsPerSec.toFixed(0)} | ${r.jobsPerSec.toFixed(0)} | ${(l.jobsPerSec / r.jobsPerSec).toFixed(2)} | ` +
-          `${(l.nodeCpuMsPerJob + l.serverCpuMsPerJob).toFixed(3)} |`,
-      );
-    }
+  for (const [label, byName] of Object.entries(report.results)) {
+    report.medians[label] = Object.fromEntries(Object.entries(byName).map(([name, runs]) => [name, medians(runs)]));
   }
+  const { loam, remote, redis } = report.results;
+  if (loam && redis) printComparison('scenario (in-process)', loam, redis);
+  if (remote && redis) printComparison('scenario (loamBackend({ url }))', remote, redis);
   report.loadAfter = loadavg();
   if (jsonOut) writeFileSync(jsonOut, JSON.stringify(report, null, 2));
   process.exit(0);
