@@ -5,8 +5,10 @@
 //! of what those stores offer: point reads, a locking read, puts, deletes and a
 //! bounded range scan, all inside one transaction that commits or leaves nothing.
 
+use std::any::Any;
 use std::collections::BTreeMap;
 use std::ops::Bound;
+use std::sync::Arc;
 
 use crate::error::StoreError;
 
@@ -52,6 +54,73 @@ pub trait KvTxn: KvRead {
     }
     fn put(&mut self, key: &[u8], value: Value) -> Result<(), StoreError>;
     fn delete(&mut self, key: &[u8]) -> Result<(), StoreError>;
+
+    /// What was remembered of `range` (see [`KvTxn::remember`]) by this
+    /// transaction or an earlier operation of its batch, if nothing in the
+    /// range was written since. Engines without batches remember nothing.
+    fn recall(&mut self, _range: &KeyRange) -> Option<Decoded> {
+        None
+    }
+
+    /// Remembers `value` as what the keys in `range` hold now, decoded, so
+    /// that later operations of the batch need not read and decode them again
+    /// (every operation reads its queue's settings). A write in the range
+    /// forgets it.
+    fn remember(&mut self, _range: &KeyRange, _value: Decoded) {}
+}
+
+/// A value decoded from what a range of keys holds (see [`KvTxn::remember`]).
+pub type Decoded = Arc<dyn Any + Send + Sync>;
+
+/// What the operations of one batch remembered, by range. Ranges never
+/// overlap (one that would is not remembered), so the one range a written key
+/// can fall in is the last one starting at or before it.
+#[derive(Default)]
+pub struct Memo {
+    entries: BTreeMap<Key, (Key, Decoded)>,
+}
+
+impl Memo {
+    fn get(&self, range: &KeyRange) -> Option<Decoded> {
+        match self.entries.get(&range.start) {
+            Some((end, value)) if *end == range.end => Some(Arc::clone(value)),
+            _ => None,
+        }
+    }
+
+    fn forget_key(&mut self, key: &[u8]) {
+        let holder = self.entries.range::<[u8], _>((Bound::Unbounded, Bound::Included(key))).next_back();
+        if let Some((start, _)) = holder.filter(|(_, (end, _))| key < end.as_slice()) {
+            let start = start.clone();
+            self.entries.remove(&start);
+        }
+    }
+
+    fn insert(&mut self, range: KeyRange, value: Decoded) {
+        self.entries.remove(&range.start);
+        // The ranges are disjoint, so the last one starting before this one
+        // ends is the only one that can overlap it.
+        let overlaps = self
+            .entries
+            .range::<[u8], _>((Bound::Unbounded, Bound::Excluded(range.end.as_slice())))
+            .next_back()
+            .is_some_and(|(_, (end, _))| end.as_slice() > range.start.as_slice());
+        if !overlaps {
+            self.entries.insert(range.start, (range.end, value));
+        }
+    }
+
+    /// Takes in a successful operation's writes and what it remembered.
+    pub fn absorb(&mut self, writes: &Writes, remembered: Vec<(KeyRange, Decoded)>) {
+        if !self.entries.is_empty() {
+            for key in writes.keys() {
+                self.forget_key(key);
+            }
+        }
+        for (range, value) in remembered {
+            self.insert(range, value);
+        }
+    }
 }
 
 /// Uncommitted writes layered over a base reader. Group commit runs every
@@ -71,6 +140,10 @@ pub struct Overlay<'a> {
     /// under it): a batch's operations read the same settings keys again and
     /// again. Off for short-lived overlays, where it would only cost.
     cache: Option<ReadCache>,
+    /// What earlier operations of the batch remembered, and what this one
+    /// remembered since (taken in by the batch if it succeeds).
+    memo: Option<&'a Memo>,
+    remembered: Vec<(KeyRange, Decoded)>,
 }
 
 /// A scan's arguments: start, end, limit, reverse.
@@ -84,7 +157,12 @@ struct ReadCache {
 
 impl<'a> Overlay<'a> {
     pub fn new(base: &'a mut dyn KvRead) -> Self {
-        Self { base, writes: BTreeMap::new(), floors: BTreeMap::new(), cache: None }
+        Self { base, writes: BTreeMap::new(), floors: BTreeMap::new(), cache: None, memo: None, remembered: Vec::new() }
+    }
+
+    /// An operation's overlay in a batch that remembers decoded values.
+    pub fn remembering(base: &'a mut dyn KvRead, memo: &'a Memo) -> Self {
+        Self { memo: Some(memo), ..Self::new(base) }
     }
 
     /// An overlay that also remembers what it read from the base.
@@ -123,6 +201,17 @@ impl<'a> Overlay<'a> {
 
     pub fn into_writes(self) -> Writes {
         self.writes
+    }
+
+    /// The writes, and what was remembered of their outcome.
+    pub fn into_parts(self) -> (Writes, Vec<(KeyRange, Decoded)>) {
+        (self.writes, self.remembered)
+    }
+
+    fn forget_remembered(&mut self, key: &[u8]) {
+        if !self.remembered.is_empty() {
+            self.remembered.retain(|(range, _)| !range.contains(key));
+        }
     }
 
     pub fn absorb(&mut self, writes: Writes) {
@@ -294,13 +383,31 @@ impl KvRead for Overlay<'_> {
 
 impl KvTxn for Overlay<'_> {
     fn put(&mut self, key: &[u8], value: Value) -> Result<(), StoreError> {
+        self.forget_remembered(key);
         self.writes.insert(key.to_vec(), Some(value));
         Ok(())
     }
 
     fn delete(&mut self, key: &[u8]) -> Result<(), StoreError> {
+        self.forget_remembered(key);
         self.writes.insert(key.to_vec(), None);
         Ok(())
+    }
+
+    fn recall(&mut self, range: &KeyRange) -> Option<Decoded> {
+        if let Some((_, value)) = self.remembered.iter().find(|(r, _)| r == range) {
+            return Some(Arc::clone(value));
+        }
+        let memo = self.memo?;
+        let bounds = (Bound::Included(range.start.as_slice()), Bound::Excluded(range.end.as_slice()));
+        if self.writes.range::<[u8], _>(bounds).next().is_some() { None } else { memo.get(range) }
+    }
+
+    fn remember(&mut self, range: &KeyRange, value: Decoded) {
+        if self.memo.is_some() {
+            self.remembered.retain(|(r, _)| r != range);
+            self.remembered.push((range.clone(), value));
+        }
     }
 }
 
@@ -363,6 +470,71 @@ mod tests {
                         let want = MapRead(expected.clone()).scan(&range, limit, rev).unwrap();
                         proptest::prop_assert_eq!(got, want, "scan {:?}", range);
                     }
+                }
+            }
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum MemoStep {
+        Put(u8, u8),
+        Delete(u8),
+        Remember(usize),
+        Recall(usize),
+    }
+
+    /// Overlapping on purpose: a range that would overlap a remembered one
+    /// must not be remembered, or a write could miss forgetting it.
+    const MEMO_RANGES: [(u8, u8); 5] = [(0, 4), (4, 8), (2, 6), (8, 9), (9, 16)];
+
+    fn memo_step() -> impl proptest::strategy::Strategy<Value = MemoStep> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0u8..16, 0u8..4).prop_map(|(k, v)| MemoStep::Put(k, v)),
+            (0u8..16).prop_map(MemoStep::Delete),
+            (0..MEMO_RANGES.len()).prop_map(MemoStep::Remember),
+            (0..MEMO_RANGES.len()).prop_map(MemoStep::Recall),
+        ]
+    }
+
+    proptest::proptest! {
+        /// In a batch of operations (some failing, so their writes and what
+        /// they remembered are dropped), whatever an operation recalls of a
+        /// range is what the range holds as it reads it then.
+        #[test]
+        fn recalled_values_match_what_the_range_holds(
+            base in proptest::collection::btree_map(0u8..16, 0u8..4, 0..12),
+            ops in proptest::collection::vec((proptest::collection::vec(memo_step(), 0..12), proptest::bool::ANY), 0..12),
+        ) {
+            let base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
+            let mut reader = MapRead(base);
+            let mut group = Overlay::caching(&mut reader);
+            let mut memo = Memo::default();
+            for (steps, succeeds) in ops {
+                let mut local = Overlay::remembering(&mut group, &memo);
+                for step in steps {
+                    match step {
+                        MemoStep::Put(k, v) => local.put(&[k], vec![v]).unwrap(),
+                        MemoStep::Delete(k) => local.delete(&[k]).unwrap(),
+                        MemoStep::Remember(r) => {
+                            let range = KeyRange::new(vec![MEMO_RANGES[r].0], vec![MEMO_RANGES[r].1]);
+                            let now = local.scan(&range, usize::MAX, false).unwrap();
+                            local.remember(&range, Arc::new(now));
+                        }
+                        MemoStep::Recall(r) => {
+                            let range = KeyRange::new(vec![MEMO_RANGES[r].0], vec![MEMO_RANGES[r].1]);
+                            if let Some(known) = local.recall(&range) {
+                                let known = known.downcast::<Vec<(Key, Value)>>().unwrap();
+                                let now = local.scan(&range, usize::MAX, false).unwrap();
+                                proptest::prop_assert_eq!(known.as_ref(), &now, "recall of {:?}", range);
+                            }
+                        }
+                    }
+                }
+                let (writes, remembered) = local.into_parts();
+                if succeeds {
+                    memo.absorb(&writes, remembered);
+                    group.absorb(writes);
                 }
             }
         }

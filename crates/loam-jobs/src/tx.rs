@@ -3,6 +3,7 @@
 //! (wake-ups, timers) to apply after the commit.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 
 use crate::config::{Config, QueueConfig};
 use crate::error::JobsError;
@@ -29,9 +30,12 @@ struct QueueCache {
     new: bool,
     config: Option<QueueConfig>,
     max_events: Option<u64>,
-    /// The meta hash, read with one scan on first use.
-    meta: Option<std::collections::BTreeMap<String, String>>,
+    /// The meta hash, read with one scan on first use (or recalled from an
+    /// earlier operation of the batch).
+    meta: Option<Arc<MetaMap>>,
 }
+
+type MetaMap = std::collections::BTreeMap<String, String>;
 
 pub struct Tx<'a> {
     kv: &'a mut dyn KvTxn,
@@ -157,17 +161,25 @@ impl<'a> Tx<'a> {
     /// A field of the queue's meta hash (BullMQ's `meta` key), as text.
     pub fn meta(&mut self, q: &QueueId, field: &str) -> Result<Option<String>, JobsError> {
         if self.cache(q)?.meta.is_none() {
-            let keys = QueueKeys::new(q);
-            let range = keys.meta_all();
-            let prefix_len = range.start.len();
-            let map = self
-                .scan(&range, usize::MAX, false)?
-                .into_iter()
-                .filter_map(|(k, v)| {
-                    let (field, _) = keys::read_str(k.get(prefix_len..)?)?;
-                    Some((field, String::from_utf8_lossy(&v).into_owned()))
-                })
-                .collect();
+            let range = QueueKeys::new(q).meta_all();
+            let recalled = self.kv.recall(&range).and_then(|known| known.downcast::<MetaMap>().ok());
+            let map = match recalled {
+                Some(map) => map,
+                None => {
+                    let prefix_len = range.start.len();
+                    let map: Arc<MetaMap> = Arc::new(
+                        self.scan(&range, usize::MAX, false)?
+                            .into_iter()
+                            .filter_map(|(k, v)| {
+                                let (field, _) = keys::read_str(k.get(prefix_len..)?)?;
+                                Some((field, String::from_utf8_lossy(&v).into_owned()))
+                            })
+                            .collect(),
+                    );
+                    self.kv.remember(&range, map.clone());
+                    map
+                }
+            };
             self.cache(q)?.meta = Some(map);
         }
         Ok(self.cache(q)?.meta.as_ref().and_then(|m| m.get(field).cloned()))
@@ -176,7 +188,7 @@ impl<'a> Tx<'a> {
     /// The whole meta hash.
     pub fn meta_map(&mut self, q: &QueueId) -> Result<std::collections::BTreeMap<String, String>, JobsError> {
         self.meta(q, "")?; // loads the cache; the field itself does not matter
-        Ok(self.cache(q)?.meta.clone().unwrap_or_default())
+        Ok(self.cache(q)?.meta.as_deref().cloned().unwrap_or_default())
     }
 
     pub fn meta_u64(&mut self, q: &QueueId, field: &str) -> Result<Option<u64>, JobsError> {

@@ -34,7 +34,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use super::wal::Wal;
 use super::{Durability, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
-use crate::kv::{Key, KeyRange, KvRead, Layer, Overlay, PendingWrites, Value, Writes};
+use crate::kv::{Key, KeyRange, KvRead, Layer, Memo, Overlay, PendingWrites, Value, Writes};
 
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("loam_jobs");
 /// The write-ahead log's generation (see [`super::wal`]), set by each checkpoint.
@@ -465,16 +465,18 @@ fn with_waiting<T>(receiver: &Receiver<T>, first: T, max: usize) -> Vec<T> {
 fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>) {
     let mut acks = Vec::with_capacity(ops.len());
     let mut group = Overlay::caching(base);
+    let mut memo = Memo::default();
     for op in ops {
         let WriteOp { mut body, done, .. } = op;
-        let mut local = Overlay::new(&mut group);
+        let mut local = Overlay::remembering(&mut group, &memo);
         // A bug in an operation must fail that operation, not the writer
         // thread and with it every caller (and a Node host).
         let result = catch_unwind(AssertUnwindSafe(|| body(&mut local)))
             .unwrap_or_else(|panic| Err(JobsError::Internal(panic_message(panic))));
-        let local = local.into_writes();
+        let (writes, remembered) = local.into_parts();
         if result.is_ok() {
-            group.absorb(local);
+            memo.absorb(&writes, remembered);
+            group.absorb(writes);
         }
         acks.push((done, result));
     }
