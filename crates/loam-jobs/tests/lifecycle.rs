@@ -74,6 +74,22 @@ fn a_delayed_job_never_starts_before_it_is_due() {
     assert_eq!(leased.job.processed_on, Some(start + 500));
 }
 
+/// A job retried at once goes behind the delayed jobs that fell due while it
+/// ran, as BullMQ's retryJob promotes them first, whether or not the store's
+/// promoter got to them yet.
+#[test]
+fn an_immediate_retry_goes_behind_the_delayed_jobs_that_fell_due() {
+    let (jobs, clock) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { attempts: 2, ..job("flaky") }).wait().unwrap();
+    jobs.enqueue("ns", "q", EnqueueRequest { delay_ms: 200, ..job("later") }).wait().unwrap();
+    let flaky = take(&jobs, "q").remove(0);
+    clock.advance(300);
+    let retry = Outcome::Retry { error: None, after_ms: None };
+    jobs.complete("ns", "q", &flaky.job.id, Fence::Epoch(flaky.epoch), retry, CompleteOptions::default()).wait().unwrap();
+    let names: Vec<String> = take(&jobs, "q").into_iter().map(|l| l.job.name).collect();
+    assert_eq!(names, ["later", "flaky"]);
+}
+
 #[test]
 fn stalled_job_is_redelivered_then_marked_to_fail() {
     let (jobs, clock) = core();

@@ -371,7 +371,13 @@ impl Model {
                     None => self.finish(j, MState::Failed, now),
                     Some(d) => {
                         self.jobs[j].attempts_made += 1;
-                        if d > 0 { self.park(j, now + d) } else { self.make_ready(j, false) }
+                        if d > 0 {
+                            self.park(j, now + d)
+                        } else {
+                            // Behind the delayed jobs due by now (BullMQ's retryJob promotes first).
+                            self.promote(now);
+                            self.make_ready(j, false)
+                        }
                     }
                 }
             }

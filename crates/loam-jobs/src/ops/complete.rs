@@ -232,6 +232,9 @@ fn retry_or_fail_with(
         job.delay = delay;
         park_delayed(tx, q, job, tx.now.saturating_add(delay))
     } else {
+        // Behind the delayed jobs that fell due while it ran, as BullMQ's
+        // retryJob promotes them first: the store's promoter may not have yet.
+        lease::promote_due(tx, q, lease::PROMOTE_BATCH)?;
         lease::make_ready(tx, q, job, Some("active"), Line::Back)
     }
 }

@@ -6,7 +6,7 @@ use crate::model::{Fence, JobError, JobRecord, JobState, Lease, LeaseRequest, Le
 use crate::tx::Tx;
 
 /// Most delayed jobs one call promotes; the rest wait for the next call.
-const PROMOTE_BATCH: usize = 1000;
+pub(crate) const PROMOTE_BATCH: usize = 1000;
 /// Most expired leases one sweep reclaims.
 const SWEEP_BATCH: usize = 1000;
 /// BullMQ's message for a job that stalled too often.
