@@ -25,6 +25,14 @@ pub const STORE_FILE: &str = "jobs.redb";
 /// to let go of the file (operations still in flight when it was closed).
 const REOPEN_GRACE: Duration = Duration::from_secs(2);
 
+/// The executor's batch limit in a Node host, whose main thread processes
+/// every answer on the same cores as the store's threads: BullMQ at
+/// concurrency 100 went from 32,400 to 35,350 jobs/s (medians of 14
+/// interleaved pairs, 10 won) with 48 instead of the store's default 4,096,
+/// which suits a server's waiting clients better (its core bench at 64
+/// threads lost 5-20% with 48).
+const IN_PROCESS_MAX_BATCH: usize = 48;
+
 /// One open store, shared by the backends that use its data dir.
 pub struct SharedStore {
     /// None once the last backend closed it. Callers take a clone per call,
@@ -95,6 +103,7 @@ fn open_file(dir: &Path, shown: &str, durability: Durability) -> napi::Result<Re
             &file,
             RedbOptions {
                 durability,
+                max_batch: IN_PROCESS_MAX_BATCH,
                 ..Default::default()
             },
         ) {
