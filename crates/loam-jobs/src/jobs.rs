@@ -699,6 +699,11 @@ fn maintenance_loop(weak: std::sync::Weak<Inner>) {
             wait = wait.min(next_sweep.saturating_duration_since(Instant::now()));
         }
         let mut heap = inner.timers.heap.lock();
+        // A timer armed while this thread was promoting or sweeping was
+        // notified when nobody waited: wait for it too, not past it.
+        if let Some(Reverse((at, _))) = heap.peek() {
+            wait = wait.min(Duration::from_millis(at.saturating_sub(inner.clock.now_ms())));
+        }
         if !inner.closed.load(Ordering::SeqCst) {
             inner.timers.changed.wait_for(&mut heap, wait.max(Duration::from_millis(1)));
         }

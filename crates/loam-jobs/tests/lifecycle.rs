@@ -4,6 +4,10 @@
 #![allow(clippy::unwrap_used)]
 
 
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use loam_jobs::store::redb::RedbStore;
 use loam_jobs::*;
 
 mod support;
@@ -143,4 +147,26 @@ fn dropping_the_last_handle_without_close_is_clean() {
     // Give writer threads that outlived their handles time to finish.
     std::thread::sleep(std::time::Duration::from_millis(200));
     assert_eq!(WRITER_PANICS.load(Ordering::SeqCst), 0);
+}
+
+/// The background promoter wakes for a job delayed while it was busy (here
+/// sweeping the queues that their first writes registered), instead of
+/// sleeping through that wake-up until its idle second is over.
+#[test]
+fn the_promoter_wakes_for_a_job_delayed_while_it_was_busy() {
+    let store = Box::new(RedbStore::in_memory().unwrap());
+    let jobs = Jobs::with_store(store, Arc::new(SystemClock), Config::default()).unwrap();
+    for round in 0..10 {
+        // A queue's first write has it swept at once: keep the promoter busy.
+        for n in 0..50 {
+            jobs.enqueue("ns", &format!("q{round}-{n}"), job("first")).wait().unwrap();
+        }
+        let q = format!("q{round}-0");
+        let id = jobs.enqueue("ns", &q, EnqueueRequest { delay_ms: 50, ..job("later") }).wait().unwrap().id;
+        let added = Instant::now();
+        while jobs.get_job("ns", &q, &id).unwrap().unwrap().state == JobState::Delayed {
+            assert!(added.elapsed() < Duration::from_millis(500), "round {round}: still delayed {:?} after its add", added.elapsed());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
