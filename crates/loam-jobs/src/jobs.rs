@@ -661,17 +661,11 @@ fn maintenance_loop(weak: std::sync::Weak<Inner>) {
         }
         let now_ms = inner.clock.now_ms();
         let mut due = Vec::new();
-        let mut wait = IDLE;
         {
             let mut heap = inner.timers.heap.lock();
-            while let Some(Reverse((at, _))) = heap.peek() {
-                if *at <= now_ms {
-                    if let Some(Reverse((_, q))) = heap.pop() {
-                        due.push(q);
-                    }
-                } else {
-                    wait = wait.min(Duration::from_millis(at - now_ms));
-                    break;
+            while heap.peek().is_some_and(|Reverse((at, _))| *at <= now_ms) {
+                if let Some(Reverse((_, q))) = heap.pop() {
+                    due.push(q);
                 }
             }
         }
@@ -695,12 +689,14 @@ fn maintenance_loop(weak: std::sync::Weak<Inner>) {
             let _ = jobs.sweep_stalled(&q.ns, &q.name).wait();
             inner.sweeps.lock().insert(q, now + interval);
         }
+        let mut wait = IDLE;
         if let Some(next_sweep) = inner.sweeps.lock().values().min() {
             wait = wait.min(next_sweep.saturating_duration_since(Instant::now()));
         }
         let mut heap = inner.timers.heap.lock();
-        // A timer armed while this thread was promoting or sweeping was
-        // notified when nobody waited: wait for it too, not past it.
+        // The next timer is read here, under the lock the wait releases, and
+        // not before promoting and sweeping: one armed meanwhile was notified
+        // when nobody waited, and would be slept through.
         if let Some(Reverse((at, _))) = heap.peek() {
             wait = wait.min(Duration::from_millis(at.saturating_sub(inner.clock.now_ms())));
         }
