@@ -11,6 +11,7 @@
  */
 import { randomBytes } from 'node:crypto';
 import { EventEmitter } from 'node:events';
+import { setTimeout as sleep } from 'node:timers/promises';
 import type {
   DependenciesOpts,
   FinishedStatus,
@@ -102,11 +103,6 @@ const EVENTS_PER_READ = 1000;
 const NAME_REFRESH_MS = 60_000;
 /** How long a closing worker waits for the server to forget its name. */
 const UNREGISTER_WAIT_MS = 1_000;
-
-/** Resolves after `ms`, without keeping the process alive. */
-function delay(ms: number): Promise<void> {
-  return new Promise(resolve => setTimeout(resolve, ms).unref());
-}
 
 /** The worker settings BullMQ keeps out of the per-call arguments, read once from the factory options. */
 interface WorkerSettings {
@@ -367,7 +363,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     if (!this.closing) {
       // Closed once the server forgot this worker's name, so getWorkers no
       // longer lists it, but not held up long by a server that is gone.
-      const forgotten = Promise.race([this.stopAnnouncing(), delay(UNREGISTER_WAIT_MS)]);
+      const forgotten = Promise.race([this.stopAnnouncing(), sleep(UNREGISTER_WAIT_MS, undefined, { ref: false })]);
       this.blocking.abort();
       this.events.abort();
       if (this.owner) this.channel.release();
