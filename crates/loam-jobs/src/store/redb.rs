@@ -396,7 +396,7 @@ impl Executor {
                 if uncommitted.writes.is_empty() {
                     execute(ops, &mut committed)
                 } else {
-                    execute(ops, &mut Layer { below: &mut committed, writes: &uncommitted.writes })
+                    execute(ops, &mut Layer { below: &mut committed, writes: &mut uncommitted.writes })
                 }
             };
             // Under relaxed durability, acknowledgements go out once the batch
