@@ -2,8 +2,9 @@
 //! one call into the core (one transaction for writes, one snapshot for reads)
 //! and returns BullMQ's shapes (JSON text where the shape is nested, see
 //! [`crate::convert`]). Writes are submitted on the JavaScript thread, in call
-//! order, and settled on napi's tokio runtime (see [`settle`]); reads and waits
-//! are async functions on that runtime. Every method but the lifecycle ones
+//! order, and settled by the core's committing thread itself (see
+//! [`settle_with`]); reads and waits are async functions on napi's tokio
+//! runtime. Every method but the lifecycle ones
 //! takes the host's `Date.now()` first, which the core's clock follows.
 
 use std::collections::BTreeMap;
@@ -507,9 +508,8 @@ impl LoamQueue {
             });
         }
         let added = self.jobs()?.flows(&self.ns, nodes);
-        env.spawn_future(async move {
+        settle(env, Op::new("addFlow"), added, |added| {
             let results: Vec<FlowResult> = added
-                .await
                 .into_iter()
                 .map(|r| match r {
                     Ok(a) => (None, FlowId::Id(a.id)),
@@ -520,7 +520,7 @@ impl LoamQueue {
                     },
                 })
                 .collect();
-            Ok(json(&results))
+            json(&results)
         })
     }
 

@@ -381,7 +381,7 @@ impl JobsSvc {
         }
         let queues: Vec<String> = nodes.iter().map(|n| n.queue.clone()).collect();
         if req.each_tree {
-            let done = c.jobs.flows(&c.ns, nodes).await;
+            let done = c.jobs.flows(&c.ns, nodes).await.map_err(core_err)?;
             for (q, r) in queues.iter().zip(&done) {
                 if r.as_ref().is_ok_and(|e| e.created) {
                     self.metrics.enqueued(&c.ns, q, 1);

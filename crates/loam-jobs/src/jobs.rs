@@ -4,7 +4,6 @@
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::cmp::Reverse;
-use std::future::Future;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -338,21 +337,22 @@ impl Jobs {
     /// Inserts several flows, each tree atomically on its own: one tree's
     /// failure leaves the others in (a FlowProducer.addBulk on Redis does the
     /// same). Resolves to one result per node, in the nodes' order.
-    pub fn flows(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> impl Future<Output = Vec<Result<Enqueued, JobsError>>> + Send + 'static {
+    pub fn flows(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> Pending<Vec<Result<Enqueued, JobsError>>> {
         let count = nodes.len();
         let trees = enqueue::flow_trees(&nodes);
         let mut slots: Vec<Option<enqueue::FlowNode>> = nodes.into_iter().map(Some).collect();
-        let pending: Vec<(Vec<usize>, Pending<Vec<Enqueued>>)> = trees
+        let (positions, writes): (Vec<Vec<usize>>, Vec<Pending<Vec<Enqueued>>>) = trees
             .into_iter()
             .map(|positions| {
                 let tree = positions.iter().filter_map(|&i| slots[i].take()).collect();
-                (positions, self.flow(ns, tree))
+                let write = self.flow(ns, tree);
+                (positions, write)
             })
-            .collect();
-        async move {
+            .unzip();
+        Pending::all(writes).map(move |trees| {
             let mut out: Vec<Option<Result<Enqueued, JobsError>>> = (0..count).map(|_| None).collect();
-            for (positions, tree) in pending {
-                match tree.await {
+            for (positions, tree) in positions.into_iter().zip(trees) {
+                match tree {
                     Ok(added) => {
                         for (i, e) in positions.into_iter().zip(added) {
                             out[i] = Some(Ok(e));
@@ -368,7 +368,7 @@ impl Jobs {
             out.into_iter()
                 .map(|r| r.unwrap_or_else(|| Err(JobsError::Internal("a flow node got no result".into()))))
                 .collect()
-        }
+        })
     }
 
     // ---- consuming -------------------------------------------------------

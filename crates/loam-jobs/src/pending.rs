@@ -97,6 +97,59 @@ impl<T> Pending<T> {
     }
 }
 
+impl<T: Send + 'static> Pending<T> {
+    /// The result passed through `f`, on the thread that settles this one.
+    pub fn map<U: Send + 'static>(self, f: impl FnOnce(T) -> U + Send + 'static) -> Pending<U> {
+        let (settle, out) = pending();
+        self.then(move |result| settle.settle(result.map(f)));
+        out
+    }
+
+    /// Settles once every one of `parts` has, with each part's result in
+    /// order, on the thread that settles the last of them (no async runtime
+    /// in between, as for one write).
+    pub fn all(parts: Vec<Pending<T>>) -> Pending<Vec<Result<T, JobsError>>> {
+        let (settle, out) = pending();
+        if parts.is_empty() {
+            settle.settle(Ok(Vec::new()));
+            return out;
+        }
+        let gather = Arc::new(Mutex::new(Gather {
+            results: (0..parts.len()).map(|_| None).collect(),
+            left: parts.len(),
+            settle: Some(settle),
+        }));
+        for (i, part) in parts.into_iter().enumerate() {
+            let gather = Arc::clone(&gather);
+            part.then(move |result| {
+                let mut g = gather.lock();
+                g.results[i] = Some(result);
+                g.left -= 1;
+                if g.left > 0 {
+                    return;
+                }
+                let settle = g.settle.take();
+                let results = std::mem::take(&mut g.results)
+                    .into_iter()
+                    .map(|r| r.unwrap_or_else(|| Err(JobsError::Internal("a part of a joined write got no result".into()))))
+                    .collect();
+                drop(g);
+                if let Some(settle) = settle {
+                    settle.settle(Ok(results));
+                }
+            });
+        }
+        out
+    }
+}
+
+/// What [`Pending::all`] has gathered so far.
+struct Gather<T> {
+    results: Vec<Option<Result<T, JobsError>>>,
+    left: usize,
+    settle: Option<Settle<Vec<Result<T, JobsError>>>>,
+}
+
 impl<T> Future for Pending<T> {
     type Output = Result<T, JobsError>;
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
@@ -129,6 +182,31 @@ mod tests {
         settle.settle(Ok(8));
         p.then(move |r| tx2.send(r).unwrap());
         assert_eq!(rx.recv().unwrap(), Ok(8));
+    }
+
+    #[test]
+    fn all_settles_after_its_last_part_with_every_result_in_order() {
+        let (first, a) = pending::<u32>();
+        let (second, b) = pending::<u32>();
+        let (third, c) = pending::<u32>();
+        let (tx, rx) = std::sync::mpsc::channel();
+        Pending::all(vec![a, b, c]).map(|results| results.len()).then(move |r| tx.send(r).unwrap());
+        third.settle(Ok(3));
+        drop(first); // the store went away with it
+        assert!(rx.try_recv().is_err(), "settled before its last part");
+        second.settle(Err(JobsError::InvalidArgument("no".into())));
+        assert_eq!(rx.recv().unwrap(), Ok(3));
+
+        let (first, a) = pending::<u32>();
+        let (second, b) = pending::<u32>();
+        let joined = Pending::all(vec![a, b]);
+        let waiter = std::thread::spawn(move || joined.wait());
+        second.settle(Ok(2));
+        first.settle(Err(JobsError::InvalidArgument("no".into())));
+        let results = waiter.join().unwrap().unwrap();
+        assert!(matches!(results[0], Err(JobsError::InvalidArgument(_))));
+        assert_eq!(results[1], Ok(2));
+        assert_eq!(Pending::<u32>::all(Vec::new()).wait(), Ok(Vec::new()));
     }
 
     #[test]

@@ -781,7 +781,7 @@ fn a_batch_of_flows_inserts_each_tree_on_its_own() {
             wait_children: false,
         },
     ];
-    let results = futures_executor::block_on(jobs.flows("ns", nodes));
+    let results = jobs.flows("ns", nodes).wait().unwrap();
     assert_eq!(results.len(), 2);
     assert_eq!(results[0].as_ref().unwrap().id, "good");
     assert!(matches!(results[1], Err(JobsError::NotFound(_))), "{:?}", results[1]);
