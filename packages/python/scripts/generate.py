@@ -118,10 +118,21 @@ def async_operations_stub(operations_source: str) -> str:
         elif isinstance(node, ast.Import):
             lines.append(ast.unparse(node))
     operations = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "Operations")
+    public = [i for i in operations.body if isinstance(i, ast.FunctionDef) and not i.name.startswith("_")]
+    # The signatures also name what _ops.py defines itself (result classes,
+    # defaults): the stub imports those from it.
+    defined = {name for node in module.body for name in _defined_names(node)}
+    used = {
+        n.id
+        for method in public
+        for part in [method.args, *([method.returns] if method.returns else [])]
+        for n in ast.walk(part)
+        if isinstance(n, ast.Name)
+    }
+    if own := sorted(defined & used):
+        lines.append(f"from loam_jobs._ops import {', '.join(own)}")
     lines += ["", "", "class AsyncOperations:"]
-    for item in operations.body:
-        if not isinstance(item, ast.FunctionDef) or item.name.startswith("_"):
-            continue
+    for item in public:
         body: list[ast.stmt] = [ast.Expr(ast.Constant(Ellipsis))]
         docstring = ast.get_docstring(item)
         if docstring is not None:
@@ -135,6 +146,17 @@ def async_operations_stub(operations_source: str) -> str:
         )
         lines.append("")
     return "\n".join(lines)
+
+
+def _defined_names(node: ast.stmt) -> list[str]:
+    """The module-level names a statement of _ops.py defines."""
+    if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+        return [node.name]
+    if isinstance(node, ast.Assign):
+        return [t.id for t in node.targets if isinstance(t, ast.Name)]
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return [node.target.id]
+    return []
 
 
 if __name__ == "__main__":

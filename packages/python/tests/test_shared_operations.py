@@ -43,3 +43,29 @@ def test_both_clients_have_the_same_public_methods() -> None:
         return {n for n in dir(cls) if not n.startswith("_")}
 
     assert public(Client) == public(AsyncClient)
+
+
+def test_the_async_stub_names_only_what_it_imports() -> None:
+    """`AsyncClient`'s annotations come from the generated stub: a name in a
+    signature that the stub does not import is `Any` to a type checker."""
+    import builtins
+    from pathlib import Path
+
+    import loam_jobs._gen as gen
+
+    stub = ast.parse((Path(gen.__file__).parent / "async_operations.pyi").read_text())
+    known = set(dir(builtins))
+    for node in stub.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            known |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    stub_class = next(n for n in stub.body if isinstance(n, ast.ClassDef))
+    methods = [m for m in stub_class.body if isinstance(m, ast.AsyncFunctionDef)]
+    named = {
+        n.id
+        for m in methods
+        for part in [m.args, *([m.returns] if m.returns else [])]
+        for n in ast.walk(part)
+        if isinstance(n, ast.Name)
+    }
+    assert len(methods) > 50
+    assert named - known == set()
