@@ -24,4 +24,5 @@ fi
 cd "$package_dir"
 "$venv/bin/ruff" check src tests scripts hatch_build.py
 "$venv/bin/ruff" format --check src tests scripts hatch_build.py
+"$venv/bin/mypy"
 "$venv/bin/python" -m pytest "$@"

@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from protobuf import Message, Oneof
 
@@ -135,11 +135,11 @@ def _fence(target: LeasedJob | str, epoch: int | None, token: str | None, unchec
     if given > 1:
         raise InvalidArgumentError("give at most one of epoch, token and unchecked")
     if epoch is not None:
-        return Fence(kind=Oneof("epoch", epoch))
+        return Fence(kind=Oneof[Literal["epoch"], int]("epoch", epoch))
     if token is not None:
-        return Fence(kind=Oneof("token", token))
+        return Fence(kind=Oneof[Literal["token"], str]("token", token))
     if unchecked:
-        return Fence(kind=Oneof("unchecked", True))
+        return Fence(kind=Oneof[Literal["unchecked"], bool]("unchecked", True))
     if isinstance(target, LeasedJob):
         return target.fence()
     raise InvalidArgumentError("a job id needs a fence: epoch=, token= or unchecked=True")
@@ -255,7 +255,18 @@ def complete(
     )
 
 
-def report(queue: str, job_id: str, fence: Fence, report: Oneof) -> Op[int]:
+ReportBody = (
+    Oneof[Literal["progress"], str] | Oneof[Literal["log"], ReportRequest.Log] | Oneof[Literal["data"], bytes]
+)
+
+
+def _chosen(field_name: str, value: Any) -> Any:
+    """A oneof whose member the caller names at run time, which no static
+    type can follow: the admin and query helpers take the field by name."""
+    return Oneof(field_name, value)
+
+
+def report(queue: str, job_id: str, fence: Fence, report: ReportBody) -> Op[int]:
     resp = yield Call("report", ReportRequest(queue=queue, job_id=job_id, fence=fence, report=report))
     return resp.log_count
 
@@ -264,17 +275,28 @@ def report(queue: str, job_id: str, fence: Fence, report: Oneof) -> Op[int]:
 
 
 def schedule_server(queue: str, spec: ServerSchedule) -> Op[ScheduleResult]:
-    resp = yield Call("schedule", ScheduleRequest(queue=queue, schedule=Oneof("server", spec)))
+    resp = yield Call(
+        "schedule",
+        ScheduleRequest(queue=queue, schedule=Oneof[Literal["server"], ServerSchedule]("server", spec)),
+    )
     return ScheduleResult(job_id=_present(resp, "job_id"), delay_ms=resp.delay_ms)
 
 
 def schedule_upsert(queue: str, spec: SchedulerSpec) -> Op[ScheduleResult]:
-    resp = yield Call("schedule", ScheduleRequest(queue=queue, schedule=Oneof("upsert", spec)))
+    resp = yield Call(
+        "schedule",
+        ScheduleRequest(queue=queue, schedule=Oneof[Literal["upsert"], SchedulerSpec]("upsert", spec)),
+    )
     return ScheduleResult(job_id=_present(resp, "job_id"), delay_ms=resp.delay_ms)
 
 
 def schedule_advance(queue: str, advance: SchedulerAdvance) -> Op[ScheduleResult]:
-    resp = yield Call("schedule", ScheduleRequest(queue=queue, schedule=Oneof("advance", advance)))
+    resp = yield Call(
+        "schedule",
+        ScheduleRequest(
+            queue=queue, schedule=Oneof[Literal["advance"], SchedulerAdvance]("advance", advance)
+        ),
+    )
     return ScheduleResult(job_id=_present(resp, "job_id"), delay_ms=resp.delay_ms)
 
 
@@ -287,7 +309,7 @@ def unschedule(queue: str, scheduler_id: str) -> Op[bool]:
 
 
 def queue_admin(queue: str, field_name: str, value: Any) -> Op[Any]:
-    resp = yield Call("queue_admin", QueueAdminRequest(queue=queue, op=Oneof(field_name, value)))
+    resp = yield Call("queue_admin", QueueAdminRequest(queue=queue, op=_chosen(field_name, value)))
     return resp
 
 
@@ -305,7 +327,7 @@ def _pause_then(queue: str, op: Op[T]) -> Op[T]:
 
 
 def job_admin(queue: str, job_id: str, field_name: str, value: Any) -> Op[bool]:
-    resp = yield Call("job_admin", JobAdminRequest(queue=queue, job_id=job_id, op=Oneof(field_name, value)))
+    resp = yield Call("job_admin", JobAdminRequest(queue=queue, job_id=job_id, op=_chosen(field_name, value)))
     return resp.done
 
 
@@ -313,7 +335,7 @@ def job_admin(queue: str, job_id: str, field_name: str, value: Any) -> Op[bool]:
 
 
 def query(queue: str, field_name: str, value: Any, wait_ms: int = 0) -> Op[Any]:
-    resp = yield Call("query", QueryRequest(queue=queue, query=Oneof(field_name, value)), wait_ms=wait_ms)
+    resp = yield Call("query", QueryRequest(queue=queue, query=_chosen(field_name, value)), wait_ms=wait_ms)
     if resp.result is None:
         return None
     return resp.result.value
@@ -545,11 +567,13 @@ class Operations(ABC):
         if len(chosen) != 1:
             raise InvalidArgumentError("report takes exactly one of progress, log and data")
         if progress is not None:
-            body = Oneof("progress", json.dumps(progress, separators=(",", ":")))
+            body: ReportBody = Oneof[Literal["progress"], str](
+                "progress", json.dumps(progress, separators=(",", ":"))
+            )
         elif log is not None:
-            body = Oneof("log", ReportRequest.Log(row=log, keep=keep_logs))
+            body = Oneof[Literal["log"], ReportRequest.Log]("log", ReportRequest.Log(row=log, keep=keep_logs))
         else:
-            body = Oneof("data", encode_data(data))
+            body = Oneof[Literal["data"], bytes]("data", encode_data(data))
         queue_name, job_id = _target(target, queue)
         return self._run(report(queue_name, job_id, _fence(target, epoch, token, unchecked), body))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from protobuf import Oneof
 
@@ -113,12 +113,12 @@ def retention(policy: bool | int | Keep | Retention) -> Retention:
     if isinstance(policy, Retention):
         return policy
     if isinstance(policy, Keep):
-        return Retention(policy=Oneof("keep", policy))
+        return Retention(policy=Oneof[Literal["keep"], Keep]("keep", policy))
     if policy is True:
-        return Retention(policy=Oneof("remove_immediately", True))
+        return Retention(policy=Oneof[Literal["remove_immediately"], bool]("remove_immediately", True))
     if policy is False:
-        return Retention(policy=Oneof("keep_all", True))
-    return Retention(policy=Oneof("keep", Keep(count=int(policy))))
+        return Retention(policy=Oneof[Literal["keep_all"], bool]("keep_all", True))
+    return Retention(policy=Oneof[Literal["keep"], Keep]("keep", Keep(count=int(policy))))
 
 
 def job(
@@ -203,7 +203,9 @@ class Success:
 
     def to_proto(self) -> Outcome:
         value = None if self.result is None else encode_data(self.result)
-        return Outcome(kind=Oneof("success", Outcome.Success(result=value)))
+        return Outcome(
+            kind=Oneof[Literal["success"], Outcome.Success]("success", Outcome.Success(result=value))
+        )
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,11 @@ class Retry:
 
     def to_proto(self) -> Outcome:
         err = _job_error(self.error, self.stacktrace, self.stacktrace_limit)
-        return Outcome(kind=Oneof("retry", Outcome.Retry(error=err, after_ms=self.after_ms)))
+        return Outcome(
+            kind=Oneof[Literal["retry"], Outcome.Retry](
+                "retry", Outcome.Retry(error=err, after_ms=self.after_ms)
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -236,7 +242,11 @@ class Fail:
 
     def to_proto(self) -> Outcome:
         err = _job_error(self.error, self.stacktrace, self.stacktrace_limit)
-        return Outcome(kind=Oneof("fail", Outcome.Fail(error=err, dead_letter=self.dead_letter)))
+        return Outcome(
+            kind=Oneof[Literal["fail"], Outcome.Fail](
+                "fail", Outcome.Fail(error=err, dead_letter=self.dead_letter)
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -246,7 +256,11 @@ class Release:
     after_ms: int | None = None
 
     def to_proto(self) -> Outcome:
-        return Outcome(kind=Oneof("release", Outcome.Release(after_ms=self.after_ms)))
+        return Outcome(
+            kind=Oneof[Literal["release"], Outcome.Release](
+                "release", Outcome.Release(after_ms=self.after_ms)
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -256,7 +270,9 @@ class Delay:
     until_ms: int
 
     def to_proto(self) -> Outcome:
-        return Outcome(kind=Oneof("delay", Outcome.Delay(until=self.until_ms)))
+        return Outcome(
+            kind=Oneof[Literal["delay"], Outcome.Delay]("delay", Outcome.Delay(until=self.until_ms))
+        )
 
 
 @dataclass(frozen=True)
@@ -266,7 +282,11 @@ class WaitChildren:
     child: str | None = None
 
     def to_proto(self) -> Outcome:
-        return Outcome(kind=Oneof("wait_children", Outcome.WaitChildren(child=self.child)))
+        return Outcome(
+            kind=Oneof[Literal["wait_children"], Outcome.WaitChildren](
+                "wait_children", Outcome.WaitChildren(child=self.child)
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -276,7 +296,11 @@ class RateLimited:
     for_ms: int
 
     def to_proto(self) -> Outcome:
-        return Outcome(kind=Oneof("rate_limited", Outcome.RateLimited(for_ms=self.for_ms)))
+        return Outcome(
+            kind=Oneof[Literal["rate_limited"], Outcome.RateLimited](
+                "rate_limited", Outcome.RateLimited(for_ms=self.for_ms)
+            )
+        )
 
 
 OutcomeSpec = Success | Retry | Fail | Release | Delay | WaitChildren | RateLimited
@@ -311,7 +335,7 @@ class LeasedJob:
         return json.loads(self.job.data) if self.job.data else None
 
     def fence(self) -> Fence:
-        return Fence(kind=Oneof("epoch", self.epoch))
+        return Fence(kind=Oneof[Literal["epoch"], int]("epoch", self.epoch))
 
     @classmethod
     def from_proto(cls, queue: str, lease: Lease) -> LeasedJob:
