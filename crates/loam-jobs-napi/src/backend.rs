@@ -4,8 +4,8 @@
 //! [`crate::convert`]). Writes are submitted on the JavaScript thread, in call
 //! order, and settled by the core's committing thread itself (see
 //! [`settle_with`]); reads and waits are async functions on napi's tokio
-//! runtime. Every method but the lifecycle ones
-//! takes the host's `Date.now()` first, which the core's clock follows.
+//! runtime. Every method but the lifecycle ones takes the host's `Date.now()`
+//! first, which the core's clock follows.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -194,6 +194,14 @@ impl<'a> Overlay<'a> {
     }
 }
 
+/// Which side the next entry of a merge comes from.
+enum Take {
+    Local,
+    Base,
+    /// The write, over the base entry with its key.
+    Shadowed,
+}
+
 /// Merges writes (in scan order, `None` = deleted) over base entries (in scan
 /// order), up to `limit` entries. Also returns the last base key of the
 /// leading run of base entries that the writes shadow (forward scans only),
@@ -212,36 +220,26 @@ fn merge(
     let mut shadowed_prefix: Option<Key> = None;
     let mut prefix_open = !reverse;
     while out.len() < limit {
-        let take_local = match (base.peek(), local.peek()) {
-            (Some((bk, _)), Some((lk, _))) => {
-                if bk == *lk {
-                    // The write shadows the base entry.
-                    let (bk, _) = base.next().expect("peeked");
-                    if prefix_open {
-                        shadowed_prefix = Some(bk);
-                    }
-                    true
-                } else {
-                    if before(bk, lk) {
-                        prefix_open = false;
-                    }
-                    before(lk, bk)
-                }
-            }
-            (None, Some(_)) => true,
-            (Some(_), None) => {
-                prefix_open = false;
-                false
-            }
+        let take = match (base.peek(), local.peek()) {
+            (Some((bk, _)), Some((lk, _))) if bk == *lk => Take::Shadowed,
+            (Some((bk, _)), Some((lk, _))) if before(lk, bk) => Take::Local,
+            (Some(_), _) => Take::Base,
+            (None, Some(_)) => Take::Local,
             (None, None) => break,
         };
-        if take_local {
-            let (k, v) = local.next().expect("peeked");
-            if let Some(v) = v {
-                out.push(((*k).clone(), v.clone()));
-            }
-        } else {
-            out.push(base.next().expect("peeked"));
+        if let Take::Base = take {
+            prefix_open = false;
+            out.extend(base.next());
+            continue;
+        }
+        if let Take::Shadowed = take
+            && let Some((bk, _)) = base.next()
+            && prefix_open
+        {
+            shadowed_prefix = Some(bk);
+        }
+        if let Some((k, Some(v))) = local.next() {
+            out.push(((*k).clone(), v.clone()));
         }
     }
     (out, shadowed_prefix)
@@ -331,8 +329,9 @@ impl PendingWrites {
     }
 }
 
-/// Pending writes over a base they are not in yet, read through without being
-/// owned: the batches being committed, under the next batch.
+/// Pending writes over a base they are not in yet, read through (keeping their
+/// scan floors) without being owned: the batches being committed, under the
+/// next batch.
 pub struct Layer<'a> {
     pub below: &'a mut dyn KvRead,
     pub writes: &'a mut PendingWrites,
@@ -578,6 +577,7 @@ mod tests {
             }
         }
     }
+
     #[derive(Debug, Clone)]
     enum Life {
         /// A batch of writes runs (through a layer) and is handed over.

@@ -345,10 +345,10 @@ impl<'a> Tx<'a> {
 
     /// Writes the open event page back if `touches` its key.
     fn close_page_if(&mut self, touches: impl FnOnce(&[u8]) -> bool) -> Result<(), JobsError> {
-        if self.open_page.as_ref().is_some_and(|(key, _)| touches(key)) {
-            if let Some((key, page)) = self.open_page.take() {
-                self.kv.put(&key, page)?;
-            }
+        if self.open_page.as_ref().is_some_and(|(key, _)| touches(key))
+            && let Some((key, page)) = self.open_page.take()
+        {
+            self.kv.put(&key, page)?;
         }
         Ok(())
     }
