@@ -40,6 +40,7 @@ import {
   paginateTarget,
   parseJob,
   parseNodeKey,
+  reportBackgroundError,
   Siblings,
   type ChildrenByCategory,
   type FinishedResult,
@@ -122,7 +123,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
         this.isReady = true;
         this.emit('ready');
       },
-      (err) => this.emit('error', err),
+      (err) => reportBackgroundError(this, err),
     );
   }
 

@@ -3,6 +3,7 @@
  * share: the shapes BullMQ hands a backend and expects back, independent of
  * how the core is reached.
  */
+import type { EventEmitter } from 'node:events';
 import type { DependenciesOpts, IQueueBackend, JobJson, ParentKeyOpts } from 'bullmq';
 
 /** BullMQ's next-job tuple: `[jobJson | null, id, rateLimitDelayMs, delayUntilMs]`. */
@@ -17,6 +18,19 @@ export interface ChildrenByCategory {
   /** Child key and its failure reason. */
   ignored: [string, string][];
   failed: string[];
+}
+
+/**
+ * Reports an error of a backend's own background work (its ready check, a
+ * refresh on a timer) to its `error` listeners. With none, the error is
+ * dropped: an EventEmitter throws an unheard `error`, and thrown from a
+ * promise handler that becomes an unhandled rejection, which ends a Node
+ * process. A `forQueue` sibling has no listeners, and its ready check fails
+ * whenever its owner closes first (a FlowProducer closed right after an add);
+ * the failure still reaches the next call that needs the backend.
+ */
+export function reportBackgroundError(emitter: EventEmitter, err: unknown): void {
+  if (emitter.listenerCount('error') > 0) emitter.emit('error', err);
 }
 
 /**

@@ -42,6 +42,7 @@ import {
   newJobJson,
   paginateTarget,
   parseNodeKey,
+  reportBackgroundError,
   Siblings,
   type NextJobTuple,
 } from './common.js';
@@ -331,7 +332,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     this.announced = tagged;
     const register = () =>
       this.queueAdmin({ command: 'setName' }, { case: 'registerWorker', value: { name: tagged } }).then(() => undefined);
-    this.clientNameTimer = setInterval(() => register().catch(err => this.emit('error', err)), NAME_REFRESH_MS);
+    this.clientNameTimer = setInterval(() => register().catch(err => reportBackgroundError(this, err)), NAME_REFRESH_MS);
     this.clientNameTimer.unref();
     return Promise.all([previous, register()]).then(() => undefined);
   }

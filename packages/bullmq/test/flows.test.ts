@@ -67,6 +67,26 @@ describe('flows', () => {
     await flow.close();
   });
 
+  it('a sibling made after its FlowProducer closed fails quietly, not with an unhandled rejection', async () => {
+    const unhandled: unknown[] = [];
+    const onUnhandled = (err: unknown) => unhandled.push(err);
+    process.on('unhandledRejection', onUnhandled);
+    try {
+      const flow = new FlowProducer({ connection });
+      await flow.waitUntilReady();
+      const backend = (flow as unknown as { backend: IQueueBackend }).backend;
+      await flow.close();
+      // What a FlowProducer closed right after an add leaves: siblings whose
+      // ready check runs after their owner closed (no one listens to them).
+      const sibling = backend.forQueue(loam.queueName());
+      await sibling.waitUntilReady().catch(() => undefined);
+      await new Promise(resolve => setTimeout(resolve, 50));
+      expect(unhandled).toEqual([]);
+    } finally {
+      process.off('unhandledRejection', onUnhandled);
+    }
+  });
+
   it('adds each tree of a FlowProducer.addBulk on its own, as Redis does', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });
