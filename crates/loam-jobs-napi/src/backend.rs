@@ -143,8 +143,8 @@ fn now_ms() -> u64 {
 /// synchronous napi functions that submit on the JavaScript thread, so the
 /// core applies writes in the order JavaScript issued them, awaited or not
 /// (as Redis does for the commands of one connection). The core's committer
-/// resolves the promise itself, through napi's thread-safe call, with no hop
-/// through an async runtime; a panic while shaping the result rejects it.
+/// settles the promise itself (see [`crate::promise`]), with no hop through
+/// an async runtime; a panic while shaping the result rejects it.
 fn settle_with<'env, R, T>(
     env: &'env Env,
     pending: Pending<R>,
@@ -154,16 +154,13 @@ where
     R: Send + 'static,
     T: ToNapiValue + Send + 'static,
 {
-    let (deferred, promise) = env.create_deferred()?;
+    let (resolver, promise) = crate::promise::promise(env)?;
     pending.then(move |result| {
         let shaped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| finish(result)))
             .unwrap_or_else(|panic| Err(crate::error::panicked(panic)));
-        match shaped {
-            Ok(value) => deferred.resolve(move |_| Ok(value)),
-            Err(e) => deferred.reject(e),
-        }
+        resolver.settle(shaped);
     });
-    Ok(PromiseRaw::new(env.raw(), promise.raw()))
+    Ok(promise)
 }
 
 /// [`settle_with`] for a write whose errors are `op`'s BullMQ errors.

@@ -2,6 +2,8 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { spawn } from 'node:child_process';
 import { fileURLToPath } from 'node:url';
 import * as path from 'node:path';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
 import type { Job } from 'bullmq';
 import { freshLoam, itInProcess, until } from './helpers.js';
 
@@ -41,6 +43,28 @@ describe('processes', () => {
     expect(result.message).toContain('loam-jobs serve');
     expect(Date.now() - started).toBeLessThan(5_000);
     await queue.close();
+  });
+
+  itInProcess('a write in flight keeps Node running until it settles, and lets it exit after', async () => {
+    // Nothing but the addon's promise keeps this process's loop alive while
+    // the add is in flight; once everything settled, nothing may keep it.
+    const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-alive-'));
+    try {
+      const { out, code } = await runNode(`
+        const { withBackend } = await import('bullmq');
+        const { loamBackend } = await import(${JSON.stringify(entry)});
+        const { Queue } = withBackend(loamBackend({ dataDir: ${JSON.stringify(dataDir)} }));
+        const queue = new Queue('alive', { connection: {} });
+        const job = await queue.add('job', {});
+        console.log('added ' + job.id);
+        await queue.close();
+        console.log('closed');
+      `);
+      expect(out.trim().split('\n')).toEqual(['added 1', 'closed']);
+      expect(code).toBe(0);
+    } finally {
+      rmSync(dataDir, { recursive: true, force: true });
+    }
   });
 
   it('recovers the jobs of a worker process killed mid-job', async () => {

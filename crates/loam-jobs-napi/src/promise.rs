@@ -1,0 +1,196 @@
+//! Promises that the core's threads settle. Each is made with
+//! `napi_create_promise`; its result goes to the JavaScript thread through one
+//! thread-safe function per Node environment, which delivers every result
+//! waiting when it runs.
+//!
+//! napi-rs's `create_deferred` makes a thread-safe function per promise (a uv
+//! handle, a clean-up hook and their locks) and closes it once settled. On a
+//! one-at-a-time `add` the JavaScript thread spent much of its time there, and
+//! slept on the function's lock whenever a store thread settled at the same
+//! moment. Here a promise costs a V8 resolver, and a burst of results one
+//! wake-up of the JavaScript thread.
+#![allow(
+    unsafe_code,
+    reason = "promises are made and settled through Node-API's C functions, which napi-rs wraps only with a thread-safe function per promise"
+)]
+
+use std::cell::OnceCell;
+use std::marker::PhantomData;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use napi::bindgen_prelude::*;
+use napi::sys;
+use napi::threadsafe_function::{
+    ThreadsafeCallContext, ThreadsafeFunction, ThreadsafeFunctionCallMode,
+};
+use parking_lot::Mutex;
+
+/// Delivers a result to its promise, on the JavaScript thread.
+type Delivery = Box<dyn FnOnce(sys::napi_env) + Send>;
+
+/// Wakes the JavaScript thread to deliver what is waiting. Weak (it does not
+/// keep Node's loop alive by itself); referenced while promises are
+/// outstanding, as a pending I/O request would be.
+type Wake = ThreadsafeFunction<(), (), (), Status, false, true, 0>;
+
+/// One Node environment's promises in flight.
+struct Promises {
+    waiting: Mutex<Vec<Delivery>>,
+    /// Promises made and not yet settled; only the JavaScript thread changes it.
+    outstanding: AtomicUsize,
+    wake: Wake,
+}
+
+thread_local! {
+    /// The promises of the environment whose JavaScript thread this is (a
+    /// worker thread is an environment of its own).
+    static PROMISES: OnceCell<Arc<Promises>> = const { OnceCell::new() };
+}
+
+impl Promises {
+    /// This environment's; `env` is the one whose JavaScript thread calls.
+    fn of(env: &Env) -> Result<Arc<Self>> {
+        PROMISES.with(|cell| {
+            if let Some(promises) = cell.get() {
+                return Ok(Arc::clone(promises));
+            }
+            let wake = env
+                .create_function_from_closure::<(), (), _>("loamDeliver", |_| Ok(()))?
+                .build_threadsafe_function::<()>()
+                .callee_handled::<false>()
+                .weak::<true>()
+                .build_callback(|ctx: ThreadsafeCallContext<()>| {
+                    // The wake-up runs on the JavaScript thread, whose promises these are.
+                    let _ = PROMISES.try_with(|cell| cell.get().map(|p| p.deliver(ctx.env.raw())));
+                    Ok(())
+                })?;
+            let promises = Arc::new(Promises {
+                waiting: Mutex::new(Vec::new()),
+                outstanding: AtomicUsize::new(0),
+                wake,
+            });
+            Ok(Arc::clone(cell.get_or_init(|| promises)))
+        })
+    }
+
+    /// Counts a new promise; the first one outstanding keeps the loop alive.
+    fn made(&self, env: sys::napi_env) {
+        if self.outstanding.fetch_add(1, Ordering::Relaxed) == 0 {
+            // SAFETY: on the JavaScript thread of the environment that made the function.
+            unsafe { sys::napi_ref_threadsafe_function(env, self.wake.raw()) };
+        }
+    }
+
+    /// From any thread.
+    fn post(&self, delivery: Delivery) {
+        let mut waiting = self.waiting.lock();
+        let first = waiting.is_empty();
+        waiting.push(delivery);
+        drop(waiting);
+        // One wake-up per non-empty mailbox: it delivers everything posted
+        // before it runs. If the environment is gone the call fails, and the
+        // delivery waits with nobody left to tell.
+        if first {
+            self.wake.call((), ThreadsafeFunctionCallMode::NonBlocking);
+        }
+    }
+
+    /// On the JavaScript thread.
+    fn deliver(&self, env: sys::napi_env) {
+        let waiting = std::mem::take(&mut *self.waiting.lock());
+        let count = waiting.len();
+        for delivery in waiting {
+            // A delivery converts a value to JavaScript; a panic there must
+            // not unwind into Node.
+            let _ = catch_unwind(AssertUnwindSafe(|| delivery(env)));
+        }
+        if count > 0 && self.outstanding.fetch_sub(count, Ordering::Relaxed) == count {
+            // SAFETY: on the JavaScript thread, in the function's own call.
+            unsafe { sys::napi_unref_threadsafe_function(env, self.wake.raw()) };
+        }
+    }
+}
+
+/// A promise's V8 resolver, which only its JavaScript thread touches.
+struct Deferred(sys::napi_deferred);
+
+// SAFETY: moved to other threads only to come back: it is used in a delivery,
+// which runs on the JavaScript thread that made it.
+unsafe impl Send for Deferred {}
+
+/// The end that settles a promise made by [`promise`], from any thread, once.
+/// Dropped unsettled, it rejects the promise, so none is left pending (which
+/// would also keep Node's loop alive).
+pub struct Resolver<T: ToNapiValue + Send + 'static> {
+    deferred: Option<Deferred>,
+    promises: Arc<Promises>,
+    _value: PhantomData<fn(T)>,
+}
+
+/// A promise for JavaScript and its [`Resolver`]. Call on the JavaScript thread.
+pub fn promise<T: ToNapiValue + Send + 'static>(
+    env: &Env,
+) -> Result<(Resolver<T>, PromiseRaw<'_, T>)> {
+    let promises = Promises::of(env)?;
+    let mut deferred = std::ptr::null_mut();
+    let mut promise = std::ptr::null_mut();
+    // SAFETY: `env` is live on this thread; both out-pointers are valid.
+    check_status!(unsafe { sys::napi_create_promise(env.raw(), &mut deferred, &mut promise) })?;
+    promises.made(env.raw());
+    Ok((
+        Resolver {
+            deferred: Some(Deferred(deferred)),
+            promises,
+            _value: PhantomData,
+        },
+        PromiseRaw::new(env.raw(), promise),
+    ))
+}
+
+impl<T: ToNapiValue + Send + 'static> Resolver<T> {
+    pub fn settle(mut self, result: Result<T>) {
+        if let Some(deferred) = self.deferred.take() {
+            self.promises
+                .post(Box::new(move |env| settle_now(env, deferred, result)));
+        }
+    }
+}
+
+impl<T: ToNapiValue + Send + 'static> Drop for Resolver<T> {
+    fn drop(&mut self) {
+        if let Some(deferred) = self.deferred.take() {
+            let dropped: Result<T> = Err(Error::new(
+                Status::GenericFailure,
+                "the operation ended without a result".to_string(),
+            ));
+            self.promises
+                .post(Box::new(move |env| settle_now(env, deferred, dropped)));
+        }
+    }
+}
+
+/// Resolves or rejects on the JavaScript thread.
+fn settle_now<T: ToNapiValue>(env: sys::napi_env, deferred: Deferred, result: Result<T>) {
+    // SAFETY: on the JavaScript thread of `env`, which made `deferred`; each
+    // deferred is settled once (the resolver is consumed).
+    unsafe {
+        match result.and_then(|value| T::to_napi_value(env, value)) {
+            Ok(value) => {
+                sys::napi_resolve_deferred(env, deferred.0, value);
+            }
+            Err(error) => {
+                let reason = match ToNapiValue::to_napi_value(env, error) {
+                    Ok(reason) => reason,
+                    Err(_) => {
+                        let mut undefined = std::ptr::null_mut();
+                        sys::napi_get_undefined(env, &mut undefined);
+                        undefined
+                    }
+                };
+                sys::napi_reject_deferred(env, deferred.0, reason);
+            }
+        }
+    }
+}
