@@ -67,6 +67,44 @@ describe('processes', () => {
     }
   });
 
+  itInProcess('worker threads use the backend one after another', async () => {
+    // Each thread opens a store, adds, closes and ends; the next one starts
+    // after (mimalloc 3, the addon's allocator before, crashed the process as
+    // the second thread allocated). The last is terminated with its adds in
+    // flight: the store settles them after the thread's environment is gone.
+    const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-threads-'));
+    try {
+      const thread = `
+        const { workerData, parentPort } = await import('node:worker_threads');
+        const { withBackend } = await import('bullmq');
+        const { loamBackend } = await import(${JSON.stringify(entry)});
+        const { Queue } = withBackend(loamBackend({ dataDir: workerData }));
+        const queue = new Queue('threads', { connection: {} });
+        const adds = Array.from({ length: 200 }, (_, i) => queue.add('job', { i }));
+        parentPort.postMessage('adding');
+        await Promise.all(adds);
+        parentPort.postMessage(await queue.count());
+        await queue.close();
+      `;
+      const { out, code, signal } = await runNode(`
+        const { Worker } = await import('node:worker_threads');
+        for (let i = 0; i < 5; i++) {
+          const thread = new Worker(${JSON.stringify(thread)}, { eval: true, workerData: ${JSON.stringify(dataDir)} });
+          thread.on('message', message => {
+            if (message !== 'adding') console.log('count ' + message);
+            else if (i === 4) thread.terminate();
+          });
+          await new Promise((resolve, reject) => thread.on('exit', resolve).on('error', reject));
+        }
+        console.log('done');
+      `);
+      expect({ code, signal }).toEqual({ code: 0, signal: null });
+      expect(out.trim().split('\n')).toEqual(['count 200', 'count 400', 'count 600', 'count 800', 'done']);
+    } finally {
+      rmSync(dataDir, { recursive: true, force: true });
+    }
+  });
+
   it('recovers the jobs of a worker process killed mid-job', async () => {
     const name = loam.queueName();
     const settings = JSON.stringify(loam.settings);
