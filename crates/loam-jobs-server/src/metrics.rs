@@ -5,8 +5,11 @@
 
 use std::time::Duration;
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
 use loam_jobs::{JobState, Jobs};
-use std::sync::Mutex;
+use parking_lot::RwLock;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -14,15 +17,33 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-
 type Labels = Vec<(&'static str, String)>;
 
 fn queue_labels(ns: &str, queue: &str) -> Labels {
     vec![("ns", ns.to_string()), ("queue", queue.to_string())]
 }
 
+/// One queue's members of the per-queue families (they share their values
+/// with the family, which is what `/metrics` renders).
+struct QueueHandles {
+    enqueued: Counter,
+    leased: Counter,
+    lease_seconds: Histogram,
+    fenced: Counter,
+    stalled: Counter,
+    /// By outcome, as they occur.
+    completed: RwLock<Vec<(&'static str, Counter)>>,
+}
+
+/// A call's count by method and code, and its method's durations.
+type RpcHandles = (Counter, Histogram);
+
 pub struct Metrics {
     registry: Mutex<Registry>,
+    /// By namespace, then queue.
+    queue_handles: RwLock<HashMap<String, HashMap<String, Arc<QueueHandles>>>>,
+    /// By (method, code).
+    rpc_handles: RwLock<HashMap<(&'static str, &'static str), RpcHandles>>,
     enqueued: Family<Labels, Counter>,
     leased: Family<Labels, Counter>,
     completed: Family<Labels, Counter>,
@@ -54,6 +75,8 @@ impl Metrics {
     pub fn new() -> Self {
         let m = Self {
             registry: Mutex::new(Registry::default()),
+            queue_handles: RwLock::default(),
+            rpc_handles: RwLock::default(),
             enqueued: Family::default(),
             leased: Family::default(),
             completed: Family::default(),
@@ -90,37 +113,73 @@ impl Metrics {
 
     pub fn enqueued(&self, ns: &str, queue: &str, n: u64) {
         if n > 0 {
-            self.enqueued.get_or_create(&queue_labels(ns, queue)).inc_by(n);
+            self.of_queue(ns, queue).enqueued.inc_by(n);
         }
     }
 
     pub fn leased(&self, ns: &str, queue: &str, n: u64, took: Duration) {
-        let labels = queue_labels(ns, queue);
+        let of = self.of_queue(ns, queue);
         if n > 0 {
-            self.leased.get_or_create(&labels).inc_by(n);
+            of.leased.inc_by(n);
         }
-        self.lease_seconds.get_or_create(&labels).observe(took.as_secs_f64());
+        of.lease_seconds.observe(took.as_secs_f64());
     }
 
     pub fn completed(&self, ns: &str, queue: &str, outcome: &'static str) {
-        let mut labels = queue_labels(ns, queue);
-        labels.push(("outcome", outcome.to_string()));
-        self.completed.get_or_create(&labels).inc();
+        let of = self.of_queue(ns, queue);
+        let known = of.completed.read().iter().find(|(o, _)| *o == outcome).map(|(_, c)| c.clone());
+        let counter = known.unwrap_or_else(|| {
+            let mut labels = queue_labels(ns, queue);
+            labels.push(("outcome", outcome.to_string()));
+            let made = self.completed.get_or_create(&labels).clone();
+            of.completed.write().push((outcome, made.clone()));
+            made
+        });
+        counter.inc();
     }
 
     pub fn fenced(&self, ns: &str, queue: &str) {
-        self.fenced.get_or_create(&queue_labels(ns, queue)).inc();
+        self.of_queue(ns, queue).fenced.inc();
     }
 
     pub fn stalled(&self, ns: &str, queue: &str, n: u64) {
         if n > 0 {
-            self.stalled.get_or_create(&queue_labels(ns, queue)).inc_by(n);
+            self.of_queue(ns, queue).stalled.inc_by(n);
         }
     }
 
     pub fn rpc(&self, method: &'static str, code: &'static str, took: Duration) {
-        self.rpcs.get_or_create(&vec![("method", method.to_string()), ("code", code.to_string())]).inc();
-        self.rpc_seconds.get_or_create(&vec![("method", method.to_string())]).observe(took.as_secs_f64());
+        let known = self.rpc_handles.read().get(&(method, code)).cloned();
+        let (count, seconds) = known.unwrap_or_else(|| {
+            let made = (
+                self.rpcs.get_or_create(&vec![("method", method.to_string()), ("code", code.to_string())]).clone(),
+                self.rpc_seconds.get_or_create(&vec![("method", method.to_string())]).clone(),
+            );
+            self.rpc_handles.write().insert((method, code), made.clone());
+            made
+        });
+        count.inc();
+        seconds.observe(took.as_secs_f64());
+    }
+
+    /// The counters of one queue. A family finds its member by its labels,
+    /// which costs building (allocating) and hashing them; a server's calls
+    /// did that several times each.
+    fn of_queue(&self, ns: &str, queue: &str) -> Arc<QueueHandles> {
+        if let Some(of) = self.queue_handles.read().get(ns).and_then(|q| q.get(queue)) {
+            return Arc::clone(of);
+        }
+        let labels = queue_labels(ns, queue);
+        let made = Arc::new(QueueHandles {
+            enqueued: self.enqueued.get_or_create(&labels).clone(),
+            leased: self.leased.get_or_create(&labels).clone(),
+            lease_seconds: self.lease_seconds.get_or_create(&labels).clone(),
+            fenced: self.fenced.get_or_create(&labels).clone(),
+            stalled: self.stalled.get_or_create(&labels).clone(),
+            completed: RwLock::default(),
+        });
+        let mut handles = self.queue_handles.write();
+        Arc::clone(handles.entry(ns.to_string()).or_default().entry(queue.to_string()).or_insert(made))
     }
 
     /// The text exposition, with the depth gauges read from the store now.

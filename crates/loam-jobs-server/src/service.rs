@@ -58,7 +58,7 @@ fn outcome_name(o: &Outcome) -> &'static str {
 }
 
 /// The namespace and core handle a call runs with.
-struct Caller {
+pub(crate) struct Caller {
     ns: String,
     jobs: Jobs,
 }
@@ -96,13 +96,24 @@ impl JobsSvc {
 
     fn caller(&self, ctx: &RequestContext) -> Result<Caller, ConnectError> {
         let ns = self.auth.namespace(ctx.headers())?;
-        let jobs = match ctx.headers().get(NOW_HEADER) {
-            Some(v) => {
-                let at = v
-                    .to_str()
-                    .ok()
-                    .and_then(|s| s.parse::<u64>().ok())
-                    .ok_or_else(|| invalid("loam-now-ms must be milliseconds since the epoch"))?;
+        let now_ms = match ctx.headers().get(NOW_HEADER) {
+            Some(v) => Some(v.to_str().ok().and_then(|s| s.parse::<u64>().ok()).ok_or_else(bad_now)?),
+            None => None,
+        };
+        Ok(self.at(ns, now_ms))
+    }
+
+    /// A session call's caller: the session's namespace (checked when it
+    /// opened) and the call's own clock, as a single call's `loam-now-ms`
+    /// header would give them.
+    pub(crate) fn session_caller(&self, ns: &str, now_ms: Option<i64>) -> Result<Caller, ConnectError> {
+        let now_ms = now_ms.map(|n| u64::try_from(n).map_err(|_| bad_now())).transpose()?;
+        Ok(self.at(ns.to_string(), now_ms))
+    }
+
+    fn at(&self, ns: String, now_ms: Option<u64>) -> Caller {
+        let jobs = match now_ms {
+            Some(at) => {
                 if let Some(clock) = &self.following {
                     clock.observe(at);
                 }
@@ -110,7 +121,7 @@ impl JobsSvc {
             }
             None => self.jobs.clone(),
         };
-        Ok(Caller { ns, jobs })
+        Caller { ns, jobs }
     }
 
     /// Runs a call, counting it and its time by method and code.
@@ -176,8 +187,7 @@ impl JobsSvc {
 
     // ---- calls ------------------------------------------------------------------
 
-    async fn do_enqueue(&self, ctx: RequestContext, req: pb::EnqueueRequest) -> Result<pb::EnqueueResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
+    async fn do_enqueue(&self, c: Caller, req: pb::EnqueueRequest) -> Result<pb::EnqueueResponse, ConnectError> {
         let job = convert::job_spec(req.job.into_option().ok_or_else(|| invalid("job is required"))?)?;
         let done = c.jobs.enqueue(&c.ns, &req.queue, job).await.map_err(core_err)?;
         if done.created {
@@ -188,10 +198,9 @@ impl JobsSvc {
 
     async fn do_enqueue_bulk(
         &self,
-        ctx: RequestContext,
+        c: Caller,
         req: pb::EnqueueBulkRequest,
     ) -> Result<pb::EnqueueBulkResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
         let jobs = req.jobs.into_iter().map(convert::job_spec).collect::<Result<Vec<_>, _>>()?;
         let done = c.jobs.enqueue_bulk(&c.ns, &req.queue, jobs).await.map_err(core_err)?;
         let created = done.iter().filter(|r| r.as_ref().is_ok_and(|e| e.created)).count() as u64;
@@ -199,8 +208,7 @@ impl JobsSvc {
         Ok(pb::EnqueueBulkResponse { results: done.iter().map(enqueue_result).collect(), ..Default::default() })
     }
 
-    async fn do_lease(&self, ctx: RequestContext, req: pb::LeaseRequest) -> Result<pb::LeaseResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
+    async fn do_lease(&self, c: Caller, req: pb::LeaseRequest) -> Result<pb::LeaseResponse, ConnectError> {
         let started = Instant::now();
         let options = convert::lease_options(req.options.into_option().unwrap_or_default());
         if options.max == 0 {
@@ -221,8 +229,7 @@ impl JobsSvc {
         Ok(pb::LeaseResponse { leased: convert::leased(&leased).into(), ..Default::default() })
     }
 
-    async fn do_extend(&self, ctx: RequestContext, req: pb::ExtendRequest) -> Result<pb::ExtendResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
+    async fn do_extend(&self, c: Caller, req: pb::ExtendRequest) -> Result<pb::ExtendResponse, ConnectError> {
         let mut items = Vec::with_capacity(req.items.len());
         for item in req.items {
             items.push((item.job_id, convert::fence(item.fence.into_option())?));
@@ -244,8 +251,7 @@ impl JobsSvc {
         }
     }
 
-    async fn do_complete(&self, ctx: RequestContext, req: pb::CompleteRequest) -> Result<pb::CompleteResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
+    async fn do_complete(&self, c: Caller, req: pb::CompleteRequest) -> Result<pb::CompleteResponse, ConnectError> {
         let fence = convert::fence(req.fence.into_option())?;
         let outcome = convert::outcome(req.outcome.into_option())?;
         let opts = convert::complete_options(req.options.into_option())?;
@@ -276,9 +282,8 @@ impl JobsSvc {
         Ok(pb::CompleteResponse { completed: convert::completed(&done).into(), rate_limit_ttl_ms: ttl, ..Default::default() })
     }
 
-    async fn do_report(&self, ctx: RequestContext, req: pb::ReportRequest) -> Result<pb::ReportResponse, ConnectError> {
+    async fn do_report(&self, c: Caller, req: pb::ReportRequest) -> Result<pb::ReportResponse, ConnectError> {
         use oneof::report_request::Report;
-        let c = self.caller(&ctx)?;
         let fence = convert::fence(req.fence.into_option())?;
         let (ns, queue, id) = (&c.ns, &req.queue, &req.job_id);
         let result = match req.report {
@@ -294,9 +299,8 @@ impl JobsSvc {
         Ok(pb::ReportResponse { log_count, ..Default::default() })
     }
 
-    async fn do_schedule(&self, ctx: RequestContext, req: pb::ScheduleRequest) -> Result<pb::ScheduleResponse, ConnectError> {
+    async fn do_schedule(&self, c: Caller, req: pb::ScheduleRequest) -> Result<pb::ScheduleResponse, ConnectError> {
         use oneof::schedule_request::Schedule;
-        let c = self.caller(&ctx)?;
         let queue = req.queue;
         let (job_id, delay_ms) = match req.schedule {
             Some(Schedule::Upsert(spec)) => {
@@ -361,10 +365,9 @@ impl JobsSvc {
 
     async fn do_unschedule(
         &self,
-        ctx: RequestContext,
+        c: Caller,
         req: pb::UnscheduleRequest,
     ) -> Result<pb::UnscheduleResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
         let id = req.scheduler_id.clone();
         let removed =
             c.jobs.admin(&c.ns, &req.queue, move |tx, q| schedule::remove(tx, q, &id)).await.map_err(core_err)?;
@@ -372,8 +375,7 @@ impl JobsSvc {
         Ok(pb::UnscheduleResponse { removed, ..Default::default() })
     }
 
-    async fn do_flow(&self, ctx: RequestContext, req: pb::FlowRequest) -> Result<pb::FlowResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
+    async fn do_flow(&self, c: Caller, req: pb::FlowRequest) -> Result<pb::FlowResponse, ConnectError> {
         let mut nodes = Vec::with_capacity(req.nodes.len());
         for n in req.nodes {
             let request = convert::job_spec(n.job.into_option().ok_or_else(|| invalid("every flow node needs a job"))?)?;
@@ -400,11 +402,10 @@ impl JobsSvc {
 
     async fn do_queue_admin(
         &self,
-        ctx: RequestContext,
+        c: Caller,
         req: pb::QueueAdminRequest,
     ) -> Result<pb::QueueAdminResponse, ConnectError> {
         use oneof::queue_admin_request::Op;
-        let c = self.caller(&ctx)?;
         let (ns, queue, jobs) = (c.ns.as_str(), req.queue.as_str(), &c.jobs);
         let mut out = pb::QueueAdminResponse::default();
         let op = req.op.ok_or_else(|| invalid("an operation is required"))?;
@@ -523,9 +524,8 @@ impl JobsSvc {
         Ok(out)
     }
 
-    async fn do_job_admin(&self, ctx: RequestContext, req: pb::JobAdminRequest) -> Result<pb::JobAdminResponse, ConnectError> {
+    async fn do_job_admin(&self, c: Caller, req: pb::JobAdminRequest) -> Result<pb::JobAdminResponse, ConnectError> {
         use oneof::job_admin_request::Op;
-        let c = self.caller(&ctx)?;
         let (ns, queue, jobs) = (c.ns.as_str(), req.queue.as_str(), &c.jobs);
         let id = req.job_id;
         let op = req.op.ok_or_else(|| invalid("an operation is required"))?;
@@ -569,10 +569,9 @@ impl JobsSvc {
         Ok(pb::JobAdminResponse { done, ..Default::default() })
     }
 
-    async fn do_query(&self, ctx: RequestContext, req: pb::QueryRequest) -> Result<pb::QueryResponse, ConnectError> {
+    async fn do_query(&self, c: Caller, req: pb::QueryRequest) -> Result<pb::QueryResponse, ConnectError> {
         use oneof::query_request::Query;
         use oneof::query_response::Result as R;
-        let c = self.caller(&ctx)?;
         let (ns, queue, jobs) = (c.ns.as_str(), req.queue.as_str(), &c.jobs);
         let q = req.query.ok_or_else(|| invalid("a query is required"))?;
         let result: Result<R, JobsError> = async {
@@ -701,25 +700,22 @@ impl JobsSvc {
 
     // ---- the result store ------------------------------------------------------------
 
-    async fn do_result_get(&self, ctx: RequestContext, req: pb::ResultGetRequest) -> Result<pb::ResultGetResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
+    async fn do_result_get(&self, c: Caller, req: pb::ResultGetRequest) -> Result<pb::ResultGetResponse, ConnectError> {
         let value = c.jobs.read(&c.ns, |tx| results::get(tx, &req.key)).map_err(core_err)?;
         Ok(pb::ResultGetResponse { value, ..Default::default() })
     }
 
     async fn do_result_mget(
         &self,
-        ctx: RequestContext,
+        c: Caller,
         req: pb::ResultMGetRequest,
     ) -> Result<pb::ResultMGetResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
         let values = c.jobs.read(&c.ns, |tx| results::mget(tx, &req.keys)).map_err(core_err)?;
         let values = values.into_iter().map(|value| pb::ResultValue { value, ..Default::default() }).collect();
         Ok(pb::ResultMGetResponse { values, ..Default::default() })
     }
 
-    async fn do_result_set(&self, ctx: RequestContext, req: pb::ResultSetRequest) -> Result<pb::ResultSetResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
+    async fn do_result_set(&self, c: Caller, req: pb::ResultSetRequest) -> Result<pb::ResultSetResponse, ConnectError> {
         let (key, value, ttl) = (req.key, req.value, req.ttl_ms);
         c.jobs.write(&c.ns, true, move |tx| results::set(tx, &key, value.clone(), ttl)).await.map_err(core_err)?;
         Ok(pb::ResultSetResponse::default())
@@ -727,17 +723,15 @@ impl JobsSvc {
 
     async fn do_result_delete(
         &self,
-        ctx: RequestContext,
+        c: Caller,
         req: pb::ResultDeleteRequest,
     ) -> Result<pb::ResultDeleteResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
         let key = req.key;
         let deleted = c.jobs.write(&c.ns, true, move |tx| results::delete(tx, &key)).await.map_err(core_err)?;
         Ok(pb::ResultDeleteResponse { deleted, ..Default::default() })
     }
 
-    async fn do_result_incr(&self, ctx: RequestContext, req: pb::ResultIncrRequest) -> Result<pb::ResultIncrResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
+    async fn do_result_incr(&self, c: Caller, req: pb::ResultIncrRequest) -> Result<pb::ResultIncrResponse, ConnectError> {
         let (key, member, ttl) = (req.key, req.member, req.ttl_ms);
         let counted = c.jobs.write(&c.ns, true, move |tx| results::incr(tx, &key, &member, ttl)).await.map_err(core_err)?;
         Ok(pb::ResultIncrResponse { count: counted.count, added: counted.added, ..Default::default() })
@@ -745,10 +739,9 @@ impl JobsSvc {
 
     async fn do_result_expire(
         &self,
-        ctx: RequestContext,
+        c: Caller,
         req: pb::ResultExpireRequest,
     ) -> Result<pb::ResultExpireResponse, ConnectError> {
-        let c = self.caller(&ctx)?;
         let (key, ttl) = (req.key, req.ttl_ms);
         let found = c.jobs.write(&c.ns, true, move |tx| results::expire(tx, &key, ttl)).await.map_err(core_err)?;
         Ok(pb::ResultExpireResponse { found, ..Default::default() })
@@ -756,8 +749,7 @@ impl JobsSvc {
 
     // ---- watch ------------------------------------------------------------------------
 
-    async fn do_watch(&self, ctx: RequestContext, req: pb::WatchRequest) -> Result<ServiceStream<pb::WatchResponse>, ConnectError> {
-        let c = self.caller(&ctx)?;
+    async fn do_watch(&self, c: Caller, req: pb::WatchRequest) -> Result<ServiceStream<pb::WatchResponse>, ConnectError> {
         let (ns, queue) = (c.ns, req.queue);
         // "From now" is pinned before the stream starts, so nothing written
         // after this call returns can be missed.
@@ -844,37 +836,37 @@ impl JobsSvc {
     /// answer in the session's oneof. Counted by method like a single call.
     pub(crate) async fn dispatch(
         &self,
-        ctx: RequestContext,
+        c: Caller,
         call: oneof::session_request::Call,
     ) -> Result<oneof::session_response::Result, ConnectError> {
         use oneof::session_request::Call as C;
         use oneof::session_response::Result as R;
         Ok(match call {
-            C::Enqueue(r) => R::from(self.timed("Enqueue", self.do_enqueue(ctx, *r)).await?),
-            C::EnqueueBulk(r) => R::from(self.timed("EnqueueBulk", self.do_enqueue_bulk(ctx, *r)).await?),
-            C::Lease(r) => R::from(self.timed("Lease", self.do_lease(ctx, *r)).await?),
-            C::Extend(r) => R::from(self.timed("Extend", self.do_extend(ctx, *r)).await?),
-            C::Complete(r) => R::from(self.timed("Complete", self.do_complete(ctx, *r)).await?),
-            C::Report(r) => R::from(self.timed("Report", self.do_report(ctx, *r)).await?),
-            C::Schedule(r) => R::from(self.timed("Schedule", self.do_schedule(ctx, *r)).await?),
-            C::Unschedule(r) => R::from(self.timed("Unschedule", self.do_unschedule(ctx, *r)).await?),
-            C::Flow(r) => R::from(self.timed("Flow", self.do_flow(ctx, *r)).await?),
-            C::QueueAdmin(r) => R::from(self.timed("QueueAdmin", self.do_queue_admin(ctx, *r)).await?),
-            C::JobAdmin(r) => R::from(self.timed("JobAdmin", self.do_job_admin(ctx, *r)).await?),
-            C::Query(r) => R::from(self.timed("Query", self.do_query(ctx, *r)).await?),
-            C::ResultGet(r) => R::from(self.timed("ResultGet", self.do_result_get(ctx, *r)).await?),
-            C::ResultMGet(r) => R::from(self.timed("ResultMGet", self.do_result_mget(ctx, *r)).await?),
-            C::ResultSet(r) => R::from(self.timed("ResultSet", self.do_result_set(ctx, *r)).await?),
-            C::ResultDelete(r) => R::from(self.timed("ResultDelete", self.do_result_delete(ctx, *r)).await?),
-            C::ResultIncr(r) => R::from(self.timed("ResultIncr", self.do_result_incr(ctx, *r)).await?),
-            C::ResultExpire(r) => R::from(self.timed("ResultExpire", self.do_result_expire(ctx, *r)).await?),
+            C::Enqueue(r) => R::from(self.timed("Enqueue", self.do_enqueue(c, *r)).await?),
+            C::EnqueueBulk(r) => R::from(self.timed("EnqueueBulk", self.do_enqueue_bulk(c, *r)).await?),
+            C::Lease(r) => R::from(self.timed("Lease", self.do_lease(c, *r)).await?),
+            C::Extend(r) => R::from(self.timed("Extend", self.do_extend(c, *r)).await?),
+            C::Complete(r) => R::from(self.timed("Complete", self.do_complete(c, *r)).await?),
+            C::Report(r) => R::from(self.timed("Report", self.do_report(c, *r)).await?),
+            C::Schedule(r) => R::from(self.timed("Schedule", self.do_schedule(c, *r)).await?),
+            C::Unschedule(r) => R::from(self.timed("Unschedule", self.do_unschedule(c, *r)).await?),
+            C::Flow(r) => R::from(self.timed("Flow", self.do_flow(c, *r)).await?),
+            C::QueueAdmin(r) => R::from(self.timed("QueueAdmin", self.do_queue_admin(c, *r)).await?),
+            C::JobAdmin(r) => R::from(self.timed("JobAdmin", self.do_job_admin(c, *r)).await?),
+            C::Query(r) => R::from(self.timed("Query", self.do_query(c, *r)).await?),
+            C::ResultGet(r) => R::from(self.timed("ResultGet", self.do_result_get(c, *r)).await?),
+            C::ResultMGet(r) => R::from(self.timed("ResultMGet", self.do_result_mget(c, *r)).await?),
+            C::ResultSet(r) => R::from(self.timed("ResultSet", self.do_result_set(c, *r)).await?),
+            C::ResultDelete(r) => R::from(self.timed("ResultDelete", self.do_result_delete(c, *r)).await?),
+            C::ResultIncr(r) => R::from(self.timed("ResultIncr", self.do_result_incr(c, *r)).await?),
+            C::ResultExpire(r) => R::from(self.timed("ResultExpire", self.do_result_expire(c, *r)).await?),
             C::Cancel(_) => return Err(invalid("a cancel is not a call")),
         })
     }
 
     /// The namespace of a session, checked once when it opens.
-    pub(crate) fn authorize(&self, ctx: &RequestContext) -> Result<(), ConnectError> {
-        self.caller(ctx).map(|_| ())
+    pub(crate) fn session_namespace(&self, ctx: &RequestContext) -> Result<String, ConnectError> {
+        self.caller(ctx).map(|c| c.ns)
     }
 
     pub(crate) fn shutdown(&self) -> &Interrupt {
@@ -886,7 +878,7 @@ impl JobsSvc {
 impl pb::JobsService for JobsSvc {
     async fn enqueue(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::EnqueueRequest>) -> ServiceResult<pb::EnqueueResponse> {
         let r = r.to_owned_message();
-        self.observe("Enqueue", self.do_enqueue(ctx, r)).await
+        self.observe("Enqueue", async { self.do_enqueue(self.caller(&ctx)?, r).await }).await
     }
 
     async fn enqueue_bulk(
@@ -895,17 +887,17 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::EnqueueBulkRequest>,
     ) -> ServiceResult<pb::EnqueueBulkResponse> {
         let r = r.to_owned_message();
-        self.observe("EnqueueBulk", self.do_enqueue_bulk(ctx, r)).await
+        self.observe("EnqueueBulk", async { self.do_enqueue_bulk(self.caller(&ctx)?, r).await }).await
     }
 
     async fn lease(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::LeaseRequest>) -> ServiceResult<pb::LeaseResponse> {
         let r = r.to_owned_message();
-        self.observe("Lease", self.do_lease(ctx, r)).await
+        self.observe("Lease", async { self.do_lease(self.caller(&ctx)?, r).await }).await
     }
 
     async fn extend(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::ExtendRequest>) -> ServiceResult<pb::ExtendResponse> {
         let r = r.to_owned_message();
-        self.observe("Extend", self.do_extend(ctx, r)).await
+        self.observe("Extend", async { self.do_extend(self.caller(&ctx)?, r).await }).await
     }
 
     async fn complete(
@@ -914,12 +906,12 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::CompleteRequest>,
     ) -> ServiceResult<pb::CompleteResponse> {
         let r = r.to_owned_message();
-        self.observe("Complete", self.do_complete(ctx, r)).await
+        self.observe("Complete", async { self.do_complete(self.caller(&ctx)?, r).await }).await
     }
 
     async fn report(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::ReportRequest>) -> ServiceResult<pb::ReportResponse> {
         let r = r.to_owned_message();
-        self.observe("Report", self.do_report(ctx, r)).await
+        self.observe("Report", async { self.do_report(self.caller(&ctx)?, r).await }).await
     }
 
     async fn schedule(
@@ -928,7 +920,7 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::ScheduleRequest>,
     ) -> ServiceResult<pb::ScheduleResponse> {
         let r = r.to_owned_message();
-        self.observe("Schedule", self.do_schedule(ctx, r)).await
+        self.observe("Schedule", async { self.do_schedule(self.caller(&ctx)?, r).await }).await
     }
 
     async fn unschedule(
@@ -937,12 +929,12 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::UnscheduleRequest>,
     ) -> ServiceResult<pb::UnscheduleResponse> {
         let r = r.to_owned_message();
-        self.observe("Unschedule", self.do_unschedule(ctx, r)).await
+        self.observe("Unschedule", async { self.do_unschedule(self.caller(&ctx)?, r).await }).await
     }
 
     async fn flow(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::FlowRequest>) -> ServiceResult<pb::FlowResponse> {
         let r = r.to_owned_message();
-        self.observe("Flow", self.do_flow(ctx, r)).await
+        self.observe("Flow", async { self.do_flow(self.caller(&ctx)?, r).await }).await
     }
 
     async fn queue_admin(
@@ -951,7 +943,7 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::QueueAdminRequest>,
     ) -> ServiceResult<pb::QueueAdminResponse> {
         let r = r.to_owned_message();
-        self.observe("QueueAdmin", self.do_queue_admin(ctx, r)).await
+        self.observe("QueueAdmin", async { self.do_queue_admin(self.caller(&ctx)?, r).await }).await
     }
 
     async fn job_admin(
@@ -960,12 +952,12 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::JobAdminRequest>,
     ) -> ServiceResult<pb::JobAdminResponse> {
         let r = r.to_owned_message();
-        self.observe("JobAdmin", self.do_job_admin(ctx, r)).await
+        self.observe("JobAdmin", async { self.do_job_admin(self.caller(&ctx)?, r).await }).await
     }
 
     async fn query(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::QueryRequest>) -> ServiceResult<pb::QueryResponse> {
         let r = r.to_owned_message();
-        self.observe("Query", self.do_query(ctx, r)).await
+        self.observe("Query", async { self.do_query(self.caller(&ctx)?, r).await }).await
     }
 
     async fn result_get(
@@ -974,7 +966,7 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::ResultGetRequest>,
     ) -> ServiceResult<pb::ResultGetResponse> {
         let r = r.to_owned_message();
-        self.observe("ResultGet", self.do_result_get(ctx, r)).await
+        self.observe("ResultGet", async { self.do_result_get(self.caller(&ctx)?, r).await }).await
     }
 
     async fn result_m_get(
@@ -983,7 +975,7 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::ResultMGetRequest>,
     ) -> ServiceResult<pb::ResultMGetResponse> {
         let r = r.to_owned_message();
-        self.observe("ResultMGet", self.do_result_mget(ctx, r)).await
+        self.observe("ResultMGet", async { self.do_result_mget(self.caller(&ctx)?, r).await }).await
     }
 
     async fn result_set(
@@ -992,7 +984,7 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::ResultSetRequest>,
     ) -> ServiceResult<pb::ResultSetResponse> {
         let r = r.to_owned_message();
-        self.observe("ResultSet", self.do_result_set(ctx, r)).await
+        self.observe("ResultSet", async { self.do_result_set(self.caller(&ctx)?, r).await }).await
     }
 
     async fn result_delete(
@@ -1001,7 +993,7 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::ResultDeleteRequest>,
     ) -> ServiceResult<pb::ResultDeleteResponse> {
         let r = r.to_owned_message();
-        self.observe("ResultDelete", self.do_result_delete(ctx, r)).await
+        self.observe("ResultDelete", async { self.do_result_delete(self.caller(&ctx)?, r).await }).await
     }
 
     async fn result_incr(
@@ -1010,7 +1002,7 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::ResultIncrRequest>,
     ) -> ServiceResult<pb::ResultIncrResponse> {
         let r = r.to_owned_message();
-        self.observe("ResultIncr", self.do_result_incr(ctx, r)).await
+        self.observe("ResultIncr", async { self.do_result_incr(self.caller(&ctx)?, r).await }).await
     }
 
     async fn result_expire(
@@ -1019,7 +1011,7 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::ResultExpireRequest>,
     ) -> ServiceResult<pb::ResultExpireResponse> {
         let r = r.to_owned_message();
-        self.observe("ResultExpire", self.do_result_expire(ctx, r)).await
+        self.observe("ResultExpire", async { self.do_result_expire(self.caller(&ctx)?, r).await }).await
     }
 
     async fn watch(
@@ -1028,7 +1020,7 @@ impl pb::JobsService for JobsSvc {
         r: ServiceRequest<'_, pb::WatchRequest>,
     ) -> ServiceResult<ServiceStream<pb::WatchResponse>> {
         let r = r.to_owned_message();
-        self.observe("Watch", self.do_watch(ctx, r)).await
+        self.observe("Watch", async { self.do_watch(self.caller(&ctx)?, r).await }).await
     }
 
     async fn session(
@@ -1066,6 +1058,10 @@ fn enqueue_result(r: &Result<Enqueued, JobsError>) -> pb::EnqueueResult {
         }),
     };
     pb::EnqueueResult { result: Some(result), ..Default::default() }
+}
+
+fn bad_now() -> ConnectError {
+    invalid("loam-now-ms must be milliseconds since the epoch")
 }
 
 #[cfg(test)]

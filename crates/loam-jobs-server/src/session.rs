@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use futures::future::AbortHandle;
 
 use crate::errors::{DETAIL_TYPE, invalid};
-use crate::service::{JobsSvc, NOW_HEADER};
+use crate::service::JobsSvc;
 
 type Answers = mpsc::UnboundedSender<Result<pb::SessionResponse, ConnectError>>;
 
@@ -31,13 +31,13 @@ pub async fn open(
     ctx: RequestContext,
     requests: InboundStream<pb::SessionRequest>,
 ) -> Result<ServiceStream<pb::SessionResponse>, ConnectError> {
-    svc.authorize(&ctx)?;
+    let ns = svc.session_namespace(&ctx)?;
     let (answers, out) = mpsc::unbounded_channel();
-    tokio::spawn(read(svc, ctx, requests, answers));
+    tokio::spawn(read(svc, ns, requests, answers));
     Ok(Box::pin(futures::stream::unfold(out, |mut out| async move { out.recv().await.map(|a| (a, out)) })))
 }
 
-async fn read(svc: JobsSvc, ctx: RequestContext, mut requests: InboundStream<pb::SessionRequest>, answers: Answers) {
+async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionRequest>, answers: Answers) {
     // Every call runs on this task. A call's first poll hands its operation to
     // the core, and FuturesUnordered polls new futures in the order they were
     // pushed, so the core applies the calls of a session in the order they
@@ -76,11 +76,14 @@ async fn read(svc: JobsSvc, ctx: RequestContext, mut requests: InboundStream<pb:
                                 answer(&answers, id, Err(ConnectError::canceled("the call was canceled")));
                             }
                         }
-                        Some(call) => {
-                            let (run, stop) = futures::future::abortable(svc.dispatch(at_time(&ctx, request.now_ms), call));
-                            stops.insert(id, stop);
-                            calls.push(run.map(move |result| (id, result)));
-                        }
+                        Some(call) => match svc.session_caller(&ns, request.now_ms) {
+                            Err(e) => answer(&answers, id, Err(e)),
+                            Ok(caller) => {
+                                let (run, stop) = futures::future::abortable(svc.dispatch(caller, call));
+                                stops.insert(id, stop);
+                                calls.push(run.map(move |result| (id, result)));
+                            }
+                        },
                     }
                 }
             },
@@ -88,20 +91,6 @@ async fn read(svc: JobsSvc, ctx: RequestContext, mut requests: InboundStream<pb:
             () = svc.shutdown().fired(), if reading => reading = false,
         }
     }
-}
-
-/// The session's context for one call: its own clock, as a single call's
-/// `loam-now-ms` header would give it.
-fn at_time(ctx: &RequestContext, now_ms: Option<i64>) -> RequestContext {
-    let mut ctx = ctx.clone();
-    let headers = ctx.headers_mut();
-    headers.remove(NOW_HEADER);
-    if let Some(now_ms) = now_ms
-        && let Ok(value) = http::HeaderValue::from_str(&now_ms.to_string())
-    {
-        headers.insert(NOW_HEADER, value);
-    }
-    ctx
 }
 
 fn answer(answers: &Answers, id: u64, result: Result<oneof::session_response::Result, ConnectError>) {
