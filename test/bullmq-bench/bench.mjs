@@ -9,7 +9,7 @@
 // runs made in the same round.
 //
 // Redis is started here (redis-server from the machine, on a free loopback
-// port, default persistence: RDB snapshots, no AOF). Loam uses its default
+// port, with no persistence: no RDB snapshots, no AOF). Loam uses its default
 // immediate durability unless LOAM_DURABILITY=relaxed.
 //
 // `remote` is BullMQ through `loamBackend({ url })` on a `loam-jobs serve`
