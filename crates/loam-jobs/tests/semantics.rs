@@ -172,6 +172,39 @@ fn a_child_of_a_missing_parent_is_refused() {
 }
 
 #[test]
+fn a_tree_counts_each_parents_children_new_nested_and_adopted() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("x".into()), ..job("x") }).wait().unwrap();
+    let child = |id: &str, of: &str| EnqueueRequest { job_id: Some(id.into()), parent: Some(parent("q", of)), ..job(id) };
+    let node = |request: EnqueueRequest, wait_children: bool| FlowNode { queue: "q".into(), request, wait_children };
+    let nodes = vec![
+        node(EnqueueRequest { job_id: Some("p".into()), ..job("p") }, true),
+        node(child("a", "p"), false),
+        node(child("m", "p"), true),
+        node(child("g1", "m"), false),
+        node(child("x", "p"), false),
+        node(child("g2", "m"), false),
+        node(child("b", "p"), false),
+    ];
+    jobs.flow("ns", nodes).wait().unwrap();
+    let pending = |id: &str| jobs.get_job("ns", "q", id).unwrap().map(|j| j.pending_children);
+    // a, m, x (an existing job adopted) and b; g1 and g2.
+    assert_eq!(pending("p"), Some(4));
+    assert_eq!(pending("m"), Some(2));
+    // The parents are released only as their last children finish.
+    let mut finished = Vec::new();
+    while let Some(l) = lease_one(&jobs, "q") {
+        finished.push(l.job.id.clone());
+        ok(&jobs, "q", &l, "1");
+    }
+    let at = |id: &str| finished.iter().position(|f| f == id).unwrap();
+    assert_eq!(finished.len(), 7, "{finished:?}");
+    assert!(at("m") > at("g1").max(at("g2")), "{finished:?}");
+    assert_eq!(at("p"), 6, "{finished:?}");
+    assert_eq!(pending("p"), Some(0));
+}
+
+#[test]
 fn a_flow_is_all_or_nothing() {
     let (jobs, _) = core();
     let nodes = vec![
