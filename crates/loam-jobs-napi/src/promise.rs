@@ -14,7 +14,7 @@
     reason = "promises are made and settled through Node-API's C functions, which napi-rs wraps only with a thread-safe function per promise"
 )]
 
-use std::cell::OnceCell;
+use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -45,15 +45,17 @@ struct Promises {
 
 thread_local! {
     /// The promises of the environment whose JavaScript thread this is (a
-    /// worker thread is an environment of its own).
-    static PROMISES: OnceCell<Arc<Promises>> = const { OnceCell::new() };
+    /// worker thread is an environment of its own). An embedder may run
+    /// another environment on this thread after the first ended: the first's
+    /// function is then aborted, and a new one is made.
+    static PROMISES: RefCell<Option<Arc<Promises>>> = const { RefCell::new(None) };
 }
 
 impl Promises {
     /// This environment's; `env` is the one whose JavaScript thread calls.
     fn of(env: &Env) -> Result<Arc<Self>> {
         PROMISES.with(|cell| {
-            if let Some(promises) = cell.get() {
+            if let Some(promises) = cell.borrow().as_ref().filter(|p| !p.wake.aborted()) {
                 return Ok(Arc::clone(promises));
             }
             let wake = env
@@ -63,7 +65,10 @@ impl Promises {
                 .weak::<true>()
                 .build_callback(|ctx: ThreadsafeCallContext<()>| {
                     // The wake-up runs on the JavaScript thread, whose promises these are.
-                    let _ = PROMISES.try_with(|cell| cell.get().map(|p| p.deliver(ctx.env.raw())));
+                    let promises = PROMISES.try_with(|cell| cell.borrow().clone()).ok().flatten();
+                    if let Some(promises) = promises {
+                        promises.deliver(ctx.env.raw());
+                    }
                     Ok(())
                 })?;
             let promises = Arc::new(Promises {
@@ -71,7 +76,8 @@ impl Promises {
                 outstanding: AtomicUsize::new(0),
                 wake,
             });
-            Ok(Arc::clone(cell.get_or_init(|| promises)))
+            *cell.borrow_mut() = Some(Arc::clone(&promises));
+            Ok(promises)
         })
     }
 
@@ -102,9 +108,7 @@ impl Promises {
         let waiting = std::mem::take(&mut *self.waiting.lock());
         let count = waiting.len();
         for delivery in waiting {
-            // A delivery converts a value to JavaScript; a panic there must
-            // not unwind into Node.
-            let _ = catch_unwind(AssertUnwindSafe(|| delivery(env)));
+            delivery(env);
         }
         if count > 0 && self.outstanding.fetch_sub(count, Ordering::Relaxed) == count {
             // SAFETY: on the JavaScript thread, in the function's own call.
@@ -171,26 +175,61 @@ impl<T: ToNapiValue + Send + 'static> Drop for Resolver<T> {
     }
 }
 
-/// Resolves or rejects on the JavaScript thread.
+/// Resolves or rejects on the JavaScript thread, in a handle scope of its
+/// own (a burst of results would otherwise keep every value alive until the
+/// last is delivered).
 fn settle_now<T: ToNapiValue>(env: sys::napi_env, deferred: Deferred, result: Result<T>) {
+    let mut scope = std::ptr::null_mut();
+    // SAFETY: on the JavaScript thread of `env`; closed below.
+    unsafe { sys::napi_open_handle_scope(env, &mut scope) };
+    // A conversion must not unwind into Node, nor leave its promise pending.
+    let converted = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: on the JavaScript thread of `env`.
+        result.and_then(|value| unsafe { T::to_napi_value(env, value) })
+    }))
+    .unwrap_or_else(|_| Err(Error::new(Status::GenericFailure, "converting the result panicked".to_string())));
     // SAFETY: on the JavaScript thread of `env`, which made `deferred`; each
-    // deferred is settled once (the resolver is consumed).
+    // deferred is settled once (its resolver is consumed). A failed
+    // conversion may leave a JavaScript exception pending, which would fail
+    // every later call into Node: the promise is rejected with it instead.
     unsafe {
-        match result.and_then(|value| T::to_napi_value(env, value)) {
-            Ok(value) => {
+        match (take_exception(env), converted) {
+            (Some(exception), _) => {
+                sys::napi_reject_deferred(env, deferred.0, exception);
+            }
+            (None, Ok(value)) => {
                 sys::napi_resolve_deferred(env, deferred.0, value);
             }
-            Err(error) => {
+            (None, Err(error)) => {
                 let reason = match ToNapiValue::to_napi_value(env, error) {
                     Ok(reason) => reason,
-                    Err(_) => {
+                    Err(_) => take_exception(env).unwrap_or_else(|| {
                         let mut undefined = std::ptr::null_mut();
                         sys::napi_get_undefined(env, &mut undefined);
                         undefined
-                    }
+                    }),
                 };
                 sys::napi_reject_deferred(env, deferred.0, reason);
             }
         }
+        sys::napi_close_handle_scope(env, scope);
+    }
+}
+
+/// The JavaScript exception pending on `env`, cleared.
+///
+/// # Safety
+/// On the JavaScript thread of `env`.
+unsafe fn take_exception(env: sys::napi_env) -> Option<sys::napi_value> {
+    let mut pending = false;
+    // SAFETY: the caller's.
+    unsafe {
+        sys::napi_is_exception_pending(env, &mut pending);
+        if !pending {
+            return None;
+        }
+        let mut exception = std::ptr::null_mut();
+        sys::napi_get_and_clear_last_exception(env, &mut exception);
+        Some(exception)
     }
 }

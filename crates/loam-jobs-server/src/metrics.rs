@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use loam_jobs::{JobState, Jobs};
 use parking_lot::RwLock;
@@ -23,16 +23,27 @@ fn queue_labels(ns: &str, queue: &str) -> Labels {
     vec![("ns", ns.to_string()), ("queue", queue.to_string())]
 }
 
-/// One queue's members of the per-queue families (they share their values
-/// with the family, which is what `/metrics` renders).
+/// One queue's members of the per-queue families, each looked up the first
+/// time it is used (so `/metrics` shows the same series as without them);
+/// they share their values with the family, which is what `/metrics` renders.
 struct QueueHandles {
-    enqueued: Counter,
-    leased: Counter,
-    lease_seconds: Histogram,
-    fenced: Counter,
-    stalled: Counter,
+    labels: Labels,
+    enqueued: OnceLock<Counter>,
+    leased: OnceLock<Counter>,
+    lease_seconds: OnceLock<Histogram>,
+    fenced: OnceLock<Counter>,
+    stalled: OnceLock<Counter>,
     /// By outcome, as they occur.
     completed: RwLock<Vec<(&'static str, Counter)>>,
+}
+
+impl QueueHandles {
+    fn member<'a, M: Clone>(&self, cell: &'a OnceLock<M>, family: &Family<Labels, M>) -> &'a M
+    where
+        fn() -> M: prometheus_client::metrics::family::MetricConstructor<M>,
+    {
+        cell.get_or_init(|| family.get_or_create(&self.labels).clone())
+    }
 }
 
 /// A call's count by method and code, and its method's durations.
@@ -113,23 +124,24 @@ impl Metrics {
 
     pub fn enqueued(&self, ns: &str, queue: &str, n: u64) {
         if n > 0 {
-            self.of_queue(ns, queue).enqueued.inc_by(n);
+            let of = self.of_queue(ns, queue);
+            of.member(&of.enqueued, &self.enqueued).inc_by(n);
         }
     }
 
     pub fn leased(&self, ns: &str, queue: &str, n: u64, took: Duration) {
         let of = self.of_queue(ns, queue);
         if n > 0 {
-            of.leased.inc_by(n);
+            of.member(&of.leased, &self.leased).inc_by(n);
         }
-        of.lease_seconds.observe(took.as_secs_f64());
+        of.member(&of.lease_seconds, &self.lease_seconds).observe(took.as_secs_f64());
     }
 
     pub fn completed(&self, ns: &str, queue: &str, outcome: &'static str) {
         let of = self.of_queue(ns, queue);
         let known = of.completed.read().iter().find(|(o, _)| *o == outcome).map(|(_, c)| c.clone());
         let counter = known.unwrap_or_else(|| {
-            let mut labels = queue_labels(ns, queue);
+            let mut labels = of.labels.clone();
             labels.push(("outcome", outcome.to_string()));
             let made = self.completed.get_or_create(&labels).clone();
             of.completed.write().push((outcome, made.clone()));
@@ -139,12 +151,14 @@ impl Metrics {
     }
 
     pub fn fenced(&self, ns: &str, queue: &str) {
-        self.of_queue(ns, queue).fenced.inc();
+        let of = self.of_queue(ns, queue);
+        of.member(&of.fenced, &self.fenced).inc();
     }
 
     pub fn stalled(&self, ns: &str, queue: &str, n: u64) {
         if n > 0 {
-            self.of_queue(ns, queue).stalled.inc_by(n);
+            let of = self.of_queue(ns, queue);
+            of.member(&of.stalled, &self.stalled).inc_by(n);
         }
     }
 
@@ -169,13 +183,13 @@ impl Metrics {
         if let Some(of) = self.queue_handles.read().get(ns).and_then(|q| q.get(queue)) {
             return Arc::clone(of);
         }
-        let labels = queue_labels(ns, queue);
         let made = Arc::new(QueueHandles {
-            enqueued: self.enqueued.get_or_create(&labels).clone(),
-            leased: self.leased.get_or_create(&labels).clone(),
-            lease_seconds: self.lease_seconds.get_or_create(&labels).clone(),
-            fenced: self.fenced.get_or_create(&labels).clone(),
-            stalled: self.stalled.get_or_create(&labels).clone(),
+            labels: queue_labels(ns, queue),
+            enqueued: OnceLock::new(),
+            leased: OnceLock::new(),
+            lease_seconds: OnceLock::new(),
+            fenced: OnceLock::new(),
+            stalled: OnceLock::new(),
             completed: RwLock::default(),
         });
         let mut handles = self.queue_handles.write();
