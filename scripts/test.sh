@@ -8,9 +8,11 @@ trap 'rm -f "$log"' EXIT
 
 pnpm lint:proto
 cargo test --workspace 2>&1 | tee -a "$log"
-# The remote tests of @loam/bullmq and the Python client run against this server.
-cargo build -p loam-jobs-server
+# The remote tests of @loam/bullmq and the Python client run against the server
+# that `cargo test` built for its own integration tests (a separate
+# `cargo build -p` would resolve other features and build every crate again).
 export LOAM_JOBS_BIN="${CARGO_TARGET_DIR:-$PWD/target}/debug/loam-jobs"
+test -x "$LOAM_JOBS_BIN" || { echo "test: cargo test did not build $LOAM_JOBS_BIN" >&2; exit 1; }
 if [ -n "$(ls packages/*/package.json test/*/package.json 2>/dev/null)" ]; then
   pnpm -r --if-present run test 2>&1 | tee -a "$log"
 fi
