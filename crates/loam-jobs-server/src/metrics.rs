@@ -266,4 +266,31 @@ mod tests {
         let only = only_namespace(text, "a");
         assert!(only.contains("ns=\"a\"") && !only.contains("ns=\"ab\"") && only.contains("Lease") && only.ends_with("# EOF\n"));
     }
+
+    fn exposition(m: &Metrics) -> String {
+        let mut out = String::new();
+        encode(&mut out, &m.registry.lock().unwrap()).unwrap();
+        out
+    }
+
+    /// A queue's handle is made on its first call, but each series of it
+    /// only when that series first moves: a queue that was only enqueued to
+    /// shows no leased, fenced or stalled series, as a family would show it.
+    #[test]
+    fn a_queue_shows_only_the_series_it_used() {
+        let m = Metrics::new();
+        m.enqueued("ns1", "q", 3);
+        let text = exposition(&m);
+        assert!(text.contains(r#"loam_jobs_enqueued_total{ns="ns1",queue="q"} 3"#), "{text}");
+        for unused in ["loam_jobs_leased_total{", "loam_jobs_fenced_total{", "loam_jobs_stalled_total{", "loam_jobs_lease_latency_seconds_count{", "loam_jobs_completed_total{"] {
+            assert!(!text.contains(unused), "{unused} shown before it moved:\n{text}");
+        }
+        m.completed("ns1", "q", "ok");
+        m.completed("ns1", "q", "ok");
+        m.fenced("ns1", "q");
+        let text = exposition(&m);
+        assert!(text.contains(r#"loam_jobs_completed_total{ns="ns1",queue="q",outcome="ok"} 2"#), "{text}");
+        assert!(text.contains(r#"loam_jobs_fenced_total{ns="ns1",queue="q"} 1"#), "{text}");
+        assert!(!text.contains("loam_jobs_leased_total{"), "{text}");
+    }
 }
