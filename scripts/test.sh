@@ -7,6 +7,8 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
 pnpm lint:proto
+# One format for the Rust code (rustfmt.toml); a diff fails the run before the build.
+cargo fmt --all --check
 cargo test --workspace 2>&1 | tee -a "$log"
 # The remote tests of @loam/bullmq and the Python client run against the server
 # that `cargo test` built for its own integration tests (a separate

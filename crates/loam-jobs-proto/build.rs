@@ -26,10 +26,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if !status.success() {
         return Err(format!("protoc failed: {status}").into());
     }
-    connectrpc_build::Config::new()
-        .descriptor_set(&fds)
-        .files(&FILES)
-        .include_file("_connectrpc.rs")
-        .compile()?;
+    connectrpc_build::Config::new().descriptor_set(&fds).files(&FILES).include_file("_connectrpc.rs").compile()?;
     Ok(())
 }

@@ -26,13 +26,11 @@
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use loam_jobs::{
-    CompleteOptions, Config, Durability, EnqueueRequest, Fence, Jobs, JobsError, LeaseRequest, Outcome,
-};
+use loam_jobs::{CompleteOptions, Config, Durability, EnqueueRequest, Fence, Jobs, JobsError, LeaseRequest, Outcome};
 use serde::Serialize;
 
 const NS: &str = "bench";
@@ -91,7 +89,11 @@ fn parse_options() -> Result<Options, String> {
             "--seconds" => o.seconds = value.parse().map_err(|e| bad(&e))?,
             "--warmup-ms" => o.warmup = Duration::from_millis(value.parse().map_err(|e| bad(&e))?),
             "--callers" => {
-                o.callers = value.split(',').map(|c| c.trim().parse::<usize>()).collect::<Result<_, _>>().map_err(|e| bad(&e))?;
+                o.callers = value
+                    .split(',')
+                    .map(|c| c.trim().parse::<usize>())
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| bad(&e))?;
                 if o.callers.contains(&0) {
                     return Err(bad(&"callers must be at least 1"));
                 }
@@ -214,7 +216,8 @@ fn blocking_cycle(jobs: &Jobs, tally: &mut Tally) -> Result<(), JobsError> {
             continue;
         };
         let outcome = Outcome::Ok { result: Some(b"1".to_vec()) };
-        jobs.complete(NS, QUEUE, &lease.job.id, Fence::Epoch(lease.epoch), outcome, CompleteOptions::default()).wait()?;
+        jobs.complete(NS, QUEUE, &lease.job.id, Fence::Epoch(lease.epoch), outcome, CompleteOptions::default())
+            .wait()?;
         return Ok(());
     }
 }
@@ -327,7 +330,8 @@ fn run_one(
         None => tempfile::tempdir(),
     }
     .expect("create a temp dir for the store");
-    let jobs = Jobs::open(&dir.path().join("bench.redb"), Config { durability, ..Config::default() }).expect("open the store");
+    let jobs =
+        Jobs::open(&dir.path().join("bench.redb"), Config { durability, ..Config::default() }).expect("open the store");
     let measure = Duration::from_secs_f64(o.seconds);
     let stop = Arc::new(AtomicBool::new(false));
 
@@ -357,8 +361,9 @@ fn run_one(
             let mut cpu0 = None;
             let mut writer0 = None;
             let tallies = rt.block_on(async {
-                let tasks: Vec<_> =
-                    (0..callers).map(|_| tokio::spawn(caller_task(jobs.clone(), scenario, window, Arc::clone(&stop)))).collect();
+                let tasks: Vec<_> = (0..callers)
+                    .map(|_| tokio::spawn(caller_task(jobs.clone(), scenario, window, Arc::clone(&stop))))
+                    .collect();
                 tokio::time::sleep(start.saturating_duration_since(Instant::now())).await;
                 cpu0 = cpu_seconds();
                 writer0 = writer_cpu_seconds();
@@ -410,7 +415,16 @@ fn run_one(
 fn print_header() {
     println!(
         "{:<10} {:<8} {:<8} {:>7} {:>10} {:>9} {:>9} {:>9} {:>12} {:>12}",
-        "durability", "mode", "scenario", "callers", "ops/s", "p50 ms", "p99 ms", "max ms", "cpu s/1k ops", "writer us/op"
+        "durability",
+        "mode",
+        "scenario",
+        "callers",
+        "ops/s",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "cpu s/1k ops",
+        "writer us/op"
     );
 }
 

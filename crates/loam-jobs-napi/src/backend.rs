@@ -20,9 +20,8 @@ use loam_jobs::keys::QueueId;
 use loam_jobs::ops::{admin, complete, enqueue, lease, query, schedule};
 use loam_jobs::tx::Tx;
 use loam_jobs::{
-    CompleteOptions, Completed, DependencyStatus, Durability, Event, FlowNode, Interrupt, JobState,
-    Jobs, JobsError, LeaseRequest, Outcome, Pending, QueueConfig, RateLimit, Retention,
-    SchedulerSpec,
+    CompleteOptions, Completed, DependencyStatus, Durability, Event, FlowNode, Interrupt, JobState, Jobs, JobsError,
+    LeaseRequest, Outcome, Pending, QueueConfig, RateLimit, Retention, SchedulerSpec,
 };
 
 use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, StreamEntry};
@@ -92,32 +91,16 @@ struct WorkerSettings {
 }
 
 fn ms(n: f64) -> u64 {
-    if n.is_finite() && n > 0.0 {
-        n as u64
-    } else {
-        0
-    }
+    if n.is_finite() && n > 0.0 { n as u64 } else { 0 }
 }
 
 impl WorkerSettings {
     fn from_options(o: &BackendOptions) -> Self {
         Self {
             lock_duration_ms: o.lock_duration.map_or(30_000, ms),
-            limiter: o
-                .limiter
-                .map(|l| RateLimit {
-                    max: ms(l.max),
-                    duration_ms: ms(l.duration),
-                })
-                .filter(|l| l.max > 0),
-            max_stalled: o
-                .max_stalled_count
-                .map_or(1, |n| ms(n).min(u64::from(u32::MAX)) as u32),
-            metrics_max_points: o
-                .metrics
-                .and_then(|m| m.max_data_points)
-                .map(ms)
-                .filter(|n| *n > 0),
+            limiter: o.limiter.map(|l| RateLimit { max: ms(l.max), duration_ms: ms(l.duration) }).filter(|l| l.max > 0),
+            max_stalled: o.max_stalled_count.map_or(1, |n| ms(n).min(u64::from(u32::MAX)) as u32),
+            metrics_max_points: o.metrics.and_then(|m| m.max_data_points).map(ms).filter(|n| *n > 0),
             remove_on_complete: o.remove_on_complete.map(KeepOpt::to_core),
             remove_on_fail: o.remove_on_fail.map(KeepOpt::to_core),
             name: o.name.clone(),
@@ -134,9 +117,7 @@ fn fence(token: Option<&str>) -> loam_jobs::Fence {
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// The promise of a write already submitted to the core. Write methods are
@@ -180,11 +161,7 @@ where
 /// `{result?, finishedOn}` of moveToCompleted / moveToFailed, as JSON.
 fn finished_json(done: &Completed, fetch_next: bool) -> String {
     let finished = Finished {
-        result: if fetch_next {
-            done.next.as_ref().map(NextJob::new)
-        } else {
-            None
-        },
+        result: if fetch_next { done.next.as_ref().map(NextJob::new) } else { None },
         finished_on: done.finished_on.unwrap_or_else(now_ms),
     };
     json(&finished)
@@ -195,11 +172,7 @@ fn json<T: serde::Serialize>(value: &T) -> String {
 }
 
 fn parse<'a, T: Deserialize<'a>>(what: &str, text: &'a str) -> Result<T> {
-    serde_json::from_str(text).map_err(|e| {
-        invalid(format!(
-            "{what} is not valid JSON of the expected shape: {e}"
-        ))
-    })
+    serde_json::from_str(text).map_err(|e| invalid(format!("{what} is not valid JSON of the expected shape: {e}")))
 }
 
 /// A lease expiring, a job gone or not active: `extendLock` reports these as
@@ -207,10 +180,7 @@ fn parse<'a, T: Deserialize<'a>>(what: &str, text: &'a str) -> Result<T> {
 fn is_lock_refusal(e: &JobsError) -> bool {
     matches!(
         e,
-        JobsError::Fenced { .. }
-            | JobsError::NotFound(_)
-            | JobsError::Precondition(_)
-            | JobsError::DeadlineExceeded
+        JobsError::Fenced { .. } | JobsError::NotFound(_) | JobsError::Precondition(_) | JobsError::DeadlineExceeded
     )
 }
 
@@ -257,12 +227,7 @@ impl LoamQueue {
         T: ToNapiValue + Send + 'static,
         F: FnMut(&mut Tx, &QueueId) -> std::result::Result<R, JobsError> + Send + 'static,
     {
-        settle(
-            env,
-            op,
-            self.jobs()?.admin(&self.ns, &self.queue, body),
-            map,
-        )
+        settle(env, op, self.jobs()?.admin(&self.ns, &self.queue, body), map)
     }
 
     /// Ends the lease of the job `op` names with `outcome`, submitted now.
@@ -276,9 +241,7 @@ impl LoamQueue {
         map: impl FnOnce(Completed) -> T + Send + 'static,
     ) -> Result<PromiseRaw<'env, T>> {
         let job_id = op.job_id.clone().unwrap_or_default();
-        let pending =
-            self.jobs()?
-                .complete(&self.ns, &self.queue, &job_id, fence(token), outcome, opts);
+        let pending = self.jobs()?.complete(&self.ns, &self.queue, &job_id, fence(token), outcome, opts);
         settle(env, op, pending, map)
     }
 
@@ -294,20 +257,12 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, String>> {
         let op = Op::new("moveToFinished").job(job_id).state("active");
         let opts = self.complete_options(token, fetch_next);
-        self.complete(env, op, Some(token), outcome, opts, move |done| {
-            finished_json(&done, fetch_next)
-        })
+        self.complete(env, op, Some(token), outcome, opts, move |done| finished_json(&done, fetch_next))
     }
 
     /// One read on a snapshot of this queue.
-    fn read<T>(
-        &self,
-        op: Op,
-        f: impl FnOnce(&mut Tx, &QueueId) -> std::result::Result<T, JobsError>,
-    ) -> Result<T> {
-        self.jobs()?
-            .query(&self.ns, &self.queue, f)
-            .map_err(|e| op.error(e))
+    fn read<T>(&self, op: Op, f: impl FnOnce(&mut Tx, &QueueId) -> std::result::Result<T, JobsError>) -> Result<T> {
+        self.jobs()?.query(&self.ns, &self.queue, f).map_err(|e| op.error(e))
     }
 
     fn lease_request(&self, token: &str, name: Option<String>) -> LeaseRequest {
@@ -354,19 +309,12 @@ impl LoamQueue {
         let o: BackendOptions = parse("backend options", &options)?;
         let durability = match o.durability.as_deref() {
             None | Some("immediate") => Durability::Immediate,
-            Some("relaxed") => Durability::Relaxed {
-                flush_interval_ms: o.flush_interval_ms.map_or(100, ms),
-            },
+            Some("relaxed") => Durability::Relaxed { flush_interval_ms: o.flush_interval_ms.map_or(100, ms) },
             Some(other) => {
-                return Err(invalid(format!(
-                    "unknown durability {other:?}: use \"immediate\" or \"relaxed\""
-                )));
+                return Err(invalid(format!("unknown durability {other:?}: use \"immediate\" or \"relaxed\"")));
             }
         };
-        let store = store::acquire(
-            std::path::Path::new(&o.data_dir),
-            OpenOptions { durability },
-        )?;
+        let store = store::acquire(std::path::Path::new(&o.data_dir), OpenOptions { durability })?;
         Ok(LoamQueue {
             store,
             ns: o.namespace.clone().unwrap_or_else(|| "default".into()),
@@ -398,9 +346,7 @@ impl LoamQueue {
     /// has no queue of its own.
     #[napi]
     pub async fn ready(&self) -> Result<()> {
-        self.jobs()?
-            .read(&self.ns, |_| Ok(()))
-            .map_err(|e| Op::new("waitUntilReady").error(e))
+        self.jobs()?.read(&self.ns, |_| Ok(())).map_err(|e| Op::new("waitUntilReady").error(e))
     }
 
     /// Ends blocking waits and gives back this backend's use of the store.
@@ -433,42 +379,24 @@ impl LoamQueue {
 
     /// `addJob`: `job` is BullMQ's JobJson plus `jobId`/`parentKey`/`addToWaitingChildren`.
     #[napi]
-    pub fn add_job<'env>(
-        &self,
-        env: &'env Env,
-        host_now: f64,
-        job: String,
-    ) -> Result<PromiseRaw<'env, String>> {
+    pub fn add_job<'env>(&self, env: &'env Env, host_now: f64, job: String) -> Result<PromiseRaw<'env, String>> {
         self.store.observe(host_now);
         let job: NewJob = parse("job", &job)?;
         let op = Op::new("addJob").parent(job.parent_key.clone());
         let req = job.to_request().map_err(invalid)?;
-        let placement = if job.add_to_waiting_children {
-            enqueue::Placement::WaitChildren
-        } else {
-            enqueue::Placement::Normal
-        };
-        let pending = self.jobs()?.admin(&self.ns, &self.queue, move |tx, q| {
-            enqueue::enqueue(tx, q, req.clone(), placement)
-        });
+        let placement =
+            if job.add_to_waiting_children { enqueue::Placement::WaitChildren } else { enqueue::Placement::Normal };
+        let pending =
+            self.jobs()?.admin(&self.ns, &self.queue, move |tx, q| enqueue::enqueue(tx, q, req.clone(), placement));
         settle(env, op, pending, |added| added.id)
     }
 
     /// `addJobs`: one transaction; the first failing job fails the call.
     #[napi]
-    pub fn add_jobs<'env>(
-        &self,
-        env: &'env Env,
-        host_now: f64,
-        jobs: String,
-    ) -> Result<PromiseRaw<'env, Vec<String>>> {
+    pub fn add_jobs<'env>(&self, env: &'env Env, host_now: f64, jobs: String) -> Result<PromiseRaw<'env, Vec<String>>> {
         self.store.observe(host_now);
         let jobs: Vec<NewJob> = parse("jobs", &jobs)?;
-        let reqs = jobs
-            .iter()
-            .map(NewJob::to_request)
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(invalid)?;
+        let reqs = jobs.iter().map(NewJob::to_request).collect::<std::result::Result<Vec<_>, _>>().map_err(invalid)?;
         let parents: Vec<Option<String>> = jobs.iter().map(|j| j.parent_key.clone()).collect();
         let pending = self.jobs()?.enqueue_bulk(&self.ns, &self.queue, reqs);
         settle_with(env, pending, move |results| {
@@ -476,10 +404,7 @@ impl LoamQueue {
             results
                 .into_iter()
                 .zip(parents)
-                .map(|(r, parent)| {
-                    r.map(|e| e.id)
-                        .map_err(|e| Op::new("addJob").parent(parent).error(e))
-                })
+                .map(|(r, parent)| r.map(|e| e.id).map_err(|e| Op::new("addJob").parent(parent).error(e)))
                 .collect()
         })
     }
@@ -488,12 +413,7 @@ impl LoamQueue {
     /// `[error, idOrCode][]` as JSON; a refusal BullMQ has a code for is
     /// reported as that code on every entry (nothing was inserted).
     #[napi]
-    pub fn add_flow<'env>(
-        &self,
-        env: &'env Env,
-        host_now: f64,
-        entries: String,
-    ) -> Result<PromiseRaw<'env, String>> {
+    pub fn add_flow<'env>(&self, env: &'env Env, host_now: f64, entries: String) -> Result<PromiseRaw<'env, String>> {
         self.store.observe(host_now);
         let entries: Vec<NewJob> = parse("flow", &entries)?;
         let mut nodes = Vec::with_capacity(entries.len());
@@ -535,20 +455,14 @@ impl LoamQueue {
         self.store.observe(host_now);
         let req = self.lease_request(&token, name);
         let pending = self.jobs()?.lease(&self.ns, &self.queue, req);
-        settle(env, Op::new("moveToActive"), pending, |leased| {
-            convert::next_job_json(&leased)
-        })
+        settle(env, Op::new("moveToActive"), pending, |leased| convert::next_job_json(&leased))
     }
 
     /// `waitForJob`: resolves with the marker score 0 once a job may be ready
     /// (the core also wakes when a delayed job falls due), or null on timeout
     /// or interrupt (`disconnectBlocking`, `close`).
     #[napi]
-    pub async fn wait_for_job(
-        &self,
-        host_now: f64,
-        block_timeout_seconds: f64,
-    ) -> Result<Option<f64>> {
+    pub async fn wait_for_job(&self, host_now: f64, block_timeout_seconds: f64) -> Result<Option<f64>> {
         self.store.observe(host_now);
         let wait = Duration::from_secs_f64(block_timeout_seconds.clamp(0.0, 86_400.0));
         let ready = self
@@ -569,13 +483,7 @@ impl LoamQueue {
         duration: f64,
     ) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
-        let pending = self.jobs()?.extend(
-            &self.ns,
-            &self.queue,
-            &job_id,
-            fence(Some(&token)),
-            ms(duration),
-        );
+        let pending = self.jobs()?.extend(&self.ns, &self.queue, &job_id, fence(Some(&token)), ms(duration));
         settle_with(env, pending, move |extended| match extended {
             Ok(_) => Ok(1),
             Err(e) if is_lock_refusal(&e) => Ok(0),
@@ -594,14 +502,8 @@ impl LoamQueue {
         duration: f64,
     ) -> Result<PromiseRaw<'env, Vec<String>>> {
         self.store.observe(host_now);
-        let items = job_ids
-            .into_iter()
-            .zip(tokens)
-            .map(|(id, t)| (id, fence(Some(&t))))
-            .collect();
-        let pending = self
-            .jobs()?
-            .extend_many(&self.ns, &self.queue, items, ms(duration));
+        let items = job_ids.into_iter().zip(tokens).map(|(id, t)| (id, fence(Some(&t)))).collect();
+        let pending = self.jobs()?.extend_many(&self.ns, &self.queue, items, ms(duration));
         settle(env, Op::new("extendLocks"), pending, |failed| failed)
     }
 
@@ -621,13 +523,7 @@ impl LoamQueue {
         self.write(env, Op::new("moveStalledJobsToWait"), move |tx, q| {
             let current = tx.queue_config(q)?;
             if current.max_stalled != max_stalled {
-                tx.set_queue_config(
-                    q,
-                    QueueConfig {
-                        max_stalled,
-                        ..current
-                    },
-                )?;
+                tx.set_queue_config(q, QueueConfig { max_stalled, ..current })?;
             }
             lease::sweep_stalled(tx, q)
         })
@@ -653,9 +549,7 @@ impl LoamQueue {
         fetch_next: bool,
     ) -> Result<PromiseRaw<'env, String>> {
         self.store.observe(host_now);
-        let outcome = Outcome::Ok {
-            result: Some(return_value.into_bytes()),
-        };
+        let outcome = Outcome::Ok { result: Some(return_value.into_bytes()) };
         self.finish_active(env, &job_id, &token, fetch_next, outcome)
     }
 
@@ -676,13 +570,9 @@ impl LoamQueue {
         fields_to_update: Option<String>,
     ) -> Result<PromiseRaw<'env, String>> {
         self.store.observe(host_now);
-        let fields: FailureFields = fields_to_update
-            .as_deref()
-            .map_or(Ok(FailureFields::default()), |f| parse("fieldsToUpdate", f))?;
-        let outcome = Outcome::Fail {
-            error: fields.to_error(Some(&failed_reason)),
-            dead_letter: false,
-        };
+        let fields: FailureFields =
+            fields_to_update.as_deref().map_or(Ok(FailureFields::default()), |f| parse("fieldsToUpdate", f))?;
+        let outcome = Outcome::Fail { error: fields.to_error(Some(&failed_reason)), dead_letter: false };
         self.finish_active(env, &job_id, &token, fetch_next, outcome)
     }
 
@@ -714,29 +604,18 @@ impl LoamQueue {
             fetch_next: bool,
             fields_to_update: Option<FailureFields>,
         }
-        let o: MoveToDelayedOpts = opts
-            .as_deref()
-            .map_or(Ok(MoveToDelayedOpts::default()), |t| {
-                parse("moveToDelayed options", t)
-            })?;
+        let o: MoveToDelayedOpts =
+            opts.as_deref().map_or(Ok(MoveToDelayedOpts::default()), |t| parse("moveToDelayed options", t))?;
         let op = Op::new("moveToDelayed").job(&job_id).state("active");
         let token = token.unwrap_or_default();
         let outcome = if o.skip_attempt {
-            Outcome::Delay {
-                until: ms(timestamp).saturating_add(ms(delay)),
-            }
+            Outcome::Delay { until: ms(timestamp).saturating_add(ms(delay)) }
         } else {
-            Outcome::Retry {
-                error: o.fields_to_update.map(|f| f.to_error(None)),
-                after_ms: Some(ms(delay)),
-            }
+            Outcome::Retry { error: o.fields_to_update.map(|f| f.to_error(None)), after_ms: Some(ms(delay)) }
         };
         let opts = self.complete_options(&token, o.fetch_next);
         self.complete(env, op, Some(&token), outcome, opts, |done| {
-            done.next
-                .as_ref()
-                .filter(|n| !n.leases.is_empty())
-                .map_or_else(|| "[]".into(), convert::next_job_json)
+            done.next.as_ref().filter(|n| !n.leases.is_empty()).map_or_else(|| "[]".into(), convert::next_job_json)
         })
     }
 
@@ -752,22 +631,10 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         let op = Op::new("retryJob").job(&job_id).state("active");
-        let fields: Option<FailureFields> = fields_to_update
-            .as_deref()
-            .map(|f| parse("fieldsToUpdate", f))
-            .transpose()?;
-        let outcome = Outcome::Retry {
-            error: fields.map(|f| f.to_error(None)),
-            after_ms: Some(0),
-        };
-        self.complete(
-            env,
-            op,
-            token.as_deref(),
-            outcome,
-            CompleteOptions::default(),
-            |_| (),
-        )
+        let fields: Option<FailureFields> =
+            fields_to_update.as_deref().map(|f| parse("fieldsToUpdate", f)).transpose()?;
+        let outcome = Outcome::Retry { error: fields.map(|f| f.to_error(None)), after_ms: Some(0) };
+        self.complete(env, op, token.as_deref(), outcome, CompleteOptions::default(), |_| ())
     }
 
     /// `moveJobFromActiveToWait` (a processor's RateLimitError): the job goes
@@ -781,21 +648,12 @@ impl LoamQueue {
         token: Option<String>,
     ) -> Result<PromiseRaw<'env, f64>> {
         self.store.observe(host_now);
-        let op = Op::new("moveJobFromActiveToWait")
-            .job(&job_id)
-            .state("active");
+        let op = Op::new("moveJobFromActiveToWait").job(&job_id).state("active");
         let fence = fence(token.as_deref());
         let limiter = self.settings.limiter.clone();
         let id = job_id.clone();
         let release = move |tx: &mut Tx, q: &QueueId| {
-            complete::complete(
-                tx,
-                q,
-                &id,
-                &fence,
-                Outcome::Release { after_ms: None },
-                &CompleteOptions::default(),
-            )?;
+            complete::complete(tx, q, &id, &fence, Outcome::Release { after_ms: None }, &CompleteOptions::default())?;
             let limit = lease::limiter(tx, q, limiter.as_ref())?;
             lease::rate_limit_ttl(tx, q, limit.as_ref())
         };
@@ -815,9 +673,7 @@ impl LoamQueue {
         child_key: Option<String>,
     ) -> Result<PromiseRaw<'env, bool>> {
         self.store.observe(host_now);
-        let op = Op::new("moveToWaitingChildren")
-            .job(&job_id)
-            .state("active");
+        let op = Op::new("moveToWaitingChildren").job(&job_id).state("active");
         let fence = fence(Some(&token));
         let park = move |tx: &mut Tx, q: &QueueId| {
             let outcome = Outcome::WaitChildren { child: child_key.clone() };
@@ -845,24 +701,12 @@ impl LoamQueue {
         };
         let op = Op::new("reprocessJob").job(&job_id).state(state_name);
         self.write(env, op, move |tx, q| {
-            admin::retry_finished(
-                tx,
-                q,
-                &job_id,
-                from,
-                reset_attempts_made,
-                reset_attempts_started,
-            )
+            admin::retry_finished(tx, q, &job_id, from, reset_attempts_made, reset_attempts_started)
         })
     }
 
     #[napi]
-    pub fn promote<'env>(
-        &self,
-        env: &'env Env,
-        host_now: f64,
-        job_id: String,
-    ) -> Result<PromiseRaw<'env, ()>> {
+    pub fn promote<'env>(&self, env: &'env Env, host_now: f64, job_id: String) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         let op = Op::new("promote").job(&job_id).state("delayed");
         self.write(env, op, move |tx, q| admin::promote(tx, q, &job_id))
@@ -878,9 +722,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         let op = Op::new("changeDelay").job(&job_id).state("delayed");
-        self.write(env, op, move |tx, q| {
-            admin::change_delay(tx, q, &job_id, ms(delay))
-        })
+        self.write(env, op, move |tx, q| admin::change_delay(tx, q, &job_id, ms(delay)))
     }
 
     #[napi]
@@ -895,9 +737,7 @@ impl LoamQueue {
         self.store.observe(host_now);
         let op = Op::new("changePriority").job(&job_id);
         let priority = ms(priority).min(u64::from(u32::MAX)) as u32;
-        self.write(env, op, move |tx, q| {
-            admin::change_priority(tx, q, &job_id, priority, lifo)
-        })
+        self.write(env, op, move |tx, q| admin::change_priority(tx, q, &job_id, priority, lifo))
     }
 
     /// `remove`: 1 when removed (or already gone), 0 when it or a child is locked.
@@ -911,12 +751,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
         let op = Op::new("removeJob").job(&job_id);
-        self.write_map(
-            env,
-            op,
-            move |tx, q| admin::remove_job(tx, q, &job_id, remove_children),
-            u32::from,
-        )
+        self.write_map(env, op, move |tx, q| admin::remove_job(tx, q, &job_id, remove_children), u32::from)
     }
 
     #[napi]
@@ -928,9 +763,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         let op = Op::new("removeUnprocessedChildren").job(&job_id);
-        self.write(env, op, move |tx, q| {
-            admin::remove_unprocessed_children(tx, q, &job_id)
-        })
+        self.write(env, op, move |tx, q| admin::remove_unprocessed_children(tx, q, &job_id))
     }
 
     #[napi]
@@ -942,12 +775,8 @@ impl LoamQueue {
         parent_key: String,
     ) -> Result<PromiseRaw<'env, bool>> {
         self.store.observe(host_now);
-        let op = Op::new("removeChildDependency")
-            .job(&job_id)
-            .parent(Some(parent_key.clone()));
-        self.write(env, op, move |tx, q| {
-            admin::remove_child_dependency(tx, q, &job_id, &parent_key)
-        })
+        let op = Op::new("removeChildDependency").job(&job_id).parent(Some(parent_key.clone()));
+        self.write(env, op, move |tx, q| admin::remove_child_dependency(tx, q, &job_id, &parent_key))
     }
 
     /// `updateData`: `data` is the payload's JSON text.
@@ -962,9 +791,7 @@ impl LoamQueue {
         self.store.observe(host_now);
         let op = Op::new("updateData").job(&job_id);
         let data = data.into_bytes();
-        self.write(env, op, move |tx, q| {
-            admin::update_data(tx, q, &job_id, &loam_jobs::Fence::Unchecked, data.clone())
-        })
+        self.write(env, op, move |tx, q| admin::update_data(tx, q, &job_id, &loam_jobs::Fence::Unchecked, data.clone()))
     }
 
     /// `updateProgress`: `progress` is its JSON text.
@@ -979,13 +806,7 @@ impl LoamQueue {
         self.store.observe(host_now);
         let op = Op::new("updateProgress").job(&job_id);
         self.write(env, op, move |tx, q| {
-            admin::update_progress(
-                tx,
-                q,
-                &job_id,
-                &loam_jobs::Fence::Unchecked,
-                progress.clone(),
-            )
+            admin::update_progress(tx, q, &job_id, &loam_jobs::Fence::Unchecked, progress.clone())
         })
     }
 
@@ -1002,14 +823,7 @@ impl LoamQueue {
         let op = Op::new("addLog").job(&job_id);
         let keep = keep_logs.map(ms);
         let append = move |tx: &mut Tx, q: &QueueId| {
-            admin::add_log(
-                tx,
-                q,
-                &job_id,
-                &loam_jobs::Fence::Unchecked,
-                row.clone(),
-                keep,
-            )
+            admin::add_log(tx, q, &job_id, &loam_jobs::Fence::Unchecked, row.clone(), keep)
         };
         self.write_map(env, op, append, |count| count as f64)
     }
@@ -1025,37 +839,21 @@ impl LoamQueue {
         self.store.observe(host_now);
         let op = Op::new("clearLogs").job(&job_id);
         let keep = keep_logs.map(ms);
-        self.write(env, op, move |tx, q| {
-            admin::clear_logs(tx, q, &job_id, keep)
-        })
+        self.write(env, op, move |tx, q| admin::clear_logs(tx, q, &job_id, keep))
     }
 
     // ---- queue admin -------------------------------------------------------------
 
     #[napi]
-    pub fn pause<'env>(
-        &self,
-        env: &'env Env,
-        host_now: f64,
-        paused: bool,
-    ) -> Result<PromiseRaw<'env, ()>> {
+    pub fn pause<'env>(&self, env: &'env Env, host_now: f64, paused: bool) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
-        self.write(env, Op::new("pause"), move |tx, q| {
-            admin::set_paused(tx, q, paused)
-        })
+        self.write(env, Op::new("pause"), move |tx, q| admin::set_paused(tx, q, paused))
     }
 
     #[napi]
-    pub fn drain<'env>(
-        &self,
-        env: &'env Env,
-        host_now: f64,
-        delayed: bool,
-    ) -> Result<PromiseRaw<'env, ()>> {
+    pub fn drain<'env>(&self, env: &'env Env, host_now: f64, delayed: bool) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
-        self.write(env, Op::new("drain"), move |tx, q| {
-            admin::drain(tx, q, delayed).map(|_| ())
-        })
+        self.write(env, Op::new("drain"), move |tx, q| admin::drain(tx, q, delayed).map(|_| ()))
     }
 
     #[napi]
@@ -1069,9 +867,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, Vec<String>>> {
         self.store.observe(host_now);
         let limit = limit.map_or(0, ms);
-        self.write(env, Op::new("cleanJobsByState"), move |tx, q| {
-            admin::clean(tx, q, &state, ms(timestamp), limit)
-        })
+        self.write(env, Op::new("cleanJobsByState"), move |tx, q| admin::clean(tx, q, &state, ms(timestamp), limit))
     }
 
     /// `obliterate`: 1 while jobs remain (call again), 0 once the queue is gone.
@@ -1085,12 +881,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
         let count = ms(count);
-        self.write_map(
-            env,
-            Op::new("obliterate"),
-            move |tx, q| admin::obliterate(tx, q, force, count),
-            u32::from,
-        )
+        self.write_map(env, Op::new("obliterate"), move |tx, q| admin::obliterate(tx, q, force, count), u32::from)
     }
 
     #[napi]
@@ -1103,32 +894,17 @@ impl LoamQueue {
         timestamp: f64,
     ) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
-        let from = if state == "completed" {
-            JobState::Completed
-        } else {
-            JobState::Failed
-        };
+        let from = if state == "completed" { JobState::Completed } else { JobState::Failed };
         let (count, before) = (ms(count), ms(timestamp));
-        let retry =
-            move |tx: &mut Tx, q: &QueueId| admin::retry_finished_jobs(tx, q, from, count, before);
+        let retry = move |tx: &mut Tx, q: &QueueId| admin::retry_finished_jobs(tx, q, from, count, before);
         self.write_map(env, Op::new("retryJobs"), retry, u32::from)
     }
 
     #[napi]
-    pub fn promote_jobs<'env>(
-        &self,
-        env: &'env Env,
-        host_now: f64,
-        count: f64,
-    ) -> Result<PromiseRaw<'env, u32>> {
+    pub fn promote_jobs<'env>(&self, env: &'env Env, host_now: f64, count: f64) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
         let count = ms(count);
-        self.write_map(
-            env,
-            Op::new("promoteJobs"),
-            move |tx, q| admin::promote_jobs(tx, q, count),
-            u32::from,
-        )
+        self.write_map(env, Op::new("promoteJobs"), move |tx, q| admin::promote_jobs(tx, q, count), u32::from)
     }
 
     // ---- getters -------------------------------------------------------------------
@@ -1137,71 +913,39 @@ impl LoamQueue {
     #[napi]
     pub async fn get_job_data(&self, host_now: f64, job_id: String) -> Result<Option<String>> {
         self.store.observe(host_now);
-        let job = self.read(Op::new("getJobData").job(&job_id), |tx, q| {
-            query::get_job(tx, q, &job_id)
-        })?;
+        let job = self.read(Op::new("getJobData").job(&job_id), |tx, q| query::get_job(tx, q, &job_id))?;
         Ok(job.as_ref().map(convert::job_json))
     }
 
     #[napi]
     pub async fn get_state(&self, host_now: f64, job_id: String) -> Result<String> {
         self.store.observe(host_now);
-        let job = self.read(Op::new("getState").job(&job_id), |tx, q| {
-            query::get_job(tx, q, &job_id)
-        })?;
+        let job = self.read(Op::new("getState").job(&job_id), |tx, q| query::get_job(tx, q, &job_id))?;
         Ok(job.map_or("unknown", |j| j.state.as_str()).to_string())
     }
 
     #[napi]
-    pub async fn is_job_in_state(
-        &self,
-        host_now: f64,
-        state: String,
-        job_id: String,
-    ) -> Result<bool> {
+    pub async fn is_job_in_state(&self, host_now: f64, state: String, job_id: String) -> Result<bool> {
         self.store.observe(host_now);
         let wanted = match state.as_str() {
             "paused" => return Ok(false),
-            s => JobState::parse(s)
-                .ok_or_else(|| napi::Error::from_reason(format!("Unknown job state: {s}")))?,
+            s => JobState::parse(s).ok_or_else(|| napi::Error::from_reason(format!("Unknown job state: {s}")))?,
         };
-        let job = self.read(Op::new("isJobInState").job(&job_id), |tx, q| {
-            query::get_job(tx, q, &job_id)
-        })?;
+        let job = self.read(Op::new("isJobInState").job(&job_id), |tx, q| query::get_job(tx, q, &job_id))?;
         Ok(job.is_some_and(|j| j.state == wanted))
     }
 
     /// `isFinished`: JSON of `code` or `[code, value]` (BullMQ's shapes).
     #[napi]
-    pub async fn is_finished(
-        &self,
-        host_now: f64,
-        job_id: String,
-        return_value: bool,
-    ) -> Result<String> {
+    pub async fn is_finished(&self, host_now: f64, job_id: String, return_value: bool) -> Result<String> {
         self.store.observe(host_now);
-        let job = self.read(Op::new("isFinished").job(&job_id), |tx, q| {
-            query::get_job(tx, q, &job_id)
-        })?;
+        let job = self.read(Op::new("isFinished").job(&job_id), |tx, q| query::get_job(tx, q, &job_id))?;
         let (code, value): (i32, Option<String>) = match &job {
-            None => (
-                -1,
-                Some(format!(
-                    "Missing key for job {}:{}:{job_id}. isFinished",
-                    self.prefix, self.queue
-                )),
-            ),
-            Some(j) if j.state == JobState::Completed => (
-                1,
-                Some(
-                    j.return_value
-                        .as_deref()
-                        .map_or("null".into(), |v| String::from_utf8_lossy(v).into_owned()),
-                ),
-            ),
-            Some(j) if j.state == JobState::Failed => {
-                (2, Some(j.failed_reason.clone().unwrap_or_default()))
+            None => (-1, Some(format!("Missing key for job {}:{}:{job_id}. isFinished", self.prefix, self.queue))),
+            Some(j) if j.state == JobState::Completed => {
+                (1, Some(j.return_value.as_deref().map_or("null".into(), |v| String::from_utf8_lossy(v).into_owned())))
             }
+            Some(j) if j.state == JobState::Failed => (2, Some(j.failed_reason.clone().unwrap_or_default())),
             Some(_) => (0, None),
         };
         Ok(match (return_value, value) {
@@ -1238,19 +982,11 @@ impl LoamQueue {
     }
 
     #[napi]
-    pub async fn get_counts_per_priority(
-        &self,
-        host_now: f64,
-        priorities: Vec<f64>,
-    ) -> Result<Vec<i64>> {
+    pub async fn get_counts_per_priority(&self, host_now: f64, priorities: Vec<f64>) -> Result<Vec<i64>> {
         self.store.observe(host_now);
-        let priorities: Vec<u32> = priorities
-            .into_iter()
-            .map(|p| ms(p).min(u64::from(u32::MAX)) as u32)
-            .collect();
-        let counts = self.read(Op::new("getCountsPerPriority"), |tx, q| {
-            query::counts_per_priority(tx, q, &priorities)
-        })?;
+        let priorities: Vec<u32> = priorities.into_iter().map(|p| ms(p).min(u64::from(u32::MAX)) as u32).collect();
+        let counts =
+            self.read(Op::new("getCountsPerPriority"), |tx, q| query::counts_per_priority(tx, q, &priorities))?;
         Ok(counts.into_iter().map(|n| n as i64).collect())
     }
 
@@ -1287,14 +1023,7 @@ impl LoamQueue {
 
     /// `getJobLogs`: `{logs, count}` as JSON.
     #[napi]
-    pub async fn get_job_logs(
-        &self,
-        host_now: f64,
-        job_id: String,
-        start: f64,
-        end: f64,
-        asc: bool,
-    ) -> Result<String> {
+    pub async fn get_job_logs(&self, host_now: f64, job_id: String, start: f64, end: f64, asc: bool) -> Result<String> {
         self.store.observe(host_now);
         let (logs, count) = self.read(Op::new("getJobLogs").job(&job_id), |tx, q| {
             query::logs(tx, q, &job_id, start as i64, end as i64, asc)
@@ -1303,15 +1032,9 @@ impl LoamQueue {
     }
 
     #[napi]
-    pub async fn get_deduplication_job_id(
-        &self,
-        host_now: f64,
-        deduplication_id: String,
-    ) -> Result<Option<String>> {
+    pub async fn get_deduplication_job_id(&self, host_now: f64, deduplication_id: String) -> Result<Option<String>> {
         self.store.observe(host_now);
-        self.read(Op::new("getDeduplicationJobId"), |tx, q| {
-            query::dedup_job_id(tx, q, &deduplication_id)
-        })
+        self.read(Op::new("getDeduplicationJobId"), |tx, q| query::dedup_job_id(tx, q, &deduplication_id))
     }
 
     /// `getRateLimitTtl`: with `maxJobs`, or a global `max` in the meta, the ms
@@ -1327,13 +1050,7 @@ impl LoamQueue {
 
     /// `getMetrics`: `[[count, prevTS, prevCount], data[start..=end], total]` as JSON.
     #[napi]
-    pub async fn get_metrics(
-        &self,
-        host_now: f64,
-        kind: String,
-        start: f64,
-        end: f64,
-    ) -> Result<String> {
+    pub async fn get_metrics(&self, host_now: f64, kind: String, start: f64, end: f64) -> Result<String> {
         self.store.observe(host_now);
         let rec = self.read(Op::new("getMetrics"), |tx, q| query::metrics(tx, q, &kind))?;
         let Some(rec) = rec else {
@@ -1342,18 +1059,9 @@ impl LoamQueue {
         let total = rec.data.len() as i64;
         let norm = |i: i64| if i < 0 { total + i } else { i };
         let (s, e) = (norm(start as i64).max(0), norm(end as i64).min(total - 1));
-        let page: Vec<String> = rec
-            .data
-            .iter()
-            .skip(s as usize)
-            .take((e - s + 1).max(0) as usize)
-            .map(u64::to_string)
-            .collect();
-        let meta = [
-            rec.count.to_string(),
-            rec.prev_ts.to_string(),
-            rec.prev_count.to_string(),
-        ];
+        let page: Vec<String> =
+            rec.data.iter().skip(s as usize).take((e - s + 1).max(0) as usize).map(u64::to_string).collect();
+        let meta = [rec.count.to_string(), rec.prev_ts.to_string(), rec.prev_count.to_string()];
         Ok(json(&serde_json::json!([meta, page, total])))
     }
 
@@ -1361,19 +1069,11 @@ impl LoamQueue {
 
     /// `getDependencyCounts`: counts per BullMQ child category.
     #[napi]
-    pub async fn get_dependency_counts(
-        &self,
-        host_now: f64,
-        job_id: String,
-        types: Vec<String>,
-    ) -> Result<Vec<i64>> {
+    pub async fn get_dependency_counts(&self, host_now: f64, job_id: String, types: Vec<String>) -> Result<Vec<i64>> {
         self.store.observe(host_now);
-        let deps = self.read(Op::new("getDependencyCounts").job(&job_id), |tx, q| {
-            query::dependencies(tx, q, &job_id)
-        })?;
-        let count = |status: DependencyStatus| {
-            deps.iter().filter(|(_, d)| d.status == status).count() as i64
-        };
+        let deps =
+            self.read(Op::new("getDependencyCounts").job(&job_id), |tx, q| query::dependencies(tx, q, &job_id))?;
+        let count = |status: DependencyStatus| deps.iter().filter(|(_, d)| d.status == status).count() as i64;
         Ok(types
             .iter()
             .map(|t| match t.as_str() {
@@ -1387,15 +1087,8 @@ impl LoamQueue {
 
     /// Child key → value of the children in `status` (processed: return
     /// values as JSON text; ignored: failure reasons), as a JSON object.
-    fn children_values(
-        &self,
-        command: &'static str,
-        job_id: &str,
-        status: DependencyStatus,
-    ) -> Result<String> {
-        let deps = self.read(Op::new(command).job(job_id), |tx, q| {
-            query::dependencies(tx, q, job_id)
-        })?;
+    fn children_values(&self, command: &'static str, job_id: &str, status: DependencyStatus) -> Result<String> {
+        let deps = self.read(Op::new(command).job(job_id), |tx, q| query::dependencies(tx, q, job_id))?;
         let map: BTreeMap<String, String> = deps
             .into_iter()
             .filter(|(_, d)| d.status == status)
@@ -1405,31 +1098,15 @@ impl LoamQueue {
     }
 
     #[napi]
-    pub async fn get_processed_children_values(
-        &self,
-        host_now: f64,
-        job_id: String,
-    ) -> Result<String> {
+    pub async fn get_processed_children_values(&self, host_now: f64, job_id: String) -> Result<String> {
         self.store.observe(host_now);
-        self.children_values(
-            "getProcessedChildrenValues",
-            &job_id,
-            DependencyStatus::Processed,
-        )
+        self.children_values("getProcessedChildrenValues", &job_id, DependencyStatus::Processed)
     }
 
     #[napi]
-    pub async fn get_ignored_children_failures(
-        &self,
-        host_now: f64,
-        job_id: String,
-    ) -> Result<String> {
+    pub async fn get_ignored_children_failures(&self, host_now: f64, job_id: String) -> Result<String> {
         self.store.observe(host_now);
-        self.children_values(
-            "getIgnoredChildrenFailures",
-            &job_id,
-            DependencyStatus::Ignored,
-        )
+        self.children_values("getIgnoredChildrenFailures", &job_id, DependencyStatus::Ignored)
     }
 
     /// Every child of a job by category, as JSON `{processed: [[key, value]],
@@ -1438,18 +1115,14 @@ impl LoamQueue {
     #[napi]
     pub async fn get_dependencies(&self, host_now: f64, job_id: String) -> Result<String> {
         self.store.observe(host_now);
-        let deps = self.read(Op::new("getDependencies").job(&job_id), |tx, q| {
-            query::dependencies(tx, q, &job_id)
-        })?;
+        let deps = self.read(Op::new("getDependencies").job(&job_id), |tx, q| query::dependencies(tx, q, &job_id))?;
         let mut processed = Vec::new();
         let mut unprocessed = Vec::new();
         let mut ignored = Vec::new();
         let mut failed = Vec::new();
         for (key, dep) in deps {
             match dep.status {
-                DependencyStatus::Processed => {
-                    processed.push((key, dep.value.unwrap_or_else(|| "null".into())))
-                }
+                DependencyStatus::Processed => processed.push((key, dep.value.unwrap_or_else(|| "null".into()))),
                 DependencyStatus::Pending => unprocessed.push(key),
                 DependencyStatus::Ignored => ignored.push((key, dep.value.unwrap_or_default())),
                 DependencyStatus::Failed => failed.push(key),
@@ -1475,29 +1148,15 @@ impl LoamQueue {
         fetch_jobs: bool,
     ) -> Result<String> {
         self.store.observe(host_now);
-        let wanted = if processed {
-            DependencyStatus::Processed
-        } else {
-            DependencyStatus::Pending
-        };
+        let wanted = if processed { DependencyStatus::Processed } else { DependencyStatus::Pending };
         let ns = self.ns.clone();
         let (total, items, jobs) = self.read(Op::new("paginate").job(&parent_id), |tx, q| {
-            let all: Vec<_> = query::dependencies(tx, q, &parent_id)?
-                .into_iter()
-                .filter(|(_, d)| d.status == wanted)
-                .collect();
+            let all: Vec<_> =
+                query::dependencies(tx, q, &parent_id)?.into_iter().filter(|(_, d)| d.status == wanted).collect();
             let total = all.len() as i64;
-            let last = if end < 0.0 {
-                total - 1
-            } else {
-                (end as i64).min(total - 1)
-            };
+            let last = if end < 0.0 { total - 1 } else { (end as i64).min(total - 1) };
             let first = (start as i64).max(0);
-            let page: Vec<_> = all
-                .into_iter()
-                .skip(first as usize)
-                .take((last - first + 1).max(0) as usize)
-                .collect();
+            let page: Vec<_> = all.into_iter().skip(first as usize).take((last - first + 1).max(0) as usize).collect();
             let mut jobs = Vec::new();
             if fetch_jobs {
                 for (_, dep) in &page {
@@ -1509,12 +1168,7 @@ impl LoamQueue {
             }
             let items: Vec<(String, Option<String>)> = page
                 .into_iter()
-                .map(|(k, d)| {
-                    (
-                        k,
-                        processed.then(|| d.value.unwrap_or_else(|| "null".into())),
-                    )
-                })
+                .map(|(k, d)| (k, processed.then(|| d.value.unwrap_or_else(|| "null".into()))))
                 .collect();
             Ok((total, items, jobs))
         })?;
@@ -1527,12 +1181,7 @@ impl LoamQueue {
 
     /// `setQueueMeta`: `values` is a JSON object; returns how many fields were new.
     #[napi]
-    pub fn set_queue_meta<'env>(
-        &self,
-        env: &'env Env,
-        host_now: f64,
-        values: String,
-    ) -> Result<PromiseRaw<'env, f64>> {
+    pub fn set_queue_meta<'env>(&self, env: &'env Env, host_now: f64, values: String) -> Result<PromiseRaw<'env, f64>> {
         self.store.observe(host_now);
         let raw: BTreeMap<String, serde_json::Value> = parse("queue meta", &values)?;
         let values: BTreeMap<String, String> = raw
@@ -1547,12 +1196,7 @@ impl LoamQueue {
                 )
             })
             .collect();
-        self.write_map(
-            env,
-            Op::new("setQueueMeta"),
-            move |tx, q| admin::set_meta(tx, q, &values),
-            |n| n as f64,
-        )
+        self.write_map(env, Op::new("setQueueMeta"), move |tx, q| admin::set_meta(tx, q, &values), |n| n as f64)
     }
 
     /// `getQueueMeta`: the meta fields as a JSON object.
@@ -1563,15 +1207,9 @@ impl LoamQueue {
     }
 
     #[napi]
-    pub async fn get_queue_meta_fields(
-        &self,
-        host_now: f64,
-        fields: Vec<String>,
-    ) -> Result<Vec<Option<String>>> {
+    pub async fn get_queue_meta_fields(&self, host_now: f64, fields: Vec<String>) -> Result<Vec<Option<String>>> {
         self.store.observe(host_now);
-        self.read(Op::new("getQueueMetaFields"), |tx, q| {
-            fields.iter().map(|f| tx.meta(q, f)).collect()
-        })
+        self.read(Op::new("getQueueMetaFields"), |tx, q| fields.iter().map(|f| tx.meta(q, f)).collect())
     }
 
     #[napi]
@@ -1594,24 +1232,13 @@ impl LoamQueue {
         expire_time_ms: f64,
     ) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
-        self.write(env, Op::new("setRateLimit"), move |tx, q| {
-            admin::set_rate_limit(tx, q, ms(expire_time_ms))
-        })
+        self.write(env, Op::new("setRateLimit"), move |tx, q| admin::set_rate_limit(tx, q, ms(expire_time_ms)))
     }
 
     #[napi]
-    pub fn remove_rate_limit_key<'env>(
-        &self,
-        env: &'env Env,
-        host_now: f64,
-    ) -> Result<PromiseRaw<'env, f64>> {
+    pub fn remove_rate_limit_key<'env>(&self, env: &'env Env, host_now: f64) -> Result<PromiseRaw<'env, f64>> {
         self.store.observe(host_now);
-        self.write_map(
-            env,
-            Op::new("removeRateLimitKey"),
-            admin::remove_rate_limit_key,
-            |n| n as f64,
-        )
+        self.write_map(env, Op::new("removeRateLimitKey"), admin::remove_rate_limit_key, |n| n as f64)
     }
 
     /// `removeDeduplicationKey` (only while it still names `jobId`) and, with
@@ -1625,9 +1252,8 @@ impl LoamQueue {
         job_id: Option<String>,
     ) -> Result<PromiseRaw<'env, f64>> {
         self.store.observe(host_now);
-        let remove = move |tx: &mut Tx, q: &QueueId| {
-            admin::remove_dedup_key(tx, q, &deduplication_id, job_id.as_deref())
-        };
+        let remove =
+            move |tx: &mut Tx, q: &QueueId| admin::remove_dedup_key(tx, q, &deduplication_id, job_id.as_deref());
         self.write_map(env, Op::new("removeDeduplicationKey"), remove, |n| n as f64)
     }
 
@@ -1645,29 +1271,13 @@ impl LoamQueue {
     /// `readEvents`: the entries after `id` (`$` = from now) as JSON
     /// `[[id, [k, v, ...]], ...]`, or null when none came within `block_ms`.
     #[napi]
-    pub async fn read_events(
-        &self,
-        host_now: f64,
-        id: String,
-        block_ms: f64,
-    ) -> Result<Option<String>> {
+    pub async fn read_events(&self, host_now: f64, id: String, block_ms: f64) -> Result<Option<String>> {
         self.store.observe(host_now);
-        let after = if id == "$" {
-            None
-        } else {
-            Some(Event::parse_id(&id).unwrap_or(0))
-        };
+        let after = if id == "$" { None } else { Some(Event::parse_id(&id).unwrap_or(0)) };
         let wait = Duration::from_millis(ms(block_ms));
         let events = self
             .jobs()?
-            .read_events(
-                &self.ns,
-                &self.queue,
-                after,
-                EVENTS_PER_READ,
-                wait,
-                Some(&self.events),
-            )
+            .read_events(&self.ns, &self.queue, after, EVENTS_PER_READ, wait, Some(&self.events))
             .await
             .map_err(|e| Op::new("readEvents").error(e))?;
         if events.is_empty() {
@@ -1695,33 +1305,17 @@ impl LoamQueue {
                 serde_json::Value::String(s) => s,
                 other => other.to_string(),
             };
-            if k == "event" {
-                name = v
-            } else {
-                rest.push((k, v))
-            }
+            if k == "event" { name = v } else { rest.push((k, v)) }
         }
         let max = ms(max_events);
-        self.write(env, Op::new("publishEvent"), move |tx, q| {
-            admin::publish_event(tx, q, &name, &rest, max)
-        })
+        self.write(env, Op::new("publishEvent"), move |tx, q| admin::publish_event(tx, q, &name, &rest, max))
     }
 
     #[napi]
-    pub fn trim_events<'env>(
-        &self,
-        env: &'env Env,
-        host_now: f64,
-        max_length: f64,
-    ) -> Result<PromiseRaw<'env, f64>> {
+    pub fn trim_events<'env>(&self, env: &'env Env, host_now: f64, max_length: f64) -> Result<PromiseRaw<'env, f64>> {
         self.store.observe(host_now);
         let max = ms(max_length);
-        self.write_map(
-            env,
-            Op::new("trimEvents"),
-            move |tx, q| tx.trim_events(q, max),
-            |n| n as f64,
-        )
+        self.write_map(env, Op::new("trimEvents"), move |tx, q| tx.trim_events(q, max), |n| n as f64)
     }
 
     // ---- job schedulers ------------------------------------------------------------------
@@ -1776,9 +1370,7 @@ impl LoamQueue {
         };
         let op = Op::new("addJobScheduler").job(&scheduler_id);
         let upsert = move |tx: &mut Tx, q: &QueueId| schedule::upsert(tx, q, spec.clone());
-        self.write_map(env, op, upsert, |added| {
-            added.map(|(id, delay)| json(&(id, delay)))
-        })
+        self.write_map(env, op, upsert, |added| added.map(|(id, delay)| json(&(id, delay))))
     }
 
     /// `updateJobSchedulerNextMillis`: the next iteration's id, or null.
@@ -1797,9 +1389,7 @@ impl LoamQueue {
         let producer = producer_id.unwrap_or_default();
         let next = next_millis.map(ms);
         let op = Op::new("updateJobScheduler").job(&scheduler_id);
-        self.write(env, op, move |tx, q| {
-            schedule::advance(tx, q, &scheduler_id, next, &producer, &template)
-        })
+        self.write(env, op, move |tx, q| schedule::advance(tx, q, &scheduler_id, next, &producer, &template))
     }
 
     /// `removeJobScheduler`: 0 when the scheduler existed, 1 when it did not
@@ -1813,18 +1403,14 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
         let remove = move |tx: &mut Tx, q: &QueueId| schedule::remove(tx, q, &scheduler_id);
-        self.write_map(env, Op::new("removeJobScheduler"), remove, |existed| {
-            if existed { 0 } else { 1 }
-        })
+        self.write_map(env, Op::new("removeJobScheduler"), remove, |existed| if existed { 0 } else { 1 })
     }
 
     /// `getJobScheduler`: `[hash, next]` as JSON (`[null, null]` when absent).
     #[napi]
     pub async fn get_job_scheduler(&self, host_now: f64, scheduler_id: String) -> Result<String> {
         self.store.observe(host_now);
-        let rec = self.read(Op::new("getJobScheduler"), |tx, q| {
-            schedule::get(tx, q, &scheduler_id)
-        })?;
+        let rec = self.read(Op::new("getJobScheduler"), |tx, q| schedule::get(tx, q, &scheduler_id))?;
         Ok(match rec {
             Some(r) => json(&(convert::scheduler_hash(&r), r.next_millis.to_string())),
             None => "[null,null]".into(),
@@ -1841,13 +1427,9 @@ impl LoamQueue {
         asc: bool,
     ) -> Result<Vec<String>> {
         self.store.observe(host_now);
-        let recs = self.read(Op::new("getJobSchedulersRange"), |tx, q| {
-            schedule::list(tx, q, start as i64, end as i64, asc)
-        })?;
-        Ok(recs
-            .iter()
-            .flat_map(|r| [r.id.clone(), r.next_millis.to_string()])
-            .collect())
+        let recs =
+            self.read(Op::new("getJobSchedulersRange"), |tx, q| schedule::list(tx, q, start as i64, end as i64, asc))?;
+        Ok(recs.iter().flat_map(|r| [r.id.clone(), r.next_millis.to_string()]).collect())
     }
 
     #[napi]

@@ -9,18 +9,14 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 use loam_jobs::{
-    Backoff, Dedup, EnqueueRequest, Event, JobError, JobRecord, Keep, Lease, Leased,
-    OnChildFailure, ParentRef, Retention,
+    Backoff, Dedup, EnqueueRequest, Event, JobError, JobRecord, Keep, Lease, Leased, OnChildFailure, ParentRef,
+    Retention,
 };
 
 /// A number BullMQ passes, which JavaScript may hand over as a float or a
 /// negative; negatives and NaN become 0.
 fn whole(n: f64) -> u64 {
-    if n.is_finite() && n > 0.0 {
-        n.min(u64::MAX as f64) as u64
-    } else {
-        0
-    }
+    if n.is_finite() && n > 0.0 { n.min(u64::MAX as f64) as u64 } else { 0 }
 }
 
 /// BullMQ's `backoff`: a number (fixed delay) or `{type, delay, jitter}`.
@@ -41,24 +37,13 @@ impl BackoffOpt {
     /// arrive with each retry.
     pub fn to_core(&self) -> Option<Backoff> {
         match self {
-            BackoffOpt::Delay(d) => Some(Backoff::Fixed {
-                delay_ms: whole(*d),
-                jitter: 0.0,
-            }),
-            BackoffOpt::Spec {
-                kind,
-                delay,
-                jitter,
-            } => {
+            BackoffOpt::Delay(d) => Some(Backoff::Fixed { delay_ms: whole(*d), jitter: 0.0 }),
+            BackoffOpt::Spec { kind, delay, jitter } => {
                 let delay_ms = whole(delay.unwrap_or(0.0));
                 let jitter = jitter.unwrap_or(0.0);
                 match kind.as_str() {
                     "fixed" => Some(Backoff::Fixed { delay_ms, jitter }),
-                    "exponential" => Some(Backoff::Exponential {
-                        delay_ms,
-                        jitter,
-                        max_ms: None,
-                    }),
+                    "exponential" => Some(Backoff::Exponential { delay_ms, jitter, max_ms: None }),
                     _ => None,
                 }
             }
@@ -73,11 +58,7 @@ impl BackoffOpt {
 pub enum KeepOpt {
     Flag(bool),
     Count(f64),
-    Keep {
-        age: Option<f64>,
-        count: Option<f64>,
-        limit: Option<f64>,
-    },
+    Keep { age: Option<f64>, count: Option<f64>, limit: Option<f64> },
 }
 
 impl KeepOpt {
@@ -88,26 +69,10 @@ impl KeepOpt {
             KeepOpt::Flag(true) => Retention::RemoveImmediately,
             KeepOpt::Flag(false) => Retention::KeepAll,
             KeepOpt::Count(n) if n < 0.0 => Retention::KeepAll,
-            KeepOpt::Count(n) => Retention::Keep(Keep {
-                count: Some(whole(n)),
-                age_ms: None,
-                limit: None,
-            }),
-            KeepOpt::Keep {
-                age,
-                count: c,
-                limit,
-            } => {
-                let keep = Keep {
-                    count: count(c),
-                    age_ms: age.map(|a| whole(a * 1000.0)),
-                    limit: limit.map(whole),
-                };
-                if keep == Keep::default() {
-                    Retention::KeepAll
-                } else {
-                    Retention::Keep(keep)
-                }
+            KeepOpt::Count(n) => Retention::Keep(Keep { count: Some(whole(n)), age_ms: None, limit: None }),
+            KeepOpt::Keep { age, count: c, limit } => {
+                let keep = Keep { count: count(c), age_ms: age.map(|a| whole(a * 1000.0)), limit: limit.map(whole) };
+                if keep == Keep::default() { Retention::KeepAll } else { Retention::Keep(keep) }
             }
         }
     }
@@ -116,10 +81,7 @@ impl KeepOpt {
     /// empty or malformed text means "not set".
     pub fn parse(json: Option<&str>) -> Option<Retention> {
         let json = json?;
-        serde_json::from_str::<Option<KeepOpt>>(json)
-            .ok()
-            .flatten()
-            .map(KeepOpt::to_core)
+        serde_json::from_str::<Option<KeepOpt>>(json).ok().flatten().map(KeepOpt::to_core)
     }
 }
 
@@ -219,11 +181,7 @@ pub fn split_qualified(queue_key: &str) -> (&str, &str) {
 
 pub fn parent_ref(queue_key: &str, id: &str) -> ParentRef {
     let (prefix, queue) = split_qualified(queue_key);
-    ParentRef {
-        queue: queue.to_string(),
-        id: id.to_string(),
-        prefix: prefix.to_string(),
-    }
+    ParentRef { queue: queue.to_string(), id: id.to_string(), prefix: prefix.to_string() }
 }
 
 /// One job as `Queue.add` / `addBulk` / `FlowProducer` hand it to the backend:
@@ -255,14 +213,10 @@ impl NewJob {
     /// The core request for this job. Errors are malformed `opts` documents.
     pub fn to_request(&self) -> Result<EnqueueRequest, String> {
         let opts_text = self.opts.as_ref().map_or("{}", |o| o.get());
-        let opts: JobOpts = serde_json::from_str(opts_text)
-            .map_err(|e| format!("job options are not valid BullMQ options: {e}"))?;
+        let opts: JobOpts =
+            serde_json::from_str(opts_text).map_err(|e| format!("job options are not valid BullMQ options: {e}"))?;
         // An empty custom id means "no custom id" (BullMQ generates one).
-        let job_id = self
-            .job_id
-            .clone()
-            .or_else(|| opts.job_id.clone())
-            .filter(|s| !s.is_empty());
+        let job_id = self.job_id.clone().or_else(|| opts.job_id.clone()).filter(|s| !s.is_empty());
         let parent = match (&self.parent, &opts.parent) {
             (Some(p), _) => Some(parent_ref(&p.queue_key, &p.id)),
             (None, Some(p)) => Some(parent_ref(&p.queue, &p.id)),
@@ -271,11 +225,7 @@ impl NewJob {
         let base = opts.to_request();
         Ok(EnqueueRequest {
             name: self.name.clone(),
-            data: self
-                .data
-                .clone()
-                .unwrap_or_else(|| "{}".into())
-                .into_bytes(),
+            data: self.data.clone().unwrap_or_else(|| "{}".into()).into_bytes(),
             opts: opts_text.to_string(),
             job_id,
             delay_ms: self.delay.map_or(base.delay_ms, whole),
@@ -290,8 +240,8 @@ impl NewJob {
     /// The per-job settings of a scheduler's iterations, from its template
     /// options (`JobsOptions` JSON); the core fills in the rest per iteration.
     pub fn template(opts: &str) -> Result<EnqueueRequest, String> {
-        let opts: JobOpts = serde_json::from_str(opts)
-            .map_err(|e| format!("job scheduler template options are not valid: {e}"))?;
+        let opts: JobOpts =
+            serde_json::from_str(opts).map_err(|e| format!("job scheduler template options are not valid: {e}"))?;
         Ok(opts.to_request())
     }
 }
@@ -322,9 +272,7 @@ impl JobOpts {
 
 /// A scheduler as BullMQ's `getJobScheduler` reads it: the Redis hash
 /// `repeat:<id>` (string values, absent fields omitted).
-pub fn scheduler_hash(
-    r: &loam_jobs::SchedulerRecord,
-) -> serde_json::Map<String, serde_json::Value> {
+pub fn scheduler_hash(r: &loam_jobs::SchedulerRecord) -> serde_json::Map<String, serde_json::Value> {
     let mut h = serde_json::Map::new();
     let mut put = |k: &str, v: String| {
         h.insert(k.to_string(), serde_json::Value::String(v));
@@ -382,10 +330,7 @@ impl FailureFields {
             .map(|v| v.into_iter().flatten().collect())
             .unwrap_or_default();
         JobError {
-            message: reason
-                .or(self.failed_reason.as_deref())
-                .unwrap_or_default()
-                .to_string(),
+            message: reason.or(self.failed_reason.as_deref()).unwrap_or_default().to_string(),
             stacktrace_limit: self.stacktrace.as_ref().map(|_| traces.len()),
             stacktrace: traces.last().cloned(),
         }
@@ -398,9 +343,7 @@ impl FailureFields {
 /// not JSON (a job added by a client that stores other options).
 fn raw_or<'a>(text: Option<&'a str>, fallback: &'static str) -> &'a RawValue {
     let parse = |t: &'a str| serde_json::from_str::<&'a RawValue>(t).ok();
-    text.and_then(parse)
-        .or_else(|| parse(fallback))
-        .unwrap_or(RawValue::NULL)
+    text.and_then(parse).or_else(|| parse(fallback)).unwrap_or(RawValue::NULL)
 }
 
 #[derive(Serialize)]
@@ -462,11 +405,7 @@ impl<'a> JobJson<'a> {
             let policy = job.on_child_failure;
             ParentJson {
                 id: &p.id,
-                queue_key: if p.prefix.is_empty() {
-                    p.queue.clone()
-                } else {
-                    format!("{}:{}", p.prefix, p.queue)
-                },
+                queue_key: if p.prefix.is_empty() { p.queue.clone() } else { format!("{}:{}", p.prefix, p.queue) },
                 fpof: policy == OnChildFailure::FailParent,
                 cpof: policy == OnChildFailure::ContinueParent,
                 idof: policy == OnChildFailure::Ignore,
@@ -513,9 +452,7 @@ impl<'a> NextJob<'a> {
     pub fn new(leased: &'a Leased) -> Self {
         match leased.leases.first() {
             Some(Lease { job, .. }) => NextJob(Some(JobJson::new(job)), &job.id, 0, 0),
-            None if leased.info.rate_limit_ms > 0 => {
-                NextJob(None, "", leased.info.rate_limit_ms, 0)
-            }
+            None if leased.info.rate_limit_ms > 0 => NextJob(None, "", leased.info.rate_limit_ms, 0),
             None => NextJob(None, "", 0, leased.info.next_due.unwrap_or(0)),
         }
     }
@@ -557,10 +494,7 @@ mod tests {
     use super::*;
 
     fn new_job(opts: &str) -> NewJob {
-        serde_json::from_str(&format!(
-            r#"{{"name":"n","data":"{{}}","opts":{opts},"timestamp":5}}"#
-        ))
-        .unwrap()
+        serde_json::from_str(&format!(r#"{{"name":"n","data":"{{}}","opts":{opts},"timestamp":5}}"#)).unwrap()
     }
 
     #[test]
@@ -574,102 +508,48 @@ mod tests {
         .to_request()
         .unwrap();
         assert_eq!(req.job_id.as_deref(), Some("j"));
-        assert_eq!(
-            (req.delay_ms, req.priority, req.attempts, req.timestamp),
-            (10, 3, 4, Some(5))
-        );
-        assert_eq!(
-            req.backoff,
-            Some(Backoff::Exponential {
-                delay_ms: 100,
-                jitter: 0.5,
-                max_ms: None
-            })
-        );
+        assert_eq!((req.delay_ms, req.priority, req.attempts, req.timestamp), (10, 3, 4, Some(5)));
+        assert_eq!(req.backoff, Some(Backoff::Exponential { delay_ms: 100, jitter: 0.5, max_ms: None }));
         assert_eq!(
             req.remove_on_complete,
-            Some(Retention::Keep(Keep {
-                count: Some(5),
-                age_ms: Some(60_000),
-                limit: None
-            }))
+            Some(Retention::Keep(Keep { count: Some(5), age_ms: Some(60_000), limit: None }))
         );
         assert_eq!(req.remove_on_fail, Some(Retention::RemoveImmediately));
         assert_eq!(req.keep_logs, Some(7));
         let d = req.dedup.unwrap();
-        assert_eq!(
-            (d.id.as_str(), d.ttl_ms, d.extend, d.replace),
-            ("d", Some(1000), true, false)
-        );
+        assert_eq!((d.id.as_str(), d.ttl_ms, d.extend, d.replace), ("d", Some(1000), true, false));
         let p = req.parent.unwrap();
-        assert_eq!(
-            (p.prefix.as_str(), p.queue.as_str(), p.id.as_str()),
-            ("bull", "pq", "p")
-        );
+        assert_eq!((p.prefix.as_str(), p.queue.as_str(), p.id.as_str()), ("bull", "pq", "p"));
         assert_eq!(p.node_key(), "bull:pq:p");
         assert_eq!(req.on_child_failure, OnChildFailure::Ignore);
         assert!(req.opts.contains("telemetry"), "opts are kept verbatim");
-        assert_eq!(
-            new_job(r#"{"jobId":""}"#).to_request().unwrap().job_id,
-            None
-        );
+        assert_eq!(new_job(r#"{"jobId":""}"#).to_request().unwrap().job_id, None);
     }
 
     #[test]
     fn backoff_and_keep_forms() {
-        assert_eq!(
-            BackoffOpt::Delay(50.0).to_core(),
-            Some(Backoff::Fixed {
-                delay_ms: 50,
-                jitter: 0.0
-            })
-        );
+        assert_eq!(BackoffOpt::Delay(50.0).to_core(), Some(Backoff::Fixed { delay_ms: 50, jitter: 0.0 }));
         let custom: BackoffOpt = serde_json::from_str(r#"{"type":"mine","delay":3}"#).unwrap();
         assert_eq!(custom.to_core(), None);
         assert_eq!(KeepOpt::parse(Some("false")), Some(Retention::KeepAll));
         assert_eq!(KeepOpt::parse(Some("-1")), Some(Retention::KeepAll));
-        assert_eq!(
-            KeepOpt::parse(Some("3")),
-            Some(Retention::Keep(Keep {
-                count: Some(3),
-                ..Keep::default()
-            }))
-        );
+        assert_eq!(KeepOpt::parse(Some("3")), Some(Retention::Keep(Keep { count: Some(3), ..Keep::default() })));
         assert_eq!(KeepOpt::parse(Some("null")), None);
         assert_eq!(KeepOpt::parse(None), None);
     }
 
     #[test]
     fn failure_fields_rebuild_the_stack_array() {
-        let f = FailureFields {
-            failed_reason: Some("boom".into()),
-            stacktrace: Some(r#"["a","b"]"#.into()),
-        };
+        let f = FailureFields { failed_reason: Some("boom".into()), stacktrace: Some(r#"["a","b"]"#.into()) };
         let e = f.to_error(None);
-        assert_eq!(
-            (
-                e.message.as_str(),
-                e.stacktrace.as_deref(),
-                e.stacktrace_limit
-            ),
-            ("boom", Some("b"), Some(2))
-        );
-        let empty = FailureFields {
-            failed_reason: None,
-            stacktrace: Some("[]".into()),
-        }
-        .to_error(Some("r"));
+        assert_eq!((e.message.as_str(), e.stacktrace.as_deref(), e.stacktrace_limit), ("boom", Some("b"), Some(2)));
+        let empty = FailureFields { failed_reason: None, stacktrace: Some("[]".into()) }.to_error(Some("r"));
         assert_eq!((empty.stacktrace, empty.stacktrace_limit), (None, Some(0)));
     }
 
     #[test]
     fn events_take_the_xread_shape() {
-        let e = Event {
-            seq: 7,
-            ts: 100,
-            name: "completed".into(),
-            fields: vec![("jobId".into(), "1".into())],
-        };
+        let e = Event { seq: 7, ts: 100, name: "completed".into(), fields: vec![("jobId".into(), "1".into())] };
         let json = serde_json::to_string(&StreamEntry::from(e)).unwrap();
         assert_eq!(json, r#"["100-7",["event","completed","jobId","1"]]"#);
     }

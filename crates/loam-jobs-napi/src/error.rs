@@ -32,14 +32,8 @@ impl BullmqCode {
         Some(match err {
             JobsError::NotFound(Missing::Job(_)) => Self::JobNotExist,
             JobsError::NotFound(Missing::ParentJob(_)) => Self::ParentJobNotExist,
-            JobsError::Fenced {
-                reason: FenceFailure::NoLease,
-                ..
-            } => Self::JobLockNotExist,
-            JobsError::Fenced {
-                reason: FenceFailure::Mismatch,
-                ..
-            } => Self::JobLockMismatch,
+            JobsError::Fenced { reason: FenceFailure::NoLease, .. } => Self::JobLockNotExist,
+            JobsError::Fenced { reason: FenceFailure::Mismatch, .. } => Self::JobLockMismatch,
             JobsError::Precondition(p) => match p {
                 Precondition::NotInState { .. } => Self::JobNotInState,
                 Precondition::PendingChildren { .. } => Self::JobPendingChildren,
@@ -69,10 +63,7 @@ pub struct Op {
 
 impl Op {
     pub fn new(command: &'static str) -> Self {
-        Self {
-            command,
-            ..Self::default()
-        }
+        Self { command, ..Self::default() }
     }
     pub fn job(mut self, id: &str) -> Self {
         self.job_id = Some(id.to_string());
@@ -107,9 +98,7 @@ impl Op {
                 format!("The parent job {parent} cannot be replaced. {cmd}")
             }
             BullmqCode::JobBelongsToJobScheduler => {
-                format!(
-                    "Job {job} belongs to a job scheduler and cannot be removed directly. {cmd}"
-                )
+                format!("Job {job} belongs to a job scheduler and cannot be removed directly. {cmd}")
             }
             BullmqCode::JobHasFailedChildren => {
                 format!("Cannot complete job {job} because it has at least one failed child. {cmd}")
@@ -118,9 +107,7 @@ impl Op {
                 format!("Cannot create job scheduler iteration - job ID already exists. {cmd}")
             }
             BullmqCode::SchedulerJobSlotsBusy => {
-                format!(
-                    "Cannot create job scheduler iteration - current and next time slots already have jobs. {cmd}"
-                )
+                format!("Cannot create job scheduler iteration - current and next time slots already have jobs. {cmd}")
             }
         }
     }
@@ -186,34 +173,14 @@ mod tests {
     #[test]
     fn messages_match_bullmq_finished_errors() {
         let op = Op::new("moveToFinished").job("7").state("active");
-        assert_eq!(
-            op.error(JobsError::job_missing("7")).reason,
-            "[bullmq:-1] Missing key for job 7. moveToFinished"
-        );
-        let fenced = JobsError::Fenced {
-            job: "7".into(),
-            current_epoch: 2,
-            reason: FenceFailure::Mismatch,
-        };
-        assert_eq!(
-            op.error(fenced).reason,
-            "[bullmq:-6] Lock mismatch for job 7. Cmd moveToFinished from active"
-        );
+        assert_eq!(op.error(JobsError::job_missing("7")).reason, "[bullmq:-1] Missing key for job 7. moveToFinished");
+        let fenced = JobsError::Fenced { job: "7".into(), current_epoch: 2, reason: FenceFailure::Mismatch };
+        assert_eq!(op.error(fenced).reason, "[bullmq:-6] Lock mismatch for job 7. Cmd moveToFinished from active");
         let not_in_state = JobsError::not_in_state("7", "waiting", "active");
-        assert_eq!(
-            op.error(not_in_state).reason,
-            "[bullmq:-3] Job 7 is not in the active state. moveToFinished"
-        );
+        assert_eq!(op.error(not_in_state).reason, "[bullmq:-3] Job 7 is not in the active state. moveToFinished");
         let add = Op::new("addJob").parent(Some("bull:p:1".into()));
         let missing_parent = JobsError::NotFound(Missing::ParentJob("bull:p:1".into()));
-        assert_eq!(
-            add.error(missing_parent).reason,
-            "[bullmq:-5] Missing key for parent job bull:p:1. addJob"
-        );
-        assert!(
-            op.error(JobsError::invalid("x"))
-                .reason
-                .starts_with("[loam:invalid_argument] ")
-        );
+        assert_eq!(add.error(missing_parent).reason, "[bullmq:-5] Missing key for parent job bull:p:1. addJob");
+        assert!(op.error(JobsError::invalid("x")).reason.starts_with("[loam:invalid_argument] "));
     }
 }

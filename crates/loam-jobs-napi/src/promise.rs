@@ -22,9 +22,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use napi::bindgen_prelude::*;
 use napi::sys;
-use napi::threadsafe_function::{
-    ThreadsafeCallContext, ThreadsafeFunction, ThreadsafeFunctionCallMode,
-};
+use napi::threadsafe_function::{ThreadsafeCallContext, ThreadsafeFunction, ThreadsafeFunctionCallMode};
 use parking_lot::Mutex;
 
 /// Delivers a result to its promise, on the JavaScript thread.
@@ -71,11 +69,8 @@ impl Promises {
                     }
                     Ok(())
                 })?;
-            let promises = Arc::new(Promises {
-                waiting: Mutex::new(Vec::new()),
-                outstanding: AtomicUsize::new(0),
-                wake,
-            });
+            let promises =
+                Arc::new(Promises { waiting: Mutex::new(Vec::new()), outstanding: AtomicUsize::new(0), wake });
             *cell.borrow_mut() = Some(Arc::clone(&promises));
             Ok(promises)
         })
@@ -134,9 +129,7 @@ pub struct Resolver<T: ToNapiValue + Send + 'static> {
 }
 
 /// A promise for JavaScript and its [`Resolver`]. Call on the JavaScript thread.
-pub fn promise<T: ToNapiValue + Send + 'static>(
-    env: &Env,
-) -> Result<(Resolver<T>, PromiseRaw<'_, T>)> {
+pub fn promise<T: ToNapiValue + Send + 'static>(env: &Env) -> Result<(Resolver<T>, PromiseRaw<'_, T>)> {
     let promises = Promises::of(env)?;
     let mut deferred = std::ptr::null_mut();
     let mut promise = std::ptr::null_mut();
@@ -144,11 +137,7 @@ pub fn promise<T: ToNapiValue + Send + 'static>(
     check_status!(unsafe { sys::napi_create_promise(env.raw(), &mut deferred, &mut promise) })?;
     promises.made(env.raw());
     Ok((
-        Resolver {
-            deferred: Some(Deferred(deferred)),
-            promises,
-            _value: PhantomData,
-        },
+        Resolver { deferred: Some(Deferred(deferred)), promises, _value: PhantomData },
         PromiseRaw::new(env.raw(), promise),
     ))
 }
@@ -156,8 +145,7 @@ pub fn promise<T: ToNapiValue + Send + 'static>(
 impl<T: ToNapiValue + Send + 'static> Resolver<T> {
     pub fn settle(mut self, result: Result<T>) {
         if let Some(deferred) = self.deferred.take() {
-            self.promises
-                .post(Box::new(move |env| settle_now(env, deferred, result)));
+            self.promises.post(Box::new(move |env| settle_now(env, deferred, result)));
         }
     }
 }
@@ -165,12 +153,9 @@ impl<T: ToNapiValue + Send + 'static> Resolver<T> {
 impl<T: ToNapiValue + Send + 'static> Drop for Resolver<T> {
     fn drop(&mut self) {
         if let Some(deferred) = self.deferred.take() {
-            let dropped: Result<T> = Err(Error::new(
-                Status::GenericFailure,
-                "the operation ended without a result".to_string(),
-            ));
-            self.promises
-                .post(Box::new(move |env| settle_now(env, deferred, dropped)));
+            let dropped: Result<T> =
+                Err(Error::new(Status::GenericFailure, "the operation ended without a result".to_string()));
+            self.promises.post(Box::new(move |env| settle_now(env, deferred, dropped)));
         }
     }
 }

@@ -94,19 +94,10 @@ fn closed_here() -> &'static Mutex<HashSet<PathBuf>> {
 /// it; wait for that rather than reporting another process.
 fn open_file(dir: &Path, shown: &str, durability: Durability) -> napi::Result<RedbStore> {
     let file = dir.join(STORE_FILE);
-    let retry_until = closed_here()
-        .lock()
-        .contains(dir)
-        .then(|| Instant::now() + REOPEN_GRACE);
+    let retry_until = closed_here().lock().contains(dir).then(|| Instant::now() + REOPEN_GRACE);
     loop {
-        match RedbStore::open(
-            &file,
-            RedbOptions {
-                durability,
-                max_batch: IN_PROCESS_MAX_BATCH,
-                ..Default::default()
-            },
-        ) {
+        match RedbStore::open(&file, RedbOptions { durability, max_batch: IN_PROCESS_MAX_BATCH, ..Default::default() })
+        {
             Ok(store) => return Ok(store),
             Err(StoreError::Locked(_)) if retry_until.is_some_and(|t| Instant::now() < t) => {
                 std::thread::sleep(Duration::from_millis(5));
@@ -125,26 +116,18 @@ pub struct OpenOptions {
 /// Opens the store in `dir` (creating the dir), or joins the process's open one.
 pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore>> {
     let shown = dir.display().to_string();
-    std::fs::create_dir_all(dir).map_err(|e| {
-        napi::Error::from_reason(format!(
-            "[loam:unavailable] cannot create data dir {shown}: {e}"
-        ))
-    })?;
-    let canonical = dir.canonicalize().map_err(|e| {
-        napi::Error::from_reason(format!(
-            "[loam:unavailable] cannot resolve data dir {shown}: {e}"
-        ))
-    })?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot create data dir {shown}: {e}")))?;
+    let canonical = dir
+        .canonicalize()
+        .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot resolve data dir {shown}: {e}")))?;
     let mut open = registry().lock();
     if let Some(entry) = open.get_mut(&canonical) {
         entry.users += 1;
         return Ok(Arc::clone(&entry.store));
     }
     let redb = open_file(&canonical, &shown, options.durability)?;
-    let config = Config {
-        durability: options.durability,
-        ..Config::default()
-    };
+    let config = Config { durability: options.durability, ..Config::default() };
     let clock = Arc::new(FollowingClock::new());
     // Job times follow the host (BullMQ passes its own); leases run in real
     // time, as Redis lock TTLs do, so a host that fakes time keeps its locks.
@@ -154,24 +137,14 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
         Arc::new(loam_jobs::SystemClock),
         config,
     )
-    .map_err(|e| {
-        napi::Error::from_reason(format!(
-            "[loam:unavailable] cannot start the queue core in {shown}: {e}"
-        ))
-    })?;
+    .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot start the queue core in {shown}: {e}")))?;
     let store = Arc::new(SharedStore {
         jobs: Mutex::new(Some(jobs)),
         clock,
         host_now_ms: std::sync::atomic::AtomicU64::new(0),
         dir: canonical.clone(),
     });
-    open.insert(
-        canonical,
-        Entry {
-            store: Arc::clone(&store),
-            users: 1,
-        },
-    );
+    open.insert(canonical, Entry { store: Arc::clone(&store), users: 1 });
     Ok(store)
 }
 

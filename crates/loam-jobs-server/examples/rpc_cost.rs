@@ -64,7 +64,8 @@ where
 fn job(queue: &str) -> pb::EnqueueRequest {
     pb::EnqueueRequest {
         queue: queue.into(),
-        job: pb::JobSpec { name: "bench".into(), data: b"{\"n\":1}".to_vec(), attempts: 1, ..Default::default() }.into(),
+        job: pb::JobSpec { name: "bench".into(), data: b"{\"n\":1}".to_vec(), attempts: 1, ..Default::default() }
+            .into(),
         ..Default::default()
     }
 }
@@ -96,8 +97,11 @@ async fn worker(c: Arc<Client>, queue: String, until_empty: bool) -> usize {
             job_id: l.job.as_option().unwrap().id.clone(),
             fence: pb::Fence { kind: Some(oneof::fence::Kind::Epoch(l.epoch)), ..Default::default() }.into(),
             outcome: success().into(),
-            options: pb::CompleteOptions { fetch_next: pb::LeaseOptions { max: 1, ..Default::default() }.into(), ..Default::default() }
-                .into(),
+            options: pb::CompleteOptions {
+                fetch_next: pb::LeaseOptions { max: 1, ..Default::default() }.into(),
+                ..Default::default()
+            }
+            .into(),
             ..Default::default()
         };
         next = c.complete(req).await.unwrap().into_owned().completed.into_option().unwrap().next.into_option();
@@ -108,13 +112,18 @@ async fn worker(c: Arc<Client>, queue: String, until_empty: bool) -> usize {
 #[tokio::main]
 async fn main() {
     let args = Args::parse();
-    let client = Arc::new(pb::JobsServiceClient::new(HttpClient::plaintext(), ClientConfig::new(args.url.parse().unwrap())));
+    let client =
+        Arc::new(pb::JobsServiceClient::new(HttpClient::plaintext(), ClientConfig::new(args.url.parse().unwrap())));
     let n = args.jobs;
     let run = format!("bench-{}", std::process::id());
 
     phase(&args, "Query (a snapshot read), one caller", n, || async {
         for _ in 0..n {
-            let q = pb::QueryRequest { queue: run.clone(), query: Some(oneof::query_request::Query::IsMaxed(true)), ..Default::default() };
+            let q = pb::QueryRequest {
+                queue: run.clone(),
+                query: Some(oneof::query_request::Query::IsMaxed(true)),
+                ..Default::default()
+            };
             client.query(q).await.unwrap();
         }
     })

@@ -43,7 +43,9 @@ impl Auth {
         let mut tokens = HashMap::new();
         let mut add = |token: &str, ns: &str, origin: &str| -> Result<(), ServerError> {
             if token.len() < MIN_TOKEN_LEN {
-                return Err(ServerError::Config(format!("{origin}: a token must be at least {MIN_TOKEN_LEN} characters")));
+                return Err(ServerError::Config(format!(
+                    "{origin}: a token must be at least {MIN_TOKEN_LEN} characters"
+                )));
             }
             if ns.is_empty() || ns.len() > 128 || ns.contains(['"', '\\', '\n']) {
                 return Err(ServerError::Config(format!(

@@ -6,9 +6,9 @@
 use buffa::EnumValue;
 use connectrpc::ConnectError;
 use loam_jobs::{
-    Backoff, CompleteOptions, Completed, Dedup, Dependency, DependencyStatus, Enqueued, Event, Fence, Idempotency,
-    JobError, JobRecord, JobState, Keep, Lease, LeaseInfo, LeaseRequest, Leased, MetricsRecord, OnChildFailure,
-    Outcome, ParentRef, QueueConfig, RateLimit, Retention, SchedulerRecord, SchedulerSpec, EnqueueRequest,
+    Backoff, CompleteOptions, Completed, Dedup, Dependency, DependencyStatus, EnqueueRequest, Enqueued, Event, Fence,
+    Idempotency, JobError, JobRecord, JobState, Keep, Lease, LeaseInfo, LeaseRequest, Leased, MetricsRecord,
+    OnChildFailure, Outcome, ParentRef, QueueConfig, RateLimit, Retention, SchedulerRecord, SchedulerSpec,
 };
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
@@ -102,7 +102,9 @@ pub fn retention_from(r: pb::Retention) -> Res<Retention> {
     Ok(match r.policy {
         Some(oneof::retention::Policy::KeepAll(_)) => Retention::KeepAll,
         Some(oneof::retention::Policy::RemoveImmediately(_)) => Retention::RemoveImmediately,
-        Some(oneof::retention::Policy::Keep(k)) => Retention::Keep(Keep { count: k.count, age_ms: k.age_ms, limit: k.limit }),
+        Some(oneof::retention::Policy::Keep(k)) => {
+            Retention::Keep(Keep { count: k.count, age_ms: k.age_ms, limit: k.limit })
+        }
         None => return Err(invalid("retention needs a policy")),
     })
 }
@@ -111,9 +113,12 @@ fn retention_to(r: &Retention) -> pb::Retention {
     let policy = match r {
         Retention::KeepAll => oneof::retention::Policy::KeepAll(true),
         Retention::RemoveImmediately => oneof::retention::Policy::RemoveImmediately(true),
-        Retention::Keep(k) => {
-            oneof::retention::Policy::from(pb::Keep { count: k.count, age_ms: k.age_ms, limit: k.limit, ..Default::default() })
-        }
+        Retention::Keep(k) => oneof::retention::Policy::from(pb::Keep {
+            count: k.count,
+            age_ms: k.age_ms,
+            limit: k.limit,
+            ..Default::default()
+        }),
     };
     pb::Retention { policy: Some(policy), ..Default::default() }
 }
@@ -214,7 +219,12 @@ pub fn job(j: &JobRecord) -> pb::Job {
         lock: j
             .lock
             .as_ref()
-            .map(|l| pb::Lock { token: l.token.clone(), deadline: l.deadline, duration_ms: l.duration_ms, ..Default::default() })
+            .map(|l| pb::Lock {
+                token: l.token.clone(),
+                deadline: l.deadline,
+                duration_ms: l.duration_ms,
+                ..Default::default()
+            })
             .into(),
         lock_duration_ms: j.lock_duration_ms,
         timeout_ms: j.timeout_ms,
@@ -261,7 +271,13 @@ pub fn rate_limit(r: pb::RateLimit) -> RateLimit {
 }
 
 fn lease(l: &Lease) -> pb::Lease {
-    pb::Lease { job: job(&l.job).into(), epoch: l.epoch, token: l.token.clone(), deadline: l.deadline, ..Default::default() }
+    pb::Lease {
+        job: job(&l.job).into(),
+        epoch: l.epoch,
+        token: l.token.clone(),
+        deadline: l.deadline,
+        ..Default::default()
+    }
 }
 
 fn lease_info(i: &LeaseInfo) -> pb::LeaseInfo {

@@ -63,7 +63,9 @@ fn reason(err: &JobsError) -> (&'static str, String) {
             Precondition::FailedChildren { job } => ("precondition.failed_children", job.clone()),
             Precondition::ParentCannotBeReplaced { job } => ("precondition.parent_cannot_be_replaced", job.clone()),
             Precondition::BelongsToScheduler { job } => ("precondition.belongs_to_scheduler", job.clone()),
-            Precondition::SchedulerIdCollision { scheduler } => ("precondition.scheduler_id_collision", scheduler.clone()),
+            Precondition::SchedulerIdCollision { scheduler } => {
+                ("precondition.scheduler_id_collision", scheduler.clone())
+            }
             Precondition::SchedulerSlotsBusy { scheduler } => ("precondition.scheduler_slots_busy", scheduler.clone()),
             Precondition::QueueNotPaused { queue } => ("precondition.queue_not_paused", queue.clone()),
             Precondition::QueueHasActiveJobs { queue } => ("precondition.queue_has_active_jobs", queue.clone()),
@@ -99,7 +101,13 @@ pub fn detail(err: &JobsError) -> pb::ErrorDetail {
         JobsError::RateLimited { retry_after_ms } => *retry_after_ms,
         _ => 0,
     };
-    pb::ErrorDetail { reason: reason.into(), bullmq_code: bullmq_code(err), subject, retry_after_ms, ..Default::default() }
+    pb::ErrorDetail {
+        reason: reason.into(),
+        bullmq_code: bullmq_code(err),
+        subject,
+        retry_after_ms,
+        ..Default::default()
+    }
 }
 
 /// A core error as the client sees it.

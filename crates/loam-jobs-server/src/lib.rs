@@ -23,8 +23,8 @@ use std::time::Duration;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use futures::FutureExt;
 use connectrpc::{ConnectRpcService, Limits};
+use futures::FutureExt;
 use loam_jobs::store::redb::{RedbOptions, RedbStore};
 use loam_jobs::{Config, Durability, FollowingClock, Interrupt, Jobs, SystemClock};
 use loam_jobs_proto::loam::jobs::v1::JobsServiceExt;
@@ -75,8 +75,9 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let shutdown = Interrupt::new();
     let index = Arc::new(schedules::Index::default());
     let found = index.load(&jobs)?;
-    let svc = service::JobsSvc::new(jobs.clone(), auth.clone(), Arc::clone(&metrics), shutdown.clone(), Arc::clone(&index))
-        .following(following);
+    let svc =
+        service::JobsSvc::new(jobs.clone(), auth.clone(), Arc::clone(&metrics), shutdown.clone(), Arc::clone(&index))
+            .following(following);
     let router = Arc::new(svc).register(connectrpc::Router::new());
     let limits = Limits::default()
         .with_max_request_body_size(args.max_request_bytes)
@@ -148,7 +149,10 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     };
     let grace = Duration::from_secs(args.shutdown_grace_secs);
     if !listen::serve(listener, app, args.max_concurrent_streams, stopping, grace).await {
-        tracing::warn!(grace_secs = args.shutdown_grace_secs, "calls still in flight after the grace period; closing anyway");
+        tracing::warn!(
+            grace_secs = args.shutdown_grace_secs,
+            "calls still in flight after the grace period; closing anyway"
+        );
     }
     shutdown.fire();
     let _ = ticker.await;
@@ -162,7 +166,11 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
 
 /// Opens the redb store. With a following clock, job times follow the
 /// clients' `loam-now-ms` while leases keep real time (as Redis lock TTLs do).
-fn open_store(path: &std::path::Path, config: Config, following: Option<Arc<FollowingClock>>) -> Result<Jobs, ServerError> {
+fn open_store(
+    path: &std::path::Path,
+    config: Config,
+    following: Option<Arc<FollowingClock>>,
+) -> Result<Jobs, ServerError> {
     match following {
         None => Ok(Jobs::open(path, config)?),
         Some(clock) => {

@@ -104,20 +104,44 @@ impl Metrics {
             oldest_waiting: Family::default(),
         };
         if let Ok(mut r) = m.registry.lock() {
-            r.register("loam_jobs_enqueued", "Jobs created by Enqueue, EnqueueBulk, Flow and schedules", m.enqueued.clone());
+            r.register(
+                "loam_jobs_enqueued",
+                "Jobs created by Enqueue, EnqueueBulk, Flow and schedules",
+                m.enqueued.clone(),
+            );
             r.register("loam_jobs_leased", "Jobs handed to workers", m.leased.clone());
-            r.register("loam_jobs_completed", "Completions by outcome (ok, retry, fail, release, delay, wait_children, rate_limited)", m.completed.clone());
+            r.register(
+                "loam_jobs_completed",
+                "Completions by outcome (ok, retry, fail, release, delay, wait_children, rate_limited)",
+                m.completed.clone(),
+            );
             r.register("loam_jobs_fenced", "Writes refused because the lease had moved", m.fenced.clone());
-            r.register("loam_jobs_stalled", "Jobs reclaimed from expired leases by workers' stalled checks (QueueAdmin sweep_stalled)", m.stalled.clone());
+            r.register(
+                "loam_jobs_stalled",
+                "Jobs reclaimed from expired leases by workers' stalled checks (QueueAdmin sweep_stalled)",
+                m.stalled.clone(),
+            );
             r.register("loam_jobs_rpc_requests", "Calls by method and Connect code", m.rpcs.clone());
             r.register("loam_jobs_rpc_duration_seconds", "Time to answer a call, by method", m.rpc_seconds.clone());
-            r.register("loam_jobs_lease_latency_seconds", "Time a Lease call took, waits included", m.lease_seconds.clone());
+            r.register(
+                "loam_jobs_lease_latency_seconds",
+                "Time a Lease call took, waits included",
+                m.lease_seconds.clone(),
+            );
             r.register("loam_jobs_waiting", "Ready jobs, by band (fifo, prioritized)", m.waiting.clone());
             r.register("loam_jobs_delayed", "Delayed jobs", m.delayed.clone());
             r.register("loam_jobs_active", "Leased jobs", m.active.clone());
             r.register("loam_jobs_waiting_children", "Parents waiting for children", m.waiting_children.clone());
-            r.register("loam_jobs_finished", "Finished jobs still kept, by state (completed, failed)", m.finished.clone());
-            r.register("loam_jobs_oldest_waiting_seconds", "Age of the job that runs next (FIFO band)", m.oldest_waiting.clone());
+            r.register(
+                "loam_jobs_finished",
+                "Finished jobs still kept, by state (completed, failed)",
+                m.finished.clone(),
+            );
+            r.register(
+                "loam_jobs_oldest_waiting_seconds",
+                "Age of the job that runs next (FIFO band)",
+                m.oldest_waiting.clone(),
+            );
         }
         m
     }
@@ -223,7 +247,9 @@ impl Metrics {
                 set(&self.finished, &with("state", "completed"), stats.count(JobState::Completed));
                 set(&self.finished, &with("state", "failed"), stats.count(JobState::Failed));
                 let head = jobs.query(&q.ns, &q.name, |tx, q| {
-                    let Some(id) = loam_jobs::ops::query::range(tx, q, JobState::Waiting, 0, 0, true)?.into_iter().next() else {
+                    let Some(id) =
+                        loam_jobs::ops::query::range(tx, q, JobState::Waiting, 0, 0, true)?.into_iter().next()
+                    else {
                         return Ok(None);
                     };
                     Ok(loam_jobs::ops::query::get_job(tx, q, &id)?.map(|j| j.timestamp))
@@ -264,7 +290,12 @@ mod tests {
     fn a_namespace_sees_only_its_series() {
         let text = "# HELP x\nx_total{ns=\"a\",queue=\"q\"} 1\nx_total{ns=\"ab\",queue=\"q\"} 2\ny_total{method=\"Lease\"} 3\n# EOF\n";
         let only = only_namespace(text, "a");
-        assert!(only.contains("ns=\"a\"") && !only.contains("ns=\"ab\"") && only.contains("Lease") && only.ends_with("# EOF\n"));
+        assert!(
+            only.contains("ns=\"a\"")
+                && !only.contains("ns=\"ab\"")
+                && only.contains("Lease")
+                && only.ends_with("# EOF\n")
+        );
     }
 
     fn exposition(m: &Metrics) -> String {
@@ -282,7 +313,13 @@ mod tests {
         m.enqueued("ns1", "q", 3);
         let text = exposition(&m);
         assert!(text.contains(r#"loam_jobs_enqueued_total{ns="ns1",queue="q"} 3"#), "{text}");
-        for unused in ["loam_jobs_leased_total{", "loam_jobs_fenced_total{", "loam_jobs_stalled_total{", "loam_jobs_lease_latency_seconds_count{", "loam_jobs_completed_total{"] {
+        for unused in [
+            "loam_jobs_leased_total{",
+            "loam_jobs_fenced_total{",
+            "loam_jobs_stalled_total{",
+            "loam_jobs_lease_latency_seconds_count{",
+            "loam_jobs_completed_total{",
+        ] {
             assert!(!text.contains(unused), "{unused} shown before it moved:\n{text}");
         }
         m.completed("ns1", "q", "ok");

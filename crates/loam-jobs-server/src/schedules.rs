@@ -225,9 +225,8 @@ async fn tick(jobs: &Jobs, q: &QueueId, id: &str) -> Result<Tick, JobsError> {
         .unwrap_or_else(|| EnqueueRequest { attempts: 1, ..Default::default() });
     let producer = schedule::iteration_id(id, rec.next_millis);
     let id = id.to_string();
-    let advanced = jobs
-        .admin(&q.ns, &q.name, move |tx, q| schedule::advance_to(tx, q, &id, next, &producer, &template))
-        .await?;
+    let advanced =
+        jobs.admin(&q.ns, &q.name, move |tx, q| schedule::advance_to(tx, q, &id, next, &producer, &template)).await?;
     // Not advanced: another caller moved it first; read it again next pass.
     Ok(if advanced.is_some() { Tick::Advanced } else { Tick::Idle(0) })
 }

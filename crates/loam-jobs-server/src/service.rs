@@ -33,7 +33,11 @@ pub(crate) const NOW_HEADER: &str = "loam-now-ms";
 pub fn all_queues(jobs: &Jobs) -> Result<Vec<QueueId>, JobsError> {
     jobs.read("", |tx| {
         let all = loam_jobs::keys::prefix_range(loam_jobs::keys::registry_prefix());
-        Ok(tx.scan(&all, usize::MAX, false)?.into_iter().filter_map(|(k, _)| loam_jobs::keys::parse_registry(&k)).collect())
+        Ok(tx
+            .scan(&all, usize::MAX, false)?
+            .into_iter()
+            .filter_map(|(k, _)| loam_jobs::keys::parse_registry(&k))
+            .collect())
     })
 }
 
@@ -133,7 +137,11 @@ impl JobsSvc {
         self.timed(method, call).await.map(Response::new)
     }
 
-    async fn timed<T>(&self, method: &'static str, call: impl Future<Output = Result<T, ConnectError>>) -> Result<T, ConnectError> {
+    async fn timed<T>(
+        &self,
+        method: &'static str,
+        call: impl Future<Output = Result<T, ConnectError>>,
+    ) -> Result<T, ConnectError> {
         let started = Instant::now();
         let result = call.await;
         let code = match &result {
@@ -179,7 +187,9 @@ impl JobsSvc {
         let Ok(w) = self.workers.lock() else { return Vec::new() };
         let mut names: Vec<String> = w
             .get(&(ns.to_string(), queue.to_string()))
-            .map(|m| m.iter().filter(|(_, seen)| now.duration_since(**seen) < WORKER_TTL).map(|(n, _)| n.clone()).collect())
+            .map(|m| {
+                m.iter().filter(|(_, seen)| now.duration_since(**seen) < WORKER_TTL).map(|(n, _)| n.clone()).collect()
+            })
             .unwrap_or_default();
         names.sort();
         names
@@ -279,7 +289,11 @@ impl JobsSvc {
         if let Some(next) = &done.next {
             self.metrics.leased(&c.ns, &req.queue, next.leases.len() as u64, Duration::ZERO);
         }
-        Ok(pb::CompleteResponse { completed: convert::completed(&done).into(), rate_limit_ttl_ms: ttl, ..Default::default() })
+        Ok(pb::CompleteResponse {
+            completed: convert::completed(&done).into(),
+            rate_limit_ttl_ms: ttl,
+            ..Default::default()
+        })
     }
 
     async fn do_report(&self, c: Caller, req: pb::ReportRequest) -> Result<pb::ReportResponse, ConnectError> {
@@ -378,7 +392,8 @@ impl JobsSvc {
     async fn do_flow(&self, c: Caller, req: pb::FlowRequest) -> Result<pb::FlowResponse, ConnectError> {
         let mut nodes = Vec::with_capacity(req.nodes.len());
         for n in req.nodes {
-            let request = convert::job_spec(n.job.into_option().ok_or_else(|| invalid("every flow node needs a job"))?)?;
+            let request =
+                convert::job_spec(n.job.into_option().ok_or_else(|| invalid("every flow node needs a job"))?)?;
             nodes.push(FlowNode { queue: n.queue, request, wait_children: n.wait_children });
         }
         let queues: Vec<String> = nodes.iter().map(|n| n.queue.clone()).collect();
@@ -419,7 +434,8 @@ impl JobsSvc {
                 }
                 Op::Clean(cl) => {
                     let (state, before, limit) = (cl.state.clone(), cl.before, cl.limit);
-                    out.job_ids = jobs.admin(ns, queue, move |tx, q| admin::clean(tx, q, &state, before, limit)).await?;
+                    out.job_ids =
+                        jobs.admin(ns, queue, move |tx, q| admin::clean(tx, q, &state, before, limit)).await?;
                     out.count = out.job_ids.len() as u64;
                     Ok(())
                 }
@@ -429,7 +445,8 @@ impl JobsSvc {
                     Ok(())
                 }
                 Op::RetryJobs(r) => {
-                    let state = convert::state_from_pb(&r.state).map_err(|e| JobsError::invalid(e.message.unwrap_or_default()))?;
+                    let state = convert::state_from_pb(&r.state)
+                        .map_err(|e| JobsError::invalid(e.message.unwrap_or_default()))?;
                     let (count, before) = (r.count, r.before);
                     out.more = jobs
                         .admin(ns, queue, move |tx, q| admin::retry_finished_jobs(tx, q, state, count, before))
@@ -624,7 +641,8 @@ impl JobsSvc {
                     R::from(pb::IdRanges { ranges, ..Default::default() })
                 }
                 Query::Logs(l) => {
-                    let (logs, count) = jobs.query(ns, queue, |tx, q| query::logs(tx, q, &l.job_id, l.start, l.end, l.asc))?;
+                    let (logs, count) =
+                        jobs.query(ns, queue, |tx, q| query::logs(tx, q, &l.job_id, l.start, l.end, l.asc))?;
                     R::from(pb::LogPage { logs, count, ..Default::default() })
                 }
                 Query::Dependencies(d) => jobs.query(ns, queue, |tx, q| {
@@ -634,7 +652,10 @@ impl JobsSvc {
                         for (_, dep) in &deps {
                             let child_q = QueueId::new(ns, dep.child_queue.clone());
                             let child = query::get_job(tx, &child_q, &dep.child_id)?;
-                            slots.push(pb::JobSlot { job: child.as_ref().map(convert::job).into(), ..Default::default() });
+                            slots.push(pb::JobSlot {
+                                job: child.as_ref().map(convert::job).into(),
+                                ..Default::default()
+                            });
                         }
                     }
                     let dependencies = deps.iter().map(|(k, d)| convert::dependency(k, d)).collect();
@@ -666,9 +687,8 @@ impl JobsSvc {
                 Query::LastEvent(_) => R::Number(jobs.query(ns, queue, query::last_event_seq)?),
                 Query::Events(e) => {
                     let limit = if e.limit == 0 { EVENT_BATCH } else { (e.limit as usize).min(MAX_EVENTS_PER_READ) };
-                    let events = jobs
-                        .read_events(ns, queue, e.after, limit, wait_of(e.wait_ms), Some(&self.shutdown))
-                        .await?;
+                    let events =
+                        jobs.read_events(ns, queue, e.after, limit, wait_of(e.wait_ms), Some(&self.shutdown)).await?;
                     R::from(pb::EventList { events: events.iter().map(convert::event).collect(), ..Default::default() })
                 }
                 Query::WaitForJob(w) => {
@@ -676,11 +696,17 @@ impl JobsSvc {
                 }
                 Query::Scheduler(s) => {
                     let rec = jobs.query(ns, queue, |tx, q| schedule::get(tx, q, &s.id))?;
-                    R::from(pb::SchedulerSlot { scheduler: rec.as_ref().map(convert::scheduler).into(), ..Default::default() })
+                    R::from(pb::SchedulerSlot {
+                        scheduler: rec.as_ref().map(convert::scheduler).into(),
+                        ..Default::default()
+                    })
                 }
                 Query::Schedulers(s) => {
                     let recs = jobs.query(ns, queue, |tx, q| schedule::list(tx, q, s.start, s.end, s.asc))?;
-                    R::from(pb::SchedulerList { schedulers: recs.iter().map(convert::scheduler).collect(), ..Default::default() })
+                    R::from(pb::SchedulerList {
+                        schedulers: recs.iter().map(convert::scheduler).collect(),
+                        ..Default::default()
+                    })
                 }
                 Query::SchedulerCount(_) => R::Number(jobs.query(ns, queue, schedule::count)?),
                 Query::Workers(_) => {
@@ -691,7 +717,9 @@ impl JobsSvc {
                     let names = jobs.read(ns, |tx| query::queues(tx, ns))?.into_iter().map(|q| q.name).collect();
                     R::from(pb::NameList { names, ..Default::default() })
                 }
-                Query::Config(_) => R::from(convert::queue_config_to(&jobs.query(ns, queue, |tx, q| tx.queue_config(q))?)),
+                Query::Config(_) => {
+                    R::from(convert::queue_config_to(&jobs.query(ns, queue, |tx, q| tx.queue_config(q))?))
+                }
             })
         }
         .await;
@@ -731,9 +759,14 @@ impl JobsSvc {
         Ok(pb::ResultDeleteResponse { deleted, ..Default::default() })
     }
 
-    async fn do_result_incr(&self, c: Caller, req: pb::ResultIncrRequest) -> Result<pb::ResultIncrResponse, ConnectError> {
+    async fn do_result_incr(
+        &self,
+        c: Caller,
+        req: pb::ResultIncrRequest,
+    ) -> Result<pb::ResultIncrResponse, ConnectError> {
         let (key, member, ttl) = (req.key, req.member, req.ttl_ms);
-        let counted = c.jobs.write(&c.ns, true, move |tx| results::incr(tx, &key, &member, ttl)).await.map_err(core_err)?;
+        let counted =
+            c.jobs.write(&c.ns, true, move |tx| results::incr(tx, &key, &member, ttl)).await.map_err(core_err)?;
         Ok(pb::ResultIncrResponse { count: counted.count, added: counted.added, ..Default::default() })
     }
 
@@ -749,7 +782,11 @@ impl JobsSvc {
 
     // ---- watch ------------------------------------------------------------------------
 
-    async fn do_watch(&self, c: Caller, req: pb::WatchRequest) -> Result<ServiceStream<pb::WatchResponse>, ConnectError> {
+    async fn do_watch(
+        &self,
+        c: Caller,
+        req: pb::WatchRequest,
+    ) -> Result<ServiceStream<pb::WatchResponse>, ConnectError> {
         let (ns, queue) = (c.ns, req.queue);
         // "From now" is pinned before the stream starts, so nothing written
         // after this call returns can be missed.
@@ -843,7 +880,9 @@ impl JobsSvc {
         use oneof::session_response::Result as R;
         Ok(match call {
             C::Enqueue(r) => R::from(self.timed("Enqueue", async { self.do_enqueue(c?, *r).await }).await?),
-            C::EnqueueBulk(r) => R::from(self.timed("EnqueueBulk", async { self.do_enqueue_bulk(c?, *r).await }).await?),
+            C::EnqueueBulk(r) => {
+                R::from(self.timed("EnqueueBulk", async { self.do_enqueue_bulk(c?, *r).await }).await?)
+            }
             C::Lease(r) => R::from(self.timed("Lease", async { self.do_lease(c?, *r).await }).await?),
             C::Extend(r) => R::from(self.timed("Extend", async { self.do_extend(c?, *r).await }).await?),
             C::Complete(r) => R::from(self.timed("Complete", async { self.do_complete(c?, *r).await }).await?),
@@ -857,9 +896,13 @@ impl JobsSvc {
             C::ResultGet(r) => R::from(self.timed("ResultGet", async { self.do_result_get(c?, *r).await }).await?),
             C::ResultMGet(r) => R::from(self.timed("ResultMGet", async { self.do_result_mget(c?, *r).await }).await?),
             C::ResultSet(r) => R::from(self.timed("ResultSet", async { self.do_result_set(c?, *r).await }).await?),
-            C::ResultDelete(r) => R::from(self.timed("ResultDelete", async { self.do_result_delete(c?, *r).await }).await?),
+            C::ResultDelete(r) => {
+                R::from(self.timed("ResultDelete", async { self.do_result_delete(c?, *r).await }).await?)
+            }
             C::ResultIncr(r) => R::from(self.timed("ResultIncr", async { self.do_result_incr(c?, *r).await }).await?),
-            C::ResultExpire(r) => R::from(self.timed("ResultExpire", async { self.do_result_expire(c?, *r).await }).await?),
+            C::ResultExpire(r) => {
+                R::from(self.timed("ResultExpire", async { self.do_result_expire(c?, *r).await }).await?)
+            }
             C::Cancel(_) => return Err(invalid("a cancel is not a call")),
         })
     }
@@ -876,7 +919,11 @@ impl JobsSvc {
 
 #[allow(refining_impl_trait, reason = "each call returns its concrete response message")]
 impl pb::JobsService for JobsSvc {
-    async fn enqueue(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::EnqueueRequest>) -> ServiceResult<pb::EnqueueResponse> {
+    async fn enqueue(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::EnqueueRequest>,
+    ) -> ServiceResult<pb::EnqueueResponse> {
         let r = r.to_owned_message();
         self.observe("Enqueue", async { self.do_enqueue(self.caller(&ctx)?, r).await }).await
     }
@@ -890,12 +937,20 @@ impl pb::JobsService for JobsSvc {
         self.observe("EnqueueBulk", async { self.do_enqueue_bulk(self.caller(&ctx)?, r).await }).await
     }
 
-    async fn lease(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::LeaseRequest>) -> ServiceResult<pb::LeaseResponse> {
+    async fn lease(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::LeaseRequest>,
+    ) -> ServiceResult<pb::LeaseResponse> {
         let r = r.to_owned_message();
         self.observe("Lease", async { self.do_lease(self.caller(&ctx)?, r).await }).await
     }
 
-    async fn extend(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::ExtendRequest>) -> ServiceResult<pb::ExtendResponse> {
+    async fn extend(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::ExtendRequest>,
+    ) -> ServiceResult<pb::ExtendResponse> {
         let r = r.to_owned_message();
         self.observe("Extend", async { self.do_extend(self.caller(&ctx)?, r).await }).await
     }
@@ -909,7 +964,11 @@ impl pb::JobsService for JobsSvc {
         self.observe("Complete", async { self.do_complete(self.caller(&ctx)?, r).await }).await
     }
 
-    async fn report(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::ReportRequest>) -> ServiceResult<pb::ReportResponse> {
+    async fn report(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::ReportRequest>,
+    ) -> ServiceResult<pb::ReportResponse> {
         let r = r.to_owned_message();
         self.observe("Report", async { self.do_report(self.caller(&ctx)?, r).await }).await
     }
@@ -932,7 +991,11 @@ impl pb::JobsService for JobsSvc {
         self.observe("Unschedule", async { self.do_unschedule(self.caller(&ctx)?, r).await }).await
     }
 
-    async fn flow(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::FlowRequest>) -> ServiceResult<pb::FlowResponse> {
+    async fn flow(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::FlowRequest>,
+    ) -> ServiceResult<pb::FlowResponse> {
         let r = r.to_owned_message();
         self.observe("Flow", async { self.do_flow(self.caller(&ctx)?, r).await }).await
     }
@@ -955,7 +1018,11 @@ impl pb::JobsService for JobsSvc {
         self.observe("JobAdmin", async { self.do_job_admin(self.caller(&ctx)?, r).await }).await
     }
 
-    async fn query(&self, ctx: RequestContext, r: ServiceRequest<'_, pb::QueryRequest>) -> ServiceResult<pb::QueryResponse> {
+    async fn query(
+        &self,
+        ctx: RequestContext,
+        r: ServiceRequest<'_, pb::QueryRequest>,
+    ) -> ServiceResult<pb::QueryResponse> {
         let r = r.to_owned_message();
         self.observe("Query", async { self.do_query(self.caller(&ctx)?, r).await }).await
     }

@@ -12,12 +12,12 @@ use std::collections::HashMap;
 
 use base64::Engine;
 use connectrpc::{ConnectError, InboundStream, RequestContext, ServiceStream};
+use futures::future::AbortHandle;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 use tokio::sync::mpsc;
-use futures::future::AbortHandle;
 
 use crate::errors::{DETAIL_TYPE, invalid};
 use crate::service::JobsSvc;

@@ -57,12 +57,24 @@ async fn queue_and_job_admin_reports_and_queries() {
     assert!(get_job(&c, qn, "d2").await.unwrap().delay == 120_000);
     ja(&c, qn, "p1", pb::job_admin_request::ChangePriority { priority: 9, ..Default::default() }).await.unwrap();
     assert_eq!(get_job(&c, qn, "p1").await.unwrap().priority, 9);
-    let R::Counts(per) = q(&c, qn, pb::query_request::CountsPerPriority { priorities: vec![0, 9], ..Default::default() }).await
+    let R::Counts(per) =
+        q(&c, qn, pb::query_request::CountsPerPriority { priorities: vec![0, 9], ..Default::default() }).await
     else {
         panic!("counts")
     };
     assert_eq!(per.counts, vec![1, 1]);
-    let R::Ranges(r) = q(&c, qn, pb::query_request::Ranges { types: vec!["wait".into(), "bogus".into()], start: 0, end: -1, asc: true, ..Default::default() }).await
+    let R::Ranges(r) = q(
+        &c,
+        qn,
+        pb::query_request::Ranges {
+            types: vec!["wait".into(), "bogus".into()],
+            start: 0,
+            end: -1,
+            asc: true,
+            ..Default::default()
+        },
+    )
+    .await
     else {
         panic!("ranges")
     };
@@ -94,7 +106,9 @@ async fn queue_and_job_admin_reports_and_queries() {
     c.report(report(oneof::report_request::Report::Data(b"{\"new\":1}".to_vec()))).await.unwrap();
     let j = get_job(&c, qn, &id).await.unwrap();
     assert_eq!((j.progress.as_deref(), j.data.as_slice(), j.log_count), (Some("{\"pct\":50}"), &b"{\"new\":1}"[..], 3));
-    let R::Logs(logs) = q(&c, qn, pb::query_request::Logs { job_id: id.clone(), start: 0, end: -1, asc: true, ..Default::default() }).await
+    let R::Logs(logs) =
+        q(&c, qn, pb::query_request::Logs { job_id: id.clone(), start: 0, end: -1, asc: true, ..Default::default() })
+            .await
     else {
         panic!("logs")
     };
@@ -122,29 +136,47 @@ async fn queue_and_job_admin_reports_and_queries() {
     req.options = pb::CompleteOptions { metrics_max_points: Some(10), ..Default::default() }.into();
     c.complete(req).await.unwrap();
     assert_eq!(get_job(&c, qn, &id).await.unwrap().failed_reason.as_deref(), Some("boom"));
-    let R::Metrics(m) = q(&c, qn, pb::query_request::MetricsOf { kind: "failed".into(), ..Default::default() }).await else {
+    let R::Metrics(m) = q(&c, qn, pb::query_request::MetricsOf { kind: "failed".into(), ..Default::default() }).await
+    else {
         panic!("metrics")
     };
     assert_eq!(m.count, 1);
-    let retry = pb::job_admin_request::RetryFinished { state: pb::JobState::JOB_STATE_FAILED.into(), ..Default::default() };
+    let retry =
+        pb::job_admin_request::RetryFinished { state: pb::JobState::JOB_STATE_FAILED.into(), ..Default::default() };
     ja(&c, qn, &id, retry).await.unwrap();
     assert_eq!(get_job(&c, qn, &id).await.unwrap().state.as_known(), Some(pb::JobState::JOB_STATE_WAITING));
 
     // Meta, rate limits, events, dedup keys, workers, config.
     let set = pb::queue_admin_request::SetMeta {
-        values: [("concurrency".to_string(), "1".to_string()), ("x".to_string(), "y".to_string())].into_iter().collect(),
+        values: [("concurrency".to_string(), "1".to_string()), ("x".to_string(), "y".to_string())]
+            .into_iter()
+            .collect(),
         ..Default::default()
     };
     assert_eq!(qa(&c, qn, set).await.count, 2);
-    let R::Meta(meta) = q(&c, qn, pb::query_request::Meta { fields: vec!["x".into(), "nope".into()], ..Default::default() }).await
+    let R::Meta(meta) =
+        q(&c, qn, pb::query_request::Meta { fields: vec!["x".into(), "nope".into()], ..Default::default() }).await
     else {
         panic!("meta")
     };
     assert_eq!(meta.values.get("x").map(String::as_str), Some("y"));
     assert_eq!(meta.values.len(), 1);
-    assert_eq!(qa(&c, qn, pb::queue_admin_request::RemoveMetaFields { fields: vec!["x".into(), "concurrency".into()], ..Default::default() }).await.count, 2);
+    assert_eq!(
+        qa(
+            &c,
+            qn,
+            pb::queue_admin_request::RemoveMetaFields {
+                fields: vec!["x".into(), "concurrency".into()],
+                ..Default::default()
+            }
+        )
+        .await
+        .count,
+        2
+    );
     qa(&c, qn, pb::queue_admin_request::SetRateLimit { ms: 5_000, ..Default::default() }).await;
-    let R::TtlMs(ttl) = q(&c, qn, pb::query_request::RateLimitTtl { max_jobs: Some(1), ..Default::default() }).await else {
+    let R::TtlMs(ttl) = q(&c, qn, pb::query_request::RateLimitTtl { max_jobs: Some(1), ..Default::default() }).await
+    else {
         panic!("ttl")
     };
     assert!(ttl > 0 && ttl <= 5_000, "{ttl}");
@@ -166,7 +198,8 @@ async fn queue_and_job_admin_reports_and_queries() {
     assert!(qa(&c, qn, pb::queue_admin_request::TrimEvents { max_length: 2, ..Default::default() }).await.count > 0);
     assert_eq!(all_events(&c, qn).await.len(), 2);
     add(&c, qn, "dd", |j| j.dedup = pb::Dedup { id: "dedup-1".into(), ..Default::default() }.into()).await;
-    let R::DedupJob(holder) = q(&c, qn, pb::query_request::DedupJob { dedup_id: "dedup-1".into(), ..Default::default() }).await
+    let R::DedupJob(holder) =
+        q(&c, qn, pb::query_request::DedupJob { dedup_id: "dedup-1".into(), ..Default::default() }).await
     else {
         panic!("dedup")
     };
@@ -193,7 +226,9 @@ async fn queue_and_job_admin_reports_and_queries() {
     // Promote all, drain, remove, clean, obliterate.
     assert!(!qa(&c, qn, pb::queue_admin_request::PromoteJobs { count: 100, ..Default::default() }).await.more);
     assert_eq!(counts(&c, qn, &["delayed"]).await, vec![0]);
-    assert!(ja(&c, qn, "p1", pb::job_admin_request::Remove { remove_children: true, ..Default::default() }).await.unwrap());
+    assert!(
+        ja(&c, qn, "p1", pb::job_admin_request::Remove { remove_children: true, ..Default::default() }).await.unwrap()
+    );
     assert!(get_job(&c, qn, "p1").await.is_none());
     let drained = qa(&c, qn, pb::queue_admin_request::Drain { delayed: true, ..Default::default() }).await;
     assert!(drained.count >= 1, "{drained:?}");
@@ -202,7 +237,9 @@ async fn queue_and_job_admin_reports_and_queries() {
     let l = c.lease(lease_req(qn, 1, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
     c.complete(complete_req(qn, "c1", epoch(l.leases[0].epoch), success(b"1"))).await.unwrap();
     let far = u64::MAX / 2;
-    let cleaned = qa(&c, qn, pb::queue_admin_request::Clean { state: "completed".into(), before: far, ..Default::default() }).await;
+    let cleaned =
+        qa(&c, qn, pb::queue_admin_request::Clean { state: "completed".into(), before: far, ..Default::default() })
+            .await;
     assert_eq!(cleaned.job_ids, vec!["c1".to_string()]);
     let ob = pb::queue_admin_request::Obliterate { force: true, count: 1000, ..Default::default() };
     let req = pb::QueueAdminRequest { queue: qn.into(), op: Some(ob.clone().into()), ..Default::default() };
@@ -225,9 +262,15 @@ async fn bullmq_job_schedulers_and_dead_letters() {
         template_data: "{\"a\":1}".into(),
         ..Default::default()
     };
-    let req = pb::ScheduleRequest { queue: qn.into(), schedule: Some(oneof::schedule_request::Schedule::from(spec)), ..Default::default() };
+    let req = pb::ScheduleRequest {
+        queue: qn.into(),
+        schedule: Some(oneof::schedule_request::Schedule::from(spec)),
+        ..Default::default()
+    };
     let first = c.schedule(req).await.unwrap().into_owned().job_id.unwrap();
-    let R::Scheduler(s) = q(&c, qn, pb::query_request::SchedulerOf { id: "every-min".into(), ..Default::default() }).await else {
+    let R::Scheduler(s) =
+        q(&c, qn, pb::query_request::SchedulerOf { id: "every-min".into(), ..Default::default() }).await
+    else {
         panic!("scheduler")
     };
     let s = s.scheduler.into_option().unwrap();
@@ -237,10 +280,15 @@ async fn bullmq_job_schedulers_and_dead_letters() {
     assert_eq!(n, 1);
     // The worker that ran iteration `first` advances the scheduler.
     let adv = pb::SchedulerAdvance { id: "every-min".into(), producer_id: first.clone(), ..Default::default() };
-    let req = pb::ScheduleRequest { queue: qn.into(), schedule: Some(oneof::schedule_request::Schedule::from(adv)), ..Default::default() };
+    let req = pb::ScheduleRequest {
+        queue: qn.into(),
+        schedule: Some(oneof::schedule_request::Schedule::from(adv)),
+        ..Default::default()
+    };
     let next = c.schedule(req).await.unwrap().into_owned().job_id.unwrap();
     assert_ne!(next, first);
-    let R::Schedulers(list) = q(&c, qn, pb::query_request::Schedulers { start: 0, end: -1, asc: true, ..Default::default() }).await
+    let R::Schedulers(list) =
+        q(&c, qn, pb::query_request::Schedulers { start: 0, end: -1, asc: true, ..Default::default() }).await
     else {
         panic!("schedulers")
     };
@@ -249,7 +297,12 @@ async fn bullmq_job_schedulers_and_dead_letters() {
     assert!(c.unschedule(un).await.unwrap().into_owned().removed);
 
     // A dead-lettered job is redriven back to its queue.
-    let cfg = pb::QueueConfig { max_stalled: 1, stalled_interval_ms: 30_000, dead_letter_queue: Some("dlq".into()), ..Default::default() };
+    let cfg = pb::QueueConfig {
+        max_stalled: 1,
+        stalled_interval_ms: 30_000,
+        dead_letter_queue: Some("dlq".into()),
+        ..Default::default()
+    };
     qa(&c, "work", oneof::queue_admin_request::Op::from(cfg)).await;
     add(&c, "work", "bad", |_| {}).await;
     let l = c.lease(lease_req("work", 1, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();

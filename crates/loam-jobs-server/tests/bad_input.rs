@@ -12,9 +12,26 @@ use connectrpc::ErrorCode;
 use support::*;
 
 const METHODS: [&str; 20] = [
-    "Enqueue", "EnqueueBulk", "Lease", "Extend", "Complete", "Report", "Schedule", "Unschedule", "Flow",
-    "QueueAdmin", "JobAdmin", "Query", "ResultGet", "ResultMGet", "ResultSet", "ResultDelete", "ResultIncr",
-    "ResultExpire", "Watch", "Session",
+    "Enqueue",
+    "EnqueueBulk",
+    "Lease",
+    "Extend",
+    "Complete",
+    "Report",
+    "Schedule",
+    "Unschedule",
+    "Flow",
+    "QueueAdmin",
+    "JobAdmin",
+    "Query",
+    "ResultGet",
+    "ResultMGet",
+    "ResultSet",
+    "ResultDelete",
+    "ResultIncr",
+    "ResultExpire",
+    "Watch",
+    "Session",
 ];
 
 /// Opens a watch and reads its first message: a refused watch fails there
@@ -37,7 +54,11 @@ fn job_admin(queue: &str, id: &str, op: impl Into<oneof::job_admin_request::Op>)
 }
 
 fn schedule(queue: &str, s: pb::ServerSchedule) -> pb::ScheduleRequest {
-    pb::ScheduleRequest { queue: queue.into(), schedule: Some(oneof::schedule_request::Schedule::from(s)), ..Default::default() }
+    pb::ScheduleRequest {
+        queue: queue.into(),
+        schedule: Some(oneof::schedule_request::Schedule::from(s)),
+        ..Default::default()
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -49,7 +70,8 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     let inv = Some("invalid_argument");
 
     // A job that must survive everything below.
-    let keep = c.enqueue(enqueue_req("q", job("keep", b"{}"))).await.unwrap().into_owned().enqueued.into_option().unwrap();
+    let keep =
+        c.enqueue(enqueue_req("q", job("keep", b"{}"))).await.unwrap().into_owned().enqueued.into_option().unwrap();
 
     // Enqueue: invalid names, no job, oversized payload, oversized request, bad priority.
     assert_code(c.enqueue(enqueue_req("", job("x", b"{}"))).await, InvalidArgument, inv);
@@ -57,7 +79,11 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     let mut long_id = job("x", b"{}");
     long_id.job_id = Some("i".repeat(2000));
     assert_code(c.enqueue(enqueue_req("q", long_id)).await, InvalidArgument, inv);
-    assert_code(c.enqueue(enqueue_req("q", job("x", &[b'a'; 2000]))).await, ResourceExhausted, Some("payload_too_large"));
+    assert_code(
+        c.enqueue(enqueue_req("q", job("x", &[b'a'; 2000]))).await,
+        ResourceExhausted,
+        Some("payload_too_large"),
+    );
     let huge = c.enqueue(enqueue_req("q", job("x", &vec![b'a'; 100_000]))).await;
     assert_eq!(huge.unwrap_err().code, ResourceExhausted);
     let mut prio = job("x", b"{}");
@@ -69,12 +95,23 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     assert_code(c.enqueue(enqueue_req("q", both)).await, InvalidArgument, inv);
 
     // EnqueueBulk: each job has its own result.
-    let bulk = pb::EnqueueBulkRequest { queue: "q".into(), jobs: vec![job("a", b"{}"), job("b", &[0; 4096])], ..Default::default() };
+    let bulk = pb::EnqueueBulkRequest {
+        queue: "q".into(),
+        jobs: vec![job("a", b"{}"), job("b", &[0; 4096])],
+        ..Default::default()
+    };
     let results = c.enqueue_bulk(bulk).await.unwrap().into_owned().results;
     assert!(matches!(results[0].result, Some(oneof::enqueue_result::Result::Enqueued(_))));
     let Some(oneof::enqueue_result::Result::Error(e)) = &results[1].result else { panic!("bulk error") };
-    assert_eq!((e.code.as_str(), e.detail.as_option().unwrap().reason.as_str()), ("resource_exhausted", "payload_too_large"));
-    assert_code(c.enqueue_bulk(pb::EnqueueBulkRequest { queue: "\u{0}".repeat(0), ..Default::default() }).await, InvalidArgument, inv);
+    assert_eq!(
+        (e.code.as_str(), e.detail.as_option().unwrap().reason.as_str()),
+        ("resource_exhausted", "payload_too_large")
+    );
+    assert_code(
+        c.enqueue_bulk(pb::EnqueueBulkRequest { queue: "\u{0}".repeat(0), ..Default::default() }).await,
+        InvalidArgument,
+        inv,
+    );
 
     // Lease: invalid queue; asking for nothing.
     assert_code(c.lease(lease_req("", 1, 0, 0)).await, InvalidArgument, inv);
@@ -101,9 +138,18 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
         FailedPrecondition,
         Some("fenced.mismatch"),
     );
-    let e = assert_code(c.complete(complete_req("q", "no-such-job", epoch(1), success(b"1"))).await, NotFound, Some("not_found.job"));
+    let e = assert_code(
+        c.complete(complete_req("q", "no-such-job", epoch(1), success(b"1"))).await,
+        NotFound,
+        Some("not_found.job"),
+    );
     assert_eq!(detail(&e).bullmq_code, -1);
-    let no_outcome = pb::CompleteRequest { queue: "q".into(), job_id: id.clone(), fence: epoch(l.epoch).into(), ..Default::default() };
+    let no_outcome = pb::CompleteRequest {
+        queue: "q".into(),
+        job_id: id.clone(),
+        fence: epoch(l.epoch).into(),
+        ..Default::default()
+    };
     assert_code(c.complete(no_outcome).await, InvalidArgument, inv);
     let report = |fence: Option<pb::Fence>| pb::ReportRequest {
         queue: "q".into(),
@@ -118,21 +164,36 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     // Schedule: bad cron, bad time zone, cron and every together, nothing at all.
     let bad_cron = pb::ServerSchedule { id: "s".into(), cron: Some("* * *".into()), ..Default::default() };
     assert_code(c.schedule(schedule("q", bad_cron)).await, InvalidArgument, inv);
-    let bad_tz = pb::ServerSchedule { id: "s".into(), cron: Some("0 * * * *".into()), tz: Some("Nowhere/Else".into()), ..Default::default() };
+    let bad_tz = pb::ServerSchedule {
+        id: "s".into(),
+        cron: Some("0 * * * *".into()),
+        tz: Some("Nowhere/Else".into()),
+        ..Default::default()
+    };
     assert_code(c.schedule(schedule("q", bad_tz)).await, InvalidArgument, inv);
-    let two = pb::ServerSchedule { id: "s".into(), cron: Some("0 * * * *".into()), every_ms: Some(5), ..Default::default() };
+    let two =
+        pb::ServerSchedule { id: "s".into(), cron: Some("0 * * * *".into()), every_ms: Some(5), ..Default::default() };
     assert_code(c.schedule(schedule("q", two)).await, InvalidArgument, inv);
     let no_id = pb::ServerSchedule { every_ms: Some(1000), ..Default::default() };
     assert_code(c.schedule(schedule("q", no_id)).await, InvalidArgument, inv);
-    assert_code(c.schedule(pb::ScheduleRequest { queue: "q".into(), ..Default::default() }).await, InvalidArgument, inv);
+    assert_code(
+        c.schedule(pb::ScheduleRequest { queue: "q".into(), ..Default::default() }).await,
+        InvalidArgument,
+        inv,
+    );
     // Unschedule: an unknown id removes nothing; an invalid queue is refused.
     let un = |q: &str| pb::UnscheduleRequest { queue: q.into(), scheduler_id: "nope".into(), ..Default::default() };
     assert!(!c.unschedule(un("q")).await.unwrap().into_owned().removed);
     assert_code(c.unschedule(un("")).await, InvalidArgument, inv);
 
     // Flow: a node without a job; a child of a missing parent.
-    let node = |queue: &str, j: Option<pb::JobSpec>| pb::FlowNode { queue: queue.into(), job: j.into(), ..Default::default() };
-    assert_code(c.flow(pb::FlowRequest { nodes: vec![node("q", None)], ..Default::default() }).await, InvalidArgument, inv);
+    let node =
+        |queue: &str, j: Option<pb::JobSpec>| pb::FlowNode { queue: queue.into(), job: j.into(), ..Default::default() };
+    assert_code(
+        c.flow(pb::FlowRequest { nodes: vec![node("q", None)], ..Default::default() }).await,
+        InvalidArgument,
+        inv,
+    );
     let mut orphan = job("child", b"{}");
     orphan.parent = pb::ParentRef { queue: "q".into(), id: "ghost".into(), ..Default::default() }.into();
     let e = assert_code(
@@ -143,23 +204,40 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     assert_eq!(detail(&e).bullmq_code, -5);
 
     // QueueAdmin: no operation; obliterating a queue that is not paused; a bad clean state.
-    assert_code(c.queue_admin(pb::QueueAdminRequest { queue: "q".into(), ..Default::default() }).await, InvalidArgument, inv);
+    assert_code(
+        c.queue_admin(pb::QueueAdminRequest { queue: "q".into(), ..Default::default() }).await,
+        InvalidArgument,
+        inv,
+    );
     let ob = pb::queue_admin_request::Obliterate { force: false, count: 100, ..Default::default() };
     assert_code(c.queue_admin(admin("q", ob)).await, FailedPrecondition, Some("precondition.queue_not_paused"));
-    let retry = pb::queue_admin_request::RetryJobs { state: pb::JobState::JOB_STATE_ACTIVE.into(), count: 1, ..Default::default() };
+    let retry = pb::queue_admin_request::RetryJobs {
+        state: pb::JobState::JOB_STATE_ACTIVE.into(),
+        count: 1,
+        ..Default::default()
+    };
     assert_code(c.queue_admin(admin("q", retry)).await, InvalidArgument, inv);
 
     // JobAdmin: unknown job; a job in the wrong state; no operation.
-    assert_code(c.job_admin(job_admin("q", "ghost", oneof::job_admin_request::Op::Promote(true))).await, NotFound, Some("not_found.job"));
+    assert_code(
+        c.job_admin(job_admin("q", "ghost", oneof::job_admin_request::Op::Promote(true))).await,
+        NotFound,
+        Some("not_found.job"),
+    );
     let e = assert_code(
         c.job_admin(job_admin("q", &id, oneof::job_admin_request::Op::Promote(true))).await,
         FailedPrecondition,
         Some("precondition.not_in_state"),
     );
     assert_eq!(detail(&e).bullmq_code, -3);
-    let retry = pb::job_admin_request::RetryFinished { state: pb::JobState::JOB_STATE_WAITING.into(), ..Default::default() };
+    let retry =
+        pb::job_admin_request::RetryFinished { state: pb::JobState::JOB_STATE_WAITING.into(), ..Default::default() };
     assert_code(c.job_admin(job_admin("q", &id, retry)).await, InvalidArgument, inv);
-    assert_code(c.job_admin(pb::JobAdminRequest { queue: "q".into(), job_id: id.clone(), ..Default::default() }).await, InvalidArgument, inv);
+    assert_code(
+        c.job_admin(pb::JobAdminRequest { queue: "q".into(), job_id: id.clone(), ..Default::default() }).await,
+        InvalidArgument,
+        inv,
+    );
 
     // Query: no query; a bad metrics kind; an invalid queue.
     assert_code(c.query(pb::QueryRequest { queue: "q".into(), ..Default::default() }).await, InvalidArgument, inv);
@@ -169,7 +247,11 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
 
     // The result store: empty keys, oversized values, a counter on a value.
     assert_code(c.result_get(pb::ResultGetRequest::default()).await, InvalidArgument, inv);
-    assert_code(c.result_m_get(pb::ResultMGetRequest { keys: vec!["ok".into(), String::new()], ..Default::default() }).await, InvalidArgument, inv);
+    assert_code(
+        c.result_m_get(pb::ResultMGetRequest { keys: vec!["ok".into(), String::new()], ..Default::default() }).await,
+        InvalidArgument,
+        inv,
+    );
     let big = pb::ResultSetRequest { key: "k".into(), value: vec![0; 4096], ..Default::default() };
     assert_code(c.result_set(big).await, ResourceExhausted, Some("payload_too_large"));
     assert_code(c.result_delete(pb::ResultDeleteRequest::default()).await, InvalidArgument, inv);
@@ -208,7 +290,9 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     // Still up, and the leased job is intact.
     assert!(server.healthy());
     let q = oneof::query_request::Query::from(pb::query_request::Jobs { ids: vec![id.clone()], ..Default::default() });
-    let Some(oneof::query_response::Result::Jobs(slots)) = c.query(query_req("q", q)).await.unwrap().into_owned().result else {
+    let Some(oneof::query_response::Result::Jobs(slots)) =
+        c.query(query_req("q", q)).await.unwrap().into_owned().result
+    else {
         panic!("jobs")
     };
     assert_eq!(slots.slots[0].job.as_option().unwrap().state.as_known(), Some(pb::JobState::JOB_STATE_ACTIVE));
@@ -236,11 +320,19 @@ async fn tokens_keep_namespaces_apart() {
 
     // No token, an unknown token, a namespace the token does not grant.
     let none = server.client();
-    assert_code(none.enqueue(enqueue_req("shared", job("x", b"{}"))).await, ErrorCode::Unauthenticated, Some("unauthenticated"));
+    assert_code(
+        none.enqueue(enqueue_req("shared", job("x", b"{}"))).await,
+        ErrorCode::Unauthenticated,
+        Some("unauthenticated"),
+    );
     let wrong = server.client_with(&[("authorization", "Bearer not-a-real-token-at-all")]);
     assert_code(wrong.lease(lease_req("shared", 1, 0, 0)).await, ErrorCode::Unauthenticated, Some("unauthenticated"));
     let sneaky = server.client_with(&[("authorization", &bearer(TOKEN_B)), ("loam-namespace", "alpha")]);
-    assert_code(sneaky.lease(lease_req("shared", 1, 0, 0)).await, ErrorCode::PermissionDenied, Some("permission_denied"));
+    assert_code(
+        sneaky.lease(lease_req("shared", 1, 0, 0)).await,
+        ErrorCode::PermissionDenied,
+        Some("permission_denied"),
+    );
     assert_code(
         watch_first(&sneaky, pb::WatchRequest { queue: "shared".into(), ..Default::default() }).await,
         ErrorCode::PermissionDenied,
@@ -252,7 +344,9 @@ async fn tokens_keep_namespaces_apart() {
     let leased = b.lease(lease_req("shared", 10, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
     assert!(leased.leases.is_empty());
     let q = oneof::query_request::Query::from(pb::query_request::Jobs { ids: vec![id.clone()], ..Default::default() });
-    let Some(oneof::query_response::Result::Jobs(slots)) = b.query(query_req("shared", q)).await.unwrap().into_owned().result else {
+    let Some(oneof::query_response::Result::Jobs(slots)) =
+        b.query(query_req("shared", q)).await.unwrap().into_owned().result
+    else {
         panic!("jobs")
     };
     assert!(slots.slots[0].job.is_unset());

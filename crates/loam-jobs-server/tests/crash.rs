@@ -93,9 +93,8 @@ async fn sigkill_under_load_loses_no_acknowledged_job() {
     server.restart();
     let c = server.client();
     let stop = Arc::new(AtomicBool::new(false));
-    let drainers: Vec<_> = (0..2)
-        .map(|_| tokio::spawn(work(server.client(), Arc::clone(&stop), Arc::clone(&completed))))
-        .collect();
+    let drainers: Vec<_> =
+        (0..2).map(|_| tokio::spawn(work(server.client(), Arc::clone(&stop), Arc::clone(&completed)))).collect();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let n = counts(&c, QUEUE, &["wait", "active", "delayed", "failed"]).await;
@@ -111,7 +110,8 @@ async fn sigkill_under_load_loses_no_acknowledged_job() {
 
     // Every acknowledged job exists and is completed.
     let q = oneof::query_request::Query::from(pb::query_request::Jobs { ids: acked.clone(), ..Default::default() });
-    let Some(oneof::query_response::Result::Jobs(slots)) = c.query(query_req(QUEUE, q)).await.unwrap().into_owned().result
+    let Some(oneof::query_response::Result::Jobs(slots)) =
+        c.query(query_req(QUEUE, q)).await.unwrap().into_owned().result
     else {
         panic!("jobs")
     };

@@ -20,10 +20,8 @@ async fn enqueue_lease_complete_watch_and_results() {
     let c = server.client();
 
     // Watch from the start of the log, before anything happens.
-    let mut watch = c
-        .watch(pb::WatchRequest { queue: "emails".into(), after: Some(0), ..Default::default() })
-        .await
-        .unwrap();
+    let mut watch =
+        c.watch(pb::WatchRequest { queue: "emails".into(), after: Some(0), ..Default::default() }).await.unwrap();
 
     let mut ids = Vec::new();
     for i in 0..3 {
@@ -35,7 +33,8 @@ async fn enqueue_lease_complete_watch_and_results() {
     // The same job id twice returns the first job.
     let mut keyed = job("send", b"{}");
     keyed.job_id = Some("k1".into());
-    let first = c.enqueue(enqueue_req("emails", keyed.clone())).await.unwrap().into_owned().enqueued.into_option().unwrap();
+    let first =
+        c.enqueue(enqueue_req("emails", keyed.clone())).await.unwrap().into_owned().enqueued.into_option().unwrap();
     let again = c.enqueue(enqueue_req("emails", keyed)).await.unwrap().into_owned().enqueued.into_option().unwrap();
     assert!(first.created && !again.created && first.id == again.id);
     ids.push(first.id);
@@ -77,9 +76,14 @@ async fn enqueue_lease_complete_watch_and_results() {
     assert!(seen.iter().any(|(n, _)| n == "added"));
 
     // The result store: values, counters counted once per member, expiry.
-    c.result_set(pb::ResultSetRequest { key: "r1".into(), value: b"v".to_vec(), ttl_ms: Some(60_000), ..Default::default() })
-        .await
-        .unwrap();
+    c.result_set(pb::ResultSetRequest {
+        key: "r1".into(),
+        value: b"v".to_vec(),
+        ttl_ms: Some(60_000),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
     let got = c.result_get(pb::ResultGetRequest { key: "r1".into(), ..Default::default() }).await.unwrap().into_owned();
     assert_eq!(got.value.as_deref(), Some(&b"v"[..]));
     let incr = |m: &str| pb::ResultIncrRequest { key: "chord".into(), member: m.into(), ..Default::default() };
@@ -88,7 +92,10 @@ async fn enqueue_lease_complete_watch_and_results() {
     assert_eq!((twice.count, twice.added), (1, false));
     assert_eq!(c.result_incr(incr("t2")).await.unwrap().into_owned().count, 2);
     let many = c
-        .result_m_get(pb::ResultMGetRequest { keys: vec!["r1".into(), "chord".into(), "nope".into()], ..Default::default() })
+        .result_m_get(pb::ResultMGetRequest {
+            keys: vec!["r1".into(), "chord".into(), "nope".into()],
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_owned();
@@ -97,7 +104,8 @@ async fn enqueue_lease_complete_watch_and_results() {
     let expire = pb::ResultExpireRequest { key: "r1".into(), ttl_ms: 1, ..Default::default() };
     assert!(c.result_expire(expire).await.unwrap().into_owned().found);
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let gone = c.result_get(pb::ResultGetRequest { key: "r1".into(), ..Default::default() }).await.unwrap().into_owned();
+    let gone =
+        c.result_get(pb::ResultGetRequest { key: "r1".into(), ..Default::default() }).await.unwrap().into_owned();
     assert_eq!(gone.value, None);
     let del = pb::ResultDeleteRequest { key: "chord".into(), ..Default::default() };
     assert!(c.result_delete(del).await.unwrap().into_owned().deleted);
@@ -108,7 +116,10 @@ async fn enqueue_lease_complete_watch_and_results() {
     assert_eq!(status, 200);
     assert!(text.contains("loam_jobs_enqueued_total{ns=\"default\",queue=\"emails\"} 4"), "{text}");
     assert!(text.contains("loam_jobs_completed_total{ns=\"default\",queue=\"emails\",outcome=\"ok\"} 4"), "{text}");
-    assert!(text.contains("loam_jobs_rpc_requests_total{method=\"Complete\",code=\"failed_precondition\"} 4"), "{text}");
+    assert!(
+        text.contains("loam_jobs_rpc_requests_total{method=\"Complete\",code=\"failed_precondition\"} 4"),
+        "{text}"
+    );
     assert!(text.contains("loam_jobs_active{ns=\"default\",queue=\"emails\"} 0"), "{text}");
     assert!(server.healthy());
 }
@@ -140,7 +151,14 @@ async fn many_producers_and_workers_share_a_queue() {
             loop {
                 let leased = match next.take() {
                     Some(l) if !l.leases.is_empty() => l,
-                    _ => c.lease(lease_req("shared", 1, 1500, 0)).await.unwrap().into_owned().leased.into_option().unwrap(),
+                    _ => c
+                        .lease(lease_req("shared", 1, 1500, 0))
+                        .await
+                        .unwrap()
+                        .into_owned()
+                        .leased
+                        .into_option()
+                        .unwrap(),
                 };
                 let Some(l) = leased.leases.first() else { return };
                 let id = l.job.as_option().unwrap().id.clone();
@@ -197,7 +215,12 @@ async fn a_server_schedule_enqueues_each_tick_once_across_a_crash() {
     assert!(first.job_id.as_deref().is_some_and(|id| id.starts_with("repeat:beat:")));
     // Bad cron expressions and time zones are refused.
     for (cron, tz) in [("61 * * * *", None), ("0 9 * * *", Some("Mars/Olympus"))] {
-        let bad = pb::ServerSchedule { id: "bad".into(), cron: Some(cron.into()), tz: tz.map(String::from), ..Default::default() };
+        let bad = pb::ServerSchedule {
+            id: "bad".into(),
+            cron: Some(cron.into()),
+            tz: tz.map(String::from),
+            ..Default::default()
+        };
         let r = c
             .schedule(pb::ScheduleRequest {
                 queue: "cron".into(),
@@ -252,7 +275,10 @@ async fn grpc_grpc_web_and_connect_share_one_port_and_watch_resumes() {
         HttpClient::plaintext_http2_only(),
         ClientConfig::new(url.clone()).with_protocol(Protocol::Grpc),
     );
-    let grpc_web = pb::JobsServiceClient::new(HttpClient::plaintext(), ClientConfig::new(url.clone()).with_protocol(Protocol::GrpcWeb));
+    let grpc_web = pb::JobsServiceClient::new(
+        HttpClient::plaintext(),
+        ClientConfig::new(url.clone()).with_protocol(Protocol::GrpcWeb),
+    );
     let connect_json = pb::JobsServiceClient::new(HttpClient::plaintext(), ClientConfig::new(url).json());
     grpc.enqueue(enqueue_req("multi", job("a", b"{}"))).await.unwrap();
     grpc_web.enqueue(enqueue_req("multi", job("b", b"{}"))).await.unwrap();
@@ -269,10 +295,8 @@ async fn grpc_grpc_web_and_connect_share_one_port_and_watch_resumes() {
     assert_eq!(counts(&server.client(), "multi", &["wait"]).await, vec![3]);
 
     // Watch over gRPC, then resume from the last cursor seen: nothing is missed or repeated.
-    let mut first = grpc
-        .watch(pb::WatchRequest { queue: "multi".into(), after: Some(0), ..Default::default() })
-        .await
-        .unwrap();
+    let mut first =
+        grpc.watch(pb::WatchRequest { queue: "multi".into(), after: Some(0), ..Default::default() }).await.unwrap();
     let mut seqs = Vec::new();
     while seqs.len() < 3 {
         let m = first.message::<pb::WatchResponse>().await.unwrap().unwrap();
@@ -292,7 +316,11 @@ async fn grpc_grpc_web_and_connect_share_one_port_and_watch_resumes() {
     assert_eq!(seqs, all);
     // A new event reaches the open stream.
     server.client().enqueue(enqueue_req("multi", job("d", b"{}"))).await.unwrap();
-    let m = tokio::time::timeout(Duration::from_secs(5), resumed.message::<pb::WatchResponse>()).await.unwrap().unwrap().unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(5), resumed.message::<pb::WatchResponse>())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     assert!(m.to_owned_message().event.into_option().unwrap().seq > cursor);
 }
 
@@ -332,7 +360,8 @@ async fn a_flow_parent_waits_for_children_in_another_queue() {
             }),
         )
     };
-    let Some(oneof::query_response::Result::Dependencies(list)) = c.query(deps(true)).await.unwrap().into_owned().result
+    let Some(oneof::query_response::Result::Dependencies(list)) =
+        c.query(deps(true)).await.unwrap().into_owned().result
     else {
         panic!("dependencies")
     };
@@ -386,11 +415,13 @@ async fn a_watch_cursor_behind_the_trimmed_log_is_refused() {
     let trim = pb::queue_admin_request::TrimEvents { max_length: 2, ..Default::default() };
     let req = pb::QueueAdminRequest { queue: "short".into(), op: Some(trim.into()), ..Default::default() };
     c.queue_admin(req).await.unwrap();
-    let mut stale = c.watch(pb::WatchRequest { queue: "short".into(), after: Some(1), ..Default::default() }).await.unwrap();
+    let mut stale =
+        c.watch(pb::WatchRequest { queue: "short".into(), after: Some(1), ..Default::default() }).await.unwrap();
     let e = stale.message::<pb::WatchResponse>().await.unwrap_err();
     assert_eq!((e.code, detail(&e).reason.as_str()), (connectrpc::ErrorCode::OutOfRange, "events_trimmed"));
     // From 0: whatever the log still holds.
-    let mut from_start = c.watch(pb::WatchRequest { queue: "short".into(), after: Some(0), ..Default::default() }).await.unwrap();
+    let mut from_start =
+        c.watch(pb::WatchRequest { queue: "short".into(), after: Some(0), ..Default::default() }).await.unwrap();
     let first = from_start.message::<pb::WatchResponse>().await.unwrap().unwrap();
     assert_eq!(first.to_owned_message().event.into_option().unwrap().seq, all_events(&c, "short").await[0].seq);
     assert!(server.healthy());
@@ -435,16 +466,13 @@ async fn server_schedules_follow_cron_in_a_time_zone_and_their_end_date() {
         asc: true,
         ..Default::default()
     });
-    let Some(oneof::query_response::Result::Ranges(r)) = c.query(query_req("tz", q)).await.unwrap().into_owned().result else {
+    let Some(oneof::query_response::Result::Ranges(r)) = c.query(query_req("tz", q)).await.unwrap().into_owned().result
+    else {
         panic!("ranges")
     };
     let ids: Vec<String> = r.ranges.into_iter().flat_map(|l| l.ids).collect();
     let ticks = |prefix: &str| {
-        let mut t: Vec<u64> = ids
-            .iter()
-            .filter_map(|id| id.strip_prefix(prefix))
-            .map(|t| t.parse().unwrap())
-            .collect();
+        let mut t: Vec<u64> = ids.iter().filter_map(|id| id.strip_prefix(prefix)).map(|t| t.parse().unwrap()).collect();
         t.sort();
         t
     };

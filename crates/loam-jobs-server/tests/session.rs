@@ -45,19 +45,29 @@ async fn calls_on_one_stream_are_answered_by_id_and_a_wait_can_be_cancelled() {
     }
     assert!(started.elapsed() < Duration::from_secs(5), "the long poll held the others up");
     for i in 0..20u64 {
-        assert!(matches!(answers.get(&(10 + i)), Some(Answer::Enqueue(e)) if e.enqueued.as_option().is_some_and(|e| e.created)));
+        assert!(
+            matches!(answers.get(&(10 + i)), Some(Answer::Enqueue(e)) if e.enqueued.as_option().is_some_and(|e| e.created))
+        );
     }
     match answers.get(&2) {
         Some(Answer::Error(e)) => {
             assert_eq!(e.code, "invalid_argument");
-            assert!(e.detail.as_option().is_some_and(|d| !d.reason.is_empty()), "the error's detail comes along: {e:?}");
+            assert!(
+                e.detail.as_option().is_some_and(|d| !d.reason.is_empty()),
+                "the error's detail comes along: {e:?}"
+            );
         }
         other => panic!("expected an error, got {other:?}"),
     }
     assert!(matches!(answers.get(&4), Some(Answer::Error(e)) if e.code == "invalid_argument"));
     // Cancelling the long poll answers it at once.
     session.send(request(1, pb::SessionCancel::default())).await.unwrap();
-    let answer = tokio::time::timeout(Duration::from_secs(5), session.message()).await.unwrap().unwrap().unwrap().to_owned_message();
+    let answer = tokio::time::timeout(Duration::from_secs(5), session.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap()
+        .to_owned_message();
     assert_eq!(answer.id, 1);
     assert!(matches!(answer.result, Some(Answer::Error(e)) if e.code == "canceled"));
 
@@ -114,7 +124,9 @@ async fn calls_apply_in_the_order_they_were_sent() {
         while ids.len() < 200 {
             let answer = session.message().await.unwrap().unwrap().to_owned_message();
             match answer.result {
-                Some(Answer::Enqueue(e)) => ids.push((answer.id, e.enqueued.into_option().unwrap().id.parse::<u64>().unwrap())),
+                Some(Answer::Enqueue(e)) => {
+                    ids.push((answer.id, e.enqueued.into_option().unwrap().id.parse::<u64>().unwrap()))
+                }
                 other => panic!("expected an enqueue, got {other:?}"),
             }
         }

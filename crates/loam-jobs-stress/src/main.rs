@@ -203,7 +203,10 @@ fn worker(shared: &Shared, thread: usize) {
             let outcome = match rng.random_range(0..100u32) {
                 0..70 => Outcome::Ok { result: Some(id.clone().into_bytes()) },
                 70..80 => Outcome::Retry { error: Some(JobError::new("stress retry")), after_ms: None },
-                80..85 => Outcome::Retry { error: Some(JobError::new("stress retry later")), after_ms: Some(rng.random_range(1..50)) },
+                80..85 => Outcome::Retry {
+                    error: Some(JobError::new("stress retry later")),
+                    after_ms: Some(rng.random_range(1..50)),
+                },
                 85..95 => Outcome::Fail { error: JobError::new("stress fail"), dead_letter: false },
                 _ => Outcome::Release { after_ms: None },
             };

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use loam_jobs::keys::QueueKeys;
-use loam_jobs::model::{decode, Event};
+use loam_jobs::model::{Event, decode};
 use loam_jobs::ops::query::state_range;
 use loam_jobs::store::redb::{RedbOptions, RedbStore};
 use loam_jobs::tx::Tx;
@@ -250,7 +250,8 @@ fn acknowledged_writes_survive_sigkill() {
 
         // Reopen in this process: the file must open (redb repairs it), hold
         // every promise, and accept writes again.
-        let jobs = Jobs::open(&files.db, Config { background: false, ..Config::default() }).expect("reopen after SIGKILL");
+        let jobs =
+            Jobs::open(&files.db, Config { background: false, ..Config::default() }).expect("reopen after SIGKILL");
         let snap = check(&jobs, &logs, &format!("round {round} after kill"));
         let reclaimed = jobs.sweep_stalled(NS, QUEUE).wait().expect("sweep after reopen");
         reclaimed_between += reclaimed.len();
@@ -268,7 +269,11 @@ fn acknowledged_writes_survive_sigkill() {
     // The end: time jumps far ahead, every lease left behind expires, and
     // everything still open is leased and completed.
     let logs = read_logs(&files);
-    assert!(logs.acked.len() > 100, "the writers made too little progress to test anything ({} acked)", logs.acked.len());
+    assert!(
+        logs.acked.len() > 100,
+        "the writers made too little progress to test anything ({} acked)",
+        logs.acked.len()
+    );
     assert!(!logs.finished.is_empty(), "no acknowledged outcome to test");
     let far_future = SystemClock.now_ms() + 30 * 24 * 3600 * 1000;
     let store = RedbStore::open(&files.db, RedbOptions::default()).expect("open the store");
@@ -293,10 +298,13 @@ fn acknowledged_writes_survive_sigkill() {
     let mut drained: HashSet<String> = HashSet::new();
     let mut last_fence = None;
     loop {
-        let req = LeaseRequest { max: 256, worker: Some("drain".into()), lock_duration_ms: 600_000, ..Default::default() };
+        let req =
+            LeaseRequest { max: 256, worker: Some("drain".into()), lock_duration_ms: 600_000, ..Default::default() };
         let leased = jobs.lease(NS, QUEUE, req).wait().expect("drain lease");
         if leased.leases.is_empty() {
-            let open = jobs.counts(NS, QUEUE, &[JobState::Waiting, JobState::Prioritized, JobState::Delayed, JobState::Active]).unwrap();
+            let open = jobs
+                .counts(NS, QUEUE, &[JobState::Waiting, JobState::Prioritized, JobState::Delayed, JobState::Active])
+                .unwrap();
             assert_eq!(open, [0, 0, 0, 0], "jobs left that cannot be leased: {:?}", leased.info);
             break;
         }
@@ -306,7 +314,11 @@ fn acknowledged_writes_survive_sigkill() {
             .iter()
             .map(|l| {
                 let outcome = Outcome::Ok { result: Some(l.job.id.clone().into_bytes()) };
-                (l.job.id.clone(), l.epoch, jobs.complete(NS, QUEUE, &l.job.id, Fence::Epoch(l.epoch), outcome, CompleteOptions::default()))
+                (
+                    l.job.id.clone(),
+                    l.epoch,
+                    jobs.complete(NS, QUEUE, &l.job.id, Fence::Epoch(l.epoch), outcome, CompleteOptions::default()),
+                )
             })
             .collect();
         for (id, epoch, p) in pending {
@@ -319,8 +331,13 @@ fn acknowledged_writes_survive_sigkill() {
     }
     // Completing twice with the same lease is refused.
     if let Some((id, epoch)) = last_fence {
-        let again = jobs.complete(NS, QUEUE, &id, Fence::Epoch(epoch), Outcome::Ok { result: None }, CompleteOptions::default()).wait();
-        assert!(matches!(again, Err(JobsError::Fenced { .. })), "a second completion of {id} was not fenced: {again:?}");
+        let again = jobs
+            .complete(NS, QUEUE, &id, Fence::Epoch(epoch), Outcome::Ok { result: None }, CompleteOptions::default())
+            .wait();
+        assert!(
+            matches!(again, Err(JobsError::Fenced { .. })),
+            "a second completion of {id} was not fenced: {again:?}"
+        );
     }
 
     let end = check(&jobs, &logs, "after the drain");

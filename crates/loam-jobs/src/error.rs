@@ -139,11 +139,7 @@ impl JobsError {
     }
 
     pub fn not_in_state(job: &str, state: impl fmt::Display, expected: &'static str) -> Self {
-        JobsError::Precondition(Precondition::NotInState {
-            job: job.to_string(),
-            state: state.to_string(),
-            expected,
-        })
+        JobsError::Precondition(Precondition::NotInState { job: job.to_string(), state: state.to_string(), expected })
     }
 
     /// The Connect code this error travels as (design 26, section 5.3).
@@ -152,13 +148,11 @@ impl JobsError {
             JobsError::InvalidArgument(_) => "invalid_argument",
             JobsError::NotFound(_) => "not_found",
             JobsError::AlreadyExists { .. } => "already_exists",
-            JobsError::IdempotencyConflict { .. }
-            | JobsError::Fenced { .. }
-            | JobsError::Precondition(_) => "failed_precondition",
-            JobsError::QueuePaused(_) | JobsError::Unavailable(_) => "unavailable",
-            JobsError::RateLimited { .. } | JobsError::PayloadTooLarge { .. } => {
-                "resource_exhausted"
+            JobsError::IdempotencyConflict { .. } | JobsError::Fenced { .. } | JobsError::Precondition(_) => {
+                "failed_precondition"
             }
+            JobsError::QueuePaused(_) | JobsError::Unavailable(_) => "unavailable",
+            JobsError::RateLimited { .. } | JobsError::PayloadTooLarge { .. } => "resource_exhausted",
             JobsError::DeadlineExceeded => "deadline_exceeded",
             JobsError::Internal(_) => "internal",
         }

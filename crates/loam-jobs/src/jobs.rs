@@ -2,8 +2,8 @@
 //! in the store; every method has a blocking and an awaitable form through
 //! [`Pending`]; waits (lease, events) are woken in-process, never polled.
 
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -133,7 +133,12 @@ impl Jobs {
     /// A core whose leases are judged by `lease_clock` (real time) while
     /// everything else follows `clock` and the callers' times, as BullMQ on
     /// Redis: job timestamps come from the client, lock TTLs run in real time.
-    pub fn with_clocks(store: Box<dyn Store>, clock: Arc<dyn Clock>, lease_clock: Arc<dyn Clock>, config: Config) -> Result<Self, JobsError> {
+    pub fn with_clocks(
+        store: Box<dyn Store>,
+        clock: Arc<dyn Clock>,
+        lease_clock: Arc<dyn Clock>,
+        config: Config,
+    ) -> Result<Self, JobsError> {
         let background = config.background;
         let inner = Arc::new(Inner {
             store,
@@ -172,8 +177,11 @@ impl Jobs {
     fn load_timers(&self) -> Result<(), JobsError> {
         let queues = self.read("", |tx| {
             let all = crate::keys::prefix_range(crate::keys::registry_prefix());
-            let qs: Vec<QueueId> =
-                tx.scan(&all, usize::MAX, false)?.into_iter().filter_map(|(k, _)| crate::keys::parse_registry(&k)).collect();
+            let qs: Vec<QueueId> = tx
+                .scan(&all, usize::MAX, false)?
+                .into_iter()
+                .filter_map(|(k, _)| crate::keys::parse_registry(&k))
+                .collect();
             let mut out = Vec::new();
             for q in qs {
                 let due = lease::next_due(tx, &q)?;
@@ -304,13 +312,16 @@ impl Jobs {
     {
         match Self::queue(ns, queue) {
             Ok(q) => self.write(ns, sync, move |tx| body(tx, &q)),
-            Err(e) => {
-                Pending::settled(Err(e))
-            }
+            Err(e) => Pending::settled(Err(e)),
         }
     }
 
-    fn queue_read<T>(&self, ns: &str, queue: &str, f: impl FnOnce(&mut Tx, &QueueId) -> Result<T, JobsError>) -> Result<T, JobsError> {
+    fn queue_read<T>(
+        &self,
+        ns: &str,
+        queue: &str,
+        f: impl FnOnce(&mut Tx, &QueueId) -> Result<T, JobsError>,
+    ) -> Result<T, JobsError> {
         let q = Self::queue(ns, queue)?;
         self.read(ns, |tx| f(tx, &q))
     }
@@ -323,7 +334,12 @@ impl Jobs {
 
     /// Adds many jobs in one transaction; each gets its own result, and a
     /// failed one leaves the others in place.
-    pub fn enqueue_bulk(&self, ns: &str, queue: &str, reqs: Vec<EnqueueRequest>) -> Pending<Vec<Result<Enqueued, JobsError>>> {
+    pub fn enqueue_bulk(
+        &self,
+        ns: &str,
+        queue: &str,
+        reqs: Vec<EnqueueRequest>,
+    ) -> Pending<Vec<Result<Enqueued, JobsError>>> {
         self.queue_write(ns, queue, true, move |tx, q| {
             Ok(reqs.iter().map(|r| enqueue::enqueue(tx, q, r.clone(), enqueue::Placement::Normal)).collect())
         })
@@ -386,7 +402,14 @@ impl Jobs {
     }
 
     /// Takes jobs, waiting up to `wait` for one to be ready.
-    pub async fn lease_wait(&self, ns: &str, queue: &str, req: LeaseRequest, wait: Duration, interrupt: Option<&Interrupt>) -> Result<Leased, JobsError> {
+    pub async fn lease_wait(
+        &self,
+        ns: &str,
+        queue: &str,
+        req: LeaseRequest,
+        wait: Duration,
+        interrupt: Option<&Interrupt>,
+    ) -> Result<Leased, JobsError> {
         if self.at.is_some() {
             return Box::pin(self.clocked().lease_wait(ns, queue, req, wait, interrupt)).await;
         }
@@ -396,7 +419,8 @@ impl Jobs {
             let listener = self.inner.notifier.listen(&q, Channel::Jobs);
             let got = self.lease(ns, queue, req.clone()).await?;
             let now = Instant::now();
-            if !got.leases.is_empty() || now >= deadline || self.is_closed() || interrupt.is_some_and(|i| i.is_fired()) {
+            if !got.leases.is_empty() || now >= deadline || self.is_closed() || interrupt.is_some_and(|i| i.is_fired())
+            {
                 return Ok(got);
             }
             let until = self.wake_time(&got.info, deadline);
@@ -408,7 +432,13 @@ impl Jobs {
     }
 
     /// The blocking form of [`Jobs::lease_wait`].
-    pub fn lease_wait_blocking(&self, ns: &str, queue: &str, req: LeaseRequest, wait: Duration) -> Result<Leased, JobsError> {
+    pub fn lease_wait_blocking(
+        &self,
+        ns: &str,
+        queue: &str,
+        req: LeaseRequest,
+        wait: Duration,
+    ) -> Result<Leased, JobsError> {
         if self.at.is_some() {
             return self.clocked().lease_wait_blocking(ns, queue, req, wait);
         }
@@ -448,7 +478,13 @@ impl Jobs {
     /// Waits until a job may be ready, without taking it (BullMQ's
     /// `waitForJob`): Some(0) once one is ready (now, or when a delayed job
     /// falls due within the wait), None on timeout or interrupt.
-    pub async fn wait_for_job(&self, ns: &str, queue: &str, wait: Duration, interrupt: Option<&Interrupt>) -> Result<Option<u64>, JobsError> {
+    pub async fn wait_for_job(
+        &self,
+        ns: &str,
+        queue: &str,
+        wait: Duration,
+        interrupt: Option<&Interrupt>,
+    ) -> Result<Option<u64>, JobsError> {
         if self.at.is_some() {
             return Box::pin(self.clocked().wait_for_job(ns, queue, wait, interrupt)).await;
         }
@@ -493,7 +529,13 @@ impl Jobs {
     }
 
     /// Extends many leases; returns the ids that could not be extended.
-    pub fn extend_many(&self, ns: &str, queue: &str, items: Vec<(String, Fence)>, duration_ms: u64) -> Pending<Vec<String>> {
+    pub fn extend_many(
+        &self,
+        ns: &str,
+        queue: &str,
+        items: Vec<(String, Fence)>,
+        duration_ms: u64,
+    ) -> Pending<Vec<String>> {
         self.queue_write(ns, queue, false, move |tx, q| {
             let mut failed = Vec::new();
             for (id, fence) in &items {
@@ -505,7 +547,15 @@ impl Jobs {
         })
     }
 
-    pub fn complete(&self, ns: &str, queue: &str, id: &str, fence: Fence, outcome: Outcome, opts: CompleteOptions) -> Pending<Completed> {
+    pub fn complete(
+        &self,
+        ns: &str,
+        queue: &str,
+        id: &str,
+        fence: Fence,
+        outcome: Outcome,
+        opts: CompleteOptions,
+    ) -> Pending<Completed> {
         let id = id.to_string();
         self.queue_write(ns, queue, true, move |tx, q| complete::complete(tx, q, &id, &fence, outcome.clone(), &opts))
     }
@@ -517,7 +567,15 @@ impl Jobs {
         self.queue_write(ns, queue, true, move |tx, q| admin::update_progress(tx, q, &id, &fence, progress.clone()))
     }
 
-    pub fn add_log(&self, ns: &str, queue: &str, id: &str, fence: Fence, row: String, keep: Option<u64>) -> Pending<u64> {
+    pub fn add_log(
+        &self,
+        ns: &str,
+        queue: &str,
+        id: &str,
+        fence: Fence,
+        row: String,
+        keep: Option<u64>,
+    ) -> Pending<u64> {
         let id = id.to_string();
         self.queue_write(ns, queue, true, move |tx, q| admin::add_log(tx, q, &id, &fence, row.clone(), keep))
     }
@@ -549,7 +607,12 @@ impl Jobs {
     }
 
     /// A read on one queue (see [`query`]).
-    pub fn query<T>(&self, ns: &str, queue: &str, f: impl FnOnce(&mut Tx, &QueueId) -> Result<T, JobsError>) -> Result<T, JobsError> {
+    pub fn query<T>(
+        &self,
+        ns: &str,
+        queue: &str,
+        f: impl FnOnce(&mut Tx, &QueueId) -> Result<T, JobsError>,
+    ) -> Result<T, JobsError> {
         self.queue_read(ns, queue, f)
     }
 
@@ -573,7 +636,15 @@ impl Jobs {
 
     /// Events after sequence `after` (None = from now on), at most `limit`,
     /// waiting up to `wait` for the first.
-    pub async fn read_events(&self, ns: &str, queue: &str, after: Option<u64>, limit: usize, wait: Duration, interrupt: Option<&Interrupt>) -> Result<Vec<Event>, JobsError> {
+    pub async fn read_events(
+        &self,
+        ns: &str,
+        queue: &str,
+        after: Option<u64>,
+        limit: usize,
+        wait: Duration,
+        interrupt: Option<&Interrupt>,
+    ) -> Result<Vec<Event>, JobsError> {
         let q = Self::queue(ns, queue)?;
         let after = match after {
             Some(a) => a,
@@ -595,7 +666,14 @@ impl Jobs {
     }
 
     /// The blocking form of [`Jobs::read_events`].
-    pub fn read_events_blocking(&self, ns: &str, queue: &str, after: Option<u64>, limit: usize, wait: Duration) -> Result<Vec<Event>, JobsError> {
+    pub fn read_events_blocking(
+        &self,
+        ns: &str,
+        queue: &str,
+        after: Option<u64>,
+        limit: usize,
+        wait: Duration,
+    ) -> Result<Vec<Event>, JobsError> {
         let q = Self::queue(ns, queue)?;
         let after = match after {
             Some(a) => a,
@@ -614,7 +692,12 @@ impl Jobs {
 
     // ---- schedulers --------------------------------------------------------
 
-    pub fn upsert_scheduler(&self, ns: &str, queue: &str, spec: schedule::SchedulerSpec) -> Pending<Option<(String, u64)>> {
+    pub fn upsert_scheduler(
+        &self,
+        ns: &str,
+        queue: &str,
+        spec: schedule::SchedulerSpec,
+    ) -> Pending<Option<(String, u64)>> {
         self.queue_write(ns, queue, true, move |tx, q| schedule::upsert(tx, q, spec.clone()))
     }
 }
@@ -629,7 +712,11 @@ enum Wake {
 
 /// Sleeps until `listener` fires, `sleep` passes, or `interrupt` fires;
 /// `Interrupted` at once when the interrupt had already fired.
-async fn sleep_until_woken(listener: event_listener::EventListener, sleep: Duration, interrupt: Option<&Interrupt>) -> Wake {
+async fn sleep_until_woken(
+    listener: event_listener::EventListener,
+    sleep: Duration,
+    interrupt: Option<&Interrupt>,
+) -> Wake {
     match interrupt {
         Some(i) => {
             let stop = i.signal.listen();
@@ -680,7 +767,8 @@ fn maintenance_loop(weak: std::sync::Weak<Inner>) {
             }
         }
         let now = Instant::now();
-        let sweep_due: Vec<QueueId> = inner.sweeps.lock().iter().filter(|(_, at)| **at <= now).map(|(q, _)| q.clone()).collect();
+        let sweep_due: Vec<QueueId> =
+            inner.sweeps.lock().iter().filter(|(_, at)| **at <= now).map(|(q, _)| q.clone()).collect();
         for q in sweep_due {
             let interval = jobs
                 .read(&q.ns, |tx| tx.queue_config(&q))

@@ -38,12 +38,7 @@ pub trait KvRead {
     fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError>;
 
     /// At most `limit` entries in `range`, ascending, or descending when `reverse`.
-    fn scan(
-        &mut self,
-        range: &KeyRange,
-        limit: usize,
-        reverse: bool,
-    ) -> Result<Vec<(Key, Value)>, StoreError>;
+    fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError>;
 }
 
 pub trait KvTxn: KvRead {
@@ -284,11 +279,7 @@ fn scan_under(
     Ok(out)
 }
 
-fn local_range<'w>(
-    writes: &'w Writes,
-    range: &KeyRange,
-    reverse: bool,
-) -> Vec<(&'w Key, &'w Option<Value>)> {
+fn local_range<'w>(writes: &'w Writes, range: &KeyRange, reverse: bool) -> Vec<(&'w Key, &'w Option<Value>)> {
     let bounds = (Bound::Included(range.start.clone()), Bound::Excluded(range.end.clone()));
     if reverse { writes.range(bounds).rev().collect() } else { writes.range(bounds).collect() }
 }
@@ -362,12 +353,7 @@ impl KvRead for Overlay<'_> {
         }
     }
 
-    fn scan(
-        &mut self,
-        range: &KeyRange,
-        limit: usize,
-        reverse: bool,
-    ) -> Result<Vec<(Key, Value)>, StoreError> {
+    fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
         let local = local_range(&self.writes, range, reverse);
         scan_under(local, &mut self.floors, self.base, range, limit, reverse)
     }
@@ -430,7 +416,12 @@ mod tests {
         prop_oneof![
             (0u8..32, 0u8..4).prop_map(|(k, v)| Step::Put(k, v)),
             (0u8..32).prop_map(Step::Delete),
-            (0u8..8, 0u8..40, 0usize..12, any::<bool>()).prop_map(|(lo, width, limit, rev)| Step::Scan { lo, width, limit, rev }),
+            (0u8..8, 0u8..40, 0usize..12, any::<bool>()).prop_map(|(lo, width, limit, rev)| Step::Scan {
+                lo,
+                width,
+                limit,
+                rev
+            }),
         ]
     }
 
@@ -584,7 +575,11 @@ mod tests {
         Run(BTreeMap<u8, Option<u8>>),
         /// The oldest batch in flight reaches the base.
         Commit,
-        Scan { lo: u8, width: u8, limit: usize },
+        Scan {
+            lo: u8,
+            width: u8,
+            limit: usize,
+        },
     }
 
     fn life() -> impl proptest::strategy::Strategy<Value = Life> {

@@ -95,8 +95,18 @@ impl std::fmt::Display for JobState {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "kebab-case")]
 pub enum Backoff {
-    Fixed { delay_ms: u64, #[serde(default)] jitter: f64 },
-    Exponential { delay_ms: u64, #[serde(default)] jitter: f64, #[serde(default)] max_ms: Option<u64> },
+    Fixed {
+        delay_ms: u64,
+        #[serde(default)]
+        jitter: f64,
+    },
+    Exponential {
+        delay_ms: u64,
+        #[serde(default)]
+        jitter: f64,
+        #[serde(default)]
+        max_ms: Option<u64>,
+    },
 }
 
 impl Backoff {
@@ -576,21 +586,37 @@ pub struct Leased {
 /// How a leased job ends (design 26, section 5.2).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outcome {
-    Ok { result: Option<Vec<u8>> },
+    Ok {
+        result: Option<Vec<u8>>,
+    },
     /// Try again: after `after_ms`, or the job's backoff when None. `error`
     /// is recorded on the job (None leaves its error fields as they are).
-    Retry { error: Option<JobError>, after_ms: Option<u64> },
+    Retry {
+        error: Option<JobError>,
+        after_ms: Option<u64>,
+    },
     /// No more attempts. `dead_letter` sends it to the queue's dead-letter queue.
-    Fail { error: JobError, dead_letter: bool },
+    Fail {
+        error: JobError,
+        dead_letter: bool,
+    },
     /// Give the job back without spending an attempt.
-    Release { after_ms: Option<u64> },
+    Release {
+        after_ms: Option<u64>,
+    },
     /// Park the job until `until` (BullMQ moveToDelayed).
-    Delay { until: u64 },
+    Delay {
+        until: u64,
+    },
     /// Park a parent until its children finish (BullMQ moveToWaitingChildren),
     /// or, with `child` (its node key), until that one child finishes.
-    WaitChildren { child: Option<String> },
+    WaitChildren {
+        child: Option<String>,
+    },
     /// Give the job back and stop the whole queue for `for_ms`.
-    RateLimited { for_ms: u64 },
+    RateLimited {
+        for_ms: u64,
+    },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -131,7 +131,9 @@ impl<T: Send + 'static> Pending<T> {
                 let settle = g.settle.take();
                 let results = std::mem::take(&mut g.results)
                     .into_iter()
-                    .map(|r| r.unwrap_or_else(|| Err(JobsError::Internal("a part of a joined write got no result".into()))))
+                    .map(|r| {
+                        r.unwrap_or_else(|| Err(JobsError::Internal("a part of a joined write got no result".into())))
+                    })
                     .collect();
                 drop(g);
                 if let Some(settle) = settle {

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::config::{Config, QueueConfig};
 use crate::error::JobsError;
-use crate::keys::{self, QueueId, QueueKeys};
 use crate::keys::EVENTS_PER_PAGE;
+use crate::keys::{self, QueueId, QueueKeys};
 use crate::kv::{Key, KeyRange, KvTxn, Value};
 use crate::model::{self, EventRef, JobRecord, JobState, QueueStats};
 
@@ -64,7 +64,17 @@ pub struct Tx<'a> {
 
 impl<'a> Tx<'a> {
     pub fn new(kv: &'a mut dyn KvTxn, ns: &str, now: u64, config: &'a Config) -> Self {
-        Self { kv, ns: ns.to_string(), now, generation: 0, lease_now: now, config, queues: Vec::new(), open_page: None, effects: Effects::default() }
+        Self {
+            kv,
+            ns: ns.to_string(),
+            now,
+            generation: 0,
+            lease_now: now,
+            config,
+            queues: Vec::new(),
+            open_page: None,
+            effects: Effects::default(),
+        }
     }
 
     // ---- raw access -------------------------------------------------------

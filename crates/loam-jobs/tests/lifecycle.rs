@@ -3,7 +3,6 @@
 // A failed unwrap is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used)]
 
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,13 +26,23 @@ fn enqueue_lease_complete() {
     assert_eq!(leases.len(), 1);
     let l = &leases[0];
     let done = jobs
-        .complete("ns", "q", &l.job.id, Fence::Epoch(l.epoch), Outcome::Ok { result: Some(b"42".to_vec()) }, CompleteOptions::default())
+        .complete(
+            "ns",
+            "q",
+            &l.job.id,
+            Fence::Epoch(l.epoch),
+            Outcome::Ok { result: Some(b"42".to_vec()) },
+            CompleteOptions::default(),
+        )
         .wait()
         .unwrap();
     assert_eq!(done.state, Some(JobState::Completed));
     let stored = jobs.get_job("ns", "q", "1").unwrap().unwrap();
     assert_eq!(stored.return_value.as_deref(), Some(&b"42"[..]));
-    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::Active, JobState::Completed]).unwrap(), vec![0, 0, 1]);
+    assert_eq!(
+        jobs.counts("ns", "q", &[JobState::Waiting, JobState::Active, JobState::Completed]).unwrap(),
+        vec![0, 0, 1]
+    );
     // A second completion is fenced.
     let again = jobs
         .complete("ns", "q", "1", Fence::Epoch(l.epoch), Outcome::Ok { result: None }, CompleteOptions::default())
@@ -89,7 +98,9 @@ fn an_immediate_retry_goes_behind_the_delayed_jobs_that_fell_due() {
     let flaky = take(&jobs, "q").remove(0);
     clock.advance(300);
     let retry = Outcome::Retry { error: None, after_ms: None };
-    jobs.complete("ns", "q", &flaky.job.id, Fence::Epoch(flaky.epoch), retry, CompleteOptions::default()).wait().unwrap();
+    jobs.complete("ns", "q", &flaky.job.id, Fence::Epoch(flaky.epoch), retry, CompleteOptions::default())
+        .wait()
+        .unwrap();
     let names: Vec<String> = take(&jobs, "q").into_iter().map(|l| l.job.name).collect();
     assert_eq!(names, ["later", "flaky"]);
 }
@@ -102,7 +113,9 @@ fn stalled_job_is_redelivered_then_marked_to_fail() {
     clock.advance(31_000);
     assert_eq!(jobs.sweep_stalled("ns", "q").wait().unwrap(), vec!["1".to_string()]);
     // The old holder is fenced; the job is delivered again.
-    let late = jobs.complete("ns", "q", "1", Fence::Epoch(first.epoch), Outcome::Ok { result: None }, CompleteOptions::default()).wait();
+    let late = jobs
+        .complete("ns", "q", "1", Fence::Epoch(first.epoch), Outcome::Ok { result: None }, CompleteOptions::default())
+        .wait();
     assert!(matches!(late, Err(JobsError::Fenced { .. })));
     let second = take(&jobs, "q").remove(0);
     assert_eq!(second.job.stalled_counter, 1);
@@ -165,7 +178,11 @@ fn the_promoter_wakes_for_a_job_delayed_while_it_was_busy() {
         let id = jobs.enqueue("ns", &q, EnqueueRequest { delay_ms: 50, ..job("later") }).wait().unwrap().id;
         let added = Instant::now();
         while jobs.get_job("ns", &q, &id).unwrap().unwrap().state == JobState::Delayed {
-            assert!(added.elapsed() < Duration::from_millis(500), "round {round}: still delayed {:?} after its add", added.elapsed());
+            assert!(
+                added.elapsed() < Duration::from_millis(500),
+                "round {round}: still delayed {:?} after its add",
+                added.elapsed()
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     }

@@ -106,25 +106,48 @@ impl OutcomeSpec {
 
 #[derive(Clone, Debug)]
 enum Step {
-    Enqueue { priority: u32, lifo: bool, delay_ms: u64, attempts: u32, backoff: Option<BackoffSpec> },
+    Enqueue {
+        priority: u32,
+        lifo: bool,
+        delay_ms: u64,
+        attempts: u32,
+        backoff: Option<BackoffSpec>,
+    },
     /// `lock_ms` 0 = the core's default lease length.
-    Lease { max: u32, lock_ms: u64 },
+    Lease {
+        max: u32,
+        lock_ms: u64,
+    },
     /// Extends a lease that is still held (a no-op when none is).
     /// (`lease` picks one, modulo how many there are.)
-    Extend { lease: usize, ms: u64 },
+    Extend {
+        lease: usize,
+        ms: u64,
+    },
     /// Completes a lease that is still held (a no-op when none is).
-    Complete { lease: usize, outcome: OutcomeSpec },
+    Complete {
+        lease: usize,
+        outcome: OutcomeSpec,
+    },
     /// Completes with a lease that is no longer held: must be fenced.
-    StaleComplete { lease: usize, outcome: OutcomeSpec },
+    StaleComplete {
+        lease: usize,
+        outcome: OutcomeSpec,
+    },
     /// Extends a lease that is no longer held: must be fenced.
-    StaleExtend { lease: usize },
+    StaleExtend {
+        lease: usize,
+    },
     Sweep,
     Promote,
     Advance(u64),
     /// Moves the clock to just before, at, or just after (`offset` -1, 0, 1)
     /// one of the coming lease deadlines, due times or rate-limit ends
     /// (`pick`, modulo how many), where the boundaries are.
-    AdvanceTo { pick: usize, offset: i8 },
+    AdvanceTo {
+        pick: usize,
+        offset: i8,
+    },
     /// Close the core and reopen it on the same file.
     Crash,
     /// Kill the process: reopen a copy of the file taken while the core is
@@ -309,7 +332,9 @@ impl Model {
     fn in_order(&self, state: JobState) -> Vec<usize> {
         let mut out: Vec<usize> = (0..self.jobs.len()).filter(|&j| self.jobs[j].job_state() == state).collect();
         match state {
-            JobState::Waiting | JobState::Prioritized => out.sort_by_key(|&j| (self.jobs[j].priority, self.jobs[j].pos)),
+            JobState::Waiting | JobState::Prioritized => {
+                out.sort_by_key(|&j| (self.jobs[j].priority, self.jobs[j].pos))
+            }
             JobState::Delayed => out.sort_by_key(|&j| (self.jobs[j].due, self.jobs[j].pos)),
             JobState::Active => out.sort_by_key(|&j| (self.jobs[j].deadline, self.jobs[j].pos)),
             _ => {}
@@ -325,7 +350,8 @@ impl Model {
     }
 
     fn promote(&mut self, now: u64) {
-        let due: Vec<usize> = self.in_order(JobState::Delayed).into_iter().filter(|&j| self.jobs[j].due <= now).collect();
+        let due: Vec<usize> =
+            self.in_order(JobState::Delayed).into_iter().filter(|&j| self.jobs[j].due <= now).collect();
         for j in due {
             self.make_ready(j, false);
         }
@@ -448,11 +474,19 @@ impl Harness {
         let clock = ManualClock::new(START_MS);
         let jobs = open(&path, &clock);
         let config = Config::default();
-        let max_stalled = ok("read queue config", jobs.query(NS, Q, |tx, q| tx.queue_config(q)))
-            .expect("queue config")
-            .max_stalled;
+        let max_stalled =
+            ok("read queue config", jobs.query(NS, Q, |tx, q| tx.queue_config(q))).expect("queue config").max_stalled;
         let model = Model { max_stalled, default_lock_ms: config.default_lock_ms, ..Model::default() };
-        Self { dir, path, clock, jobs: Some(jobs), model, finished: HashMap::new(), unflushed: Vec::new(), hard_crashes: 0 }
+        Self {
+            dir,
+            path,
+            clock,
+            jobs: Some(jobs),
+            model,
+            finished: HashMap::new(),
+            unflushed: Vec::new(),
+            hard_crashes: 0,
+        }
     }
 
     fn jobs(&self) -> &Jobs {
@@ -536,7 +570,11 @@ impl Harness {
                 self.model.promote(now);
                 let got_ids: Vec<String> = got.leases.iter().map(|l| l.job.id.clone()).collect();
                 if self.model.limited_until > now {
-                    prop_assert!(got_ids.is_empty(), "leased {got_ids:?} while rate limited until {}", self.model.limited_until);
+                    prop_assert!(
+                        got_ids.is_empty(),
+                        "leased {got_ids:?} while rate limited until {}",
+                        self.model.limited_until
+                    );
                     prop_assert_eq!(got.info.rate_limit_ms, self.model.limited_until - now);
                     return Ok(Wrote::NotDurable);
                 }
@@ -548,29 +586,55 @@ impl Harness {
                     let j = self.model.jobs.iter().position(|m| m.id == l.job.id);
                     prop_assert!(j.is_some(), "leased unknown job {}", l.job.id);
                     let m = &self.model.jobs[j.unwrap_or_default()];
-                    prop_assert!(m.state == MState::Ready, "leased job {} which the model has {:?} (due {}, now {now})", m.id, m.state, m.due);
+                    prop_assert!(
+                        m.state == MState::Ready,
+                        "leased job {} which the model has {:?} (due {}, now {now})",
+                        m.id,
+                        m.state,
+                        m.due
+                    );
                     let better = ready
                         .iter()
                         .map(|&k| &self.model.jobs[k])
                         .find(|r| r.priority < m.priority && !got_ids.contains(&r.id));
-                    prop_assert!(better.is_none(), "leased job {} (priority {}) past ready job {:?}", m.id, m.priority, better.map(|r| (&r.id, r.priority)));
+                    prop_assert!(
+                        better.is_none(),
+                        "leased job {} (priority {}) past ready job {:?}",
+                        m.id,
+                        m.priority,
+                        better.map(|r| (&r.id, r.priority))
+                    );
                 }
                 prop_assert_eq!(
                     &got_ids,
                     &self.model.ids(&take),
                     "lease(max {}) order; ready jobs best first: {:?}",
                     max,
-                    ready.iter().map(|&j| (&self.model.jobs[j].id, self.model.jobs[j].priority, self.model.jobs[j].pos)).collect::<Vec<_>>()
+                    ready
+                        .iter()
+                        .map(|&j| (&self.model.jobs[j].id, self.model.jobs[j].priority, self.model.jobs[j].pos))
+                        .collect::<Vec<_>>()
                 );
                 let lock = if *lock_ms > 0 { *lock_ms } else { self.model.default_lock_ms };
                 for (l, &j) in got.leases.iter().zip(&take) {
                     // A fencing token is never handed out twice, and the epoch
                     // only goes up.
                     let reused = self.model.leases.iter().any(|&(k, e)| k == j && e == l.epoch);
-                    prop_assert!(!reused, "job {} leased again with epoch {} that an earlier lease holds", l.job.id, l.epoch);
+                    prop_assert!(
+                        !reused,
+                        "job {} leased again with epoch {} that an earlier lease holds",
+                        l.job.id,
+                        l.epoch
+                    );
                     let holder = self.model.leases.len();
                     let job = &mut self.model.jobs[j];
-                    prop_assert!(l.epoch > job.epoch, "lease of job {} with epoch {}, not above {}", job.id, l.epoch, job.epoch);
+                    prop_assert!(
+                        l.epoch > job.epoch,
+                        "lease of job {} with epoch {}, not above {}",
+                        job.id,
+                        l.epoch,
+                        job.epoch
+                    );
                     job.holder = Some(holder);
                     job.state = MState::Active;
                     job.epoch = l.epoch;
@@ -596,7 +660,10 @@ impl Harness {
                 }
                 let (j, epoch) = self.model.leases[held[lease % held.len()]];
                 let id = self.model.jobs[j].id.clone();
-                let got = ok("extend with the current epoch", self.jobs().extend(NS, Q, &id, Fence::Epoch(epoch), *ms).wait())?;
+                let got = ok(
+                    "extend with the current epoch",
+                    self.jobs().extend(NS, Q, &id, Fence::Epoch(epoch), *ms).wait(),
+                )?;
                 let job = &mut self.model.jobs[j];
                 job.deadline = now + ms;
                 job.lock_ms = *ms;
@@ -619,7 +686,10 @@ impl Harness {
                 self.model.complete(j, outcome, now);
                 let want = &self.model.jobs[j];
                 prop_assert_eq!(done.state, Some(want.job_state()), "state after {:?}", outcome);
-                prop_assert_eq!(done.finished_on, want.finished_on.filter(|_| matches!(want.state, MState::Completed | MState::Failed)));
+                prop_assert_eq!(
+                    done.finished_on,
+                    want.finished_on.filter(|_| matches!(want.state, MState::Completed | MState::Failed))
+                );
                 Ok(Wrote::Durable)
             }
 
@@ -670,7 +740,12 @@ impl Harness {
                     let id = self.model.jobs[j].id.clone();
                     let record = ok("read a swept job", self.jobs().get_job(NS, Q, &id))?;
                     let marked = record.and_then(|r| r.deferred_failure).is_some();
-                    prop_assert_eq!(marked, self.model.jobs[j].stalled > self.model.max_stalled, "deferred failure of {}", id);
+                    prop_assert_eq!(
+                        marked,
+                        self.model.jobs[j].stalled > self.model.max_stalled,
+                        "deferred failure of {}",
+                        id
+                    );
                 }
                 Ok(Wrote::Durable)
             }
@@ -734,7 +809,8 @@ impl Harness {
                     name.push(".wal");
                     std::path::PathBuf::from(name)
                 };
-                std::fs::copy(log(&self.path), log(&copy)).map_err(|e| TestCaseError::fail(format!("copy the log: {e}")))?;
+                std::fs::copy(log(&self.path), log(&copy))
+                    .map_err(|e| TestCaseError::fail(format!("copy the log: {e}")))?;
                 std::fs::copy(&self.path, &copy).map_err(|e| TestCaseError::fail(format!("copy the store: {e}")))?;
                 if let Some(jobs) = self.jobs.take() {
                     jobs.close();
@@ -766,7 +842,13 @@ impl Harness {
         }
     }
 
-    fn expect_fenced<T: std::fmt::Debug>(&self, j: usize, epoch: u64, what: &str, got: Result<T, JobsError>) -> Result<(), TestCaseError> {
+    fn expect_fenced<T: std::fmt::Debug>(
+        &self,
+        j: usize,
+        epoch: u64,
+        what: &str,
+        got: Result<T, JobsError>,
+    ) -> Result<(), TestCaseError> {
         let m = &self.model.jobs[j];
         let reason = if m.state == MState::Active { FenceFailure::Mismatch } else { FenceFailure::NoLease };
         match got {
@@ -790,10 +872,8 @@ impl Harness {
 
         // Counts per state, and they add up to every acknowledged job.
         let counts = ok("counts", jobs.counts(NS, Q, &JobState::ALL))?;
-        let want: Vec<u64> = JobState::ALL
-            .iter()
-            .map(|s| model.jobs.iter().filter(|m| m.job_state() == *s).count() as u64)
-            .collect();
+        let want: Vec<u64> =
+            JobState::ALL.iter().map(|s| model.jobs.iter().filter(|m| m.job_state() == *s).count() as u64).collect();
         prop_assert_eq!(&counts, &want, "counts per state {:?}", JobState::ALL);
         prop_assert_eq!(counts.iter().sum::<u64>(), model.jobs.len() as u64);
 
@@ -806,7 +886,8 @@ impl Harness {
                 let mut indexes = Vec::new();
                 for state in JobState::ALL {
                     let entries = tx.scan(&query::state_range(&keys, state), usize::MAX, false)?;
-                    let ids: Vec<String> = entries.into_iter().map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).collect();
+                    let ids: Vec<String> =
+                        entries.into_iter().map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).collect();
                     indexes.push((state, ids));
                 }
                 let records = ids.iter().map(|id| query::get_job(tx, q, id)).collect::<Result<Vec<_>, _>>()?;
@@ -824,7 +905,12 @@ impl Harness {
         for m in &model.jobs {
             prop_assert_eq!(listed.get(m.id.as_str()), Some(&vec![m.job_state()]), "indexes listing job {}", m.id);
         }
-        prop_assert_eq!(listed.len(), model.jobs.len(), "index entries of unknown jobs: {:?}", listed.keys().collect::<Vec<_>>());
+        prop_assert_eq!(
+            listed.len(),
+            model.jobs.len(),
+            "index entries of unknown jobs: {:?}",
+            listed.keys().collect::<Vec<_>>()
+        );
 
         // The ready, delayed and active indexes in the model's order.
         for (state, ids) in &indexes {
@@ -842,7 +928,13 @@ impl Harness {
             match m.epoch_is {
                 EpochIs::Known => prop_assert_eq!(rec.epoch, m.epoch, "epoch of job {}", m.id),
                 EpochIs::Above => {
-                    prop_assert!(rec.epoch > m.epoch, "epoch of job {} is {}, not raised above {}", m.id, rec.epoch, m.epoch)
+                    prop_assert!(
+                        rec.epoch > m.epoch,
+                        "epoch of job {} is {}, not raised above {}",
+                        m.id,
+                        rec.epoch,
+                        m.epoch
+                    )
                 }
                 EpochIs::Unknown => {}
             }
@@ -860,7 +952,9 @@ impl Harness {
                     prop_assert_eq!(lock.duration_ms, m.lock_ms, "lease length of job {}", m.id);
                 }
                 (None, MState::Active) => return Err(TestCaseError::fail(format!("active job {} has no lock", m.id))),
-                (Some(lock), s) => return Err(TestCaseError::fail(format!("job {} is {s:?} but holds a lock {lock:?}", m.id))),
+                (Some(lock), s) => {
+                    return Err(TestCaseError::fail(format!("job {} is {s:?} but holds a lock {lock:?}", m.id)));
+                }
                 (None, _) => {}
             }
             if matches!(m.state, MState::Completed | MState::Failed) {

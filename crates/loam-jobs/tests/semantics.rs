@@ -37,7 +37,11 @@ fn state(jobs: &Jobs, q: &str, id: &str) -> Option<JobState> {
 }
 
 fn events(jobs: &Jobs, q: &str) -> Vec<(String, Vec<(String, String)>)> {
-    jobs.read_events_blocking("ns", q, Some(0), 10_000, Duration::ZERO).unwrap().into_iter().map(|e| (e.name, e.fields)).collect()
+    jobs.read_events_blocking("ns", q, Some(0), 10_000, Duration::ZERO)
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.name, e.fields))
+        .collect()
 }
 
 fn event_names(jobs: &Jobs, q: &str) -> Vec<String> {
@@ -51,15 +55,29 @@ fn parent(queue: &str, id: &str) -> ParentRef {
 /// A parent in `parents` with two children in `kids`, the children failing by `policy`.
 fn family(jobs: &Jobs, policy: OnChildFailure) {
     let nodes = vec![
-        FlowNode { queue: "parents".into(), request: EnqueueRequest { job_id: Some("p".into()), ..job("parent") }, wait_children: true },
+        FlowNode {
+            queue: "parents".into(),
+            request: EnqueueRequest { job_id: Some("p".into()), ..job("parent") },
+            wait_children: true,
+        },
         FlowNode {
             queue: "kids".into(),
-            request: EnqueueRequest { job_id: Some("a".into()), parent: Some(parent("parents", "p")), on_child_failure: policy, ..job("a") },
+            request: EnqueueRequest {
+                job_id: Some("a".into()),
+                parent: Some(parent("parents", "p")),
+                on_child_failure: policy,
+                ..job("a")
+            },
             wait_children: false,
         },
         FlowNode {
             queue: "kids".into(),
-            request: EnqueueRequest { job_id: Some("b".into()), parent: Some(parent("parents", "p")), on_child_failure: policy, ..job("b") },
+            request: EnqueueRequest {
+                job_id: Some("b".into()),
+                parent: Some(parent("parents", "p")),
+                on_child_failure: policy,
+                ..job("b")
+            },
             wait_children: false,
         },
     ];
@@ -108,7 +126,13 @@ fn fail_parent_on_failure_releases_the_parent_to_fail() {
     // Child b is still pending, which BullMQ checks first (-4 before -9).
     let refused = finish(&jobs, "parents", &p, Outcome::Ok { result: None });
     assert!(matches!(refused, Err(JobsError::Precondition(Precondition::PendingChildren { .. }))), "{refused:?}");
-    finish(&jobs, "parents", &p, Outcome::Fail { error: JobError::new("child bull:kids:a failed"), dead_letter: false }).unwrap();
+    finish(
+        &jobs,
+        "parents",
+        &p,
+        Outcome::Fail { error: JobError::new("child bull:kids:a failed"), dead_letter: false },
+    )
+    .unwrap();
     assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Failed));
 }
 
@@ -116,8 +140,16 @@ fn fail_parent_on_failure_releases_the_parent_to_fail() {
 fn drain_removes_a_same_queue_parent_with_its_last_child() {
     let (jobs, _) = core();
     let nodes = vec![
-        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("p".into()), ..job("p") }, wait_children: true },
-        FlowNode { queue: "q".into(), request: EnqueueRequest { parent: Some(parent("q", "p")), ..job("c") }, wait_children: false },
+        FlowNode {
+            queue: "q".into(),
+            request: EnqueueRequest { job_id: Some("p".into()), ..job("p") },
+            wait_children: true,
+        },
+        FlowNode {
+            queue: "q".into(),
+            request: EnqueueRequest { parent: Some(parent("q", "p")), ..job("c") },
+            wait_children: false,
+        },
     ];
     jobs.flow("ns", nodes).wait().unwrap();
     assert_eq!(jobs.admin("ns", "q", |tx, q| admin::drain(tx, q, false)).wait().unwrap(), 1);
@@ -175,7 +207,8 @@ fn a_child_of_a_missing_parent_is_refused() {
 fn a_tree_counts_each_parents_children_new_nested_and_adopted() {
     let (jobs, _) = core();
     jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("x".into()), ..job("x") }).wait().unwrap();
-    let child = |id: &str, of: &str| EnqueueRequest { job_id: Some(id.into()), parent: Some(parent("q", of)), ..job(id) };
+    let child =
+        |id: &str, of: &str| EnqueueRequest { job_id: Some(id.into()), parent: Some(parent("q", of)), ..job(id) };
     let node = |request: EnqueueRequest, wait_children: bool| FlowNode { queue: "q".into(), request, wait_children };
     let nodes = vec![
         node(EnqueueRequest { job_id: Some("p".into()), ..job("p") }, true),
@@ -208,8 +241,16 @@ fn a_tree_counts_each_parents_children_new_nested_and_adopted() {
 fn a_flow_is_all_or_nothing() {
     let (jobs, _) = core();
     let nodes = vec![
-        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("p".into()), ..job("p") }, wait_children: true },
-        FlowNode { queue: "q".into(), request: EnqueueRequest { priority: 99_999_999, parent: Some(parent("q", "p")), ..job("bad") }, wait_children: false },
+        FlowNode {
+            queue: "q".into(),
+            request: EnqueueRequest { job_id: Some("p".into()), ..job("p") },
+            wait_children: true,
+        },
+        FlowNode {
+            queue: "q".into(),
+            request: EnqueueRequest { priority: 99_999_999, parent: Some(parent("q", "p")), ..job("bad") },
+            wait_children: false,
+        },
     ];
     assert!(matches!(jobs.flow("ns", nodes).wait(), Err(JobsError::InvalidArgument(_))));
     assert_eq!(state(&jobs, "q", "p"), None);
@@ -239,10 +280,12 @@ fn throttle_holds_for_its_ttl() {
     jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(1000))), ..job("a") }).wait().unwrap();
     let l = lease_one(&jobs, "q").unwrap();
     ok(&jobs, "q", &l, "1");
-    let again = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(1000))), ..job("a") }).wait().unwrap();
+    let again =
+        jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(1000))), ..job("a") }).wait().unwrap();
     assert!(!again.created, "a throttle key outlives the job");
     clock.advance(1001);
-    let later = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(1000))), ..job("a") }).wait().unwrap();
+    let later =
+        jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(1000))), ..job("a") }).wait().unwrap();
     assert!(later.created);
 }
 
@@ -250,8 +293,14 @@ fn throttle_holds_for_its_ttl() {
 fn debounce_replace_swaps_the_delayed_job() {
     let (jobs, _) = core();
     let d = Dedup { replace: true, extend: true, ..dedup("d", Some(5000)) };
-    let first = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), delay_ms: 1000, data: b"1".to_vec(), ..job("a") }).wait().unwrap();
-    let second = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d), delay_ms: 1000, data: b"2".to_vec(), ..job("a") }).wait().unwrap();
+    let first = jobs
+        .enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), delay_ms: 1000, data: b"1".to_vec(), ..job("a") })
+        .wait()
+        .unwrap();
+    let second = jobs
+        .enqueue("ns", "q", EnqueueRequest { dedup: Some(d), delay_ms: 1000, data: b"2".to_vec(), ..job("a") })
+        .wait()
+        .unwrap();
     assert!(second.created);
     assert_eq!(state(&jobs, "q", &first.id), None);
     assert_eq!(jobs.get_job("ns", "q", &second.id).unwrap().unwrap().data, b"2");
@@ -266,7 +315,10 @@ fn keep_last_if_active_enqueues_the_newest_add_after_the_active_job() {
     jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), ..job("a") }).wait().unwrap();
     let l = lease_one(&jobs, "q").unwrap();
     for data in [b"2", b"3"] {
-        let e = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), data: data.to_vec(), ..job("a") }).wait().unwrap();
+        let e = jobs
+            .enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), data: data.to_vec(), ..job("a") })
+            .wait()
+            .unwrap();
         assert!(!e.created);
     }
     ok(&jobs, "q", &l, "1");
@@ -280,14 +332,18 @@ fn retention_keeps_the_newest_finished_jobs() {
     let (jobs, clock) = core();
     for i in 0..5 {
         let keep = Retention::Keep(Keep { count: Some(2), ..Default::default() });
-        jobs.enqueue("ns", "q", EnqueueRequest { remove_on_complete: Some(keep), ..job(&format!("j{i}")) }).wait().unwrap();
+        jobs.enqueue("ns", "q", EnqueueRequest { remove_on_complete: Some(keep), ..job(&format!("j{i}")) })
+            .wait()
+            .unwrap();
         let l = lease_one(&jobs, "q").unwrap();
         clock.advance(10);
         ok(&jobs, "q", &l, "1");
     }
     let done = jobs.query("ns", "q", |tx, q| query::range(tx, q, JobState::Completed, 0, -1, true)).unwrap();
     assert_eq!(done, ["4", "5"]);
-    jobs.enqueue("ns", "q", EnqueueRequest { remove_on_complete: Some(Retention::RemoveImmediately), ..job("gone") }).wait().unwrap();
+    jobs.enqueue("ns", "q", EnqueueRequest { remove_on_complete: Some(Retention::RemoveImmediately), ..job("gone") })
+        .wait()
+        .unwrap();
     let l = lease_one(&jobs, "q").unwrap();
     ok(&jobs, "q", &l, "1");
     assert_eq!(state(&jobs, "q", &l.job.id), None);
@@ -355,7 +411,10 @@ fn events_have_bullmq_names_fields_and_a_resumable_cursor() {
     let all = events(&jobs, "q");
     let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["added", "waiting", "active", "completed", "drained"]);
-    assert_eq!(all[3].1, vec![("jobId".into(), "1".into()), ("returnvalue".into(), "42".into()), ("prev".into(), "active".into())]);
+    assert_eq!(
+        all[3].1,
+        vec![("jobId".into(), "1".into()), ("returnvalue".into(), "42".into()), ("prev".into(), "active".into())]
+    );
     let after_two = jobs.read_events_blocking("ns", "q", Some(2), 100, Duration::ZERO).unwrap();
     assert_eq!(after_two.first().map(|e| e.name.as_str()), Some("active"));
 }
@@ -405,12 +464,8 @@ fn one_operation_writing_many_events_keeps_them_in_order_and_trimmed() {
     jobs.set_meta("ns", "q", BTreeMap::from([("opts.maxLenEvents".to_string(), "150".to_string())])).wait().unwrap();
     let bulk = (0..300).map(|i| job(&format!("j{i}"))).collect();
     assert!(jobs.enqueue_bulk("ns", "q", bulk).wait().unwrap().iter().all(Result::is_ok));
-    let seqs: Vec<u64> = jobs
-        .read_events_blocking("ns", "q", Some(0), 10_000, Duration::ZERO)
-        .unwrap()
-        .iter()
-        .map(|e| e.seq)
-        .collect();
+    let seqs: Vec<u64> =
+        jobs.read_events_blocking("ns", "q", Some(0), 10_000, Duration::ZERO).unwrap().iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (451..=600).collect::<Vec<_>>());
     // The next operation appends to the page the bulk left open.
     jobs.enqueue("ns", "q", job("after")).wait().unwrap();
@@ -457,7 +512,13 @@ fn lease_wait_is_woken_by_an_enqueue() {
 #[test]
 fn every_scheduler_enqueues_one_job_per_tick() {
     let (jobs, clock) = core();
-    let spec = SchedulerSpec { id: "s".into(), name: "tick".into(), every_ms: Some(1000), job: job("tick"), ..Default::default() };
+    let spec = SchedulerSpec {
+        id: "s".into(),
+        name: "tick".into(),
+        every_ms: Some(1000),
+        job: job("tick"),
+        ..Default::default()
+    };
     let (first, delay) = jobs.upsert_scheduler("ns", "q", spec.clone()).wait().unwrap().unwrap();
     assert_eq!((first.as_str(), delay), ("repeat:s:1000000", 0));
     // Upserting again does not add a second job for the same tick.
@@ -465,7 +526,9 @@ fn every_scheduler_enqueues_one_job_per_tick() {
     assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::Delayed]).unwrap().iter().sum::<u64>(), 1);
     let l = lease_one(&jobs, "q").unwrap();
     let next = jobs
-        .admin("ns", "q", move |tx, q| loam_jobs::ops::schedule::advance(tx, q, "s", None, "repeat:s:1000000", &job("tick")))
+        .admin("ns", "q", move |tx, q| {
+            loam_jobs::ops::schedule::advance(tx, q, "s", None, "repeat:s:1000000", &job("tick"))
+        })
         .wait()
         .unwrap();
     assert_eq!(next.as_deref(), Some("repeat:s:1001000"));
@@ -498,9 +561,14 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
     assert!(matches!(bad_prio, Err(JobsError::InvalidArgument(_))));
     let both = jobs.enqueue("ns", "q", EnqueueRequest { priority: 1, lifo: true, ..job("a") }).wait();
     assert!(matches!(both, Err(JobsError::InvalidArgument(_))));
-    let missing = jobs.complete("ns", "q", "nope", Fence::Epoch(1), Outcome::Ok { result: None }, CompleteOptions::default()).wait();
+    let missing = jobs
+        .complete("ns", "q", "nope", Fence::Epoch(1), Outcome::Ok { result: None }, CompleteOptions::default())
+        .wait();
     assert!(matches!(missing, Err(JobsError::NotFound(Missing::Job(_)))));
-    let bulk = jobs.enqueue_bulk("ns", "q", vec![job("ok"), EnqueueRequest { data: vec![0; 4096], ..job("big") }, job("ok2")]).wait().unwrap();
+    let bulk = jobs
+        .enqueue_bulk("ns", "q", vec![job("ok"), EnqueueRequest { data: vec![0; 4096], ..job("big") }, job("ok2")])
+        .wait()
+        .unwrap();
     assert!(bulk[0].is_ok() && bulk[1].is_err() && bulk[2].is_ok());
     assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![2]);
 }
@@ -529,7 +597,9 @@ fn metrics_count_finished_jobs_per_minute() {
         for _ in 0..=minute {
             jobs.enqueue("ns", "q", job("a")).wait().unwrap();
             let l = lease_one(&jobs, "q").unwrap();
-            jobs.complete("ns", "q", &l.job.id, Fence::Epoch(l.epoch), Outcome::Ok { result: None }, opts.clone()).wait().unwrap();
+            jobs.complete("ns", "q", &l.job.id, Fence::Epoch(l.epoch), Outcome::Ok { result: None }, opts.clone())
+                .wait()
+                .unwrap();
         }
         clock.advance(60_000);
     }
@@ -561,9 +631,21 @@ fn an_existing_job_id_joins_a_new_parent() {
     ok(&jobs, "q", &c, "\"done\"");
     jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("pending".into()), ..job("pending") }).wait().unwrap();
     let nodes = vec![
-        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("p".into()), ..job("p") }, wait_children: true },
-        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("q", "p")), ..job("c") }, wait_children: false },
-        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("pending".into()), parent: Some(parent("q", "p")), ..job("x") }, wait_children: false },
+        FlowNode {
+            queue: "q".into(),
+            request: EnqueueRequest { job_id: Some("p".into()), ..job("p") },
+            wait_children: true,
+        },
+        FlowNode {
+            queue: "q".into(),
+            request: EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("q", "p")), ..job("c") },
+            wait_children: false,
+        },
+        FlowNode {
+            queue: "q".into(),
+            request: EnqueueRequest { job_id: Some("pending".into()), parent: Some(parent("q", "p")), ..job("x") },
+            wait_children: false,
+        },
     ];
     let added = jobs.flow("ns", nodes).wait().unwrap();
     assert_eq!(added.iter().map(|e| e.created).collect::<Vec<_>>(), [true, false, false]);
@@ -575,7 +657,13 @@ fn an_existing_job_id_joins_a_new_parent() {
     assert_eq!(statuses.get("bull:q:pending"), Some(&DependencyStatus::Pending));
     // A job of another live parent cannot be taken over.
     jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("p2".into()), ..job("p2") }).wait().unwrap();
-    let stolen = jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("pending".into()), parent: Some(parent("q", "p2")), ..job("x") }).wait();
+    let stolen = jobs
+        .enqueue(
+            "ns",
+            "q",
+            EnqueueRequest { job_id: Some("pending".into()), parent: Some(parent("q", "p2")), ..job("x") },
+        )
+        .wait();
     assert!(matches!(stolen, Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { .. }))), "{stolen:?}");
 }
 
@@ -638,8 +726,15 @@ fn remove_refuses_a_leased_job_and_takes_children_along() {
     ok(&jobs, "kids", &a, "1");
     let removed = jobs.admin("ns", "parents", |tx, q| admin::remove_job(tx, q, "p", true)).wait().unwrap();
     assert!(removed);
-    assert_eq!((state(&jobs, "parents", "p"), state(&jobs, "kids", "a"), state(&jobs, "kids", "b")), (None, None, None));
-    assert!(events(&jobs, "parents").iter().any(|(n, f)| n == "removed" && f.contains(&("prev".into(), "waiting-children".into()))));
+    assert_eq!(
+        (state(&jobs, "parents", "p"), state(&jobs, "kids", "a"), state(&jobs, "kids", "b")),
+        (None, None, None)
+    );
+    assert!(
+        events(&jobs, "parents")
+            .iter()
+            .any(|(n, f)| n == "removed" && f.contains(&("prev".into(), "waiting-children".into())))
+    );
 }
 
 #[test]
@@ -673,7 +768,9 @@ fn retention_by_age_removes_old_finished_jobs() {
     let (jobs, clock) = core();
     let keep = Retention::Keep(Keep { age_ms: Some(1000), ..Default::default() });
     for i in 0..3 {
-        jobs.enqueue("ns", "q", EnqueueRequest { remove_on_complete: Some(keep), ..job(&format!("j{i}")) }).wait().unwrap();
+        jobs.enqueue("ns", "q", EnqueueRequest { remove_on_complete: Some(keep), ..job(&format!("j{i}")) })
+            .wait()
+            .unwrap();
         let l = lease_one(&jobs, "q").unwrap();
         ok(&jobs, "q", &l, "1");
         clock.advance(600);
@@ -702,7 +799,10 @@ fn a_hard_timeout_caps_the_lease_and_fails_the_attempt() {
     let deadline = jobs.extend("ns", "q", "1", Fence::Epoch(l.epoch), 60_000).wait().unwrap();
     assert_eq!(deadline, l.job.processed_on.unwrap() + 5_000, "extend never passes the timeout");
     clock.advance(5_000);
-    assert!(matches!(jobs.extend("ns", "q", "1", Fence::Epoch(l.epoch), 1_000).wait(), Err(JobsError::DeadlineExceeded)));
+    assert!(matches!(
+        jobs.extend("ns", "q", "1", Fence::Epoch(l.epoch), 1_000).wait(),
+        Err(JobsError::DeadlineExceeded)
+    ));
     clock.advance(1);
     jobs.sweep_stalled("ns", "q").wait().unwrap();
     let j = jobs.get_job("ns", "q", "1").unwrap().unwrap();
@@ -717,16 +817,20 @@ fn retried_finished_jobs_leave_their_finished_index() {
         let l = lease_one(&jobs, "q").unwrap();
         fail(&jobs, "q", &l);
     }
-    let more = jobs.admin("ns", "q", |tx, q| admin::retry_finished_jobs(tx, q, JobState::Failed, 2, u64::MAX)).wait().unwrap();
+    let more =
+        jobs.admin("ns", "q", |tx, q| admin::retry_finished_jobs(tx, q, JobState::Failed, 2, u64::MAX)).wait().unwrap();
     assert!(more);
-    let rest = jobs.admin("ns", "q", |tx, q| admin::retry_finished_jobs(tx, q, JobState::Failed, 2, u64::MAX)).wait().unwrap();
+    let rest =
+        jobs.admin("ns", "q", |tx, q| admin::retry_finished_jobs(tx, q, JobState::Failed, 2, u64::MAX)).wait().unwrap();
     assert!(!rest);
     assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::Failed]).unwrap(), vec![3, 0]);
     let failed_index = jobs.query("ns", "q", |tx, q| query::range(tx, q, JobState::Failed, 0, -1, true)).unwrap();
     assert!(failed_index.is_empty());
     let l = lease_one(&jobs, "q").unwrap();
     fail(&jobs, "q", &l);
-    jobs.admin("ns", "q", move |tx, q| admin::retry_finished(tx, q, "1", JobState::Failed, false, false)).wait().unwrap();
+    jobs.admin("ns", "q", move |tx, q| admin::retry_finished(tx, q, "1", JobState::Failed, false, false))
+        .wait()
+        .unwrap();
     assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::Failed]).unwrap(), vec![3, 0]);
 }
 
@@ -736,7 +840,12 @@ fn operations_can_run_at_the_callers_time() {
     let at = jobs.at(1_486_439_000_000);
     at.enqueue("ns", "q", job("a")).wait().unwrap();
     assert_eq!(jobs.get_job("ns", "q", "1").unwrap().unwrap().timestamp, 1_486_439_000_000);
-    let l = at.lease("ns", "q", LeaseRequest { lock_duration_ms: 1000, ..Default::default() }).wait().unwrap().leases.remove(0);
+    let l = at
+        .lease("ns", "q", LeaseRequest { lock_duration_ms: 1000, ..Default::default() })
+        .wait()
+        .unwrap()
+        .leases
+        .remove(0);
     assert_eq!(l.job.processed_on, Some(1_486_439_000_000), "job times follow the caller");
     assert_eq!(l.deadline, jobs.now_ms() + 1000, "lease deadlines follow the core's lease clock, like a Redis TTL");
 }
@@ -746,8 +855,16 @@ fn a_removed_child_keeps_its_result_on_the_parent() {
     let (jobs, _) = core();
     family(&jobs, OnChildFailure::Wait);
     let a = lease_one(&jobs, "kids").unwrap();
-    jobs.complete("ns", "kids", "a", Fence::Epoch(a.epoch), Outcome::Ok { result: Some(b"1".to_vec()) },
-        CompleteOptions { remove_on_complete: Some(Retention::RemoveImmediately), ..Default::default() }).wait().unwrap();
+    jobs.complete(
+        "ns",
+        "kids",
+        "a",
+        Fence::Epoch(a.epoch),
+        Outcome::Ok { result: Some(b"1".to_vec()) },
+        CompleteOptions { remove_on_complete: Some(Retention::RemoveImmediately), ..Default::default() },
+    )
+    .wait()
+    .unwrap();
     assert_eq!(state(&jobs, "kids", "a"), None);
     let deps = jobs.query("ns", "parents", |tx, q| query::dependencies(tx, q, "p")).unwrap();
     assert!(deps.iter().any(|(k, d)| k == "bull:kids:a" && d.status == DependencyStatus::Processed));
@@ -758,7 +875,9 @@ fn wait_children_can_wait_for_one_named_child() {
     let (jobs, _) = core();
     jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("p".into()), ..job("p") }).wait().unwrap();
     let p = lease_one(&jobs, "q").unwrap();
-    jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("q", "p")), ..job("c") }).wait().unwrap();
+    jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("q", "p")), ..job("c") })
+        .wait()
+        .unwrap();
     let other = Outcome::WaitChildren { child: Some("bull:q:nope".into()) };
     assert!(!finish(&jobs, "q", &p, other).unwrap().moved, "not a pending child: the parent keeps running");
     let named = Outcome::WaitChildren { child: Some("bull:q:c".into()) };
@@ -782,7 +901,11 @@ fn a_retry_without_an_error_keeps_the_jobs_error_fields() {
 fn removing_a_parent_removes_its_grandchildren_without_releasing_anything() {
     let (jobs, _) = core();
     let nodes = vec![
-        FlowNode { queue: "parents".into(), request: EnqueueRequest { job_id: Some("p".into()), ..job("parent") }, wait_children: true },
+        FlowNode {
+            queue: "parents".into(),
+            request: EnqueueRequest { job_id: Some("p".into()), ..job("parent") },
+            wait_children: true,
+        },
         FlowNode {
             queue: "kids".into(),
             request: EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("parents", "p")), ..job("c") },
@@ -807,10 +930,18 @@ fn removing_a_parent_removes_its_grandchildren_without_releasing_anything() {
 fn a_batch_of_flows_inserts_each_tree_on_its_own() {
     let (jobs, _) = core();
     let nodes = vec![
-        FlowNode { queue: "q".into(), request: EnqueueRequest { job_id: Some("good".into()), ..job("good") }, wait_children: false },
         FlowNode {
             queue: "q".into(),
-            request: EnqueueRequest { job_id: Some("orphan".into()), parent: Some(parent("q", "missing")), ..job("orphan") },
+            request: EnqueueRequest { job_id: Some("good".into()), ..job("good") },
+            wait_children: false,
+        },
+        FlowNode {
+            queue: "q".into(),
+            request: EnqueueRequest {
+                job_id: Some("orphan".into()),
+                parent: Some(parent("q", "missing")),
+                ..job("orphan")
+            },
             wait_children: false,
         },
     ];
@@ -825,9 +956,11 @@ fn a_batch_of_flows_inserts_each_tree_on_its_own() {
 #[test]
 fn an_expired_dedup_key_is_not_removed_and_no_longer_deduplicates() {
     let (jobs, clock) = core();
-    let first = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(100))), ..job("a") }).wait().unwrap();
+    let first =
+        jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(dedup("d", Some(100))), ..job("a") }).wait().unwrap();
     clock.advance(101);
-    let removed = jobs.admin("ns", "q", move |tx, q| admin::remove_dedup_key(tx, q, "d", Some(&first.id))).wait().unwrap();
+    let removed =
+        jobs.admin("ns", "q", move |tx, q| admin::remove_dedup_key(tx, q, "d", Some(&first.id))).wait().unwrap();
     assert_eq!(removed, 0, "a key past its ttl is gone already");
 }
 
@@ -851,7 +984,13 @@ fn a_replaced_every_iteration_keeps_the_scheduler_phase() {
     let (jobs, clock) = core();
     // 1 s past a 60 s boundary: the scheduler's phase (offset) is 1000.
     clock.set(60_000 * 1000 + 1000);
-    let every = |ms| SchedulerSpec { id: "s".into(), name: "tick".into(), every_ms: Some(ms), job: job("tick"), ..Default::default() };
+    let every = |ms| SchedulerSpec {
+        id: "s".into(),
+        name: "tick".into(),
+        every_ms: Some(ms),
+        job: job("tick"),
+        ..Default::default()
+    };
     jobs.upsert_scheduler("ns", "q", every(60_000)).wait().unwrap();
     let l = lease_one(&jobs, "q").unwrap();
     jobs.admin("ns", "q", {

@@ -142,7 +142,10 @@ impl Server {
     ) -> std::io::Result<(u16, Vec<u8>)> {
         let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n", body.len());
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: {}\r\n",
+            body.len()
+        );
         if !content_type.is_empty() {
             head.push_str(&format!("Content-Type: {content_type}\r\n"));
         }
@@ -193,9 +196,8 @@ impl Drop for Server {
 pub fn detail(e: &ConnectError) -> pb::ErrorDetail {
     let d = e.details.iter().find(|d| d.type_url.ends_with("loam.jobs.v1.ErrorDetail")).expect("an ErrorDetail");
     let raw = d.value.as_deref().unwrap_or("");
-    let bytes = base64::engine::general_purpose::STANDARD_NO_PAD
-        .decode(raw.trim_end_matches('='))
-        .expect("base64 detail");
+    let bytes =
+        base64::engine::general_purpose::STANDARD_NO_PAD.decode(raw.trim_end_matches('=')).expect("base64 detail");
     pb::ErrorDetail::decode_from_slice(&bytes).expect("ErrorDetail")
 }
 

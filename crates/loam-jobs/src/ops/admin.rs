@@ -50,7 +50,11 @@ pub(crate) fn detach_from_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> R
 /// unlinked: a finished child's record (its value, or its failure) stays with
 /// the parent, as in BullMQ. Returns whether it was unlinked, and the parent
 /// when that left it waiting for children with none pending.
-fn unlink_pending_child(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(bool, Option<(QueueId, JobRecord)>), JobsError> {
+fn unlink_pending_child(
+    tx: &mut Tx,
+    q: &QueueId,
+    job: &JobRecord,
+) -> Result<(bool, Option<(QueueId, JobRecord)>), JobsError> {
     let Some(parent) = &job.parent else { return Ok((false, None)) };
     let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &model::node_key(&parent.prefix, &q.name, &job.id));
@@ -359,7 +363,13 @@ fn reattach_to_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), J
 
 /// `queue.retryJobs`: up to `count` finished jobs of `state` finished at or
 /// before `before` go back to waiting. True when `count` were moved (more may remain).
-pub fn retry_finished_jobs(tx: &mut Tx, q: &QueueId, state: JobState, count: u64, before: u64) -> Result<bool, JobsError> {
+pub fn retry_finished_jobs(
+    tx: &mut Tx,
+    q: &QueueId,
+    state: JobState,
+    count: u64,
+    before: u64,
+) -> Result<bool, JobsError> {
     let keys = QueueKeys::new(q);
     let range = match state {
         JobState::Completed => keys.completed_all(),
@@ -462,7 +472,14 @@ pub fn update_progress(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, progre
 
 /// Appends a log line, keeping the newest `keep` (or the job's `keepLogs`, or
 /// the core's cap). Returns the number of lines kept.
-pub fn add_log(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, row: String, keep: Option<u64>) -> Result<u64, JobsError> {
+pub fn add_log(
+    tx: &mut Tx,
+    q: &QueueId,
+    id: &str,
+    fence: &Fence,
+    row: String,
+    keep: Option<u64>,
+) -> Result<u64, JobsError> {
     if row.len() > tx.config.max_payload_bytes {
         return Err(JobsError::PayloadTooLarge { size: row.len(), limit: tx.config.max_payload_bytes });
     }
@@ -575,7 +592,13 @@ pub fn remove_dedup_key(tx: &mut Tx, q: &QueueId, dedup_id: &str, job_id: Option
 }
 
 /// A caller's own event (BullMQ's QueueEventsProducer); trims to `max`.
-pub fn publish_event(tx: &mut Tx, q: &QueueId, name: &str, fields: &[(String, String)], max: u64) -> Result<String, JobsError> {
+pub fn publish_event(
+    tx: &mut Tx,
+    q: &QueueId,
+    name: &str,
+    fields: &[(String, String)],
+    max: u64,
+) -> Result<String, JobsError> {
     let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let id = tx.event(q, name, &fields)?;
     tx.trim_events(q, max)?;

@@ -148,7 +148,13 @@ fn finish_ok(
 
 /// Fails a job for good, whatever its state (a worker's failure, a stalled or
 /// expired job, a parent failed by its child).
-pub fn fail(tx: &mut Tx, q: &QueueId, job: JobRecord, error: &JobError, dead_letter: bool) -> Result<JobRecord, JobsError> {
+pub fn fail(
+    tx: &mut Tx,
+    q: &QueueId,
+    job: JobRecord,
+    error: &JobError,
+    dead_letter: bool,
+) -> Result<JobRecord, JobsError> {
     fail_with(tx, q, job, error, dead_letter, &CompleteOptions::default())
 }
 
@@ -202,7 +208,13 @@ fn fail_with(
 
 /// A failed attempt: retried after `after_ms` when given (the caller already
 /// decided), else by the job's attempts and backoff, else failed for good.
-pub fn retry_or_fail(tx: &mut Tx, q: &QueueId, job: JobRecord, error: Option<&JobError>, after_ms: Option<u64>) -> Result<JobRecord, JobsError> {
+pub fn retry_or_fail(
+    tx: &mut Tx,
+    q: &QueueId,
+    job: JobRecord,
+    error: Option<&JobError>,
+    after_ms: Option<u64>,
+) -> Result<JobRecord, JobsError> {
     retry_or_fail_with(tx, q, job, error, after_ms, &CompleteOptions::default())
 }
 
@@ -298,7 +310,11 @@ fn keep_or_purge(tx: &mut Tx, q: &QueueId, job: &mut JobRecord, retention: Reten
     if let Some(age) = keep.age_ms {
         let cutoff = tx.now.saturating_sub(age);
         let limit = keep.limit.unwrap_or(AGE_REMOVAL_LIMIT) as usize;
-        let upto = if job.state == JobState::Completed { keys.completed(cutoff, u64::MAX) } else { keys.failed(cutoff, u64::MAX) };
+        let upto = if job.state == JobState::Completed {
+            keys.completed(cutoff, u64::MAX)
+        } else {
+            keys.failed(cutoff, u64::MAX)
+        };
         let expired = crate::kv::KeyRange::new(range.start.clone(), upto);
         old.extend(tx.scan(&expired, limit, false)?.into_iter().map(|(_, v)| String::from_utf8_lossy(&v).into_owned()));
     }

@@ -5,8 +5,8 @@ use std::hash::{Hash, Hasher};
 use crate::error::{JobsError, Missing, Precondition};
 use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
-    self, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Enqueued, IdempotencyRecord, JobRecord,
-    JobState, MAX_PRIORITY, ParentRef, validate_name,
+    self, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Enqueued, IdempotencyRecord, JobRecord, JobState,
+    MAX_PRIORITY, ParentRef, validate_name,
 };
 use crate::tx::Tx;
 
@@ -196,9 +196,8 @@ fn keys_node(q: &QueueId, id: &str, parent: &ParentRef) -> String {
 /// pending child. The parent must exist (BullMQ's ParentJobNotExist).
 fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_key: &str) -> Result<(), JobsError> {
     let pq = QueueId::new(tx_ns_of(tx, parent), parent.queue.clone());
-    let mut pjob = tx
-        .load_job(&pq, &parent.id)?
-        .ok_or_else(|| JobsError::NotFound(Missing::ParentJob(parent.node_key())))?;
+    let mut pjob =
+        tx.load_job(&pq, &parent.id)?.ok_or_else(|| JobsError::NotFound(Missing::ParentJob(parent.node_key())))?;
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, child_key);
     if tx.get(&dep_key)?.is_none() {
         let dep = Dependency {
@@ -218,7 +217,13 @@ fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_k
 /// that parent's child (BullMQ's flow re-use of a job id): a finished child
 /// counts as processed at once, an unfinished one as pending. A job that
 /// already belongs to another parent that still exists cannot be taken over.
-fn adopt(tx: &mut Tx, q: &QueueId, mut job: JobRecord, parent: &ParentRef, policy: crate::model::OnChildFailure) -> Result<(), JobsError> {
+fn adopt(
+    tx: &mut Tx,
+    q: &QueueId,
+    mut job: JobRecord,
+    parent: &ParentRef,
+    policy: crate::model::OnChildFailure,
+) -> Result<(), JobsError> {
     if let Some(old) = &job.parent
         && old != parent
         && tx.load_job(&QueueId::new(tx.ns.clone(), old.queue.clone()), &old.id)?.is_some()
@@ -226,9 +231,8 @@ fn adopt(tx: &mut Tx, q: &QueueId, mut job: JobRecord, parent: &ParentRef, polic
         return Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { job: parent.node_key() }));
     }
     let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
-    let mut pjob = tx
-        .load_job(&pq, &parent.id)?
-        .ok_or_else(|| JobsError::NotFound(Missing::ParentJob(parent.node_key())))?;
+    let mut pjob =
+        tx.load_job(&pq, &parent.id)?.ok_or_else(|| JobsError::NotFound(Missing::ParentJob(parent.node_key())))?;
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &keys_node(q, &job.id, parent));
     if tx.get(&dep_key)?.is_none() {
         let completed = job.state == JobState::Completed;
@@ -236,7 +240,11 @@ fn adopt(tx: &mut Tx, q: &QueueId, mut job: JobRecord, parent: &ParentRef, polic
             status: if completed { DependencyStatus::Processed } else { DependencyStatus::Pending },
             child_queue: q.name.clone(),
             child_id: job.id.clone(),
-            value: if completed { job.return_value.as_ref().map(|v| String::from_utf8_lossy(v).into_owned()) } else { None },
+            value: if completed {
+                job.return_value.as_ref().map(|v| String::from_utf8_lossy(v).into_owned())
+            } else {
+                None
+            },
         };
         tx.put_record(&dep_key, &dep)?;
         if !completed {
@@ -312,11 +320,7 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     tx.put_record(&dkey, &rec)?;
     // BullMQ's replace mode absorbs an add silently unless it kept it for later.
     if !d.replace || keep_next {
-        tx.event(
-            q,
-            "deduplicated",
-            &[("jobId", &job.id), ("deduplicationId", &d.id), ("deduplicatedJobId", new_id)],
-        )?;
+        tx.event(q, "deduplicated", &[("jobId", &job.id), ("deduplicationId", &d.id), ("deduplicatedJobId", new_id)])?;
     }
     if d.reschedule && job.state == JobState::Delayed {
         tx.event(q, "delayed", &[("jobId", &job.id), ("delay", &job.due.to_string())])?;
@@ -340,7 +344,8 @@ pub fn flow_trees(nodes: &[FlowNode]) -> Vec<Vec<usize>> {
     let mut tree_of: std::collections::HashMap<(&str, &str), usize> = std::collections::HashMap::new();
     let mut trees: Vec<Vec<usize>> = Vec::new();
     for (i, node) in nodes.iter().enumerate() {
-        let parent_tree = node.request.parent.as_ref().and_then(|p| tree_of.get(&(p.queue.as_str(), p.id.as_str())).copied());
+        let parent_tree =
+            node.request.parent.as_ref().and_then(|p| tree_of.get(&(p.queue.as_str(), p.id.as_str())).copied());
         let tree = parent_tree.unwrap_or_else(|| {
             trees.push(Vec::new());
             trees.len() - 1

@@ -115,7 +115,11 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
             }
             let prev = job.state;
             tx.unindex(q, &job)?;
-            let token = if req.token.is_empty() { format!("loam:{}:{}", job.id, job.epoch.max(tx.generation << 32) + 1) } else { req.token.clone() };
+            let token = if req.token.is_empty() {
+                format!("loam:{}:{}", job.id, job.epoch.max(tx.generation << 32) + 1)
+            } else {
+                req.token.clone()
+            };
             let lock_ms = job.lock_duration_ms.unwrap_or(duration);
             job.state = JobState::Active;
             job.epoch = job.epoch.max(tx.generation << 32) + 1;
@@ -191,14 +195,26 @@ pub enum Line {
 
 /// Puts a job (already loaded, in any unfinished state) into its ready band,
 /// with a `waiting` event naming the state it came from (`prev`), or none.
-pub fn make_ready(tx: &mut Tx, q: &QueueId, job: JobRecord, prev: Option<&str>, line: Line) -> Result<JobRecord, JobsError> {
+pub fn make_ready(
+    tx: &mut Tx,
+    q: &QueueId,
+    job: JobRecord,
+    prev: Option<&str>,
+    line: Line,
+) -> Result<JobRecord, JobsError> {
     tx.unindex(q, &job)?;
     requeue(tx, q, job, prev, line)
 }
 
 /// [`make_ready`] for a job already taken out of its index (its fields may
 /// have changed since, so its old index key cannot be derived any more).
-pub fn requeue(tx: &mut Tx, q: &QueueId, mut job: JobRecord, prev: Option<&str>, line: Line) -> Result<JobRecord, JobsError> {
+pub fn requeue(
+    tx: &mut Tx,
+    q: &QueueId,
+    mut job: JobRecord,
+    prev: Option<&str>,
+    line: Line,
+) -> Result<JobRecord, JobsError> {
     job.seq = tx.next_seq(q, job.lifo || line == Line::Front)?;
     job.delay = 0;
     // Ready now at the latest (a delayed job promoted by hand is due now).

@@ -4,10 +4,10 @@
 use std::collections::BTreeMap;
 
 use crate::error::JobsError;
-use crate::keys::{self, QueueId, QueueKeys};
-use crate::kv::{KeyRange, Key, KvRead, KvTxn, Value};
-use crate::model::{self, Dependency, Event, JobRecord, JobState, MetricsRecord, RateLimit};
 use crate::error::StoreError;
+use crate::keys::{self, QueueId, QueueKeys};
+use crate::kv::{Key, KeyRange, KvRead, KvTxn, Value};
+use crate::model::{self, Dependency, Event, JobRecord, JobState, MetricsRecord, RateLimit};
 use crate::ops::lease;
 use crate::tx::Tx;
 
@@ -45,7 +45,12 @@ pub fn state_range(keys: &QueueKeys, state: JobState) -> KeyRange {
 }
 
 /// Jobs in each state; delayed jobs only when due before `delayed_before`.
-pub fn counts(tx: &mut Tx, q: &QueueId, states: &[JobState], delayed_before: Option<u64>) -> Result<Vec<u64>, JobsError> {
+pub fn counts(
+    tx: &mut Tx,
+    q: &QueueId,
+    states: &[JobState],
+    delayed_before: Option<u64>,
+) -> Result<Vec<u64>, JobsError> {
     let stats = tx.stats(q)?.clone();
     let mut out = Vec::with_capacity(states.len());
     for &state in states {
@@ -70,7 +75,14 @@ pub fn counts_per_priority(tx: &mut Tx, q: &QueueId, priorities: &[u32]) -> Resu
 
 /// Ids of one state in index order (the order they run or finished in),
 /// positions `start..=end` (`end < 0` counts from the end), ascending or not.
-pub fn range(tx: &mut Tx, q: &QueueId, state: JobState, start: i64, end: i64, asc: bool) -> Result<Vec<String>, JobsError> {
+pub fn range(
+    tx: &mut Tx,
+    q: &QueueId,
+    state: JobState,
+    start: i64,
+    end: i64,
+    asc: bool,
+) -> Result<Vec<String>, JobsError> {
     let keys = QueueKeys::new(q);
     let total = tx.stats(q)?.count(state) as i64;
     let norm = |i: i64| if i < 0 { (total + i).max(-1) } else { i };
@@ -83,7 +95,14 @@ pub fn range(tx: &mut Tx, q: &QueueId, state: JobState, start: i64, end: i64, as
 }
 
 /// A job's log lines, positions `start..=end`, oldest first when `asc`; and the total.
-pub fn logs(tx: &mut Tx, q: &QueueId, id: &str, start: i64, end: i64, asc: bool) -> Result<(Vec<String>, u64), JobsError> {
+pub fn logs(
+    tx: &mut Tx,
+    q: &QueueId,
+    id: &str,
+    start: i64,
+    end: i64,
+    asc: bool,
+) -> Result<(Vec<String>, u64), JobsError> {
     let Some(job) = tx.load_job(q, id)? else { return Ok((Vec::new(), 0)) };
     let total = job.log_count as i64;
     let norm = |i: i64| if i < 0 { (total + i).max(-1) } else { i };
@@ -183,5 +202,10 @@ pub fn get_job(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Option<JobRecord>, 
 /// Every queue of a namespace.
 pub fn queues(tx: &mut Tx, ns: &str) -> Result<Vec<QueueId>, JobsError> {
     let all = keys::prefix_range(keys::registry_prefix());
-    Ok(tx.scan(&all, usize::MAX, false)?.into_iter().filter_map(|(k, _)| keys::parse_registry(&k)).filter(|q| q.ns == ns).collect())
+    Ok(tx
+        .scan(&all, usize::MAX, false)?
+        .into_iter()
+        .filter_map(|(k, _)| keys::parse_registry(&k))
+        .filter(|q| q.ns == ns)
+        .collect())
 }

@@ -119,7 +119,8 @@ pub fn delete(tx: &mut Tx, key: &str) -> Result<bool, JobsError> {
 pub fn incr(tx: &mut Tx, key: &str, member: &str, ttl_ms: Option<u64>) -> Result<Counted, JobsError> {
     validate_name("counter member", member, MAX_NAME_BYTES)?;
     let old = stored_expiry(tx, key)?;
-    let mut rec = load(tx, key)?.unwrap_or_else(|| ResultRecord { members: Some(BTreeSet::new()), ..Default::default() });
+    let mut rec =
+        load(tx, key)?.unwrap_or_else(|| ResultRecord { members: Some(BTreeSet::new()), ..Default::default() });
     let Some(members) = rec.members.as_mut() else {
         return Err(JobsError::invalid(format!("result key {key} holds a value, not a counter")));
     };

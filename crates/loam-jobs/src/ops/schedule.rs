@@ -99,7 +99,12 @@ fn iteration_opts(rec: &SchedulerRecord, job_id: &str, delay: u64, now: u64) -> 
     Json::Object(opts).to_string()
 }
 
-fn add_iteration(tx: &mut Tx, q: &QueueId, rec: &SchedulerRecord, template: &EnqueueRequest) -> Result<(String, u64), JobsError> {
+fn add_iteration(
+    tx: &mut Tx,
+    q: &QueueId,
+    rec: &SchedulerRecord,
+    template: &EnqueueRequest,
+) -> Result<(String, u64), JobsError> {
     let job_id = iteration_id(&rec.id, rec.next_millis);
     let delay = rec.next_millis.saturating_sub(tx.now);
     let req = EnqueueRequest {
@@ -246,7 +251,13 @@ pub fn advance(
 /// Moves a scheduler on to tick `next` and enqueues that tick's iteration,
 /// unless a job holds its id already (then a `duplicated` event) or the
 /// scheduler is past its limit or end date.
-fn move_to_tick(tx: &mut Tx, q: &QueueId, mut rec: SchedulerRecord, next: u64, template: &EnqueueRequest) -> Result<Option<String>, JobsError> {
+fn move_to_tick(
+    tx: &mut Tx,
+    q: &QueueId,
+    mut rec: SchedulerRecord,
+    next: u64,
+    template: &EnqueueRequest,
+) -> Result<Option<String>, JobsError> {
     let prev = rec.next_millis;
     let next_id = iteration_id(&rec.id, next);
     if tx.load_job(q, &next_id)?.is_some() {
@@ -327,7 +338,12 @@ pub fn advance_to(
 }
 
 /// Stores `extra` with scheduler `id` (the server's own bookkeeping).
-pub fn set_extra(tx: &mut Tx, q: &QueueId, id: &str, extra: std::collections::BTreeMap<String, String>) -> Result<bool, JobsError> {
+pub fn set_extra(
+    tx: &mut Tx,
+    q: &QueueId,
+    id: &str,
+    extra: std::collections::BTreeMap<String, String>,
+) -> Result<bool, JobsError> {
     let keys = QueueKeys::new(q);
     let Some(mut rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(false) };
     rec.extra = extra;

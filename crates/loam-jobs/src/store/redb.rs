@@ -108,9 +108,7 @@ impl RedbStore {
 
     /// A store that lives in memory only, for tests.
     pub fn in_memory() -> Result<Self, StoreError> {
-        let db = Database::builder()
-            .create_with_backend(redb::backends::InMemoryBackend::new())
-            .map_err(io)?;
+        let db = Database::builder().create_with_backend(redb::backends::InMemoryBackend::new()).map_err(io)?;
         Self::start(db, Durability::Immediate, MAX_BATCH, None)
     }
 
@@ -133,7 +131,8 @@ impl RedbStore {
         });
         let (sender, receiver) = mpsc::channel();
         let (to_committer, from_executor) = mpsc::channel();
-        let executor = Executor { progress: Arc::clone(&progress), to_committer, durability, max_batch: max_batch.max(1) };
+        let executor =
+            Executor { progress: Arc::clone(&progress), to_committer, durability, max_batch: max_batch.max(1) };
         let file_writer = FileWriter { db: Arc::clone(&db), progress: Arc::clone(&progress) };
         let mut threads = Vec::new();
         // With a log, redb is written on a thread of its own, behind the log;
@@ -827,7 +826,12 @@ impl FileWriter {
         outcome
     }
 
-    fn commit(&self, batches: &[&(u64, Arc<Writes>)], durable: bool, generation: Option<u64>) -> Result<(), StoreError> {
+    fn commit(
+        &self,
+        batches: &[&(u64, Arc<Writes>)],
+        durable: bool,
+        generation: Option<u64>,
+    ) -> Result<(), StoreError> {
         let mut txn = self.db.begin_write().map_err(io)?;
         txn.set_durability(if durable { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
         {
@@ -1012,7 +1016,8 @@ mod log_tests {
     #[test]
     fn small_batches_read_the_uncommitted_writes_before_them() {
         let dir = tempfile::tempdir().unwrap();
-        let store = RedbStore::open(&dir.path().join("jobs.redb"), RedbOptions { max_batch: 1, ..Default::default() }).unwrap();
+        let store =
+            RedbStore::open(&dir.path().join("jobs.redb"), RedbOptions { max_batch: 1, ..Default::default() }).unwrap();
         const INCREMENTS: u64 = 300;
         let (sender, receiver) = mpsc::channel();
         for _ in 0..INCREMENTS {
