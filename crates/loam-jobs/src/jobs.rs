@@ -414,7 +414,7 @@ impl Jobs {
             return Box::pin(self.clocked().lease_wait(ns, queue, req, wait, interrupt)).await;
         }
         let q = Self::queue(ns, queue)?;
-        let deadline = Instant::now() + wait;
+        let deadline = deadline_after(wait);
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Jobs);
             let got = self.lease(ns, queue, req.clone()).await?;
@@ -443,7 +443,7 @@ impl Jobs {
             return self.clocked().lease_wait_blocking(ns, queue, req, wait);
         }
         let q = Self::queue(ns, queue)?;
-        let deadline = Instant::now() + wait;
+        let deadline = deadline_after(wait);
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Jobs);
             let got = self.lease(ns, queue, req.clone()).wait()?;
@@ -461,7 +461,7 @@ impl Jobs {
         let now_ms = self.now_ms();
         let mut until = deadline;
         let mut consider = |ms: u64| {
-            let t = Instant::now() + Duration::from_millis(ms);
+            let t = deadline_after(Duration::from_millis(ms));
             if t < until {
                 until = t;
             }
@@ -489,7 +489,7 @@ impl Jobs {
             return Box::pin(self.clocked().wait_for_job(ns, queue, wait, interrupt)).await;
         }
         let q = Self::queue(ns, queue)?;
-        let deadline = Instant::now() + wait;
+        let deadline = deadline_after(wait);
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Jobs);
             let (ready, due, paused) = self.read(ns, |tx| {
@@ -508,7 +508,7 @@ impl Jobs {
             // Sleep until woken, or until the next delayed job falls due.
             let mut until = deadline;
             if let Some(d) = due.filter(|_| !paused) {
-                until = until.min(now + Duration::from_millis(d.saturating_sub(now_ms)));
+                until = until.min(now.checked_add(Duration::from_millis(d.saturating_sub(now_ms))).unwrap_or(until));
             }
             let sleep = until.saturating_duration_since(now);
             match sleep_until_woken(listener, sleep, interrupt).await {
@@ -650,7 +650,7 @@ impl Jobs {
             Some(a) => a,
             None => self.read(ns, |tx| query::last_event_seq(tx, &q))?,
         };
-        let deadline = Instant::now() + wait;
+        let deadline = deadline_after(wait);
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Events);
             let events = self.read(ns, |tx| query::events_after(tx, &q, after, limit))?;
@@ -679,7 +679,7 @@ impl Jobs {
             Some(a) => a,
             None => self.read(ns, |tx| query::last_event_seq(tx, &q))?,
         };
-        let deadline = Instant::now() + wait;
+        let deadline = deadline_after(wait);
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Events);
             let events = self.read(ns, |tx| query::events_after(tx, &q, after, limit))?;
@@ -775,7 +775,7 @@ fn maintenance_loop(weak: std::sync::Weak<Inner>) {
                 .map(|c| Duration::from_millis(c.stalled_interval_ms.max(100)))
                 .unwrap_or(Duration::from_secs(30));
             let _ = jobs.sweep_stalled(&q.ns, &q.name).wait();
-            inner.sweeps.lock().insert(q, now + interval);
+            inner.sweeps.lock().insert(q, now.checked_add(interval).unwrap_or_else(|| deadline_after(interval)));
         }
         let mut wait = IDLE;
         if let Some(next_sweep) = inner.sweeps.lock().values().min() {
@@ -792,4 +792,11 @@ fn maintenance_loop(weak: std::sync::Weak<Inner>) {
             inner.timers.changed.wait_for(&mut heap, wait.max(Duration::from_millis(1)));
         }
     }
+}
+
+/// When a wait of `wait` ends; a wait too long for the clock (a caller's
+/// "forever") ends in about a century instead of overflowing.
+fn deadline_after(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }

@@ -23,6 +23,9 @@ const GENERATION: u8 = b'G';
 const RESULT_ENTRY: u8 = b'V';
 /// `X expires-at ns key`: result-store entries by expiry, for the purge.
 const RESULT_EXPIRY: u8 = b'X';
+/// `E ns queue`: the epoch floor of an obliterated queue (see
+/// `QueueStats::epoch_floor`), kept until the queue is written again.
+const EPOCH_FLOOR: u8 = b'E';
 
 // Per-queue sub-tags.
 const JOB: u8 = b'j';
@@ -123,6 +126,13 @@ impl std::fmt::Display for QueueId {
 
 pub fn generation() -> Key {
     vec![GENERATION]
+}
+
+pub fn epoch_floor(q: &QueueId) -> Key {
+    let mut k = vec![EPOCH_FLOOR];
+    push_str(&mut k, &q.ns);
+    push_str(&mut k, &q.name);
+    k
 }
 
 pub fn registry_prefix() -> Key {

@@ -297,6 +297,13 @@ pub struct QueueStats {
     /// Event log bounds: sequence of the newest event and of the oldest kept.
     pub last_event: u64,
     pub first_event: u64,
+    /// The highest lease epoch of any job of this queue whose record was
+    /// deleted. A job created again under a deleted one's id starts its
+    /// epochs above it, so a worker still holding a lease on the old record
+    /// is fenced out of the new one's. (Missing in stores written before it:
+    /// zero.)
+    #[serde(default)]
+    pub epoch_floor: u64,
 }
 
 impl QueueStats {
@@ -671,4 +678,23 @@ pub(crate) fn validate_name(kind: &str, value: &str, max: usize) -> Result<(), J
     }
     // Any other bytes are fine: keys escape every byte they need to.
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counters written before `epoch_floor` existed (an array one field
+    /// shorter) still read, with a floor of zero.
+    #[test]
+    fn counters_from_before_the_epoch_floor_still_read() {
+        #[derive(Serialize)]
+        struct Before(u64, u64, u64, u64, u64, u64, u64, u64, u64, u64, u64);
+        let old = encode(&Before(7, 8, 1, 2, 3, 4, 5, 6, 9, 10, 11));
+        let stats: QueueStats = decode(&old).unwrap_or_else(|e| panic!("old counters: {e}"));
+        assert_eq!((stats.last_id, stats.first_event, stats.epoch_floor), (7, 11, 0));
+        let now: QueueStats =
+            decode(&encode(&QueueStats { epoch_floor: 5, ..stats })).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(now.epoch_floor, 5);
+    }
 }

@@ -28,6 +28,9 @@ struct QueueCache {
     dirty: bool,
     /// The queue had no counters yet: its first write registers it.
     new: bool,
+    /// It had been obliterated: its counters start from the epoch floor it
+    /// left (`keys::epoch_floor`), which its first write takes over.
+    reborn: bool,
     config: Option<QueueConfig>,
     max_events: Option<u64>,
     /// The meta hash, read with one scan on first use (or recalled from an
@@ -130,11 +133,16 @@ impl<'a> Tx<'a> {
         let at = match self.queues.iter().position(|(known, _)| known == q) {
             Some(at) => at,
             None => {
-                let (stats, new) = match self.kv.get(&QueueKeys::new(q).stats())? {
-                    Some(bytes) => (model::decode(&bytes)?, false),
-                    None => (QueueStats::default(), true),
+                let (stats, new, reborn) = match self.kv.get(&QueueKeys::new(q).stats())? {
+                    Some(bytes) => (model::decode(&bytes)?, false, false),
+                    None => match self.kv.get(&keys::epoch_floor(q))? {
+                        Some(floor) => {
+                            (QueueStats { epoch_floor: model::decode(&floor)?, ..Default::default() }, true, true)
+                        }
+                        None => (QueueStats::default(), true, false),
+                    },
                 };
-                let cache = QueueCache { stats, dirty: false, new, config: None, max_events: None, meta: None };
+                let cache = QueueCache { stats, dirty: false, new, reborn, config: None, max_events: None, meta: None };
                 self.queues.push((q.clone(), cache));
                 self.queues.len() - 1
             }
@@ -226,18 +234,22 @@ impl<'a> Tx<'a> {
     /// Writes the queues' counters back. Called once, at the end of the body.
     pub fn finish(mut self) -> Result<Effects, JobsError> {
         self.close_page_if(|_| true)?;
-        let dirty: Vec<(QueueId, Vec<u8>, bool)> = self
+        let dirty: Vec<(QueueId, Vec<u8>, bool, bool)> = self
             .queues
             .iter()
             .filter(|(_, c)| c.dirty)
-            .map(|(q, c)| (q.clone(), model::encode(&c.stats), c.new))
+            .map(|(q, c)| (q.clone(), model::encode(&c.stats), c.new, c.reborn))
             .collect();
-        for (q, bytes, new) in dirty {
+        for (q, bytes, new, reborn) in dirty {
             self.kv.put(&QueueKeys::new(&q).stats(), bytes)?;
             if new {
                 // First write to this queue: register it for sweeps and listings.
                 self.kv.put(&keys::registry(&q), Vec::new())?;
-                self.effects.new_queues.push(q);
+                self.effects.new_queues.push(q.clone());
+            }
+            if reborn {
+                // Its counters carry the floor now.
+                self.kv.delete(&keys::epoch_floor(&q))?;
             }
         }
         Ok(self.effects)

@@ -1025,3 +1025,201 @@ fn a_job_leaving_active_wakes_workers_of_a_maxed_queue() {
         assert!(started.elapsed() < Duration::from_secs(2), "woken by the freed slot, not the timeout");
     });
 }
+
+/// A lease with the core's own token (`token` empty), as the server's and
+/// Python's workers take them.
+fn lease_default_token(jobs: &Jobs, q: &str, lock_ms: u64) -> Lease {
+    let req = LeaseRequest { max: 1, lock_duration_ms: lock_ms, ..Default::default() };
+    jobs.lease("ns", q, req).wait().unwrap().leases.pop().unwrap()
+}
+
+/// A worker may still complete after its lease expired, until the sweep
+/// (design 26 section 6.3). If the job was deleted meanwhile and another
+/// added under its id, that worker's epoch and token must not fit the new
+/// job's lease: ids come back by name (removal) and by counter (obliterate).
+#[test]
+fn a_lease_on_a_deleted_job_is_fenced_out_of_a_new_job_with_its_id() {
+    let (jobs, clock) = core();
+    let named = || EnqueueRequest { job_id: Some("order-1".into()), ..job("a") };
+    jobs.enqueue("ns", "q", named()).wait().unwrap();
+    let old = lease_default_token(&jobs, "q", 1_000);
+    clock.advance(2_000);
+    assert!(jobs.admin("ns", "q", |tx, q| admin::remove_job(tx, q, "order-1", false)).wait().unwrap());
+    jobs.enqueue("ns", "q", named()).wait().unwrap();
+    let new = lease_default_token(&jobs, "q", 60_000);
+    assert!(
+        new.epoch > old.epoch && new.token != old.token,
+        "{} {} / {} {}",
+        old.epoch,
+        old.token,
+        new.epoch,
+        new.token
+    );
+    for fence in [Fence::Epoch(old.epoch), Fence::Token(old.token.clone())] {
+        let late = jobs.complete("ns", "q", "order-1", fence, Outcome::Ok { result: None }, CompleteOptions::default());
+        assert!(matches!(late.wait(), Err(JobsError::Fenced { .. })));
+    }
+
+    // Obliterated with `force` while leased: the counters start over, ids from 1.
+    let first = jobs.enqueue("ns", "o", job("a")).wait().unwrap();
+    let old = lease_default_token(&jobs, "o", 60_000);
+    jobs.admin("ns", "o", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
+    while jobs.admin("ns", "o", |tx, q| admin::obliterate(tx, q, true, 1)).wait().unwrap() {}
+    let again = jobs.enqueue("ns", "o", job("b")).wait().unwrap();
+    assert_eq!(again.id, first.id);
+    let new = lease_default_token(&jobs, "o", 60_000);
+    assert!(new.epoch > old.epoch && new.token != old.token);
+    let late = jobs.complete(
+        "ns",
+        "o",
+        &again.id,
+        Fence::Epoch(old.epoch),
+        Outcome::Ok { result: None },
+        CompleteOptions::default(),
+    );
+    assert!(matches!(late.wait(), Err(JobsError::Fenced { .. })));
+    let done = finish(&jobs, "o", &new, Outcome::Ok { result: None }).unwrap();
+    assert_eq!(done.state, Some(JobState::Completed));
+}
+
+/// Re-adding a job under its id with a parent adopts it; a parent that is
+/// the job itself or below it would close a cycle, which is refused. A
+/// removal with children then ends (it walked a cycle forever and overflowed
+/// the writer thread's stack).
+#[test]
+fn a_job_cannot_be_adopted_by_itself_or_its_descendant() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some("x".into()), ..job("x") }).wait().unwrap();
+    let own_child = EnqueueRequest { job_id: Some("x".into()), parent: Some(parent("q", "x")), ..job("x") };
+    assert!(matches!(jobs.enqueue("ns", "q", own_child).wait(), Err(JobsError::InvalidArgument(_))));
+
+    jobs.flow(
+        "ns",
+        vec![
+            FlowNode {
+                queue: "q".into(),
+                request: EnqueueRequest { job_id: Some("p".into()), ..job("p") },
+                wait_children: true,
+            },
+            FlowNode {
+                queue: "kids".into(),
+                request: EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("q", "p")), ..job("c") },
+                wait_children: true,
+            },
+            FlowNode {
+                queue: "kids".into(),
+                request: EnqueueRequest { job_id: Some("g".into()), parent: Some(parent("kids", "c")), ..job("g") },
+                wait_children: false,
+            },
+        ],
+    )
+    .wait()
+    .unwrap();
+    let under_grandchild = EnqueueRequest { job_id: Some("p".into()), parent: Some(parent("kids", "g")), ..job("p") };
+    assert!(matches!(jobs.enqueue("ns", "q", under_grandchild).wait(), Err(JobsError::InvalidArgument(_))));
+    assert_eq!(jobs.get_job("ns", "kids", "g").unwrap().unwrap().pending_children, 0);
+
+    assert!(jobs.admin("ns", "q", |tx, q| admin::remove_job(tx, q, "x", true)).wait().unwrap());
+    assert!(jobs.admin("ns", "q", |tx, q| admin::remove_job(tx, q, "p", true)).wait().unwrap());
+    assert_eq!(state(&jobs, "kids", "c"), None);
+    assert_eq!(state(&jobs, "kids", "g"), None);
+}
+
+/// Obliterating a queue takes its jobs out of their parents' pending
+/// children, as on Redis: a parent in another queue does not wait forever.
+#[test]
+fn obliterating_a_childs_queue_releases_its_parent_in_another_queue() {
+    let (jobs, _) = core();
+    jobs.flow(
+        "ns",
+        vec![
+            FlowNode {
+                queue: "parents".into(),
+                request: EnqueueRequest { job_id: Some("p".into()), ..job("p") },
+                wait_children: true,
+            },
+            FlowNode {
+                queue: "kids".into(),
+                request: EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("parents", "p")), ..job("c") },
+                wait_children: false,
+            },
+        ],
+    )
+    .wait()
+    .unwrap();
+    jobs.admin("ns", "kids", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
+    while jobs.admin("ns", "kids", |tx, q| admin::obliterate(tx, q, false, 100)).wait().unwrap() {}
+    let p = jobs.get_job("ns", "parents", "p").unwrap().unwrap();
+    assert_eq!((p.state, p.pending_children), (JobState::Waiting, 0));
+    assert_eq!(lease_one(&jobs, "parents").unwrap().job.id, "p");
+}
+
+/// addBulk runs its items in one transaction: an item refused (here for a
+/// missing parent) must not have done part of its work, such as replacing
+/// the delayed job its debounce key holds.
+#[test]
+fn a_refused_bulk_item_leaves_nothing_behind() {
+    let (jobs, _) = core();
+    let debounce = Dedup { id: "d".into(), ttl_ms: Some(60_000), replace: true, extend: true, ..Default::default() };
+    let kept = EnqueueRequest { delay_ms: 10_000, dedup: Some(debounce.clone()), ..job("first") };
+    let kept = jobs.enqueue("ns", "q", kept).wait().unwrap().id;
+    let refused = EnqueueRequest {
+        delay_ms: 10_000,
+        dedup: Some(debounce),
+        parent: Some(parent("nowhere", "missing")),
+        ..job("second")
+    };
+    let results = jobs.enqueue_bulk("ns", "q", vec![refused, job("third")]).wait().unwrap();
+    assert!(matches!(results[0], Err(JobsError::NotFound(_))), "{results:?}");
+    assert!(results[1].is_ok());
+    assert_eq!(state(&jobs, "q", &kept), Some(JobState::Delayed), "the acknowledged job was replaced by a refused add");
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Delayed, JobState::Waiting]).unwrap(), [1, 1]);
+}
+
+/// Cleaning waiting-children removes a parent whose last child it removed
+/// (BullMQ's hard removal); the parent, further on in the same scan, is
+/// then skipped instead of failing the clean.
+#[test]
+fn clean_passes_over_a_parent_it_removed_with_its_last_child() {
+    let (jobs, clock) = core();
+    let child_of = |queue: &str, id: &str, p: ParentRef, wait_children: bool| FlowNode {
+        queue: queue.into(),
+        request: EnqueueRequest { job_id: Some(id.into()), parent: Some(p), ..job(id) },
+        wait_children,
+    };
+    let root = |id: &str| FlowNode {
+        queue: "q".into(),
+        request: EnqueueRequest { job_id: Some(id.into()), ..job(id) },
+        wait_children: true,
+    };
+    jobs.flow("ns", vec![root("c"), child_of("other", "g", parent("q", "c"), false)]).wait().unwrap();
+    clock.advance(10);
+    jobs.flow("ns", vec![root("p"), child_of("q", "c", parent("q", "p"), false)]).wait().unwrap();
+    let now = clock.now_ms();
+    let cleaned = jobs.admin("ns", "q", move |tx, q| admin::clean(tx, q, "waiting-children", now, 0)).wait().unwrap();
+    assert_eq!(cleaned, ["c"]);
+    assert_eq!((state(&jobs, "q", "c"), state(&jobs, "q", "p")), (None, None));
+}
+
+/// Times and durations a caller may give as "forever" (u64::MAX) saturate
+/// instead of wrapping past the clock: the key keeps its job, the lease does
+/// not expire at once, and a wait beside a job due at the end of time ends.
+#[test]
+fn ttls_and_durations_past_the_end_of_the_clock_saturate() {
+    let (jobs, clock) = core();
+    let keyed =
+        || EnqueueRequest { idempotency: Some(Idempotency { key: "k".into(), ttl_ms: Some(u64::MAX) }), ..job("a") };
+    let first = jobs.enqueue("ns", "q", keyed()).wait().unwrap();
+    let again = jobs.enqueue("ns", "q", keyed()).wait().unwrap();
+    assert_eq!((again.id, again.created), (first.id, false));
+
+    let held = lease_default_token(&jobs, "q", u64::MAX);
+    clock.advance(3_600_000);
+    assert!(jobs.sweep_stalled("ns", "q").wait().unwrap().is_empty());
+    assert!(held.deadline > clock.now_ms());
+
+    jobs.enqueue("ns", "late", EnqueueRequest { delay_ms: u64::MAX, ..job("never") }).wait().unwrap();
+    let req = LeaseRequest { max: 1, ..Default::default() };
+    let got = jobs.at(clock.now_ms()).lease_wait_blocking("ns", "late", req, Duration::from_millis(20)).unwrap();
+    assert!(got.leases.is_empty());
+}

@@ -12,8 +12,13 @@ use crate::ops::lease::{self, Line};
 use crate::tx::Tx;
 
 /// Deletes a job's record, logs and dependency records. The caller has
-/// already taken it out of its index.
+/// already taken it out of its index. Its epoch stays behind as the queue's
+/// floor, so a job added again under its id never hands out a lease epoch
+/// (and default token) that a worker of the old one may still hold.
 pub fn purge_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    if job.epoch > tx.stats(q)?.epoch_floor {
+        tx.stats_mut(q)?.epoch_floor = job.epoch;
+    }
     let keys = QueueKeys::new(q);
     tx.delete(&keys.job(&job.id))?;
     tx.delete_range(&keys.logs(&job.id))?;
@@ -82,17 +87,34 @@ fn release_dedup_key(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), Jo
 /// its parent's last pending child, a parent in the same queue is removed too
 /// (and so on upwards); a parent in another queue is released without an event.
 fn drop_job_hard(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    let mut next = drop_one_hard(tx, q, job)?;
+    while let Some(parent) = next {
+        next = drop_one_hard(tx, q, &parent)?;
+    }
+    Ok(())
+}
+
+/// One step of [`drop_job_hard`]: returns the parent in the same queue that
+/// is to go next (a loop, not recursion: a chain of parents may be long).
+fn drop_one_hard(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<Option<JobRecord>, JobsError> {
     tx.unindex(q, job)?;
     release_dedup_key(tx, q, job)?;
     purge_job(tx, q, job)?;
-    if let (_, Some((pq, pjob))) = unlink_pending_child(tx, q, job)? {
-        if pq == *q {
-            drop_job_hard(tx, &pq, &pjob)?;
-        } else {
+    release_parent_of_purged(tx, q, job)
+}
+
+/// Unlinks a purged job from its parent. A parent in another queue left with
+/// no pending child runs next; one in the same queue is returned to the
+/// caller, which is removing that queue's jobs.
+fn release_parent_of_purged(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<Option<JobRecord>, JobsError> {
+    match unlink_pending_child(tx, q, job)? {
+        (_, Some((pq, pjob))) if pq == *q => Ok(Some(pjob)),
+        (_, Some((pq, pjob))) => {
             lease::make_ready(tx, &pq, pjob, None, Line::Front)?;
+            Ok(None)
         }
+        (_, None) => Ok(None),
     }
-    Ok(())
 }
 
 /// BullMQ's name of a state in `removed` events (`wait`, not `waiting`).
@@ -121,18 +143,31 @@ fn children(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(QueueId, Dependen
         .collect()
 }
 
-/// Whether a job or, with `with_children`, a pending descendant holds a live
-/// lease (an expired one, not yet swept, is no lock, as in BullMQ).
+/// Whether a job or, with `with_children`, a descendant holds a live lease
+/// (an expired one, not yet swept, is no lock, as in BullMQ). The tree is
+/// walked with a list, not recursion, and each job once: a tree may be deep.
 fn locked(tx: &mut Tx, q: &QueueId, job: &JobRecord, with_children: bool) -> Result<bool, JobsError> {
-    if job.state == JobState::Active && job.lock.as_ref().is_some_and(|l| l.deadline > tx.lease_now) {
+    let leased = |tx: &Tx, job: &JobRecord| {
+        job.state == JobState::Active && job.lock.as_ref().is_some_and(|l| l.deadline > tx.lease_now)
+    };
+    if leased(tx, job) {
         return Ok(true);
     }
-    if with_children {
-        for (cq, dep) in children(tx, q, &job.id)? {
-            if let Some(child) = tx.load_job(&cq, &dep.child_id)?
-                && locked(tx, &cq, &child, true)?
-            {
-                return Ok(true);
+    if !with_children {
+        return Ok(false);
+    }
+    let mut seen = std::collections::HashSet::from([(q.clone(), job.id.clone())]);
+    let mut parents = vec![(q.clone(), job.id.clone())];
+    while let Some((pq, id)) = parents.pop() {
+        for (cq, dep) in children(tx, &pq, &id)? {
+            if !seen.insert((cq.clone(), dep.child_id.clone())) {
+                continue;
+            }
+            if let Some(child) = tx.load_job(&cq, &dep.child_id)? {
+                if leased(tx, &child) {
+                    return Ok(true);
+                }
+                parents.push((cq, child.id));
             }
         }
     }
@@ -160,15 +195,18 @@ fn remove_tree(tx: &mut Tx, q: &QueueId, job: JobRecord, remove_children: bool) 
     remove_descendants_of(tx, children)
 }
 
-/// Removes the subtree under a job that is itself being removed. The children
-/// are read before the job's dependency records go (see [`purge_job`]).
-fn remove_descendants_of(tx: &mut Tx, children: Vec<(QueueId, Dependency)>) -> Result<(), JobsError> {
-    for (cq, dep) in children {
+/// Removes the subtree under a job that is itself being removed, depth
+/// first, each child before its own children (with a list, not recursion: a
+/// tree may be deep). The children are read before the job's dependency
+/// records go (see [`purge_job`]); a job already removed is not found again.
+fn remove_descendants_of(tx: &mut Tx, mut children: Vec<(QueueId, Dependency)>) -> Result<(), JobsError> {
+    children.reverse();
+    while let Some((cq, dep)) = children.pop() {
         if let Some(child) = tx.load_job(&cq, &dep.child_id)? {
             let grandchildren = self::children(tx, &cq, &child.id)?;
             drop_detached(tx, &cq, &child)?;
             tx.event(&cq, "removed", &[("jobId", &child.id), ("prev", removed_prev(child.state))])?;
-            remove_descendants_of(tx, grandchildren)?;
+            children.extend(grandchildren.into_iter().rev());
         }
     }
     Ok(())
@@ -221,7 +259,8 @@ pub fn drain(tx: &mut Tx, q: &QueueId, delayed: bool) -> Result<u64, JobsError> 
     let mut n = 0;
     for range in ranges {
         for id in ids_in(tx, &range, usize::MAX)? {
-            let job = tx.require_job(q, &id)?;
+            // A parent removed with its last child earlier in this loop.
+            let Some(job) = tx.load_job(q, &id)? else { continue };
             if !is_scheduler_iteration(tx, q, &job)? {
                 drop_job_hard(tx, q, &job)?;
                 n += 1;
@@ -257,7 +296,8 @@ pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> 
                 break 'scan;
             }
             let id = String::from_utf8_lossy(&id).into_owned();
-            let job = tx.require_job(q, &id)?;
+            // A parent removed with its last child earlier in this loop.
+            let Some(job) = tx.load_job(q, &id)? else { continue };
             let stamp = if by_score {
                 job.finished_on.unwrap_or(job.timestamp)
             } else {
@@ -297,12 +337,22 @@ pub fn obliterate(tx: &mut Tx, q: &QueueId, force: bool, count: u64) -> Result<b
         let job: JobRecord = model::decode(v)?;
         tx.unindex(q, &job)?;
         purge_job(tx, q, &job)?;
+        // A parent in another queue stops waiting for it, as on Redis; one
+        // in this queue goes with it.
+        release_parent_of_purged(tx, q, &job)?;
     }
     if jobs.len() == budget {
         return Ok(true);
     }
+    // The counters go with the queue; their epoch floor outlives it (see
+    // `QueueStats::epoch_floor`): a worker may still hold a lease on a job
+    // obliterated with `force`, and the ids start from 1 again.
+    let floor = tx.stats(q)?.epoch_floor;
     tx.delete_range(&keys.all())?;
     tx.delete(&keys::registry(q))?;
+    if floor > 0 {
+        tx.put_record(&keys::epoch_floor(q), &floor)?;
+    }
     tx.drop_queue(q);
     Ok(false)
 }

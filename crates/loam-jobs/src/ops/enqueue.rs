@@ -65,6 +65,8 @@ pub enum Placement {
     WaitChildren,
 }
 
+/// Every refusal comes before the first write: `Jobs::enqueue_bulk` runs its
+/// items on one transaction, and a refused item must leave nothing behind.
 pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
     validate(tx, &req)?;
     let keys = QueueKeys::new(q);
@@ -95,6 +97,9 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
         return Ok(Enqueued { id: id.clone(), created: false, state: existing.state, deduplicated_by: None });
     }
 
+    if let Some(parent) = &req.parent {
+        load_parent(tx, parent)?;
+    }
     let id = match &req.job_id {
         Some(id) => id.clone(),
         None => {
@@ -181,7 +186,11 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
     }
     if let Some(idem) = &req.idempotency {
         let ttl = idem.ttl_ms.unwrap_or(tx.config.idempotency_ttl_ms);
-        let rec = IdempotencyRecord { request_hash: request_hash(&req), job_id: id.clone(), expires_at: tx.now + ttl };
+        let rec = IdempotencyRecord {
+            request_hash: request_hash(&req),
+            job_id: id.clone(),
+            expires_at: tx.now.saturating_add(ttl),
+        };
         tx.put_record(&keys.idempotency(&idem.key), &rec)?;
     }
     Ok(Enqueued { id, created: true, state: job.state, deduplicated_by: None })
@@ -195,9 +204,7 @@ fn keys_node(q: &QueueId, id: &str, parent: &ParentRef) -> String {
 /// Records a new child under its parent: a pending dependency and one more
 /// pending child. The parent must exist (BullMQ's ParentJobNotExist).
 fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_key: &str) -> Result<(), JobsError> {
-    let pq = QueueId::new(tx_ns_of(tx, parent), parent.queue.clone());
-    let mut pjob =
-        tx.load_job(&pq, &parent.id)?.ok_or_else(|| JobsError::NotFound(Missing::ParentJob(parent.node_key())))?;
+    let (pq, mut pjob) = load_parent(tx, parent)?;
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, child_key);
     if tx.get(&dep_key)?.is_none() {
         let dep = Dependency {
@@ -209,6 +216,39 @@ fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_k
         tx.put_record(&dep_key, &dep)?;
         pjob.pending_children += 1;
         tx.save_job(&pq, &pjob)?;
+    }
+    Ok(())
+}
+
+/// The parent an add names, which must exist (BullMQ's ParentJobNotExist).
+fn load_parent(tx: &mut Tx, parent: &ParentRef) -> Result<(QueueId, JobRecord), JobsError> {
+    let pq = QueueId::new(tx_ns_of(tx, parent), parent.queue.clone());
+    let pjob =
+        tx.load_job(&pq, &parent.id)?.ok_or_else(|| JobsError::NotFound(Missing::ParentJob(parent.node_key())))?;
+    Ok((pq, pjob))
+}
+
+/// Refuses to make `job` a child of `parent` when `parent` is `job` itself or
+/// one of its descendants: the tree would become a cycle, which every walk
+/// over it (removal, lock checks) would follow forever.
+fn refuse_cycle(tx: &mut Tx, q: &QueueId, job: &JobRecord, parent: &ParentRef) -> Result<(), JobsError> {
+    let mut above = Some((QueueId::new(tx_ns_of(tx, parent), parent.queue.clone()), parent.id.clone()));
+    let mut seen = std::collections::HashSet::new();
+    while let Some((aq, id)) = above {
+        if aq == *q && id == job.id {
+            return Err(JobsError::invalid(format!(
+                "job {} cannot become a child of {}: that job is itself or below it in its flow",
+                job.id,
+                parent.node_key()
+            )));
+        }
+        if !seen.insert((aq.clone(), id.clone())) {
+            break; // a cycle left by an older version; not ours to follow
+        }
+        above = tx
+            .load_job(&aq, &id)?
+            .and_then(|j| j.parent)
+            .map(|p| (QueueId::new(tx_ns_of(tx, &p), p.queue.clone()), p.id.clone()));
     }
     Ok(())
 }
@@ -230,9 +270,8 @@ fn adopt(
     {
         return Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { job: parent.node_key() }));
     }
-    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
-    let mut pjob =
-        tx.load_job(&pq, &parent.id)?.ok_or_else(|| JobsError::NotFound(Missing::ParentJob(parent.node_key())))?;
+    let (pq, mut pjob) = load_parent(tx, parent)?;
+    refuse_cycle(tx, q, &job, parent)?;
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &keys_node(q, &job.id, parent));
     if tx.get(&dep_key)?.is_none() {
         let completed = job.state == JobState::Completed;
@@ -279,7 +318,7 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
         None => (None, None),
     };
     let (Some(rec), Some(mut job)) = (current, current_job) else {
-        let expires_at = d.ttl_ms.filter(|t| *t > 0).map(|t| now + t);
+        let expires_at = d.ttl_ms.filter(|t| *t > 0).map(|t| now.saturating_add(t));
         tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at, next: None })?;
         return Ok(None);
     };
@@ -288,7 +327,7 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
         tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at: None, next: None })?;
         return Ok(None);
     }
-    let ttl_expiry = d.ttl_ms.filter(|t| *t > 0).map(|t| now + t);
+    let ttl_expiry = d.ttl_ms.filter(|t| *t > 0).map(|t| now.saturating_add(t));
 
     if d.replace && job.state == JobState::Delayed {
         // Debounce with replace: the pending delayed job gives way to the new one.
@@ -313,7 +352,7 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     if d.reschedule && job.state == JobState::Delayed {
         tx.unindex(q, &job)?;
         job.delay = req.delay_ms;
-        job.due = now + req.delay_ms;
+        job.due = now.saturating_add(req.delay_ms);
         tx.index(q, &job)?;
         tx.save_job(q, &job)?;
     }

@@ -82,7 +82,7 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
     }
     if let Some(l) = &limit {
         if window.window_end <= tx.now {
-            window = LimiterWindow { count: 0, window_end: tx.now + l.duration_ms };
+            window = LimiterWindow { count: 0, window_end: tx.now.saturating_add(l.duration_ms) };
         }
         room = room.min(l.max - window.count);
     }
@@ -115,15 +115,19 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
             }
             let prev = job.state;
             tx.unindex(q, &job)?;
-            let token = if req.token.is_empty() {
-                format!("loam:{}:{}", job.id, job.epoch.max(tx.generation << 32) + 1)
-            } else {
-                req.token.clone()
-            };
+            // Above every epoch handed out before: this record's, a lost
+            // lease's from before a crash (generation), and those of deleted
+            // records that had this job's id (the queue's floor).
+            let epoch = job.epoch.max(tx.generation << 32).max(tx.stats(q)?.epoch_floor) + 1;
+            let token = if req.token.is_empty() { format!("loam:{}:{}", job.id, epoch) } else { req.token.clone() };
             let lock_ms = job.lock_duration_ms.unwrap_or(duration);
             job.state = JobState::Active;
-            job.epoch = job.epoch.max(tx.generation << 32) + 1;
-            job.lock = Some(Lock { token: token.clone(), deadline: tx.lease_now + lock_ms, duration_ms: lock_ms });
+            job.epoch = epoch;
+            job.lock = Some(Lock {
+                token: token.clone(),
+                deadline: tx.lease_now.saturating_add(lock_ms),
+                duration_ms: lock_ms,
+            });
             // Never before it was due: a job made ready by the store's timer,
             // or by a caller whose clock runs ahead, may be leased by a caller
             // whose clock is behind (a remote worker's, by its message's time
@@ -137,7 +141,7 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
             tx.save_job(q, &job)?;
             tx.event(q, "active", &[("jobId", &job.id), ("prev", prev_name(prev))])?;
             window.count += 1;
-            out.leases.push(Lease { epoch: job.epoch, token, deadline: tx.lease_now + lock_ms, job });
+            out.leases.push(Lease { epoch: job.epoch, token, deadline: tx.lease_now.saturating_add(lock_ms), job });
         }
     }
     if limit.is_some() && !out.leases.is_empty() {
