@@ -1223,3 +1223,25 @@ fn ttls_and_durations_past_the_end_of_the_clock_saturate() {
     let got = jobs.at(clock.now_ms()).lease_wait_blocking("ns", "late", req, Duration::from_millis(20)).unwrap();
     assert!(got.leases.is_empty());
 }
+
+/// Listing schedulers takes any range, as BullMQ's getJobSchedulers(start,
+/// end) passes it through: the extremes of i64 neither overflow nor panic.
+#[test]
+fn schedulers_list_by_any_range() {
+    let (jobs, _) = core();
+    for id in ["a", "b"] {
+        let spec = SchedulerSpec {
+            id: id.into(),
+            name: "tick".into(),
+            every_ms: Some(1000),
+            job: job("tick"),
+            ..Default::default()
+        };
+        jobs.upsert_scheduler("ns", "q", spec).wait().unwrap();
+    }
+    let list = |start, end| jobs.query("ns", "q", move |tx, q| schedule::list(tx, q, start, end, true)).unwrap().len();
+    assert_eq!(list(i64::MIN, i64::MAX), 2);
+    assert_eq!(list(0, -1), 2);
+    assert_eq!(list(i64::MAX, i64::MIN), 0);
+    assert_eq!(list(-1, i64::MAX), 1);
+}

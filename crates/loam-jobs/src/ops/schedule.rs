@@ -301,7 +301,7 @@ pub fn list(tx: &mut Tx, q: &QueueId, start: i64, end: i64, asc: bool) -> Result
     let norm = |i: i64| if i < 0 { total + i } else { i };
     let (s, e) = (norm(start).max(0), norm(end).min(total - 1));
     let mut out = Vec::new();
-    for (k, _) in all.into_iter().skip(s.max(0) as usize).take((e - s + 1).max(0) as usize) {
+    for (k, _) in all.into_iter().skip(s.max(0) as usize).take(e.saturating_sub(s).saturating_add(1).max(0) as usize) {
         let suffix = keys.suffix(&k);
         if let Some((_, rest)) = crate::keys::read_u64(suffix)
             && let Some((id, _)) = crate::keys::read_str(rest)
