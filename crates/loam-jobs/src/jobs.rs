@@ -391,8 +391,29 @@ impl Jobs {
 
     /// Takes up to `req.max` jobs now. A lost lease is a stalled one, so the
     /// lease does not wait for fsync.
+    /// Takes jobs. If the caller drops the result before taking it (a call
+    /// cancelled, or its client gone, while the lease committed), the jobs go
+    /// back to the front of the queue at once instead of waiting out their
+    /// leases and counting as stalled.
     pub fn lease(&self, ns: &str, queue: &str, req: LeaseRequest) -> Pending<Leased> {
-        self.queue_write(ns, queue, false, move |tx, q| lease::lease(tx, q, &req))
+        let jobs = self.clone();
+        let (ns_owned, queue_owned) = (ns.to_string(), queue.to_string());
+        self.queue_write(ns, queue, false, move |tx, q| lease::lease(tx, q, &req)).if_abandoned(move |leased| {
+            for l in leased.leases {
+                let back = Outcome::Release { after_ms: None };
+                // Fenced by the lease's epoch: a job the sweep already took
+                // back is left alone.
+                jobs.complete(
+                    &ns_owned,
+                    &queue_owned,
+                    &l.job.id,
+                    Fence::Epoch(l.epoch),
+                    back,
+                    CompleteOptions::default(),
+                )
+                .then(|_| {});
+            }
+        })
     }
 
     /// This handle without a caller's time: waits run on the core's clock,

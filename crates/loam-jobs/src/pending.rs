@@ -26,6 +26,8 @@ enum Slot<T> {
 #[must_use = "a write is only known to be done once its Pending resolves"]
 pub struct Pending<T> {
     slot: Arc<Mutex<Slot<T>>>,
+    /// What to do with a result nobody will take (see [`Pending::if_abandoned`]).
+    abandoned: Option<Callback<T>>,
 }
 
 /// The writer's end of a [`Pending`]. Dropped unsettled (the store went away
@@ -37,7 +39,7 @@ pub(crate) struct Settle<T> {
 /// A pending result and the end that settles it.
 pub(crate) fn pending<T>() -> (Settle<T>, Pending<T>) {
     let slot = Arc::new(Mutex::new(Slot::Empty));
-    (Settle { slot: Some(Arc::clone(&slot)) }, Pending { slot })
+    (Settle { slot: Some(Arc::clone(&slot)) }, Pending { slot, abandoned: None })
 }
 
 impl<T> Settle<T> {
@@ -75,7 +77,7 @@ fn deliver<T>(slot: &Mutex<Slot<T>>, result: Result<T, JobsError>) {
 impl<T> Pending<T> {
     /// A write already settled (refused before it reached the store).
     pub(crate) fn settled(result: Result<T, JobsError>) -> Self {
-        Pending { slot: Arc::new(Mutex::new(Slot::Done(result))) }
+        Pending { slot: Arc::new(Mutex::new(Slot::Done(result))), abandoned: None }
     }
 
     /// Blocks the calling thread until the write is settled.
@@ -85,7 +87,8 @@ impl<T> Pending<T> {
 
     /// Runs `callback` with the result: now if settled, else on the thread
     /// that settles it (the store's committer), which it must not hold up.
-    pub fn then(self, callback: impl FnOnce(Result<T, JobsError>) + Send + 'static) {
+    pub fn then(mut self, callback: impl FnOnce(Result<T, JobsError>) + Send + 'static) {
+        self.abandoned = None; // the callback takes the result
         let mut guard = self.slot.lock();
         match std::mem::replace(&mut *guard, Slot::Taken) {
             Slot::Done(result) => {
@@ -98,6 +101,20 @@ impl<T> Pending<T> {
 }
 
 impl<T: Send + 'static> Pending<T> {
+    /// Hands a successful result to `undo` if this is dropped before its
+    /// result was taken: a write whose caller went away (a cancelled call, a
+    /// dropped future) has still committed, and some must be given back (a
+    /// lease nobody received would otherwise hold its jobs until it expires,
+    /// and count as a stall).
+    pub fn if_abandoned(mut self, undo: impl FnOnce(T) + Send + 'static) -> Self {
+        self.abandoned = Some(Box::new(move |result| {
+            if let Ok(value) = result {
+                undo(value);
+            }
+        }));
+        self
+    }
+
     /// The result passed through `f`, on the thread that settles this one.
     pub fn map<U: Send + 'static>(self, f: impl FnOnce(T) -> U + Send + 'static) -> Pending<U> {
         let (settle, out) = pending();
@@ -150,6 +167,22 @@ struct Gather<T> {
     results: Vec<Option<Result<T, JobsError>>>,
     left: usize,
     settle: Option<Settle<Vec<Result<T, JobsError>>>>,
+}
+
+impl<T> Drop for Pending<T> {
+    fn drop(&mut self) {
+        let Some(undo) = self.abandoned.take() else { return };
+        let mut guard = self.slot.lock();
+        match std::mem::replace(&mut *guard, Slot::Taken) {
+            Slot::Taken => {}
+            Slot::Done(result) => {
+                drop(guard);
+                undo(result);
+            }
+            Slot::Callback(callback) => *guard = Slot::Callback(callback),
+            Slot::Empty | Slot::Waiting(_) => *guard = Slot::Callback(undo),
+        }
+    }
 }
 
 impl<T> Future for Pending<T> {
@@ -221,5 +254,40 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(20));
         settle.settle(Ok(1));
         assert_eq!(waiter.join().unwrap(), Ok(1));
+    }
+
+    #[test]
+    fn an_abandoned_result_goes_to_its_undo_once_and_a_taken_one_never() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let undone = Arc::new(AtomicUsize::new(0));
+        let undo = |undone: &Arc<AtomicUsize>| {
+            let undone = Arc::clone(undone);
+            move |v: usize| {
+                undone.fetch_add(v, Ordering::SeqCst);
+            }
+        };
+        // Dropped before it settled: undone when it settles.
+        let (settle, p) = pending::<usize>();
+        drop(p.if_abandoned(undo(&undone)));
+        assert_eq!(undone.load(Ordering::SeqCst), 0);
+        settle.settle(Ok(1));
+        assert_eq!(undone.load(Ordering::SeqCst), 1);
+        // Dropped after it settled: undone at the drop.
+        let (settle, p) = pending::<usize>();
+        let p = p.if_abandoned(undo(&undone));
+        settle.settle(Ok(10));
+        drop(p);
+        assert_eq!(undone.load(Ordering::SeqCst), 11);
+        // Taken by waiting, by a callback, or failed: nothing to undo.
+        let (settle, p) = pending::<usize>();
+        settle.settle(Ok(100));
+        assert_eq!(p.if_abandoned(undo(&undone)).wait().ok(), Some(100));
+        let (settle, p) = pending::<usize>();
+        p.if_abandoned(undo(&undone)).then(|_| {});
+        settle.settle(Ok(1000));
+        let (settle, p) = pending::<usize>();
+        drop(p.if_abandoned(undo(&undone)));
+        settle.settle(Err(JobsError::Unavailable("gone".into())));
+        assert_eq!(undone.load(Ordering::SeqCst), 11);
     }
 }

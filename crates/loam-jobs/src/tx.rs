@@ -171,6 +171,10 @@ impl<'a> Tx<'a> {
     }
 
     pub fn set_queue_config(&mut self, q: &QueueId, config: QueueConfig) -> Result<(), JobsError> {
+        // A dead-letter queue that no call could name would hide the jobs sent there.
+        if let Some(dlq) = &config.dead_letter_queue {
+            model::validate_name("dead-letter queue", dlq, crate::ops::enqueue::MAX_NAME_BYTES)?;
+        }
         self.put_record(&QueueKeys::new(q).config(), &config)?;
         self.cache(q)?.config = Some(config);
         Ok(())

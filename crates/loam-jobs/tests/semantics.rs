@@ -1245,3 +1245,67 @@ fn schedulers_list_by_any_range() {
     assert_eq!(list(i64::MAX, i64::MIN), 0);
     assert_eq!(list(-1, i64::MAX), 1);
 }
+
+/// Polls until `cond` holds, for up to two seconds.
+fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    while std::time::Instant::now() < until {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    cond()
+}
+
+/// A lease whose caller went away before taking the result (a cancelled
+/// call, a dropped long-poll) still committed; its jobs go back to the front
+/// of the queue at once, without a stall counted, instead of waiting out the
+/// lock.
+#[test]
+fn jobs_of_a_lease_nobody_took_go_back_at_once() {
+    let (jobs, _) = core();
+    for name in ["a", "b"] {
+        jobs.enqueue("ns", "q", job(name)).wait().unwrap();
+    }
+    drop(jobs.lease("ns", "q", LeaseRequest { max: 1, lock_duration_ms: 600_000, ..Default::default() }));
+    // The lease commits after the drop: its `active` event, then the job back.
+    let back = eventually(|| {
+        event_names(&jobs, "q").contains(&"active".to_string())
+            && jobs.counts("ns", "q", &[JobState::Active, JobState::Waiting]).unwrap() == [0, 2]
+    });
+    assert!(back, "still leased: {:?}", jobs.counts("ns", "q", &[JobState::Active, JobState::Waiting]));
+    let again = lease_one(&jobs, "q").unwrap();
+    assert_eq!((again.job.name.as_str(), again.job.stalled_counter), ("a", 0));
+
+    // Taken, it stays leased.
+    let taken = jobs.lease("ns", "q", LeaseRequest { max: 1, ..Default::default() }).wait().unwrap();
+    assert_eq!(taken.leases.len(), 1);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Active]).unwrap(), [2]);
+}
+
+/// A queue's dead-letter queue must be a name calls can reach; a job whose
+/// failure would go to one they cannot is not failed out of sight.
+#[test]
+fn a_dead_letter_queue_must_be_a_name_calls_can_reach() {
+    let (jobs, _) = core();
+    for bad in [String::new(), "x".repeat(2000)] {
+        let config = QueueConfig {
+            dead_letter_queue: Some(bad),
+            dead_letter_on_exhausted: true,
+            ..QueueConfig::defaults(&Config::default())
+        };
+        assert!(matches!(jobs.set_queue_config("ns", "q", config).wait(), Err(JobsError::InvalidArgument(_))));
+    }
+    let config = QueueConfig {
+        dead_letter_queue: Some("dead".into()),
+        dead_letter_on_exhausted: true,
+        ..QueueConfig::defaults(&Config::default())
+    };
+    jobs.set_queue_config("ns", "q", config).wait().unwrap();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    fail(&jobs, "q", &l);
+    assert_eq!(jobs.counts("ns", "dead", &[JobState::Waiting]).unwrap(), [1]);
+}

@@ -437,6 +437,9 @@ pub fn release_parent(tx: &mut Tx, q: &QueueId, job: JobRecord) -> Result<JobRec
 }
 
 fn send_to_dead_letter(tx: &mut Tx, q: &QueueId, job: &JobRecord, dlq: &str, reason: &str) -> Result<(), JobsError> {
+    // Stores written before names were checked here may hold one no call can
+    // reach: the failure is refused (the job stays where it is) instead.
+    crate::model::validate_name("dead-letter queue", dlq, enqueue::MAX_NAME_BYTES)?;
     let target = QueueId::new(q.ns.clone(), dlq.to_string());
     let mut headers = job.headers.clone();
     headers.insert("x-dead-letter-queue".into(), q.name.clone());
