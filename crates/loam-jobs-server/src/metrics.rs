@@ -125,7 +125,7 @@ impl Metrics {
             r.register("loam_jobs_rpc_duration_seconds", "Time to answer a call, by method", m.rpc_seconds.clone());
             r.register(
                 "loam_jobs_lease_latency_seconds",
-                "Time a Lease call took, waits included",
+                "Time a Lease call that handed out jobs took, its wait included",
                 m.lease_seconds.clone(),
             );
             r.register("loam_jobs_waiting", "Ready jobs, by band (fifo, prioritized)", m.waiting.clone());
@@ -153,12 +153,15 @@ impl Metrics {
         }
     }
 
+    /// Only a lease that handed out jobs counts: an empty one says nothing of
+    /// latency (a long-poll that timed out), and a queue that never had a job
+    /// (any name a caller tries) gets no series.
     pub fn leased(&self, ns: &str, queue: &str, n: u64, took: Duration) {
-        let of = self.of_queue(ns, queue);
         if n > 0 {
+            let of = self.of_queue(ns, queue);
             of.member(&of.leased, &self.leased).inc_by(n);
+            of.member(&of.lease_seconds, &self.lease_seconds).observe(took.as_secs_f64());
         }
-        of.member(&of.lease_seconds, &self.lease_seconds).observe(took.as_secs_f64());
     }
 
     pub fn completed(&self, ns: &str, queue: &str, outcome: &'static str) {
@@ -222,6 +225,9 @@ impl Metrics {
 
     /// The text exposition, with the depth gauges read from the store now.
     pub fn render(&self, jobs: &Jobs) -> String {
+        // One scrape at a time: each clears the depth gauges and fills them
+        // again, and a second one in between would encode them half filled.
+        let Ok(registry) = self.registry.lock() else { return String::new() };
         for family in [&self.waiting, &self.delayed, &self.active, &self.waiting_children, &self.finished] {
             family.clear();
         }
@@ -260,9 +266,7 @@ impl Metrics {
             }
         }
         let mut out = String::new();
-        if let Ok(r) = self.registry.lock() {
-            let _ = encode(&mut out, &r);
-        }
+        let _ = encode(&mut out, &registry);
         out
     }
 }

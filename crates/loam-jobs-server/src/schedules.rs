@@ -94,8 +94,12 @@ pub fn prepare(s: pb::ServerSchedule, now: u64) -> Result<(SchedulerSpec, BTreeM
     // `every` starts at once (BullMQ's rule); cron at its first time, or at
     // once with `immediately`.
     let next_millis = match &s.cron {
-        Some(_) if s.immediately => Some(base),
-        Some(p) => Some(cron_next(p, s.tz.as_deref(), base, true)?),
+        // Parsed either way: a pattern that cannot tick is refused now, not
+        // after its first job.
+        Some(p) => {
+            let first = cron_next(p, s.tz.as_deref(), base, true)?;
+            Some(if s.immediately { base } else { first })
+        }
         None => None,
     };
     let template = serde_json::to_string(&job).map_err(|e| JobsError::Internal(e.to_string()))?;
@@ -186,6 +190,14 @@ pub async fn run(jobs: Jobs, index: Arc<Index>, metrics: Arc<crate::metrics::Met
                         break;
                     }
                     Ok(Tick::Gone) => {
+                        index.remove(ns, queue, id);
+                        break;
+                    }
+                    // A schedule stored before its pattern was checked can never
+                    // tick: said once, and left stored (Unschedule or a new
+                    // Schedule replaces it), instead of failing every pass.
+                    Err(e @ JobsError::InvalidArgument(_)) => {
+                        tracing::error!(ns, queue, schedule = id, error = %e, "schedule cannot tick; not run until replaced");
                         index.remove(ns, queue, id);
                         break;
                     }

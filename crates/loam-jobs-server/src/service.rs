@@ -68,7 +68,13 @@ pub(crate) struct Caller {
 }
 
 /// Per (namespace, queue): the worker names seen, and when.
-type WorkersSeen = HashMap<(String, String), HashMap<String, Instant>>;
+#[derive(Default)]
+struct WorkersSeen {
+    by_queue: HashMap<(String, String), HashMap<String, Instant>>,
+    /// When names gone quiet were last dropped from every queue: a queue
+    /// whose workers left (or any name a caller tried) is not kept for good.
+    swept: Option<Instant>,
+}
 
 #[derive(Clone)]
 pub struct JobsSvc {
@@ -163,8 +169,15 @@ impl JobsSvc {
 
     fn saw_worker(&self, ns: &str, queue: &str, name: &str) {
         if let Ok(mut w) = self.workers.lock() {
-            let names = w.entry((ns.to_string(), queue.to_string())).or_default();
             let now = Instant::now();
+            if w.swept.is_none_or(|at| now.duration_since(at) >= WORKER_TTL) {
+                w.by_queue.retain(|_, names| {
+                    names.retain(|_, seen| now.duration_since(*seen) < WORKER_TTL);
+                    !names.is_empty()
+                });
+                w.swept = Some(now);
+            }
+            let names = w.by_queue.entry((ns.to_string(), queue.to_string())).or_default();
             names.retain(|_, seen| now.duration_since(*seen) < WORKER_TTL);
             names.insert(name.to_string(), now);
         }
@@ -174,10 +187,10 @@ impl JobsSvc {
     fn forget_worker(&self, ns: &str, queue: &str, name: &str) -> bool {
         let Ok(mut w) = self.workers.lock() else { return false };
         let key = (ns.to_string(), queue.to_string());
-        let Some(names) = w.get_mut(&key) else { return false };
+        let Some(names) = w.by_queue.get_mut(&key) else { return false };
         let listed = names.remove(name).is_some();
         if names.is_empty() {
-            w.remove(&key);
+            w.by_queue.remove(&key);
         }
         listed
     }
@@ -186,6 +199,7 @@ impl JobsSvc {
         let now = Instant::now();
         let Ok(w) = self.workers.lock() else { return Vec::new() };
         let mut names: Vec<String> = w
+            .by_queue
             .get(&(ns.to_string(), queue.to_string()))
             .map(|m| {
                 m.iter().filter(|(_, seen)| now.duration_since(**seen) < WORKER_TTL).map(|(n, _)| n.clone()).collect()

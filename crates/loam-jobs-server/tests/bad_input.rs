@@ -163,7 +163,10 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
 
     // Schedule: bad cron, bad time zone, cron and every together, nothing at all.
     let bad_cron = pb::ServerSchedule { id: "s".into(), cron: Some("* * *".into()), ..Default::default() };
-    assert_code(c.schedule(schedule("q", bad_cron)).await, InvalidArgument, inv);
+    assert_code(c.schedule(schedule("q", bad_cron.clone())).await, InvalidArgument, inv);
+    // `immediately` runs the first tick now, but the pattern must still parse.
+    let at_once = pb::ServerSchedule { immediately: true, ..bad_cron };
+    assert_code(c.schedule(schedule("q", at_once)).await, InvalidArgument, inv);
     let bad_tz = pb::ServerSchedule {
         id: "s".into(),
         cron: Some("0 * * * *".into()),
@@ -209,6 +212,17 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
         InvalidArgument,
         inv,
     );
+    // A dead-letter queue no call could name would hide what is sent there.
+    for dlq in [String::new(), "d".repeat(5000)] {
+        let config = pb::QueueConfig {
+            max_stalled: 1,
+            stalled_interval_ms: 30_000,
+            dead_letter_queue: Some(dlq),
+            dead_letter_on_exhausted: true,
+            ..Default::default()
+        };
+        assert_code(c.queue_admin(admin("q", config)).await, InvalidArgument, inv);
+    }
     let ob = pb::queue_admin_request::Obliterate { force: false, count: 100, ..Default::default() };
     assert_code(c.queue_admin(admin("q", ob)).await, FailedPrecondition, Some("precondition.queue_not_paused"));
     let retry = pb::queue_admin_request::RetryJobs {

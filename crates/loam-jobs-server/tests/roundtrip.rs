@@ -533,3 +533,43 @@ async fn one_http2_connection_carries_hundreds_of_long_polls() {
     }
     assert!(started.elapsed() < Duration::from_millis(2500), "took {:?}", started.elapsed());
 }
+
+/// Scrapes at once each see every queue's depth gauges (a scrape clears and
+/// fills them again), and leasing from names that hold no job makes no
+/// series (the exposition would grow with every name a caller tried).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_hold_every_gauge_under_concurrent_scrapes_and_no_series_for_names_only_tried() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    const QUEUES: usize = 100;
+    for i in 0..QUEUES {
+        c.enqueue(enqueue_req(&format!("q{i}"), job("x", b"{}"))).await.unwrap();
+    }
+    for i in 0..200 {
+        c.lease(lease_req(&format!("ghost-{i}"), 1, 0, 0)).await.unwrap();
+    }
+    let port = server.port;
+    let scrapers: Vec<_> = (0..4)
+        .map(|_| {
+            std::thread::spawn(move || {
+                (0..10)
+                    .map(|_| {
+                        use std::io::{Read, Write};
+                        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+                        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+                        let mut text = String::new();
+                        s.read_to_string(&mut text).unwrap();
+                        (text.matches("loam_jobs_delayed{").count(), text.contains("ghost-"))
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for scraper in scrapers {
+        for (gauges, ghosts) in scraper.join().unwrap() {
+            assert_eq!(gauges, QUEUES, "a scrape lost depth gauges to another");
+            assert!(!ghosts, "series for queues that never held a job");
+        }
+    }
+}

@@ -156,3 +156,44 @@ async fn an_oversized_message_ends_the_session_with_a_typed_error() {
     assert_eq!(ended.err().map(|e| e.code), Some(connectrpc::ErrorCode::ResourceExhausted));
     assert!(server.healthy());
 }
+
+/// A long-poll Lease cancelled as a job arrives may have leased it already:
+/// the job goes back to the queue at once rather than staying active with
+/// nobody holding it until its lock expires (and counting as a stall).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_lease_leaves_no_job_without_a_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let client = http2_client(&server);
+    let plain = server.client();
+    let mut session = client.session().await.unwrap();
+    let (mut cancelled, mut raced) = (0, 0);
+    for i in 0..60u64 {
+        let q = format!("q{i}");
+        session.send(request(i * 10 + 1, lease_req(&q, 1, 10_000, 600_000))).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        session.send(request(i * 10 + 2, enqueue_req(&q, job("x", b"{}")))).await.unwrap();
+        session.send(request(i * 10 + 1, pb::SessionCancel::default())).await.unwrap();
+        let mut lease_answer = None;
+        for _ in 0..2 {
+            let answer = session.message().await.unwrap().unwrap().to_owned_message();
+            if answer.id == i * 10 + 1 {
+                lease_answer = answer.result;
+            }
+        }
+        if !matches!(lease_answer, Some(Answer::Error(ref e)) if e.code == "canceled") {
+            continue; // the lease was answered first: that job is ours
+        }
+        cancelled += 1;
+        if counts(&plain, &q, &["active"]).await[0] == 1 {
+            raced += 1;
+        }
+        let until = Instant::now() + Duration::from_secs(5);
+        while counts(&plain, &q, &["active", "wait"]).await != [0, 1] {
+            assert!(Instant::now() < until, "round {i}: a cancelled lease left its job active");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    eprintln!("{cancelled} leases cancelled, {raced} of them after they had leased");
+    assert!(cancelled > 0);
+}
