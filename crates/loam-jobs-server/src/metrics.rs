@@ -35,6 +35,8 @@ struct QueueHandles {
     stalled: OnceLock<Counter>,
     /// By outcome, as they occur.
     completed: RwLock<Vec<(&'static str, Counter)>>,
+    /// Attempts' run times, by task (job name), as they occur.
+    runs: RwLock<HashMap<String, Histogram>>,
 }
 
 impl QueueHandles {
@@ -63,12 +65,19 @@ pub struct Metrics {
     rpcs: Family<Labels, Counter>,
     rpc_seconds: Family<Labels, Histogram>,
     lease_seconds: Family<Labels, Histogram>,
+    run_seconds: Family<Labels, Histogram>,
     waiting: Family<Labels, Gauge>,
     delayed: Family<Labels, Gauge>,
     active: Family<Labels, Gauge>,
     waiting_children: Family<Labels, Gauge>,
     finished: Family<Labels, Gauge>,
     oldest_waiting: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    dlq_depth: Family<Labels, Gauge>,
+}
+
+fn run_histogram() -> Histogram {
+    // 1 ms to about 35 minutes: what a job's attempt takes.
+    Histogram::new(exponential_buckets(0.001, 2.0, 22))
 }
 
 fn latency_histogram() -> Histogram {
@@ -96,12 +105,14 @@ impl Metrics {
             rpcs: Family::default(),
             rpc_seconds: Family::new_with_constructor(latency_histogram),
             lease_seconds: Family::new_with_constructor(latency_histogram),
+            run_seconds: Family::new_with_constructor(run_histogram),
             waiting: Family::default(),
             delayed: Family::default(),
             active: Family::default(),
             waiting_children: Family::default(),
             finished: Family::default(),
             oldest_waiting: Family::default(),
+            dlq_depth: Family::default(),
         };
         if let Ok(mut r) = m.registry.lock() {
             r.register(
@@ -127,6 +138,16 @@ impl Metrics {
                 "loam_jobs_lease_latency_seconds",
                 "Time a Lease call that handed out jobs took, its wait included",
                 m.lease_seconds.clone(),
+            );
+            r.register(
+                "loam_jobs_run_seconds",
+                "Time an attempt ran, from its lease to its outcome (completed, failed or retried), by task (job name)",
+                m.run_seconds.clone(),
+            );
+            r.register(
+                "loam_jobs_dlq_depth",
+                "Unfinished jobs (waiting, prioritized, delayed) in a queue that is another queue's dead-letter queue",
+                m.dlq_depth.clone(),
             );
             r.register("loam_jobs_waiting", "Ready jobs, by band (fifo, prioritized)", m.waiting.clone());
             r.register("loam_jobs_delayed", "Delayed jobs", m.delayed.clone());
@@ -177,6 +198,19 @@ impl Metrics {
         counter.inc();
     }
 
+    pub fn ran(&self, ns: &str, queue: &str, attempt: &loam_jobs::AttemptRun) {
+        let of = self.of_queue(ns, queue);
+        let known = of.runs.read().get(&attempt.task).cloned();
+        let histogram = known.unwrap_or_else(|| {
+            let mut labels = of.labels.clone();
+            labels.push(("task", attempt.task.clone()));
+            let made = self.run_seconds.get_or_create(&labels).clone();
+            of.runs.write().insert(attempt.task.clone(), made.clone());
+            made
+        });
+        histogram.observe(attempt.ran_ms as f64 / 1000.0);
+    }
+
     pub fn fenced(&self, ns: &str, queue: &str) {
         let of = self.of_queue(ns, queue);
         of.member(&of.fenced, &self.fenced).inc();
@@ -218,6 +252,7 @@ impl Metrics {
             fenced: OnceLock::new(),
             stalled: OnceLock::new(),
             completed: RwLock::default(),
+            runs: RwLock::default(),
         });
         let mut handles = self.queue_handles.write();
         Arc::clone(handles.entry(ns.to_string()).or_default().entry(queue.to_string()).or_insert(made))
@@ -232,8 +267,25 @@ impl Metrics {
             family.clear();
         }
         self.oldest_waiting.clear();
+        self.dlq_depth.clear();
         let now = jobs.now_ms();
         if let Ok(queues) = crate::service::all_queues(jobs) {
+            let mut dead_letter_queues = std::collections::BTreeSet::new();
+            for q in &queues {
+                if let Ok(Some(dlq)) = jobs.query(&q.ns, &q.name, |tx, q| Ok(tx.queue_config(q)?.dead_letter_queue)) {
+                    dead_letter_queues.insert((q.ns.clone(), dlq));
+                }
+            }
+            for (ns, dlq) in dead_letter_queues {
+                let Ok(stats) = jobs.query(&ns, &dlq, |tx, q| Ok(tx.stats(q)?.clone())) else { continue };
+                let unfinished = [JobState::Waiting, JobState::Prioritized, JobState::Delayed]
+                    .into_iter()
+                    .map(|s| stats.count(s))
+                    .sum::<u64>();
+                self.dlq_depth
+                    .get_or_create(&queue_labels(&ns, &dlq))
+                    .set(i64::try_from(unfinished).unwrap_or(i64::MAX));
+            }
             for q in queues {
                 let Ok(stats) = jobs.query(&q.ns, &q.name, |tx, q| Ok(tx.stats(q)?.clone())) else { continue };
                 let labels = queue_labels(&q.ns, &q.name);

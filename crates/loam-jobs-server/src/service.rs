@@ -300,6 +300,9 @@ impl JobsSvc {
             core_err(e)
         })?;
         self.metrics.completed(&c.ns, &req.queue, name);
+        if let Some(attempt) = &done.attempt {
+            self.metrics.ran(&c.ns, &req.queue, attempt);
+        }
         if let Some(next) = &done.next {
             self.metrics.leased(&c.ns, &req.queue, next.leases.len() as u64, Duration::ZERO);
         }

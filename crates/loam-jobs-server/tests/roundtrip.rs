@@ -573,3 +573,41 @@ async fn metrics_hold_every_gauge_under_concurrent_scrapes_and_no_series_for_nam
         }
     }
 }
+
+/// `/metrics` has each task's run times (lease to outcome) and the depth of
+/// each dead-letter queue (design 26 section 6.11).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_give_run_times_by_task_and_dead_letter_depth() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let config = pb::QueueConfig {
+        max_stalled: 1,
+        stalled_interval_ms: 30_000,
+        dead_letter_queue: Some("dead".into()),
+        dead_letter_on_exhausted: true,
+        ..Default::default()
+    };
+    let set = pb::QueueAdminRequest {
+        queue: "work".into(),
+        op: Some(oneof::queue_admin_request::Op::from(config)),
+        ..Default::default()
+    };
+    c.queue_admin(set).await.unwrap();
+    for _ in 0..2 {
+        c.enqueue(enqueue_req("work", job("resize", b"{}"))).await.unwrap();
+    }
+    let leased = c.lease(lease_req("work", 2, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
+    let ids: Vec<(String, u64)> =
+        leased.leases.iter().map(|l| (l.job.as_option().unwrap().id.clone(), l.epoch)).collect();
+    c.complete(complete_req("work", &ids[0].0, epoch(ids[0].1), success(b"1"))).await.unwrap();
+    let fail = pb::Outcome::from_kind(pb::outcome::Fail {
+        error: pb::JobError { message: "boom".into(), ..Default::default() }.into(),
+        ..Default::default()
+    });
+    c.complete(complete_req("work", &ids[1].0, epoch(ids[1].1), fail)).await.unwrap();
+    let (_, body) = server.http("GET", "/metrics", "", b"").unwrap();
+    let text = String::from_utf8(body).unwrap();
+    assert!(text.contains(r#"loam_jobs_run_seconds_count{ns="default",queue="work",task="resize"} 2"#), "{text}");
+    assert!(text.contains(r#"loam_jobs_dlq_depth{ns="default",queue="dead"} 1"#), "{text}");
+}

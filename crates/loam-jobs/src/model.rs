@@ -670,6 +670,18 @@ pub struct Completed {
     pub moved: bool,
     /// The next job, when the completion asked for one.
     pub next: Option<Leased>,
+    /// The attempt this outcome ended (completed, failed or to be retried):
+    /// for run-time metrics by task.
+    pub attempt: Option<AttemptRun>,
+}
+
+/// One attempt of a job, from its lease to its outcome.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttemptRun {
+    /// The job's name: BullMQ's job name, Celery's task.
+    pub task: String,
+    /// Job time from the lease to the outcome.
+    pub ran_ms: u64,
 }
 
 pub(crate) fn validate_name(kind: &str, value: &str, max: usize) -> Result<(), JobsError> {

@@ -1309,3 +1309,21 @@ fn a_dead_letter_queue_must_be_a_name_calls_can_reach() {
     fail(&jobs, "q", &l);
     assert_eq!(jobs.counts("ns", "dead", &[JobState::Waiting]).unwrap(), [1]);
 }
+
+/// An outcome that ends an attempt says which task ran and for how long
+/// (job time, from the lease), for run-time metrics; one that only parks
+/// the job says nothing.
+#[test]
+fn an_outcome_that_ends_an_attempt_says_how_long_it_ran() {
+    let (jobs, clock) = core();
+    for name in ["resize", "resize"] {
+        jobs.enqueue("ns", "q", job(name)).wait().unwrap();
+    }
+    let first = lease_one(&jobs, "q").unwrap();
+    clock.advance(250);
+    let done = finish(&jobs, "q", &first, Outcome::Ok { result: None }).unwrap();
+    assert_eq!(done.attempt, Some(AttemptRun { task: "resize".into(), ran_ms: 250 }));
+    let second = lease_one(&jobs, "q").unwrap();
+    let parked = finish(&jobs, "q", &second, Outcome::Release { after_ms: None }).unwrap();
+    assert_eq!(parked.attempt, None);
+}

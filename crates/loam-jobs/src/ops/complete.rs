@@ -4,8 +4,8 @@
 use crate::error::{JobsError, Precondition};
 use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
-    CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Fence, JobError, JobRecord,
-    JobState, Keep, LimiterWindow, MetricsRecord, OnChildFailure, Outcome, Retention,
+    AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Fence, JobError,
+    JobRecord, JobState, Keep, LimiterWindow, MetricsRecord, OnChildFailure, Outcome, Retention,
 };
 use crate::ops::enqueue::{self, Placement};
 use crate::ops::lease::{self, Line};
@@ -50,14 +50,25 @@ pub fn complete(
             None => job.pending_children > 0,
         };
         if !waits {
-            return Ok(Completed { state: Some(job.state), finished_on: None, moved: false, next: None });
+            return Ok(Completed {
+                state: Some(job.state),
+                finished_on: None,
+                moved: false,
+                next: None,
+                attempt: None,
+            });
         }
     }
     lease::check_fence(&job, fence)?;
     if job.state != JobState::Active {
         return Err(JobsError::not_in_state(id, job.state, "active"));
     }
-    let mut done = Completed { state: None, finished_on: None, moved: true, next: None };
+    let ends_attempt = matches!(outcome, Outcome::Ok { .. } | Outcome::Fail { .. } | Outcome::Retry { .. });
+    let attempt = job
+        .processed_on
+        .filter(|_| ends_attempt)
+        .map(|started| AttemptRun { task: job.name.clone(), ran_ms: tx.now.saturating_sub(started) });
+    let mut done = Completed { state: None, finished_on: None, moved: true, next: None, attempt };
     let finishing = matches!(outcome, Outcome::Ok { .. } | Outcome::Fail { .. });
     let fetch = match outcome {
         Outcome::Ok { result } => {
