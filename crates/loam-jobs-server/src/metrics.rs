@@ -32,7 +32,6 @@ struct QueueHandles {
     leased: OnceLock<Counter>,
     lease_seconds: OnceLock<Histogram>,
     fenced: OnceLock<Counter>,
-    stalled: OnceLock<Counter>,
     /// By outcome, as they occur.
     completed: RwLock<Vec<(&'static str, Counter)>>,
     /// Attempts' run times, by task (job name), as they occur.
@@ -129,7 +128,7 @@ impl Metrics {
             r.register("loam_jobs_fenced", "Writes refused because the lease had moved", m.fenced.clone());
             r.register(
                 "loam_jobs_stalled",
-                "Jobs reclaimed from expired leases by workers' stalled checks (QueueAdmin sweep_stalled)",
+                "Jobs reclaimed from expired leases, by workers' stalled checks or the core's own sweep (read from the store)",
                 m.stalled.clone(),
             );
             r.register("loam_jobs_rpc_requests", "Calls by method and Connect code", m.rpcs.clone());
@@ -216,13 +215,6 @@ impl Metrics {
         of.member(&of.fenced, &self.fenced).inc();
     }
 
-    pub fn stalled(&self, ns: &str, queue: &str, n: u64) {
-        if n > 0 {
-            let of = self.of_queue(ns, queue);
-            of.member(&of.stalled, &self.stalled).inc_by(n);
-        }
-    }
-
     pub fn rpc(&self, method: &'static str, code: &'static str, took: Duration) {
         let known = self.rpc_handles.read().get(&(method, code)).cloned();
         let (count, seconds) = known.unwrap_or_else(|| {
@@ -250,7 +242,6 @@ impl Metrics {
             leased: OnceLock::new(),
             lease_seconds: OnceLock::new(),
             fenced: OnceLock::new(),
-            stalled: OnceLock::new(),
             completed: RwLock::default(),
             runs: RwLock::default(),
         });
@@ -268,6 +259,9 @@ impl Metrics {
         }
         self.oldest_waiting.clear();
         self.dlq_depth.clear();
+        // Kept by the store (the core's own sweep reclaims too, unseen here):
+        // cleared and set to the stored count at each scrape.
+        self.stalled.clear();
         let now = jobs.now_ms();
         if let Ok(queues) = crate::service::all_queues(jobs) {
             let mut dead_letter_queues = std::collections::BTreeSet::new();
@@ -304,6 +298,9 @@ impl Metrics {
                 set(&self.waiting_children, &labels, stats.count(JobState::WaitingChildren));
                 set(&self.finished, &with("state", "completed"), stats.count(JobState::Completed));
                 set(&self.finished, &with("state", "failed"), stats.count(JobState::Failed));
+                if stats.stalled_total > 0 {
+                    self.stalled.get_or_create(&labels).inc_by(stats.stalled_total);
+                }
                 let head = jobs.query(&q.ns, &q.name, |tx, q| {
                     let Some(id) =
                         loam_jobs::ops::query::range(tx, q, JobState::Waiting, 0, 0, true)?.into_iter().next()

@@ -507,7 +507,6 @@ impl JobsSvc {
                         })
                         .await?;
                     out.count = out.job_ids.len() as u64;
-                    self.metrics.stalled(ns, queue, out.count);
                     Ok(())
                 }
                 Op::SetConfig(cfg) => jobs.set_queue_config(ns, queue, convert::queue_config_from(*cfg)).await,

@@ -611,3 +611,32 @@ async fn metrics_give_run_times_by_task_and_dead_letter_depth() {
     assert!(text.contains(r#"loam_jobs_run_seconds_count{ns="default",queue="work",task="resize"} 2"#), "{text}");
     assert!(text.contains(r#"loam_jobs_dlq_depth{ns="default",queue="dead"} 1"#), "{text}");
 }
+
+/// `loam_jobs_stalled_total` counts reclaims by the core's own sweep too
+/// (it is read from the store), not only workers' stalled checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_the_background_sweeps_reclaims() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let config = pb::QueueConfig { max_stalled: 5, stalled_interval_ms: 100, ..Default::default() };
+    let set = pb::QueueAdminRequest {
+        queue: "work".into(),
+        op: Some(oneof::queue_admin_request::Op::from(config)),
+        ..Default::default()
+    };
+    c.queue_admin(set).await.unwrap();
+    c.enqueue(enqueue_req("work", job("resize", b"{}"))).await.unwrap();
+    let leased = c.lease(lease_req("work", 1, 0, 100)).await.unwrap().into_owned().leased.into_option().unwrap();
+    assert_eq!(leased.leases.len(), 1);
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, body) = server.http("GET", "/metrics", "", b"").unwrap();
+        let text = String::from_utf8(body).unwrap();
+        if text.contains(r#"loam_jobs_stalled_total{ns="default",queue="work"} 1"#) {
+            break;
+        }
+        assert!(Instant::now() < until, "no reclaim counted: {text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

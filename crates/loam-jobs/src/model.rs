@@ -304,6 +304,11 @@ pub struct QueueStats {
     /// zero.)
     #[serde(default)]
     pub epoch_floor: u64,
+    /// Jobs reclaimed from expired leases, by any sweep (a worker's stalled
+    /// check or the core's own), since the queue was made. (Missing in
+    /// stores written before it: zero.)
+    #[serde(default)]
+    pub stalled_total: u64,
 }
 
 impl QueueStats {

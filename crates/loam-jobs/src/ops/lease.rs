@@ -287,5 +287,8 @@ pub fn sweep_stalled(tx: &mut Tx, q: &QueueId) -> Result<Vec<String>, JobsError>
         tx.event(q, "stalled", &[("jobId", &id)])?;
         reclaimed.push(id);
     }
+    if !reclaimed.is_empty() {
+        tx.stats_mut(q)?.stalled_total += reclaimed.len() as u64;
+    }
     Ok(reclaimed)
 }
