@@ -464,7 +464,8 @@ impl LoamQueue {
     #[napi]
     pub async fn wait_for_job(&self, host_now: f64, block_timeout_seconds: f64) -> Result<Option<f64>> {
         self.store.observe(host_now);
-        let wait = Duration::from_secs_f64(block_timeout_seconds.clamp(0.0, 86_400.0));
+        // NaN (from a caller's arithmetic) waits not at all, as zero does.
+        let wait = Duration::try_from_secs_f64(block_timeout_seconds.clamp(0.0, 86_400.0)).unwrap_or_default();
         let ready = self
             .jobs()?
             .wait_for_job(&self.ns, &self.queue, wait, Some(&self.blocking))

@@ -57,6 +57,17 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it('a block timeout that is not a number waits not at all, and the backend stays usable', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const backend = queue.getBackend() as LoamQueueBackend;
+    const started = Date.now();
+    expect(await backend.waitForJob(Number.NaN)).toBeNull();
+    expect(Date.now() - started).toBeLessThan(2_000);
+    await queue.add('a', {});
+    expect(await queue.getJobCounts('waiting')).toEqual({ waiting: 1 });
+    await queue.close();
+  });
+
   it('lists workers through getClientList', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });
