@@ -390,11 +390,10 @@ impl Jobs {
     // ---- consuming -------------------------------------------------------
 
     /// Takes up to `req.max` jobs now. A lost lease is a stalled one, so the
-    /// lease does not wait for fsync.
-    /// Takes jobs. If the caller drops the result before taking it (a call
-    /// cancelled, or its client gone, while the lease committed), the jobs go
-    /// back to the front of the queue at once instead of waiting out their
-    /// leases and counting as stalled.
+    /// lease does not wait for fsync. If the caller drops the result before
+    /// taking it (a call cancelled, or its client gone, while the lease
+    /// committed), the jobs go back to the front of the queue at once instead
+    /// of waiting out their leases and counting as stalled.
     pub fn lease(&self, ns: &str, queue: &str, req: LeaseRequest) -> Pending<Leased> {
         let jobs = self.clone();
         let (ns_owned, queue_owned) = (ns.to_string(), queue.to_string());

@@ -52,6 +52,15 @@ fn parent(queue: &str, id: &str) -> ParentRef {
     ParentRef { queue: queue.into(), id: id.into(), prefix: "bull".into() }
 }
 
+/// A flow node: job `id` (named as its id) in `queue`, under `parent`.
+fn flow_node(queue: &str, id: &str, parent: Option<ParentRef>, wait_children: bool) -> FlowNode {
+    FlowNode {
+        queue: queue.into(),
+        request: EnqueueRequest { job_id: Some(id.into()), parent, ..job(id) },
+        wait_children,
+    }
+}
+
 /// A parent in `parents` with two children in `kids`, the children failing by `policy`.
 fn family(jobs: &Jobs, policy: OnChildFailure) {
     let nodes = vec![
@@ -1093,28 +1102,12 @@ fn a_job_cannot_be_adopted_by_itself_or_its_descendant() {
     let own_child = EnqueueRequest { job_id: Some("x".into()), parent: Some(parent("q", "x")), ..job("x") };
     assert!(matches!(jobs.enqueue("ns", "q", own_child).wait(), Err(JobsError::InvalidArgument(_))));
 
-    jobs.flow(
-        "ns",
-        vec![
-            FlowNode {
-                queue: "q".into(),
-                request: EnqueueRequest { job_id: Some("p".into()), ..job("p") },
-                wait_children: true,
-            },
-            FlowNode {
-                queue: "kids".into(),
-                request: EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("q", "p")), ..job("c") },
-                wait_children: true,
-            },
-            FlowNode {
-                queue: "kids".into(),
-                request: EnqueueRequest { job_id: Some("g".into()), parent: Some(parent("kids", "c")), ..job("g") },
-                wait_children: false,
-            },
-        ],
-    )
-    .wait()
-    .unwrap();
+    let tree = vec![
+        flow_node("q", "p", None, true),
+        flow_node("kids", "c", Some(parent("q", "p")), true),
+        flow_node("kids", "g", Some(parent("kids", "c")), false),
+    ];
+    jobs.flow("ns", tree).wait().unwrap();
     let under_grandchild = EnqueueRequest { job_id: Some("p".into()), parent: Some(parent("kids", "g")), ..job("p") };
     assert!(matches!(jobs.enqueue("ns", "q", under_grandchild).wait(), Err(JobsError::InvalidArgument(_))));
     assert_eq!(jobs.get_job("ns", "kids", "g").unwrap().unwrap().pending_children, 0);
@@ -1130,23 +1123,8 @@ fn a_job_cannot_be_adopted_by_itself_or_its_descendant() {
 #[test]
 fn obliterating_a_childs_queue_releases_its_parent_in_another_queue() {
     let (jobs, _) = core();
-    jobs.flow(
-        "ns",
-        vec![
-            FlowNode {
-                queue: "parents".into(),
-                request: EnqueueRequest { job_id: Some("p".into()), ..job("p") },
-                wait_children: true,
-            },
-            FlowNode {
-                queue: "kids".into(),
-                request: EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("parents", "p")), ..job("c") },
-                wait_children: false,
-            },
-        ],
-    )
-    .wait()
-    .unwrap();
+    let tree = vec![flow_node("parents", "p", None, true), flow_node("kids", "c", Some(parent("parents", "p")), false)];
+    jobs.flow("ns", tree).wait().unwrap();
     jobs.admin("ns", "kids", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
     while jobs.admin("ns", "kids", |tx, q| admin::obliterate(tx, q, false, 100)).wait().unwrap() {}
     let p = jobs.get_job("ns", "parents", "p").unwrap().unwrap();
@@ -1182,19 +1160,11 @@ fn a_refused_bulk_item_leaves_nothing_behind() {
 #[test]
 fn clean_passes_over_a_parent_it_removed_with_its_last_child() {
     let (jobs, clock) = core();
-    let child_of = |queue: &str, id: &str, p: ParentRef, wait_children: bool| FlowNode {
-        queue: queue.into(),
-        request: EnqueueRequest { job_id: Some(id.into()), parent: Some(p), ..job(id) },
-        wait_children,
-    };
-    let root = |id: &str| FlowNode {
-        queue: "q".into(),
-        request: EnqueueRequest { job_id: Some(id.into()), ..job(id) },
-        wait_children: true,
-    };
-    jobs.flow("ns", vec![root("c"), child_of("other", "g", parent("q", "c"), false)]).wait().unwrap();
+    let first = vec![flow_node("q", "c", None, true), flow_node("other", "g", Some(parent("q", "c")), false)];
+    jobs.flow("ns", first).wait().unwrap();
     clock.advance(10);
-    jobs.flow("ns", vec![root("p"), child_of("q", "c", parent("q", "p"), false)]).wait().unwrap();
+    let second = vec![flow_node("q", "p", None, true), flow_node("q", "c", Some(parent("q", "p")), false)];
+    jobs.flow("ns", second).wait().unwrap();
     let now = clock.now_ms();
     let cleaned = jobs.admin("ns", "q", move |tx, q| admin::clean(tx, q, "waiting-children", now, 0)).wait().unwrap();
     assert_eq!(cleaned, ["c"]);

@@ -33,8 +33,9 @@ fn drop_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> 
     drop_detached(tx, q, job)
 }
 
-/// [`drop_job`] for a job whose parent is going too: unlinking it would
-/// release that parent (to waiting) just before its own removal.
+/// [`drop_job`] without the parent's side: for a job whose parent is going
+/// too (unlinking it would release that parent to waiting just before its
+/// own removal), or whose caller settles the parent itself.
 fn drop_detached(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
     tx.unindex(q, job)?;
     release_dedup_key(tx, q, job)?;
@@ -97,9 +98,7 @@ fn drop_job_hard(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsEr
 /// One step of [`drop_job_hard`]: returns the parent in the same queue that
 /// is to go next (a loop, not recursion: a chain of parents may be long).
 fn drop_one_hard(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<Option<JobRecord>, JobsError> {
-    tx.unindex(q, job)?;
-    release_dedup_key(tx, q, job)?;
-    purge_job(tx, q, job)?;
+    drop_detached(tx, q, job)?;
     release_parent_of_purged(tx, q, job)
 }
 
