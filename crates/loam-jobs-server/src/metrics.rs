@@ -8,7 +8,7 @@ use std::time::Duration;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use loam_jobs::{JobState, Jobs};
+use loam_jobs::{JobState, Jobs, QueueStats};
 use parking_lot::RwLock;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -32,10 +32,37 @@ struct QueueHandles {
     leased: OnceLock<Counter>,
     lease_seconds: OnceLock<Histogram>,
     fenced: OnceLock<Counter>,
-    /// By outcome, as they occur.
-    completed: RwLock<Vec<(&'static str, Counter)>>,
-    /// Attempts' run times, by task (job name), as they occur.
-    runs: RwLock<HashMap<String, Histogram>>,
+    /// By outcome.
+    completed: ByLabel<Counter>,
+    /// Attempts' run times, by task (job name).
+    runs: ByLabel<Histogram>,
+}
+
+/// One queue's members of a family with one label more (an outcome, a
+/// task), each made the first time its value occurs.
+struct ByLabel<M> {
+    label: &'static str,
+    members: RwLock<HashMap<String, M>>,
+}
+
+impl<M: Clone> ByLabel<M> {
+    fn new(label: &'static str) -> Self {
+        Self { label, members: RwLock::default() }
+    }
+
+    fn member(&self, queue: &Labels, family: &Family<Labels, M>, value: &str) -> M
+    where
+        fn() -> M: prometheus_client::metrics::family::MetricConstructor<M>,
+    {
+        if let Some(known) = self.members.read().get(value) {
+            return known.clone();
+        }
+        let mut labels = queue.clone();
+        labels.push((self.label, value.to_string()));
+        let made = family.get_or_create(&labels).clone();
+        self.members.write().insert(value.to_string(), made.clone());
+        made
+    }
 }
 
 impl QueueHandles {
@@ -186,28 +213,12 @@ impl Metrics {
 
     pub fn completed(&self, ns: &str, queue: &str, outcome: &'static str) {
         let of = self.of_queue(ns, queue);
-        let known = of.completed.read().iter().find(|(o, _)| *o == outcome).map(|(_, c)| c.clone());
-        let counter = known.unwrap_or_else(|| {
-            let mut labels = of.labels.clone();
-            labels.push(("outcome", outcome.to_string()));
-            let made = self.completed.get_or_create(&labels).clone();
-            of.completed.write().push((outcome, made.clone()));
-            made
-        });
-        counter.inc();
+        of.completed.member(&of.labels, &self.completed, outcome).inc();
     }
 
     pub fn ran(&self, ns: &str, queue: &str, attempt: &loam_jobs::AttemptRun) {
         let of = self.of_queue(ns, queue);
-        let known = of.runs.read().get(&attempt.task).cloned();
-        let histogram = known.unwrap_or_else(|| {
-            let mut labels = of.labels.clone();
-            labels.push(("task", attempt.task.clone()));
-            let made = self.run_seconds.get_or_create(&labels).clone();
-            of.runs.write().insert(attempt.task.clone(), made.clone());
-            made
-        });
-        histogram.observe(attempt.ran_ms as f64 / 1000.0);
+        of.runs.member(&of.labels, &self.run_seconds, &attempt.task).observe(attempt.ran_ms as f64 / 1000.0);
     }
 
     pub fn fenced(&self, ns: &str, queue: &str) {
@@ -242,8 +253,8 @@ impl Metrics {
             leased: OnceLock::new(),
             lease_seconds: OnceLock::new(),
             fenced: OnceLock::new(),
-            completed: RwLock::default(),
-            runs: RwLock::default(),
+            completed: ByLabel::new("outcome"),
+            runs: ByLabel::new("task"),
         });
         let mut handles = self.queue_handles.write();
         Arc::clone(handles.entry(ns.to_string()).or_default().entry(queue.to_string()).or_insert(made))
@@ -263,25 +274,24 @@ impl Metrics {
         // cleared and set to the stored count at each scrape.
         self.stalled.clear();
         let now = jobs.now_ms();
+        let unfinished = |stats: &QueueStats| {
+            [JobState::Waiting, JobState::Prioritized, JobState::Delayed].map(|s| stats.count(s)).iter().sum::<u64>()
+        };
         if let Ok(queues) = crate::service::all_queues(jobs) {
+            // Each queue's counters and settings are read once; the depth of
+            // the dead-letter queues they name comes from the same reads.
+            let mut unfinished_of = HashMap::new();
             let mut dead_letter_queues = std::collections::BTreeSet::new();
-            for q in &queues {
-                if let Ok(Some(dlq)) = jobs.query(&q.ns, &q.name, |tx, q| Ok(tx.queue_config(q)?.dead_letter_queue)) {
+            for q in queues {
+                let Ok((stats, dlq)) = jobs
+                    .query(&q.ns, &q.name, |tx, q| Ok((tx.stats(q)?.clone(), tx.queue_config(q)?.dead_letter_queue)))
+                else {
+                    continue;
+                };
+                if let Some(dlq) = dlq {
                     dead_letter_queues.insert((q.ns.clone(), dlq));
                 }
-            }
-            for (ns, dlq) in dead_letter_queues {
-                let Ok(stats) = jobs.query(&ns, &dlq, |tx, q| Ok(tx.stats(q)?.clone())) else { continue };
-                let unfinished = [JobState::Waiting, JobState::Prioritized, JobState::Delayed]
-                    .into_iter()
-                    .map(|s| stats.count(s))
-                    .sum::<u64>();
-                self.dlq_depth
-                    .get_or_create(&queue_labels(&ns, &dlq))
-                    .set(i64::try_from(unfinished).unwrap_or(i64::MAX));
-            }
-            for q in queues {
-                let Ok(stats) = jobs.query(&q.ns, &q.name, |tx, q| Ok(tx.stats(q)?.clone())) else { continue };
+                unfinished_of.insert((q.ns.clone(), q.name.clone()), unfinished(&stats));
                 let labels = queue_labels(&q.ns, &q.name);
                 let with = |k: &'static str, v: &str| {
                     let mut l = labels.clone();
@@ -312,6 +322,17 @@ impl Metrics {
                 if let Ok(Some(ts)) = head {
                     self.oldest_waiting.get_or_create(&labels).set(now.saturating_sub(ts) as f64 / 1000.0);
                 }
+            }
+            for (ns, dlq) in dead_letter_queues {
+                let depth = match unfinished_of.get(&(ns.clone(), dlq.clone())) {
+                    Some(n) => *n,
+                    // Named, never written to: its (empty) counters.
+                    None => match jobs.query(&ns, &dlq, |tx, q| Ok(tx.stats(q)?.clone())) {
+                        Ok(stats) => unfinished(&stats),
+                        Err(_) => continue,
+                    },
+                };
+                self.dlq_depth.get_or_create(&queue_labels(&ns, &dlq)).set(i64::try_from(depth).unwrap_or(i64::MAX));
             }
         }
         let mut out = String::new();

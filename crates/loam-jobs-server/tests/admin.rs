@@ -13,8 +13,7 @@ use oneof::query_response::Result as R;
 use support::*;
 
 async fn qa(c: &Client, queue: &str, op: impl Into<oneof::queue_admin_request::Op>) -> pb::QueueAdminResponse {
-    let req = pb::QueueAdminRequest { queue: queue.into(), op: Some(op.into()), ..Default::default() };
-    c.queue_admin(req).await.unwrap().into_owned()
+    c.queue_admin(queue_admin_req(queue, op)).await.unwrap().into_owned()
 }
 
 async fn ja(c: &Client, queue: &str, id: &str, op: impl Into<J>) -> Result<bool, connectrpc::ConnectError> {
@@ -242,8 +241,11 @@ async fn queue_and_job_admin_reports_and_queries() {
             .await;
     assert_eq!(cleaned.job_ids, vec!["c1".to_string()]);
     let ob = pb::queue_admin_request::Obliterate { force: true, count: 1000, ..Default::default() };
-    let req = pb::QueueAdminRequest { queue: qn.into(), op: Some(ob.clone().into()), ..Default::default() };
-    assert_code(c.queue_admin(req).await, ErrorCode::FailedPrecondition, Some("precondition.queue_not_paused"));
+    assert_code(
+        c.queue_admin(queue_admin_req(qn, ob.clone())).await,
+        ErrorCode::FailedPrecondition,
+        Some("precondition.queue_not_paused"),
+    );
     qa(&c, qn, oneof::queue_admin_request::Op::Pause(true)).await;
     assert!(!qa(&c, qn, ob).await.more);
     assert_eq!(counts(&c, qn, &["completed", "failed", "wait"]).await, vec![0, 0, 0]);

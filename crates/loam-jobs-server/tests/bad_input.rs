@@ -45,10 +45,6 @@ async fn watch_first(c: &Client, req: pb::WatchRequest) -> Result<(), connectrpc
     }
 }
 
-fn admin(queue: &str, op: impl Into<oneof::queue_admin_request::Op>) -> pb::QueueAdminRequest {
-    pb::QueueAdminRequest { queue: queue.into(), op: Some(op.into()), ..Default::default() }
-}
-
 fn job_admin(queue: &str, id: &str, op: impl Into<oneof::job_admin_request::Op>) -> pb::JobAdminRequest {
     pb::JobAdminRequest { queue: queue.into(), job_id: id.into(), op: Some(op.into()), ..Default::default() }
 }
@@ -221,16 +217,20 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
             dead_letter_on_exhausted: true,
             ..Default::default()
         };
-        assert_code(c.queue_admin(admin("q", config)).await, InvalidArgument, inv);
+        assert_code(c.queue_admin(queue_admin_req("q", config)).await, InvalidArgument, inv);
     }
     let ob = pb::queue_admin_request::Obliterate { force: false, count: 100, ..Default::default() };
-    assert_code(c.queue_admin(admin("q", ob)).await, FailedPrecondition, Some("precondition.queue_not_paused"));
+    assert_code(
+        c.queue_admin(queue_admin_req("q", ob)).await,
+        FailedPrecondition,
+        Some("precondition.queue_not_paused"),
+    );
     let retry = pb::queue_admin_request::RetryJobs {
         state: pb::JobState::JOB_STATE_ACTIVE.into(),
         count: 1,
         ..Default::default()
     };
-    assert_code(c.queue_admin(admin("q", retry)).await, InvalidArgument, inv);
+    assert_code(c.queue_admin(queue_admin_req("q", retry)).await, InvalidArgument, inv);
 
     // JobAdmin: unknown job; a job in the wrong state; no operation.
     assert_code(

@@ -20,11 +20,7 @@ const LOCK_MS: u64 = 800;
 
 async fn setup(c: &Client) {
     let cfg = pb::QueueConfig { max_stalled: 1000, stalled_interval_ms: 300, ..Default::default() };
-    let admin = |op: oneof::queue_admin_request::Op| pb::QueueAdminRequest {
-        queue: QUEUE.into(),
-        op: Some(op),
-        ..Default::default()
-    };
+    let admin = |op: oneof::queue_admin_request::Op| queue_admin_req(QUEUE, op);
     c.queue_admin(admin(oneof::queue_admin_request::Op::from(cfg))).await.unwrap();
     // Keep every event, so the test can count each job's outcomes.
     let meta = pb::queue_admin_request::SetMeta {

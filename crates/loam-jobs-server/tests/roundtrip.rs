@@ -413,8 +413,7 @@ async fn a_watch_cursor_behind_the_trimmed_log_is_refused() {
         c.enqueue(enqueue_req("short", job("x", b"{}"))).await.unwrap();
     }
     let trim = pb::queue_admin_request::TrimEvents { max_length: 2, ..Default::default() };
-    let req = pb::QueueAdminRequest { queue: "short".into(), op: Some(trim.into()), ..Default::default() };
-    c.queue_admin(req).await.unwrap();
+    c.queue_admin(queue_admin_req("short", trim)).await.unwrap();
     let mut stale =
         c.watch(pb::WatchRequest { queue: "short".into(), after: Some(1), ..Default::default() }).await.unwrap();
     let e = stale.message::<pb::WatchResponse>().await.unwrap_err();
@@ -588,12 +587,7 @@ async fn metrics_give_run_times_by_task_and_dead_letter_depth() {
         dead_letter_on_exhausted: true,
         ..Default::default()
     };
-    let set = pb::QueueAdminRequest {
-        queue: "work".into(),
-        op: Some(oneof::queue_admin_request::Op::from(config)),
-        ..Default::default()
-    };
-    c.queue_admin(set).await.unwrap();
+    c.queue_admin(queue_admin_req("work", config)).await.unwrap();
     for _ in 0..2 {
         c.enqueue(enqueue_req("work", job("resize", b"{}"))).await.unwrap();
     }
@@ -620,12 +614,7 @@ async fn metrics_count_the_background_sweeps_reclaims() {
     let server = Server::start_in(dir.path(), &[], &[]);
     let c = server.client();
     let config = pb::QueueConfig { max_stalled: 5, stalled_interval_ms: 100, ..Default::default() };
-    let set = pb::QueueAdminRequest {
-        queue: "work".into(),
-        op: Some(oneof::queue_admin_request::Op::from(config)),
-        ..Default::default()
-    };
-    c.queue_admin(set).await.unwrap();
+    c.queue_admin(queue_admin_req("work", config)).await.unwrap();
     c.enqueue(enqueue_req("work", job("resize", b"{}"))).await.unwrap();
     let leased = c.lease(lease_req("work", 1, 0, 100)).await.unwrap().into_owned().leased.into_option().unwrap();
     assert_eq!(leased.leases.len(), 1);

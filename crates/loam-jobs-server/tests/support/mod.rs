@@ -218,6 +218,10 @@ pub fn job(name: &str, data: &[u8]) -> pb::JobSpec {
     pb::JobSpec { name: name.into(), data: data.to_vec(), attempts: 1, ..Default::default() }
 }
 
+pub fn queue_admin_req(queue: &str, op: impl Into<oneof::queue_admin_request::Op>) -> pb::QueueAdminRequest {
+    pb::QueueAdminRequest { queue: queue.into(), op: Some(op.into()), ..Default::default() }
+}
+
 pub fn enqueue_req(queue: &str, job: pb::JobSpec) -> pb::EnqueueRequest {
     pb::EnqueueRequest { queue: queue.into(), job: job.into(), ..Default::default() }
 }
