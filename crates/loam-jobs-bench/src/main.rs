@@ -2,13 +2,15 @@
 //!
 //! ```text
 //! cargo run --release -p loam-jobs-bench -- [--seconds 3] [--callers 1,16,128]
-//!     [--scenarios enqueue,cycle] [--mode threads|async|both]
+//!     [--scenarios enqueue,cycle,flow] [--mode threads|async|both]
 //!     [--durability immediate|relaxed|both] [--warmup-ms 300] [--dir PATH] [--json PATH]
 //! ```
 //!
 //! Scenarios, each on a fresh store file:
 //! - `enqueue`: every caller loops on `enqueue(..).wait()`;
-//! - `cycle`: every caller loops on enqueue, lease (one job), complete Ok.
+//! - `cycle`: every caller loops on enqueue, lease (one job), complete Ok;
+//! - `flow`: every caller loops on adding one flow tree, a parent and ten
+//!   children in another queue (what BullMQ's `FlowProducer.add` sends).
 //!
 //! Callers are OS threads on the blocking `.wait()` API (`threads`), or tokio
 //! tasks awaiting the same `Pending` futures on one current-thread runtime
@@ -30,7 +32,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use loam_jobs::{CompleteOptions, Config, Durability, EnqueueRequest, Fence, Jobs, JobsError, LeaseRequest, Outcome};
+use loam_jobs::{
+    CompleteOptions, Config, Durability, EnqueueRequest, Fence, FlowNode, Jobs, JobsError, LeaseRequest, Outcome,
+    ParentRef,
+};
 use serde::Serialize;
 
 const NS: &str = "bench";
@@ -41,6 +46,7 @@ const QUEUE: &str = "q";
 enum Scenario {
     Enqueue,
     Cycle,
+    Flow,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -61,7 +67,7 @@ struct Options {
     json: Option<PathBuf>,
 }
 
-const USAGE: &str = "usage: loam-jobs-bench [--seconds S] [--callers 1,16,128] [--scenarios enqueue,cycle] \
+const USAGE: &str = "usage: loam-jobs-bench [--seconds S] [--callers 1,16,128] [--scenarios enqueue,cycle,flow] \
                      [--mode threads|async|both] [--durability immediate|relaxed|both] [--warmup-ms MS] \
                      [--dir PATH] [--json PATH]";
 
@@ -104,6 +110,7 @@ fn parse_options() -> Result<Options, String> {
                     .map(|s| match s.trim() {
                         "enqueue" => Ok(Scenario::Enqueue),
                         "cycle" => Ok(Scenario::Cycle),
+                        "flow" => Ok(Scenario::Flow),
                         other => Err(bad(&format!("unknown scenario {other}"))),
                     })
                     .collect::<Result<_, _>>()?;
@@ -176,6 +183,35 @@ fn job() -> EnqueueRequest {
     EnqueueRequest { name: "bench".into(), data: br#"{"n":1}"#.to_vec(), attempts: 1, ..Default::default() }
 }
 
+/// Ids unique across callers and runs of one process, as BullMQ's uuids are.
+static FLOW_IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A parent in `parents` and ten children in `children`, parent first.
+fn flow_tree() -> Vec<FlowNode> {
+    let tree = FLOW_IDS.fetch_add(1, Ordering::Relaxed);
+    let parent_id = format!("p{tree}");
+    let parent = FlowNode {
+        queue: "parents".into(),
+        request: EnqueueRequest { job_id: Some(parent_id.clone()), ..job() },
+        wait_children: true,
+    };
+    let children = (0..10).map(|i| FlowNode {
+        queue: "children".into(),
+        request: EnqueueRequest {
+            job_id: Some(format!("c{tree}-{i}")),
+            parent: Some(ParentRef { queue: "parents".into(), id: parent_id.clone(), prefix: "bull".into() }),
+            ..job()
+        },
+        wait_children: false,
+    });
+    std::iter::once(parent).chain(children).collect()
+}
+
+/// Settles once every node of the tree is in.
+fn all_added(added: Vec<Result<loam_jobs::Enqueued, JobsError>>) -> Result<(), JobsError> {
+    added.into_iter().try_for_each(|r| r.map(drop))
+}
+
 fn lease_request() -> LeaseRequest {
     LeaseRequest { max: 1, lock_duration_ms: 30_000, ..Default::default() }
 }
@@ -246,6 +282,7 @@ fn caller_thread(jobs: &Jobs, scenario: Scenario, window: Window, stop: &AtomicB
         let r = match scenario {
             Scenario::Enqueue => jobs.enqueue(NS, QUEUE, job()).wait().map(drop),
             Scenario::Cycle => blocking_cycle(jobs, &mut tally),
+            Scenario::Flow => jobs.flows(NS, flow_tree()).wait().and_then(all_added),
         };
         let t1 = Instant::now();
         match r {
@@ -272,6 +309,7 @@ async fn caller_task(jobs: Jobs, scenario: Scenario, window: Window, stop: Arc<A
         let r = match scenario {
             Scenario::Enqueue => jobs.enqueue(NS, QUEUE, job()).await.map(drop),
             Scenario::Cycle => async_cycle(&jobs, &mut tally).await,
+            Scenario::Flow => jobs.flows(NS, flow_tree()).await.and_then(all_added),
         };
         let t1 = Instant::now();
         match r {
@@ -438,6 +476,7 @@ fn print_row(r: &Row) {
     let scenario = match r.scenario {
         Scenario::Enqueue => "enqueue",
         Scenario::Cycle => "cycle",
+        Scenario::Flow => "flow",
     };
     println!(
         "{:<10} {:<8} {:<8} {:>7} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>12} {:>12}",
