@@ -129,7 +129,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let app = axum::Router::new().route("/metrics", get(scrape)).route("/healthz", get(health)).fallback_service(rpc);
 
     let ticker = tokio::spawn(schedules::run(jobs.clone(), index, Arc::clone(&metrics), shutdown.clone()));
-    let purger = tokio::spawn(service::purge_results(jobs.clone(), shutdown.clone()));
+    let purger = tokio::spawn(service::purge_expired(jobs.clone(), shutdown.clone()));
     tracing::info!(
         listen = %local,
         store = %path.display(),

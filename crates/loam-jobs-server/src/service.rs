@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use connectrpc::{ConnectError, InboundStream, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
-use loam_jobs::ops::{admin, complete, lease, query, results, schedule};
+use loam_jobs::ops::{admin, complete, enqueue, lease, query, results, schedule};
 use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, Outcome, QueueId};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
@@ -1115,14 +1115,21 @@ impl pb::JobsService for JobsSvc {
     }
 }
 
-/// Deletes expired result-store entries now and then, until `stop` fires.
-pub async fn purge_results(jobs: Jobs, stop: Interrupt) {
+/// Deletes expired result-store entries and idempotency records now and
+/// then, until `stop` fires.
+pub async fn purge_expired(jobs: Jobs, stop: Interrupt) {
     const EVERY: Duration = Duration::from_secs(30);
+    const PER_WRITE: usize = 10_000;
     while !stop.is_fired() {
-        match jobs.write("", true, |tx| results::purge_expired(tx, 10_000)).await {
+        match jobs.write("", true, |tx| results::purge_expired(tx, PER_WRITE)).await {
             Ok(n) if n > 0 => tracing::debug!(purged = n, "expired results removed"),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "purging expired results failed"),
+        }
+        match jobs.write("", true, |tx| enqueue::purge_expired_idempotency(tx, PER_WRITE)).await {
+            Ok(n) if n > 0 => tracing::debug!(purged = n, "expired idempotency records removed"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "purging expired idempotency records failed"),
         }
         tokio::time::sleep(EVERY).await;
     }

@@ -23,6 +23,8 @@ const GENERATION: u8 = b'G';
 const RESULT_ENTRY: u8 = b'V';
 /// `X expires-at ns key`: result-store entries by expiry, for the purge.
 const RESULT_EXPIRY: u8 = b'X';
+/// `K expires-at record-key`: idempotency records by expiry, for the purge.
+const IDEMPOTENCY_EXPIRY: u8 = b'K';
 /// `E ns queue`: the epoch floor of an obliterated queue (see
 /// `QueueStats::epoch_floor`), kept until the queue is written again.
 const EPOCH_FLOOR: u8 = b'E';
@@ -388,6 +390,27 @@ pub fn parse_result_expiry(key: &[u8]) -> Option<(String, String)> {
     let (ns, rest) = read_str(rest)?;
     let (k, _) = read_str(rest)?;
     Some((ns, k))
+}
+
+/// The expiry index entry of the idempotency record at key `record`.
+pub fn idempotency_expiry(expires_at: u64, record: &[u8]) -> Key {
+    let mut k = Vec::with_capacity(9 + record.len());
+    k.push(IDEMPOTENCY_EXPIRY);
+    k.extend_from_slice(&expires_at.to_be_bytes());
+    k.extend_from_slice(record);
+    k
+}
+
+/// Idempotency expiry entries due at or before `now`.
+pub fn idempotency_expiry_due(now: u64) -> KeyRange {
+    let mut end = vec![IDEMPOTENCY_EXPIRY];
+    end.extend_from_slice(&now.saturating_add(1).to_be_bytes());
+    KeyRange::new(vec![IDEMPOTENCY_EXPIRY], end)
+}
+
+/// The record key an idempotency expiry entry points at.
+pub fn idempotency_record_of(entry: &[u8]) -> Option<&[u8]> {
+    entry.strip_prefix(&[IDEMPOTENCY_EXPIRY])?.get(8..)
 }
 
 /// The trailing big-endian u64 of an index key (its sequence or tiebreak).

@@ -558,6 +558,29 @@ fn idempotency_key_returns_the_first_result() {
 }
 
 #[test]
+fn expired_idempotency_records_are_purged_and_live_ones_kept() {
+    let (jobs, clock) = core();
+    let keyed = |key: &str, ttl_ms| EnqueueRequest {
+        idempotency: Some(Idempotency { key: key.into(), ttl_ms: Some(ttl_ms) }),
+        ..job("a")
+    };
+    let purge = || jobs.write("", true, |tx| loam_jobs::ops::enqueue::purge_expired_idempotency(tx, 100)).wait();
+    jobs.enqueue("ns", "q", keyed("short", 1_000)).wait().unwrap();
+    jobs.enqueue("ns", "q", keyed("long", 60_000)).wait().unwrap();
+    jobs.enqueue("ns", "q", keyed("reused", 1_000)).wait().unwrap();
+    assert_eq!(purge().unwrap(), 0, "nothing has expired yet");
+    clock.advance(2_000);
+    // Expired but not purged yet: the key is free, and its new record lives on.
+    assert!(jobs.enqueue("ns", "q", keyed("reused", 60_000)).wait().unwrap().created);
+    assert_eq!(purge().unwrap(), 1, "only `short` went: `reused` was written again");
+    assert!(!jobs.enqueue("ns", "q", keyed("long", 60_000)).wait().unwrap().created, "a live key still answers");
+    assert!(!jobs.enqueue("ns", "q", keyed("reused", 60_000)).wait().unwrap().created);
+    clock.advance(120_000);
+    assert_eq!(purge().unwrap(), 2);
+    assert_eq!(purge().unwrap(), 0, "each record is purged once");
+}
+
+#[test]
 fn bad_input_gets_typed_errors_and_changes_nothing() {
     let clock = ManualClock::new(1_000_000);
     let config = Config { background: false, max_payload_bytes: 1024, ..Config::default() };

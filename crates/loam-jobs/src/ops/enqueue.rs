@@ -191,9 +191,29 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
             job_id: id.clone(),
             expires_at: tx.now.saturating_add(ttl),
         };
-        tx.put_record(&keys.idempotency(&idem.key), &rec)?;
+        let key = keys.idempotency(&idem.key);
+        tx.put_record(&key, &rec)?;
+        tx.put(&crate::keys::idempotency_expiry(rec.expires_at, &key), Vec::new())?;
     }
     Ok(Enqueued { id, created: true, state: job.state, deduplicated_by: None })
+}
+
+/// Deletes up to `limit` idempotency records whose ttl has passed: `enqueue`
+/// already ignores them, and this takes back their space. A record written
+/// again under its key since (a later expiry) stays. Returns how many went.
+pub fn purge_expired_idempotency(tx: &mut Tx, limit: usize) -> Result<u64, JobsError> {
+    let due = tx.scan(&crate::keys::idempotency_expiry_due(tx.now), limit, false)?;
+    let mut purged = 0;
+    for (entry, _) in due {
+        tx.delete(&entry)?;
+        let Some(record) = crate::keys::idempotency_record_of(&entry) else { continue };
+        let rec: Option<IdempotencyRecord> = tx.get_record(record)?;
+        if rec.is_some_and(|r| r.expires_at <= tx.now) {
+            tx.delete(record)?;
+            purged += 1;
+        }
+    }
+    Ok(purged)
 }
 
 /// The node key BullMQ gives a child: `<parent prefix>:<queue>:<id>`.
