@@ -22,6 +22,8 @@ use crate::schedules;
 const MAX_WAIT: Duration = Duration::from_secs(30);
 /// Events per Watch read and the default for Query's `events`.
 const EVENT_BATCH: usize = 256;
+/// The longest a watch goes without a message (see `WatchResponse`).
+const WATCH_HEARTBEAT: Duration = Duration::from_secs(5);
 /// Most events one `Query.events` returns.
 const MAX_EVENTS_PER_READ: usize = 10_000;
 /// How long a worker name stays listed after it was last seen.
@@ -823,7 +825,8 @@ impl JobsSvc {
         let stream = futures::stream::unfold(state, |mut st| async move {
             loop {
                 if let Some(e) = st.buffered.pop_front() {
-                    let msg = pb::WatchResponse { event: convert::event(&e).into(), ..Default::default() };
+                    let msg =
+                        pb::WatchResponse { event: convert::event(&e).into(), cursor: e.seq, ..Default::default() };
                     return Some((Ok(msg), st));
                 }
                 if st.failed || st.stop.is_fired() || st.jobs.is_closed() {
@@ -842,7 +845,7 @@ impl JobsSvc {
                 }
                 let read = st
                     .jobs
-                    .read_events(&st.ns, &st.queue, Some(st.cursor), EVENT_BATCH, MAX_WAIT, Some(&st.stop))
+                    .read_events(&st.ns, &st.queue, Some(st.cursor), EVENT_BATCH, WATCH_HEARTBEAT, Some(&st.stop))
                     .await;
                 match read {
                     Ok(events) => {
@@ -851,6 +854,13 @@ impl JobsSvc {
                             if st.wanted(&e) {
                                 st.buffered.push_back(e);
                             }
+                        }
+                        if st.buffered.is_empty() && !st.stop.is_fired() {
+                            // Nothing for this watch: a heartbeat with how far the
+                            // server read, so a client resuming after it neither
+                            // reads those events again nor finds them trimmed.
+                            let msg = pb::WatchResponse { cursor: st.cursor, ..Default::default() };
+                            return Some((Ok(msg), st));
                         }
                     }
                     Err(e) => {

@@ -67,8 +67,7 @@ async fn enqueue_lease_complete_watch_and_results() {
     let mut seen = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(10);
     while seen.iter().filter(|(n, _): &&(String, String)| n == "completed").count() < 4 && Instant::now() < deadline {
-        let m = watch.message().await.unwrap().expect("the stream stays open");
-        let e = m.to_owned_message().event.into_option().unwrap();
+        let e = next_event(&mut watch).await.unwrap().expect("the stream stays open");
         seen.push((e.name.clone(), field(&e, "jobId").unwrap_or("").to_string()));
     }
     let completed: Vec<&str> = seen.iter().filter(|(n, _)| n == "completed").map(|(_, id)| id.as_str()).collect();
@@ -299,8 +298,7 @@ async fn grpc_grpc_web_and_connect_share_one_port_and_watch_resumes() {
         grpc.watch(pb::WatchRequest { queue: "multi".into(), after: Some(0), ..Default::default() }).await.unwrap();
     let mut seqs = Vec::new();
     while seqs.len() < 3 {
-        let m = first.message::<pb::WatchResponse>().await.unwrap().unwrap();
-        seqs.push(m.to_owned_message().event.into_option().unwrap().seq);
+        seqs.push(next_event(&mut first).await.unwrap().unwrap().seq);
     }
     drop(first);
     let cursor = *seqs.last().unwrap();
@@ -310,18 +308,13 @@ async fn grpc_grpc_web_and_connect_share_one_port_and_watch_resumes() {
         .unwrap();
     let all: Vec<u64> = all_events(&server.client(), "multi").await.iter().map(|e| e.seq).collect();
     while seqs.len() < all.len() {
-        let m = resumed.message::<pb::WatchResponse>().await.unwrap().unwrap();
-        seqs.push(m.to_owned_message().event.into_option().unwrap().seq);
+        seqs.push(next_event(&mut resumed).await.unwrap().unwrap().seq);
     }
     assert_eq!(seqs, all);
     // A new event reaches the open stream.
     server.client().enqueue(enqueue_req("multi", job("d", b"{}"))).await.unwrap();
-    let m = tokio::time::timeout(Duration::from_secs(5), resumed.message::<pb::WatchResponse>())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert!(m.to_owned_message().event.into_option().unwrap().seq > cursor);
+    let e = tokio::time::timeout(Duration::from_secs(5), next_event(&mut resumed)).await.unwrap().unwrap().unwrap();
+    assert!(e.seq > cursor);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -421,8 +414,62 @@ async fn a_watch_cursor_behind_the_trimmed_log_is_refused() {
     // From 0: whatever the log still holds.
     let mut from_start =
         c.watch(pb::WatchRequest { queue: "short".into(), after: Some(0), ..Default::default() }).await.unwrap();
-    let first = from_start.message::<pb::WatchResponse>().await.unwrap().unwrap();
-    assert_eq!(first.to_owned_message().event.into_option().unwrap().seq, all_events(&c, "short").await[0].seq);
+    let first = next_event(&mut from_start).await.unwrap().unwrap();
+    assert_eq!(first.seq, all_events(&c, "short").await[0].seq);
+    assert!(server.healthy());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_of_one_job_moves_its_cursor_past_other_jobs_events() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let mine = c.enqueue(enqueue_req("busy", job("mine", b"{}"))).await.unwrap().into_owned();
+    let mine = mine.enqueued.into_option().unwrap().id;
+    let start = all_events(&c, "busy").await.last().unwrap().seq;
+    let watch_mine = |after| pb::WatchRequest {
+        queue: "busy".into(),
+        after: Some(after),
+        job_id: Some(mine.clone()),
+        ..Default::default()
+    };
+    let mut watch = c.watch(watch_mine(start)).await.unwrap();
+    for _ in 0..20 {
+        c.enqueue(enqueue_req("busy", job("other", b"{}"))).await.unwrap();
+    }
+    let last = all_events(&c, "busy").await.last().unwrap().seq;
+    // The server reads the others' events and says how far it got, in heartbeats.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut cursor = start;
+    while cursor < last {
+        let m = tokio::time::timeout(
+            deadline.saturating_duration_since(Instant::now()),
+            watch.message::<pb::WatchResponse>(),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("no heartbeat reached sequence {last}"))
+        .unwrap()
+        .unwrap()
+        .to_owned_message();
+        assert!(m.event.is_unset(), "an event of another job reached a watch of job {mine}");
+        assert!(m.cursor >= cursor);
+        cursor = m.cursor;
+    }
+    drop(watch);
+    // With the log trimmed past where the last event of `mine` was, a watch
+    // resuming from the heartbeat's cursor is not refused as having lost events;
+    // an idle one still hears from the server.
+    let trim = pb::queue_admin_request::TrimEvents { max_length: 5, ..Default::default() };
+    c.queue_admin(queue_admin_req("busy", trim)).await.unwrap();
+    let mut resumed = c.watch(watch_mine(cursor)).await.unwrap();
+    let heartbeat = tokio::time::timeout(Duration::from_secs(8), resumed.message::<pb::WatchResponse>())
+        .await
+        .expect("an idle watch gets a heartbeat")
+        .unwrap()
+        .unwrap()
+        .to_owned_message();
+    assert!(heartbeat.event.is_unset());
+    assert_eq!(heartbeat.cursor, cursor);
     assert!(server.healthy());
 }
 

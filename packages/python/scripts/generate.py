@@ -119,6 +119,9 @@ def async_operations_stub(operations_source: str) -> str:
             lines.append(ast.unparse(node))
     operations = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "Operations")
     public = [i for i in operations.body if isinstance(i, ast.FunctionDef) and not i.name.startswith("_")]
+    # Of an overloaded method, the stub declares the overloads only.
+    overloaded = {i.name for i in public if any(_is_overload(d) for d in i.decorator_list)}
+    public = [i for i in public if i.name not in overloaded or any(_is_overload(d) for d in i.decorator_list)]
     # The signatures also name what _ops.py defines itself (result classes,
     # defaults): the stub imports those from it.
     defined = {name for node in module.body for name in _defined_names(node)}
@@ -139,13 +142,22 @@ def async_operations_stub(operations_source: str) -> str:
             # Indented once here and once with the whole method below.
             body.insert(0, ast.Expr(ast.Constant(docstring.replace("\n", "\n    ") + "\n    ")))
         method = ast.AsyncFunctionDef(
-            name=item.name, args=item.args, body=body, decorator_list=[], returns=item.returns, type_params=[]
+            name=item.name,
+            args=item.args,
+            body=body,
+            decorator_list=[d for d in item.decorator_list if _is_overload(d)],
+            returns=item.returns,
+            type_params=[],
         )
         lines.append(
             ast.unparse(ast.fix_missing_locations(method)).replace("\n", "\n    ").join(["    ", ""])
         )
         lines.append("")
     return "\n".join(lines)
+
+
+def _is_overload(decorator: ast.expr) -> bool:
+    return isinstance(decorator, ast.Name) and decorator.id == "overload"
 
 
 def _defined_names(node: ast.stmt) -> list[str]:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from loam_jobs import AsyncClient, FencedError, InvalidArgumentError, JobState, Retry, Success
+from loam_jobs import AsyncClient, FencedError, InvalidArgumentError, JobState, LoamJobsError, Retry, Success
 
 from .conftest import Server
 
@@ -59,3 +59,57 @@ async def test_async_watch_resumes_from_cursor(server: Server, queue: str) -> No
             assert names == ["waiting", "added", "waiting"]
             assert watch.cursor == cursor + 3
         assert (await client.get_job(queue, second.id)).name == "b"
+
+
+async def test_cancelling_a_call_cancels_it_rather_than_failing_it(server: Server, queue: str) -> None:
+    async with AsyncClient(server.url) as client:
+        # asyncio's own timeouts work: they see the cancellation they caused.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(client.lease(queue, wait_ms=10_000), timeout=0.3)
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await client.lease(queue, wait_ms=10_000)
+
+        # A worker loop that logs the client's errors still stops when cancelled.
+        polls = 0
+
+        async def worker() -> None:
+            nonlocal polls
+            while polls < 5:
+                polls += 1
+                try:
+                    await client.lease(queue, wait_ms=2_000)
+                except LoamJobsError:
+                    continue
+
+        task = asyncio.create_task(worker())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert polls == 1
+
+
+async def test_an_async_watch_closed_from_another_task_stops_waiting(server: Server, queue: str) -> None:
+    async with AsyncClient(server.url) as client:
+        watch = client.watch(queue)
+        await watch.__aenter__()
+        seen = []
+
+        async def consume() -> None:
+            async for event in watch:
+                seen.append(event)
+
+        consumer = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        await asyncio.wait_for(watch.close(), 2)
+        await asyncio.wait_for(consumer, 2)  # ended, without an event or an error
+        assert seen == []
+
+        # Cancelling the task that iterates a watch cancels it.
+        async with client.watch(queue) as other:
+            reader = asyncio.create_task(anext(other))
+            await asyncio.sleep(0.3)
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader

@@ -21,9 +21,11 @@ from loam_jobs import (
     Release,
     Retry,
     Success,
+    UnavailableError,
     flow_node,
     job,
 )
+from loam_jobs import _ops as ops
 
 from .conftest import MAX_PAYLOAD_BYTES, Server
 
@@ -228,3 +230,77 @@ def test_gzip_requests(server: Server, queue: str) -> None:
         enqueued = gzipping.enqueue(queue, "big", payload)
         assert gzipping.lease(queue)[0].json() == payload
         assert gzipping.get_job(queue, enqueued.id).state == JobState.ACTIVE
+
+
+def test_set_config_changes_only_the_settings_given(client: Client, queue: str) -> None:
+    before = client.get_config(queue)
+    client.set_config(queue, dead_letter_queue=f"{queue}-dead")
+    after = client.get_config(queue)
+    assert after.dead_letter_queue == f"{queue}-dead"
+    assert (after.max_stalled, after.stalled_interval_ms) == (before.max_stalled, before.stalled_interval_ms)
+    client.set_config(queue, max_stalled=3)
+    assert client.get_config(queue).dead_letter_queue == f"{queue}-dead"
+    client.set_config(queue, dead_letter_queue="")
+    assert not client.get_config(queue).has_field("dead_letter_queue")
+
+
+def test_a_job_past_max_stalled_is_failed_not_handed_out(client: Client, queue: str) -> None:
+    enqueued = client.enqueue(queue, "poison", None)
+    # The default max_stalled is 1: the second stall marks the job to fail.
+    for _ in range(2):
+        assert [leased.id for leased in client.lease(queue, lock_duration_ms=50)] == [enqueued.id]
+        time.sleep(0.1)
+        assert client.sweep_stalled(queue) == [enqueued.id]
+    assert len(client.lease(queue)) == 0
+    job = client.get_job(queue, enqueued.id)
+    assert job is not None and job.state == JobState.FAILED
+    assert job.failed_reason == "job stalled more than allowable limit"
+
+
+def test_extend_takes_any_list_of_one_queues_leases(client: Client, queue: str) -> None:
+    assert client.extend([], 1_000) == []
+    for i in range(2):
+        client.enqueue(queue, "a", i)
+    batch = client.lease(queue, max_jobs=2)
+    assert client.extend(batch, 10_000) == []
+    lost = batch[0]
+    client.complete(lost, Success())
+    assert client.extend([lost], 10_000) == [lost.id]
+    assert client.extend(batch, 10_000) == [lost.id]
+    with pytest.raises(InvalidArgumentError):
+        client.extend(batch, 10_000, epoch=1)  # type: ignore[call-overload]
+
+
+def test_fetch_next_leases_with_the_workers_options(client: Client, queue: str) -> None:
+    client.enqueue(queue, "email", job_id="e1")
+    client.enqueue(queue, "pdf", job_id="p1")
+    client.enqueue(queue, "email", job_id="e2")
+    first = client.lease(queue, names=["email"], lock_duration_ms=300_000)[0]
+    result = client.complete(
+        first, Success(), fetch_next=1, fetch_next_names=["email"], fetch_next_lock_duration_ms=300_000
+    )
+    following = result.next[0]
+    assert (following.id, following.job.lock.duration_ms) == ("e2", 300_000)
+
+
+def test_enqueue_retries_an_unknown_outcome_under_one_idempotency_key() -> None:
+    spec = job("a", {"n": 1})
+    op = ops.enqueue("q", spec)
+    first = next(op)
+    assert isinstance(first, ops.Call)
+    key = first.request.job.idempotency.key
+    assert key and not spec.has_field("idempotency"), "the caller's spec is left as it was"
+    assert isinstance(op.throw(UnavailableError("connection refused")), ops.Pause)
+    again = op.send(None)
+    assert isinstance(again, ops.Call) and again.request.job.idempotency.key == key
+    # A refusal is not retried.
+    with pytest.raises(InvalidArgumentError):
+        op.throw(InvalidArgumentError("bad"))
+
+
+def test_each_enqueue_of_one_spec_adds_a_job(client: Client, queue: str) -> None:
+    spec = job("a", {"n": 1})
+    ids = {client.enqueue_job(queue, spec).id for _ in range(3)}
+    assert len(ids) == 3
+    keyed = job("a", None, idempotency_key=f"{queue}-k")
+    assert len({client.enqueue_job(queue, keyed).id for _ in range(3)}) == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from itertools import islice
 from pathlib import Path
 
@@ -116,3 +118,81 @@ def test_a_cursor_behind_the_trimmed_log_is_refused(client: Client, queue: str) 
     # From the oldest kept event on, nothing is missing.
     with client.watch(queue, after=0) as watch:
         assert [e.seq for e in islice(watch, 2)] == [oldest, oldest + 1]
+
+
+def test_a_watch_closed_from_another_thread_stops_within_a_heartbeat(client: Client, queue: str) -> None:
+    watch = client.watch(queue)
+    outcome: list[object] = []
+
+    def read() -> None:
+        try:
+            outcome.extend(watch)
+            outcome.append("ended")
+        except Exception as err:  # noqa: BLE001 - the test reports whatever ended it
+            outcome.append(err)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    time.sleep(0.3)
+    watch.close()
+    # The server's heartbeat (every 5 s on an idle watch) wakes the reader.
+    reader.join(timeout=8)
+    assert not reader.is_alive(), "close() did not stop the reading thread"
+    assert outcome == ["ended"]
+
+
+def test_a_watch_of_one_job_resumes_past_other_jobs_events_the_log_dropped(
+    client: Client, queue: str
+) -> None:
+    mine = client.enqueue(queue, "mine", None)
+    watch = client.watch(queue, after=0, job_id=mine.id)
+    assert [e.name for e in islice(watch, 2)] == ["added", "waiting"]
+    reader = threading.Thread(target=lambda: list(watch), daemon=True)
+    reader.start()
+    for i in range(20):
+        client.enqueue(queue, "other", i)
+    last = client.last_event_seq(queue)
+    # Heartbeats carry the watch's cursor past the other jobs' events.
+    deadline = time.monotonic() + 8
+    while (watch.cursor or 0) < last and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watch.cursor == last
+    watch.close()
+    client.trim_events(queue, 5)
+    # Resuming from that cursor misses nothing of `mine` and is not refused.
+    with client.watch(queue, after=watch.cursor, job_id=mine.id) as resumed:
+        client.complete(client.lease(queue)[0], Success())
+        assert [e.name for e in islice(resumed, 2)] == ["active", "completed"]
+    reader.join(timeout=8)
+
+
+def test_a_watch_that_reconnected_counts_its_failures_afresh(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    server = start_server(data_dir)
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        with Client(server.url) as client:
+            # Enough tries to outlast one restart (about 3 s of pauses), not three.
+            watch = client.watch("quiet", max_reconnects=6)
+            seen: list[object] = []
+
+            def read() -> None:
+                try:
+                    seen.extend(islice(watch, 1))
+                except Exception as err:  # noqa: BLE001 - the test reports whatever ended it
+                    seen.append(err)
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            # Each restart costs the watch failed reconnects; once back, the
+            # server's heartbeat shows the stream works again.
+            for _ in range(3):
+                stop_server(server)
+                server = start_server(data_dir, port=port)
+                time.sleep(6)
+                assert seen == [], f"the watch ended after a restart it survived: {seen}"
+            client.enqueue("quiet", "a", None)
+            reader.join(timeout=5)
+            assert [e.name for e in seen] == ["added"]  # type: ignore[attr-defined]
+    finally:
+        stop_server(server)

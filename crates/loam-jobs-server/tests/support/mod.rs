@@ -302,3 +302,20 @@ pub async fn all_events(c: &Client, queue: &str) -> Vec<pb::Event> {
 pub fn field<'a>(e: &'a pb::Event, key: &str) -> Option<&'a str> {
     e.fields.iter().find(|f| f.key == key).map(|f| f.value.as_str())
 }
+
+/// The next event of a watch, passing over its heartbeats (messages with no
+/// event); `None` once the stream ended.
+pub async fn next_event<B>(
+    stream: &mut connectrpc::client::ServerStream<B, pb::__buffa::view::WatchResponseView<'static>>,
+) -> Result<Option<pb::Event>, ConnectError>
+where
+    B: http_body::Body<Data = bytes::Bytes> + Unpin,
+    B::Error: std::fmt::Display,
+{
+    while let Some(m) = stream.message::<pb::WatchResponse>().await? {
+        if let Some(event) = m.to_owned_message().event.into_option() {
+            return Ok(Some(event));
+        }
+    }
+    Ok(None)
+}

@@ -15,7 +15,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from protobuf import Message, Oneof
 
@@ -61,15 +61,26 @@ from ._gen.loam.jobs.v1.types_pb import (
     SchedulerSpec,
     ServerSchedule,
 )
-from .errors import InvalidArgumentError, LoamJobsError, from_bulk_error
+from .errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    LoamJobsError,
+    NotFoundError,
+    QueuePausedError,
+    UnavailableError,
+    from_bulk_error,
+)
 from .models import (
     CompleteResult,
+    Fail,
     LeaseBatch,
     LeasedJob,
     OutcomeSpec,
     QueueEvent,
     Success,
     encode_data,
+    idempotent,
     job,
     lease_options,
     retention,
@@ -94,7 +105,22 @@ class Call:
     wait_ms: int = 0
 
 
-Op = Generator[Call, Any, T]
+@dataclass(frozen=True)
+class Pause:
+    # A wait between two calls of an operation (before a retry): the blocking
+    # client sleeps, the async one awaits.
+    seconds: float
+
+
+# An operation: it yields calls (and pauses) and is sent each call's
+# response; a call that fails is thrown into it as its `LoamJobsError`, so an
+# operation can retry or carry on past a failure it expects.
+Op = Generator[Call | Pause, Any, T]
+
+# The pauses before each retry of a call whose outcome is unknown (the server
+# was unreachable, or did not answer in time). Only calls that are safe to
+# repeat are retried: an enqueue that carries an idempotency key.
+RETRY_PAUSES = (0.1, 0.4, 1.6)
 
 
 @dataclass(frozen=True)
@@ -161,13 +187,28 @@ def _job_slot_list(slots: Iterable[Any]) -> list[Job | None]:
 # Producing
 
 
+def _retried(call: Call) -> Op[Any]:
+    """`call`, tried again after each of `RETRY_PAUSES` while its outcome is
+    unknown. The caller makes sure a repeat cannot do the work twice."""
+    for pause in (*RETRY_PAUSES, None):
+        try:
+            return (yield call)
+        except (UnavailableError, DeadlineExceededError) as err:
+            # A paused queue is an answer, not an unknown outcome.
+            if pause is None or isinstance(err, QueuePausedError):
+                raise
+            yield Pause(pause)
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
 def enqueue(queue: str, spec: JobSpec) -> Op[Enqueued]:
-    resp = yield Call("enqueue", EnqueueRequest(queue=queue, job=spec))
+    resp = yield from _retried(Call("enqueue", EnqueueRequest(queue=queue, job=idempotent(spec))))
     return resp.enqueued
 
 
 def enqueue_bulk(queue: str, specs: Iterable[JobSpec]) -> Op[list[Enqueued | LoamJobsError]]:
-    resp = yield Call("enqueue_bulk", EnqueueBulkRequest(queue=queue, jobs=list(specs)))
+    request = EnqueueBulkRequest(queue=queue, jobs=[idempotent(spec) for spec in specs])
+    resp = yield from _retried(Call("enqueue_bulk", request))
     results: list[Enqueued | LoamJobsError] = []
     for item in resp.results:
         match item.result:
@@ -197,9 +238,33 @@ def lease(queue: str, options: LeaseOptions, wait_ms: int) -> Op[LeaseBatch]:
         resp = yield Call(
             "lease", LeaseRequest(queue=queue, options=options, wait_ms=slice_ms), wait_ms=slice_ms
         )
-        batch = LeaseBatch.from_proto(queue, resp.leased)
+        batch = yield from _without_deferred_failures(LeaseBatch.from_proto(queue, resp.leased))
         if batch.jobs or remaining <= SERVER_MAX_WAIT_MS:
             return batch
+
+
+def _without_deferred_failures(batch: LeaseBatch) -> Op[LeaseBatch]:
+    """Fails, without running them, the leased jobs the server marked with a
+    `deferred_failure` (a job that stalled more often than the queue's
+    `max_stalled` allows), as a BullMQ worker does; returns the rest."""
+    runnable = []
+    for leased in batch.jobs:
+        if not leased.job.has_field("deferred_failure"):
+            runnable.append(leased)
+            continue
+        request = CompleteRequest(
+            queue=leased.queue,
+            job_id=leased.id,
+            fence=leased.fence(),
+            outcome=Fail(leased.job.deferred_failure).to_proto(),
+            options=CompleteOptions(),
+        )
+        try:
+            yield Call("complete", request)
+        except (FailedPreconditionError, NotFoundError):
+            pass  # the lease was lost meanwhile: the job is someone else's now
+    batch.jobs = runnable
+    return batch
 
 
 def extend_one(target: LeasedJob, duration_ms: int, fence: Fence) -> Op[int]:
@@ -215,7 +280,13 @@ def extend_many(queue: str, items: Sequence[tuple[str, Fence]], duration_ms: int
         items=[ExtendItem(job_id=job_id, fence=fence) for job_id, fence in items],
         duration_ms=duration_ms,
     )
-    resp = yield Call("extend", request)
+    try:
+        resp = yield Call("extend", request)
+    except (FailedPreconditionError, NotFoundError):
+        if len(items) == 1:
+            # With one item the server answers with that item's refusal, not a list.
+            return [items[0][0]]
+        raise
     return list(resp.failed_job_ids)
 
 
@@ -246,11 +317,12 @@ def complete(
     )
     resp = yield Call("complete", request)
     completed = resp.completed
+    following = LeaseBatch.from_proto(queue, completed.next if completed else None)
     return CompleteResult(
         state=completed.state if completed else JobState.UNSPECIFIED,
         finished_on=_present(completed, "finished_on") if completed else None,
         moved=completed.moved if completed else False,
-        next=LeaseBatch.from_proto(queue, completed.next if completed else None),
+        next=(yield from _without_deferred_failures(following)),
         rate_limit_ttl_ms=_present(resp, "rate_limit_ttl_ms"),
     )
 
@@ -324,6 +396,19 @@ def queue_admin_until_done(queue: str, field_name: str, value: Any) -> Op[None]:
 def _pause_then(queue: str, op: Op[T]) -> Op[T]:
     yield from queue_admin(queue, "pause", True)
     return (yield from op)
+
+
+def set_config(queue: str, changes: Mapping[str, Any]) -> Op[None]:
+    current = (yield from query(queue, "config", True)) or QueueConfig()
+    dead_letter_queue = changes.get("dead_letter_queue", _present(current, "dead_letter_queue"))
+    config = QueueConfig(
+        max_stalled=changes.get("max_stalled", current.max_stalled),
+        stalled_interval_ms=changes.get("stalled_interval_ms", current.stalled_interval_ms),
+        dead_letter_queue=dead_letter_queue or None,
+        dead_letter_on_exhausted=changes.get("dead_letter_on_exhausted", current.dead_letter_on_exhausted),
+    )
+    yield from queue_admin(queue, "set_config", config)
+    return None
 
 
 def job_admin(queue: str, job_id: str, field_name: str, value: Any) -> Op[bool]:
@@ -487,19 +572,37 @@ class Operations(ABC):
         )
         return self._run(lease(queue, options, wait_ms))
 
+    @overload
+    def extend(
+        self, target: LeasedJob, duration_ms: int, *, epoch: int | None = None, token: str | None = None
+    ) -> int: ...
+
+    @overload
+    def extend(self, target: Iterable[LeasedJob], duration_ms: int) -> list[str]: ...
+
     def extend(
         self,
-        target: LeasedJob | Sequence[LeasedJob],
+        target: LeasedJob | Iterable[LeasedJob],
         duration_ms: int,
         *,
         epoch: int | None = None,
         token: str | None = None,
-    ) -> Any:
-        """Extends one lease (returns its new deadline; raises FencedError if
-        it was lost) or several of one queue (returns the ids that failed)."""
+    ) -> int | list[str]:
+        """Extends one lease (returns its new deadline and sets the lease's
+        `deadline`; raises FencedError if it was lost), or the leases of one
+        queue (a `LeaseBatch` or any iterable of them; returns the ids whose
+        lease was lost, and leaves their `deadline` as it was, since the
+        server answers a list with no deadlines). `epoch=` or `token=` fence
+        a single lease by something other than its own epoch."""
         if isinstance(target, LeasedJob):
             return self._run(extend_one(target, duration_ms, _fence(target, epoch, token, False)))
+        if epoch is not None or token is not None:
+            raise InvalidArgumentError(
+                "epoch= and token= fence a single lease; a list is fenced by its leases"
+            )
         leases = list(target)
+        if not leases:
+            return []
         queues = {lease.queue for lease in leases}
         if len(queues) != 1:
             raise InvalidArgumentError("extend takes leases of one queue at a time")
@@ -517,6 +620,11 @@ class Operations(ABC):
         unchecked: bool = False,
         fetch_next: int = 0,
         fetch_next_options: LeaseOptions | None = None,
+        fetch_next_token: str = "",
+        fetch_next_worker: str | None = None,
+        fetch_next_lock_duration_ms: int = 0,
+        fetch_next_names: list[str] | None = None,
+        fetch_next_limiter: RateLimit | None = None,
         remove_on_complete: bool | int | Keep | Retention | None = None,
         remove_on_fail: bool | int | Keep | Retention | None = None,
         metrics_max_points: int | None = None,
@@ -526,13 +634,26 @@ class Operations(ABC):
 
         `target` is the `LeasedJob` (fenced by its epoch), or a job id with
         `queue=` and one of `epoch=`, `token=` or `unchecked=True`.
-        `fetch_next=n` leases up to n more jobs in the same transaction
-        (`fetch_next_options` for the full lease options); they are in
-        the result's `next`.
+        `fetch_next=n` leases up to n more jobs in the same transaction,
+        with the `fetch_next_*` options, which are those of `lease` (pass
+        the worker's own: a worker that leases only some `names`, or with a
+        longer lock, wants the same for the jobs it fetches here), or
+        `fetch_next_options` whole; they are in the result's `next`.
         """
         queue_name, job_id = _target(target, queue)
         fence = _fence(target, epoch, token, unchecked)
-        next_options = fetch_next_options or (lease_options(fetch_next) if fetch_next else None)
+        next_options = fetch_next_options or (
+            lease_options(
+                fetch_next,
+                token=fetch_next_token,
+                worker=fetch_next_worker,
+                lock_duration_ms=fetch_next_lock_duration_ms,
+                names=fetch_next_names,
+                limiter=fetch_next_limiter,
+            )
+            if fetch_next
+            else None
+        )
         return self._run(
             complete(
                 queue_name,
@@ -733,18 +854,21 @@ class Operations(ABC):
         self,
         queue: str,
         *,
-        max_stalled: int = 0,
-        stalled_interval_ms: int = 0,
+        max_stalled: int | None = None,
+        stalled_interval_ms: int | None = None,
         dead_letter_queue: str | None = None,
-        dead_letter_on_exhausted: bool = False,
+        dead_letter_on_exhausted: bool | None = None,
     ) -> None:
-        config = QueueConfig(
-            max_stalled=max_stalled,
-            stalled_interval_ms=stalled_interval_ms,
-            dead_letter_queue=dead_letter_queue,
-            dead_letter_on_exhausted=dead_letter_on_exhausted,
-        )
-        return self._run(_then(queue_admin(queue, "set_config", config), _nothing))
+        """Changes the settings given and keeps the others (read, then
+        written: two calls, so a concurrent change of another setting may be
+        overwritten). `dead_letter_queue=""` turns dead-lettering off."""
+        changes = {
+            "max_stalled": max_stalled,
+            "stalled_interval_ms": stalled_interval_ms,
+            "dead_letter_queue": dead_letter_queue,
+            "dead_letter_on_exhausted": dead_letter_on_exhausted,
+        }
+        return self._run(set_config(queue, {k: v for k, v in changes.items() if v is not None}))
 
     def get_config(self, queue: str) -> QueueConfig:
         return self._run(_then(query(queue, "config", True), lambda config: config or QueueConfig()))

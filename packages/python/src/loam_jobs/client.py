@@ -9,6 +9,7 @@ operation (`_ops.Operations`); they differ only in how a call is performed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
@@ -18,7 +19,7 @@ from connectrpc.errors import ConnectError
 
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
 from ._gen.loam.jobs.v1.jobs_pb import WatchRequest
-from ._ops import Call, Op, Operations
+from ._ops import Call, Op, Operations, Pause
 from .errors import LoamJobsError, QueuePausedError, UnavailableError, from_connect_error
 from .models import QueueEvent
 
@@ -58,9 +59,19 @@ def _stub(kind: type[S], url: str, compress_requests: bool) -> S:
     return kind(url, send_compression=None)
 
 
+def _cancellation(err: ConnectError) -> asyncio.CancelledError | None:
+    """The asyncio cancellation that connectrpc reported as a `canceled`
+    error, if that is what `err` is: it must reach the caller as itself, or
+    `wait_for`, `asyncio.timeout` and `Task.cancel` stop working."""
+    cause = err.__cause__
+    return cause if isinstance(cause, asyncio.CancelledError) else None
+
+
 class _Reconnect:
     """When a watch reconnects: after a transport failure, with a growing
-    pause, until `max_attempts` failures in a row (an event resets it)."""
+    pause, until `max_attempts` failures in a row. Any message resets it:
+    the server sends one at least every few seconds (a heartbeat when there
+    is no event), so a stream that reconnected and works is soon known to."""
 
     def __init__(self, max_attempts: int | None) -> None:
         self.max_attempts = max_attempts
@@ -118,9 +129,18 @@ class Client(Operations):
 
     def _run(self, op: Op[T]) -> T:
         try:
-            call = next(op)
+            step = next(op)
             while True:
-                call = op.send(self._call(call))
+                if isinstance(step, Pause):
+                    time.sleep(step.seconds)
+                    step = op.send(None)
+                    continue
+                try:
+                    response = self._call(step)
+                except LoamJobsError as err:
+                    step = op.throw(err)
+                else:
+                    step = op.send(response)
         except StopIteration as done:
             return done.value
 
@@ -134,13 +154,16 @@ class Client(Operations):
     ) -> Watch:
         """The queue's events from sequence `after` (None: from now on), live.
 
-        Iterate it; it blocks for each new event. Its `cursor` is the last
-        sequence seen: after a dropped connection it resumes from there by
+        Iterate it; it blocks for each new event. Its `cursor` is how far it
+        has read the log: after a dropped connection it resumes from there by
         itself (up to `max_reconnects` failures in a row), and a later
         `watch(after=w.cursor)` continues where this one stopped. `job_id`
-        keeps only that job's events. Close it (or use `with`) to stop.
-        `after=0` starts at the oldest event the log holds; a cursor the log
-        has trimmed past raises `EventsTrimmedError` (events were lost).
+        keeps only that job's events (the cursor still moves past the
+        others'). Close it (or use `with`) to stop; a `close()` from another
+        thread ends the iteration at the server's next message, within a few
+        seconds. `after=0` starts at the oldest event the log holds; a cursor
+        the log has trimmed past raises `EventsTrimmedError` (events were
+        lost).
         """
         if after is None:
             # "From now on" is now, not the first iteration; a sequence also
@@ -174,39 +197,65 @@ class Watch(Iterator[QueueEvent]):
         self._reconnect = reconnect
         self._stream: Iterator[Any] | None = None
         self._closed = False
+        # Whether a thread is inside `next(self._stream)`: a generator cannot
+        # be closed from another thread while it runs.
+        self._reading = False
 
     def _open(self) -> Iterator[Any]:
         request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
         return self._client.stub.watch(request, headers=self._client._headers, timeout_ms=None)
 
     def __next__(self) -> QueueEvent:
-        while not self._closed:
-            try:
-                if self._stream is None:
-                    self._stream = self._open()
-                response = next(self._stream)
-            except StopIteration:
-                # The server ended the stream (it is shutting down): reconnect.
-                self._stream = None
-                time.sleep(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
-                continue
-            except ConnectError as err:
-                self._stream = None
-                time.sleep(self._reconnect.pause_after(from_connect_error(err)))
-                continue
-            self._reconnect.failures = 0
-            event = QueueEvent.from_proto(response.event)
-            self.cursor = event.seq
-            return event
-        raise StopIteration
+        try:
+            while not self._closed:
+                try:
+                    if self._stream is None:
+                        self._stream = self._open()
+                    self._reading = True
+                    try:
+                        response = next(self._stream)
+                    finally:
+                        self._reading = False
+                except StopIteration:
+                    # The server ended the stream (it is shutting down): reconnect.
+                    self._stream = None
+                    if self._closed:
+                        break
+                    time.sleep(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
+                    continue
+                except ConnectError as err:
+                    self._stream = None
+                    if self._closed:
+                        break
+                    time.sleep(self._reconnect.pause_after(from_connect_error(err)))
+                    continue
+                self._reconnect.failures = 0
+                self.cursor = max(self.cursor or 0, response.cursor)
+                if response.has_field("event"):
+                    event = QueueEvent.from_proto(response.event)
+                    self.cursor = max(self.cursor, event.seq)
+                    return event
+            raise StopIteration
+        finally:
+            if self._closed:
+                self._close_stream()
 
     def close(self) -> None:
+        """Stops the watch. From the thread iterating it (or with no
+        iteration under way), at once; from another thread, the iterating one
+        stops at the stream's next message."""
         self._closed = True
-        if self._stream is not None:
-            close = getattr(self._stream, "close", None)
-            if close is not None:
+        if not self._reading:
+            self._close_stream()
+
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        close = getattr(stream, "close", None)
+        if close is not None:
+            try:
                 close()
-            self._stream = None
+            except ValueError:
+                pass  # another thread is reading it; that thread closes it
 
     def __enter__(self) -> Self:
         return self
@@ -254,13 +303,24 @@ class AsyncClient(AsyncOperations):
                 call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call)
             )
         except ConnectError as err:
+            if cancelled := _cancellation(err):
+                raise cancelled from None
             raise from_connect_error(err) from None
 
     async def _drive(self, op: Op[T]) -> T:
         try:
-            call = next(op)
+            step = next(op)
             while True:
-                call = op.send(await self._call(call))
+                if isinstance(step, Pause):
+                    await asyncio.sleep(step.seconds)
+                    step = op.send(None)
+                    continue
+                try:
+                    response = await self._call(step)
+                except LoamJobsError as err:
+                    step = op.throw(err)
+                else:
+                    step = op.send(response)
         except StopIteration as done:
             return done.value
 
@@ -306,10 +366,26 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         self._reconnect = reconnect
         self._stream: AsyncIterator[Any] | None = None
         self._closed = False
+        # The read under way, in a task of its own so that `close()` from
+        # another task can cancel it (an async generator that is running
+        # cannot be closed).
+        self._read: asyncio.Future[Any] | None = None
 
     def _open(self) -> AsyncIterator[Any]:
         request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
         return self._client.stub.watch(request, headers=self._client._headers, timeout_ms=None)
+
+    async def _next_message(self, stream: AsyncIterator[Any]) -> Any:
+        read = self._read = asyncio.ensure_future(anext(stream))
+        try:
+            return await read
+        except asyncio.CancelledError:
+            # This task is cancelled: so is its read. (A read that `close()`
+            # cancelled fails as connectrpc's `canceled` error instead.)
+            read.cancel()
+            raise
+        finally:
+            self._read = None
 
     async def __anext__(self) -> QueueEvent:
         while not self._closed:
@@ -317,13 +393,21 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
                 if self._stream is None:
                     await self._pin()
                     self._stream = self._open()
-                response = await anext(self._stream)
+                response = await self._next_message(self._stream)
             except StopAsyncIteration:
                 self._stream = None
+                if self._closed:
+                    break
                 await asyncio.sleep(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
                 continue
             except ConnectError as err:
                 self._stream = None
+                if cancelled := _cancellation(err):
+                    if self._closed:
+                        break
+                    raise cancelled from None
+                if self._closed:
+                    break
                 await asyncio.sleep(self._reconnect.pause_after(from_connect_error(err)))
                 continue
             except LoamJobsError as err:
@@ -331,9 +415,11 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
                 await asyncio.sleep(self._reconnect.pause_after(err))
                 continue
             self._reconnect.failures = 0
-            event = QueueEvent.from_proto(response.event)
-            self.cursor = event.seq
-            return event
+            self.cursor = max(self.cursor or 0, response.cursor)
+            if response.has_field("event"):
+                event = QueueEvent.from_proto(response.event)
+                self.cursor = max(self.cursor, event.seq)
+                return event
         raise StopAsyncIteration
 
     async def _pin(self) -> None:
@@ -343,12 +429,18 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
             self.cursor = await self._client.last_event_seq(self.queue)
 
     async def close(self) -> None:
+        """Stops the watch, from its own task or another: an iteration under
+        way ends (StopAsyncIteration) instead of waiting for an event."""
         self._closed = True
-        if self._stream is not None:
-            aclose = getattr(self._stream, "aclose", None)
-            if aclose is not None:
+        read = self._read
+        if read is not None:
+            read.cancel()
+            await asyncio.wait([read])
+        stream, self._stream = self._stream, None
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(RuntimeError):
                 await aclose()
-            self._stream = None
 
     async def __aenter__(self) -> Self:
         await self._pin()

@@ -13,7 +13,11 @@ pass through unchanged, anything else is encoded as JSON.
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import time
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -181,6 +185,31 @@ def job(
         timestamp=timestamp,
         scheduler_id=scheduler_id,
     )
+
+
+def uuid7() -> str:
+    """A UUIDv7 (RFC 9562): the time in milliseconds, then random bits."""
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (
+        (ms & (1 << 48) - 1) << 80
+        | 0x7 << 76
+        | (rand >> 62 & 0xFFF) << 64
+        | 0b10 << 62
+        | rand & (1 << 62) - 1
+    )
+    return str(uuid.UUID(int=value))
+
+
+def idempotent(spec: JobSpec) -> JobSpec:
+    """`spec`, or a copy of it with an idempotency key of its own when it has
+    neither a key nor a job id: an enqueue retried after an unknown outcome
+    then returns the first try's job instead of adding a second one."""
+    if spec.has_field("idempotency") or spec.job_id:
+        return spec
+    keyed = copy.copy(spec)
+    keyed.idempotency = Idempotency(key=uuid7())
+    return keyed
 
 
 def flow_node(queue: str, spec: JobSpec, *, wait_children: bool = False) -> FlowNode:
