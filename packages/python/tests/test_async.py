@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 
 import pytest
 
@@ -113,3 +114,11 @@ async def test_an_async_watch_closed_from_another_task_stops_waiting(server: Ser
             reader.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await reader
+
+
+async def test_operations_are_coroutine_functions_that_raise_when_awaited(server: Server) -> None:
+    async with AsyncClient(server.url) as client:
+        assert inspect.iscoroutinefunction(client.complete)
+        call = client.complete("job-1")  # no queue and no fence: refused, but only when awaited
+        with pytest.raises(InvalidArgumentError):
+            await call

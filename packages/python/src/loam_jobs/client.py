@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
@@ -273,6 +274,27 @@ else:
     AsyncOperations = Operations
 
 
+def _as_coroutine_functions(cls: type[T]) -> type[T]:
+    """Makes each operation `cls` inherits a coroutine function: a bad
+    argument then raises where the call is awaited, as in any async API, not
+    where the coroutine is made (in a `gather`, that left the others made
+    before it never awaited)."""
+    for name, method in vars(Operations).items():
+        if name.startswith("_") or not callable(method) or name in vars(cls):
+            continue
+
+        def operation(method: Any) -> Any:
+            @functools.wraps(method)
+            async def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+                return await method(self, *args, **kwargs)
+
+            return call
+
+        setattr(cls, name, operation(method))
+    return cls
+
+
+@_as_coroutine_functions
 class AsyncClient(AsyncOperations):
     """The asyncio client: the same methods as `Client`, each returning an
     awaitable, and `watch` returning an async iterator.
