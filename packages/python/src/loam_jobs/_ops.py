@@ -799,7 +799,9 @@ class Operations(ABC):
 
     def obliterate(self, queue: str, *, force: bool = False, chunk: int = 1000) -> None:
         """Pauses the queue, then removes it with all its jobs, `chunk` jobs per
-        call (BullMQ's obliterate); without `force`, refuses while jobs are active."""
+        call (BullMQ's obliterate). Without `force` it refuses while jobs are
+        active, and the queue stays paused, as on BullMQ: `resume` it to go on
+        without obliterating."""
         value = QueueAdminRequest.Obliterate(force=force, count=chunk)
         return self._run(_pause_then(queue, queue_admin_until_done(queue, "obliterate", value)))
 
