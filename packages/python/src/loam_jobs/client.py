@@ -92,6 +92,19 @@ class _Reconnect:
         return min(0.05 * 2 ** (self.failures - 1), 2.0)
 
 
+def _receive(watch: Watch | AsyncWatch, response: Any) -> QueueEvent | None:
+    """Takes a message of a watch's stream: the stream works (the reconnect
+    count starts over) and the cursor moves to where the server read; the
+    event, or None for a heartbeat."""
+    watch._reconnect.failures = 0
+    watch.cursor = max(watch.cursor or 0, response.cursor)
+    if not response.has_field("event"):
+        return None
+    event = QueueEvent.from_proto(response.event)
+    watch.cursor = max(watch.cursor, event.seq)
+    return event
+
+
 class Client(Operations):
     """A blocking client.
 
@@ -230,11 +243,7 @@ class Watch(Iterator[QueueEvent]):
                         break
                     time.sleep(self._reconnect.pause_after(from_connect_error(err)))
                     continue
-                self._reconnect.failures = 0
-                self.cursor = max(self.cursor or 0, response.cursor)
-                if response.has_field("event"):
-                    event = QueueEvent.from_proto(response.event)
-                    self.cursor = max(self.cursor, event.seq)
+                if event := _receive(self, response):
                     return event
             raise StopIteration
         finally:
@@ -436,11 +445,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
                 # From pinning the cursor (last_event_seq), before the stream opens.
                 await asyncio.sleep(self._reconnect.pause_after(err))
                 continue
-            self._reconnect.failures = 0
-            self.cursor = max(self.cursor or 0, response.cursor)
-            if response.has_field("event"):
-                event = QueueEvent.from_proto(response.event)
-                self.cursor = max(self.cursor, event.seq)
+            if event := _receive(self, response):
                 return event
         raise StopAsyncIteration
 
