@@ -33,6 +33,7 @@ import type {
 import type { LoamQueue } from '../native/index.js';
 import {
   clientListText,
+  clientsKey,
   dependenciesPage,
   heldNames,
   holdName,
@@ -45,8 +46,11 @@ import {
   type ChildrenByCategory,
   type FinishedResult,
 } from './common.js';
-import { call, fromNative } from './errors.js';
-import { orderWrites } from './ordered-writes.js';
+import { fromNative } from './errors.js';
+import { nativeCalls } from './native-calls.js';
+
+/** The core namespace of a backend whose settings name none. */
+export const DEFAULT_NAMESPACE = 'default';
 
 /** What a backend needs to open its queue (see `loamBackend()`). */
 export interface LoamBackendSettings {
@@ -84,6 +88,10 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   readonly maximumBlockTimeout = 3600;
 
   private readonly native: LoamQueue;
+  /** The core namespace the queue lives in. */
+  private readonly namespace: string;
+  /** Whose names `getClientList` lists: this store's and namespace's (see `clientsKey`). */
+  private readonly clients: string;
   private releaseName: (() => void) | undefined;
   private readonly ready: Promise<void>;
   /** Set once `ready` resolved; a worker takes jobs only from then on. */
@@ -97,25 +105,28 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     private readonly queueName: string,
     private readonly prefix: string,
     private readonly owner: boolean,
-    options: { blocking?: boolean; withBlockingConnection?: boolean; workerName?: string } = {},
+    options: { blocking?: boolean; withBlockingConnection?: boolean; workerName?: string; namespace?: string } = {},
   ) {
     super();
-    this.native = orderWrites(native, native.dataDir);
+    this.namespace = options.namespace ?? DEFAULT_NAMESPACE;
+    this.clients = clientsKey(native.dataDir, this.namespace);
+    // Every call of `this.native` fails in BullMQ's form, its writes settle in order.
+    this.native = nativeCalls(native, native.dataDir);
     if (options.withBlockingConnection) {
       // Redis names a worker's blocking connection so getWorkers finds it.
       const suffix = options.workerName ? `:w:${options.workerName}` : '';
-      this.releaseName = holdName(this.clientName(suffix));
+      this.releaseName = holdName(this.clients, this.clientName(suffix));
     }
     if (options.blocking) {
       // A QueueEvents reads from "now": fix that point when it is created (and
       // be ready only then), so events written between its creation and its
       // first read are not lost.
-      const start = call(native.lastEventId(Date.now()));
+      const start = this.native.lastEventId(Date.now());
       this.eventsStart = start;
       this.ready = start.then(() => undefined);
       this.ready.catch(() => undefined);
     } else {
-      this.ready = call(native.ready());
+      this.ready = this.native.ready();
       this.ready.catch(() => undefined);
     }
     this.ready.then(
@@ -136,7 +147,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   close(_force?: boolean): Promise<void> {
     if (!this.closing) {
       this.releaseName?.();
-      this.closing = (this.owner ? call(this.native.close()) : Promise.resolve()).then(() => {
+      this.closing = (this.owner ? this.native.close() : Promise.resolve()).then(() => {
         this.emit('close');
       });
     }
@@ -150,7 +161,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   async setName(name: string): Promise<void> {
     this.releaseName?.();
-    this.releaseName = holdName(name);
+    this.releaseName = holdName(this.clients, name);
   }
 
   async disconnectBlocking(_wait?: boolean): Promise<void> {
@@ -165,7 +176,9 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   forQueue(queueName: string, prefix?: string): IQueueBackend {
     const p = prefix ?? this.prefix;
-    return this.siblings.get(queueName, p, () => new LoamQueueBackend(this.native.forQueue(queueName, p), queueName, p, false));
+    return this.siblings.get(queueName, p, () =>
+      new LoamQueueBackend(this.native.forQueue(queueName, p), queueName, p, false, { namespace: this.namespace }),
+    );
   }
 
   get qualifiedName(): string {
@@ -187,12 +200,12 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- adding ---------------------------------------------------------------
 
   addJob(job: JobJson, jobId: string, parentKeyOpts?: ParentKeyOpts): Promise<string> {
-    return call(this.native.addJob(Date.now(), JSON.stringify(newJobJson(job, jobId, parentKeyOpts))));
+    return this.native.addJob(Date.now(), JSON.stringify(newJobJson(job, jobId, parentKeyOpts)));
   }
 
   addJobs(entries: { job: JobJson; jobId: string; parentKeyOpts?: ParentKeyOpts }[]): Promise<string[]> {
     const jobs = entries.map(e => newJobJson(e.job, e.jobId, e.parentKeyOpts));
-    return call(this.native.addJobs(Date.now(), JSON.stringify(jobs)));
+    return this.native.addJobs(Date.now(), JSON.stringify(jobs));
   }
 
   async addFlow(
@@ -202,7 +215,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     // Each tree goes in atomically on its own; a refused one answers, per
     // node, BullMQ's code (or an error when BullMQ has none), as Redis does.
     const results: [string | null, string | number][] = JSON.parse(
-      await call(this.native.addFlow(Date.now(), JSON.stringify(nodes))),
+      await this.native.addFlow(Date.now(), JSON.stringify(nodes)),
     );
     return results.map(([message, id]) => [message === null ? null : fromNative(new Error(message)), id]);
   }
@@ -213,30 +226,30 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     // Like a Redis connection still being set up, a new backend fetches only
     // once ready: a worker already waiting gets a just-added job first.
     if (!this.isReady) await this.ready;
-    return JSON.parse(await call(this.native.moveToActive(Date.now(), token, name)));
+    return JSON.parse(await this.native.moveToActive(Date.now(), token, name));
   }
 
   async waitForJob(blockTimeout: number): Promise<{ member: string; score: number } | null> {
-    const score = await call(this.native.waitForJob(Date.now(), blockTimeout));
+    const score = await this.native.waitForJob(Date.now(), blockTimeout);
     if (score === null || score === undefined) return null;
     // Redis marker members: "0" = a job is ready, "1" = next delayed due time.
     return { member: score === 0 ? '0' : '1', score };
   }
 
   extendLock(jobId: string, token: string, duration: number): Promise<number> {
-    return call(this.native.extendLock(Date.now(), jobId, token, duration));
+    return this.native.extendLock(Date.now(), jobId, token, duration);
   }
 
   extendLocks(jobIds: string[], tokens: string[], duration: number): Promise<string[]> {
-    return call(this.native.extendLocks(Date.now(), jobIds, tokens, duration));
+    return this.native.extendLocks(Date.now(), jobIds, tokens, duration);
   }
 
   moveStalledJobsToWait(): Promise<string[]> {
-    return call(this.native.moveStalledJobsToWait(Date.now()));
+    return this.native.moveStalledJobsToWait(Date.now());
   }
 
   isMaxed(): Promise<boolean> {
-    return call(this.native.isMaxed(Date.now()));
+    return this.native.isMaxed(Date.now());
   }
 
   // ---- finishing ---------------------------------------------------------------
@@ -252,7 +265,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     // comes from the factory options. Both are applied in the core.
     const value = JSON.stringify(returnValue) ?? 'null';
     const done: FinishedResult = JSON.parse(
-      await call(this.native.moveToCompleted(Date.now(), job.id!, value, token, fetchNext)),
+      await this.native.moveToCompleted(Date.now(), job.id!, value, token, fetchNext),
     );
     return { result: done.result, finishedOn: done.finishedOn };
   }
@@ -267,7 +280,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   ): Promise<{ result: void | any[]; finishedOn: number }> {
     const fields = fieldsToUpdate ? JSON.stringify(fieldsToUpdate) : undefined;
     const done: FinishedResult = JSON.parse(
-      await call(this.native.moveToFailed(Date.now(), job.id!, failedReason ?? '', token, fetchNext, fields)),
+      await this.native.moveToFailed(Date.now(), job.id!, failedReason ?? '', token, fetchNext, fields),
     );
     return { result: done.result, finishedOn: done.finishedOn };
   }
@@ -279,23 +292,22 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     token?: string,
     opts?: MoveToDelayedOpts,
   ): Promise<void | any[]> {
-    return JSON.parse(
-      await call(this.native.moveToDelayed(Date.now(), jobId, timestamp, delay, token, opts ? JSON.stringify(opts) : undefined)),
-    );
+    const options = opts ? JSON.stringify(opts) : undefined;
+    return JSON.parse(await this.native.moveToDelayed(Date.now(), jobId, timestamp, delay, token, options));
   }
 
   moveToWaitingChildren(jobId: string, token: string, opts: MoveToWaitingChildrenOpts = {}): Promise<boolean> {
     const child = opts.child ? `${opts.child.queue}:${opts.child.id}` : undefined;
-    return call(this.native.moveToWaitingChildren(Date.now(), jobId, token, child));
+    return this.native.moveToWaitingChildren(Date.now(), jobId, token, child);
   }
 
   moveJobFromActiveToWait(jobId: string, token?: string): Promise<number> {
-    return call(this.native.moveJobFromActiveToWait(Date.now(), jobId, token));
+    return this.native.moveJobFromActiveToWait(Date.now(), jobId, token);
   }
 
   async retryJob(jobId: string, _lifo: boolean, token?: string, opts?: RetryJobOpts): Promise<void> {
     const fields = opts?.fieldsToUpdate ? JSON.stringify(opts.fieldsToUpdate) : undefined;
-    await call(this.native.retryJob(Date.now(), jobId, token, fields));
+    await this.native.retryJob(Date.now(), jobId, token, fields);
   }
 
   async retryFinishedJob<T = any, R = any, N extends string = string>(
@@ -303,77 +315,81 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     state: 'failed' | 'completed',
     opts: RetryOptions = {},
   ): Promise<void> {
-    await call(
-      this.native.retryFinishedJob(Date.now(), job.id!, state, !!opts.resetAttemptsMade, !!opts.resetAttemptsStarted),
+    await this.native.retryFinishedJob(
+      Date.now(),
+      job.id!,
+      state,
+      !!opts.resetAttemptsMade,
+      !!opts.resetAttemptsStarted,
     );
   }
 
   promote(jobId: string): Promise<void> {
-    return call(this.native.promote(Date.now(), jobId));
+    return this.native.promote(Date.now(), jobId);
   }
 
   changeDelay(jobId: string, delay: number): Promise<void> {
-    return call(this.native.changeDelay(Date.now(), jobId, delay));
+    return this.native.changeDelay(Date.now(), jobId, delay);
   }
 
   changePriority(jobId: string, priority = 0, lifo = false): Promise<void> {
-    return call(this.native.changePriority(Date.now(), jobId, priority, lifo));
+    return this.native.changePriority(Date.now(), jobId, priority, lifo);
   }
 
   remove(jobId: string, removeChildren: boolean): Promise<number> {
-    return call(this.native.remove(Date.now(), jobId, removeChildren));
+    return this.native.remove(Date.now(), jobId, removeChildren);
   }
 
   removeUnprocessedChildren(jobId: string): Promise<void> {
-    return call(this.native.removeUnprocessedChildren(Date.now(), jobId));
+    return this.native.removeUnprocessedChildren(Date.now(), jobId);
   }
 
   removeChildDependency(jobId: string, parentKey: string): Promise<boolean> {
-    return call(this.native.removeChildDependency(Date.now(), jobId, parentKey));
+    return this.native.removeChildDependency(Date.now(), jobId, parentKey);
   }
 
   // ---- job data --------------------------------------------------------------------
 
   updateData<T = any, R = any, N extends string = string>(job: MinimalJob<T, R, N>, data: T): Promise<void> {
-    return call(this.native.updateData(Date.now(), job.id!, JSON.stringify(data) ?? '{}'));
+    return this.native.updateData(Date.now(), job.id!, JSON.stringify(data) ?? '{}');
   }
 
   updateProgress(jobId: string, progress: JobProgress): Promise<void> {
-    return call(this.native.updateProgress(Date.now(), jobId, JSON.stringify(progress)));
+    return this.native.updateProgress(Date.now(), jobId, JSON.stringify(progress));
   }
 
   addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
-    return call(this.native.addLog(Date.now(), jobId, logRow, keepLogs));
+    return this.native.addLog(Date.now(), jobId, logRow, keepLogs);
   }
 
   clearLogs(jobId: string, keepLogs?: number): Promise<void> {
-    return call(this.native.clearLogs(Date.now(), jobId, keepLogs));
+    return this.native.clearLogs(Date.now(), jobId, keepLogs);
   }
 
   // ---- queue admin ---------------------------------------------------------------------
 
   pause(pause: boolean): Promise<void> {
-    return call(this.native.pause(Date.now(), pause));
+    return this.native.pause(Date.now(), pause);
   }
 
   drain(delayed: boolean): Promise<void> {
-    return call(this.native.drain(Date.now(), delayed));
+    return this.native.drain(Date.now(), delayed);
   }
 
   cleanJobsByState(state: string, timestamp: number, limit?: number): Promise<string[]> {
-    return call(this.native.cleanJobsByState(Date.now(), state, timestamp, limit));
+    return this.native.cleanJobsByState(Date.now(), state, timestamp, limit);
   }
 
   obliterate(opts: { force: boolean; count: number }): Promise<number> {
-    return call(this.native.obliterate(Date.now(), !!opts.force, opts.count));
+    return this.native.obliterate(Date.now(), !!opts.force, opts.count);
   }
 
   retryFinishedJobs(state: FinishedStatus = 'failed', count = 1000, timestamp = Date.now()): Promise<number> {
-    return call(this.native.retryFinishedJobs(Date.now(), state, count, timestamp));
+    return this.native.retryFinishedJobs(Date.now(), state, count, timestamp);
   }
 
   promoteJobs(count = 1000): Promise<number> {
-    return call(this.native.promoteJobs(Date.now(), count));
+    return this.native.promoteJobs(Date.now(), count);
   }
 
   /** Redis keyspace repair; an embedded store has no orphaned keys. */
@@ -389,39 +405,39 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- getters ---------------------------------------------------------------------------
 
   async getState(jobId: string): Promise<JobState | 'unknown'> {
-    return (await call(this.native.getState(Date.now(), jobId))) as JobState | 'unknown';
+    return (await this.native.getState(Date.now(), jobId)) as JobState | 'unknown';
   }
 
   async isFinished(jobId: string, returnValue = false): Promise<number | [number, string]> {
-    return JSON.parse(await call(this.native.isFinished(Date.now(), jobId, returnValue)));
+    return JSON.parse(await this.native.isFinished(Date.now(), jobId, returnValue));
   }
 
   isJobInState(state: string, jobId: string): Promise<boolean> {
-    return call(this.native.isJobInState(Date.now(), state, jobId));
+    return this.native.isJobInState(Date.now(), state, jobId);
   }
 
   async getJobData(jobId: string): Promise<JobJson | undefined> {
-    return parseJob(await call(this.native.getJobData(Date.now(), jobId)));
+    return parseJob(await this.native.getJobData(Date.now(), jobId));
   }
 
   async getJobLogs(jobId: string, start: number, end: number, asc: boolean): Promise<{ logs: string[]; count: number }> {
-    return JSON.parse(await call(this.native.getJobLogs(Date.now(), jobId, start, end, asc)));
+    return JSON.parse(await this.native.getJobLogs(Date.now(), jobId, start, end, asc));
   }
 
   getCounts(types: JobType[], delayedTimestamp?: number): Promise<number[]> {
-    return call(this.native.getCounts(Date.now(), types, delayedTimestamp));
+    return this.native.getCounts(Date.now(), types, delayedTimestamp);
   }
 
   getCountsPerPriority(priorities: number[]): Promise<number[]> {
-    return call(this.native.getCountsPerPriority(Date.now(), priorities));
+    return this.native.getCountsPerPriority(Date.now(), priorities);
   }
 
   async getRanges(types: JobType[], start = 0, end = 1, asc = false): Promise<[string][]> {
-    return (await call(this.native.getRanges(Date.now(), types, start, end, asc))) as unknown as [string][];
+    return (await this.native.getRanges(Date.now(), types, start, end, asc)) as unknown as [string][];
   }
 
   getDependencyCounts(jobId: string, types: string[]): Promise<number[]> {
-    return call(this.native.getDependencyCounts(Date.now(), jobId, types));
+    return this.native.getDependencyCounts(Date.now(), jobId, types);
   }
 
   async getDependencies(
@@ -437,33 +453,33 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     nextUnprocessedCursor?: number;
     unprocessed?: string[];
   }> {
-    const all: ChildrenByCategory = JSON.parse(await call(this.native.getDependencies(Date.now(), jobId)));
+    const all: ChildrenByCategory = JSON.parse(await this.native.getDependencies(Date.now(), jobId));
     return dependenciesPage(all, opts);
   }
 
   async getProcessedChildrenValues(jobId: string): Promise<Record<string, string>> {
-    return JSON.parse(await call(this.native.getProcessedChildrenValues(Date.now(), jobId)));
+    return JSON.parse(await this.native.getProcessedChildrenValues(Date.now(), jobId));
   }
 
   async getIgnoredChildrenFailures(jobId: string): Promise<Record<string, string>> {
-    return JSON.parse(await call(this.native.getIgnoredChildrenFailures(Date.now(), jobId)));
+    return JSON.parse(await this.native.getIgnoredChildrenFailures(Date.now(), jobId));
   }
 
   getDeduplicationJobId(deduplicationId: string): Promise<string | null> {
-    return call(this.native.getDeduplicationJobId(Date.now(), deduplicationId)).then(id => id ?? null);
+    return this.native.getDeduplicationJobId(Date.now(), deduplicationId).then(id => id ?? null);
   }
 
   getRateLimitTtl(maxJobs?: number): Promise<number> {
-    return call(this.native.getRateLimitTtl(Date.now(), maxJobs));
+    return this.native.getRateLimitTtl(Date.now(), maxJobs);
   }
 
   async getMetrics(type: 'completed' | 'failed', start = 0, end = -1): Promise<[string[], string[], number]> {
-    return JSON.parse(await call(this.native.getMetrics(Date.now(), type, start, end)));
+    return JSON.parse(await this.native.getMetrics(Date.now(), type, start, end));
   }
 
-  /** One CLIENT LIST text with the names this process's backends hold. */
+  /** One CLIENT LIST text with the names this process's backends of this store and namespace hold. */
   async getClientList(): Promise<string[]> {
-    return clientListText(heldNames());
+    return clientListText(heldNames(this.clients));
   }
 
   /** `paginate` of `<qualifiedName>:<parentId>:dependencies` or `:processed`. */
@@ -473,9 +489,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   ): Promise<{ cursor: string; items: { id: string; v?: any; err?: string }[]; total: number; jobs?: JobJson[] }> {
     const { parentId, processed } = paginateTarget(key, this.qualifiedName);
     const page: { cursor: string; items: [string, string | null][]; total: number; jobs?: string[] } = JSON.parse(
-      await call(
-        this.native.paginateChildren(Date.now(), parentId, processed, opts.start, opts.end, !!opts.fetchJobs),
-      ),
+      await this.native.paginateChildren(Date.now(), parentId, processed, opts.start, opts.end, !!opts.fetchJobs),
     );
     return {
       cursor: page.cursor,
@@ -488,24 +502,24 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- queue meta ----------------------------------------------------------------------------
 
   setQueueMeta(values: Record<string, string | number>): Promise<number> {
-    return call(this.native.setQueueMeta(Date.now(), JSON.stringify(values)));
+    return this.native.setQueueMeta(Date.now(), JSON.stringify(values));
   }
 
   async getQueueMetaField(field: string): Promise<string | null> {
-    const [value] = await call(this.native.getQueueMetaFields(Date.now(), [field]));
+    const [value] = await this.native.getQueueMetaFields(Date.now(), [field]);
     return value ?? null;
   }
 
   async getQueueMetaFields(fields: string[]): Promise<(string | null)[]> {
-    return (await call(this.native.getQueueMetaFields(Date.now(), fields))).map(v => v ?? null);
+    return (await this.native.getQueueMetaFields(Date.now(), fields)).map(v => v ?? null);
   }
 
   async getQueueMeta(): Promise<Record<string, string>> {
-    return JSON.parse(await call(this.native.getQueueMeta(Date.now())));
+    return JSON.parse(await this.native.getQueueMeta(Date.now()));
   }
 
   removeQueueMetaFields(fields: string[]): Promise<number> {
-    return call(this.native.removeQueueMetaFields(Date.now(), fields));
+    return this.native.removeQueueMetaFields(Date.now(), fields);
   }
 
   async hasQueueMetaField(field: string): Promise<boolean> {
@@ -515,19 +529,19 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- rate limit, dedup ---------------------------------------------------------------------
 
   setRateLimit(expireTimeMs: number): Promise<void> {
-    return call(this.native.setRateLimit(Date.now(), expireTimeMs));
+    return this.native.setRateLimit(Date.now(), expireTimeMs);
   }
 
   removeRateLimitKey(): Promise<number> {
-    return call(this.native.removeRateLimitKey(Date.now()));
+    return this.native.removeRateLimitKey(Date.now());
   }
 
   removeDeduplicationKey(deduplicationId: string, jobId: string): Promise<number> {
-    return call(this.native.removeDeduplicationKey(Date.now(), deduplicationId, jobId));
+    return this.native.removeDeduplicationKey(Date.now(), deduplicationId, jobId);
   }
 
   deleteDeduplicationKey(deduplicationId: string): Promise<number> {
-    return call(this.native.removeDeduplicationKey(Date.now(), deduplicationId, undefined));
+    return this.native.removeDeduplicationKey(Date.now(), deduplicationId, undefined);
   }
 
   // ---- events -----------------------------------------------------------------------------------
@@ -537,18 +551,18 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     if (id === '$' && this.eventsStart) {
       from = await this.eventsStart;
     }
-    const entries = await call(this.native.readEvents(Date.now(), from, blockTimeout));
+    const entries = await this.native.readEvents(Date.now(), from, blockTimeout);
     if (!entries) return null as unknown as StreamReadRaw;
     this.eventsStart = undefined;
     return [[this.toKey('events'), JSON.parse(entries)]] as unknown as StreamReadRaw;
   }
 
   publishEvent(fields: Record<string, string | number>, maxEvents: number): Promise<string> {
-    return call(this.native.publishEvent(Date.now(), JSON.stringify(fields), maxEvents));
+    return this.native.publishEvent(Date.now(), JSON.stringify(fields), maxEvents);
   }
 
   trimEvents(maxLength: number): Promise<number> {
-    return call(this.native.trimEvents(Date.now(), maxLength));
+    return this.native.trimEvents(Date.now(), maxLength);
   }
 
   // ---- job schedulers -----------------------------------------------------------------------------
@@ -562,15 +576,13 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     _delayedJobOpts: JobsOptions,
     _producerId?: string,
   ): Promise<[string, number]> {
-    const added = await call(
-      this.native.addJobScheduler(
-        Date.now(),
-        jobSchedulerId,
-        nextMillis ?? undefined,
-        templateData,
-        JSON.stringify(templateOpts ?? {}),
-        JSON.stringify(opts ?? {}),
-      ),
+    const added = await this.native.addJobScheduler(
+      Date.now(),
+      jobSchedulerId,
+      nextMillis ?? undefined,
+      templateData,
+      JSON.stringify(templateOpts ?? {}),
+      JSON.stringify(opts ?? {}),
     );
     return added ? JSON.parse(added) : [undefined as unknown as string, 0];
   }
@@ -582,43 +594,41 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     delayedJobOpts: JobsOptions,
     producerId?: string,
   ): Promise<string | null> {
-    const id = await call(
-      this.native.updateJobSchedulerNextMillis(
-        Date.now(),
-        jobSchedulerId,
-        nextMillis ?? undefined,
-        JSON.stringify(delayedJobOpts ?? {}),
-        producerId,
-      ),
+    const id = await this.native.updateJobSchedulerNextMillis(
+      Date.now(),
+      jobSchedulerId,
+      nextMillis ?? undefined,
+      JSON.stringify(delayedJobOpts ?? {}),
+      producerId,
     );
     return id ?? null;
   }
 
   removeJobScheduler(jobSchedulerId: string): Promise<number> {
-    return call(this.native.removeJobScheduler(Date.now(), jobSchedulerId));
+    return this.native.removeJobScheduler(Date.now(), jobSchedulerId);
   }
 
   async getJobScheduler(id: string): Promise<[any, string | null]> {
-    const [hash, next] = JSON.parse(await call(this.native.getJobScheduler(Date.now(), id)));
+    const [hash, next] = JSON.parse(await this.native.getJobScheduler(Date.now(), id));
     return [hash ? Object.entries(hash).flat() : null, next];
   }
 
   async isJobScheduler(id: string): Promise<boolean> {
-    const [hash] = JSON.parse(await call(this.native.getJobScheduler(Date.now(), id)));
+    const [hash] = JSON.parse(await this.native.getJobScheduler(Date.now(), id));
     return hash !== null;
   }
 
   async getJobSchedulerData(key: string): Promise<Record<string, string>> {
-    const [hash] = JSON.parse(await call(this.native.getJobScheduler(Date.now(), key)));
+    const [hash] = JSON.parse(await this.native.getJobScheduler(Date.now(), key));
     return hash ?? {};
   }
 
   getJobSchedulersRange(start: number, end: number, asc: boolean): Promise<string[]> {
-    return call(this.native.getJobSchedulersRange(Date.now(), start, end, asc));
+    return this.native.getJobSchedulersRange(Date.now(), start, end, asc);
   }
 
   getJobSchedulersCount(): Promise<number> {
-    return call(this.native.getJobSchedulersCount(Date.now()));
+    return this.native.getJobSchedulersCount(Date.now());
   }
 }
 

@@ -36,26 +36,37 @@ export function reportBackgroundError(emitter: EventEmitter, err: unknown): void
 /**
  * Names set through `setName` (and the names workers' blocking connections
  * get in Redis), so `getClientList` can report the workers and QueueEvents of
- * this process, which are all the clients an embedded store has.
+ * this process, which are all the clients an embedded store has. Kept per
+ * store and namespace (see `clientsKey`): a queue lists only the clients of
+ * its own, as a Redis server lists only its own connections.
  */
-const clientNames = new Map<string, number>();
+const clientNames = new Map<string, Map<string, number>>();
 
-export function holdName(name: string): () => void {
-  clientNames.set(name, (clientNames.get(name) ?? 0) + 1);
+/** Which clients a backend's `getClientList` sees: those of its data dir and namespace. */
+export function clientsKey(dataDir: string, namespace: string): string {
+  return `${dataDir}\u0000${namespace}`;
+}
+
+/** Holds `name` among the clients of `clients` (a `clientsKey`); returns its release. */
+export function holdName(clients: string, name: string): () => void {
+  let names = clientNames.get(clients);
+  if (!names) clientNames.set(clients, (names = new Map()));
+  names.set(name, (names.get(name) ?? 0) + 1);
   let held = true;
   return () => {
     if (!held) return;
     held = false;
-    const left = (clientNames.get(name) ?? 1) - 1;
-    if (left > 0) clientNames.set(name, left);
-    else clientNames.delete(name);
+    const left = (names.get(name) ?? 1) - 1;
+    if (left > 0) names.set(name, left);
+    else names.delete(name);
+    if (names.size === 0 && clientNames.get(clients) === names) clientNames.delete(clients);
   };
 }
 
-/** Every name held in this process, once per holder. */
-export function heldNames(): string[] {
+/** Every name held among the clients of `clients`, once per holder. */
+export function heldNames(clients: string): string[] {
   const names: string[] = [];
-  for (const [name, count] of clientNames) {
+  for (const [name, count] of clientNames.get(clients) ?? []) {
     for (let i = 0; i < count; i++) names.push(name);
   }
   return names;

@@ -90,6 +90,7 @@ function embeddedBackend(settings: Partial<LoamBackendSettings>): BackendFactory
       blocking: options.blocking,
       withBlockingConnection: options.withBlockingConnection,
       workerName: factoryOpts.name,
+      namespace: resolved.namespace,
     });
   };
 }

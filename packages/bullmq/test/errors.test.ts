@@ -1,7 +1,10 @@
 import { afterAll, describe, expect, it } from 'vitest';
-import { UnrecoverableError } from 'bullmq';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import * as path from 'node:path';
+import { UnrecoverableError, withBackend } from 'bullmq';
 import { backendKind, freshLoam, itInProcess } from './helpers.js';
-import type { LoamQueueBackend } from '../src/index.js';
+import { loamBackend, type LoamQueueBackend } from '../src/index.js';
 
 const loam = freshLoam();
 const { Queue, Worker } = loam;
@@ -79,5 +82,47 @@ describe('errors', () => {
     await worker.close();
     expect(await queue.getWorkersCount()).toBe(0);
     await queue.close();
+  });
+
+  itInProcess('lists only the workers of its own store and namespace', async () => {
+    const name = loam.queueName();
+    const tenantA = withBackend(loamBackend({ dataDir: loam.settings.dataDir, namespace: 'tenant-a' }));
+    const tenantB = withBackend(loamBackend({ dataDir: loam.settings.dataDir, namespace: 'tenant-b' }));
+    const elsewhere = mkdtempSync(path.join(tmpdir(), 'loam-bullmq-other-'));
+    const otherStore = withBackend(loamBackend({ dataDir: elsewhere }));
+    const worker = new tenantA.Worker(name, async () => 1, { connection, name: 'a-worker' });
+    await worker.waitUntilReady();
+    const [inA, inB, inOther, inDefault] = [tenantA, tenantB, otherStore, loam].map(
+      classes => new classes.Queue(name, { connection }),
+    );
+    expect((await inA.getWorkers()).map(w => w.rawname)).toEqual([`${inA.clientName()}:w:a-worker`]);
+    expect(await inB.getWorkersCount()).toBe(0);
+    expect(await inOther.getWorkersCount()).toBe(0);
+    expect(await inDefault.getWorkersCount()).toBe(0);
+    await worker.close();
+    await Promise.all([inA, inB, inOther, inDefault].map(q => q.close()));
+    rmSync(elsewhere, { recursive: true, force: true });
+  });
+
+  itInProcess('a call the addon refuses before it starts rejects in BullMQ\'s form, as one it refuses later does', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const backend = queue.getBackend() as LoamQueueBackend;
+    await queue.add('a', {});
+    await queue.close();
+    // The addon throws these synchronously: they still reject, untagged, with the Loam code.
+    let added: Promise<string> | undefined;
+    expect(() => {
+      added = backend.addJob({ name: 'a', data: '{}', opts: {} } as never, '');
+    }).not.toThrow();
+    await expect(added).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE', message: 'the backend is closed' });
+    await expect(queue.add('a', {})).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE', message: 'the backend is closed' });
+    await expect(backend.getCounts(['waiting'])).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE' });
+
+    const open = new Queue(loam.queueName(), { connection });
+    await expect(open.add('a', {}, { attempts: '3' as never })).rejects.toMatchObject({
+      code: 'LOAM_INVALID_ARGUMENT',
+      message: expect.stringMatching(/^job options are not valid BullMQ options/),
+    });
+    await open.close();
   });
 });
