@@ -38,7 +38,8 @@ interface FieldPlan {
   read: Read;
   /** A list of numbers or bools, which may come packed. */
   packable: boolean;
-  readPacked?: Read;
+  /** Appends the items of a packed list to `into` (a list may hold more items than a call may take arguments). */
+  readPacked?: (reader: BinaryReader, depth: number, into: Value[]) => void;
   isZero: (value: Value) => boolean;
   /** A message field's type, to merge a second occurrence into the first. */
   message?: DescMessage;
@@ -135,11 +136,9 @@ function fieldPlan(field: DescField): FieldPlan {
             writer.join();
           }
         : eachOf(one.write);
-      const readPacked: Read = (reader, depth) => {
+      const readPacked = (reader: BinaryReader, depth: number, into: Value[]): void => {
         const end = reader.uint32() + reader.pos;
-        const items: Value[] = [];
-        while (reader.pos < end) items.push(one.read(reader, depth));
-        return items;
+        while (reader.pos < end) into.push(one.read(reader, depth));
       };
       return { ...base, packable, write, read: one.read, readPacked, isZero: isEmptyList };
     }
@@ -251,7 +250,7 @@ function readFields(reader: BinaryReader, p: MessagePlan, end: number, depth: nu
     }
     switch (f.kind) {
       case 'list':
-        if (f.packable && wireType === WireType.LengthDelimited) message[f.property].push(...f.readPacked!(reader, depth));
+        if (f.packable && wireType === WireType.LengthDelimited) f.readPacked!(reader, depth, message[f.property]);
         else message[f.property].push(f.read(reader, depth));
         break;
       case 'map': {

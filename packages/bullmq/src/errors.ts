@@ -7,7 +7,7 @@
  * string, and -9 is an `UnrecoverableError`, as BullMQ's `finishedErrors()`
  * makes it.
  */
-import { UnrecoverableError } from 'bullmq';
+import { isNotConnectionError, UnrecoverableError } from 'bullmq';
 
 const TAG = /^\[(bullmq|loam):([^\]]+)\] /;
 
@@ -46,13 +46,13 @@ export function loamError(kind: string, message: string): Error {
   return error;
 }
 
-/** Awaits a native call, rethrowing its error in BullMQ's form. */
-export async function call<T>(promise: Promise<T>): Promise<T> {
-  try {
-    return await promise;
-  } catch (err) {
-    throw fromNative(err);
-  }
+/**
+ * Whether BullMQ takes `err` for a lost connection, which its Worker and
+ * QueueEvents retry rather than report (a remote call's transport failure
+ * is BullMQ's `ConnectionClosedError`, see `toBullmqError`).
+ */
+export function isConnectionError(err: unknown): boolean {
+  return err instanceof Error && !isNotConnectionError(err);
 }
 
 /** Runs a synchronous native call, rethrowing its error in BullMQ's form. */

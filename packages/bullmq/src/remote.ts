@@ -7,7 +7,13 @@
  *
  * Blocking reads (`waitForJob`, a QueueEvents' `readEvents`) are long-polls
  * of at most 30 s (the server's cap) that `disconnectBlocking`, `disconnect`
- * and `close` cut short by aborting the call.
+ * and `close` cut short by aborting the call, as does a deadline a little
+ * past the wait (BullMQ's Redis backend has the same watchdog on BZPOPMIN).
+ *
+ * A server that cannot be reached fails calls with BullMQ's
+ * `ConnectionClosedError`, which BullMQ retries; what a backend does on its
+ * own (its worker name, a QueueEvents' start) it retries itself, so a backend
+ * made before its server came up works once it has.
  */
 import { randomBytes } from 'node:crypto';
 import { EventEmitter } from 'node:events';
@@ -46,7 +52,7 @@ import {
   Siblings,
   type NextJobTuple,
 } from './common.js';
-import { fromServer, type BullmqCommand, type LoamErrorCode } from './errors.js';
+import { fromServer, isConnectionError, type BullmqCommand, type LoamErrorCode } from './errors.js';
 import type {
   EnqueueResult,
   JobAdminRequestSchema,
@@ -104,6 +110,21 @@ const EVENTS_PER_READ = 1000;
 const NAME_REFRESH_MS = 60_000;
 /** How long a closing worker waits for the server to forget its name. */
 const UNREGISTER_WAIT_MS = 1_000;
+/**
+ * How long past its wait a long-poll may go unanswered before it is given up
+ * and its connection reset (BullMQ's watchdog on BZPOPMIN allows 1 s).
+ */
+const LONG_POLL_MARGIN_MS = 5_000;
+/** The first and the longest pause between attempts of a backend's own call while the server cannot be reached. */
+const RETRY_FIRST_MS = 100;
+const RETRY_MOST_MS = 5_000;
+
+/** The pause after `failures` failed attempts: doubling from the first, up to the longest. */
+function retryDelay(failures: number): number {
+  return Math.min(RETRY_MOST_MS, RETRY_FIRST_MS * 2 ** Math.min(failures, 16));
+}
+
+const ignore = (): undefined => undefined;
 
 /** The worker settings BullMQ keeps out of the per-call arguments, read once from the factory options. */
 interface WorkerSettings {
@@ -186,10 +207,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** Cuts `readEvents` short (`disconnect`, `close`). */
   private readonly events = new AbortController();
   private readonly ready: Promise<void>;
-  /** Where a QueueEvents started reading (`'$'` resolved at construction). */
+  /** Where a QueueEvents started reading (`'$'` resolved at construction, or once the server answered). */
   private eventsStart: Promise<string> | undefined;
   private readonly siblings = new Siblings<RemoteQueueBackend>();
-  /** The name this backend reports to the server's client list, refreshed while open. */
+  /** The next registration of the name this backend reports to the server's client list. */
   private clientNameTimer: NodeJS.Timeout | undefined;
   /** The name this backend registered, while it is registered. */
   private announced: string | undefined;
@@ -207,24 +228,23 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   ) {
     super();
     if (owner) channel.retain();
-    let started: Promise<unknown> = Promise.resolve();
+    const started: Promise<unknown>[] = [];
     if (options.withBlockingConnection) {
       // Redis names a worker's blocking connection so getWorkers finds it.
+      // Only getWorkers needs the name: ready once the server was asked,
+      // whatever it answered (a failed registration is retried).
       const suffix = options.workerName ? `:w:${options.workerName}` : '';
-      started = this.announce(this.clientName(suffix));
+      started.push(this.announce(this.clientName(suffix)));
     }
     if (options.blocking) {
       // A QueueEvents reads from "now": fix that point when it is created (and
       // be ready only then), so events written between its creation and its
-      // first read are not lost.
-      const start = this.query({ command: 'readEvents' }, { case: 'lastEvent', value: true }).then(
-        r => `0-${r.case === 'number' ? r.value : 0n}`,
-      );
-      this.eventsStart = start;
-      started = Promise.all([started, start]);
+      // first read are not lost. A server not up yet is asked again until it is.
+      this.eventsStart = this.startOfEvents();
+      started.push(this.eventsStart);
     }
-    this.ready = started.then(() => undefined);
-    this.ready.catch(() => undefined);
+    // Never rejects: BullMQ awaits it before finishing every job.
+    this.ready = Promise.all(started.map(p => p.then(ignore, ignore))).then(ignore);
     queueMicrotask(() => this.emit('ready'));
   }
 
@@ -243,9 +263,12 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   private send<T>(
     command: BullmqCommand,
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
-    { ordered = false, signal }: { ordered?: boolean; signal?: AbortSignal } = {},
+    { ordered = false, signal, deadlineMs }: { ordered?: boolean; signal?: AbortSignal; deadlineMs?: number } = {},
   ): Promise<T> {
-    const start = () => this.channel.call(command, rpc, signal);
+    const start = () =>
+      deadlineMs === undefined || !signal
+        ? this.channel.call(command, rpc, signal)
+        : this.channel.longPoll(command, rpc, signal, deadlineMs);
     if (!ordered) return this.orderedInFlight === 0 ? start() : this.orderedWrites.then(start);
     this.orderedInFlight++;
     const sent = this.orderedWrites.then(start);
@@ -256,13 +279,16 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     return this.channel.track(sent);
   }
 
-  /** One Query call; returns its result oneof. */
-  private async query(
-    command: BullmqCommand,
-    query: QueryInit,
-    signal?: AbortSignal,
-  ) {
-    const response = await this.send(command, (c, o) => c.query({ queue: this.queueName, query }, o), { signal });
+  /**
+   * One Query call; returns its result oneof. A long-poll (waiting `waitMs`)
+   * is given up `LONG_POLL_MARGIN_MS` past its wait (see `RemoteChannel.longPoll`).
+   */
+  private async query(command: BullmqCommand, query: QueryInit, signal?: AbortSignal, waitMs?: number) {
+    const deadlineMs = waitMs === undefined ? undefined : waitMs + LONG_POLL_MARGIN_MS;
+    const response = await this.send(command, (c, o) => c.query({ queue: this.queueName, query }, o), {
+      signal,
+      deadlineMs,
+    });
     return response.result;
   }
 
@@ -325,16 +351,35 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     };
   }
 
-  /** Registers `name` in the server's client list now and every minute while open. */
+  /**
+   * Registers `name` in the server's client list, and again every minute
+   * while open; a registration that failed is tried again, backing off.
+   * Resolves (never rejects) once the first attempt was answered or failed.
+   */
   private announce(name: string): Promise<void> {
     const previous = this.stopAnnouncing();
     const tagged = taggedName(name);
     this.announced = tagged;
-    const register = () =>
-      this.queueAdmin({ command: 'setName' }, { case: 'registerWorker', value: { name: tagged } }).then(() => undefined);
-    this.clientNameTimer = setInterval(() => register().catch(err => reportBackgroundError(this, err)), NAME_REFRESH_MS);
+    return Promise.all([previous, this.register(tagged, 0)]).then(ignore);
+  }
+
+  /** One registration of `name`, the next one scheduled when it settles; `failures` before it in a row. */
+  private register(name: string, failures: number): Promise<void> {
+    return this.queueAdmin({ command: 'setName' }, { case: 'registerWorker', value: { name } }).then(
+      () => this.registerLater(name, NAME_REFRESH_MS, 0),
+      err => {
+        // An unreachable server is no news to the app; a refusal is.
+        if (!isConnectionError(err)) reportBackgroundError(this, err);
+        this.registerLater(name, retryDelay(failures), failures + 1);
+      },
+    );
+  }
+
+  private registerLater(name: string, afterMs: number, failures: number): void {
+    // Not once the backend stopped announcing `name` (closed, or renamed).
+    if (this.announced !== name) return;
+    this.clientNameTimer = setTimeout(() => void this.register(name, failures), afterMs);
     this.clientNameTimer.unref();
-    return Promise.all([previous, register()]).then(() => undefined);
   }
 
   /**
@@ -343,7 +388,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * reached forgets it within five minutes anyway, so that is no error.
    */
   private stopAnnouncing(): Promise<void> {
-    if (this.clientNameTimer) clearInterval(this.clientNameTimer);
+    clearTimeout(this.clientNameTimer);
     this.clientNameTimer = undefined;
     const name = this.announced;
     this.announced = undefined;
@@ -478,7 +523,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     return nextJob(r.leased);
   }
 
-  /** Resolves once a job may be ready, or null on timeout or interrupt. */
+  /** Resolves once a job may be ready, or null on timeout, interrupt or deadline. */
   async waitForJob(blockTimeout: number): Promise<{ member: string; score: number } | null> {
     const waitMs = Math.min(MAX_WAIT_MS, u32(blockTimeout * 1000));
     try {
@@ -486,6 +531,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
         { command: 'waitForJob' },
         { case: 'waitForJob', value: { waitMs } },
         this.blocking.signal,
+        waitMs,
       );
       // Redis' marker member "0" with score 0: a job is ready now.
       return r.case === 'flag' && r.value ? { member: '0', score: 0 } : null;
@@ -1062,18 +1108,50 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   // ---- events -----------------------------------------------------------------------------------
 
+  /**
+   * Where a QueueEvents starts reading: the newest event's id now. Asked
+   * again, backing off, while the server cannot be reached (so a QueueEvents
+   * made before its server came up works once it has); `close` ends that.
+   */
+  private async startOfEvents(): Promise<string> {
+    for (let failures = 0; ; failures++) {
+      try {
+        const r = await this.query({ command: 'readEvents' }, { case: 'lastEvent', value: true }, this.events.signal);
+        return `0-${r.case === 'number' ? r.value : 0n}`;
+      } catch (err) {
+        if (!isConnectionError(err)) throw err;
+      }
+      await sleep(retryDelay(failures), undefined, { signal: this.events.signal, ref: false }).catch(() => {
+        throw new CallAborted();
+      });
+    }
+  }
+
+  /** The start fixed at construction; one that failed (a refusal) is asked for again by the next read. */
+  private async eventsFrom(start: Promise<string>): Promise<string> {
+    try {
+      return await start;
+    } catch (err) {
+      if (this.eventsStart === start && !(err instanceof CallAborted)) {
+        this.eventsStart = this.startOfEvents();
+        this.eventsStart.catch(ignore);
+      }
+      throw err;
+    }
+  }
+
   /** The entries after `id` (`$` = from now), in XREAD's shape, or null when none came in time. */
   async readEvents(id: string, blockTimeout: number): Promise<StreamReadRaw> {
-    let from = id;
-    if (id === '$' && this.eventsStart) from = await this.eventsStart;
-    const after = from === '$' ? undefined : eventSeq(from);
     const waitMs = Math.min(MAX_WAIT_MS, u32(blockTimeout));
     let events;
     try {
+      const from = id === '$' && this.eventsStart ? await this.eventsFrom(this.eventsStart) : id;
+      const after = from === '$' ? undefined : eventSeq(from);
       const r = await this.query(
         { command: 'readEvents' },
         { case: 'events', value: { after, limit: EVENTS_PER_READ, waitMs } },
         this.events.signal,
+        waitMs,
       );
       events = r.case === 'events' ? r.value.events : [];
     } catch (err) {

@@ -38,6 +38,16 @@ export const SESSION_MAX_MESSAGE_BYTES = 1 << 20;
 const PATH = '/loam.jobs.v1.JobsService/Session';
 /** The Connect envelope flag of the stream's last message (its end, maybe an error). */
 const END_STREAM = 0b10;
+/** A Connect envelope's header: a flags byte and the message's length. */
+const HEADER_BYTES = 5;
+
+/** How a session finds out that its connection died without a word (no FIN, no RST). */
+export interface Keepalive {
+  /** A PING is sent once nothing was received for this long. */
+  pingIntervalMs: number;
+  /** A PING not answered within this long ends the connection (its calls fail, the next call reconnects). */
+  pingTimeoutMs: number;
+}
 
 interface Waiter {
   resolve(answer: unknown): void;
@@ -49,12 +59,22 @@ export class Session {
   private stream?: http2.ClientHttp2Stream;
   private readonly waiting = new Map<bigint, Waiter>();
   private nextId = 1n;
-  /** Received bytes not yet read as whole messages. */
-  private received: Buffer = Buffer.alloc(0);
+  /**
+   * Received chunks of a message not yet whole, their total length, and the
+   * length of the message they start (a header's worth until the header is
+   * in): they are joined once, when the message is complete, so reading a
+   * large message costs its size, not its size times its chunks.
+   */
+  private partial: Buffer[] = [];
+  private partialBytes = 0;
+  private partialNeeds = 0;
+  /** Whether the stream received anything since the keepalive last looked. */
+  private heard = false;
 
   constructor(
     private readonly url: string,
     private readonly headers: Record<string, string>,
+    private readonly keepalive: Keepalive,
   ) {}
 
   /** Whether calls are in flight (the channel stays open while they are). */
@@ -75,7 +95,15 @@ export class Session {
   /** Sends an encoded call; resolves with the call's response message. */
   send({ id, framed }: EncodedCall, signal?: AbortSignal): Promise<unknown> {
     return new Promise<unknown>((resolve, reject) => {
-      const stream = this.open();
+      let stream: http2.ClientHttp2Stream;
+      try {
+        stream = this.open();
+      } catch (err) {
+        // A connection that is closing (GOAWAY) or gone refuses new streams.
+        this.connection = undefined;
+        reject(ConnectError.from(err, Code.Unavailable));
+        return;
+      }
       let onAbort: (() => void) | undefined;
       this.waiting.set(id, {
         resolve: answer => {
@@ -105,6 +133,18 @@ export class Session {
     });
   }
 
+  /**
+   * Drops the connection at once (one that seems dead: no FIN or RST will
+   * come to end it): calls in flight fail with `reason`, the next call
+   * connects anew.
+   */
+  reset(reason: ConnectError): void {
+    const connection = this.connection;
+    this.connection = undefined;
+    if (this.stream) this.end(this.stream, reason);
+    connection?.destroy();
+  }
+
   /** Ends the stream and the connection; calls in flight fail. */
   close(): void {
     this.fail(new ConnectError('the session was closed', Code.Canceled));
@@ -115,16 +155,12 @@ export class Session {
   }
 
   private open(): http2.ClientHttp2Stream {
-    if (this.stream && !this.stream.closed && !this.stream.destroyed) return this.stream;
-    if (!this.connection || this.connection.closed || this.connection.destroyed) {
-      const connection = http2.connect(this.url);
-      // A connection error also ends its stream, whose handlers fail the calls.
-      connection.on('error', () => undefined);
-      connection.on('close', () => {
-        if (this.connection === connection) this.connection = undefined;
-      });
-      this.connection = connection;
+    if (this.stream) {
+      if (!this.stream.closed && !this.stream.destroyed) return this.stream;
+      // Over, but its close not heard yet: its calls fail now, as its close would fail them.
+      this.end(this.stream, new ConnectError('the session closed', Code.Unavailable));
     }
+    if (!this.connection || this.connection.closed || this.connection.destroyed) this.connection = this.connect();
     const stream = this.connection.request({
       ':method': 'POST',
       ':path': PATH,
@@ -133,61 +169,125 @@ export class Session {
       ...this.headers,
     });
     this.stream = stream;
-    this.received = Buffer.alloc(0);
+    this.partial = [];
+    this.partialBytes = 0;
     let status = 200;
+    const errorBody: Buffer[] = [];
     stream.on('response', headers => {
       status = Number(headers[':status'] ?? 200);
     });
     stream.on('data', (chunk: Buffer) => {
       if (this.stream !== stream) return;
-      if (status !== 200) {
-        this.received = Buffer.concat([this.received, chunk]);
-        return;
-      }
-      this.read(chunk);
+      this.heard = true;
+      if (status !== 200) errorBody.push(chunk);
+      else this.read(stream, chunk);
     });
     stream.on('end', () => {
-      if (this.stream !== stream) return;
-      if (status !== 200) this.fail(httpError(status, this.received));
-      else this.fail(new ConnectError('the session ended', Code.Unavailable));
+      const err =
+        status !== 200
+          ? httpError(status, Buffer.concat(errorBody))
+          : new ConnectError('the session ended', Code.Unavailable);
+      this.end(stream, err);
     });
-    stream.on('error', err => {
-      if (this.stream === stream) this.fail(ConnectError.from(err, Code.Unavailable));
-    });
-    stream.on('close', () => {
-      if (this.stream !== stream) return;
-      this.stream = undefined;
-      this.fail(new ConnectError('the session closed', Code.Unavailable));
-    });
+    stream.on('error', err => this.end(stream, ConnectError.from(err, Code.Unavailable)));
+    stream.on('close', () => this.end(stream, new ConnectError('the session closed', Code.Unavailable)));
     return stream;
   }
 
+  /** A new HTTP/2 connection, kept alive by PINGs while nothing else arrives on it. */
+  private connect(): http2.ClientHttp2Session {
+    const connection = http2.connect(this.url);
+    // A connection error also ends its stream, whose handlers fail the calls.
+    connection.on('error', () => undefined);
+    // A server going away (GOAWAY) takes no new streams: the next call opens a new connection.
+    connection.on('goaway', () => {
+      if (this.connection === connection) this.connection = undefined;
+    });
+    const { pingIntervalMs, pingTimeoutMs } = this.keepalive;
+    let pingTimer: NodeJS.Timeout | undefined;
+    const idleCheck = setInterval(() => {
+      if (this.heard || pingTimer) {
+        this.heard = false;
+        return;
+      }
+      // Nothing came for a whole interval: a connection that died without a
+      // word would hold its calls forever, so ask the server to answer.
+      pingTimer = setTimeout(() => {
+        connection.destroy(new Error(`no answer to an HTTP/2 PING in ${pingTimeoutMs} ms`));
+      }, pingTimeoutMs);
+      pingTimer.unref();
+      const answered = () => {
+        clearTimeout(pingTimer);
+        pingTimer = undefined;
+      };
+      try {
+        if (!connection.ping(answered)) answered();
+      } catch {
+        // Destroyed since: its close handler cleans up.
+        answered();
+      }
+    }, pingIntervalMs);
+    idleCheck.unref();
+    connection.on('close', () => {
+      clearInterval(idleCheck);
+      clearTimeout(pingTimer);
+      if (this.connection === connection) this.connection = undefined;
+    });
+    return connection;
+  }
+
+  /**
+   * The stream is over (its end message, its end, an error, its close): its
+   * calls fail with `err`, and the next call opens a new stream rather than
+   * writing into one the server no longer reads. Later events of a stream
+   * already over are ignored.
+   */
+  private end(stream: http2.ClientHttp2Stream, err: ConnectError): void {
+    if (this.stream !== stream) return;
+    this.stream = undefined;
+    this.partial = [];
+    this.partialBytes = 0;
+    this.fail(err);
+    if (!stream.closed) stream.close();
+  }
+
   /** Reads the whole messages among the bytes received so far. */
-  private read(chunk: Buffer): void {
-    let bytes = this.received.length === 0 ? chunk : Buffer.concat([this.received, chunk]);
-    while (bytes.length >= 5) {
+  private read(stream: http2.ClientHttp2Stream, chunk: Buffer): void {
+    let bytes = chunk;
+    if (this.partialBytes > 0) {
+      this.partial.push(chunk);
+      this.partialBytes += chunk.length;
+      if (this.partialBytes < this.partialNeeds) return;
+      bytes = Buffer.concat(this.partial, this.partialBytes);
+      this.partial = [];
+      this.partialBytes = 0;
+    }
+    while (bytes.length >= HEADER_BYTES) {
       const flags = bytes[0]!;
       const length = bytes.readUInt32BE(1);
-      if (bytes.length < 5 + length) break;
-      const message = bytes.subarray(5, 5 + length);
-      bytes = bytes.subarray(5 + length);
+      if (bytes.length < HEADER_BYTES + length) break;
+      const message = bytes.subarray(HEADER_BYTES, HEADER_BYTES + length);
+      bytes = bytes.subarray(HEADER_BYTES + length);
       if (flags & END_STREAM) {
-        this.fail(endError(message) ?? new ConnectError('the session ended', Code.Unavailable));
-        continue;
+        // Nothing follows the end message; calls sent from now on go on a new stream.
+        this.end(stream, endError(message) ?? new ConnectError('the session ended', Code.Unavailable));
+        return;
       }
       let response: SessionResponse;
       try {
         response = decodeMessage(SessionResponseSchema, message);
       } catch (err) {
         // The stream cannot be trusted past a message it cannot read.
-        this.fail(new ConnectError(`the server sent an unreadable message: ${String(err)}`, Code.Internal));
-        this.stream?.close();
-        this.stream = undefined;
+        this.end(stream, new ConnectError(`the server sent an unreadable message: ${String(err)}`, Code.Internal));
         return;
       }
       this.answer(response);
     }
-    this.received = bytes;
+    if (bytes.length > 0) {
+      this.partial.push(bytes);
+      this.partialBytes = bytes.length;
+      this.partialNeeds = bytes.length >= HEADER_BYTES ? HEADER_BYTES + bytes.readUInt32BE(1) : HEADER_BYTES;
+    }
   }
 
   private answer(response: SessionResponse): void {

@@ -3,7 +3,7 @@ import { create, fromBinary, ScalarType, toBinary, type DescField, type DescMess
 import { decodeMessage, encodeMessage } from '../src/codec.js';
 import { file_loam_jobs_v1_events } from '../src/gen/loam/jobs/v1/events_pb.js';
 import { file_loam_jobs_v1_jobs, SessionRequestSchema, SessionResponseSchema } from '../src/gen/loam/jobs/v1/jobs_pb.js';
-import { file_loam_jobs_v1_types } from '../src/gen/loam/jobs/v1/types_pb.js';
+import { file_loam_jobs_v1_types, MetricsSchema } from '../src/gen/loam/jobs/v1/types_pb.js';
 
 /** Every message type of the package, nested ones included. */
 function allMessages(): DescMessage[] {
@@ -173,5 +173,15 @@ describe('session codec', () => {
     expect(decodeMessage(SessionResponseSchema, withUnknown).id).toBe(3n);
     expect(() => decodeMessage(SessionResponseSchema, Uint8Array.from([0x0a, 0x05, 0x01]))).toThrow();
     expect(() => decodeMessage(SessionResponseSchema, Uint8Array.from([0x07]))).toThrow();
+  });
+
+  it('reads a packed list of any length (more items than a call takes arguments)', () => {
+    // A year of per-minute metrics: more than half a million points.
+    const data = Array.from({ length: 600_000 }, (_, i) => BigInt(i % 7));
+    const bytes = toBinary(MetricsSchema, create(MetricsSchema, { count: 3n, data }));
+    const metrics = decodeMessage(MetricsSchema, bytes);
+    expect(metrics.data.length).toBe(data.length);
+    expect(metrics.data.slice(0, 8)).toEqual(data.slice(0, 8));
+    expect(metrics.count).toBe(3n);
   });
 });

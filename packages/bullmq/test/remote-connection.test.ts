@@ -1,0 +1,133 @@
+import { afterAll, describe, expect, inject, it, onTestFinished, vi } from 'vitest';
+import { randomUUID } from 'node:crypto';
+import * as net from 'node:net';
+import { withBackend, type Job } from 'bullmq';
+import { backendKind } from './helpers.js';
+import { loamBackend, type RemoteSettings } from '../src/index.js';
+import { startLoamServer } from './remote-server.js';
+import { startTcpProxy, type TcpProxy } from './tcp-proxy.js';
+
+/** What the remote backend does when its server is away, or its connection fails. */
+const describeRemote = backendKind === 'remote' ? describe : describe.skip;
+
+/** BullMQ's classes on the test server, through `url` (a proxy) when given, in a namespace of their own. */
+function classes(settings: Partial<RemoteSettings> = {}) {
+  const namespace = `t-${randomUUID()}`;
+  const url = inject('loamServerUrl');
+  return {
+    through: withBackend(loamBackend({ url, namespace, ...settings })),
+    direct: withBackend(loamBackend({ url, namespace })),
+  };
+}
+
+async function freePort(): Promise<number> {
+  const server = net.createServer();
+  await new Promise<void>(resolve => server.listen(0, '127.0.0.1', resolve));
+  const { port } = server.address() as net.AddressInfo;
+  await new Promise(resolve => server.close(resolve));
+  return port;
+}
+
+const proxies: TcpProxy[] = [];
+afterAll(async () => {
+  await Promise.all(proxies.map(p => p.close()));
+});
+
+async function proxy(): Promise<TcpProxy> {
+  const p = await startTcpProxy(inject('loamServerUrl'));
+  proxies.push(p);
+  return p;
+}
+
+describeRemote('remote connection failures', () => {
+  it('a Worker and a QueueEvents made before their server is up work once it is', async () => {
+    const port = await freePort();
+    const { Queue, Worker, QueueEvents } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}` }));
+    const worker = new Worker('early', async () => 'ok', { connection: {}, runRetryDelay: 50 });
+    const events = new QueueEvents('early', { connection: {} });
+    // Both were asked of a server that is not there: ready anyway, as Redis
+    // clients are once they have connected, and retrying in the background.
+    const server = await startLoamServer({}, { listen: `127.0.0.1:${port}` });
+    try {
+      await worker.waitUntilReady();
+      await events.waitUntilReady();
+      const queue = new Queue('early', { connection: {} });
+      const job = await queue.add('a', {});
+      await job.waitUntilFinished(events, 10_000);
+      expect(await queue.getJobState(job.id!)).toBe('completed');
+      await Promise.all([worker.close(), events.close(), queue.close()]);
+    } finally {
+      await server.stop();
+    }
+  });
+
+  it.each(['session', 'unary'] as const)(
+    'a connection cut while a job completes is retried, not taken for a failure of the job (%s)',
+    async calls => {
+      const cut = await proxy();
+      const { through, direct } = classes({ url: cut.url, calls });
+      const name = `q-${randomUUID()}`;
+      const queue = new direct.Queue(name, { connection: {} });
+      await queue.add('a', {}, { jobId: 'J' });
+      const worker = new through.Worker(
+        name,
+        async () => {
+          // The completion this returns to is what the client sends next.
+          cut.cutOnNextSend();
+          return 'done';
+        },
+        { connection: {}, runRetryDelay: 50 },
+      );
+      onTestFinished(() => worker.close());
+      const outcome = await new Promise<string>(resolve => {
+        worker.on('failed', (_job, err) => resolve(`failed: ${err.message}`));
+        worker.on('completed', job => resolve(`completed ${job.id}`));
+      });
+      expect(outcome).toBe('completed J');
+      const job = await queue.getJob('J');
+      expect(await job!.getState()).toBe('completed');
+      expect(job!.returnvalue).toBe('done');
+      expect(job!.attemptsMade).toBe(1);
+      await queue.close();
+    },
+  );
+
+  it.each(['session', 'unary'] as const)(
+    'a connection that goes silent (no FIN, no RST) is found and replaced (%s)',
+    async calls => {
+      const link = await proxy();
+      const { through, direct } = classes({ url: link.url, calls, pingIntervalMs: 100, pingTimeoutMs: 200 });
+      const name = `q-${randomUUID()}`;
+      const worker = new through.Worker(name, async () => 'done', { connection: {}, runRetryDelay: 50 });
+      // Found the queue empty: its long-poll for a job goes on the connection that goes silent.
+      await new Promise(resolve => worker.once('drained', resolve));
+      link.silence();
+      const queue = new direct.Queue(name, { connection: {} });
+      const done = new Promise<Job>(resolve => worker.on('completed', resolve));
+      await queue.add('a', {}, { jobId: 'after-silence' });
+      expect((await done).id).toBe('after-silence');
+      const closing = Date.now();
+      await worker.close();
+      expect(Date.now() - closing).toBeLessThan(2_000);
+      await queue.close();
+    },
+  );
+
+  it('joins the chunks of a large answer on the session once, not once per chunk', async () => {
+    const { direct } = classes();
+    const queue = new direct.Queue(`q-${randomUUID()}`, { connection: {} });
+    const size = 4_000_000;
+    const job = await queue.add('big', { s: 'x'.repeat(size) });
+    await queue.getJobCounts();
+    const concat = vi.spyOn(Buffer, 'concat');
+    try {
+      const back = await queue.getJob(job.id!);
+      expect(back!.data.s.length).toBe(size);
+      // Some 250 chunks of 16 KiB: joined once per chunk, reading was quadratic.
+      expect(concat.mock.calls.length).toBeLessThanOrEqual(2);
+    } finally {
+      concat.mockRestore();
+    }
+    await queue.close();
+  });
+});
