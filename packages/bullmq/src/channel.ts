@@ -200,12 +200,14 @@ export class RemoteChannel {
 
   /**
    * A long-poll: [`call`](RemoteChannel.call) with a signal that `interrupt`
-   * aborts, as does a deadline `deadlineMs` after it was sent. A poll not
-   * answered by then ends as interrupted, and the connection it went on is
-   * reset (its other calls fail as connection errors, which BullMQ retries;
-   * the next call reconnects), as BullMQ's Redis backend resets its blocking
-   * connection when the watchdog on BZPOPMIN fires: an answer that late was
-   * lost, most likely with the connection.
+   * aborts, as does a deadline `deadlineMs` after it was sent (BullMQ's Redis
+   * backend has the same watchdog on BZPOPMIN). A poll not answered by then
+   * ends as interrupted. On a session that is all: the session's PINGs find a
+   * dead connection, and resetting it here would fail every other call on it,
+   * which a test's fake clock jumping past the deadline did (BullMQ's
+   * metrics tests). A unary call's connection is reset (its other calls fail
+   * as connection errors, which BullMQ retries): connect-node could leave the
+   * next call on it waiting for a PING answer forever.
    */
   async longPoll<T>(
     command: BullmqCommand,
@@ -220,9 +222,9 @@ export class RemoteChannel {
     let carrier: Connection | undefined;
     const deadline = setTimeout(() => {
       abort();
-      const lost = new ConnectError(`a long-poll was not answered in ${deadlineMs} ms`, Code.Unavailable);
-      if (this.session) this.session.reset(lost);
-      else carrier?.session.abort(lost);
+      if (!this.session) {
+        carrier?.session.abort(new ConnectError(`a long-poll was not answered in ${deadlineMs} ms`, Code.Unavailable));
+      }
     }, deadlineMs);
     deadline.unref();
     try {

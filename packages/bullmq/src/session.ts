@@ -133,18 +133,6 @@ export class Session {
     });
   }
 
-  /**
-   * Drops the connection at once (one that seems dead: no FIN or RST will
-   * come to end it): calls in flight fail with `reason`, the next call
-   * connects anew.
-   */
-  reset(reason: ConnectError): void {
-    const connection = this.connection;
-    this.connection = undefined;
-    if (this.stream) this.end(this.stream, reason);
-    connection?.destroy();
-  }
-
   /** Ends the stream and the connection; calls in flight fail. */
   close(): void {
     this.fail(new ConnectError('the session was closed', Code.Canceled));
