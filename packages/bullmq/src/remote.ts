@@ -258,28 +258,17 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * behind (adds, queue and job admin, schedulers, progress and logs) are
    * `ordered`: each is sent once the previous one was answered, and every
    * other call starts after the ordered writes issued before it. A worker's
-   * own calls (lease, extend, complete) do not wait for one another. A
-   * `prompt` call (a worker's fetch) waits for nothing: no write this backend
-   * left behind changes which job it may take, and a worker that starts
-   * fetches at once, as on Redis, where its first fetch is sent as it starts
-   * (held back by its start-up writes, it found the jobs added meanwhile
-   * already there and took them all before running any).
+   * own calls (lease, extend, complete) do not wait for one another.
    */
   private send<T>(
     command: BullmqCommand,
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
-    {
-      ordered = false,
-      prompt = false,
-      signal,
-      deadlineMs,
-    }: { ordered?: boolean; prompt?: boolean; signal?: AbortSignal; deadlineMs?: number } = {},
+    { ordered = false, signal, deadlineMs }: { ordered?: boolean; signal?: AbortSignal; deadlineMs?: number } = {},
   ): Promise<T> {
     const start = () =>
       deadlineMs === undefined || !signal
         ? this.channel.call(command, rpc, signal)
         : this.channel.longPoll(command, rpc, signal, deadlineMs);
-    if (prompt) return start();
     if (!ordered) return this.orderedInFlight === 0 ? start() : this.orderedWrites.then(start);
     this.orderedInFlight++;
     const sent = this.orderedWrites.then(start);
@@ -527,10 +516,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- worker: fetch, locks, stalled ------------------------------------------
 
   async moveToActive(token: string, name?: string): Promise<any[]> {
-    const r = await this.send(
-      { command: 'moveToActive' },
-      (c, o) => c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
-      { prompt: true },
+    const r = await this.send({ command: 'moveToActive' }, (c, o) =>
+      c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
     );
     if (r.leased?.leases.length) await this.channel.writesAnswered();
     return nextJob(r.leased);
