@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import signal
+from pathlib import Path
 
 import pytest
 
-from loam_jobs import AsyncClient, FencedError, InvalidArgumentError, JobState, LoamJobsError, Retry, Success
+from loam_jobs import (
+    AsyncClient,
+    FencedError,
+    InvalidArgumentError,
+    JobState,
+    LoamJobsError,
+    Retry,
+    Success,
+    UnavailableError,
+)
 
-from .conftest import Server
+from .conftest import Server, start_server, stop_server
 
 pytestmark = pytest.mark.asyncio
 
@@ -122,3 +133,21 @@ async def test_operations_are_coroutine_functions_that_raise_when_awaited(server
         call = client.complete("job-1")  # no queue and no fence: refused, but only when awaited
         with pytest.raises(InvalidArgumentError):
             await call
+
+
+async def test_an_async_watch_takes_a_silent_stream_for_dead(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "data")
+    try:
+        async with AsyncClient(server.url) as client:
+            watch = client.watch("frozen", max_reconnects=1, idle_timeout_ms=500)
+            await watch.__aenter__()
+            # A server that stops answering without closing anything: SIGSTOP.
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(UnavailableError):
+                    await asyncio.wait_for(anext(watch), 10)
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+            await watch.close()
+    finally:
+        stop_server(server)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
+from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
@@ -27,6 +28,9 @@ from .models import QueueEvent
 __all__ = ["AsyncClient", "AsyncWatch", "Client", "Watch", "DEFAULT_URL"]
 
 DEFAULT_URL = "http://127.0.0.1:7720"
+# How long an async watch's stream may bring nothing before it is taken for
+# dead: four of the server's heartbeats (one at least every 5 s).
+DEFAULT_WATCH_IDLE_TIMEOUT_MS = 20_000
 # The header the server reads the namespace from when tokens are off (and
 # checks against the token's namespace when they are on).
 NAMESPACE_HEADER = "loam-namespace"
@@ -58,6 +62,11 @@ def _stub(kind: type[S], url: str, compress_requests: bool) -> S:
     # Most requests are a few hundred bytes, where gzip costs more CPU than
     # it saves; responses are still compressed when the server chooses to.
     return kind(url, send_compression=None)
+
+
+def _take_outcome(done: asyncio.Future[Any]) -> None:
+    if not done.cancelled():
+        done.exception()
 
 
 def _cancellation(err: ConnectError) -> asyncio.CancelledError | None:
@@ -365,11 +374,16 @@ class AsyncClient(AsyncOperations):
         after: int | None = None,
         job_id: str | None = None,
         max_reconnects: int | None = 10,
+        idle_timeout_ms: int | None = DEFAULT_WATCH_IDLE_TIMEOUT_MS,
     ) -> AsyncWatch:
         """Like `Client.watch`, as an async iterator. With `after=None`, "now"
         is when `async with` enters it (or, without `async with`, the first
-        iteration)."""
-        return AsyncWatch(self, queue, after, job_id, _Reconnect(max_reconnects))
+        iteration). A stream that brings nothing for `idle_timeout_ms` is taken
+        for dead (a frozen server, a connection lost without a word: the
+        server sends a heartbeat at least every 5 s) and the watch reconnects,
+        as after any failure; None waits for ever."""
+        idle = None if idle_timeout_ms is None else idle_timeout_ms / 1000
+        return AsyncWatch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     async def close(self) -> None:
         await self.stub.close()
@@ -387,7 +401,13 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
     """A live, resumable async iterator over a queue's events (see `AsyncClient.watch`)."""
 
     def __init__(
-        self, client: AsyncClient, queue: str, after: int | None, job_id: str | None, reconnect: _Reconnect
+        self,
+        client: AsyncClient,
+        queue: str,
+        after: int | None,
+        job_id: str | None,
+        reconnect: _Reconnect,
+        idle_timeout: float | None = None,
     ) -> None:
         self.queue = queue
         self.job_id = job_id
@@ -395,6 +415,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         self.cursor = after
         self._client = client
         self._reconnect = reconnect
+        self._idle_timeout = idle_timeout
         self._stream: AsyncIterator[Any] | None = None
         self._closed = False
         # The read under way, in a task of its own so that `close()` from
@@ -408,8 +429,17 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
 
     async def _next_message(self, stream: AsyncIterator[Any]) -> Any:
         read = self._read = asyncio.ensure_future(anext(stream))
+        # A read given up (cancelled, or past the idle timeout) ends with an
+        # error nobody awaits: take it here, or asyncio logs it as lost.
+        read.add_done_callback(_take_outcome)
         try:
-            return await read
+            done, _ = await asyncio.wait([read], timeout=self._idle_timeout)
+            if not done:
+                read.cancel()
+                await asyncio.wait([read])
+                seconds = self._idle_timeout or 0
+                raise ConnectError(Code.UNAVAILABLE, f"the watch stream brought nothing for {seconds:g} s")
+            return read.result()
         except asyncio.CancelledError:
             # This task is cancelled: so is its read. (A read that `close()`
             # cancelled fails as connectrpc's `canceled` error instead.)
