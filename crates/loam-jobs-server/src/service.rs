@@ -1130,16 +1130,18 @@ impl pb::JobsService for JobsSvc {
 pub async fn purge_expired(jobs: Jobs, stop: Interrupt) {
     const EVERY: Duration = Duration::from_secs(30);
     const PER_WRITE: usize = 10_000;
+    type Purge = fn(&mut loam_jobs::tx::Tx, usize) -> Result<u64, JobsError>;
+    let purges: [(&str, Purge); 2] = [
+        ("expired results", results::purge_expired),
+        ("expired idempotency records", enqueue::purge_expired_idempotency),
+    ];
     while !stop.is_fired() {
-        match jobs.write("", true, |tx| results::purge_expired(tx, PER_WRITE)).await {
-            Ok(n) if n > 0 => tracing::debug!(purged = n, "expired results removed"),
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "purging expired results failed"),
-        }
-        match jobs.write("", true, |tx| enqueue::purge_expired_idempotency(tx, PER_WRITE)).await {
-            Ok(n) if n > 0 => tracing::debug!(purged = n, "expired idempotency records removed"),
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "purging expired idempotency records failed"),
+        for (what, purge) in purges {
+            match jobs.write("", true, move |tx| purge(tx, PER_WRITE)).await {
+                Ok(n) if n > 0 => tracing::debug!(purged = n, "{what} removed"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "purging {what} failed"),
+            }
         }
         tokio::time::sleep(EVERY).await;
     }
