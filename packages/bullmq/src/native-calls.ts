@@ -15,7 +15,7 @@
  * So the promises of one store's writes resolve here in the order the writes
  * were submitted (which is the order the core applied them).
  */
-import { fromNative } from './errors.js';
+import { callSync, fromNative } from './errors.js';
 
 /** The native methods that answer synchronously; every other one returns a promise. */
 const SYNC_METHODS: ReadonlySet<string> = new Set([
@@ -76,13 +76,7 @@ export function nativeCalls<N extends object>(native: N, store: string): N {
     const method = Object.getOwnPropertyDescriptor(prototype, name)?.value as Method | undefined;
     if (name === 'constructor' || typeof method !== 'function') continue;
     if (SYNC_METHODS.has(name)) {
-      methods[name] = (...args) => {
-        try {
-          return method.apply(native, args);
-        } catch (err) {
-          throw fromNative(err);
-        }
-      };
+      methods[name] = (...args) => callSync(() => method.apply(native, args));
       continue;
     }
     const write = WRITE_METHODS.has(name);

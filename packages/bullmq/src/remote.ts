@@ -112,7 +112,7 @@ const NAME_REFRESH_MS = 60_000;
 const UNREGISTER_WAIT_MS = 1_000;
 /**
  * How long past its wait a long-poll may go unanswered before it is given up
- * and its connection reset (BullMQ's watchdog on BZPOPMIN allows 1 s).
+ * (see `RemoteChannel.longPoll`; BullMQ's watchdog on BZPOPMIN allows 1 s).
  */
 const LONG_POLL_MARGIN_MS = 5_000;
 /** The first and the longest pause between attempts of a backend's own call while the server cannot be reached. */
