@@ -252,15 +252,9 @@ def _without_deferred_failures(batch: LeaseBatch) -> Op[LeaseBatch]:
         if not leased.job.has_field("deferred_failure"):
             runnable.append(leased)
             continue
-        request = CompleteRequest(
-            queue=leased.queue,
-            job_id=leased.id,
-            fence=leased.fence(),
-            outcome=Fail(leased.job.deferred_failure).to_proto(),
-            options=CompleteOptions(),
-        )
+        outcome = Fail(leased.job.deferred_failure)
         try:
-            yield Call("complete", request)
+            yield from complete(leased.queue, leased.id, leased.fence(), outcome)
         except (FailedPreconditionError, NotFoundError):
             pass  # the lease was lost meanwhile: the job is someone else's now
     batch.jobs = runnable
@@ -295,11 +289,11 @@ def complete(
     job_id: str,
     fence: Fence,
     outcome: OutcomeSpec,
-    fetch_next: LeaseOptions | None,
-    remove_on_complete: Retention | None,
-    remove_on_fail: Retention | None,
-    metrics_max_points: int | None,
-    rate_limit_ttl_for: RateLimit | None,
+    fetch_next: LeaseOptions | None = None,
+    remove_on_complete: Retention | None = None,
+    remove_on_fail: Retention | None = None,
+    metrics_max_points: int | None = None,
+    rate_limit_ttl_for: RateLimit | None = None,
 ) -> Op[CompleteResult]:
     options = CompleteOptions(
         fetch_next=fetch_next,
