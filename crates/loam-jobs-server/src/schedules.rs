@@ -235,7 +235,7 @@ async fn tick(jobs: &Jobs, q: &QueueId, id: &str) -> Result<Tick, JobsError> {
         .get(TEMPLATE)
         .and_then(|t| serde_json::from_str(t).ok())
         .unwrap_or_else(|| EnqueueRequest { attempts: 1, ..Default::default() });
-    let producer = schedule::iteration_id(id, rec.next_millis);
+    let producer = schedule::pending_iteration_id(&rec);
     let id = id.to_string();
     let advanced =
         jobs.admin(&q.ns, &q.name, move |tx, q| schedule::advance_to(tx, q, &id, next, &producer, &template)).await?;

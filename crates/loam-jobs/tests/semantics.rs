@@ -1039,6 +1039,59 @@ fn a_replaced_every_iteration_keeps_the_scheduler_phase() {
 }
 
 #[test]
+fn a_cron_upsert_onto_the_tick_of_a_running_iteration_adds_one_under_its_own_id() {
+    // BullMQ's "updates scheduler and creates next iteration": the pending
+    // iteration is promoted and runs, its worker schedules the tick after,
+    // and the processor upserts the scheduler with new data while the clock
+    // still says the running job's tick is next.
+    let (jobs, clock) = core();
+    let now = 1_000_000;
+    clock.set(now);
+    let tick = now + 10_000;
+    let cron = |data: &str| SchedulerSpec {
+        id: "s".into(),
+        name: "tick".into(),
+        pattern: Some("*/10 * * * * *".into()),
+        next_millis: Some(tick),
+        template_data: data.into(),
+        job: job("tick"),
+        ..Default::default()
+    };
+    let (first, delay) = jobs.upsert_scheduler("ns", "q", cron(r#"{"foo":"bar"}"#)).wait().unwrap().unwrap();
+    assert_eq!((first.as_str(), delay), ("repeat:s:1010000", 10_000));
+    jobs.admin("ns", "q", |tx, q| admin::promote(tx, q, "repeat:s:1010000")).wait().unwrap();
+    let running = lease_one(&jobs, "q").unwrap();
+    // What BullMQ's worker does with a scheduler's job it took.
+    let advance = |producer: &str| {
+        let producer = producer.to_string();
+        jobs.admin("ns", "q", move |tx, q| schedule::advance(tx, q, "s", Some(tick + 10_000), &producer, &job("tick")))
+            .wait()
+            .unwrap()
+    };
+    assert_eq!(advance("repeat:s:1010000").as_deref(), Some("repeat:s:1020000"));
+
+    let (id, delay) = jobs.upsert_scheduler("ns", "q", cron(r#"{"foo":"baz"}"#)).wait().unwrap().unwrap();
+    assert_eq!((id.as_str(), delay), ("repeat:s:1010000:1", 10_000));
+    assert_eq!(state(&jobs, "q", "repeat:s:1020000"), None, "the replaced iteration is removed");
+    assert_eq!(state(&jobs, "q", "repeat:s:1010000"), Some(JobState::Active), "the running job is left alone");
+    let pending = jobs.get_job("ns", "q", &id).unwrap().unwrap();
+    assert_eq!((pending.state, pending.data.as_slice()), (JobState::Delayed, br#"{"foo":"baz"}"#.as_slice()));
+    let rec = jobs.query("ns", "q", |tx, q| schedule::get(tx, q, "s")).unwrap().unwrap();
+    assert_eq!((rec.next_millis, rec.iteration_count, rec.next_job_id.as_deref()), (tick, 2, Some(id.as_str())));
+
+    // The running job finishes as itself; the new iteration, once it runs,
+    // is the scheduler's producer and moves it on.
+    ok(&jobs, "q", &running, "1");
+    assert_eq!(state(&jobs, "q", "repeat:s:1010000"), Some(JobState::Completed));
+    clock.set(tick);
+    jobs.promote_due("ns", "q").wait().unwrap();
+    let next = lease_one(&jobs, "q").unwrap();
+    assert_eq!(next.job.id, id);
+    assert_eq!(advance("repeat:s:1010000"), None, "the finished job of that tick no longer produces");
+    assert_eq!(advance(&next.job.id).as_deref(), Some("repeat:s:1020000"));
+}
+
+#[test]
 fn a_job_leaving_active_wakes_workers_of_a_maxed_queue() {
     let (jobs, _) = core();
     jobs.set_meta("ns", "q", BTreeMap::from([("concurrency".to_string(), "1".to_string())])).wait().unwrap();

@@ -2,8 +2,10 @@
 //!
 //! A scheduler keeps one pending iteration job, `repeat:<id>:<millis>`; the
 //! tick time is in the job id, so a tick is enqueued once however often it is
-//! processed. Cron times are computed by the caller (BullMQ computes them in
-//! JavaScript); `every` times are computed here.
+//! processed. (One exception, in [`upsert`]: a cron tick whose id a job that
+//! ran early still holds gets `repeat:<id>:<millis>:<n>`.) Cron times are
+//! computed by the caller (BullMQ computes them in JavaScript); `every` times
+//! are computed here.
 
 use serde_json::{Map, Value as Json};
 
@@ -39,6 +41,24 @@ pub struct SchedulerSpec {
 
 pub fn iteration_id(scheduler: &str, millis: u64) -> String {
     format!("repeat:{scheduler}:{millis}")
+}
+
+/// The id of a scheduler's pending iteration: its tick's id, or the one
+/// [`upsert`] gave it when a job that started early held that.
+pub fn pending_iteration_id(rec: &SchedulerRecord) -> String {
+    rec.next_job_id.clone().unwrap_or_else(|| iteration_id(&rec.id, rec.next_millis))
+}
+
+/// An id for a tick whose own id `taken` is held: `taken:1`, `taken:2`, ...
+/// the first free one.
+fn free_variant(tx: &mut Tx, q: &QueueId, taken: &str, scheduler: &str) -> Result<String, JobsError> {
+    for k in 1..=MAX_SLOT_ADVANCE {
+        let candidate = format!("{taken}:{k}");
+        if tx.load_job(q, &candidate)?.is_none() {
+            return Ok(candidate);
+        }
+    }
+    Err(JobsError::Precondition(Precondition::SchedulerSlotsBusy { scheduler: scheduler.to_string() }))
 }
 
 /// BullMQ's rule for the next `every` tick.
@@ -105,7 +125,7 @@ fn add_iteration(
     rec: &SchedulerRecord,
     template: &EnqueueRequest,
 ) -> Result<(String, u64), JobsError> {
-    let job_id = iteration_id(&rec.id, rec.next_millis);
+    let job_id = pending_iteration_id(rec);
     let delay = rec.next_millis.saturating_sub(tx.now);
     let req = EnqueueRequest {
         name: rec.name.clone(),
@@ -174,22 +194,29 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
             next = o.next_millis;
         }
     }
-    if tx.load_job(q, &iteration_id(&spec.id, next))?.is_some() {
+    let mut job_id = iteration_id(&spec.id, next);
+    if tx.load_job(q, &job_id)?.is_some() {
         match spec.every_ms {
             Some(every) => {
                 let mut tries = 0;
-                while tx.load_job(q, &iteration_id(&spec.id, next))?.is_some() {
+                while tx.load_job(q, &job_id)?.is_some() {
                     tries += 1;
                     if tries > MAX_SLOT_ADVANCE {
                         return Err(JobsError::Precondition(Precondition::SchedulerSlotsBusy { scheduler: spec.id }));
                     }
                     next += every;
+                    job_id = iteration_id(&spec.id, next);
                 }
             }
             None if !removed_prev => {
                 return Err(JobsError::Precondition(Precondition::SchedulerIdCollision { scheduler: spec.id }));
             }
-            None => {}
+            // The tick's id is held by a job that ran early (a promoted
+            // iteration, still active or finished) and the replaced
+            // iteration is gone, so the scheduler must have a new one.
+            // Redis writes it over the job that holds the id, leaving one
+            // id in two states; this iteration gets an id of its own.
+            None => job_id = free_variant(tx, q, &job_id, &spec.id)?,
         }
     }
     // An `every` scheduler keeps the phase it was given or first found; a
@@ -213,7 +240,7 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
         next_millis: next,
         template_data: spec.template_data.clone(),
         template_opts: spec.template_opts.clone(),
-        next_job_id: Some(iteration_id(&spec.id, next)),
+        next_job_id: Some(job_id),
         extra: old.as_ref().map(|o| o.extra.clone()).unwrap_or_default(),
     };
     save(tx, q, old.as_ref().map(|o| o.next_millis), &rec)?;
@@ -236,7 +263,7 @@ pub fn advance(
 ) -> Result<Option<String>, JobsError> {
     let keys = QueueKeys::new(q);
     let Some(rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(None) };
-    if producer_id != iteration_id(id, rec.next_millis) {
+    if producer_id != pending_iteration_id(&rec) {
         return Ok(None);
     }
     let prev = rec.next_millis;
@@ -331,7 +358,7 @@ pub fn advance_to(
 ) -> Result<Option<String>, JobsError> {
     let keys = QueueKeys::new(q);
     let Some(rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(None) };
-    if producer_id != iteration_id(id, rec.next_millis) || next <= rec.next_millis {
+    if producer_id != pending_iteration_id(&rec) || next <= rec.next_millis {
         return Ok(None);
     }
     move_to_tick(tx, q, rec, next, template)
