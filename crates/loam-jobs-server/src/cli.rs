@@ -97,7 +97,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_secs: u64,
 
-    /// Let the core's background clock (the delayed-job promoter) follow the
+    /// Let the core's background clock (delayed-job wake-ups, long-poll waits) follow the
     /// `loam-now-ms` header of the latest call, as the in-process binding
     /// follows its host. For test suites that fake time (BullMQ's); not for
     /// a server shared by clients whose clocks disagree.

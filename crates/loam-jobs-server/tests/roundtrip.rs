@@ -387,14 +387,20 @@ async fn the_background_clock_can_follow_the_clients_time() {
     delayed.delay_ms = 3_600_000;
     c.enqueue(enqueue_req("faked", delayed)).await.unwrap();
     assert_eq!(counts(&c, "faked", &["delayed", "wait"]).await, vec![1, 0]);
-    // A client that says it is two hours later moves the promoter's clock too.
+    // A worker that sends no time long-polls on the server's clock.
+    let poll = tokio::spawn({
+        let worker = server.client();
+        async move { worker.lease(lease_req("faked", 1, 10_000, 0)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A client that says it is two hours later moves that clock: the job is
+    // due now, the background timers wake the poll, and its lease takes it.
+    let started = Instant::now();
     let later = server.client_with(&[("loam-now-ms", &(now + 7_200_000).to_string())]);
-    assert_eq!(counts(&later, "faked", &["delayed"]).await, vec![1]);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while counts(&server.client(), "faked", &["wait"]).await != vec![1] {
-        assert!(Instant::now() < deadline, "the delayed job was not promoted on the followed clock");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    assert_eq!(counts(&later, "faked", &["delayed"]).await, vec![1], "reading it does not move it");
+    let leased = poll.await.unwrap().unwrap().into_owned().leased.into_option().unwrap();
+    assert_eq!(leased.leases.len(), 1, "the poll ended empty instead of taking the job due on the followed clock");
+    assert!(started.elapsed() < Duration::from_secs(5), "woken after {:?}", started.elapsed());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

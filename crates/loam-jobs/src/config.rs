@@ -17,7 +17,8 @@ pub struct Config {
     pub idempotency_ttl_ms: u64,
     /// Log lines kept per job when the job does not say.
     pub max_logs_per_job: u64,
-    /// Run the delayed promoter and the stalled sweep on a background thread.
+    /// Run the delayed-job timers (which wake waiting workers) and the stalled
+    /// sweep on a background thread.
     pub background: bool,
     pub durability: Durability,
 }

@@ -173,7 +173,7 @@ impl Jobs {
         Ok(jobs)
     }
 
-    /// Arms the delayed promoter and the stalled sweep for every stored queue.
+    /// Arms the delayed-job timers and the stalled sweep for every stored queue.
     fn load_timers(&self) -> Result<(), JobsError> {
         let queues = self.read("", |tx| {
             let all = crate::keys::prefix_range(crate::keys::registry_prefix());
@@ -257,9 +257,11 @@ impl Jobs {
         let op = WriteOp {
             sync,
             body: Box::new(move |kv| {
-                let mut tx = Tx::new(kv, &ns, at.unwrap_or_else(|| now_clock.now_ms()), &config);
+                let core_now = now_clock.now_ms();
+                let mut tx = Tx::new(kv, &ns, at.unwrap_or(core_now), &config);
                 tx.generation = generation;
                 tx.lease_now = lease_clock.now_ms();
+                tx.core_now = core_now;
                 let value = body(&mut tx)?;
                 let effects = tx.finish()?;
                 // Workers waiting for a job are woken as soon as one is added,
@@ -296,6 +298,7 @@ impl Jobs {
         let mut snapshot = query::ReadOnly(self.inner.store.snapshot()?);
         let mut tx = Tx::new(&mut snapshot, ns, self.now_ms(), &self.inner.config);
         tx.lease_now = self.inner.lease_clock.now_ms();
+        tx.core_now = self.inner.clock.now_ms();
         f(&mut tx)
     }
 
@@ -756,9 +759,9 @@ async fn sleep_until_woken(
     }
 }
 
-/// Promotes delayed jobs when they fall due and sweeps each queue's expired
-/// leases every stalled interval. Holds only a weak handle, so dropping the
-/// last [`Jobs`] ends it.
+/// Wakes a queue's waiting workers when its delayed jobs fall due and sweeps
+/// each queue's expired leases every stalled interval. Holds only a weak
+/// handle, so dropping the last [`Jobs`] ends it.
 fn maintenance_loop(weak: std::sync::Weak<Inner>) {
     const IDLE: Duration = Duration::from_secs(1);
     loop {
@@ -780,9 +783,16 @@ fn maintenance_loop(weak: std::sync::Weak<Inner>) {
         due.dedup();
         let jobs = Jobs { inner: Arc::clone(&inner), maintenance: Arc::new(Mutex::new(None)), at: None };
         for q in due {
-            // Its result re-arms the timer through the effects of the jobs it moves;
-            // the next due time is armed here.
-            if let Ok(Some(next)) = jobs.promote_due(&q.ns, &q.name).wait() {
+            // A delayed job fell due: wake the workers waiting on its queue.
+            // Their lease moves it to waiting, at their time, as BullMQ's
+            // moveToActive promotes on Redis; with no worker asking it stays
+            // delayed, as on Redis (BullMQ's tests count on that, and a
+            // promotion here would run on this thread's clock, not the
+            // caller's). Each delayed job armed its own timer; the next one
+            // is armed here too, for the queues only their first due time
+            // was armed for at open.
+            inner.notifier.notify(&q, Channel::Jobs);
+            if let Ok(Some(next)) = jobs.read(&q.ns, |tx| lease::next_due_after(tx, &q, now_ms)) {
                 inner.apply(Effects { timers: vec![(q.clone(), next)], ..Default::default() });
             }
         }

@@ -241,6 +241,10 @@ impl QueueKeys {
     pub fn delayed_due(&self, now: u64) -> KeyRange {
         KeyRange::new(self.with(DELAYED), self.tagged_u64s(DELAYED, now.saturating_add(1), 0))
     }
+    /// Delayed jobs not due yet at `now`.
+    pub fn delayed_later(&self, now: u64) -> KeyRange {
+        KeyRange::new(self.tagged_u64s(DELAYED, now.saturating_add(1), 0), self.range(DELAYED).end)
+    }
 
     /// Active index, by lease deadline, so the stalled sweep reads expired leases first.
     pub fn active(&self, deadline: u64, seq: u64) -> Key {

@@ -53,6 +53,9 @@ pub struct Tx<'a> {
     /// lock's TTL on Redis it runs in real time even when `now` is a caller's
     /// (faked) time; by default it is `now`.
     pub lease_now: u64,
+    /// The core's own clock, which `now` is unless the caller gave its time.
+    /// Delayed jobs due by either are promoted (see `lease::promote_due`).
+    pub core_now: u64,
     pub config: &'a Config,
     /// The queues the operation touched: one or two, rarely more (flows), so
     /// a list beats hashing queue names on every counter update.
@@ -73,6 +76,7 @@ impl<'a> Tx<'a> {
             now,
             generation: 0,
             lease_now: now,
+            core_now: now,
             config,
             queues: Vec::new(),
             open_page: None,

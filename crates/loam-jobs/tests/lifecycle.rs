@@ -66,17 +66,16 @@ fn priorities_lifo_and_delays_order_the_queue() {
     assert_eq!(names, ["later"]);
 }
 
-/// A delayed job made ready at its due time by one caller (or by the store's
-/// timer) and leased by a caller whose clock is a few ms behind (a remote
-/// worker's) never shows as started before it was due; one promoted by hand
-/// before its time starts when it is leased.
+/// A delayed job due by the core's clock is leased by a caller whose clock is
+/// a few ms behind (a remote worker's, woken by the core's timers for that
+/// job): it takes the job, which never shows as started before it was due;
+/// one promoted by hand before its time starts when it is leased.
 #[test]
 fn a_delayed_job_never_starts_before_it_is_due() {
     let (jobs, clock) = core();
     let start = clock.now_ms();
     jobs.enqueue("ns", "q", EnqueueRequest { delay_ms: 500, ..job("later") }).wait().unwrap();
     clock.advance(500);
-    jobs.promote_due("ns", "q").wait().unwrap();
     let behind = jobs.at(start + 497);
     let leased = take(&behind, "q").remove(0);
     assert_eq!(leased.job.processed_on, Some(start + 500));
@@ -88,8 +87,8 @@ fn a_delayed_job_never_starts_before_it_is_due() {
 }
 
 /// A job retried at once goes behind the delayed jobs that fell due while it
-/// ran, as BullMQ's retryJob promotes them first, whether or not the store's
-/// promoter got to them yet.
+/// ran, as BullMQ's retryJob promotes them first, whether or not a lease
+/// promoted them yet.
 #[test]
 fn an_immediate_retry_goes_behind_the_delayed_jobs_that_fell_due() {
     let (jobs, clock) = core();
@@ -162,28 +161,37 @@ fn dropping_the_last_handle_without_close_is_clean() {
     assert_eq!(WRITER_PANICS.load(Ordering::SeqCst), 0);
 }
 
-/// The background promoter wakes for a job delayed while it was busy (here
-/// sweeping the queues that their first writes registered), instead of
-/// sleeping through that wake-up until its idle second is over.
+/// The background timers wake a worker waiting on a queue when a job delayed
+/// while they were busy (here sweeping the queues that their first writes
+/// registered) falls due, instead of sleeping through that wake-up until
+/// their idle second is over. Nothing else moves the job: it stays delayed
+/// until a lease takes it, as on Redis, where only a worker's moveToActive
+/// promotes delayed jobs.
 #[test]
-fn the_promoter_wakes_for_a_job_delayed_while_it_was_busy() {
+fn a_waiting_worker_is_woken_when_a_job_delayed_while_the_timers_were_busy_falls_due() {
     let store = Box::new(RedbStore::in_memory().unwrap());
     let jobs = Jobs::with_store(store, Arc::new(SystemClock), Config::default()).unwrap();
     for round in 0..10 {
-        // A queue's first write has it swept at once: keep the promoter busy.
+        // A queue's first write has it swept at once: keep the timers busy.
         for n in 0..50 {
             jobs.enqueue("ns", &format!("q{round}-{n}"), job("first")).wait().unwrap();
         }
         let q = format!("q{round}-0");
-        let id = jobs.enqueue("ns", &q, EnqueueRequest { delay_ms: 50, ..job("later") }).wait().unwrap().id;
-        let added = Instant::now();
-        while jobs.get_job("ns", &q, &id).unwrap().unwrap().state == JobState::Delayed {
-            assert!(
-                added.elapsed() < Duration::from_millis(500),
-                "round {round}: still delayed {:?} after its add",
-                added.elapsed()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        assert_eq!(take(&jobs, &q).len(), 1);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+                let started = Instant::now();
+                let woken = rt.block_on(jobs.wait_for_job("ns", &q, Duration::from_secs(5), None)).unwrap();
+                (woken, started.elapsed())
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            let id = jobs.enqueue("ns", &q, EnqueueRequest { delay_ms: 50, ..job("later") }).wait().unwrap().id;
+            let (woken, after) = waiter.join().unwrap();
+            assert_eq!(woken, Some(0), "round {round}");
+            assert!(after < Duration::from_millis(520), "round {round}: woken {after:?} after it began waiting");
+            assert_eq!(jobs.get_job("ns", &q, &id).unwrap().unwrap().state, JobState::Delayed);
+            assert_eq!(take(&jobs, &q).into_iter().map(|l| l.job.id).collect::<Vec<_>>(), [id]);
+        });
     }
 }

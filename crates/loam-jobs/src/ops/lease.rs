@@ -2,6 +2,7 @@
 
 use crate::error::{FenceFailure, JobsError};
 use crate::keys::{self, QueueId, QueueKeys};
+use crate::kv::KeyRange;
 use crate::model::{Fence, JobError, JobRecord, JobState, Lease, LeaseRequest, Leased, LimiterWindow, Lock, RateLimit};
 use crate::tx::Tx;
 
@@ -128,7 +129,7 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
                 deadline: tx.lease_now.saturating_add(lock_ms),
                 duration_ms: lock_ms,
             });
-            // Never before it was due: a job made ready by the store's timer,
+            // Never before it was due: a job made ready by the core's clock,
             // or by a caller whose clock runs ahead, may be leased by a caller
             // whose clock is behind (a remote worker's, by its message's time
             // in transit or its machine's skew).
@@ -161,11 +162,21 @@ fn prev_name(state: JobState) -> &'static str {
     }
 }
 
+/// When the first delayed job falls due (or fell: it may be due already).
 pub fn next_due(tx: &mut Tx, q: &QueueId) -> Result<Option<u64>, JobsError> {
+    first_due(tx, q, QueueKeys::new(q).delayed_all())
+}
+
+/// When the first delayed job not due at `now` falls due.
+pub fn next_due_after(tx: &mut Tx, q: &QueueId, now: u64) -> Result<Option<u64>, JobsError> {
+    first_due(tx, q, QueueKeys::new(q).delayed_later(now))
+}
+
+fn first_due(tx: &mut Tx, q: &QueueId, range: KeyRange) -> Result<Option<u64>, JobsError> {
     if tx.stats(q)?.delayed == 0 {
         return Ok(None);
     }
-    let head = tx.scan(&QueueKeys::new(q).delayed_all(), 1, false)?;
+    let head = tx.scan(&range, 1, false)?;
     Ok(head.first().and_then(|(k, _)| {
         let suffix = k.get(k.len().checked_sub(16)?..)?;
         keys::read_u64(suffix).map(|(due, _)| due)
@@ -173,13 +184,20 @@ pub fn next_due(tx: &mut Tx, q: &QueueId) -> Result<Option<u64>, JobsError> {
 }
 
 /// Moves delayed jobs that are due to waiting; returns the next due time.
+///
+/// Due by the caller's time or by the core's, whichever is later: the
+/// core's background timers wake waiting workers by its clock, and a worker
+/// whose clock is behind (a remote one's) must then find the job it was
+/// woken for, not wake again and again until its own clock catches up. (A
+/// job that starts before its caller's time says it is due still shows as
+/// started at its due time.)
 pub fn promote_due(tx: &mut Tx, q: &QueueId, limit: usize) -> Result<Option<u64>, JobsError> {
     // Every lease comes here first; the counter spares most of them two scans.
     if tx.stats(q)?.delayed == 0 {
         return Ok(None);
     }
     let keys = QueueKeys::new(q);
-    let due = tx.scan(&keys.delayed_due(tx.now), limit, false)?;
+    let due = tx.scan(&keys.delayed_due(tx.now.max(tx.core_now)), limit, false)?;
     for (_, id) in due {
         let id = String::from_utf8_lossy(&id).into_owned();
         let job = tx.require_job(q, &id)?;
@@ -221,8 +239,9 @@ pub fn requeue(
 ) -> Result<JobRecord, JobsError> {
     job.seq = tx.next_seq(q, job.lifo || line == Line::Front)?;
     job.delay = 0;
-    // Ready now at the latest (a delayed job promoted by hand is due now).
-    job.due = job.due.min(tx.now);
+    // Ready now at the latest (a delayed job promoted by hand is due now),
+    // by the later clock, as `promote_due` reads it.
+    job.due = job.due.min(tx.now.max(tx.core_now));
     job.state = Tx::ready_state(&job);
     job.lock = None;
     tx.index(q, &job)?;
