@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from itertools import islice
@@ -139,6 +140,33 @@ def test_a_watch_closed_from_another_thread_stops_within_a_heartbeat(client: Cli
     reader.join(timeout=8)
     assert not reader.is_alive(), "close() did not stop the reading thread"
     assert outcome == ["ended"]
+
+
+def test_a_watch_takes_a_silent_stream_for_dead(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "data")
+    try:
+        client = Client(server.url)
+        with client, client.watch("frozen", max_reconnects=1, idle_timeout_ms=500) as watch:
+            outcome: list[object] = []
+
+            def read() -> None:
+                try:
+                    outcome.append(next(watch))
+                except Exception as err:  # noqa: BLE001 - the test reports whatever ended it
+                    outcome.append(err)
+
+            # A server that stops answering without closing anything: SIGSTOP.
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                reader = threading.Thread(target=read, daemon=True)
+                reader.start()
+                reader.join(timeout=10)
+                assert not reader.is_alive(), "the watch waited on a silent stream for ever"
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+            assert len(outcome) == 1 and isinstance(outcome[0], UnavailableError), outcome
+    finally:
+        stop_server(server)
 
 
 def test_a_watch_of_one_job_resumes_past_other_jobs_events_the_log_dropped(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
+from pyqwest import SyncClient, SyncHTTPTransport
 
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
 from ._gen.loam.jobs.v1.jobs_pb import WatchRequest
@@ -28,8 +29,8 @@ from .models import QueueEvent
 __all__ = ["AsyncClient", "AsyncWatch", "Client", "Watch", "DEFAULT_URL"]
 
 DEFAULT_URL = "http://127.0.0.1:7720"
-# How long an async watch's stream may bring nothing before it is taken for
-# dead: four of the server's heartbeats (one at least every 5 s).
+# How long a watch's stream may bring nothing before it is taken for dead:
+# four of the server's heartbeats (one at least every 5 s).
 DEFAULT_WATCH_IDLE_TIMEOUT_MS = 20_000
 # The header the server reads the namespace from when tokens are off (and
 # checks against the token's namespace when they are on).
@@ -56,12 +57,12 @@ def _timeout(client_timeout_ms: int | None, call: Call) -> int | None:
     return client_timeout_ms + call.wait_ms
 
 
-def _stub(kind: type[S], url: str, compress_requests: bool) -> S:
+def _stub(kind: type[S], url: str, compress_requests: bool, http_client: Any = None) -> S:
     if compress_requests:
-        return kind(url)  # connectrpc's default: gzip every request
+        return kind(url, http_client=http_client)  # connectrpc's default: gzip every request
     # Most requests are a few hundred bytes, where gzip costs more CPU than
     # it saves; responses are still compressed when the server chooses to.
-    return kind(url, send_compression=None)
+    return kind(url, send_compression=None, http_client=http_client)
 
 
 def _take_outcome(done: asyncio.Future[Any]) -> None:
@@ -75,6 +76,11 @@ def _cancellation(err: ConnectError) -> asyncio.CancelledError | None:
     `wait_for`, `asyncio.timeout` and `Task.cancel` stop working."""
     cause = err.__cause__
     return cause if isinstance(cause, asyncio.CancelledError) else None
+
+
+def _silent_stream(seconds: float) -> ConnectError:
+    """What a watch stream that brought nothing for its idle timeout fails with."""
+    return ConnectError(Code.UNAVAILABLE, f"the watch stream brought nothing for {seconds:g} s")
 
 
 class _Reconnect:
@@ -141,6 +147,7 @@ class Client(Operations):
         self.namespace = namespace
         self._headers = _headers(token, namespace)
         self._timeout_ms = timeout_ms
+        self._compress_requests = compress_requests
         self.stub = _stub(JobsServiceClientSync, self.url, compress_requests)
 
     def _call(self, call: Call) -> Any:
@@ -174,25 +181,30 @@ class Client(Operations):
         after: int | None = None,
         job_id: str | None = None,
         max_reconnects: int | None = 10,
+        idle_timeout_ms: int | None = DEFAULT_WATCH_IDLE_TIMEOUT_MS,
     ) -> Watch:
         """The queue's events from sequence `after` (None: from now on), live.
 
         Iterate it; it blocks for each new event. Its `cursor` is how far it
         has read the log: after a dropped connection it resumes from there by
         itself (up to `max_reconnects` failures in a row), and a later
-        `watch(after=w.cursor)` continues where this one stopped. `job_id`
-        keeps only that job's events (the cursor still moves past the
-        others'). Close it (or use `with`) to stop; a `close()` from another
-        thread ends the iteration at the server's next message, within a few
-        seconds. `after=0` starts at the oldest event the log holds; a cursor
-        the log has trimmed past raises `EventsTrimmedError` (events were
-        lost).
+        `watch(after=w.cursor)` continues where this one stopped. A stream
+        that brings nothing for `idle_timeout_ms` is taken for dead (a frozen
+        server, a connection lost without a word: the server sends a
+        heartbeat at least every 5 s) and the watch reconnects, as after any
+        failure; None waits for ever. `job_id` keeps only that job's events
+        (the cursor still moves past the others'). Close it (or use `with`)
+        to stop; a `close()` from another thread ends the iteration at the
+        server's next message, within a few seconds. `after=0` starts at the
+        oldest event the log holds; a cursor the log has trimmed past raises
+        `EventsTrimmedError` (events were lost).
         """
         if after is None:
             # "From now on" is now, not the first iteration; a sequence also
             # lets a reconnect before the first event resume without a gap.
             after = self.last_event_seq(queue)
-        return Watch(self, queue, after, job_id, _Reconnect(max_reconnects))
+        idle = None if idle_timeout_ms is None else idle_timeout_ms / 1000
+        return Watch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     def close(self) -> None:
         self.stub.close()
@@ -210,13 +222,29 @@ class Watch(Iterator[QueueEvent]):
     """A live, resumable iterator over a queue's events (see `Client.watch`)."""
 
     def __init__(
-        self, client: Client, queue: str, after: int | None, job_id: str | None, reconnect: _Reconnect
+        self,
+        client: Client,
+        queue: str,
+        after: int | None,
+        job_id: str | None,
+        reconnect: _Reconnect,
+        idle_timeout: float | None = None,
     ) -> None:
         self.queue = queue
         self.job_id = job_id
         # The last sequence seen (at first, the one it started after).
         self.cursor = after
         self._client = client
+        self._stub = client.stub
+        # With an idle timeout, connections of its own whose every read gives
+        # up after it (a blocking read cannot be abandoned any other way),
+        # closed with the watch.
+        self._idle_timeout = idle_timeout
+        self._transport: SyncHTTPTransport | None = None
+        if idle_timeout is not None:
+            self._transport = SyncHTTPTransport(read_timeout=idle_timeout)
+            http_client = SyncClient(self._transport)
+            self._stub = _stub(JobsServiceClientSync, client.url, client._compress_requests, http_client)
         self._reconnect = reconnect
         self._stream: Iterator[Any] | None = None
         self._closed = False
@@ -226,7 +254,7 @@ class Watch(Iterator[QueueEvent]):
 
     def _open(self) -> Iterator[Any]:
         request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
-        return self._client.stub.watch(request, headers=self._client._headers, timeout_ms=None)
+        return self._stub.watch(request, headers=self._client._headers, timeout_ms=None)
 
     def __next__(self) -> QueueEvent:
         try:
@@ -250,6 +278,9 @@ class Watch(Iterator[QueueEvent]):
                     self._stream = None
                     if self._closed:
                         break
+                    if err.code == Code.DEADLINE_EXCEEDED and self._idle_timeout is not None:
+                        # The stream has no deadline: a read ran past the idle timeout.
+                        err = _silent_stream(self._idle_timeout)
                     time.sleep(self._reconnect.pause_after(from_connect_error(err)))
                     continue
                 if event := _receive(self, response):
@@ -274,7 +305,9 @@ class Watch(Iterator[QueueEvent]):
             try:
                 close()
             except ValueError:
-                pass  # another thread is reading it; that thread closes it
+                return  # another thread is reading it; that thread closes it
+        if self._closed and self._transport is not None:
+            self._transport.close()
 
     def __enter__(self) -> Self:
         return self
@@ -437,8 +470,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
             if not done:
                 read.cancel()
                 await asyncio.wait([read])
-                seconds = self._idle_timeout or 0
-                raise ConnectError(Code.UNAVAILABLE, f"the watch stream brought nothing for {seconds:g} s")
+                raise _silent_stream(self._idle_timeout or 0)
             return read.result()
         except asyncio.CancelledError:
             # This task is cancelled: so is its read. (A read that `close()`
