@@ -14,13 +14,14 @@
  * package against protobuf-es, both ways).
  */
 import { ScalarType, type DescField, type DescMessage, type MessageInitShape, type MessageShape } from '@bufbuild/protobuf';
-import { BinaryReader, BinaryWriter, WireType } from '@bufbuild/protobuf/wire';
+import { BinaryReader, WireType } from '@bufbuild/protobuf/wire';
+import { ProtoWriter } from './proto-writer.js';
 
 /** How deep messages may nest in what we read (protobuf-es's own limit). */
 const RECURSION_LIMIT = 100;
 
 type Value = any; // eslint-disable-line @typescript-eslint/no-explicit-any
-type Write = (writer: BinaryWriter, value: Value) => void;
+type Write = (writer: ProtoWriter, value: Value) => void;
 type Read = (reader: BinaryReader, depth: number) => Value;
 
 interface FieldPlan {
@@ -49,31 +50,57 @@ interface MessagePlan {
   typeName: string;
   /** Sorted by number, the order protobuf-es writes in. */
   fields: FieldPlan[];
-  byNumber: Map<number, FieldPlan>;
-  /** The zero message's properties, each a value or a maker of one. */
-  zero: [string, () => Value][];
+  /** Indexed by field number. */
+  byNumber: (FieldPlan | undefined)[];
+  /** The zero message's properties that cannot be changed, set on each message read. */
+  template: [string, Value][];
+  /** Its properties that get a fresh value each (lists, maps, bytes, oneofs). */
+  fresh: [string, () => Value][];
 }
 
 const plans = new WeakMap<DescMessage, MessagePlan>();
 
+/** One writer for every message: encoding runs to its end before anything else runs. */
+const writer = new ProtoWriter();
+
 /** `message` (a message or an init object of `schema`) in the binary format. */
 export function encodeMessage<Desc extends DescMessage>(schema: Desc, message: MessageInitShape<Desc>): Uint8Array {
-  const writer = new BinaryWriter();
+  writer.reset();
   writeFields(writer, plan(schema), message);
   return writer.finish();
 }
 
 /** A message of `schema` read from `bytes`, as protobuf-es's `fromBinary` makes it (unknown fields dropped). */
 export function decodeMessage<Desc extends DescMessage>(schema: Desc, bytes: Uint8Array): MessageShape<Desc> {
-  const reader = new BinaryReader(bytes);
+  const reader = new BinaryReader(bytes, decodeUtf8);
   return readFields(reader, plan(schema), reader.len, 0, undefined) as MessageShape<Desc>;
+}
+
+/** Short strings (ids, names, states) longer than this go to `TextDecoder`, which costs a call into Node per string. */
+const SHORT_TEXT = 48;
+const lenient = new TextDecoder();
+const strict = new TextDecoder('utf-8', { fatal: true });
+
+/** UTF-8 as protobuf-es decodes it (`strict`: invalid UTF-8 throws), ASCII by hand. */
+function decodeUtf8(bytes: Uint8Array, validate?: boolean): string {
+  const n = bytes.length;
+  if (n <= SHORT_TEXT) {
+    let text = '';
+    for (let i = 0; i < n; i++) {
+      const c = bytes[i];
+      if (c >= 0x80) return (validate ? strict : lenient).decode(bytes);
+      text += String.fromCharCode(c);
+    }
+    return text;
+  }
+  return (validate ? strict : lenient).decode(bytes);
 }
 
 function plan(desc: DescMessage): MessagePlan {
   let made = plans.get(desc);
   if (!made) {
     // Stored before its fields are planned: a message may contain itself.
-    made = { typeName: desc.typeName, fields: [], byNumber: new Map(), zero: [] };
+    made = { typeName: desc.typeName, fields: [], byNumber: [], template: [], fresh: [] };
     plans.set(desc, made);
     fill(made, desc);
   }
@@ -85,13 +112,17 @@ function fill(made: MessagePlan, desc: DescMessage): void {
     throw new Error(`${desc.typeName}: only proto3 messages are supported by the session codec`);
   }
   for (const member of desc.members) {
-    if (member.kind === 'oneof') made.zero.push([member.localName, () => ({ case: undefined })]);
-    else if (member.presence === 2 /* IMPLICIT */) made.zero.push([member.localName, zeroOf(member)]);
+    if (member.kind === 'oneof') made.fresh.push([member.localName, () => ({ case: undefined })]);
+    else if (member.presence === 2 /* IMPLICIT */) {
+      const zero = zeroOf(member);
+      if ('make' in zero) made.fresh.push([member.localName, zero.make]);
+      else made.template.push([member.localName, zero.value]);
+    }
   }
   for (const field of [...desc.fields].sort((a, b) => a.number - b.number)) {
     const p = fieldPlan(field);
     made.fields.push(p);
-    made.byNumber.set(field.number, p);
+    made.byNumber[field.number] = p;
   }
 }
 
@@ -222,7 +253,7 @@ function mapKeyValue(type: ScalarType, key: string): Value {
   }
 }
 
-function writeFields(writer: BinaryWriter, p: MessagePlan, message: Value): void {
+function writeFields(writer: ProtoWriter, p: MessagePlan, message: Value): void {
   for (const f of p.fields) {
     let value: Value;
     if (f.oneofCase !== undefined) {
@@ -239,11 +270,15 @@ function writeFields(writer: BinaryWriter, p: MessagePlan, message: Value): void
 
 function readFields(reader: BinaryReader, p: MessagePlan, end: number, depth: number, into: Value): Value {
   if (depth > RECURSION_LIMIT) throw new Error(`cannot decode ${p.typeName}: messages nest too deep`);
-  const message: Value = into ?? { $typeName: p.typeName };
-  if (!into) for (const [name, zero] of p.zero) message[name] = zero();
+  let message: Value = into;
+  if (!message) {
+    message = { $typeName: p.typeName };
+    for (const [name, value] of p.template) message[name] = value;
+    for (const [name, make] of p.fresh) message[name] = make();
+  }
   while (reader.pos < end) {
     const { number, wireType } = tag(reader);
-    const f = p.byNumber.get(number);
+    const f = p.byNumber[number];
     if (!f) {
       reader.skip(wireType, number);
       continue;
@@ -432,23 +467,19 @@ function scalarZero(type: ScalarType, longAsString: boolean): Value {
   }
 }
 
-/** A maker of a field's zero value (fresh where the value is mutable). */
-function zeroOf(field: DescField): () => Value {
+/** A field's zero value: the value, when it cannot be changed, else a maker of a fresh one. */
+function zeroOf(field: DescField): { value: Value } | { make: () => Value } {
   switch (field.fieldKind) {
     case 'list':
-      return () => [];
+      return { make: () => [] };
     case 'map':
-      return () => ({});
-    case 'enum': {
-      const zero = field.enum.values[0].number;
-      return () => zero;
-    }
-    case 'scalar': {
-      if (field.scalar === ScalarType.BYTES) return () => new Uint8Array(0);
-      const zero = scalarZero(field.scalar, field.longAsString);
-      return () => zero;
-    }
+      return { make: () => ({}) };
+    case 'enum':
+      return { value: field.enum.values[0].number };
+    case 'scalar':
+      if (field.scalar === ScalarType.BYTES) return { make: () => new Uint8Array(0) };
+      return { value: scalarZero(field.scalar, field.longAsString) };
     case 'message':
-      return () => undefined;
+      return { value: undefined };
   }
 }

@@ -37,7 +37,23 @@ function rng(seed: number) {
 }
 type Rng = ReturnType<typeof rng>;
 
-const TEXTS = ['', 'a', 'job-1', 'é✓ unicode', 'x'.repeat(300)];
+// Around the writer's one-byte-length limit (42 units, 3 bytes each at most) and the reader's ASCII one (48 bytes),
+// astral and lone surrogates (written as U+FFFD), long ones.
+const TEXTS = [
+  '',
+  'a',
+  'job-1',
+  'é✓ unicode',
+  'x'.repeat(41),
+  '✓'.repeat(41),
+  '✓'.repeat(43),
+  'x'.repeat(48),
+  'x'.repeat(49),
+  'a\u{1F600}b',
+  'lone \ud800 surrogate',
+  'x'.repeat(300),
+  '✓'.repeat(5000),
+];
 
 function randomScalar(r: Rng, type: ScalarType): unknown {
   const zero = r.chance(0.2);
@@ -164,6 +180,25 @@ describe('session codec', () => {
       },
     };
     expect(encodeMessage(SessionRequestSchema, init)).toEqual(toBinary(SessionRequestSchema, create(SessionRequestSchema, init)));
+  });
+
+  it('writes correctly after a message past what its buffer keeps, and after one that failed half-way', () => {
+    const small = { id: 1n, nowMs: 5n };
+    const expected = toBinary(SessionRequestSchema, create(SessionRequestSchema, small));
+    const huge = {
+      id: 2n,
+      call: {
+        case: 'complete' as const,
+        value: { queue: 'q', jobId: 'j', outcome: { kind: { case: 'success' as const, value: { result: new Uint8Array(3 << 20).fill(7) } } } },
+      },
+    };
+    const hugeBytes = Buffer.from(encodeMessage(SessionRequestSchema, huge));
+    expect(hugeBytes.equals(toBinary(SessionRequestSchema, create(SessionRequestSchema, huge)))).toBe(true);
+    expect(encodeMessage(SessionRequestSchema, small)).toEqual(expected);
+    // A bad value inside a nested message throws with a fork open.
+    const bad = { id: 3n, call: { case: 'lease' as const, value: { queue: 'q', waitMs: -1 } } };
+    expect(() => encodeMessage(SessionRequestSchema, bad as never)).toThrow(/invalid uint32/);
+    expect(encodeMessage(SessionRequestSchema, small)).toEqual(expected);
   });
 
   it('skips fields it does not know, and refuses what is not a message', () => {
