@@ -1092,6 +1092,38 @@ fn a_cron_upsert_onto_the_tick_of_a_running_iteration_adds_one_under_its_own_id(
 }
 
 #[test]
+fn raising_or_removing_a_maxed_queues_concurrency_wakes_its_waiting_workers() {
+    let (jobs, _) = core();
+    let concurrency = |c: &str| BTreeMap::from([("concurrency".to_string(), c.to_string())]);
+    jobs.set_meta("ns", "q", concurrency("1")).wait().unwrap();
+    for name in ["a", "b", "c"] {
+        jobs.enqueue("ns", "q", job(name)).wait().unwrap();
+    }
+    let _running = lease_one(&jobs, "q").unwrap();
+    for unblock in 0..2 {
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+                rt.block_on(jobs.wait_for_job("ns", "q", Duration::from_secs(5), None))
+            });
+            std::thread::sleep(Duration::from_millis(50));
+            let started = std::time::Instant::now();
+            if unblock == 0 {
+                jobs.set_meta("ns", "q", concurrency("2")).wait().unwrap();
+            } else {
+                let fields = vec!["concurrency".to_string()];
+                jobs.admin("ns", "q", move |tx, q| admin::remove_meta_fields(tx, q, &fields)).wait().unwrap();
+            }
+            assert_eq!(waiter.join().unwrap().unwrap(), Some(0));
+            assert!(started.elapsed() < Duration::from_secs(2), "woken by the change, not the timeout");
+        });
+        // Maxed again for the next round: the queue allows as many as run.
+        assert!(lease_one(&jobs, "q").is_some());
+        jobs.set_meta("ns", "q", concurrency(&(2 + unblock).to_string())).wait().unwrap();
+    }
+}
+
+#[test]
 fn a_job_leaving_active_wakes_workers_of_a_maxed_queue() {
     let (jobs, _) = core();
     jobs.set_meta("ns", "q", BTreeMap::from([("concurrency".to_string(), "1".to_string())])).wait().unwrap();

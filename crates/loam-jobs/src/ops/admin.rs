@@ -593,6 +593,9 @@ pub fn set_meta(tx: &mut Tx, q: &QueueId, values: &BTreeMap<String, String>) -> 
         tx.put(&key, value.as_bytes().to_vec())?;
     }
     tx.forget_queue(q);
+    // A raised global concurrency (or any setting a waiting worker was held
+    // back by) may let a worker waiting on a maxed queue take a job now.
+    tx.effects.wake_jobs.insert(q.clone());
     Ok(new)
 }
 
@@ -607,6 +610,10 @@ pub fn remove_meta_fields(tx: &mut Tx, q: &QueueId, fields: &[String]) -> Result
         }
     }
     tx.forget_queue(q);
+    if n > 0 {
+        // A global concurrency removed: as in `set_meta`.
+        tx.effects.wake_jobs.insert(q.clone());
+    }
     Ok(n)
 }
 
