@@ -25,6 +25,7 @@ import {
   type SchedulerSpecSchema,
 } from './gen/loam/jobs/v1/types_pb.js';
 import type { ChildrenByCategory } from './common.js';
+import { loamError } from './errors.js';
 
 /** A JobSpec as a plain init object (never a built message, so it can be spread). */
 export type JobSpecInit = Exclude<MessageInitShape<typeof JobSpecSchema>, JobSpec>;
@@ -100,8 +101,73 @@ function splitQualified(queueKey: string): { prefix: string; queue: string } {
   return at === -1 ? { prefix: '', queue: queueKey } : { prefix: queueKey.slice(0, at), queue: queueKey.slice(at + 1) };
 }
 
+type Check = (value: any) => boolean;
+const isNumber: Check = v => typeof v === 'number';
+const isBool: Check = v => typeof v === 'boolean';
+const isString: Check = v => typeof v === 'string';
+const isObject: Check = v => typeof v === 'object' && v !== null && !Array.isArray(v);
+/** Absent, null, or what `check` wants. */
+const optional = (check: Check): Check => v => v === undefined || v === null || check(v);
+/** Absent, or what `check` wants (null refused: a field with a default, not an option). */
+const defaulted = (check: Check): Check => v => v === undefined || check(v);
+const fields =
+  (shape: Record<string, Check>): Check =>
+  v =>
+    isObject(v) && Object.entries(shape).every(([key, check]) => check(v[key]));
+const keep: Check = v =>
+  isBool(v) || isNumber(v) || fields({ age: optional(isNumber), count: optional(isNumber), limit: optional(isNumber) })(v);
+
+/**
+ * The types of the job options the backend acts on, as the in-process addon
+ * reads them (`JobOpts` in `crates/loam-jobs-napi/src/convert.rs`): an option
+ * of another type (`attempts: '3'`) is refused there, and here, instead of
+ * being read as 0.
+ */
+const OPTION_TYPES: Record<string, Check> = {
+  jobId: optional(isString),
+  delay: optional(isNumber),
+  priority: optional(isNumber),
+  lifo: optional(isBool),
+  attempts: optional(isNumber),
+  backoff: optional(
+    v => isNumber(v) || fields({ type: isString, delay: optional(isNumber), jitter: optional(isNumber) })(v),
+  ),
+  removeOnComplete: optional(keep),
+  removeOnFail: optional(keep),
+  deduplication: optional(
+    fields({
+      id: optional(isString),
+      ttl: optional(isNumber),
+      extend: defaulted(isBool),
+      replace: defaulted(isBool),
+      keepLastIfActive: defaulted(isBool),
+      reschedule: defaulted(isBool),
+    }),
+  ),
+  parent: optional(fields({ id: isString, queue: isString })),
+  failParentOnFailure: defaulted(isBool),
+  continueParentOnFailure: defaulted(isBool),
+  ignoreDependencyOnFailure: defaulted(isBool),
+  removeDependencyOnFailure: defaulted(isBool),
+  keepLogs: optional(isNumber),
+  timestamp: optional(isNumber),
+};
+
+/** Refuses job options of the wrong types, as the in-process backend does (`LOAM_INVALID_ARGUMENT`). */
+function checkOptionTypes(opts: Record<string, any>): void {
+  for (const [name, check] of Object.entries(OPTION_TYPES)) {
+    if (!check(opts[name])) {
+      throw loamError(
+        'invalid_argument',
+        `job options are not valid BullMQ options: ${name} cannot be ${JSON.stringify(opts[name])}`,
+      );
+    }
+  }
+}
+
 /** Everything BullMQ's job options alone decide (a scheduler's template too). */
 export function optionsSpec(opts: Record<string, any>): JobSpecInit & { delayMs: bigint; priority: number } {
+  checkOptionTypes(opts);
   const dedup = opts.deduplication;
   return {
     opts: JSON.stringify(opts),

@@ -43,6 +43,33 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it('refuses job options of the wrong types alike in both backends, adding nothing', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const bad = [
+      { attempts: '3' },
+      { delay: '100' },
+      { removeOnComplete: 'yes' },
+      { removeOnFail: { count: '5' } },
+      { backoff: { type: 'fixed', delay: '5' } },
+      { lifo: 'yes' },
+      { failParentOnFailure: null },
+    ];
+    for (const opts of bad) {
+      await expect(queue.add('bad', {}, opts as never), JSON.stringify(opts)).rejects.toMatchObject({
+        code: 'LOAM_INVALID_ARGUMENT',
+        message: expect.stringContaining('job options are not valid BullMQ options'),
+      });
+    }
+    await expect(queue.addBulk([{ name: 'ok', data: {} }, { name: 'bad', data: {}, opts: { attempts: '3' } as never }])).rejects.toMatchObject({
+      code: 'LOAM_INVALID_ARGUMENT',
+    });
+    expect(await queue.count()).toBe(0);
+    // What is right still goes in: numbers, null for an option, KeepJobs.
+    await queue.add('good', {}, { attempts: 3, delay: null as never, removeOnFail: { age: 3600 } });
+    expect(await queue.count()).toBe(1);
+    await queue.close();
+  });
+
   it('raises JobHasFailedChildren as an UnrecoverableError', async () => {
     const { fromNative } = await import('../src/errors.js');
     const err = fromNative(new Error('[bullmq:-9] Cannot complete job 1 because it has at least one failed child. moveToFinished'));
