@@ -155,8 +155,9 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
         );
     }
     shutdown.fire();
+    // Both end at `shutdown`, a write under way finishing first.
     let _ = ticker.await;
-    purger.abort();
+    let _ = purger.await;
     // Pending writes finish, the maintenance thread stops, the store closes.
     let closing = jobs.clone();
     let _ = tokio::task::spawn_blocking(move || closing.close()).await;

@@ -1143,7 +1143,10 @@ pub async fn purge_expired(jobs: Jobs, stop: Interrupt) {
                 Err(e) => tracing::warn!(error = %e, "purging {what} failed"),
             }
         }
-        tokio::time::sleep(EVERY).await;
+        tokio::select! {
+            () = tokio::time::sleep(EVERY) => {}
+            () = stop.fired() => {}
+        }
     }
 }
 
