@@ -390,7 +390,7 @@ impl Executor {
                 Durability::Immediate => ops.iter().any(|op| op.sync),
                 Durability::Relaxed { .. } => false,
             };
-            let (writes, acks) = {
+            let (writes, acks, unchanged) = {
                 let mut committed = SnapshotReader(snapshot);
                 if uncommitted.writes.is_empty() {
                     execute(ops, &mut committed)
@@ -403,13 +403,19 @@ impl Executor {
             // commit, see `RedbStore::snapshot`). Under immediate durability
             // even leases wait for their commit: acknowledged early, a worker
             // would see a job before the producer saw its `add` resolve, which
-            // BullMQ callers (and Redis, answering in order) never show.
+            // BullMQ callers (and Redis, answering in order) never show. A
+            // lease that found nothing is answered at once either way: waiting
+            // for the batch's fsync only kept an idle worker from starting to
+            // wait for the next job.
             let (early, late) = match self.durability {
                 Durability::Relaxed { .. } => (acks, Vec::new()),
                 Durability::Immediate => (Vec::new(), acks),
             };
             if !early.is_empty() {
                 self.progress.state.lock().acked = number;
+            }
+            for (done, result) in unchanged {
+                done(result);
             }
             let writes = Arc::new(writes);
             uncommitted.writes.add(number, &writes);
@@ -469,25 +475,34 @@ fn with_waiting<T>(receiver: &Receiver<T>, first: T, max: usize) -> Vec<T> {
 }
 
 /// Runs a batch's operations, each in its own overlay over the batch's.
-fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>) {
+/// Returns the batch's writes, the acknowledgements that must wait for its
+/// commit, and those that need not: an operation that needs no fsync (a
+/// lease, a lock extension) and wrote nothing (a lease that found no job)
+/// told its caller nothing a crash could take back.
+fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>, Vec<Ack>) {
     let mut acks = Vec::with_capacity(ops.len());
+    let mut unchanged = Vec::new();
     let mut group = Overlay::caching(base);
     let mut memo = Memo::default();
     for op in ops {
-        let WriteOp { mut body, done, .. } = op;
+        let WriteOp { mut body, done, sync } = op;
         let mut local = Overlay::remembering(&mut group, &memo);
         // A bug in an operation must fail that operation, not the writer
         // thread and with it every caller (and a Node host).
         let result = catch_unwind(AssertUnwindSafe(|| body(&mut local)))
             .unwrap_or_else(|panic| Err(JobsError::Internal(panic_message(panic))));
         let (writes, remembered) = local.into_parts();
+        if !sync && writes.is_empty() {
+            unchanged.push((done, result));
+            continue;
+        }
         if result.is_ok() {
             memo.absorb(&writes, remembered);
             group.absorb(writes);
         }
         acks.push((done, result));
     }
-    (group.into_writes(), acks)
+    (group.into_writes(), acks, unchanged)
 }
 
 /// Most batches one commit takes.
@@ -896,6 +911,94 @@ mod tests {
             self.check()?;
             self.memory.write(offset, data)
         }
+    }
+
+    /// Memory whose syncs wait while its gate is held: an fsync that takes as
+    /// long as the test wants.
+    #[derive(Debug)]
+    struct GatedDisk {
+        memory: InMemoryBackend,
+        held: Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>,
+    }
+
+    /// Holds a `GatedDisk`'s syncs until released, or dropped (a failing test
+    /// must not leave the committer waiting for ever).
+    struct Gate(Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>);
+
+    impl Gate {
+        fn release(&self) {
+            *self.0.0.lock() = false;
+            self.0.1.notify_all();
+        }
+    }
+
+    impl Drop for Gate {
+        fn drop(&mut self) {
+            self.release();
+        }
+    }
+
+    impl StorageBackend for GatedDisk {
+        fn len(&self) -> std::io::Result<u64> {
+            self.memory.len()
+        }
+        fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+            self.memory.read(offset, out)
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.memory.set_len(len)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            let (held, released) = &*self.held;
+            let mut held = held.lock();
+            while *held {
+                released.wait(&mut held);
+            }
+            self.memory.sync_data()
+        }
+        fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.memory.write(offset, data)
+        }
+    }
+
+    /// Under immediate durability an operation that needs no fsync and wrote
+    /// nothing (a lease that found no job) is answered without waiting for
+    /// the commit of a write before it; one that wrote, or that asked for
+    /// fsync, waits.
+    #[test]
+    fn an_operation_that_wrote_nothing_and_needs_no_fsync_is_answered_before_the_commit() {
+        let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+        let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
+        let db = Database::builder().create_with_backend(disk).unwrap();
+        let store = RedbStore::start(db, Durability::Immediate, MAX_BATCH, None).unwrap();
+        *held.0.lock() = true;
+        let gate = Gate(held);
+        let (sender, answers) = mpsc::channel();
+        let submit = |name: &'static str, sync: bool, writes: bool| {
+            let sender = sender.clone();
+            let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
+                if writes {
+                    txn.put(name.as_bytes(), b"v".to_vec())?;
+                } else {
+                    txn.get(b"write")?;
+                }
+                Ok(Box::new(()) as OpOutput)
+            });
+            let done: OpDone = Box::new(move |result| {
+                let _ = sender.send((name, result.is_ok()));
+            });
+            store.submit(WriteOp { body, sync, done });
+        };
+        submit("write", true, true);
+        submit("lease that found nothing", false, false);
+        submit("lease that took a job", false, true);
+        submit("read-only, fsync asked", true, false);
+        assert_eq!(answers.recv_timeout(Duration::from_secs(5)).unwrap(), ("lease that found nothing", true));
+        assert!(answers.recv_timeout(Duration::from_millis(300)).is_err(), "the others wait for the held fsync");
+        gate.release();
+        let mut rest: Vec<_> = (0..3).map(|_| answers.recv_timeout(Duration::from_secs(5)).unwrap().0).collect();
+        rest.sort_unstable();
+        assert_eq!(rest, ["lease that took a job", "read-only, fsync asked", "write"]);
     }
 
     fn read_u64(txn: &mut dyn KvRead, key: &[u8]) -> u64 {
