@@ -292,11 +292,9 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     return response.result;
   }
 
-  private async queueAdmin(
-    command: BullmqCommand,
-    op: QueueAdminInit,
-  ) {
-    return this.send(command, (c, o) => c.queueAdmin({ queue: this.queueName, op }, o), { ordered: true });
+  /** A queue admin call, `ordered` unless it says otherwise (see `send`). */
+  private async queueAdmin(command: BullmqCommand, op: QueueAdminInit, { ordered = true } = {}) {
+    return this.send(command, (c, o) => c.queueAdmin({ queue: this.queueName, op }, o), { ordered });
   }
 
   private async jobAdmin(
@@ -572,9 +570,14 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * expired leases and returns their ids (the Worker emits `stalled` for them).
    */
   async moveStalledJobsToWait(): Promise<string[]> {
+    // A worker's own, and awaited: not ordered, so that a worker's first
+    // fetch, issued as its first sweep, does not wait a write's fsync behind
+    // it. (Jobs added meanwhile would all come to its first fetches, and
+    // BullMQ's loop takes every job it finds before it runs any.)
     const r = await this.queueAdmin(
       { command: 'moveStalledJobsToWait' },
       { case: 'sweepStalled', value: { maxStalled: this.settings.maxStalled } },
+      { ordered: false },
     );
     return r.jobIds;
   }
