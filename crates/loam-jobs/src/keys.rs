@@ -373,8 +373,7 @@ pub fn result_entry(ns: &str, key: &str) -> Key {
 
 /// The expiry index entry of a result-store entry.
 pub fn result_expiry(expires_at: u64, ns: &str, key: &str) -> Key {
-    let mut k = vec![RESULT_EXPIRY];
-    k.extend_from_slice(&expires_at.to_be_bytes());
+    let mut k = expiry_prefix(RESULT_EXPIRY, expires_at);
     push_str(&mut k, ns);
     push_str(&mut k, key);
     k
@@ -382,9 +381,19 @@ pub fn result_expiry(expires_at: u64, ns: &str, key: &str) -> Key {
 
 /// Expiry index entries due at or before `now`.
 pub fn result_expiry_due(now: u64) -> KeyRange {
-    let mut end = vec![RESULT_EXPIRY];
-    end.extend_from_slice(&now.saturating_add(1).to_be_bytes());
-    KeyRange::new(vec![RESULT_EXPIRY], end)
+    expiry_due(RESULT_EXPIRY, now)
+}
+
+/// The start of an expiry index entry: its tag, then when it expires.
+fn expiry_prefix(tag: u8, expires_at: u64) -> Key {
+    let mut k = vec![tag];
+    k.extend_from_slice(&expires_at.to_be_bytes());
+    k
+}
+
+/// The entries of expiry index `tag` due at or before `now`.
+fn expiry_due(tag: u8, now: u64) -> KeyRange {
+    KeyRange::new(vec![tag], expiry_prefix(tag, now.saturating_add(1)))
 }
 
 /// The namespace and key of an expiry index entry.
@@ -398,18 +407,14 @@ pub fn parse_result_expiry(key: &[u8]) -> Option<(String, String)> {
 
 /// The expiry index entry of the idempotency record at key `record`.
 pub fn idempotency_expiry(expires_at: u64, record: &[u8]) -> Key {
-    let mut k = Vec::with_capacity(9 + record.len());
-    k.push(IDEMPOTENCY_EXPIRY);
-    k.extend_from_slice(&expires_at.to_be_bytes());
+    let mut k = expiry_prefix(IDEMPOTENCY_EXPIRY, expires_at);
     k.extend_from_slice(record);
     k
 }
 
 /// Idempotency expiry entries due at or before `now`.
 pub fn idempotency_expiry_due(now: u64) -> KeyRange {
-    let mut end = vec![IDEMPOTENCY_EXPIRY];
-    end.extend_from_slice(&now.saturating_add(1).to_be_bytes());
-    KeyRange::new(vec![IDEMPOTENCY_EXPIRY], end)
+    expiry_due(IDEMPOTENCY_EXPIRY, now)
 }
 
 /// The record key an idempotency expiry entry points at.

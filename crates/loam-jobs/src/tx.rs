@@ -54,7 +54,7 @@ pub struct Tx<'a> {
     /// (faked) time; by default it is `now`.
     pub lease_now: u64,
     /// The core's own clock, which `now` is unless the caller gave its time.
-    /// Delayed jobs due by either are promoted (see `lease::promote_due`).
+    /// Delayed jobs due by either are promoted (see [`Tx::due_by`]).
     pub core_now: u64,
     pub config: &'a Config,
     /// The queues the operation touched: one or two, rarely more (flows), so
@@ -319,6 +319,15 @@ impl<'a> Tx<'a> {
             _ => {}
         }
         Ok(())
+    }
+
+    /// The time delayed jobs are due by: the later of the caller's and the
+    /// core's clock. The core's background timers wake workers by its clock,
+    /// and a worker whose clock is behind (a remote one's) must then find the
+    /// job it was woken for, not wake again and again until its own clock
+    /// catches up.
+    pub fn due_by(&self) -> u64 {
+        self.now.max(self.core_now)
     }
 
     /// Moves a job to the ready state that fits it: waiting or prioritized.

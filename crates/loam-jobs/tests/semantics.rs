@@ -1100,27 +1100,32 @@ fn raising_or_removing_a_maxed_queues_concurrency_wakes_its_waiting_workers() {
         jobs.enqueue("ns", "q", job(name)).wait().unwrap();
     }
     let _running = lease_one(&jobs, "q").unwrap();
-    for unblock in 0..2 {
-        std::thread::scope(|s| {
-            let waiter = s.spawn(|| {
-                let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
-                rt.block_on(jobs.wait_for_job("ns", "q", Duration::from_secs(5), None))
-            });
-            std::thread::sleep(Duration::from_millis(50));
-            let started = std::time::Instant::now();
-            if unblock == 0 {
-                jobs.set_meta("ns", "q", concurrency("2")).wait().unwrap();
-            } else {
-                let fields = vec!["concurrency".to_string()];
-                jobs.admin("ns", "q", move |tx, q| admin::remove_meta_fields(tx, q, &fields)).wait().unwrap();
-            }
-            assert_eq!(waiter.join().unwrap().unwrap(), Some(0));
-            assert!(started.elapsed() < Duration::from_secs(2), "woken by the change, not the timeout");
+    assert_wakes_a_waiting_worker(&jobs, "raising the concurrency", || {
+        jobs.set_meta("ns", "q", concurrency("2")).wait().unwrap();
+    });
+    // Maxed again: the queue allows as many as run.
+    assert!(lease_one(&jobs, "q").is_some());
+    jobs.set_meta("ns", "q", concurrency("2")).wait().unwrap();
+    assert_wakes_a_waiting_worker(&jobs, "removing the concurrency", || {
+        let fields = vec!["concurrency".to_string()];
+        jobs.admin("ns", "q", move |tx, q| admin::remove_meta_fields(tx, q, &fields)).wait().unwrap();
+    });
+}
+
+/// Runs `change` while a worker waits up to 5 s for a job of queue "q", and
+/// checks that it woke the worker (within 2 s, not by the timeout).
+fn assert_wakes_a_waiting_worker(jobs: &Jobs, what: &str, change: impl FnOnce()) {
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+            rt.block_on(jobs.wait_for_job("ns", "q", Duration::from_secs(5), None))
         });
-        // Maxed again for the next round: the queue allows as many as run.
-        assert!(lease_one(&jobs, "q").is_some());
-        jobs.set_meta("ns", "q", concurrency(&(2 + unblock).to_string())).wait().unwrap();
-    }
+        std::thread::sleep(Duration::from_millis(50));
+        let started = std::time::Instant::now();
+        change();
+        assert_eq!(waiter.join().unwrap().unwrap(), Some(0), "{what}");
+        assert!(started.elapsed() < Duration::from_secs(2), "woken by {what}, not the timeout");
+    });
 }
 
 #[test]
@@ -1130,17 +1135,7 @@ fn a_job_leaving_active_wakes_workers_of_a_maxed_queue() {
     jobs.enqueue("ns", "q", job("a")).wait().unwrap();
     jobs.enqueue("ns", "q", job("b")).wait().unwrap();
     let l = lease_one(&jobs, "q").unwrap();
-    std::thread::scope(|s| {
-        let waiter = s.spawn(|| {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
-            rt.block_on(jobs.wait_for_job("ns", "q", Duration::from_secs(5), None))
-        });
-        std::thread::sleep(Duration::from_millis(50));
-        let started = std::time::Instant::now();
-        ok(&jobs, "q", &l, "1");
-        assert_eq!(waiter.join().unwrap().unwrap(), Some(0));
-        assert!(started.elapsed() < Duration::from_secs(2), "woken by the freed slot, not the timeout");
-    });
+    assert_wakes_a_waiting_worker(&jobs, "the freed slot", || ok(&jobs, "q", &l, "1"));
 }
 
 /// A lease with the core's own token (`token` empty), as the server's and

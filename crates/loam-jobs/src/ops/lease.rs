@@ -183,21 +183,16 @@ fn first_due(tx: &mut Tx, q: &QueueId, range: KeyRange) -> Result<Option<u64>, J
     }))
 }
 
-/// Moves delayed jobs that are due to waiting; returns the next due time.
-///
-/// Due by the caller's time or by the core's, whichever is later: the
-/// core's background timers wake waiting workers by its clock, and a worker
-/// whose clock is behind (a remote one's) must then find the job it was
-/// woken for, not wake again and again until its own clock catches up. (A
-/// job that starts before its caller's time says it is due still shows as
-/// started at its due time.)
+/// Moves delayed jobs that are due ([`Tx::due_by`]) to waiting; returns the
+/// next due time. (A job that starts before its caller's time says it is due
+/// still shows as started at its due time.)
 pub fn promote_due(tx: &mut Tx, q: &QueueId, limit: usize) -> Result<Option<u64>, JobsError> {
     // Every lease comes here first; the counter spares most of them two scans.
     if tx.stats(q)?.delayed == 0 {
         return Ok(None);
     }
     let keys = QueueKeys::new(q);
-    let due = tx.scan(&keys.delayed_due(tx.now.max(tx.core_now)), limit, false)?;
+    let due = tx.scan(&keys.delayed_due(tx.due_by()), limit, false)?;
     for (_, id) in due {
         let id = String::from_utf8_lossy(&id).into_owned();
         let job = tx.require_job(q, &id)?;
@@ -240,8 +235,8 @@ pub fn requeue(
     job.seq = tx.next_seq(q, job.lifo || line == Line::Front)?;
     job.delay = 0;
     // Ready now at the latest (a delayed job promoted by hand is due now),
-    // by the later clock, as `promote_due` reads it.
-    job.due = job.due.min(tx.now.max(tx.core_now));
+    // by the clock `promote_due` reads.
+    job.due = job.due.min(tx.due_by());
     job.state = Tx::ready_state(&job);
     job.lock = None;
     tx.index(q, &job)?;
