@@ -106,6 +106,20 @@ impl RedbStore {
         Self::start(db, options.durability, options.max_batch, Some(wal))
     }
 
+    /// [`open`](RedbStore::open), with a log whose appends and fsyncs fail
+    /// while `failing` is set: a disk that fails under the log only.
+    #[cfg(test)]
+    fn open_with_failing_log(
+        path: &Path,
+        options: RedbOptions,
+        failing: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Result<Self, StoreError> {
+        let db = Database::builder().create(path).map_err(io)?;
+        let mut wal = recover(&db, &log_path(path))?;
+        wal.fail_while(failing);
+        Self::start(db, options.durability, options.max_batch, Some(wal))
+    }
+
     /// A store that lives in memory only, for tests.
     pub fn in_memory() -> Result<Self, StoreError> {
         let db = Database::builder().create_with_backend(redb::backends::InMemoryBackend::new()).map_err(io)?;
@@ -384,7 +398,7 @@ impl Executor {
         while let Ok(first) = receiver.recv() {
             let ops = with_waiting(&receiver, first, self.max_batch);
             number += 1;
-            let (snapshot, snapshot_batch) = self.view(&mut uncommitted);
+            let (snapshot, snapshot_batch, failed) = self.view(&mut uncommitted);
             let read_through = uncommitted.batches.back().map_or(snapshot_batch, |(n, _)| *n);
             let sync = match self.durability {
                 Durability::Immediate => ops.iter().any(|op| op.sync),
@@ -407,9 +421,11 @@ impl Executor {
             // lease that found nothing is answered at once either way: waiting
             // for the batch's fsync only kept an idle worker from starting to
             // wait for the next job.
+            // A store that lost acknowledged writes acknowledges no more
+            // early: the committer refuses these, as it refuses every commit.
             let (early, late) = match self.durability {
-                Durability::Relaxed { .. } => (acks, Vec::new()),
-                Durability::Immediate => (Vec::new(), acks),
+                Durability::Relaxed { .. } if !failed => (acks, Vec::new()),
+                _ => (Vec::new(), acks),
             };
             if !early.is_empty() {
                 self.progress.state.lock().acked = number;
@@ -434,10 +450,11 @@ impl Executor {
         }
     }
 
-    /// The latest committed snapshot and the batch it ends with, after
-    /// forgetting the batches the committer is done with (committed, or failed
-    /// and so never to be read). Waits while too many batches are uncommitted.
-    fn view(&self, uncommitted: &mut Uncommitted) -> (Arc<RedbSnapshot>, u64) {
+    /// The latest committed snapshot, the batch it ends with, and whether the
+    /// store lost acknowledged writes, after forgetting the batches the
+    /// committer is done with (committed, or failed and so never to be read).
+    /// Waits while too many batches are uncommitted.
+    fn view(&self, uncommitted: &mut Uncommitted) -> (Arc<RedbSnapshot>, u64, bool) {
         let mut state = self.progress.state.lock();
         loop {
             while let Some((n, writes)) = uncommitted.batches.front()
@@ -447,7 +464,7 @@ impl Executor {
                 uncommitted.batches.pop_front();
             }
             if uncommitted.batches.len() < MAX_UNCOMMITTED_BATCHES {
-                return (Arc::clone(&state.snapshot), state.snapshot_batch);
+                return (Arc::clone(&state.snapshot), state.snapshot_batch, state.unreadable.is_some());
             }
             self.progress.changed.wait(&mut state);
         }
@@ -606,7 +623,12 @@ impl Committer {
         };
         match result {
             Ok(()) => self.unflushed_since = None,
-            Err(e) => self.broken = Some(e),
+            Err(e) => {
+                // Under relaxed durability what this flush was to make durable
+                // was acknowledged already.
+                self.refuse_reads_if_relaxed(&e);
+                self.broken = Some(e);
+            }
         }
     }
 
@@ -654,9 +676,7 @@ impl Committer {
         let group = Group { batches: batches.iter().map(|b| (b.number, Arc::clone(&b.writes))).collect(), last };
         let broken = self.broken.clone().or_else(|| self.progress.state.lock().unreadable.clone());
         if let Some(e) = broken {
-            self.broken = Some(e.clone());
-            self.done_with(last);
-            return Err(e);
+            return Err(self.fail(e, last));
         }
         let wal = match &mut self.file {
             File::Inline(file) => return file.write(&[group], sync, None),
@@ -668,14 +688,29 @@ impl Committer {
         }
         if let Err(e) = wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }) {
             // The record may be partly written: nothing more may follow it.
-            let e = io(e);
-            self.broken = Some(e.clone());
-            self.done_with(last);
-            return Err(e);
+            return Err(self.fail(io(e), last));
         }
         self.acknowledge(batches);
         self.to_file(ToFile::Group(group));
         Ok(())
+    }
+
+    /// The log failed (or had): every later commit fails with `e`, and the
+    /// batches up to `last` are given up. Under relaxed durability they were
+    /// acknowledged already, so the store refuses reads from now on rather
+    /// than show a state without them, and the executor acknowledges nothing
+    /// early any more; reopening replays what the log kept.
+    fn fail(&mut self, e: StoreError, last: u64) -> StoreError {
+        self.broken = Some(e.clone());
+        self.refuse_reads_if_relaxed(&e);
+        self.done_with(last);
+        e
+    }
+
+    fn refuse_reads_if_relaxed(&self, e: &StoreError) {
+        if matches!(self.durability, Durability::Relaxed { .. }) {
+            self.progress.state.lock().unreadable.get_or_insert_with(|| e.clone());
+        }
     }
 
     /// Tells the file writer that the batches up to `last` failed: it is done
@@ -1100,17 +1135,48 @@ mod log_tests {
     }
 
     fn put_value(store: &RedbStore, key: String, value: Vec<u8>) {
+        assert!(try_put_value(store, key.clone(), value), "the write of {key} is acknowledged");
+    }
+
+    /// Whether the write was acknowledged.
+    fn try_put_value(store: &RedbStore, key: String, value: Vec<u8>) -> bool {
         let (sender, receiver) = mpsc::channel();
-        let written = key.clone();
         let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
-            txn.put(written.as_bytes(), value.clone())?;
+            txn.put(key.as_bytes(), value.clone())?;
             Ok(Box::new(()) as OpOutput)
         });
         let done: OpDone = Box::new(move |result| {
             let _ = sender.send(result.is_ok());
         });
         store.submit(WriteOp { body, sync: true, done });
-        assert!(receiver.recv().unwrap(), "the write of {key} is acknowledged");
+        receiver.recv().unwrap()
+    }
+
+    /// Under relaxed durability a write is acknowledged before the log has
+    /// it. When appending to the log then fails, a read must not show a
+    /// state without that write, and a later write must be refused, not
+    /// acknowledged and dropped.
+    #[test]
+    fn a_failed_log_under_relaxed_durability_refuses_reads_and_later_writes() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("jobs.redb");
+        let relaxed =
+            || RedbOptions { durability: Durability::Relaxed { flush_interval_ms: 100 }, ..Default::default() };
+        let failing = Arc::new(AtomicBool::new(false));
+        let store = RedbStore::open_with_failing_log(&path, relaxed(), Arc::clone(&failing)).unwrap();
+        put(&store, "before");
+        assert!(store.snapshot().unwrap().get(b"before").unwrap().is_some());
+        failing.store(true, Ordering::SeqCst);
+        assert!(try_put_value(&store, "lost".into(), b"v".to_vec()), "acknowledged before the log has it");
+        assert!(store.snapshot().is_err(), "a read after the log failed would lack an acknowledged write");
+        assert!(!try_put_value(&store, "after".into(), b"v".to_vec()), "a write after the failure is refused");
+        drop(store);
+        let store = RedbStore::open(&path, relaxed()).unwrap();
+        let mut snapshot = store.snapshot().unwrap();
+        assert!(snapshot.get(b"before").unwrap().is_some(), "what the log had is replayed");
+        assert!(snapshot.get(b"after").unwrap().is_none(), "a refused write left nothing");
+        assert!(try_put_value(&store, "reopened".into(), b"v".to_vec()), "the reopened store takes writes");
     }
 
     /// With batches of one operation, each batch runs over the writes of the

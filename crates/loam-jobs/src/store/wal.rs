@@ -35,6 +35,9 @@ pub(crate) struct Wal {
     end: u64,
     generation: u64,
     next_seq: u64,
+    /// Tests: appends and fsyncs fail while this is set.
+    #[cfg(test)]
+    failing: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl Wal {
@@ -57,7 +60,16 @@ impl Wal {
         }
         let capacity = capacity.max(len);
         let records = read_records(&file, capacity, generation)?;
-        Ok((Self { file, capacity, end: 0, generation, next_seq: 1 }, records))
+        let wal = Self {
+            file,
+            capacity,
+            end: 0,
+            generation,
+            next_seq: 1,
+            #[cfg(test)]
+            failing: None,
+        };
+        Ok((wal, records))
     }
 
     /// Encodes `writes`, applied in order, as one record's payload.
@@ -97,6 +109,7 @@ impl Wal {
         record[12..20].copy_from_slice(&seq.to_le_bytes());
         let crc = checksum(self.generation, seq, &record[HEADER..]);
         record[20..24].copy_from_slice(&crc.to_le_bytes());
+        self.check()?;
         self.file.write_all_at(&record, self.end)?;
         self.end += record.len() as u64;
         self.next_seq += 1;
@@ -105,7 +118,27 @@ impl Wal {
 
     /// Makes every record appended so far durable.
     pub(crate) fn sync(&self) -> io::Result<()> {
+        self.check()?;
         self.file.sync_data()
+    }
+
+    /// Makes appends and fsyncs fail while `failing` is set.
+    #[cfg(test)]
+    pub(crate) fn fail_while(&mut self, failing: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+        self.failing = Some(failing);
+    }
+
+    #[cfg(test)]
+    fn check(&self) -> io::Result<()> {
+        match &self.failing {
+            Some(f) if f.load(std::sync::atomic::Ordering::SeqCst) => Err(io::Error::other("disk failed")),
+            _ => Ok(()),
+        }
+    }
+
+    #[cfg(not(test))]
+    fn check(&self) -> io::Result<()> {
+        Ok(())
     }
 
     /// Starts the log over under `generation`, once a checkpoint made every
