@@ -347,6 +347,26 @@ struct Progress {
     changed: Condvar,
 }
 
+impl Progress {
+    /// The batches up to `number` were acknowledged. Never moves back: under
+    /// relaxed durability the executor acknowledges a batch before the
+    /// committer has logged the ones before it, and a reader must wait for
+    /// the newest.
+    fn mark_acknowledged(&self, number: u64) {
+        let mut state = self.state.lock();
+        state.acked = state.acked.max(number);
+    }
+}
+
+/// Hands each operation its result. A completion that panics (a bug in the
+/// caller's callback) is contained: the store's thread that ran it goes on,
+/// or every later commit and read would wait for it for ever.
+fn deliver(acks: impl IntoIterator<Item = Ack>) {
+    for (done, result) in acks {
+        let _ = catch_unwind(AssertUnwindSafe(move || done(result)));
+    }
+}
+
 struct Committed {
     /// The last batch that is done with: in the file, or failed.
     batch: u64,
@@ -428,25 +448,21 @@ impl Executor {
                 _ => (Vec::new(), acks),
             };
             if !early.is_empty() {
-                self.progress.state.lock().acked = number;
-            }
-            for (done, result) in unchanged {
-                done(result);
+                self.progress.mark_acknowledged(number);
             }
             let writes = Arc::new(writes);
             uncommitted.writes.add(number, &writes);
             uncommitted.batches.push_back((number, Arc::clone(&writes)));
-            if let Err(mpsc::SendError(batch)) =
-                self.to_committer.send(Batch { number, read_through, writes, sync, acks: late })
-            {
-                for (done, _) in batch.acks.into_iter().chain(early) {
-                    done(Err(StoreError::Closed.into()));
-                }
+            // The batch goes on before anyone is answered: an answer's
+            // callback may read the store, and a read waits for the batches
+            // acknowledged before it.
+            let sent = self.to_committer.send(Batch { number, read_through, writes, sync, acks: late });
+            deliver(unchanged);
+            if let Err(mpsc::SendError(batch)) = sent {
+                deliver(batch.acks.into_iter().chain(early).map(|(done, _)| (done, Err(StoreError::Closed.into()))));
                 return;
             }
-            for (done, result) in early {
-                done(result);
-            }
+            deliver(early);
         }
     }
 
@@ -653,7 +669,12 @@ impl Committer {
                 self.last_checkpoint = Instant::now();
                 self.unflushed_since = None;
             }
-            Err(e) => self.broken = Some(e.clone()),
+            Err(e) => {
+                // Under relaxed durability the writes since the last flush were
+                // acknowledged already, and will now not be made durable.
+                self.refuse_reads_if_relaxed(e);
+                self.broken = Some(e.clone());
+            }
         }
         result
     }
@@ -690,8 +711,14 @@ impl Committer {
             // The record may be partly written: nothing more may follow it.
             return Err(self.fail(io(e), last));
         }
-        self.acknowledge(batches);
+        // Acknowledged before the file writer has the group (it refuses
+        // reads if it then fails to write what was acknowledged), answered
+        // after (an answer's callback may read, and wait for the group).
+        if let Some(last) = batches.last() {
+            self.progress.mark_acknowledged(last.number);
+        }
         self.to_file(ToFile::Group(group));
+        deliver(batches.iter_mut().flat_map(|b| b.acks.drain(..)));
         Ok(())
     }
 
@@ -732,17 +759,6 @@ impl Committer {
         }
     }
 
-    /// Delivers the batches' acknowledgements, which a reader they wake may
-    /// follow at once: reads wait for the batches' commit (see `snapshot`).
-    fn acknowledge(&self, batches: &mut [Batch]) {
-        if let Some(last) = batches.last() {
-            self.progress.state.lock().acked = last.number;
-        }
-        for (done, result) in batches.iter_mut().flat_map(|b| b.acks.drain(..)) {
-            done(result);
-        }
-    }
-
     /// Commits `batches` (in order) as one group, except those that read a
     /// failed batch's writes, which fail with its error.
     fn commit(&mut self, batches: Vec<Batch>) {
@@ -773,24 +789,18 @@ impl Committer {
                         self.unflushed_since = Some(Instant::now());
                     }
                 }
-                for (done, r) in good.into_iter().flat_map(|b| b.acks) {
-                    done(r);
-                }
+                deliver(good.into_iter().flat_map(|b| b.acks));
                 None
             }
             Err(e) => {
                 self.last_failed = good.last().map_or(self.last_failed, |b| b.number);
-                for (done, _) in good.into_iter().flat_map(|b| b.acks) {
-                    done(Err(JobsError::from(e.clone())));
-                }
+                deliver(good.into_iter().flat_map(|b| b.acks).map(|(done, _)| (done, Err(JobsError::from(e.clone())))));
                 Some(e)
             }
         };
         if !doomed.is_empty() {
             let e = failure.unwrap_or_else(|| StoreError::Io("an earlier commit failed".into()));
-            for (done, _) in doomed.into_iter().flat_map(|b| b.acks) {
-                done(Err(JobsError::from(e.clone())));
-            }
+            deliver(doomed.into_iter().flat_map(|b| b.acks).map(|(done, _)| (done, Err(JobsError::from(e.clone())))));
         }
     }
 }
@@ -915,10 +925,10 @@ mod tests {
     /// Memory that starts failing every write and sync once told to, as a
     /// full or dying disk does.
     #[derive(Debug)]
-    struct FailingDisk {
+    pub(super) struct FailingDisk {
         /// Shared, so the store can be reopened over what the disk kept.
-        memory: Arc<InMemoryBackend>,
-        failing: Arc<AtomicBool>,
+        pub(super) memory: Arc<InMemoryBackend>,
+        pub(super) failing: Arc<AtomicBool>,
     }
 
     impl FailingDisk {
@@ -1152,6 +1162,142 @@ mod log_tests {
         receiver.recv().unwrap()
     }
 
+    fn relaxed() -> RedbOptions {
+        RedbOptions { durability: Durability::Relaxed { flush_interval_ms: 100 }, ..Default::default() }
+    }
+
+    /// Under relaxed durability the executor acknowledges a batch before the
+    /// committer has logged the batches before it: the committer must not
+    /// then take the acknowledged mark back, or a read that follows an
+    /// acknowledged write can miss it. Eight writers each read back every
+    /// key they put.
+    #[test]
+    fn a_read_after_a_relaxed_write_sees_it() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(RedbStore::open(&dir.path().join("jobs.redb"), relaxed()).unwrap());
+        let missing = Arc::new(AtomicUsize::new(0));
+        let writers: Vec<_> = (0..8)
+            .map(|t| {
+                let (store, missing) = (Arc::clone(&store), Arc::clone(&missing));
+                std::thread::spawn(move || {
+                    for i in 0..3000 {
+                        let key = format!("t{t}/k{i}");
+                        put_value(&store, key.clone(), b"v".to_vec());
+                        if store.snapshot().unwrap().get(key.as_bytes()).unwrap().is_none() {
+                            missing.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for writer in writers {
+            writer.join().unwrap();
+        }
+        assert_eq!(missing.load(Ordering::SeqCst), 0, "reads that lacked a write acknowledged before them");
+    }
+
+    /// Under relaxed durability, a failed checkpoint (the redb file fails, the
+    /// log does not) leaves writes acknowledged that will not be made durable:
+    /// the store refuses reads, and a later write is refused, not
+    /// acknowledged and dropped.
+    #[test]
+    fn a_failed_checkpoint_under_relaxed_durability_refuses_later_writes() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let memory = Arc::new(redb::backends::InMemoryBackend::new());
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("log");
+        let open = |failing: &Arc<AtomicBool>| {
+            let disk = super::tests::FailingDisk { memory: Arc::clone(&memory), failing: Arc::clone(failing) };
+            let db = Database::builder().create_with_backend(disk).unwrap();
+            let wal = recover(&db, &log).unwrap();
+            RedbStore::start(db, Durability::Relaxed { flush_interval_ms: 100 }, MAX_BATCH, Some(wal)).unwrap()
+        };
+        let failing = Arc::new(AtomicBool::new(false));
+        let store = open(&failing);
+        put(&store, "before");
+        std::thread::sleep(CHECKPOINT_INTERVAL + Duration::from_millis(100));
+        failing.store(true, Ordering::SeqCst);
+        // Logged; the checkpoint due after its commit fails on the file.
+        put(&store, "trigger");
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(store.snapshot().is_err(), "reads are refused once acknowledged writes cannot be made durable");
+        assert!(!try_put_value(&store, "after".into(), b"v".to_vec()), "a write after the failure is refused");
+        drop(store);
+        let store = open(&Arc::new(AtomicBool::new(false)));
+        let mut snapshot = store.snapshot().unwrap();
+        assert!(snapshot.get(b"before").unwrap().is_some());
+        assert!(snapshot.get(b"trigger").unwrap().is_some(), "replayed from the log");
+        assert!(snapshot.get(b"after").unwrap().is_none(), "a refused write left nothing");
+    }
+
+    /// A completion callback that panics (a bug in a host's callback, run on a
+    /// store thread) is contained: later commits and reads go on.
+    #[test]
+    fn a_panicking_completion_callback_stops_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(RedbStore::open(&dir.path().join("jobs.redb"), RedbOptions::default()).unwrap());
+        let body: super::super::OpBody = Box::new(|txn: &mut dyn KvTxn| {
+            txn.put(b"k", b"v".to_vec())?;
+            Ok(Box::new(()) as OpOutput)
+        });
+        let (panicking, panicked) = mpsc::channel();
+        let done: OpDone = Box::new(move |_| {
+            let _ = panicking.send(());
+            panic!("a bug in the caller's callback");
+        });
+        store.submit(WriteOp { body, sync: true, done });
+        panicked.recv().unwrap();
+        let (sender, read) = mpsc::channel();
+        let reader = Arc::clone(&store);
+        std::thread::spawn(move || {
+            let _ = sender.send(reader.snapshot().map(|mut s| s.get(b"k").unwrap().is_some()));
+        });
+        let outcome = read.recv_timeout(Duration::from_secs(5));
+        if outcome.is_err() {
+            std::mem::forget(store); // its threads are stuck; dropping it would join them
+            panic!("a read after the panic still waits after 5 s");
+        }
+        assert!(matches!(outcome, Ok(Ok(true))), "the write is read back: {outcome:?}");
+        put(&store, "later");
+    }
+
+    /// A completion callback that reads the store (say, loads the job its
+    /// `add` just made) gets its read: the group it waits for was handed on
+    /// before the callback ran.
+    fn a_read_in_a_completion_callback(durability: Durability) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(
+            RedbStore::open(&dir.path().join("jobs.redb"), RedbOptions { durability, ..Default::default() }).unwrap(),
+        );
+        let (sender, answer) = mpsc::channel();
+        let reader = Arc::clone(&store);
+        let body: super::super::OpBody = Box::new(|txn: &mut dyn KvTxn| {
+            txn.put(b"k", b"v".to_vec())?;
+            Ok(Box::new(()) as OpOutput)
+        });
+        let done: OpDone = Box::new(move |_| {
+            let _ = sender.send(reader.snapshot().map(|mut s| s.get(b"k").unwrap().is_some()));
+        });
+        store.submit(WriteOp { body, sync: true, done });
+        let outcome = answer.recv_timeout(Duration::from_secs(5));
+        if outcome.is_err() {
+            std::mem::forget(store); // its threads are stuck; dropping it would join them
+            panic!("{durability:?}: the read in the callback still waits after 5 s");
+        }
+        assert!(matches!(outcome, Ok(Ok(true))), "{durability:?}: the callback reads its write: {outcome:?}");
+    }
+
+    #[test]
+    fn a_read_in_a_completion_callback_under_immediate_durability() {
+        a_read_in_a_completion_callback(Durability::Immediate);
+    }
+
+    #[test]
+    fn a_read_in_a_completion_callback_under_relaxed_durability() {
+        a_read_in_a_completion_callback(Durability::Relaxed { flush_interval_ms: 100 });
+    }
+
     /// Under relaxed durability a write is acknowledged before the log has
     /// it. When appending to the log then fails, a read must not show a
     /// state without that write, and a later write must be refused, not
@@ -1161,8 +1307,6 @@ mod log_tests {
         use std::sync::atomic::{AtomicBool, Ordering};
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("jobs.redb");
-        let relaxed =
-            || RedbOptions { durability: Durability::Relaxed { flush_interval_ms: 100 }, ..Default::default() };
         let failing = Arc::new(AtomicBool::new(false));
         let store = RedbStore::open_with_failing_log(&path, relaxed(), Arc::clone(&failing)).unwrap();
         put(&store, "before");
