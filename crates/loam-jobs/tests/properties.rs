@@ -304,11 +304,17 @@ impl Model {
     }
 
     /// Into the ready band: at the front (stalled, released, rate limited) or
-    /// the back (new, retried, promoted); a LIFO job always at the front.
+    /// the back (new, retried); a LIFO job at the front.
     fn make_ready(&mut self, j: usize, front: bool) {
+        self.place(j, front || self.jobs[j].lifo);
+    }
+
+    /// Into the ready band, at the front or the back whatever the job's LIFO
+    /// flag (promoted jobs go to the back: Redis LPUSHes them all).
+    fn place(&mut self, j: usize, front: bool) {
         let t = self.next_tick();
         let job = &mut self.jobs[j];
-        job.pos = if front || job.lifo { -t } else { t };
+        job.pos = if front { -t } else { t };
         job.state = MState::Ready;
     }
 
@@ -353,7 +359,7 @@ impl Model {
         let due: Vec<usize> =
             self.in_order(JobState::Delayed).into_iter().filter(|&j| self.jobs[j].due <= now).collect();
         for j in due {
-            self.make_ready(j, false);
+            self.place(j, false);
         }
     }
 

@@ -1400,3 +1400,36 @@ fn an_outcome_that_ends_an_attempt_says_how_long_it_ran() {
     let parked = finish(&jobs, "q", &second, Outcome::Release { after_ms: None }).unwrap();
     assert_eq!(parked.attempt, None);
 }
+
+/// Redis's promote-9.lua moves the job to wait and moveToActive sets
+/// processedOn to the caller's timestamp: a caller whose clock is behind the
+/// core's (a remote worker's) promotes by hand and leases, and the job must
+/// not show as started in that caller's future.
+#[test]
+fn a_job_promoted_by_hand_starts_at_its_callers_time() {
+    let (jobs, clock) = core();
+    let core_now = clock.now_ms();
+    let behind = jobs.at(core_now - 1_000);
+    let id = behind.enqueue("ns", "q", EnqueueRequest { delay_ms: 10_000, ..job("promoted") }).wait().unwrap().id;
+    let promoted = id.clone();
+    behind.admin("ns", "q", move |tx, q| admin::promote(tx, q, &promoted)).wait().unwrap();
+    let l = lease_one(&behind, "q").expect("the promoted job is leased");
+    assert_eq!(l.job.id, id);
+    assert_eq!(l.job.processed_on, Some(core_now - 1_000), "started at the caller's time, as moveToActive sets it");
+}
+
+/// Redis's promotions (promoteDelayedJobs, promote-9.lua) LPUSH every job
+/// without a priority, LIFO or not: a LIFO job that falls due goes behind the
+/// jobs already waiting, and so does one promoted by hand.
+#[test]
+fn a_promoted_lifo_job_goes_behind_the_waiting_jobs() {
+    let (jobs, clock) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { lifo: true, delay_ms: 100, ..job("lifo-due") }).wait().unwrap();
+    let by_hand = jobs.enqueue("ns", "q", EnqueueRequest { lifo: true, delay_ms: 60_000, ..job("lifo-by-hand") });
+    let by_hand = by_hand.wait().unwrap().id;
+    jobs.enqueue("ns", "q", job("fifo")).wait().unwrap();
+    jobs.admin("ns", "q", move |tx, q| admin::promote(tx, q, &by_hand)).wait().unwrap();
+    clock.advance(100);
+    let order: Vec<String> = (0..3).map(|_| lease_one(&jobs, "q").expect("a job").job.name).collect();
+    assert_eq!(order, ["fifo", "lifo-by-hand", "lifo-due"]);
+}

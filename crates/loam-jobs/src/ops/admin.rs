@@ -449,7 +449,7 @@ pub fn promote(tx: &mut Tx, q: &QueueId, id: &str) -> Result<(), JobsError> {
     if job.state != JobState::Delayed {
         return Err(JobsError::not_in_state(id, job.state, "delayed"));
     }
-    lease::make_ready(tx, q, job, Some("delayed"), Line::Back)?;
+    lease::make_ready(tx, q, job, Some("delayed"), Line::Promoted)?;
     Ok(())
 }
 
@@ -460,7 +460,7 @@ pub fn promote_jobs(tx: &mut Tx, q: &QueueId, count: u64) -> Result<bool, JobsEr
     let moved = ids.len() as u64;
     for id in ids {
         let job = tx.require_job(q, &id)?;
-        lease::make_ready(tx, q, job, Some("delayed"), Line::Back)?;
+        lease::make_ready(tx, q, job, Some("delayed"), Line::Promoted)?;
     }
     Ok(moved == count.max(1))
 }

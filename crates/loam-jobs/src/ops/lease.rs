@@ -196,7 +196,7 @@ pub fn promote_due(tx: &mut Tx, q: &QueueId, limit: usize) -> Result<Option<u64>
     for (_, id) in due {
         let id = String::from_utf8_lossy(&id).into_owned();
         let job = tx.require_job(q, &id)?;
-        make_ready(tx, q, job, Some("delayed"), Line::Back)?;
+        make_ready(tx, q, job, Some("delayed"), Line::Promoted)?;
     }
     next_due(tx, q)
 }
@@ -204,8 +204,12 @@ pub fn promote_due(tx: &mut Tx, q: &QueueId, limit: usize) -> Result<Option<u64>
 /// Where a job rejoins its ready band.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Line {
-    /// Behind every waiting job (new and promoted jobs), or in front for LIFO jobs.
+    /// Behind every waiting job, or in front for LIFO jobs (new, retried and
+    /// reprocessed jobs).
     Back,
+    /// Behind every waiting job, LIFO or not: promoted delayed jobs (Redis's
+    /// promotions, on time or by hand, LPUSH every job without a priority).
+    Promoted,
     /// Next to run: stalled, rate-limited and released jobs (BullMQ's RPUSH).
     Front,
 }
@@ -232,11 +236,20 @@ pub fn requeue(
     prev: Option<&str>,
     line: Line,
 ) -> Result<JobRecord, JobsError> {
-    job.seq = tx.next_seq(q, job.lifo || line == Line::Front)?;
+    let front = match line {
+        Line::Back => job.lifo,
+        Line::Promoted => false,
+        Line::Front => true,
+    };
+    job.seq = tx.next_seq(q, front)?;
     job.delay = 0;
-    // Ready now at the latest (a delayed job promoted by hand is due now),
-    // by the clock `promote_due` reads.
-    job.due = job.due.min(tx.due_by());
+    // Ready now at the latest. A job not due yet (promoted by hand) is due at
+    // its caller's time, when Redis's moveToActive would start it; one due by
+    // the clock `promote_due` reads keeps its due time, which may be ahead of
+    // its caller's (a remote worker's clock behind the core's).
+    if job.due > tx.due_by() {
+        job.due = tx.now;
+    }
     job.state = Tx::ready_state(&job);
     job.lock = None;
     tx.index(q, &job)?;
