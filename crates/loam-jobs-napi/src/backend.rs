@@ -773,10 +773,11 @@ impl LoamQueue {
         env: &'env Env,
         host_now: f64,
         job_id: String,
-        parent_key: String,
+        parent_key: Option<String>,
     ) -> Result<PromiseRaw<'env, bool>> {
         self.store.observe(host_now);
-        let op = Op::new("removeChildDependency").job(&job_id).parent(Some(parent_key.clone()));
+        let op = Op::new("removeChildDependency").job(&job_id).parent(parent_key.clone());
+        let parent_key = parent_key.unwrap_or_default();
         self.write(env, op, move |tx, q| admin::remove_child_dependency(tx, q, &job_id, &parent_key))
     }
 

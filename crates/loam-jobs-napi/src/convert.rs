@@ -444,22 +444,30 @@ pub fn job_json(job: &JobRecord) -> String {
 }
 
 /// BullMQ's next-job tuple `[jobJson | null, id, rateLimitDelayMs, delayUntilMs]`
-/// for the first lease of `leased` (the core leases one job per BullMQ fetch).
+/// for the first lease of `leased` (the core leases one job per BullMQ fetch);
+/// without a job the id is `0`, as Redis's scripts return it.
 #[derive(Serialize)]
-pub struct NextJob<'a>(Option<JobJson<'a>>, &'a str, u64, u64);
+pub struct NextJob<'a>(Option<JobJson<'a>>, NextJobId<'a>, u64, u64);
+
+#[derive(Serialize)]
+#[serde(untagged)]
+pub enum NextJobId<'a> {
+    Id(&'a str),
+    None(u8),
+}
 
 impl<'a> NextJob<'a> {
     pub fn new(leased: &'a Leased) -> Self {
         match leased.leases.first() {
-            Some(Lease { job, .. }) => NextJob(Some(JobJson::new(job)), &job.id, 0, 0),
-            None if leased.info.rate_limit_ms > 0 => NextJob(None, "", leased.info.rate_limit_ms, 0),
-            None => NextJob(None, "", 0, leased.info.next_due.unwrap_or(0)),
+            Some(Lease { job, .. }) => NextJob(Some(JobJson::new(job)), NextJobId::Id(&job.id), 0, 0),
+            None if leased.info.rate_limit_ms > 0 => NextJob(None, NextJobId::None(0), leased.info.rate_limit_ms, 0),
+            None => NextJob(None, NextJobId::None(0), 0, leased.info.next_due.unwrap_or(0)),
         }
     }
 }
 
 pub fn next_job_json(leased: &Leased) -> String {
-    serde_json::to_string(&NextJob::new(leased)).unwrap_or_else(|_| "[null,\"\",0,0]".into())
+    serde_json::to_string(&NextJob::new(leased)).unwrap_or_else(|_| "[null,0,0,0]".into())
 }
 
 /// `{result?, finishedOn}` of moveToCompleted / moveToFailed.

@@ -1433,3 +1433,59 @@ fn a_promoted_lifo_job_goes_behind_the_waiting_jobs() {
     let order: Vec<String> = (0..3).map(|_| lease_one(&jobs, "q").expect("a job").job.name).collect();
     assert_eq!(order, ["fifo", "lifo-by-hand", "lifo-due"]);
 }
+
+/// Redis's moveToFinished emits `drained` only when the fetch of the next job
+/// found nothing and nothing to wait for: a delayed job still to come answers
+/// the fetch instead (its due time), and a completion that fetches nothing
+/// checks the lists alone.
+#[test]
+fn a_delayed_job_still_to_come_keeps_a_fetching_completion_from_draining() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { delay_ms: 60_000, ..job("later") }).wait().unwrap();
+    jobs.enqueue("ns", "q", job("now")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    let fetch = CompleteOptions {
+        fetch_next: Some(LeaseRequest { max: 1, token: "w".into(), ..Default::default() }),
+        ..Default::default()
+    };
+    let done =
+        jobs.complete("ns", "q", &l.job.id, Fence::Epoch(l.epoch), Outcome::Ok { result: None }, fetch).wait().unwrap();
+    assert!(done.next.is_some_and(|n| n.leases.is_empty() && n.info.next_due.is_some()));
+    assert!(!event_names(&jobs, "q").contains(&"drained".to_string()), "the delayed job answered the fetch");
+
+    jobs.enqueue("ns", "q", job("again")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    ok(&jobs, "q", &l, "1");
+    assert_eq!(event_names(&jobs, "q").last().map(String::as_str), Some("drained"), "no fetch: the lists alone");
+}
+
+/// BullMQ 6 keeps a paused queue's jobs in `wait`, and Redis's clean of
+/// `paused` reads the old paused list, always empty: it removes nothing (and
+/// says so with a `cleaned` event of count 0).
+#[test]
+fn cleaning_paused_removes_nothing_as_on_redis() {
+    let (jobs, clock) = core();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    jobs.admin("ns", "q", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
+    clock.advance(10);
+    let now = clock.now_ms();
+    let cleaned = jobs.admin("ns", "q", move |tx, q| admin::clean(tx, q, "paused", now, 0)).wait().unwrap();
+    assert!(cleaned.is_empty());
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![1]);
+    assert_eq!(event_names(&jobs, "q").last().map(String::as_str), Some("cleaned"));
+}
+
+/// Redis's add scripts `INCR` the id counter on every add, whatever id the
+/// job ends up with (a custom one, a duplicate, a deduplicated add): auto
+/// ids run on from there.
+#[test]
+fn every_add_takes_a_number_of_the_auto_id_counter_as_on_redis() {
+    let (jobs, _) = core();
+    let add = |req: EnqueueRequest| jobs.enqueue("ns", "q", req).wait().unwrap().id;
+    assert_eq!(add(job("auto")), "1");
+    add(EnqueueRequest { job_id: Some("custom".into()), ..job("custom") });
+    add(EnqueueRequest { job_id: Some("custom".into()), ..job("custom") });
+    add(EnqueueRequest { dedup: Some(dedup("d", None)), ..job("first") });
+    add(EnqueueRequest { dedup: Some(dedup("d", None)), ..job("deduplicated") });
+    assert_eq!(add(job("auto")), "6");
+}

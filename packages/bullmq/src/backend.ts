@@ -35,6 +35,7 @@ import {
   clientListText,
   clientsKey,
   dependenciesPage,
+  finishedNext,
   heldNames,
   holdName,
   newJobJson,
@@ -267,7 +268,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     const done: FinishedResult = JSON.parse(
       await this.native.moveToCompleted(Date.now(), job.id!, value, token, fetchNext),
     );
-    return { result: done.result, finishedOn: done.finishedOn };
+    return { result: finishedNext(done.result), finishedOn: done.finishedOn };
   }
 
   async moveToFailed<T = any, R = any, N extends string = string>(
@@ -282,7 +283,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     const done: FinishedResult = JSON.parse(
       await this.native.moveToFailed(Date.now(), job.id!, failedReason ?? '', token, fetchNext, fields),
     );
-    return { result: done.result, finishedOn: done.finishedOn };
+    return { result: finishedNext(done.result), finishedOn: done.finishedOn };
   }
 
   async moveToDelayed(
@@ -344,7 +345,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     return this.native.removeUnprocessedChildren(Date.now(), jobId);
   }
 
-  removeChildDependency(jobId: string, parentKey: string): Promise<boolean> {
+  /** `parentKey` is the job's own, undefined when it has none (BullMQ's -5 then). */
+  removeChildDependency(jobId: string, parentKey: string | undefined): Promise<boolean> {
     return this.native.removeChildDependency(Date.now(), jobId, parentKey);
   }
 

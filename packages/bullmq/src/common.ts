@@ -6,9 +6,20 @@
 import type { EventEmitter } from 'node:events';
 import type { DependenciesOpts, IQueueBackend, JobJson, ParentKeyOpts } from 'bullmq';
 
-/** BullMQ's next-job tuple: `[jobJson | null, id, rateLimitDelayMs, delayUntilMs]`. */
-export type NextJobTuple = [JobJson | null, string, number, number];
+/** BullMQ's next-job tuple: `[jobJson | null, id (0 without a job), rateLimitDelayMs, delayUntilMs]`. */
+export type NextJobTuple = [JobJson | null, string | 0, number, number];
 export type FinishedResult = { result?: NextJobTuple; finishedOn: number };
+
+/**
+ * The `result` of `moveToCompleted` / `moveToFailed` as Redis's adapter
+ * returns it: `[]` when no next job was asked for, or none was there and
+ * nothing holds the worker back (no rate limit, no delayed job due later);
+ * else the next-job tuple. Manual processing destructures it.
+ */
+export function finishedNext(next: NextJobTuple | undefined): NextJobTuple | [] {
+  if (!next || (next[0] === null && next[2] === 0 && next[3] === 0)) return [];
+  return next;
+}
 
 /** A parent's children, by BullMQ category, in the core's order. */
 export interface ChildrenByCategory {

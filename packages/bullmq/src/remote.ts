@@ -45,6 +45,7 @@ import { CallAborted, type JobsClient, type RemoteChannel } from './channel.js';
 import {
   clientListText,
   dependenciesPage,
+  finishedNext,
   newJobJson,
   paginateTarget,
   parseNodeKey,
@@ -628,9 +629,9 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   private finished(
     completed: { finishedOn?: bigint; next?: Parameters<typeof nextJob>[0] } | undefined,
     fetchNext: boolean,
-  ): { result: NextJobTuple | undefined; finishedOn: number } {
+  ): { result: NextJobTuple | []; finishedOn: number } {
     return {
-      result: fetchNext && completed?.next ? nextJob(completed.next) : undefined,
+      result: finishedNext(fetchNext && completed?.next ? nextJob(completed.next) : undefined),
       finishedOn: completed?.finishedOn !== undefined ? Number(completed.finishedOn) : Date.now(),
     };
   }
@@ -753,7 +754,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     );
   }
 
-  removeChildDependency(jobId: string, parentKey: string): Promise<boolean> {
+  /** `parentKey` is the job's own, undefined when it has none (BullMQ's -5 then). */
+  removeChildDependency(jobId: string, parentKey: string | undefined): Promise<boolean> {
     return this.jobAdmin(
       { command: 'removeChildDependency', jobId, parentKey },
       { case: 'removeChildDependency', value: { parentKey } },

@@ -357,8 +357,8 @@ export function nextJob(leased: Leased | undefined): NextJobTuple {
   const lease = leased?.leases[0];
   if (lease?.job) return [jobJson(lease.job), lease.job.id, 0, 0];
   const info = leased?.info;
-  if (info && info.rateLimitMs > 0n) return [null, '', Number(info.rateLimitMs), 0];
-  return [null, '', 0, info?.nextDue !== undefined ? Number(info.nextDue) : 0];
+  if (info && info.rateLimitMs > 0n) return [null, 0, Number(info.rateLimitMs), 0];
+  return [null, 0, 0, info?.nextDue !== undefined ? Number(info.nextDue) : 0];
 }
 
 /** A parent's children by BullMQ category (values as JSON text, as the core keeps them). */

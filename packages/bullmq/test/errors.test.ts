@@ -43,6 +43,35 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it("refuses removeChildDependency of a job with no parent with BullMQ's -5, as Redis does", async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const job = await queue.add('a', {});
+    await expect(job.removeChildDependency()).rejects.toMatchObject({
+      code: -5,
+      message: 'Missing key for parent job undefined. removeChildDependency',
+    });
+    await queue.close();
+  });
+
+  it('answers moveToCompleted and moveToFailed in the shapes Redis does, for manual processing', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const worker = new Worker(queue.name, null, { connection, lockDuration: 60_000 });
+    const take = async () => (await worker.getNextJob('t'))!;
+    await queue.add('a', {});
+    // Nothing asked for: Redis's adapter gives [] (manual loops destructure it).
+    expect(await (await take()).moveToCompleted(1, 't', false)).toEqual([]);
+    await queue.add('b', {});
+    // Asked for, and nothing there: [] as well.
+    expect(await (await take()).moveToFailed(new Error('x'), 't', true)).toEqual([]);
+    await queue.add('c', {});
+    const delayed = await queue.add('d', {}, { delay: 60_000 });
+    // A delayed job pending: no job, id 0, and when it falls due.
+    const next = await (await take()).moveToCompleted(1, 't', true);
+    expect(next).toEqual([null, 0, 0, delayed.timestamp + 60_000]);
+    await worker.close();
+    await queue.close();
+  });
+
   it('refuses job options of the wrong types alike in both backends, adding nothing', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const bad = [

@@ -94,9 +94,9 @@ describe('wire conversions', () => {
       repeatJobKey: 'sched',
       deduplicationId: 'd',
     });
-    expect(nextJob(undefined)).toEqual([null, '', 0, 0]);
-    expect(nextJob({ leases: [], info: { rateLimitMs: 40n, nextDue: 9n } } as any)).toEqual([null, '', 40, 0]);
-    expect(nextJob({ leases: [], info: { rateLimitMs: 0n, nextDue: 9n } } as any)).toEqual([null, '', 0, 9]);
+    expect(nextJob(undefined)).toEqual([null, 0, 0, 0]);
+    expect(nextJob({ leases: [], info: { rateLimitMs: 40n, nextDue: 9n } } as any)).toEqual([null, 0, 40, 0]);
+    expect(nextJob({ leases: [], info: { rateLimitMs: 0n, nextDue: 9n } } as any)).toEqual([null, 0, 0, 9]);
   });
 
   it('shapes events as XREAD entries and reads their cursors', () => {

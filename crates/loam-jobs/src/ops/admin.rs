@@ -280,8 +280,14 @@ pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> 
         "waiting-children" => (keys.waiting_children_all(), true),
         "delayed" => (keys.delayed_all(), false),
         "prioritized" => (keys.waiting_band(true), false),
-        "wait" | "waiting" | "paused" => (keys.waiting_band(false), false),
+        "wait" | "waiting" => (keys.waiting_band(false), false),
         "active" => (keys.active_all(), false),
+        // BullMQ 6 keeps a paused queue's jobs in `wait`; its `paused` list,
+        // which Redis cleans here, is always empty.
+        "paused" => {
+            tx.event(q, "cleaned", &[("count", "0")])?;
+            return Ok(Vec::new());
+        }
         other => return Err(JobsError::invalid(format!("cannot clean unknown state {other:?}"))),
     };
     let mut removed = Vec::new();
@@ -563,8 +569,15 @@ pub fn clear_logs(tx: &mut Tx, q: &QueueId, id: &str, keep: Option<u64>) -> Resu
 }
 
 /// Detaches a child from its parent. False when it was not a pending child.
+/// `job.removeChildDependency()`: detaches the job from the parent BullMQ
+/// names by its node key. As Redis's script: a missing job is an error, then
+/// a missing parent (BullMQ passes the job's `parentKey`, empty when it has
+/// none), and only then a parent that is not this job's is `false`.
 pub fn remove_child_dependency(tx: &mut Tx, q: &QueueId, id: &str, parent_key: &str) -> Result<bool, JobsError> {
     let mut job = tx.require_job(q, id)?;
+    if parent_key.is_empty() {
+        return Err(JobsError::NotFound(crate::error::Missing::ParentJob(String::new())));
+    }
     let Some(parent) = job.parent.clone() else { return Ok(false) };
     if parent.node_key() != parent_key {
         return Ok(false);

@@ -120,7 +120,13 @@ pub fn complete(
     if fetch && let Some(req) = &opts.fetch_next {
         done.next = Some(lease::lease(tx, q, req)?);
     }
-    if finishing {
+    // Redis's moveToFinished emits `drained` only when it fetched nothing and
+    // nothing holds the next fetch back: a delayed job still to come, a rate
+    // limit, a paused or maxed queue each answer the fetch instead.
+    let fetch_answered = done.next.as_ref().is_some_and(|n| {
+        !n.leases.is_empty() || n.info.rate_limit_ms > 0 || n.info.paused || n.info.maxed || n.info.next_due.is_some()
+    });
+    if finishing && !fetch_answered {
         let s = tx.stats(q)?;
         if s.waiting + s.prioritized + s.active == 0 {
             tx.event(q, "drained", &[])?;

@@ -93,6 +93,7 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
         if let Some(parent) = &req.parent {
             adopt(tx, q, existing.clone(), parent, req.on_child_failure)?;
         }
+        tx.stats_mut(q)?.last_id += 1;
         tx.event(q, "duplicated", &[("jobId", id)])?;
         return Ok(Enqueued { id: id.clone(), created: false, state: existing.state, deduplicated_by: None });
     }
@@ -100,13 +101,13 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
     if let Some(parent) = &req.parent {
         require_parent(tx, parent)?;
     }
+    // Every add takes a number, as Redis's `INCR` of the id counter does,
+    // whether or not its job gets it: auto ids then run as they do there.
+    let stats = tx.stats_mut(q)?;
+    stats.last_id += 1;
     let id = match &req.job_id {
         Some(id) => id.clone(),
-        None => {
-            let stats = tx.stats_mut(q)?;
-            stats.last_id += 1;
-            stats.last_id.to_string()
-        }
+        None => stats.last_id.to_string(),
     };
 
     if let Some(existing) = deduplicate(tx, q, &req, &id)? {
