@@ -7,6 +7,12 @@
 //! is answered, or at shutdown once the calls in flight are answered (their
 //! waits end at shutdown, as a single call's do). If the client goes away, the
 //! calls it left in flight are stopped.
+//!
+//! A session keeps at most [`MAX_UNSENT_ANSWERS`] answers the client has not
+//! read yet. While they are that many it neither reads requests nor runs its
+//! calls on (HTTP/2 flow control then holds the client back), so a client that
+//! never reads cannot make the server keep answers without end; and it has at
+//! most [`MAX_CALLS`] calls in flight.
 
 use std::collections::HashMap;
 
@@ -22,7 +28,12 @@ use tokio::sync::mpsc;
 use crate::errors::{DETAIL_TYPE, invalid};
 use crate::service::JobsSvc;
 
-type Answers = mpsc::UnboundedSender<Result<pb::SessionResponse, ConnectError>>;
+type Answers = mpsc::Sender<Result<pb::SessionResponse, ConnectError>>;
+
+/// Most answers a session keeps that its client has not read.
+const MAX_UNSENT_ANSWERS: usize = 64;
+/// Most calls in flight on one session (long-polls included).
+const MAX_CALLS: usize = 4096;
 
 /// Opens a session: checks the caller once, then reads requests until the
 /// client is done.
@@ -32,7 +43,7 @@ pub async fn open(
     requests: InboundStream<pb::SessionRequest>,
 ) -> Result<ServiceStream<pb::SessionResponse>, ConnectError> {
     let ns = svc.session_namespace(&ctx)?;
-    let (answers, out) = mpsc::unbounded_channel();
+    let (answers, out) = mpsc::channel(MAX_UNSENT_ANSWERS);
     tokio::spawn(read(svc, ns, requests, answers));
     Ok(Box::pin(futures::stream::unfold(out, |mut out| async move { out.recv().await.map(|a| (a, out)) })))
 }
@@ -47,11 +58,15 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
     let mut stops: HashMap<u64, AbortHandle> = HashMap::new();
     let mut reading = true;
     while reading || !calls.is_empty() {
+        // Each turn below sends at most one answer: a finished call's, or a
+        // refusal or cancel of the request read. Nothing goes on without a
+        // place for it.
+        let room = answers.capacity() > 0;
         tokio::select! {
             biased;
             // The client is gone: dropping the calls stops them.
             () = answers.closed() => return,
-            Some((id, result)) = calls.next(), if !calls.is_empty() => {
+            Some((id, result)) = calls.next(), if room && !calls.is_empty() => {
                 // A cancelled call was answered when it was cancelled.
                 if let Ok(result) = result
                     && stops.remove(&id).is_some()
@@ -59,10 +74,10 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                     answer(&answers, id, result);
                 }
             }
-            next = requests.next(), if reading => match next {
+            next = requests.next(), if reading && room && calls.len() < MAX_CALLS => match next {
                 None => reading = false,
                 Some(Err(e)) => {
-                    let _ = answers.send(Err(e));
+                    let _ = answers.try_send(Err(e));
                     return;
                 }
                 Some(Ok(message)) => {
@@ -76,6 +91,9 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                                 answer(&answers, id, Err(ConnectError::canceled("the call was canceled")));
                             }
                         }
+                        Some(_) if stops.contains_key(&id) => {
+                            answer(&answers, id, Err(invalid(format!("call id {id} is already in flight on this session"))));
+                        }
                         Some(call) => {
                             // A bad clock fails this call only, counted like any failed call.
                             let caller = svc.session_caller(&ns, request.now_ms);
@@ -86,6 +104,8 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                     }
                 }
             },
+            // The client reads no answers: wait until it has read one.
+            Ok(place) = answers.reserve(), if !room => drop(place),
             // At shutdown, no new calls; the waits of those in flight end.
             () = svc.shutdown().fired(), if reading => reading = false,
         }
@@ -97,7 +117,8 @@ fn answer(answers: &Answers, id: u64, result: Result<oneof::session_response::Re
         Ok(r) => r,
         Err(e) => oneof::session_response::Result::from(error(&e)),
     };
-    let _ = answers.send(Ok(pb::SessionResponse { id, result: Some(result), ..Default::default() }));
+    // Never full: `read` sends only with a place for the answer.
+    let _ = answers.try_send(Ok(pb::SessionResponse { id, result: Some(result), ..Default::default() }));
 }
 
 /// A failed call's error as a message: the code, the message and the detail a

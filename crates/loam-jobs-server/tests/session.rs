@@ -197,3 +197,120 @@ async fn a_cancelled_lease_leaves_no_job_without_a_holder() {
     eprintln!("{cancelled} leases cancelled, {raced} of them after they had leased");
     assert!(cancelled > 0);
 }
+
+async fn lease_one(c: &Client, q: &str) -> (String, u64) {
+    let r = c.lease(lease_req(q, 1, 0, 600_000)).await.unwrap().into_owned();
+    let l = r.leased.into_option().unwrap().leases.remove(0);
+    (l.job.into_option().unwrap().id, l.epoch)
+}
+
+fn complete_fetch_next(q: &str, id: &str, epoch_: u64) -> pb::CompleteRequest {
+    let mut req = complete_req(q, id, epoch(epoch_), success(b"1"));
+    req.options = pb::CompleteOptions {
+        fetch_next: pb::LeaseOptions { max: 1, lock_duration_ms: 600_000, ..Default::default() }.into(),
+        ..Default::default()
+    }
+    .into();
+    req
+}
+
+/// The next job a Complete fetched is a lease too: when that call is
+/// cancelled after the server took it, the job it completed stays done, and
+/// the one it leased goes back at once instead of staying active with nobody
+/// holding it (as a cancelled Lease's does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_completion_gives_back_the_job_it_fetched() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let client = http2_client(&server);
+    let plain = server.client();
+    let mut session = client.session().await.unwrap();
+    let mut cancelled = 0;
+    for i in 0..20u64 {
+        let q = format!("f{i}");
+        for _ in 0..2 {
+            plain.enqueue(enqueue_req(&q, job("x", b"{}"))).await.unwrap();
+        }
+        let (id, ep) = lease_one(&plain, &q).await;
+        session.send(request(i * 10 + 1, complete_fetch_next(&q, &id, ep))).await.unwrap();
+        session.send(request(i * 10 + 1, pb::SessionCancel::default())).await.unwrap();
+        let answer = session.message().await.unwrap().unwrap().to_owned_message();
+        if !matches!(answer.result, Some(Answer::Error(ref e)) if e.code == "canceled") {
+            continue; // answered before the cancel came
+        }
+        cancelled += 1;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let c = counts(&plain, &q, &["completed", "active", "wait"]).await;
+            if c[0] == 0 || c == [1, 0, 1] {
+                break; // not taken at all, or completed with its next job given back
+            }
+            assert!(Instant::now() < deadline, "round {i}: completed/active/wait {c:?}: a fetched job has no holder");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert!(cancelled > 0, "no completion was cancelled in flight");
+}
+
+/// A client that sends calls and reads none of their answers cannot make the
+/// server keep the answers without end: past a few dozen unread, the session
+/// stops taking calls until the client reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_keeps_few_unread_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let pid = server.child.as_ref().unwrap().id();
+    let rss_mib = || {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() / 1024
+    };
+    let plain = server.client();
+    let added = plain.enqueue(enqueue_req("big", job("x", &vec![b'a'; 4 << 20]))).await.unwrap().into_owned();
+    let id = added.enqueued.into_option().unwrap().id;
+    let before = rss_mib();
+    let client = http2_client(&server);
+    let mut session = client.session().await.unwrap();
+    let query =
+        pb::__buffa::oneof::query_request::Query::from(pb::query_request::Jobs { ids: vec![id], ..Default::default() });
+    // 300 answers of 4 MiB: 1.2 GiB if the server kept them all.
+    let sending = tokio::spawn(async move {
+        for i in 0..300u64 {
+            if session.send(request(i, query_req("big", query.clone()))).await.is_err() {
+                break;
+            }
+        }
+        session
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = rss_mib();
+    assert!(after < before + 512, "server RSS grew from {before} to {after} MiB for one session's unread answers");
+    sending.abort();
+    drop(client);
+    plain.enqueue(enqueue_req("after", job("x", b"{}"))).await.expect("the server is still up");
+}
+
+/// Ids must be unique among a session's calls in flight: a second call under
+/// an id in flight is refused, and the first still gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_reusing_an_id_in_flight_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let client = http2_client(&server);
+    let plain = server.client();
+    let mut session = client.session().await.unwrap();
+    session.send(request(7, lease_req("dup", 1, 10_000, 600_000))).await.unwrap();
+    session.send(request(7, enqueue_req("other", job("x", b"{}")))).await.unwrap();
+    let refused = session.message().await.unwrap().unwrap().to_owned_message();
+    assert!(
+        matches!(refused.result, Some(Answer::Error(ref e)) if e.code == "invalid_argument"),
+        "{:?}",
+        refused.result
+    );
+    assert_eq!(counts(&plain, "other", &["wait"]).await, [0], "the refused call did nothing");
+    plain.enqueue(enqueue_req("dup", job("x", b"{}"))).await.unwrap();
+    let leased = tokio::time::timeout(Duration::from_secs(5), session.message()).await.expect("the lease answers");
+    let leased = leased.unwrap().unwrap().to_owned_message();
+    assert_eq!(leased.id, 7);
+    assert!(matches!(leased.result, Some(Answer::Lease(_))), "{:?}", leased.result);
+}

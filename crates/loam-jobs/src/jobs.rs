@@ -398,24 +398,25 @@ impl Jobs {
     /// committed), the jobs go back to the front of the queue at once instead
     /// of waiting out their leases and counting as stalled.
     pub fn lease(&self, ns: &str, queue: &str, req: LeaseRequest) -> Pending<Leased> {
+        let give_back = self.give_back(ns, queue);
+        self.queue_write(ns, queue, false, move |tx, q| lease::lease(tx, q, &req))
+            .if_abandoned(move |leased| give_back(leased.leases))
+    }
+
+    /// Releases leases nobody received, at once, instead of leaving them to
+    /// run out and count as stalled.
+    fn give_back(&self, ns: &str, queue: &str) -> impl FnOnce(Vec<Lease>) + Send + 'static {
         let jobs = self.clone();
-        let (ns_owned, queue_owned) = (ns.to_string(), queue.to_string());
-        self.queue_write(ns, queue, false, move |tx, q| lease::lease(tx, q, &req)).if_abandoned(move |leased| {
-            for l in leased.leases {
+        let (ns, queue) = (ns.to_string(), queue.to_string());
+        move |leases| {
+            for l in leases {
                 let back = Outcome::Release { after_ms: None };
                 // Fenced by the lease's epoch: a job the sweep already took
                 // back is left alone.
-                jobs.complete(
-                    &ns_owned,
-                    &queue_owned,
-                    &l.job.id,
-                    Fence::Epoch(l.epoch),
-                    back,
-                    CompleteOptions::default(),
-                )
-                .then(|_| {});
+                jobs.complete(&ns, &queue, &l.job.id, Fence::Epoch(l.epoch), back, CompleteOptions::default())
+                    .then(|_| {});
             }
-        })
+        }
     }
 
     /// This handle without a caller's time: waits run on the core's clock,
@@ -580,7 +581,11 @@ impl Jobs {
         opts: CompleteOptions,
     ) -> Pending<Completed> {
         let id = id.to_string();
+        // The next job a completion fetched is a lease too: if its caller
+        // is gone, it goes back as `lease` gives back its jobs.
+        let give_back = self.give_back(ns, queue);
         self.queue_write(ns, queue, true, move |tx, q| complete::complete(tx, q, &id, &fence, outcome.clone(), &opts))
+            .if_abandoned(move |done| give_back(done.next.map(|n| n.leases).unwrap_or_default()))
     }
 
     // ---- reporting -------------------------------------------------------
