@@ -1112,6 +1112,28 @@ mod tests {
     /// nothing (a lease that found no job) is answered without waiting for
     /// the commit of a write before it; one that wrote, or that asked for
     /// fsync, waits.
+    /// The executor marks a batch acknowledged (relaxed durability) before the
+    /// committer marks the older group it logs: the mark stays at the newest.
+    #[test]
+    fn the_acknowledged_mark_never_moves_back() {
+        let db = Database::builder().create_with_backend(InMemoryBackend::new()).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(TABLE).unwrap();
+        txn.commit().unwrap();
+        let state = Committed {
+            batch: 0,
+            acked: 0,
+            wanted: 0,
+            unreadable: None,
+            snapshot: Arc::new(RedbSnapshot::new(&db).unwrap()),
+            snapshot_batch: 0,
+        };
+        let progress = Progress { state: Mutex::new(state), changed: Condvar::new() };
+        progress.mark_acknowledged(5);
+        progress.mark_acknowledged(3);
+        assert_eq!(progress.state.lock().acked, 5);
+    }
+
     #[test]
     fn an_operation_that_wrote_nothing_and_needs_no_fsync_is_answered_before_the_commit() {
         let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
