@@ -568,11 +568,11 @@ pub fn clear_logs(tx: &mut Tx, q: &QueueId, id: &str, keep: Option<u64>) -> Resu
     tx.save_job(q, &job)
 }
 
-/// Detaches a child from its parent. False when it was not a pending child.
 /// `job.removeChildDependency()`: detaches the job from the parent BullMQ
-/// names by its node key. As Redis's script: a missing job is an error, then
-/// a missing parent (BullMQ passes the job's `parentKey`, empty when it has
-/// none), and only then a parent that is not this job's is `false`.
+/// names by its node key; false when it was not that parent's pending child.
+/// As Redis's script: a missing job is an error, then a missing parent (BullMQ
+/// passes the job's `parentKey`, empty when it has none), and only then a
+/// parent that is not this job's is `false`.
 pub fn remove_child_dependency(tx: &mut Tx, q: &QueueId, id: &str, parent_key: &str) -> Result<bool, JobsError> {
     let mut job = tx.require_job(q, id)?;
     if parent_key.is_empty() {

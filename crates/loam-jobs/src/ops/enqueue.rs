@@ -241,30 +241,35 @@ fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_k
     Ok(())
 }
 
-/// The parent an add names, which must exist (BullMQ's ParentJobNotExist).
-/// Refuses an add whose parent does not exist, before anything is written;
-/// `link_parent` loads the parent itself (a flow links ten children to one
-/// parent, and decoding it twice a child was a tenth of the flow's cost).
+/// Refuses an add whose parent does not exist (BullMQ's ParentJobNotExist),
+/// before anything is written, without decoding the parent: `link_parent`
+/// loads it (a flow links ten children to one parent, and decoding it twice a
+/// child was a tenth of the flow's cost).
 fn require_parent(tx: &mut Tx, parent: &ParentRef) -> Result<(), JobsError> {
-    let pq = QueueId::new(tx_ns_of(tx, parent), parent.queue.clone());
-    match tx.get_for_update(&QueueKeys::new(&pq).job(&parent.id))? {
-        Some(_) => Ok(()),
-        None => Err(JobsError::NotFound(Missing::ParentJob(parent.node_key()))),
-    }
+    let key = QueueKeys::new(&parent_queue(tx, parent)).job(&parent.id);
+    tx.get_for_update(&key)?.map(|_| ()).ok_or_else(|| missing_parent(parent))
 }
 
+/// The parent an add names, which must exist (BullMQ's ParentJobNotExist).
 fn load_parent(tx: &mut Tx, parent: &ParentRef) -> Result<(QueueId, JobRecord), JobsError> {
-    let pq = QueueId::new(tx_ns_of(tx, parent), parent.queue.clone());
-    let pjob =
-        tx.load_job(&pq, &parent.id)?.ok_or_else(|| JobsError::NotFound(Missing::ParentJob(parent.node_key())))?;
+    let pq = parent_queue(tx, parent);
+    let pjob = tx.load_job(&pq, &parent.id)?.ok_or_else(|| missing_parent(parent))?;
     Ok((pq, pjob))
+}
+
+fn parent_queue(tx: &Tx, parent: &ParentRef) -> QueueId {
+    QueueId::new(tx_ns_of(tx, parent), parent.queue.clone())
+}
+
+fn missing_parent(parent: &ParentRef) -> JobsError {
+    JobsError::NotFound(Missing::ParentJob(parent.node_key()))
 }
 
 /// Refuses to make `job` a child of `parent` when `parent` is `job` itself or
 /// one of its descendants: the tree would become a cycle, which every walk
 /// over it (removal, lock checks) would follow forever.
 fn refuse_cycle(tx: &mut Tx, q: &QueueId, job: &JobRecord, parent: &ParentRef) -> Result<(), JobsError> {
-    let mut above = Some((QueueId::new(tx_ns_of(tx, parent), parent.queue.clone()), parent.id.clone()));
+    let mut above = Some((parent_queue(tx, parent), parent.id.clone()));
     let mut seen = std::collections::HashSet::new();
     while let Some((aq, id)) = above {
         if aq == *q && id == job.id {
@@ -277,10 +282,7 @@ fn refuse_cycle(tx: &mut Tx, q: &QueueId, job: &JobRecord, parent: &ParentRef) -
         if !seen.insert((aq.clone(), id.clone())) {
             break; // a cycle left by an older version; not ours to follow
         }
-        above = tx
-            .load_job(&aq, &id)?
-            .and_then(|j| j.parent)
-            .map(|p| (QueueId::new(tx_ns_of(tx, &p), p.queue.clone()), p.id.clone()));
+        above = tx.load_job(&aq, &id)?.and_then(|j| j.parent).map(|p| (parent_queue(tx, &p), p.id.clone()));
     }
     Ok(())
 }

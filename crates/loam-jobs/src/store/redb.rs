@@ -136,17 +136,7 @@ impl RedbStore {
         txn.open_table(TABLE).map_err(io)?;
         txn.commit().map_err(io)?;
         let db = Arc::new(db);
-        let progress = Arc::new(Progress {
-            state: Mutex::new(Committed {
-                batch: 0,
-                acked: 0,
-                wanted: 0,
-                unreadable: None,
-                snapshot: Arc::new(RedbSnapshot::new(&db)?),
-                snapshot_batch: 0,
-            }),
-            changed: Condvar::new(),
-        });
+        let progress = Arc::new(Progress::new(RedbSnapshot::new(&db)?));
         let (sender, receiver) = mpsc::channel();
         let (to_committer, from_executor) = mpsc::channel();
         let file_writer = FileWriter { db: Arc::clone(&db), progress: Arc::clone(&progress) };
@@ -369,6 +359,19 @@ struct Progress {
 }
 
 impl Progress {
+    /// Nothing committed or acknowledged yet; reads start from `snapshot`.
+    fn new(snapshot: RedbSnapshot) -> Self {
+        let state = Committed {
+            batch: 0,
+            acked: 0,
+            wanted: 0,
+            unreadable: None,
+            snapshot: Arc::new(snapshot),
+            snapshot_batch: 0,
+        };
+        Self { state: Mutex::new(state), changed: Condvar::new() }
+    }
+
     /// The batches up to `number` were acknowledged. Never moves back: under
     /// relaxed durability the executor acknowledges a batch before the
     /// committer has logged the ones before it, and a reader must wait for
@@ -1108,10 +1111,6 @@ mod tests {
         }
     }
 
-    /// Under immediate durability an operation that needs no fsync and wrote
-    /// nothing (a lease that found no job) is answered without waiting for
-    /// the commit of a write before it; one that wrote, or that asked for
-    /// fsync, waits.
     /// The executor marks a batch acknowledged (relaxed durability) before the
     /// committer marks the older group it logs: the mark stays at the newest.
     #[test]
@@ -1120,20 +1119,16 @@ mod tests {
         let txn = db.begin_write().unwrap();
         txn.open_table(TABLE).unwrap();
         txn.commit().unwrap();
-        let state = Committed {
-            batch: 0,
-            acked: 0,
-            wanted: 0,
-            unreadable: None,
-            snapshot: Arc::new(RedbSnapshot::new(&db).unwrap()),
-            snapshot_batch: 0,
-        };
-        let progress = Progress { state: Mutex::new(state), changed: Condvar::new() };
+        let progress = Progress::new(RedbSnapshot::new(&db).unwrap());
         progress.mark_acknowledged(5);
         progress.mark_acknowledged(3);
         assert_eq!(progress.state.lock().acked, 5);
     }
 
+    /// Under immediate durability an operation that needs no fsync and wrote
+    /// nothing (a lease that found no job) is answered without waiting for
+    /// the commit of a write before it; one that wrote, or that asked for
+    /// fsync, waits.
     #[test]
     fn an_operation_that_wrote_nothing_and_needs_no_fsync_is_answered_before_the_commit() {
         let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
