@@ -84,6 +84,18 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1000)]
     pub max_concurrent_streams: u32,
 
+    /// A connection silent this long is probed: HTTP/2 connections get a
+    /// PING, HTTP/1.1 ones TCP keepalive probes. A client that went away
+    /// without closing (a machine lost, a network cut) has its connection
+    /// closed and its calls cancelled, so a long-poll of it takes no job.
+    /// 0 turns probing off.
+    #[arg(long, default_value_t = 30)]
+    pub keepalive_secs: u64,
+
+    /// How long a probed connection may stay silent before it is closed.
+    #[arg(long, default_value_t = 20)]
+    pub keepalive_timeout_secs: u64,
+
     /// When writes are acknowledged.
     #[arg(long, value_enum, default_value_t = DurabilityArg::Immediate)]
     pub durability: DurabilityArg,

@@ -148,7 +148,11 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
         }
     };
     let grace = Duration::from_secs(args.shutdown_grace_secs);
-    if !listen::serve(listener, app, args.max_concurrent_streams, stopping, grace).await {
+    let probing = (args.keepalive_secs > 0).then(|| listen::Probing {
+        idle: Duration::from_secs(args.keepalive_secs),
+        timeout: Duration::from_secs(args.keepalive_timeout_secs.max(1)),
+    });
+    if !listen::serve(listener, app, args.max_concurrent_streams, probing, stopping, grace).await {
         tracing::warn!(
             grace_secs = args.shutdown_grace_secs,
             "calls still in flight after the grace period; closing anyway"
