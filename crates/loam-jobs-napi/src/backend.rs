@@ -1369,6 +1369,8 @@ impl LoamQueue {
             template_data,
             template_opts,
             job: template,
+            // BullMQ's rule: a replaced `every` scheduler keeps its phase.
+            start_resets: false,
         };
         let op = Op::new("addJobScheduler").job(&scheduler_id);
         let upsert = move |tx: &mut Tx, q: &QueueId| schedule::upsert(tx, q, spec.clone());

@@ -78,7 +78,9 @@ impl Auth {
         }
         if let Some(env) = env {
             for pair in env.split(|c: char| c == ',' || c.is_whitespace()).filter(|p| !p.is_empty()) {
-                match pair.split_once('=') {
+                // At the last `=`: a token may end in base64's `=` padding,
+                // a namespace name rarely holds one.
+                match pair.rsplit_once('=') {
                     Some((t, ns)) => add(t, ns, "LOAM_JOBS_TOKENS")?,
                     None => return Err(ServerError::Config("LOAM_JOBS_TOKENS: expected TOKEN=NAMESPACE pairs".into())),
                 }
@@ -161,5 +163,12 @@ mod tests {
         let bad = headers(&[("authorization", "Bearer cccccccccccccccc")]);
         assert_eq!(auth.namespace(&bad).unwrap_err().code, connectrpc::ErrorCode::Unauthenticated);
         assert!(Auth::load(None, Some("short=alpha")).is_err());
+    }
+
+    #[test]
+    fn an_environment_token_may_end_in_base64_padding() {
+        let auth = Auth::load(None, Some("c2VjcmV0c2VjcmV0c2VjcmV0MTI==prod")).unwrap();
+        let padded = headers(&[("authorization", "Bearer c2VjcmV0c2VjcmV0c2VjcmV0MTI=")]);
+        assert_eq!(auth.namespace(&padded).unwrap(), "prod");
     }
 }

@@ -64,7 +64,8 @@ pub struct ServeArgs {
     /// comment; tokens are at least 16 characters). With tokens, every call
     /// needs `Authorization: Bearer TOKEN` and acts in the token's namespace
     /// only. More tokens can come from the LOAM_JOBS_TOKENS environment
-    /// variable as `TOKEN=NAMESPACE` pairs separated by commas. Without any,
+    /// variable as `TOKEN=NAMESPACE` pairs separated by commas (split at the
+    /// last `=`, so a token may end in base64 padding). Without any,
     /// calls name their namespace in the `loam-namespace` header (default
     /// `default`).
     #[arg(long, env = "LOAM_JOBS_TOKENS_FILE")]

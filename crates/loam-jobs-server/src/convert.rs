@@ -414,6 +414,8 @@ pub fn scheduler_spec(s: pb::SchedulerSpec) -> Res<SchedulerSpec> {
         template_data: s.template_data,
         template_opts: s.template_opts,
         job: s.job.into_option().map(job_spec).transpose()?.unwrap_or_default(),
+        // A BullMQ scheduler, over the wire: BullMQ's rule.
+        start_resets: false,
     })
 }
 

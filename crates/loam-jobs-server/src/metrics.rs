@@ -149,7 +149,7 @@ impl Metrics {
             r.register("loam_jobs_leased", "Jobs handed to workers", m.leased.clone());
             r.register(
                 "loam_jobs_completed",
-                "Completions by outcome (ok, retry, fail, release, delay, wait_children, rate_limited)",
+                "Completions by what they did to the job (ok, retry, fail, release, delay, wait_children, rate_limited); a retry with no attempts left failed its job and counts as fail",
                 m.completed.clone(),
             );
             r.register("loam_jobs_fenced", "Writes refused because the lease had moved", m.fenced.clone());

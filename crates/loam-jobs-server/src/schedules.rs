@@ -50,6 +50,10 @@ fn parse_tz(tz: Option<&str>) -> Result<Tz, JobsError> {
 fn cron_next(pattern: &str, tz: Option<&str>, at: u64, inclusive: bool) -> Result<u64, JobsError> {
     let cron = parse_cron(pattern)?;
     let tz = parse_tz(tz)?;
+    // croner searches whole seconds, dropping `at`'s milliseconds: an
+    // inclusive search from 12:00:00.800 found 12:00:00, a tick before `at`
+    // (before the start date, or one already run, enqueued again).
+    let at = if inclusive { at.div_ceil(1000).saturating_mul(1000) } else { at };
     let ms = i64::try_from(at).map_err(|_| JobsError::invalid("time out of range"))?;
     let start = tz.timestamp_millis_opt(ms).single().ok_or_else(|| JobsError::invalid("time out of range"))?;
     let next = cron
@@ -86,6 +90,13 @@ pub fn prepare(s: pb::ServerSchedule, now: u64) -> Result<(SchedulerSpec, BTreeM
         Some(j) => convert::job_spec(j).map_err(|e| JobsError::invalid(e.message.unwrap_or_default()))?,
         None => EnqueueRequest { attempts: 1, ..Default::default() },
     };
+    // Each tick's job is keyed by its tick already; one key for every tick
+    // would refuse every tick after the first.
+    if job.idempotency.is_some() {
+        return Err(JobsError::invalid(
+            "a schedule's job cannot have an idempotency key: each tick's job is keyed by its tick",
+        ));
+    }
     let data = String::from_utf8(std::mem::take(&mut job.data))
         .map_err(|_| JobsError::invalid("a schedule's job data must be UTF-8 text"))?;
     let opts = std::mem::take(&mut job.opts);
@@ -117,6 +128,7 @@ pub fn prepare(s: pb::ServerSchedule, now: u64) -> Result<(SchedulerSpec, BTreeM
         template_data: data,
         template_opts: opts,
         job,
+        start_resets: true,
     };
     let extra = BTreeMap::from([(SERVER_OWNED.to_string(), "server".to_string()), (TEMPLATE.to_string(), template)]);
     Ok((spec, extra))

@@ -301,6 +301,8 @@ impl JobsSvc {
             self.count_fenced(&c.ns, &req.queue, &e);
             core_err(e)
         })?;
+        // A retry with no attempts left failed its job: counted as one.
+        let name = if done.state == Some(JobState::Failed) { "fail" } else { name };
         self.metrics.completed(&c.ns, &req.queue, name);
         if let Some(attempt) = &done.attempt {
             self.metrics.ran(&c.ns, &req.queue, attempt);
@@ -356,6 +358,9 @@ impl JobsSvc {
                     .await
                     .map_err(core_err)?;
                 self.schedules.remove(&c.ns, &queue, &id);
+                if done.is_some() {
+                    self.metrics.enqueued(&c.ns, &queue, 1);
+                }
                 done.map_or((None, 0), |(j, d)| (Some(j), d))
             }
             Some(Schedule::Advance(mut a)) => {
@@ -371,12 +376,19 @@ impl JobsSvc {
                     })
                     .await
                     .map_err(core_err)?;
+                if next.is_some() {
+                    self.metrics.enqueued(&c.ns, &queue, 1);
+                }
                 (next, 0)
             }
             Some(Schedule::Server(s)) => {
-                let (spec, extra) = schedules::prepare(*s, c.jobs.now_ms()).map_err(core_err)?;
+                // On the server's clock, not the caller's `loam-now-ms`: the
+                // server ticks it from then on, and a schedule started in
+                // 1970 would enqueue every tick since (with
+                // --follow-client-clock the server's clock is the callers').
+                let (spec, extra) = schedules::prepare(*s, self.jobs.now_ms()).map_err(core_err)?;
                 let id = spec.id.clone();
-                let done = c
+                let done = self
                     .jobs
                     .admin(&c.ns, &queue, move |tx, q| {
                         let done = schedule::upsert(tx, q, spec.clone())?;

@@ -37,6 +37,11 @@ pub struct SchedulerSpec {
     pub template_opts: String,
     /// Options of each iteration job (priority, attempts, retention, ...).
     pub job: EnqueueRequest,
+    /// An `every` scheduler given a start date still ahead starts over at
+    /// it, as a new one would. BullMQ keeps a replaced `every` scheduler's
+    /// phase and ignores a new start date; a server schedule (design 26
+    /// section 8.1) honours it.
+    pub start_resets: bool,
 }
 
 pub fn iteration_id(scheduler: &str, millis: u64) -> String {
@@ -135,6 +140,9 @@ fn add_iteration(
         delay_ms: delay,
         timestamp: Some(tx.now),
         scheduler_id: Some(rec.id.clone()),
+        // Each iteration is keyed by its tick: a template's own key would
+        // refuse every iteration after the first.
+        idempotency: None,
         dedup: None,
         parent: None,
         ..template.clone()
@@ -161,7 +169,7 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
     let old: Option<SchedulerRecord> = tx.get_record(&keys.scheduler(&spec.id))?;
     let mut prev = old.as_ref().map(|r| r.next_millis);
     if let (Some(o), Some(every)) = (&old, spec.every_ms)
-        && o.every_ms != Some(every)
+        && (o.every_ms != Some(every) || spec.start_resets && spec.start_date.is_some_and(|s| s > tx.now))
     {
         prev = None;
     }
@@ -272,30 +280,45 @@ pub fn advance(
         (None, Some(n)) => n,
         (None, None) => return Err(JobsError::invalid("a cron scheduler needs its next run time")),
     };
-    move_to_tick(tx, q, rec, next, template)
+    move_to_tick(tx, q, rec, next, template, WhenTaken::Stay)
+}
+
+/// What moving a scheduler to a tick whose id a job holds already does
+/// (besides a `duplicated` event).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum WhenTaken {
+    /// BullMQ's rule: the scheduler stays where it is.
+    Stay,
+    /// A server schedule's: that job is the tick's, and the scheduler moves
+    /// past it (staying, its ticker would find the same tick due for ever).
+    MovePast,
 }
 
 /// Moves a scheduler on to tick `next` and enqueues that tick's iteration,
-/// unless a job holds its id already (then a `duplicated` event) or the
-/// scheduler is past its limit or end date.
+/// unless a job holds its id already (see [`WhenTaken`]) or the scheduler is
+/// past its limit or end date.
 fn move_to_tick(
     tx: &mut Tx,
     q: &QueueId,
     mut rec: SchedulerRecord,
     next: u64,
     template: &EnqueueRequest,
+    when_taken: WhenTaken,
 ) -> Result<Option<String>, JobsError> {
     let prev = rec.next_millis;
     let next_id = iteration_id(&rec.id, next);
-    if tx.load_job(q, &next_id)?.is_some() {
+    let taken = tx.load_job(q, &next_id)?.is_some();
+    if taken {
         tx.event(q, "duplicated", &[("jobId", &next_id)])?;
-        return Ok(None);
+        if when_taken == WhenTaken::Stay {
+            return Ok(None);
+        }
     }
     rec.next_millis = next;
     rec.iteration_count += 1;
     rec.next_job_id = Some(next_id.clone());
     save(tx, q, Some(prev), &rec)?;
-    if finished_scheduling(&rec) {
+    if taken || finished_scheduling(&rec) {
         return Ok(None);
     }
     add_iteration(tx, q, &rec, template)?;
@@ -347,7 +370,9 @@ pub fn count(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError> {
 /// Like [`advance`], with the next tick chosen by the caller for `every`
 /// schedulers too: a server that owns a schedule moves it tick by tick, so
 /// ticks missed while it was down are each enqueued once instead of skipped.
-/// Returns the next iteration's job id, or None as [`advance`] does.
+/// A tick whose id a job holds already is that job's: the scheduler moves
+/// past it without enqueuing. Returns the next iteration's job id, or None as
+/// [`advance`] does.
 pub fn advance_to(
     tx: &mut Tx,
     q: &QueueId,
@@ -361,7 +386,7 @@ pub fn advance_to(
     if producer_id != pending_iteration_id(&rec) || next <= rec.next_millis {
         return Ok(None);
     }
-    move_to_tick(tx, q, rec, next, template)
+    move_to_tick(tx, q, rec, next, template, WhenTaken::MovePast)
 }
 
 /// Stores `extra` with scheduler `id` (the server's own bookkeeping).

@@ -713,7 +713,9 @@ class Operations(ABC):
         """Creates or replaces a schedule the server ticks itself: a `cron`
         expression (5 or 6 fields) in time zone `tz` (IANA, default UTC), or
         `every_ms`. Each tick enqueues one job `name` with `data` and
-        `job_options` (those of `loam_jobs.job()`, less `job_id`)."""
+        `job_options` (those of `loam_jobs.job()`, less `job_id` and
+        `idempotency_key`: each tick's job is keyed by its tick). The first
+        tick is reckoned from the server's clock."""
         if (cron is None) == (every_ms is None):
             raise InvalidArgumentError("give exactly one of cron and every_ms")
         spec = ServerSchedule(

@@ -1,0 +1,83 @@
+//! `/metrics` counts what happened, whichever call made it happen.
+
+// A failed unwrap is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use support::*;
+
+fn scrape(server: &Server) -> String {
+    let (status, body) = server.http("GET", "/metrics", "", b"").unwrap();
+    assert_eq!(status, 200);
+    String::from_utf8(body).unwrap()
+}
+
+fn retry() -> pb::Outcome {
+    pb::Outcome::from_kind(pb::outcome::Retry {
+        error: pb::JobError { message: "boom".into(), ..Default::default() }.into(),
+        ..Default::default()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_with_no_attempts_left_counts_as_a_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let mut twice = job("t", b"{}");
+    twice.attempts = 2;
+    c.enqueue(enqueue_req("m", twice)).await.unwrap();
+    // The first retry sends the job back; the second, its last attempt, fails it.
+    for _ in 0..2 {
+        let leased = c.lease(lease_req("m", 1, 2_000, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
+        let l = &leased.leases[0];
+        c.complete(complete_req("m", &l.job.as_option().unwrap().id, epoch(l.epoch), retry())).await.unwrap();
+    }
+    let text = scrape(&server);
+    assert!(text.contains("loam_jobs_completed_total{ns=\"default\",queue=\"m\",outcome=\"retry\"} 1"), "{text}");
+    assert!(text.contains("loam_jobs_completed_total{ns=\"default\",queue=\"m\",outcome=\"fail\"} 1"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_of_bullmq_schedulers_are_counted_as_enqueued() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let spec = pb::SchedulerSpec {
+        id: "s".into(),
+        name: "n".into(),
+        every_ms: Some(60_000),
+        template_data: "{}".into(),
+        template_opts: "{}".into(),
+        ..Default::default()
+    };
+    let upserted = c
+        .schedule(pb::ScheduleRequest {
+            queue: "b".into(),
+            schedule: Some(oneof::schedule_request::Schedule::from(spec)),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_owned();
+    // A worker that started the iteration enqueues the next one.
+    let advance = pb::SchedulerAdvance {
+        id: "s".into(),
+        producer_id: upserted.job_id.unwrap(),
+        job: job("n", b"{}").into(),
+        ..Default::default()
+    };
+    let advanced = c
+        .schedule(pb::ScheduleRequest {
+            queue: "b".into(),
+            schedule: Some(oneof::schedule_request::Schedule::from(advance)),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_owned();
+    assert!(advanced.job_id.is_some());
+    let text = scrape(&server);
+    assert!(text.contains("loam_jobs_enqueued_total{ns=\"default\",queue=\"b\"} 2"), "{text}");
+}

@@ -1,0 +1,151 @@
+//! Server-owned schedules (design 26 section 8.1): one job per tick, on the
+//! server's clock.
+
+// A failed unwrap is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+/// 2026-12-01T12:00:30Z.
+const T: u64 = 1_796_126_430_000;
+
+fn server_schedule(queue: &str, s: pb::ServerSchedule) -> pb::ScheduleRequest {
+    pb::ScheduleRequest {
+        queue: queue.into(),
+        schedule: Some(oneof::schedule_request::Schedule::from(s)),
+        ..Default::default()
+    }
+}
+
+/// A client whose calls say it is `at` (the server follows it with
+/// --follow-client-clock).
+fn client_at(server: &Server, at: u64) -> Client {
+    server.client_with(&[("loam-now-ms", &at.to_string())])
+}
+
+/// The ticks of the jobs of schedule `id` in `queue`, in any state, sorted;
+/// a tick enqueued under a variant id (`repeat:id:tick:n`) shows twice.
+async fn ticks(c: &Client, queue: &str, id: &str) -> Vec<String> {
+    let q = oneof::query_request::Query::from(pb::query_request::Ranges {
+        types: ["wait", "delayed", "active", "completed", "failed"].map(String::from).to_vec(),
+        start: 0,
+        end: -1,
+        asc: true,
+        ..Default::default()
+    });
+    let Some(oneof::query_response::Result::Ranges(r)) =
+        c.query(query_req(queue, q)).await.unwrap().into_owned().result
+    else {
+        panic!("ranges")
+    };
+    let prefix = format!("repeat:{id}:");
+    let mut t: Vec<String> =
+        r.ranges.into_iter().flat_map(|l| l.ids).filter_map(|i| i.strip_prefix(&prefix).map(String::from)).collect();
+    t.sort();
+    t
+}
+
+/// Lets the ticker (a pass every 200 ms) see the clock a call moved.
+async fn let_it_tick() {
+    tokio::time::sleep(Duration::from_millis(700)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedules_job_cannot_carry_an_idempotency_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let mut spec = job("tick", b"{}");
+    spec.idempotency = pb::Idempotency { key: "k1".into(), ..Default::default() }.into();
+    let s = pb::ServerSchedule { id: "x".into(), every_ms: Some(300), job: spec.into(), ..Default::default() };
+    let r = server.client().schedule(server_schedule("idem", s)).await;
+    let e = assert_code(r, connectrpc::ErrorCode::InvalidArgument, Some("invalid_argument"));
+    assert!(e.message.as_deref().unwrap_or("").contains("idempotency"), "{e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cron_schedule_never_starts_at_a_tick_before_its_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--follow-client-clock"], &[]);
+    let minutely = pb::ServerSchedule { id: "m".into(), cron: Some("* * * * *".into()), ..Default::default() };
+    client_at(&server, T).schedule(server_schedule("q", minutely.clone())).await.unwrap();
+    // The 12:01 tick falls due and is enqueued; 12:02 is pending.
+    client_at(&server, T + 30_300).query(query_req("q", oneof::query_request::Query::LastEvent(true))).await.unwrap();
+    let_it_tick().await;
+    let (t1, t2) = ((T + 30_000).to_string(), (T + 90_000).to_string());
+    assert_eq!(ticks(&server.client(), "q", "m").await, vec![t1.clone(), t2.clone()]);
+    // Replaced 800 ms into 12:01: its first tick is 12:02, not 12:01 again
+    // (enqueued a second time as `repeat:m:<12:01>:1`).
+    client_at(&server, T + 30_800).schedule(server_schedule("q", minutely.clone())).await.unwrap();
+    assert_eq!(ticks(&server.client(), "q", "m").await, vec![t1.clone(), t2.clone()]);
+    // Removed and added again at the same moment: the same (before, refused
+    // as a collision with the 12:01 job).
+    let c = client_at(&server, T + 30_900);
+    c.unschedule(pb::UnscheduleRequest { queue: "q".into(), scheduler_id: "m".into(), ..Default::default() })
+        .await
+        .unwrap();
+    c.schedule(server_schedule("q", minutely)).await.unwrap();
+    assert_eq!(ticks(&server.client(), "q", "m").await, vec![t1, t2]);
+    // A start date with milliseconds: the first tick is the whole second after it.
+    let secondly = pb::ServerSchedule {
+        id: "s".into(),
+        cron: Some("* * * * * *".into()),
+        start_date: Some(T + 50_750),
+        ..Default::default()
+    };
+    let first = client_at(&server, T + 31_000).schedule(server_schedule("q", secondly)).await.unwrap().into_owned();
+    assert_eq!(first.job_id.as_deref(), Some(format!("repeat:s:{}", T + 51_000).as_str()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_start_date_ahead_restarts_an_every_schedule() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--follow-client-clock"], &[]);
+    let every = pb::ServerSchedule { id: "e".into(), every_ms: Some(300), ..Default::default() };
+    client_at(&server, T).schedule(server_schedule("q", every.clone())).await.unwrap();
+    let later = pb::ServerSchedule { start_date: Some(T + 3_000), ..every };
+    let r = client_at(&server, T + 100).schedule(server_schedule("q", later)).await.unwrap().into_owned();
+    assert_eq!(r.job_id.as_deref(), Some(format!("repeat:e:{}", T + 3_000).as_str()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schedule_starts_on_the_servers_clock_not_the_callers() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    // A caller whose clock says 1970: before, the ticker caught up every
+    // minute since (hundreds of jobs a second, for ever).
+    let s = pb::ServerSchedule { id: "b".into(), every_ms: Some(60_000), ..Default::default() };
+    let r = client_at(&server, 1_000).schedule(server_schedule("q", s)).await.unwrap().into_owned();
+    let tick: u64 = r.job_id.unwrap().rsplit(':').next().unwrap().parse().unwrap();
+    assert!(tick.abs_diff(now) < 60_000, "first tick {tick}, now {now}");
+    let_it_tick().await;
+    assert_eq!(ticks(&server.client(), "q", "b").await.len(), 2, "the tick now and the next one");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tick_whose_id_a_job_holds_is_that_jobs_and_the_schedule_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--follow-client-clock"], &[]);
+    let c = client_at(&server, T);
+    // Ticks from a start date, so they do not move with the ms the calls take.
+    let first = T + 500;
+    // A job already holds the second tick's id.
+    let mut holder = job("mine", b"{}");
+    holder.job_id = Some(format!("repeat:h:{}", first + 1_000));
+    c.enqueue(enqueue_req("q", holder)).await.unwrap();
+    let s = pb::ServerSchedule { id: "h".into(), every_ms: Some(1_000), start_date: Some(first), ..Default::default() };
+    c.schedule(server_schedule("q", s)).await.unwrap();
+    // Past the held tick: the schedule moves on to the third (before, it
+    // stayed at the second, a `duplicated` event every pass, for ever).
+    client_at(&server, first + 1_100)
+        .query(query_req("q", oneof::query_request::Query::LastEvent(true)))
+        .await
+        .unwrap();
+    let_it_tick().await;
+    let expected: Vec<String> = [first, first + 1_000, first + 2_000].iter().map(u64::to_string).collect();
+    assert_eq!(ticks(&server.client(), "q", "h").await, expected);
+}
