@@ -20,12 +20,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use loam_jobs::store::redb::{RedbOptions, RedbStore};
 use loam_jobs::{
     CompleteOptions, Config, EnqueueRequest, Fence, JobError, JobState, Jobs, JobsError, LeaseRequest, Outcome,
-    QueueConfig,
+    QueueConfig, SystemClock,
 };
 use parking_lot::Mutex;
 use rand::Rng;
+
+/// The store's checkpoint interval in the writer (1 s by default).
+const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(5);
 
 /// Namespace and queue the writer uses; the crash test reads the same.
 const NS: &str = "stress";
@@ -232,7 +236,12 @@ fn worker(shared: &Shared, thread: usize) {
 }
 
 fn run(args: Args) -> Result<(), String> {
-    let jobs = Jobs::open(&args.db, Config::default()).map_err(|e| format!("open {}: {e}", args.db.display()))?;
+    // Checkpoints many times a second, so kills land while one is under way
+    // (commits going on in the log's other region).
+    let options = RedbOptions { checkpoint_interval: CHECKPOINT_INTERVAL, ..RedbOptions::default() };
+    let store = RedbStore::open(&args.db, options).map_err(|e| format!("open {}: {e}", args.db.display()))?;
+    let jobs = Jobs::with_store(Box::new(store), Arc::new(SystemClock), Config::default())
+        .map_err(|e| format!("open {}: {e}", args.db.display()))?;
     // Short sweeps, so leases left by a killed writer come back quickly; a job
     // may stall twice before it fails; no event is ever trimmed, so the test
     // can count each job's terminal events over the whole history.

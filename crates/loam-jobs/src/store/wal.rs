@@ -11,11 +11,19 @@
 //! A record is `len: u32, generation: u64, seq: u64, crc32: u32` (little
 //! endian), then `len` bytes of writes. Each checkpoint starts a new
 //! generation, stored in the redb file with the checkpoint, and only records of
-//! the file's generation with consecutive sequence numbers from the start of
-//! the log are replayed: what follows a torn record, or is left over from an
-//! earlier generation, is ignored. Replaying a record that redb already has is
+//! a generation with consecutive sequence numbers from the start of its region
+//! are replayed: what follows a torn record, or is left over from an earlier
+//! generation, is ignored. Replaying a record that redb already has is
 //! harmless: records are replayed in order and each sets keys to the values
 //! they had after it.
+//!
+//! The log has two regions, and generation `g` writes region `g % 2`, so a
+//! checkpoint need not stop the commits behind it: the committer asks for it
+//! and goes on appending the next generation in the other region while the
+//! file writer makes redb durable. A generation's region is written again two
+//! generations later, once the checkpoint between has succeeded. After a
+//! crash, the file's generation `g` is replayed, then `g + 1`: the records
+//! committed while the checkpoint that would have started it was under way.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -30,8 +38,11 @@ const PUT: u8 = 1;
 
 pub(crate) struct Wal {
     file: File,
-    capacity: u64,
-    /// Where the next record goes.
+    /// The size of each of the two regions.
+    region: u64,
+    /// Where the current generation's region starts.
+    base: u64,
+    /// Where the next record goes, from `base`.
     end: u64,
     generation: u64,
     next_seq: u64,
@@ -41,11 +52,14 @@ pub(crate) struct Wal {
 }
 
 impl Wal {
-    /// Opens the log at `path` (creating it zero-filled to `capacity` bytes),
-    /// and reads the writes of its records of `generation`, oldest first.
-    pub(crate) fn open(path: &Path, generation: u64, capacity: u64) -> io::Result<(Self, Vec<Writes>)> {
+    /// Opens the log at `path` (creating it zero-filled, two regions of
+    /// `region` bytes), and reads the writes of its records of `generation`
+    /// and then of `generation + 1`, oldest first. It goes on in
+    /// `generation` (to be [restarted](Wal::restart) once they are applied).
+    pub(crate) fn open(path: &Path, generation: u64, region: u64) -> io::Result<(Self, Vec<Writes>)> {
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
         let len = file.metadata()?.len();
+        let capacity = 2 * region;
         if len < capacity {
             // Zero-filled ahead of time, an append overwrites allocated blocks
             // and its fsync need not also commit the file's new size.
@@ -58,11 +72,18 @@ impl Wal {
             }
             file.sync_all()?;
         }
-        let capacity = capacity.max(len);
-        let records = read_records(&file, capacity, generation)?;
+        let start = |g: u64| (g % 2) * region;
+        let mut records = read_records(&file, start(generation), region, generation)?;
+        if records.is_empty() {
+            // A log of one region (before the log had two) holds every
+            // generation at its start.
+            records = read_records(&file, start(generation + 1), region, generation)?;
+        }
+        records.extend(read_records(&file, start(generation + 1), region, generation + 1)?);
         let wal = Self {
             file,
-            capacity,
+            region,
+            base: start(generation),
             end: 0,
             generation,
             next_seq: 1,
@@ -91,9 +112,9 @@ impl Wal {
         record
     }
 
-    /// Whether `record` fits in what is left of the log.
+    /// Whether `record` fits in what is left of the generation's region.
     pub(crate) fn fits(&self, record: &[u8]) -> bool {
-        self.end + record.len() as u64 <= self.capacity
+        self.end + record.len() as u64 <= self.region
     }
 
     /// Appends an encoded record that [fits](Wal::fits) (not yet durable:
@@ -110,7 +131,7 @@ impl Wal {
         let crc = checksum(self.generation, seq, &record[HEADER..]);
         record[20..24].copy_from_slice(&crc.to_le_bytes());
         self.check()?;
-        self.file.write_all_at(&record, self.end)?;
+        self.file.write_all_at(&record, self.base + self.end)?;
         self.end += record.len() as u64;
         self.next_seq += 1;
         Ok(())
@@ -141,10 +162,12 @@ impl Wal {
         Ok(())
     }
 
-    /// Starts the log over under `generation`, once a checkpoint made every
-    /// record in it redundant.
+    /// Goes on under `generation`, at the start of its region: once a
+    /// checkpoint is asked for (which makes every record of the generation
+    /// before redundant once it succeeds), or made.
     pub(crate) fn restart(&mut self, generation: u64) {
         self.generation = generation;
+        self.base = (generation % 2) * self.region;
         self.end = 0;
         self.next_seq = 1;
     }
@@ -153,9 +176,9 @@ impl Wal {
         self.generation
     }
 
-    /// Whether more than half of the log is used.
+    /// Whether more than half of the generation's region is used.
     pub(crate) fn half_full(&self) -> bool {
-        self.end > self.capacity / 2
+        self.end > self.region / 2
     }
 
     pub(crate) fn is_empty(&self) -> bool {
@@ -177,10 +200,11 @@ fn checksum(generation: u64, seq: u64, payload: &[u8]) -> u32 {
 }
 
 /// The writes of the records of `generation` that follow each other from the
-/// start of the log, each intact.
-fn read_records(file: &File, capacity: u64, generation: u64) -> io::Result<Vec<Writes>> {
+/// start of the region at `base`, each intact.
+fn read_records(file: &File, base: u64, region: u64, generation: u64) -> io::Result<Vec<Writes>> {
     let mut records = Vec::new();
-    let mut at = 0u64;
+    let mut at = base;
+    let capacity = base + region;
     let mut header = [0u8; HEADER];
     while at + HEADER as u64 <= capacity {
         file.read_exact_at(&mut header, at)?;
@@ -256,9 +280,9 @@ mod tests {
         // Another generation's records are not this one's.
         let (_, records) = Wal::open(&path, 8, 4096).unwrap();
         assert!(records.is_empty());
-        // A record torn by a crash ends the log.
+        // A record torn by a crash ends the log (generation 7 is in region 1).
         let file = OpenOptions::new().write(true).open(&path).unwrap();
-        file.write_all_at(b"x", torn_at + HEADER as u64 + 3).unwrap();
+        file.write_all_at(b"x", 4096 + torn_at + HEADER as u64 + 3).unwrap();
         let (_, records) = Wal::open(&path, 7, 4096).unwrap();
         assert_eq!(records, vec![a, b]);
     }
@@ -272,13 +296,56 @@ mod tests {
         let later = writes(&[("old2", Some("x"))]);
         assert!(wal.append(Wal::encode([&long].into_iter())).is_ok());
         assert!(wal.append(Wal::encode([&later].into_iter())).is_ok());
+        // Generation 3 writes generation 1's region again.
         wal.restart(2);
+        wal.restart(3);
         let short = writes(&[("new", Some("b"))]);
         assert!(wal.append(Wal::encode([&short].into_iter())).is_ok());
         wal.sync().unwrap();
         drop(wal);
-        let (_, records) = Wal::open(&path, 2, 4096).unwrap();
+        let (_, records) = Wal::open(&path, 3, 4096).unwrap();
         assert_eq!(records, vec![short]);
+    }
+
+    #[test]
+    fn the_generation_after_the_files_is_replayed_after_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log");
+        let (mut wal, _) = Wal::open(&path, 4, 4096).unwrap();
+        let before = writes(&[("a", Some("1"))]);
+        let during = writes(&[("a", Some("2")), ("b", Some("3"))]);
+        assert!(wal.append(Wal::encode([&before].into_iter())).is_ok());
+        // A checkpoint to generation 5 is asked for; commits go on in the
+        // other region before it is made, and the process dies.
+        wal.restart(5);
+        assert!(wal.append(Wal::encode([&during].into_iter())).is_ok());
+        wal.sync().unwrap();
+        drop(wal);
+        let (_, records) = Wal::open(&path, 4, 4096).unwrap();
+        assert_eq!(records, vec![before, during.clone()]);
+        // The checkpoint made it: generation 4's records are redundant.
+        let (_, records) = Wal::open(&path, 5, 4096).unwrap();
+        assert_eq!(records, vec![during]);
+    }
+
+    #[test]
+    fn a_log_of_one_region_is_still_replayed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log");
+        let (mut wal, _) = Wal::open(&path, 2, 4096).unwrap();
+        let old = writes(&[("a", Some("1"))]);
+        assert!(wal.append(Wal::encode([&old].into_iter())).is_ok());
+        wal.sync().unwrap();
+        drop(wal);
+        // What a log of one region left, at its start, under an odd generation.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.truncate(4096);
+        bytes[4..12].copy_from_slice(&3u64.to_le_bytes());
+        let crc = checksum(3, 1, &bytes[HEADER..HEADER + u32::from_le_bytes(bytes[0..4].try_into().unwrap()) as usize]);
+        bytes[20..24].copy_from_slice(&crc.to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        let (_, records) = Wal::open(&path, 3, 4096).unwrap();
+        assert_eq!(records, vec![old]);
     }
 
     #[test]
