@@ -108,7 +108,9 @@ impl Auth {
         let presented = headers
             .get(http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|v| v.split_once(' '))
+            // The scheme's name is case-insensitive (RFC 9110 section 11.1).
+            .and_then(|(scheme, token)| scheme.eq_ignore_ascii_case("bearer").then(|| token.trim_start()))
             .ok_or_else(|| unauthenticated("a bearer token is required"))?;
         // Every token is compared in full, so the time taken says nothing
         // about which one, or how much of one, matched.
@@ -170,5 +172,16 @@ mod tests {
         let auth = Auth::load(None, Some("c2VjcmV0c2VjcmV0c2VjcmV0MTI==prod")).unwrap();
         let padded = headers(&[("authorization", "Bearer c2VjcmV0c2VjcmV0c2VjcmV0MTI=")]);
         assert_eq!(auth.namespace(&padded).unwrap(), "prod");
+    }
+
+    #[test]
+    fn the_schemes_name_is_case_insensitive() {
+        let auth = Auth::load(None, Some("aaaaaaaaaaaaaaaa=alpha")).unwrap();
+        for scheme in ["bearer", "BEARER", "Bearer"] {
+            let h = headers(&[("authorization", &format!("{scheme} aaaaaaaaaaaaaaaa"))]);
+            assert_eq!(auth.namespace(&h).unwrap(), "alpha", "{scheme}");
+        }
+        let basic = headers(&[("authorization", "Basic aaaaaaaaaaaaaaaa")]);
+        assert_eq!(auth.namespace(&basic).unwrap_err().code, connectrpc::ErrorCode::Unauthenticated);
     }
 }

@@ -113,7 +113,9 @@ pub struct ServeArgs {
     /// Let the core's background clock (delayed-job wake-ups, long-poll waits) follow the
     /// `loam-now-ms` header of the latest call, as the in-process binding
     /// follows its host. For test suites that fake time (BullMQ's); not for
-    /// a server shared by clients whose clocks disagree.
+    /// a server shared by clients whose clocks disagree (refused with
+    /// token authentication, where it would let one namespace move every
+    /// namespace's clock).
     #[arg(long)]
     pub follow_client_clock: bool,
 

@@ -46,6 +46,14 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
             args.listen
         )));
     }
+    if args.follow_client_clock && auth.is_on() {
+        return Err(ServerError::Config(
+            "--follow-client-clock with token authentication would let one namespace's callers move the clock of \
+             every other's (their delays, leases, schedules): it is for test suites that fake time, on a server of \
+             their own"
+                .into(),
+        ));
+    }
     if args.max_request_bytes < 1024 {
         return Err(ServerError::Config("--max-request-bytes must be at least 1024".into()));
     }

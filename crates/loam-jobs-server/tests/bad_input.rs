@@ -399,6 +399,19 @@ fn refuses_a_public_address_without_tokens() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("without token authentication"));
 }
 
+#[test]
+fn refuses_a_clock_that_follows_callers_with_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_loam-jobs"))
+        .args(["serve", "--follow-client-clock", "--listen", &format!("127.0.0.1:{}", free_port()), "--data-dir"])
+        .arg(dir.path())
+        .env("LOAM_JOBS_TOKENS", "aaaaaaaaaaaaaaaa=alpha")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--follow-client-clock"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_ends_long_polls_and_closes_the_store() {
     let dir = tempfile::tempdir().unwrap();
