@@ -264,11 +264,7 @@ async fn bullmq_job_schedulers_and_dead_letters() {
         template_data: "{\"a\":1}".into(),
         ..Default::default()
     };
-    let req = pb::ScheduleRequest {
-        queue: qn.into(),
-        schedule: Some(oneof::schedule_request::Schedule::from(spec)),
-        ..Default::default()
-    };
+    let req = schedule_req(qn, spec);
     let first = c.schedule(req).await.unwrap().into_owned().job_id.unwrap();
     let R::Scheduler(s) =
         q(&c, qn, pb::query_request::SchedulerOf { id: "every-min".into(), ..Default::default() }).await
@@ -282,11 +278,7 @@ async fn bullmq_job_schedulers_and_dead_letters() {
     assert_eq!(n, 1);
     // The worker that ran iteration `first` advances the scheduler.
     let adv = pb::SchedulerAdvance { id: "every-min".into(), producer_id: first.clone(), ..Default::default() };
-    let req = pb::ScheduleRequest {
-        queue: qn.into(),
-        schedule: Some(oneof::schedule_request::Schedule::from(adv)),
-        ..Default::default()
-    };
+    let req = schedule_req(qn, adv);
     let next = c.schedule(req).await.unwrap().into_owned().job_id.unwrap();
     assert_ne!(next, first);
     let R::Schedulers(list) =

@@ -49,14 +49,6 @@ fn job_admin(queue: &str, id: &str, op: impl Into<oneof::job_admin_request::Op>)
     pb::JobAdminRequest { queue: queue.into(), job_id: id.into(), op: Some(op.into()), ..Default::default() }
 }
 
-fn schedule(queue: &str, s: pb::ServerSchedule) -> pb::ScheduleRequest {
-    pb::ScheduleRequest {
-        queue: queue.into(),
-        schedule: Some(oneof::schedule_request::Schedule::from(s)),
-        ..Default::default()
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     use ErrorCode::*;
@@ -159,22 +151,22 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
 
     // Schedule: bad cron, bad time zone, cron and every together, nothing at all.
     let bad_cron = pb::ServerSchedule { id: "s".into(), cron: Some("* * *".into()), ..Default::default() };
-    assert_code(c.schedule(schedule("q", bad_cron.clone())).await, InvalidArgument, inv);
+    assert_code(c.schedule(schedule_req("q", bad_cron.clone())).await, InvalidArgument, inv);
     // `immediately` runs the first tick now, but the pattern must still parse.
     let at_once = pb::ServerSchedule { immediately: true, ..bad_cron };
-    assert_code(c.schedule(schedule("q", at_once)).await, InvalidArgument, inv);
+    assert_code(c.schedule(schedule_req("q", at_once)).await, InvalidArgument, inv);
     let bad_tz = pb::ServerSchedule {
         id: "s".into(),
         cron: Some("0 * * * *".into()),
         tz: Some("Nowhere/Else".into()),
         ..Default::default()
     };
-    assert_code(c.schedule(schedule("q", bad_tz)).await, InvalidArgument, inv);
+    assert_code(c.schedule(schedule_req("q", bad_tz)).await, InvalidArgument, inv);
     let two =
         pb::ServerSchedule { id: "s".into(), cron: Some("0 * * * *".into()), every_ms: Some(5), ..Default::default() };
-    assert_code(c.schedule(schedule("q", two)).await, InvalidArgument, inv);
+    assert_code(c.schedule(schedule_req("q", two)).await, InvalidArgument, inv);
     let no_id = pb::ServerSchedule { every_ms: Some(1000), ..Default::default() };
-    assert_code(c.schedule(schedule("q", no_id)).await, InvalidArgument, inv);
+    assert_code(c.schedule(schedule_req("q", no_id)).await, InvalidArgument, inv);
     assert_code(
         c.schedule(pb::ScheduleRequest { queue: "q".into(), ..Default::default() }).await,
         InvalidArgument,

@@ -52,15 +52,7 @@ async fn jobs_of_bullmq_schedulers_are_counted_as_enqueued() {
         template_opts: "{}".into(),
         ..Default::default()
     };
-    let upserted = c
-        .schedule(pb::ScheduleRequest {
-            queue: "b".into(),
-            schedule: Some(oneof::schedule_request::Schedule::from(spec)),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_owned();
+    let upserted = c.schedule(schedule_req("b", spec)).await.unwrap().into_owned();
     // A worker that started the iteration enqueues the next one.
     let advance = pb::SchedulerAdvance {
         id: "s".into(),
@@ -68,15 +60,7 @@ async fn jobs_of_bullmq_schedulers_are_counted_as_enqueued() {
         job: job("n", b"{}").into(),
         ..Default::default()
     };
-    let advanced = c
-        .schedule(pb::ScheduleRequest {
-            queue: "b".into(),
-            schedule: Some(oneof::schedule_request::Schedule::from(advance)),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_owned();
+    let advanced = c.schedule(schedule_req("b", advance)).await.unwrap().into_owned();
     assert!(advanced.job_id.is_some());
     let text = scrape(&server);
     assert!(text.contains("loam_jobs_enqueued_total{ns=\"default\",queue=\"b\"} 2"), "{text}");

@@ -202,15 +202,7 @@ async fn a_server_schedule_enqueues_each_tick_once_across_a_crash() {
         job: job("tick", b"{}").into(),
         ..Default::default()
     };
-    let first = c
-        .schedule(pb::ScheduleRequest {
-            queue: "cron".into(),
-            schedule: Some(oneof::schedule_request::Schedule::from(spec)),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_owned();
+    let first = c.schedule(schedule_req("cron", spec)).await.unwrap().into_owned();
     assert!(first.job_id.as_deref().is_some_and(|id| id.starts_with("repeat:beat:")));
     // Bad cron expressions and time zones are refused.
     for (cron, tz) in [("61 * * * *", None), ("0 9 * * *", Some("Mars/Olympus"))] {
@@ -220,13 +212,7 @@ async fn a_server_schedule_enqueues_each_tick_once_across_a_crash() {
             tz: tz.map(String::from),
             ..Default::default()
         };
-        let r = c
-            .schedule(pb::ScheduleRequest {
-                queue: "cron".into(),
-                schedule: Some(oneof::schedule_request::Schedule::from(bad)),
-                ..Default::default()
-            })
-            .await;
+        let r = c.schedule(schedule_req("cron", bad)).await;
         assert_code(r, connectrpc::ErrorCode::InvalidArgument, Some("invalid_argument"));
     }
     tokio::time::sleep(Duration::from_millis(700)).await;
@@ -484,11 +470,6 @@ async fn server_schedules_follow_cron_in_a_time_zone_and_their_end_date() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &[], &[]);
     let c = server.client();
-    let sched = |s: pb::ServerSchedule| pb::ScheduleRequest {
-        queue: "tz".into(),
-        schedule: Some(oneof::schedule_request::Schedule::from(s)),
-        ..Default::default()
-    };
     // Every second, by a six-field cron in Paris time; three ticks.
     let cron = pb::ServerSchedule {
         id: "secs".into(),
@@ -498,7 +479,7 @@ async fn server_schedules_follow_cron_in_a_time_zone_and_their_end_date() {
         limit: Some(3),
         ..Default::default()
     };
-    c.schedule(sched(cron)).await.unwrap();
+    c.schedule(schedule_req("tz", cron)).await.unwrap();
     // Every 100 ms from a start date until an end date 350 ms later: ticks at +0, +100, +200, +300.
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64 + 500;
     let until = pb::ServerSchedule {
@@ -509,7 +490,7 @@ async fn server_schedules_follow_cron_in_a_time_zone_and_their_end_date() {
         end_date: Some(now + 350),
         ..Default::default()
     };
-    c.schedule(sched(until)).await.unwrap();
+    c.schedule(schedule_req("tz", until)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(3600)).await;
     let q = oneof::query_request::Query::from(pb::query_request::Ranges {
         types: vec!["wait".into(), "delayed".into()],
@@ -540,16 +521,15 @@ async fn immediately_runs_the_first_tick_now() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &[], &[]);
     let c = server.client();
-    let yearly = |id: &str, immediately: bool| pb::ScheduleRequest {
-        queue: "yearly".into(),
-        schedule: Some(oneof::schedule_request::Schedule::from(pb::ServerSchedule {
+    let yearly = |id: &str, immediately: bool| {
+        let s = pb::ServerSchedule {
             id: id.into(),
             name: "y".into(),
             cron: Some("0 0 1 1 *".into()),
             immediately,
             ..Default::default()
-        })),
-        ..Default::default()
+        };
+        schedule_req("yearly", s)
     };
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
     let tick = |r: pb::ScheduleResponse| -> (u64, u64) {

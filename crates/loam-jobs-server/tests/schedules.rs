@@ -13,14 +13,6 @@ use support::*;
 /// 2026-12-01T12:00:30Z.
 const T: u64 = 1_796_126_430_000;
 
-fn server_schedule(queue: &str, s: pb::ServerSchedule) -> pb::ScheduleRequest {
-    pb::ScheduleRequest {
-        queue: queue.into(),
-        schedule: Some(oneof::schedule_request::Schedule::from(s)),
-        ..Default::default()
-    }
-}
-
 /// A client whose calls say it is `at` (the server follows it with
 /// --follow-client-clock).
 fn client_at(server: &Server, at: u64) -> Client {
@@ -61,7 +53,7 @@ async fn a_schedules_job_cannot_carry_an_idempotency_key() {
     let mut spec = job("tick", b"{}");
     spec.idempotency = pb::Idempotency { key: "k1".into(), ..Default::default() }.into();
     let s = pb::ServerSchedule { id: "x".into(), every_ms: Some(300), job: spec.into(), ..Default::default() };
-    let r = server.client().schedule(server_schedule("idem", s)).await;
+    let r = server.client().schedule(schedule_req("idem", s)).await;
     let e = assert_code(r, connectrpc::ErrorCode::InvalidArgument, Some("invalid_argument"));
     assert!(e.message.as_deref().unwrap_or("").contains("idempotency"), "{e:?}");
 }
@@ -71,7 +63,7 @@ async fn a_cron_schedule_never_starts_at_a_tick_before_its_time() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &["--follow-client-clock"], &[]);
     let minutely = pb::ServerSchedule { id: "m".into(), cron: Some("* * * * *".into()), ..Default::default() };
-    client_at(&server, T).schedule(server_schedule("q", minutely.clone())).await.unwrap();
+    client_at(&server, T).schedule(schedule_req("q", minutely.clone())).await.unwrap();
     // The 12:01 tick falls due and is enqueued; 12:02 is pending.
     client_at(&server, T + 30_300).query(query_req("q", oneof::query_request::Query::LastEvent(true))).await.unwrap();
     let_it_tick().await;
@@ -79,7 +71,7 @@ async fn a_cron_schedule_never_starts_at_a_tick_before_its_time() {
     assert_eq!(ticks(&server.client(), "q", "m").await, vec![t1.clone(), t2.clone()]);
     // Replaced 800 ms into 12:01: its first tick is 12:02, not 12:01 again
     // (enqueued a second time as `repeat:m:<12:01>:1`).
-    client_at(&server, T + 30_800).schedule(server_schedule("q", minutely.clone())).await.unwrap();
+    client_at(&server, T + 30_800).schedule(schedule_req("q", minutely.clone())).await.unwrap();
     assert_eq!(ticks(&server.client(), "q", "m").await, vec![t1.clone(), t2.clone()]);
     // Removed and added again at the same moment: the same (before, refused
     // as a collision with the 12:01 job).
@@ -87,7 +79,7 @@ async fn a_cron_schedule_never_starts_at_a_tick_before_its_time() {
     c.unschedule(pb::UnscheduleRequest { queue: "q".into(), scheduler_id: "m".into(), ..Default::default() })
         .await
         .unwrap();
-    c.schedule(server_schedule("q", minutely)).await.unwrap();
+    c.schedule(schedule_req("q", minutely)).await.unwrap();
     assert_eq!(ticks(&server.client(), "q", "m").await, vec![t1, t2]);
     // A start date with milliseconds: the first tick is the whole second after it.
     let secondly = pb::ServerSchedule {
@@ -96,7 +88,7 @@ async fn a_cron_schedule_never_starts_at_a_tick_before_its_time() {
         start_date: Some(T + 50_750),
         ..Default::default()
     };
-    let first = client_at(&server, T + 31_000).schedule(server_schedule("q", secondly)).await.unwrap().into_owned();
+    let first = client_at(&server, T + 31_000).schedule(schedule_req("q", secondly)).await.unwrap().into_owned();
     assert_eq!(first.job_id.as_deref(), Some(format!("repeat:s:{}", T + 51_000).as_str()));
 }
 
@@ -105,9 +97,9 @@ async fn a_new_start_date_ahead_restarts_an_every_schedule() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &["--follow-client-clock"], &[]);
     let every = pb::ServerSchedule { id: "e".into(), every_ms: Some(300), ..Default::default() };
-    client_at(&server, T).schedule(server_schedule("q", every.clone())).await.unwrap();
+    client_at(&server, T).schedule(schedule_req("q", every.clone())).await.unwrap();
     let later = pb::ServerSchedule { start_date: Some(T + 3_000), ..every };
-    let r = client_at(&server, T + 100).schedule(server_schedule("q", later)).await.unwrap().into_owned();
+    let r = client_at(&server, T + 100).schedule(schedule_req("q", later)).await.unwrap().into_owned();
     assert_eq!(r.job_id.as_deref(), Some(format!("repeat:e:{}", T + 3_000).as_str()));
 }
 
@@ -119,7 +111,7 @@ async fn a_schedule_starts_on_the_servers_clock_not_the_callers() {
     // A caller whose clock says 1970: before, the ticker caught up every
     // minute since (hundreds of jobs a second, for ever).
     let s = pb::ServerSchedule { id: "b".into(), every_ms: Some(60_000), ..Default::default() };
-    let r = client_at(&server, 1_000).schedule(server_schedule("q", s)).await.unwrap().into_owned();
+    let r = client_at(&server, 1_000).schedule(schedule_req("q", s)).await.unwrap().into_owned();
     let tick: u64 = r.job_id.unwrap().rsplit(':').next().unwrap().parse().unwrap();
     assert!(tick.abs_diff(now) < 60_000, "first tick {tick}, now {now}");
     let_it_tick().await;
@@ -138,7 +130,7 @@ async fn a_tick_whose_id_a_job_holds_is_that_jobs_and_the_schedule_goes_on() {
     holder.job_id = Some(format!("repeat:h:{}", first + 1_000));
     c.enqueue(enqueue_req("q", holder)).await.unwrap();
     let s = pb::ServerSchedule { id: "h".into(), every_ms: Some(1_000), start_date: Some(first), ..Default::default() };
-    c.schedule(server_schedule("q", s)).await.unwrap();
+    c.schedule(schedule_req("q", s)).await.unwrap();
     // Past the held tick: the schedule moves on to the third (before, it
     // stayed at the second, a `duplicated` event every pass, for ever).
     client_at(&server, first + 1_100)

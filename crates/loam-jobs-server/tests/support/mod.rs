@@ -253,6 +253,10 @@ pub fn complete_req(queue: &str, id: &str, fence: pb::Fence, outcome: pb::Outcom
     }
 }
 
+pub fn schedule_req(queue: &str, s: impl Into<oneof::schedule_request::Schedule>) -> pb::ScheduleRequest {
+    pb::ScheduleRequest { queue: queue.into(), schedule: Some(s.into()), ..Default::default() }
+}
+
 pub fn query_req(queue: &str, q: oneof::query_request::Query) -> pb::QueryRequest {
     pb::QueryRequest { queue: queue.into(), query: Some(q), ..Default::default() }
 }
