@@ -18,6 +18,7 @@
  * long poll's deadline.
  */
 import type * as http2 from 'node:http2';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { ConnectionClosedError } from 'bullmq';
 import { Code, ConnectError, createClient, type CallOptions, type Client } from '@connectrpc/connect';
 import { createConnectTransport, Http2SessionManager } from '@connectrpc/connect-node';
@@ -54,6 +55,14 @@ export interface RemoteSettings {
   pingIntervalMs?: number;
   /** A PING not answered within this long ends its connection (default 5 s); the next call reconnects. */
   pingTimeoutMs?: number;
+  /**
+   * The largest request to send (default 80 MiB, the server's default
+   * `--max-request-bytes`): a larger one fails at once with
+   * `LOAM_RESOURCE_EXHAUSTED`. Node's HTTP/2 client sent a request of about
+   * 90 MB on and on after the server had refused it, and the call (and every
+   * call ordered behind it) never settled.
+   */
+  maxRequestBytes?: number;
 }
 
 /**
@@ -95,6 +104,16 @@ const DEFAULT_STREAMS = 100;
 const DEFAULT_CONNECTIONS = 4;
 const DEFAULT_PING_INTERVAL_MS = 10_000;
 const DEFAULT_PING_TIMEOUT_MS = 5_000;
+const DEFAULT_MAX_REQUEST_BYTES = 80 << 20;
+
+/**
+ * How long calls wait once the server refused the token (unauthenticated,
+ * permission denied). BullMQ's Worker asks for its next job again at once
+ * after an error that is not a lost connection: with a wrong token that was
+ * some 2,500 refused calls a second and a whole core, where ioredis with a
+ * wrong password tries again on its reconnect schedule.
+ */
+const REFUSED_TOKEN_WAIT_MS = 1_000;
 
 export class RemoteChannel {
   private readonly connections: Connection[] = [];
@@ -111,6 +130,8 @@ export class RemoteChannel {
   /** With `calls: 'session'`: the stream every call goes on, and a client whose methods use it. */
   private readonly session?: Session;
   private readonly sessionClient?: JobsClient;
+  /** Until when calls wait, after the server refused the token. */
+  private refusedUntil = 0;
 
   constructor(readonly settings: RemoteSettings) {
     this.maxStreams = Math.max(1, settings.maxStreamsPerConnection ?? DEFAULT_STREAMS);
@@ -187,11 +208,17 @@ export class RemoteChannel {
     carriedBy?: (connection: Connection) => void,
   ): Promise<T> {
     if (signal?.aborted) throw new CallAborted();
+    const refused = this.refusedUntil - Date.now();
+    if (refused > 0) await sleep(refused, undefined, { signal }).catch(() => undefined);
+    if (signal?.aborted) throw new CallAborted();
     const session = this.sessionClient;
     try {
       return await (session ? rpc(session, { signal }) : this.unary(client => rpc(client, { signal }), carriedBy));
     } catch (err) {
       if (signal?.aborted) throw new CallAborted();
+      if (err instanceof ConnectError && (err.code === Code.Unauthenticated || err.code === Code.PermissionDenied)) {
+        this.refusedUntil = Date.now() + REFUSED_TOKEN_WAIT_MS;
+      }
       throw toBullmqError(err, command);
     } finally {
       if (session) this.closeIfUnused();
@@ -283,6 +310,7 @@ export class RemoteChannel {
       httpVersion: '2',
       useBinaryFormat: true,
       sessionManager: session,
+      writeMaxBytes: Math.max(1, this.settings.maxRequestBytes ?? DEFAULT_MAX_REQUEST_BYTES),
       // Every call carries the caller's clock (`loam-now-ms`): BullMQ's
       // operations run at the client's time, as its Redis scripts do, and its
       // tests fake that clock.

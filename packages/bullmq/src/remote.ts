@@ -53,7 +53,7 @@ import {
   Siblings,
   type NextJobTuple,
 } from './common.js';
-import { fromServer, isConnectionError, type BullmqCommand, type LoamErrorCode } from './errors.js';
+import { fromServer, isConnectionError, loamError, type BullmqCommand, type LoamErrorCode } from './errors.js';
 import type {
   EnqueueResult,
   JobAdminRequestSchema,
@@ -266,6 +266,9 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
     { ordered = false, signal, deadlineMs }: { ordered?: boolean; signal?: AbortSignal; deadlineMs?: number } = {},
   ): Promise<T> {
+    // As the in-process backend's closed store refuses it (a shutdown race in
+    // the caller's code would otherwise still add work: the channel reconnects).
+    if (this.closing) return Promise.reject(loamError('unavailable', 'the backend is closed'));
     const start = () =>
       deadlineMs === undefined || !signal
         ? this.channel.call(command, rpc, signal)

@@ -99,6 +99,17 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it('a closed Queue refuses calls, as a closed Redis connection does', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    await queue.add('a', {});
+    await queue.close();
+    await expect(queue.add('b', {})).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE' });
+    await expect(queue.count()).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE' });
+    const reopened = new Queue(queue.name, { connection });
+    expect(await reopened.count()).toBe(1);
+    await reopened.close();
+  });
+
   it('raises JobHasFailedChildren as an UnrecoverableError', async () => {
     const { fromNative } = await import('../src/errors.js');
     const err = fromNative(new Error('[bullmq:-9] Cannot complete job 1 because it has at least one failed child. moveToFinished'));

@@ -113,6 +113,39 @@ describeRemote('remote connection failures', () => {
     },
   );
 
+  it('a request over the size limit fails at once, and the calls after it go on', async () => {
+    const { direct } = classes();
+    const queue = new direct.Queue(`q-${randomUUID()}`, { connection: {} });
+    const started = Date.now();
+    // Node's HTTP/2 client sent about 90 MB on and on after the server had
+    // refused it: the add never settled, nor did any call of the Queue after it.
+    await expect(queue.add('big', { s: 'z'.repeat(95 << 20) })).rejects.toMatchObject({
+      code: 'LOAM_RESOURCE_EXHAUSTED',
+    });
+    expect(Date.now() - started).toBeLessThan(10_000);
+    await queue.add('small', {});
+    expect(await queue.count()).toBe(1);
+    await queue.close();
+  });
+
+  it('a Worker whose token the server refuses asks again once a second, not at once', async () => {
+    const server = await startLoamServer({ LOAM_JOBS_TOKENS: 'aaaaaaaaaaaaaaaa=alpha' });
+    try {
+      const { Worker } = withBackend(loamBackend({ url: server.url, token: 'bbbbbbbbbbbbbbbb' }));
+      const worker = new Worker('refused', async () => 'ok', { connection: {}, autorun: false });
+      let errors = 0;
+      worker.on('error', () => errors++);
+      void worker.run().catch(() => undefined);
+      await new Promise(resolve => setTimeout(resolve, 2_000));
+      await worker.close();
+      // Before: some 5,000 refused calls in these 2 s, a whole core busy.
+      expect(errors).toBeGreaterThan(0);
+      expect(errors).toBeLessThan(10);
+    } finally {
+      await server.stop();
+    }
+  });
+
   it('joins the chunks of a large answer on the session once, not once per chunk', async () => {
     const { direct } = classes();
     const queue = new direct.Queue(`q-${randomUUID()}`, { connection: {} });
