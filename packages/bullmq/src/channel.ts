@@ -63,6 +63,14 @@ export interface RemoteSettings {
    * call ordered behind it) never settled.
    */
   maxRequestBytes?: number;
+  /**
+   * How long a call waits for a server it cannot reach (default 20 s): a
+   * call whose connection could not be made was never sent, so it is sent
+   * again once the server is back, as ioredis holds Redis commands while it
+   * reconnects. A call cut while it was on its way fails at once (BullMQ's
+   * `ConnectionClosedError`): it may have been carried out.
+   */
+  reconnectTimeoutMs?: number;
 }
 
 /**
@@ -105,6 +113,10 @@ const DEFAULT_CONNECTIONS = 4;
 const DEFAULT_PING_INTERVAL_MS = 10_000;
 const DEFAULT_PING_TIMEOUT_MS = 5_000;
 const DEFAULT_MAX_REQUEST_BYTES = 80 << 20;
+const DEFAULT_RECONNECT_TIMEOUT_MS = 20_000;
+/** The first and the longest wait between attempts to reach a server that is away. */
+const RECONNECT_FIRST_WAIT_MS = 50;
+const RECONNECT_MAX_WAIT_MS = 1_000;
 
 /**
  * How long calls wait once the server refused the token (unauthenticated,
@@ -207,21 +219,26 @@ export class RemoteChannel {
     signal?: AbortSignal,
     carriedBy?: (connection: Connection) => void,
   ): Promise<T> {
-    if (signal?.aborted) throw new CallAborted();
-    const refused = this.refusedUntil - Date.now();
-    if (refused > 0) await sleep(refused, undefined, { signal }).catch(() => undefined);
-    if (signal?.aborted) throw new CallAborted();
     const session = this.sessionClient;
-    try {
-      return await (session ? rpc(session, { signal }) : this.unary(client => rpc(client, { signal }), carriedBy));
-    } catch (err) {
+    const giveUpAt = Date.now() + Math.max(0, this.settings.reconnectTimeoutMs ?? DEFAULT_RECONNECT_TIMEOUT_MS);
+    for (let wait = RECONNECT_FIRST_WAIT_MS; ; wait = Math.min(2 * wait, RECONNECT_MAX_WAIT_MS)) {
+      const refused = this.refusedUntil - Date.now();
+      if (refused > 0) await sleep(refused, undefined, { signal }).catch(() => undefined);
       if (signal?.aborted) throw new CallAborted();
-      if (err instanceof ConnectError && (err.code === Code.Unauthenticated || err.code === Code.PermissionDenied)) {
-        this.refusedUntil = Date.now() + REFUSED_TOKEN_WAIT_MS;
+      try {
+        return await (session ? rpc(session, { signal }) : this.unary(client => rpc(client, { signal }), carriedBy));
+      } catch (err) {
+        if (signal?.aborted) throw new CallAborted();
+        if (err instanceof ConnectError && (err.code === Code.Unauthenticated || err.code === Code.PermissionDenied)) {
+          this.refusedUntil = Date.now() + REFUSED_TOKEN_WAIT_MS;
+        }
+        // Tried again while a backend still uses the channel (a closed one's
+        // calls give up) and the server may yet come back in time.
+        if (!neverSent(err) || this.users === 0 || Date.now() + wait > giveUpAt) throw toBullmqError(err, command);
+      } finally {
+        if (session) this.closeIfUnused();
       }
-      throw toBullmqError(err, command);
-    } finally {
-      if (session) this.closeIfUnused();
+      await sleep(wait, undefined, { signal }).catch(() => undefined);
     }
   }
 
@@ -334,6 +351,18 @@ export class RemoteChannel {
     this.session?.close();
     for (const c of this.connections.splice(0)) c.session.abort();
   }
+}
+
+/**
+ * Whether a call failed because its connection could not be made (refused,
+ * unreachable, a name not found): then it never reached the server.
+ */
+function neverSent(err: unknown): boolean {
+  for (let e: unknown = err; e instanceof Error; e = e.cause) {
+    const { syscall } = e as NodeJS.ErrnoException;
+    if (syscall === 'connect' || syscall === 'getaddrinfo') return true;
+  }
+  return false;
 }
 
 /** Connect code names as the server's bulk results spell them (`invalid_argument`). */

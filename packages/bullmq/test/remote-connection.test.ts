@@ -1,7 +1,7 @@
 import { afterAll, describe, expect, inject, it, onTestFinished, vi } from 'vitest';
 import { randomUUID } from 'node:crypto';
 import * as net from 'node:net';
-import { withBackend, type Job } from 'bullmq';
+import { ConnectionClosedError, withBackend, type Job } from 'bullmq';
 import { backendKind } from './helpers.js';
 import { loamBackend, type RemoteSettings } from '../src/index.js';
 import { startLoamServer } from './remote-server.js';
@@ -112,6 +112,50 @@ describeRemote('remote connection failures', () => {
       await queue.close();
     },
   );
+
+  it.each(['session', 'unary'] as const)(
+    'a call made while its server is away waits for it, and is carried out once it is back (%s)',
+    async calls => {
+      const port = await freePort();
+      const listen = `127.0.0.1:${port}`;
+      const first = await startLoamServer({}, { listen });
+      const { Queue, Worker } = withBackend(loamBackend({ url: first.url, calls }));
+      const name = `q-${randomUUID()}`;
+      const queue = new Queue(name, { connection: {} });
+      await queue.add('before', {});
+      await first.kill();
+      // Before: rejected at once with ECONNREFUSED (ConnectionClosedError),
+      // where ioredis holds a command until Redis is back.
+      const during = queue.add('during', {});
+      await new Promise(resolve => setTimeout(resolve, 700));
+      const second = await startLoamServer({}, { listen, dataDir: first.dataDir });
+      try {
+        expect((await during).name).toBe('during');
+        const worker = new Worker(name, async job => job.name, { connection: {} });
+        const done: string[] = [];
+        await new Promise<void>(resolve => {
+          worker.on('completed', job => {
+            done.push(job.name);
+            if (done.length === 2) resolve();
+          });
+        });
+        expect(done.sort()).toEqual(['before', 'during']);
+        await Promise.all([worker.close(), queue.close()]);
+      } finally {
+        await second.stop();
+      }
+    },
+  );
+
+  it('a call gives up on a server that stays away after reconnectTimeoutMs', async () => {
+    const port = await freePort();
+    const { Queue } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}`, reconnectTimeoutMs: 300 }));
+    const queue = new Queue(`q-${randomUUID()}`, { connection: {} });
+    const started = Date.now();
+    await expect(queue.add('a', {})).rejects.toBeInstanceOf(ConnectionClosedError);
+    expect(Date.now() - started).toBeLessThan(3_000);
+    await queue.close();
+  });
 
   it('a request over the size limit fails at once, and the calls after it go on', async () => {
     const { direct } = classes();
