@@ -116,6 +116,18 @@ fn fence(token: Option<&str>) -> loam_jobs::Fence {
     }
 }
 
+/// The fence of a call made as the lease's holder (moveToFinished,
+/// extendLock): only `"0"` acts without a lock, as Redis's scripts skip the
+/// check for it; no token is Redis's `""` (ioredis sends `undefined` so),
+/// which holds no lock, so another worker's lock is refused (-6), not taken
+/// over.
+fn holder_fence(token: &str) -> loam_jobs::Fence {
+    match token {
+        "0" => loam_jobs::Fence::Unchecked,
+        t => loam_jobs::Fence::Token(t.to_string()),
+    }
+}
+
 fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
@@ -235,13 +247,13 @@ impl LoamQueue {
         &self,
         env: &'env Env,
         op: Op,
-        token: Option<&str>,
+        fence: loam_jobs::Fence,
         outcome: Outcome,
         opts: CompleteOptions,
         map: impl FnOnce(Completed) -> T + Send + 'static,
     ) -> Result<PromiseRaw<'env, T>> {
         let job_id = op.job_id.clone().unwrap_or_default();
-        let pending = self.jobs()?.complete(&self.ns, &self.queue, &job_id, fence(token), outcome, opts);
+        let pending = self.jobs()?.complete(&self.ns, &self.queue, &job_id, fence, outcome, opts);
         settle(env, op, pending, map)
     }
 
@@ -257,7 +269,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, String>> {
         let op = Op::new("moveToFinished").job(job_id).state("active");
         let opts = self.complete_options(token, fetch_next);
-        self.complete(env, op, Some(token), outcome, opts, move |done| finished_json(&done, fetch_next))
+        self.complete(env, op, holder_fence(token), outcome, opts, move |done| finished_json(&done, fetch_next))
     }
 
     /// One read on a snapshot of this queue.
@@ -484,7 +496,7 @@ impl LoamQueue {
         duration: f64,
     ) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
-        let pending = self.jobs()?.extend(&self.ns, &self.queue, &job_id, fence(Some(&token)), ms(duration));
+        let pending = self.jobs()?.extend(&self.ns, &self.queue, &job_id, holder_fence(&token), ms(duration));
         settle_with(env, pending, move |extended| match extended {
             Ok(_) => Ok(1),
             Err(e) if is_lock_refusal(&e) => Ok(0),
@@ -503,7 +515,7 @@ impl LoamQueue {
         duration: f64,
     ) -> Result<PromiseRaw<'env, Vec<String>>> {
         self.store.observe(host_now);
-        let items = job_ids.into_iter().zip(tokens).map(|(id, t)| (id, fence(Some(&t)))).collect();
+        let items = job_ids.into_iter().zip(tokens).map(|(id, t)| (id, holder_fence(&t))).collect();
         let pending = self.jobs()?.extend_many(&self.ns, &self.queue, items, ms(duration));
         settle(env, Op::new("extendLocks"), pending, |failed| failed)
     }
@@ -546,12 +558,12 @@ impl LoamQueue {
         host_now: f64,
         job_id: String,
         return_value: String,
-        token: String,
+        token: Option<String>,
         fetch_next: bool,
     ) -> Result<PromiseRaw<'env, String>> {
         self.store.observe(host_now);
         let outcome = Outcome::Ok { result: Some(return_value.into_bytes()) };
-        self.finish_active(env, &job_id, &token, fetch_next, outcome)
+        self.finish_active(env, &job_id, &token.unwrap_or_default(), fetch_next, outcome)
     }
 
     /// `moveToFailed`: the final failure (BullMQ decided not to retry).
@@ -566,7 +578,7 @@ impl LoamQueue {
         host_now: f64,
         job_id: String,
         failed_reason: String,
-        token: String,
+        token: Option<String>,
         fetch_next: bool,
         fields_to_update: Option<String>,
     ) -> Result<PromiseRaw<'env, String>> {
@@ -574,7 +586,7 @@ impl LoamQueue {
         let fields: FailureFields =
             fields_to_update.as_deref().map_or(Ok(FailureFields::default()), |f| parse("fieldsToUpdate", f))?;
         let outcome = Outcome::Fail { error: fields.to_error(Some(&failed_reason)), dead_letter: false };
-        self.finish_active(env, &job_id, &token, fetch_next, outcome)
+        self.finish_active(env, &job_id, &token.unwrap_or_default(), fetch_next, outcome)
     }
 
     /// `moveToDelayed`: a retry after a backoff (an attempt is spent) or, with
@@ -615,7 +627,7 @@ impl LoamQueue {
             Outcome::Retry { error: o.fields_to_update.map(|f| f.to_error(None)), after_ms: Some(ms(delay)) }
         };
         let opts = self.complete_options(&token, o.fetch_next);
-        self.complete(env, op, Some(&token), outcome, opts, |done| {
+        self.complete(env, op, fence(Some(&token)), outcome, opts, |done| {
             done.next.as_ref().filter(|n| !n.leases.is_empty()).map_or_else(|| "[]".into(), convert::next_job_json)
         })
     }
@@ -635,7 +647,7 @@ impl LoamQueue {
         let fields: Option<FailureFields> =
             fields_to_update.as_deref().map(|f| parse("fieldsToUpdate", f)).transpose()?;
         let outcome = Outcome::Retry { error: fields.map(|f| f.to_error(None)), after_ms: Some(0) };
-        self.complete(env, op, token.as_deref(), outcome, CompleteOptions::default(), |_| ())
+        self.complete(env, op, fence(token.as_deref()), outcome, CompleteOptions::default(), |_| ())
     }
 
     /// `moveJobFromActiveToWait` (a processor's RateLimitError): the job goes

@@ -177,6 +177,17 @@ function fence(token: string | undefined): FenceInit {
     : { kind: { case: 'token', value: token } };
 }
 
+/**
+ * The fence of a call made as the lease's holder (moveToFinished,
+ * extendLock): only `"0"` acts without a lock, as Redis's scripts skip the
+ * check for it; no token is Redis's `""` (ioredis sends `undefined` so),
+ * which holds no lock, so another worker's lock is refused (-6), not taken
+ * over. The addon's `holder_fence` is the same.
+ */
+function holderFence(token: string | undefined): FenceInit {
+  return token === '0' ? fence(token) : { kind: { case: 'token', value: token ?? '' } };
+}
+
 function hasCode(err: unknown): err is Error & { code: LoamErrorCode } {
   return err instanceof Error && 'code' in err;
 }
@@ -316,12 +327,12 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** Ends the lease of `command.jobId` with `outcome`. */
   private async complete(
     command: BullmqCommand & { jobId: string },
-    token: string | undefined,
+    fence: FenceInit,
     outcome: OutcomeInit['kind'],
     options?: CompleteOptionsInit,
   ) {
     const r = await this.send(command, (c, o) =>
-      c.complete({ queue: this.queueName, jobId: command.jobId, fence: fence(token), outcome: { kind: outcome }, options }, o),
+      c.complete({ queue: this.queueName, jobId: command.jobId, fence, outcome: { kind: outcome }, options }, o),
     );
     // A next job (fetchNext) waits for the adds still on their way, as a lease does.
     if (r.completed?.next?.leases.length) await this.channel.writesAnswered();
@@ -546,7 +557,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async extendLock(jobId: string, token: string, duration: number): Promise<number> {
     try {
       await this.send({ command: 'extendLock', jobId }, (c, o) =>
-        c.extend({ queue: this.queueName, items: [{ jobId, fence: fence(token) }], durationMs: u64(duration) }, o),
+        c.extend({ queue: this.queueName, items: [{ jobId, fence: holderFence(token) }], durationMs: u64(duration) }, o),
       );
       return 1;
     } catch (err) {
@@ -562,7 +573,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       // With one item the server answers with that item's error, not a list.
       return (await this.extendLock(jobIds[0], tokens[0], duration)) ? [] : [jobIds[0]];
     }
-    const items = jobIds.map((jobId, i) => ({ jobId, fence: fence(tokens[i]) }));
+    const items = jobIds.map((jobId, i) => ({ jobId, fence: holderFence(tokens[i]) }));
     const r = await this.send({ command: 'extendLocks' }, (c, o) =>
       c.extend({ queue: this.queueName, items, durationMs: u64(duration) }, o),
     );
@@ -605,7 +616,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const value = JSON.stringify(returnValue) ?? 'null';
     const r = await this.complete(
       { command: 'moveToFinished', jobId: job.id!, state: 'active' },
-      token,
+      holderFence(token),
       { case: 'success', value: { result: bytes(value) } },
       this.completeOptions(token, fetchNext),
     );
@@ -622,7 +633,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   ): Promise<{ result: void | any[]; finishedOn: number }> {
     const r = await this.complete(
       { command: 'moveToFinished', jobId: job.id!, state: 'active' },
-      token,
+      holderFence(token),
       { case: 'fail', value: { error: jobError(failedReason ?? '', fieldsToUpdate), deadLetter: false } },
       this.completeOptions(token, fetchNext),
     );
@@ -662,7 +673,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
         };
     const r = await this.complete(
       { command: 'moveToDelayed', jobId, state: 'active' },
-      token,
+      fence(token),
       outcome,
       this.completeOptions(token ?? '', !!opts.fetchNext),
     );
@@ -673,7 +684,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** True when the job now waits for children (with `opts.child`, for that one). */
   async moveToWaitingChildren(jobId: string, token: string, opts: MoveToWaitingChildrenOpts = {}): Promise<boolean> {
     const child = opts.child ? `${opts.child.queue}:${opts.child.id}` : undefined;
-    const r = await this.complete({ command: 'moveToWaitingChildren', jobId, state: 'active' }, token, {
+    const r = await this.complete({ command: 'moveToWaitingChildren', jobId, state: 'active' }, fence(token), {
       case: 'waitChildren',
       value: { child },
     });
@@ -701,7 +712,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** An immediate retry (an attempt is spent). */
   async retryJob(jobId: string, _lifo: boolean, token?: string, opts?: RetryJobOpts): Promise<void> {
     const error = opts?.fieldsToUpdate ? jobError(undefined, opts.fieldsToUpdate) : undefined;
-    await this.complete({ command: 'retryJob', jobId, state: 'active' }, token, {
+    await this.complete({ command: 'retryJob', jobId, state: 'active' }, fence(token), {
       case: 'retry',
       value: { error, afterMs: 0n },
     });

@@ -99,6 +99,26 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it("refuses a completion or lock extension without a token on another worker's job, as Redis does", async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const job = await queue.add('a', {});
+    const backend = queue.getBackend() as LoamQueueBackend;
+    await backend.moveToActive('tok-4');
+    const active = (await queue.getJob(job.id!))!;
+    const noToken = undefined as unknown as string;
+    // Before: in-process failed converting undefined to a string; remote
+    // failed the job, overriding tok-4's lock.
+    const mismatch = { code: -6, message: `Lock mismatch for job ${job.id}. Cmd moveToFinished from active` };
+    await expect(active.moveToFailed(new Error('e3'), noToken, false)).rejects.toMatchObject(mismatch);
+    await expect(active.moveToCompleted('x', noToken, false)).rejects.toMatchObject(mismatch);
+    await expect(active.moveToCompleted('x', '', false)).rejects.toMatchObject(mismatch);
+    expect(await backend.extendLock(job.id!, '', 1_000)).toBe(0);
+    expect(await active.getState()).toBe('active');
+    await active.moveToCompleted('x', 'tok-4', false);
+    expect(await active.getState()).toBe('completed');
+    await queue.close();
+  });
+
   it('a closed Queue refuses calls, as a closed Redis connection does', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     await queue.add('a', {});
