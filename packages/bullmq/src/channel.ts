@@ -94,6 +94,19 @@ class QuietSessionManager extends Http2SessionManager {
   }
 }
 
+/** What a call may be given besides its signal. */
+export interface CallHooks {
+  /** Learns the connection a unary call goes on. */
+  carriedBy?: (connection: Connection) => void;
+  /**
+   * Once aborted, a call that could not reach its server is not tried again:
+   * its backend closed, or its Worker is closing (BullMQ's Worker cuts its
+   * blocking calls first, then waits for its main loop; waiting each of the
+   * loop's calls out, closing a Worker while its server was away took 38 s).
+   */
+  stopRetrying?: AbortSignal;
+}
+
 /** A call the caller itself cut short (disconnectBlocking, close). */
 export class CallAborted extends Error {
   constructor() {
@@ -217,14 +230,16 @@ export class RemoteChannel {
     command: BullmqCommand,
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
     signal?: AbortSignal,
-    carriedBy?: (connection: Connection) => void,
+    { carriedBy, stopRetrying }: CallHooks = {},
   ): Promise<T> {
     const session = this.sessionClient;
     const giveUpAt = Date.now() + Math.max(0, this.settings.reconnectTimeoutMs ?? DEFAULT_RECONNECT_TIMEOUT_MS);
+    const waiting = signal && stopRetrying ? AbortSignal.any([signal, stopRetrying]) : (signal ?? stopRetrying);
     for (let wait = RECONNECT_FIRST_WAIT_MS; ; wait = Math.min(2 * wait, RECONNECT_MAX_WAIT_MS)) {
       const refused = this.refusedUntil - Date.now();
       if (refused > 0) await sleep(refused, undefined, { signal }).catch(() => undefined);
       if (signal?.aborted) throw new CallAborted();
+      let failure: unknown;
       try {
         return await (session ? rpc(session, { signal }) : this.unary(client => rpc(client, { signal }), carriedBy));
       } catch (err) {
@@ -232,13 +247,18 @@ export class RemoteChannel {
         if (err instanceof ConnectError && (err.code === Code.Unauthenticated || err.code === Code.PermissionDenied)) {
           this.refusedUntil = Date.now() + REFUSED_TOKEN_WAIT_MS;
         }
-        // Tried again while a backend still uses the channel (a closed one's
-        // calls give up) and the server may yet come back in time.
-        if (!neverSent(err) || this.users === 0 || Date.now() + wait > giveUpAt) throw toBullmqError(err, command);
+        // Tried again while its backend is open, and the server may yet come
+        // back in time.
+        if (!neverSent(err) || stopRetrying?.aborted || this.users === 0 || Date.now() + wait > giveUpAt) {
+          throw toBullmqError(err, command);
+        }
+        failure = err;
       } finally {
         if (session) this.closeIfUnused();
       }
-      await sleep(wait, undefined, { signal }).catch(() => undefined);
+      await sleep(wait, undefined, { signal: waiting }).catch(() => undefined);
+      if (signal?.aborted) throw new CallAborted();
+      if (stopRetrying?.aborted) throw toBullmqError(failure, command);
     }
   }
 
@@ -258,6 +278,7 @@ export class RemoteChannel {
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
     interrupt: AbortSignal,
     deadlineMs: number,
+    stopRetrying?: AbortSignal,
   ): Promise<T> {
     const cut = new AbortController();
     const abort = () => cut.abort();
@@ -272,8 +293,11 @@ export class RemoteChannel {
     }, deadlineMs);
     deadline.unref();
     try {
-      return await this.call(command, rpc, cut.signal, connection => {
-        carrier = connection;
+      return await this.call(command, rpc, cut.signal, {
+        stopRetrying,
+        carriedBy: connection => {
+          carrier = connection;
+        },
       });
     } finally {
       clearTimeout(deadline);

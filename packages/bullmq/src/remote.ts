@@ -214,7 +214,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** The server caps a long-poll at 30 s; BullMQ then simply asks again. */
   readonly maximumBlockTimeout = MAX_WAIT_MS / 1000;
 
-  /** Cuts `waitForJob` short (`disconnectBlocking`); replaced by `reconnectBlocking`. */
+  /**
+   * Cuts `waitForJob` short (`disconnectBlocking`, `close`), and stops the
+   * calls waiting for a server that is away; replaced by `reconnectBlocking`.
+   */
   private blocking = new AbortController();
   /** Cuts `readEvents` short (`disconnect`, `close`). */
   private readonly events = new AbortController();
@@ -280,10 +283,14 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     // As the in-process backend's closed store refuses it (a shutdown race in
     // the caller's code would otherwise still add work: the channel reconnects).
     if (this.closing) return Promise.reject(loamError('unavailable', 'the backend is closed'));
-    const start = () =>
-      deadlineMs === undefined || !signal
-        ? this.channel.call(command, rpc, signal)
-        : this.channel.longPoll(command, rpc, signal, deadlineMs);
+    const start = () => {
+      // A call of a closing backend (or a Worker that cut its blocking calls
+      // to close or pause) does not wait for a server that is away.
+      const stopRetrying = this.blocking.signal;
+      return deadlineMs === undefined || !signal
+        ? this.channel.call(command, rpc, signal, { stopRetrying })
+        : this.channel.longPoll(command, rpc, signal, deadlineMs, stopRetrying);
+    };
     if (!ordered) return this.orderedInFlight === 0 ? start() : this.orderedWrites.then(start);
     this.orderedInFlight++;
     const sent = this.orderedWrites.then(start);

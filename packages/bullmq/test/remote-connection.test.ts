@@ -147,6 +147,24 @@ describeRemote('remote connection failures', () => {
     },
   );
 
+  it('a Worker, QueueEvents and Queue close at once while their server is away', async () => {
+    const port = await freePort();
+    const { Queue, Worker, QueueEvents } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}` }));
+    const worker = new Worker('away', async () => 'ok', { connection: {} });
+    const events = new QueueEvents('away', { connection: {} });
+    const queue = new Queue('away', { connection: {} });
+    worker.on('error', () => undefined);
+    events.on('error', () => undefined);
+    const adding = queue.add('a', {}).catch((err: Error) => err);
+    await new Promise(resolve => setTimeout(resolve, 500));
+    const started = Date.now();
+    // The worker's main loop has calls waiting for the server; each would
+    // wait out reconnectTimeoutMs in turn (38 s in all).
+    await Promise.all([worker.close(), events.close(), queue.close()]);
+    expect(Date.now() - started).toBeLessThan(3_000);
+    expect(await adding).toBeInstanceOf(ConnectionClosedError);
+  });
+
   it('a call gives up on a server that stays away after reconnectTimeoutMs', async () => {
     const port = await freePort();
     const { Queue } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}`, reconnectTimeoutMs: 300 }));
