@@ -149,7 +149,8 @@ impl RedbStore {
         let progress = Arc::new(Progress::new(RedbSnapshot::new(&db)?));
         let (sender, receiver) = mpsc::channel();
         let (to_committer, from_executor) = mpsc::channel();
-        let file_writer = FileWriter { db: Arc::clone(&db), progress: Arc::clone(&progress) };
+        let relaxed = matches!(durability, Durability::Relaxed { .. });
+        let file_writer = FileWriter { db: Arc::clone(&db), progress: Arc::clone(&progress), relaxed };
         let mut threads = Vec::new();
         // With a log, redb is written on a thread of its own, behind the log;
         // without one, its commits are what makes writes durable, before
@@ -237,7 +238,7 @@ fn recover(db: &Database, path: &Path) -> Result<Wal, StoreError> {
     }
     store_generation(&txn, generation + 2)?;
     txn.commit().map_err(io)?;
-    wal.restart(generation + 2);
+    wal.restart(generation + 2).map_err(io)?;
     Ok(wal)
 }
 
@@ -369,6 +370,9 @@ fn scan_table<T: ReadableTable<&'static [u8], &'static [u8]>>(
 struct Progress {
     state: Mutex<Committed>,
     changed: Condvar,
+    /// Tests: how many times the committer's loop went round.
+    #[cfg(test)]
+    committer_turns: std::sync::atomic::AtomicU64,
 }
 
 impl Progress {
@@ -382,7 +386,12 @@ impl Progress {
             snapshot: Arc::new(snapshot),
             snapshot_batch: 0,
         };
-        Self { state: Mutex::new(state), changed: Condvar::new() }
+        Self {
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            #[cfg(test)]
+            committer_turns: std::sync::atomic::AtomicU64::new(0),
+        }
     }
 
     /// The batches up to `number` were acknowledged. Never moves back: under
@@ -681,6 +690,8 @@ impl Committer {
 
     fn run(mut self, receiver: Receiver<Batch>) {
         loop {
+            #[cfg(test)]
+            self.progress.committer_turns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let first = match self.next_wake() {
                 None => match receiver.recv() {
                     Ok(b) => b,
@@ -757,10 +768,16 @@ impl Committer {
     /// Makes every commit so far durable: an fsync of the log, or without a
     /// log an empty durable commit, which makes every earlier one durable.
     fn flush(&mut self) {
-        if self.unflushed_since.is_none() || self.broken.is_some() {
+        if self.broken.is_some() {
+            // Nothing can be made durable any more: waking to try again
+            // would only spin the committer.
+            self.unflushed_since = None;
             return;
         }
-        let result = match &self.file {
+        if self.unflushed_since.is_none() {
+            return;
+        }
+        let result = match &mut self.file {
             File::Logged { wal, .. } => wal.sync().map_err(io),
             File::Inline(file) => file.write(&[], true, None),
         };
@@ -807,12 +824,19 @@ impl Committer {
         }
         let File::Logged { wal, to_file } = &mut self.file else { return };
         let generation = wal.generation() + 1;
+        // Before anything of the next generation is written (see `Wal::restart`).
+        if let Err(e) = wal.restart(generation) {
+            let e = io(e);
+            self.refuse_reads_if_relaxed(&e);
+            self.broken = Some(e);
+            return;
+        }
+        self.unflushed_since = None;
         let (done, answer) = mpsc::sync_channel(1);
         if to_file.send(ToFile::Checkpoint { group: None, generation, done }).is_err() {
             self.broken = Some(StoreError::Closed);
             return;
         }
-        wal.restart(generation);
         self.last_checkpoint = Instant::now();
         self.checkpointing = Some(answer);
     }
@@ -849,19 +873,25 @@ impl Committer {
     /// under the next generation.
     fn checkpoint(&mut self, group: Option<Group>) -> Result<(), StoreError> {
         self.checkpoint_done(true);
-        let File::Logged { wal, to_file } = &mut self.file else { return Ok(()) };
-        if let Some(e) = &self.broken {
-            return Err(e.clone());
+        if let Some(e) = self.broken.clone() {
+            // The file writer is done with the group's batches, which fail.
+            if let Some(group) = group {
+                self.done_with(group.last);
+            }
+            return Err(e);
         }
+        let File::Logged { wal, to_file } = &mut self.file else { return Ok(()) };
         let generation = wal.generation() + 1;
         let (done, answer) = mpsc::sync_channel(1);
         let result = to_file
             .send(ToFile::Checkpoint { group, generation, done })
             .map_err(|_| StoreError::Closed)
             .and_then(|()| answer.recv().map_err(|_| StoreError::Closed)?);
+        // redb now holds the generation durably: what its records were to
+        // make durable is, and the fsync `restart` makes is all but free.
+        let result = result.and_then(|()| wal.restart(generation).map_err(io));
         match &result {
             Ok(()) => {
-                wal.restart(generation);
                 self.last_checkpoint = Instant::now();
                 self.unflushed_since = None;
             }
@@ -1001,6 +1031,10 @@ impl Committer {
 struct FileWriter {
     db: Arc<Database>,
     progress: Arc<Progress>,
+    /// Under relaxed durability a failed checkpoint refuses reads at once:
+    /// the committer, which learns of it within `CHECKPOINT_POLL`, then
+    /// refuses the writes acknowledged early meanwhile.
+    relaxed: bool,
 }
 
 impl FileWriter {
@@ -1066,7 +1100,7 @@ impl FileWriter {
                 }
                 Ok(None) => Ok(()),
                 Err(e) => {
-                    if batches.first().is_some_and(|(first, _)| state.acked >= *first) {
+                    if batches.first().is_some_and(|(first, _)| state.acked >= *first) || durable && self.relaxed {
                         state.unreadable = Some(e.clone());
                     }
                     Err(e)
@@ -1434,6 +1468,49 @@ mod log_tests {
         assert!(snapshot.get(b"before").unwrap().is_some());
         assert!(snapshot.get(b"trigger").unwrap().is_some(), "replayed from the log");
         assert!(snapshot.get(b"after").unwrap().is_none(), "a refused write left nothing");
+    }
+
+    /// A broken store's committer sleeps: it spun a whole core once a failed
+    /// log or checkpoint left a flush due that it could no longer make.
+    fn assert_a_broken_store_sleeps(store: &RedbStore) {
+        use std::sync::atomic::Ordering;
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(store.snapshot().is_err(), "the store is broken");
+        let before = store.progress.committer_turns.load(Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(500));
+        let turns = store.progress.committer_turns.load(Ordering::Relaxed) - before;
+        assert!(turns < 10, "an idle broken store's committer went round {turns} times in 500 ms");
+    }
+
+    #[test]
+    fn a_store_whose_log_failed_sleeps() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let failing = Arc::new(AtomicBool::new(false));
+        let store =
+            RedbStore::open_with_failing_log(&dir.path().join("jobs.redb"), relaxed(), Arc::clone(&failing)).unwrap();
+        put(&store, "before");
+        // The flush due 100 ms after that commit fails.
+        failing.store(true, Ordering::SeqCst);
+        assert_a_broken_store_sleeps(&store);
+    }
+
+    #[test]
+    fn a_store_whose_checkpoint_failed_sleeps() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let memory = Arc::new(redb::backends::InMemoryBackend::new());
+        let dir = tempfile::tempdir().unwrap();
+        let failing = Arc::new(AtomicBool::new(false));
+        let disk = super::tests::FailingDisk { memory, failing: Arc::clone(&failing) };
+        let db = Database::builder().create_with_backend(disk).unwrap();
+        let wal = recover(&db, &dir.path().join("log")).unwrap();
+        let options = RedbOptions { checkpoint_interval: Duration::from_millis(1), ..relaxed() };
+        let store = RedbStore::start(db, &options, Some(wal)).unwrap();
+        put(&store, "before");
+        std::thread::sleep(Duration::from_millis(50));
+        failing.store(true, Ordering::SeqCst);
+        put(&store, "trigger");
+        assert_a_broken_store_sleeps(&store);
     }
 
     /// A completion callback that panics (a bug in a host's callback, run on a

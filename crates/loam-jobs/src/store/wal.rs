@@ -44,6 +44,8 @@ pub(crate) struct Wal {
     base: u64,
     /// Where the next record goes, from `base`.
     end: u64,
+    /// Whether records were appended since the last fsync.
+    unsynced: bool,
     generation: u64,
     next_seq: u64,
     /// Tests: appends and fsyncs fail while this is set.
@@ -85,6 +87,7 @@ impl Wal {
             region,
             base: start(generation),
             end: 0,
+            unsynced: false,
             generation,
             next_seq: 1,
             #[cfg(test)]
@@ -134,13 +137,16 @@ impl Wal {
         self.file.write_all_at(&record, self.base + self.end)?;
         self.end += record.len() as u64;
         self.next_seq += 1;
+        self.unsynced = true;
         Ok(())
     }
 
     /// Makes every record appended so far durable.
-    pub(crate) fn sync(&self) -> io::Result<()> {
+    pub(crate) fn sync(&mut self) -> io::Result<()> {
         self.check()?;
-        self.file.sync_data()
+        self.file.sync_data()?;
+        self.unsynced = false;
+        Ok(())
     }
 
     /// Makes appends and fsyncs fail while `failing` is set.
@@ -164,12 +170,20 @@ impl Wal {
 
     /// Goes on under `generation`, at the start of its region: once a
     /// checkpoint is asked for (which makes every record of the generation
-    /// before redundant once it succeeds), or made.
-    pub(crate) fn restart(&mut self, generation: u64) {
+    /// before redundant once it succeeds), or made. The records so far are
+    /// made durable first: recovery replays the next generation after
+    /// whatever of this one it finds, so a record of the next on the disk
+    /// without this one's last (written back later by the kernel, or not at
+    /// all before a power cut) would replay a state no commits made.
+    pub(crate) fn restart(&mut self, generation: u64) -> io::Result<()> {
+        if self.unsynced {
+            self.sync()?;
+        }
         self.generation = generation;
         self.base = (generation % 2) * self.region;
         self.end = 0;
         self.next_seq = 1;
+        Ok(())
     }
 
     pub(crate) fn generation(&self) -> u64 {
@@ -297,8 +311,8 @@ mod tests {
         assert!(wal.append(Wal::encode([&long].into_iter())).is_ok());
         assert!(wal.append(Wal::encode([&later].into_iter())).is_ok());
         // Generation 3 writes generation 1's region again.
-        wal.restart(2);
-        wal.restart(3);
+        wal.restart(2).unwrap();
+        wal.restart(3).unwrap();
         let short = writes(&[("new", Some("b"))]);
         assert!(wal.append(Wal::encode([&short].into_iter())).is_ok());
         wal.sync().unwrap();
@@ -317,7 +331,7 @@ mod tests {
         assert!(wal.append(Wal::encode([&before].into_iter())).is_ok());
         // A checkpoint to generation 5 is asked for; commits go on in the
         // other region before it is made, and the process dies.
-        wal.restart(5);
+        wal.restart(5).unwrap();
         assert!(wal.append(Wal::encode([&during].into_iter())).is_ok());
         wal.sync().unwrap();
         drop(wal);
@@ -326,6 +340,25 @@ mod tests {
         // The checkpoint made it: generation 4's records are redundant.
         let (_, records) = Wal::open(&path, 5, 4096).unwrap();
         assert_eq!(records, vec![during]);
+    }
+
+    /// The next generation is written only once this one's records are
+    /// durable: a disk that fails the fsync keeps the log where it was.
+    #[test]
+    fn a_generation_is_made_durable_before_the_next_is_written() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let (mut wal, _) = Wal::open(&dir.path().join("log"), 4, 4096).unwrap();
+        let failing = Arc::new(AtomicBool::new(false));
+        wal.fail_while(Arc::clone(&failing));
+        assert!(wal.append(Wal::encode([&writes(&[("lease", Some("active"))])].into_iter())).is_ok());
+        failing.store(true, Ordering::SeqCst);
+        assert!(wal.restart(5).is_err(), "switched regions with the record unsynced");
+        assert_eq!(wal.generation(), 4);
+        failing.store(false, Ordering::SeqCst);
+        assert!(wal.restart(5).is_ok());
+        assert_eq!(wal.generation(), 5);
     }
 
     #[test]
