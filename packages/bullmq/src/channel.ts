@@ -233,11 +233,14 @@ export class RemoteChannel {
     { carriedBy, stopRetrying }: CallHooks = {},
   ): Promise<T> {
     const session = this.sessionClient;
-    const giveUpAt = Date.now() + Math.max(0, this.settings.reconnectTimeoutMs ?? DEFAULT_RECONNECT_TIMEOUT_MS);
-    const waiting = signal && stopRetrying ? AbortSignal.any([signal, stopRetrying]) : (signal ?? stopRetrying);
+    // Set at the first failure: a call that goes through costs no clock read.
+    let giveUpAt: number | undefined;
     for (let wait = RECONNECT_FIRST_WAIT_MS; ; wait = Math.min(2 * wait, RECONNECT_MAX_WAIT_MS)) {
-      const refused = this.refusedUntil - Date.now();
-      if (refused > 0) await sleep(refused, undefined, { signal }).catch(() => undefined);
+      if (this.refusedUntil !== 0) {
+        const refused = this.refusedUntil - Date.now();
+        if (refused > 0) await sleep(refused, undefined, { signal }).catch(() => undefined);
+        else this.refusedUntil = 0;
+      }
       if (signal?.aborted) throw new CallAborted();
       let failure: unknown;
       try {
@@ -249,6 +252,7 @@ export class RemoteChannel {
         }
         // Tried again while its backend is open, and the server may yet come
         // back in time.
+        giveUpAt ??= Date.now() + Math.max(0, this.settings.reconnectTimeoutMs ?? DEFAULT_RECONNECT_TIMEOUT_MS);
         if (!neverSent(err) || stopRetrying?.aborted || this.users === 0 || Date.now() + wait > giveUpAt) {
           throw toBullmqError(err, command);
         }
@@ -256,7 +260,8 @@ export class RemoteChannel {
       } finally {
         if (session) this.closeIfUnused();
       }
-      await sleep(wait, undefined, { signal: waiting }).catch(() => undefined);
+      const waitUntil = signal && stopRetrying ? AbortSignal.any([signal, stopRetrying]) : (signal ?? stopRetrying);
+      await sleep(wait, undefined, { signal: waitUntil }).catch(() => undefined);
       if (signal?.aborted) throw new CallAborted();
       if (stopRetrying?.aborted) throw toBullmqError(failure, command);
     }
