@@ -20,7 +20,7 @@ export default defineConfig({
           ...shared,
           name: 'remote',
           // Pure conversions, no backend: they run once, in the other project.
-          exclude: ['test/wire.test.ts', 'test/codec.test.ts'],
+          exclude: ['test/wire.test.ts', 'test/codec.test.ts', 'test/channel.test.ts'],
           env: { LOAM_TEST_BACKEND: 'remote' },
           globalSetup: ['test/remote-server.ts'],
         },

@@ -64,7 +64,8 @@ export interface RemoteSettings {
    */
   maxRequestBytes?: number;
   /**
-   * How long a call waits for a server it cannot reach (default 20 s): a
+   * How long calls wait for a server they cannot reach, from when it was
+   * first found away (default 20 s): a
    * call whose connection could not be made was never sent, so it is sent
    * again once the server is back, as ioredis holds Redis commands while it
    * reconnects. A call cut while it was on its way fails at once (BullMQ's
@@ -157,6 +158,13 @@ export class RemoteChannel {
   private readonly sessionClient?: JobsClient;
   /** Until when calls wait, after the server refused the token. */
   private refusedUntil = 0;
+  /**
+   * Since when the server could not be reached (0: it answers). Calls give up
+   * `reconnectTimeoutMs` after it, together: counted per call, writes queued
+   * in order each waited a whole window after the one before (the fifth add
+   * of an outage failed after five windows).
+   */
+  private unreachableSince = 0;
 
   constructor(readonly settings: RemoteSettings) {
     this.maxStreams = Math.max(1, settings.maxStreamsPerConnection ?? DEFAULT_STREAMS);
@@ -233,8 +241,6 @@ export class RemoteChannel {
     { carriedBy, stopRetrying }: CallHooks = {},
   ): Promise<T> {
     const session = this.sessionClient;
-    // Set at the first failure: a call that goes through costs no clock read.
-    let giveUpAt: number | undefined;
     for (let wait = RECONNECT_FIRST_WAIT_MS; ; wait = Math.min(2 * wait, RECONNECT_MAX_WAIT_MS)) {
       if (this.refusedUntil !== 0) {
         const refused = this.refusedUntil - Date.now();
@@ -244,7 +250,11 @@ export class RemoteChannel {
       if (signal?.aborted) throw new CallAborted();
       let failure: unknown;
       try {
-        return await (session ? rpc(session, { signal }) : this.unary(client => rpc(client, { signal }), carriedBy));
+        const answer = await (session
+          ? rpc(session, { signal })
+          : this.unary(client => rpc(client, { signal }), carriedBy));
+        this.unreachableSince = 0;
+        return answer;
       } catch (err) {
         if (signal?.aborted) throw new CallAborted();
         if (err instanceof ConnectError && (err.code === Code.Unauthenticated || err.code === Code.PermissionDenied)) {
@@ -252,8 +262,15 @@ export class RemoteChannel {
         }
         // Tried again while its backend is open, and the server may yet come
         // back in time.
-        giveUpAt ??= Date.now() + Math.max(0, this.settings.reconnectTimeoutMs ?? DEFAULT_RECONNECT_TIMEOUT_MS);
-        if (!neverSent(err) || stopRetrying?.aborted || this.users === 0 || Date.now() + wait > giveUpAt) {
+        if (!neverSent(err)) {
+          this.unreachableSince = 0;
+          throw toBullmqError(err, command);
+        }
+        const now = Date.now();
+        if (this.unreachableSince === 0) this.unreachableSince = now;
+        const giveUpAt =
+          this.unreachableSince + Math.max(0, this.settings.reconnectTimeoutMs ?? DEFAULT_RECONNECT_TIMEOUT_MS);
+        if (stopRetrying?.aborted || this.users === 0 || now + wait > giveUpAt) {
           throw toBullmqError(err, command);
         }
         failure = err;
@@ -384,10 +401,13 @@ export class RemoteChannel {
 
 /**
  * Whether a call failed because its connection could not be made (refused,
- * unreachable, a name not found): then it never reached the server.
+ * unreachable, a name not found): then it never reached the server. A name
+ * with several addresses (IPv6 and IPv4) fails with an `AggregateError` of
+ * one such error per address.
  */
-function neverSent(err: unknown): boolean {
+export function neverSent(err: unknown): boolean {
   for (let e: unknown = err; e instanceof Error; e = e.cause) {
+    if (e instanceof AggregateError) return e.errors.length > 0 && e.errors.every(neverSent);
     const { syscall } = e as NodeJS.ErrnoException;
     if (syscall === 'connect' || syscall === 'getaddrinfo') return true;
   }

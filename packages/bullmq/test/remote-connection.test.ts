@@ -165,6 +165,22 @@ describeRemote('remote connection failures', () => {
     expect(await adding).toBeInstanceOf(ConnectionClosedError);
   });
 
+  it('calls queued in order behind each other give up together, reconnectTimeoutMs after the server went away', async () => {
+    const port = await freePort();
+    const { Queue } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}`, reconnectTimeoutMs: 1_000 }));
+    const queue = new Queue(`q-${randomUUID()}`, { connection: {} });
+    const started = Date.now();
+    // Adds reach the server one after another; each waited a whole window
+    // after the one before (the fifth failed after about 5 s).
+    const calls = [1, 2, 3, 4, 5].map(i => queue.add('a', { i }).catch((err: Error) => err));
+    const counts = queue.getJobCounts().catch((err: Error) => err);
+    for (const failed of [...(await Promise.all(calls)), await counts]) {
+      expect(failed).toBeInstanceOf(ConnectionClosedError);
+    }
+    expect(Date.now() - started).toBeLessThan(3_000);
+    await queue.close();
+  });
+
   it('a call gives up on a server that stays away after reconnectTimeoutMs', async () => {
     const port = await freePort();
     const { Queue } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}`, reconnectTimeoutMs: 300 }));
