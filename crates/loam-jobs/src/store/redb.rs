@@ -183,7 +183,7 @@ impl RedbStore {
             .name("loam-jobs-commit".into())
             .spawn(move || committer.run(from_executor))
             .map_err(io)?;
-        let lingering_committer = matches!(durability, Durability::Relaxed { .. }).then(|| committer.thread().clone());
+        let lingering_committer = relaxed.then(|| committer.thread().clone());
         threads.push(committer);
         let executor = Executor {
             progress: Arc::clone(&progress),
@@ -783,12 +783,7 @@ impl Committer {
         };
         match result {
             Ok(()) => self.unflushed_since = None,
-            Err(e) => {
-                // Under relaxed durability what this flush was to make durable
-                // was acknowledged already.
-                self.refuse_reads_if_relaxed(&e);
-                self.broken = Some(e);
-            }
+            Err(e) => self.break_store(e),
         }
     }
 
@@ -826,9 +821,7 @@ impl Committer {
         let generation = wal.generation() + 1;
         // Before anything of the next generation is written (see `Wal::restart`).
         if let Err(e) = wal.restart(generation) {
-            let e = io(e);
-            self.refuse_reads_if_relaxed(&e);
-            self.broken = Some(e);
+            self.break_store(io(e));
             return;
         }
         self.unflushed_since = None;
@@ -857,15 +850,8 @@ impl Committer {
         };
         self.checkpointing = None;
         if let Err(e) = result {
-            self.checkpoint_failed(&e);
+            self.break_store(e);
         }
-    }
-
-    fn checkpoint_failed(&mut self, e: &StoreError) {
-        // Under relaxed durability the writes since the last flush were
-        // acknowledged already, and will now not be made durable.
-        self.refuse_reads_if_relaxed(e);
-        self.broken = Some(e.clone());
     }
 
     /// A durable redb commit (with `group`, when it does not fit in the log)
@@ -895,7 +881,7 @@ impl Committer {
                 self.last_checkpoint = Instant::now();
                 self.unflushed_since = None;
             }
-            Err(e) => self.checkpoint_failed(e),
+            Err(e) => self.break_store(e.clone()),
         }
         result
     }
@@ -949,16 +935,20 @@ impl Committer {
     /// than show a state without them, and the executor acknowledges nothing
     /// early any more; reopening replays what the log kept.
     fn fail(&mut self, e: StoreError, last: u64) -> StoreError {
-        self.broken = Some(e.clone());
-        self.refuse_reads_if_relaxed(&e);
+        self.break_store(e.clone());
         self.done_with(last);
         e
     }
 
-    fn refuse_reads_if_relaxed(&self, e: &StoreError) {
+    /// A log append or fsync, or a checkpoint, failed: every later commit
+    /// fails with `e`, as redb's own do after an I/O error. Under relaxed
+    /// durability the writes since the last flush were acknowledged already
+    /// and will now not be made durable, so reads fail too.
+    fn break_store(&mut self, e: StoreError) {
         if matches!(self.durability, Durability::Relaxed { .. }) {
             self.progress.state.lock().unreadable.get_or_insert_with(|| e.clone());
         }
+        self.broken = Some(e);
     }
 
     /// Tells the file writer that the batches up to `last` failed: it is done

@@ -40,9 +40,7 @@ pub(crate) struct Wal {
     file: File,
     /// The size of each of the two regions.
     region: u64,
-    /// Where the current generation's region starts.
-    base: u64,
-    /// Where the next record goes, from `base`.
+    /// Where the next record goes, from the start of the generation's region.
     end: u64,
     /// Whether records were appended since the last fsync.
     unsynced: bool,
@@ -74,7 +72,7 @@ impl Wal {
             }
             file.sync_all()?;
         }
-        let start = |g: u64| (g % 2) * region;
+        let start = |g: u64| region_start(g, region);
         let mut records = read_records(&file, start(generation), region, generation)?;
         if records.is_empty() {
             // A log of one region (before the log had two) holds every
@@ -85,7 +83,6 @@ impl Wal {
         let wal = Self {
             file,
             region,
-            base: start(generation),
             end: 0,
             unsynced: false,
             generation,
@@ -134,7 +131,7 @@ impl Wal {
         let crc = checksum(self.generation, seq, &record[HEADER..]);
         record[20..24].copy_from_slice(&crc.to_le_bytes());
         self.check()?;
-        self.file.write_all_at(&record, self.base + self.end)?;
+        self.file.write_all_at(&record, region_start(self.generation, self.region) + self.end)?;
         self.end += record.len() as u64;
         self.next_seq += 1;
         self.unsynced = true;
@@ -180,7 +177,6 @@ impl Wal {
             self.sync()?;
         }
         self.generation = generation;
-        self.base = (generation % 2) * self.region;
         self.end = 0;
         self.next_seq = 1;
         Ok(())
@@ -198,6 +194,12 @@ impl Wal {
     pub(crate) fn is_empty(&self) -> bool {
         self.end == 0
     }
+}
+
+/// Where generation `generation`'s region starts: the log's two regions take
+/// turns.
+fn region_start(generation: u64, region: u64) -> u64 {
+    (generation % 2) * region
 }
 
 fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
