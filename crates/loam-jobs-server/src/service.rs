@@ -358,9 +358,6 @@ impl JobsSvc {
                     .await
                     .map_err(core_err)?;
                 self.schedules.remove(&c.ns, &queue, &id);
-                if done.is_some() {
-                    self.metrics.enqueued(&c.ns, &queue, 1);
-                }
                 done.map_or((None, 0), |(j, d)| (Some(j), d))
             }
             Some(Schedule::Advance(mut a)) => {
@@ -376,9 +373,6 @@ impl JobsSvc {
                     })
                     .await
                     .map_err(core_err)?;
-                if next.is_some() {
-                    self.metrics.enqueued(&c.ns, &queue, 1);
-                }
                 (next, 0)
             }
             Some(Schedule::Server(s)) => {
@@ -398,13 +392,14 @@ impl JobsSvc {
                     .await
                     .map_err(core_err)?;
                 self.schedules.add(&c.ns, &queue, &id);
-                if done.is_some() {
-                    self.metrics.enqueued(&c.ns, &queue, 1);
-                }
                 done.map_or((None, 0), |(j, d)| (Some(j), d))
             }
             None => return Err(invalid("a schedule (upsert, advance or server) is required")),
         };
+        // Each kind enqueues the job it answers with, if any.
+        if job_id.is_some() {
+            self.metrics.enqueued(&c.ns, &queue, 1);
+        }
         Ok(pb::ScheduleResponse { job_id, delay_ms, ..Default::default() })
     }
 
