@@ -241,10 +241,12 @@ export class RemoteChannel {
     { carriedBy, stopRetrying }: CallHooks = {},
   ): Promise<T> {
     const session = this.sessionClient;
+    const waitUntil = signal && stopRetrying ? AbortSignal.any([signal, stopRetrying]) : (signal ?? stopRetrying);
     for (let wait = RECONNECT_FIRST_WAIT_MS; ; wait = Math.min(2 * wait, RECONNECT_MAX_WAIT_MS)) {
       if (this.refusedUntil !== 0) {
+        // A closing backend's call is tried at once: it ends either way.
         const refused = this.refusedUntil - Date.now();
-        if (refused > 0) await sleep(refused, undefined, { signal }).catch(() => undefined);
+        if (refused > 0) await sleep(refused, undefined, { signal: waitUntil }).catch(() => undefined);
         else this.refusedUntil = 0;
       }
       if (signal?.aborted) throw new CallAborted();
@@ -277,7 +279,6 @@ export class RemoteChannel {
       } finally {
         if (session) this.closeIfUnused();
       }
-      const waitUntil = signal && stopRetrying ? AbortSignal.any([signal, stopRetrying]) : (signal ?? stopRetrying);
       await sleep(wait, undefined, { signal: waitUntil }).catch(() => undefined);
       if (signal?.aborted) throw new CallAborted();
       if (stopRetrying?.aborted) throw toBullmqError(failure, command);

@@ -224,6 +224,28 @@ describeRemote('remote connection failures', () => {
     }
   });
 
+  it('closing a Queue ends the wait a refused token started at once', async () => {
+    const server = await startLoamServer({ LOAM_JOBS_TOKENS: 'aaaaaaaaaaaaaaaa=alpha' });
+    try {
+      const { Queue } = withBackend(loamBackend({ url: server.url, token: 'bbbbbbbbbbbbbbbb' }));
+      const queue = new Queue(`q-${randomUUID()}`, { connection: {} });
+      await expect(queue.add('a', {})).rejects.toThrow();
+      // The refusal makes the calls after it wait a second before asking again.
+      const waiting = queue.add('b', {}).then(
+        () => 'added',
+        () => 'refused',
+      );
+      await new Promise(resolve => setTimeout(resolve, 50));
+      const closing = Date.now();
+      await queue.close();
+      expect(await waiting).toBe('refused');
+      // Before: the add waited out the rest of the second.
+      expect(Date.now() - closing).toBeLessThan(500);
+    } finally {
+      await server.stop();
+    }
+  });
+
   it('joins the chunks of a large answer on the session once, not once per chunk', async () => {
     const { direct } = classes();
     const queue = new direct.Queue(`q-${randomUUID()}`, { connection: {} });
