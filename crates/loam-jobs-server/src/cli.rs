@@ -80,6 +80,16 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 80 << 20)]
     pub max_request_bytes: usize,
 
+    /// Most bytes of requests the server works on at once, across every
+    /// connection: a call takes its request's bytes before it starts and
+    /// gives them back once it has answered. Past it, calls wait, their
+    /// request read, while the calls under way finish; a request larger than
+    /// this runs alone. The server's memory for requests is several times
+    /// this figure (a payload is copied as it is decoded, converted and
+    /// written).
+    #[arg(long, default_value_t = 128 << 20)]
+    pub max_request_bytes_in_flight: usize,
+
     /// Most calls one HTTP/2 connection may have in flight (long-polls and
     /// watches included). A client that opens more has its connection closed.
     #[arg(long, default_value_t = 1000)]

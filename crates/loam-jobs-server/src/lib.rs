@@ -8,6 +8,7 @@
 //! background task (`schedules`).
 
 pub mod auth;
+pub mod budget;
 pub mod cli;
 pub mod convert;
 pub mod errors;
@@ -57,6 +58,9 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     if args.max_request_bytes < 1024 {
         return Err(ServerError::Config("--max-request-bytes must be at least 1024".into()));
     }
+    if args.max_request_bytes_in_flight < 1024 {
+        return Err(ServerError::Config("--max-request-bytes-in-flight must be at least 1024".into()));
+    }
     let durability = match args.durability {
         DurabilityArg::Immediate => Durability::Immediate,
         DurabilityArg::Relaxed => Durability::Relaxed { flush_interval_ms: args.flush_interval_ms.max(1) },
@@ -80,12 +84,19 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let local = listener.local_addr().map_err(ServerError::Serve)?;
 
     let metrics = Arc::new(metrics::Metrics::new());
+    let budget = metrics.request_budget(args.max_request_bytes_in_flight);
     let shutdown = Interrupt::new();
     let index = Arc::new(schedules::Index::default());
     let found = index.load(&jobs)?;
-    let svc =
-        service::JobsSvc::new(jobs.clone(), auth.clone(), Arc::clone(&metrics), shutdown.clone(), Arc::clone(&index))
-            .following(following);
+    let svc = service::JobsSvc::new(
+        jobs.clone(),
+        auth.clone(),
+        Arc::clone(&metrics),
+        shutdown.clone(),
+        Arc::clone(&index),
+        budget,
+    )
+    .following(following);
     let router = Arc::new(svc).register(connectrpc::Router::new());
     let limits = Limits::default()
         .with_max_request_body_size(args.max_request_bytes)

@@ -99,6 +99,8 @@ pub struct Metrics {
     finished: Family<Labels, Gauge>,
     oldest_waiting: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     dlq_depth: Family<Labels, Gauge>,
+    request_bytes: Gauge,
+    request_waits: Counter,
 }
 
 fn run_histogram() -> Histogram {
@@ -139,6 +141,8 @@ impl Metrics {
             finished: Family::default(),
             oldest_waiting: Family::default(),
             dlq_depth: Family::default(),
+            request_bytes: Gauge::default(),
+            request_waits: Counter::default(),
         };
         if let Ok(mut r) = m.registry.lock() {
             r.register(
@@ -185,12 +189,27 @@ impl Metrics {
                 m.finished.clone(),
             );
             r.register(
+                "loam_jobs_request_bytes_in_flight",
+                "Bytes of requests that calls under way hold, of the --max-request-bytes-in-flight budget",
+                m.request_bytes.clone(),
+            );
+            r.register(
+                "loam_jobs_request_budget_waits",
+                "Calls that waited for the --max-request-bytes-in-flight budget before they started",
+                m.request_waits.clone(),
+            );
+            r.register(
                 "loam_jobs_oldest_waiting_seconds",
                 "Age of the job that runs next (FIFO band)",
                 m.oldest_waiting.clone(),
             );
         }
         m
+    }
+
+    /// The server's budget of request bytes, `bytes` in all, shown here.
+    pub fn request_budget(&self, bytes: usize) -> crate::budget::Budget {
+        crate::budget::Budget::new(bytes, self.request_bytes.clone(), self.request_waits.clone())
     }
 
     pub fn enqueued(&self, ns: &str, queue: &str, n: u64) {

@@ -7,12 +7,14 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use buffa::view::HasMessageView;
 use connectrpc::{ConnectError, InboundStream, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
 use loam_jobs::ops::{admin, complete, enqueue, lease, query, results, schedule};
 use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, Outcome, QueueId};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 
+use crate::budget::{Budget, Held};
 use crate::convert::{self, SERVER_OWNED};
 use crate::errors::{code_name, detail, events_trimmed, invalid, to_connect};
 use crate::metrics::Metrics;
@@ -89,6 +91,8 @@ pub struct JobsSvc {
     workers: Arc<Mutex<WorkersSeen>>,
     /// With --follow-client-clock: the core's clock, moved by `loam-now-ms`.
     following: Option<Arc<loam_jobs::FollowingClock>>,
+    /// Bytes of requests held at once; a Session counts its calls here.
+    budget: Budget,
 }
 
 impl JobsSvc {
@@ -98,8 +102,13 @@ impl JobsSvc {
         metrics: Arc<Metrics>,
         shutdown: Interrupt,
         schedules: Arc<schedules::Index>,
+        budget: Budget,
     ) -> Self {
-        Self { jobs, auth, metrics, shutdown, schedules, workers: Arc::default(), following: None }
+        Self { jobs, auth, metrics, shutdown, schedules, workers: Arc::default(), following: None, budget }
+    }
+
+    pub(crate) fn budget(&self) -> &Budget {
+        &self.budget
     }
 
     pub fn following(self, following: Option<Arc<loam_jobs::FollowingClock>>) -> Self {
@@ -134,6 +143,13 @@ impl JobsSvc {
             None => self.jobs.clone(),
         };
         Caller { ns, jobs }
+    }
+
+    /// A unary call's request, owned, once the budget has its bytes (held
+    /// until the call has answered).
+    async fn admit<M: HasMessageView>(&self, r: ServiceRequest<'_, M>) -> (M, Held) {
+        let held = self.budget.take(r.bytes().len()).await;
+        (r.to_owned_message(), held)
     }
 
     /// Runs a call, counting it and its time by method and code.
@@ -957,7 +973,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::EnqueueRequest>,
     ) -> ServiceResult<pb::EnqueueResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("Enqueue", async { self.do_enqueue(self.caller(&ctx)?, r).await }).await
     }
 
@@ -966,7 +982,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::EnqueueBulkRequest>,
     ) -> ServiceResult<pb::EnqueueBulkResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("EnqueueBulk", async { self.do_enqueue_bulk(self.caller(&ctx)?, r).await }).await
     }
 
@@ -975,7 +991,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::LeaseRequest>,
     ) -> ServiceResult<pb::LeaseResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("Lease", async { self.do_lease(self.caller(&ctx)?, r).await }).await
     }
 
@@ -984,7 +1000,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ExtendRequest>,
     ) -> ServiceResult<pb::ExtendResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("Extend", async { self.do_extend(self.caller(&ctx)?, r).await }).await
     }
 
@@ -993,7 +1009,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::CompleteRequest>,
     ) -> ServiceResult<pb::CompleteResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("Complete", async { self.do_complete(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1002,7 +1018,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ReportRequest>,
     ) -> ServiceResult<pb::ReportResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("Report", async { self.do_report(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1011,7 +1027,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ScheduleRequest>,
     ) -> ServiceResult<pb::ScheduleResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("Schedule", async { self.do_schedule(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1020,7 +1036,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::UnscheduleRequest>,
     ) -> ServiceResult<pb::UnscheduleResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("Unschedule", async { self.do_unschedule(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1029,7 +1045,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::FlowRequest>,
     ) -> ServiceResult<pb::FlowResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("Flow", async { self.do_flow(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1038,7 +1054,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::QueueAdminRequest>,
     ) -> ServiceResult<pb::QueueAdminResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("QueueAdmin", async { self.do_queue_admin(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1047,7 +1063,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::JobAdminRequest>,
     ) -> ServiceResult<pb::JobAdminResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("JobAdmin", async { self.do_job_admin(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1056,7 +1072,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::QueryRequest>,
     ) -> ServiceResult<pb::QueryResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("Query", async { self.do_query(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1065,7 +1081,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultGetRequest>,
     ) -> ServiceResult<pb::ResultGetResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("ResultGet", async { self.do_result_get(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1074,7 +1090,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultMGetRequest>,
     ) -> ServiceResult<pb::ResultMGetResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("ResultMGet", async { self.do_result_mget(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1083,7 +1099,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultSetRequest>,
     ) -> ServiceResult<pb::ResultSetResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("ResultSet", async { self.do_result_set(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1092,7 +1108,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultDeleteRequest>,
     ) -> ServiceResult<pb::ResultDeleteResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("ResultDelete", async { self.do_result_delete(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1101,7 +1117,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultIncrRequest>,
     ) -> ServiceResult<pb::ResultIncrResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("ResultIncr", async { self.do_result_incr(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1110,7 +1126,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultExpireRequest>,
     ) -> ServiceResult<pb::ResultExpireResponse> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("ResultExpire", async { self.do_result_expire(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1119,7 +1135,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::WatchRequest>,
     ) -> ServiceResult<ServiceStream<pb::WatchResponse>> {
-        let r = r.to_owned_message();
+        let (r, _held) = self.admit(r).await;
         self.observe("Watch", async { self.do_watch(self.caller(&ctx)?, r).await }).await
     }
 

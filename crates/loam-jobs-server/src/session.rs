@@ -13,22 +13,31 @@
 //! calls on (HTTP/2 flow control then holds the client back), so a client that
 //! never reads cannot make the server keep answers without end; and it has at
 //! most [`MAX_CALLS`] calls in flight.
+//!
+//! Each call holds its request's bytes of the server's request budget
+//! ([`crate::budget`]) until it has answered. While a call waits for them,
+//! the session reads no further request and starts no later call, so calls
+//! still start in the order they were sent.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 
 use base64::Engine;
 use connectrpc::{ConnectError, InboundStream, RequestContext, ServiceStream};
-use futures::future::AbortHandle;
+use futures::future::{AbortHandle, Aborted};
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 use tokio::sync::mpsc;
 
+use crate::budget::Held;
 use crate::errors::{DETAIL_TYPE, invalid};
-use crate::service::JobsSvc;
+use crate::service::{Caller, JobsSvc};
 
 type Answers = mpsc::Sender<Result<pb::SessionResponse, ConnectError>>;
+type CallResult = Result<oneof::session_response::Result, ConnectError>;
 
 /// Most answers a session keeps that its client has not read.
 const MAX_UNSENT_ANSWERS: usize = 64;
@@ -57,7 +66,8 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
     let mut calls = FuturesUnordered::new();
     let mut stops: HashMap<u64, AbortHandle> = HashMap::new();
     let mut reading = true;
-    while reading || !calls.is_empty() {
+    let mut waiting: Option<Waiting> = None;
+    while reading || !calls.is_empty() || waiting.is_some() {
         // Each turn below sends at most one answer: a finished call's, or a
         // refusal or cancel of the request read. Nothing goes on without a
         // place for it.
@@ -74,13 +84,26 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                     answer(&answers, id, result);
                 }
             }
-            next = requests.next(), if reading && room && calls.len() < MAX_CALLS => match next {
+            held = async {
+                match waiting.as_mut() {
+                    Some(w) => w.taking.as_mut().await,
+                    None => std::future::pending().await,
+                }
+            }, if waiting.is_some() => {
+                if let Some(Waiting { id, call, .. }) = waiting.take() {
+                    let (run, stop) = start(&svc, id, call, held);
+                    stops.insert(id, stop);
+                    calls.push(run);
+                }
+            }
+            next = requests.next(), if reading && waiting.is_none() && room && calls.len() < MAX_CALLS => match next {
                 None => reading = false,
                 Some(Err(e)) => {
                     let _ = answers.try_send(Err(e));
                     return;
                 }
                 Some(Ok(message)) => {
+                    let size = message.bytes().len();
                     let request = message.to_owned_message();
                     let id = request.id;
                     match request.call {
@@ -96,10 +119,15 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                         }
                         Some(call) => {
                             // A bad clock fails this call only, counted like any failed call.
-                            let caller = svc.session_caller(&ns, request.now_ms);
-                            let (run, stop) = futures::future::abortable(svc.dispatch(caller, call));
-                            stops.insert(id, stop);
-                            calls.push(run.map(move |result| (id, result)));
+                            let call = Call { caller: svc.session_caller(&ns, request.now_ms), call };
+                            match svc.budget().try_take(size) {
+                                Some(held) => {
+                                    let (run, stop) = start(&svc, id, call, held);
+                                    stops.insert(id, stop);
+                                    calls.push(run);
+                                }
+                                None => waiting = Some(Waiting { id, taking: Box::pin(svc.budget().take(size)), call }),
+                            }
                         }
                     }
                 }
@@ -110,6 +138,35 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
             () = svc.shutdown().fired(), if reading => reading = false,
         }
     }
+}
+
+/// A call read, waiting for its bytes of the budget.
+struct Waiting {
+    id: u64,
+    taking: Pin<Box<dyn Future<Output = Held> + Send>>,
+    call: Call,
+}
+
+/// A call read and not started yet.
+struct Call {
+    caller: Result<Caller, ConnectError>,
+    call: oneof::session_request::Call,
+}
+
+/// `call` made ready to run: it holds `held` of the budget until it has
+/// answered, and stops when its handle is aborted.
+fn start(
+    svc: &JobsSvc,
+    id: u64,
+    call: Call,
+    held: Held,
+) -> (impl Future<Output = (u64, Result<CallResult, Aborted>)> + '_, AbortHandle) {
+    let (run, stop) = futures::future::abortable(svc.dispatch(call.caller, call.call));
+    let run = run.map(move |result| {
+        drop(held);
+        (id, result)
+    });
+    (run, stop)
 }
 
 fn answer(answers: &Answers, id: u64, result: Result<oneof::session_response::Result, ConnectError>) {

@@ -7,12 +7,6 @@ mod support;
 
 use support::*;
 
-fn scrape(server: &Server) -> String {
-    let (status, body) = server.http("GET", "/metrics", "", b"").unwrap();
-    assert_eq!(status, 200);
-    String::from_utf8(body).unwrap()
-}
-
 fn retry() -> pb::Outcome {
     pb::Outcome::from_kind(pb::outcome::Retry {
         error: pb::JobError { message: "boom".into(), ..Default::default() }.into(),
@@ -34,7 +28,7 @@ async fn a_retry_with_no_attempts_left_counts_as_a_failure() {
         let l = &leased.leases[0];
         c.complete(complete_req("m", &l.job.as_option().unwrap().id, epoch(l.epoch), retry())).await.unwrap();
     }
-    let text = scrape(&server);
+    let text = server.metrics();
     assert!(text.contains("loam_jobs_completed_total{ns=\"default\",queue=\"m\",outcome=\"retry\"} 1"), "{text}");
     assert!(text.contains("loam_jobs_completed_total{ns=\"default\",queue=\"m\",outcome=\"fail\"} 1"), "{text}");
 }
@@ -62,6 +56,6 @@ async fn jobs_of_bullmq_schedulers_are_counted_as_enqueued() {
     };
     let advanced = c.schedule(schedule_req("b", advance)).await.unwrap().into_owned();
     assert!(advanced.job_id.is_some());
-    let text = scrape(&server);
+    let text = server.metrics();
     assert!(text.contains("loam_jobs_enqueued_total{ns=\"default\",queue=\"b\"} 2"), "{text}");
 }

@@ -110,9 +110,7 @@ async fn enqueue_lease_complete_watch_and_results() {
     assert!(c.result_delete(del).await.unwrap().into_owned().deleted);
 
     // /metrics and /healthz on the same port.
-    let (status, body) = server.http("GET", "/metrics", "", b"").unwrap();
-    let text = String::from_utf8_lossy(&body);
-    assert_eq!(status, 200);
+    let text = server.metrics();
     assert!(text.contains("loam_jobs_enqueued_total{ns=\"default\",queue=\"emails\"} 4"), "{text}");
     assert!(text.contains("loam_jobs_completed_total{ns=\"default\",queue=\"emails\",outcome=\"ok\"} 4"), "{text}");
     assert!(
@@ -633,8 +631,7 @@ async fn metrics_give_run_times_by_task_and_dead_letter_depth() {
         ..Default::default()
     });
     c.complete(complete_req("work", &ids[1].0, epoch(ids[1].1), fail)).await.unwrap();
-    let (_, body) = server.http("GET", "/metrics", "", b"").unwrap();
-    let text = String::from_utf8(body).unwrap();
+    let text = server.metrics();
     assert!(text.contains(r#"loam_jobs_run_seconds_count{ns="default",queue="work",task="resize"} 2"#), "{text}");
     assert!(text.contains(r#"loam_jobs_dlq_depth{ns="default",queue="dead"} 1"#), "{text}");
 }
@@ -653,8 +650,7 @@ async fn metrics_count_the_background_sweeps_reclaims() {
     assert_eq!(leased.leases.len(), 1);
     let until = Instant::now() + Duration::from_secs(10);
     loop {
-        let (_, body) = server.http("GET", "/metrics", "", b"").unwrap();
-        let text = String::from_utf8(body).unwrap();
+        let text = server.metrics();
         if text.contains(r#"loam_jobs_stalled_total{ns="default",queue="work"} 1"#) {
             break;
         }

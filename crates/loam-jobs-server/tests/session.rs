@@ -87,9 +87,7 @@ async fn calls_on_one_stream_are_answered_by_id_and_a_wait_can_be_cancelled() {
     let answer = session.message().await.unwrap().unwrap().to_owned_message();
     assert_eq!(answer.id, 5);
     assert!(matches!(answer.result, Some(Answer::Error(ref e)) if e.code == "invalid_argument"), "{:?}", answer.result);
-    let (status, body) = server.http("GET", "/metrics", "", b"").unwrap();
-    assert_eq!(status, 200);
-    let text = String::from_utf8(body).unwrap();
+    let text = server.metrics();
     assert!(text.contains(r#"loam_jobs_rpc_requests_total{method="Lease",code="invalid_argument"} 1"#), "{text}");
     // Closing our side ends the stream once everything is answered.
     session.close_send();

@@ -167,6 +167,13 @@ impl Server {
         Ok((status, body))
     }
 
+    /// `/metrics`, as text.
+    pub fn metrics(&self) -> String {
+        let (status, body) = self.http("GET", "/metrics", "", b"").unwrap();
+        assert_eq!(status, 200);
+        String::from_utf8(body).unwrap()
+    }
+
     pub fn healthy(&self) -> bool {
         matches!(self.http("GET", "/healthz", "", b""), Ok((200, _)))
     }

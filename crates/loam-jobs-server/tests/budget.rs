@@ -1,0 +1,123 @@
+//! `--max-request-bytes-in-flight`: requests past the budget wait to be read
+//! and then run; none is refused or lost for it, and the bytes come back.
+
+// A failed unwrap is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::collections::HashMap;
+
+use connectrpc::client::{ClientConfig, HttpClient};
+use pb::__buffa::oneof::session_response::Result as Answer;
+use support::*;
+
+const BUDGET: usize = 1 << 20;
+/// Two of these do not fit the budget at once.
+const PAYLOAD: usize = 600 << 10;
+
+fn start(dir: &std::path::Path) -> Server {
+    Server::start_in(dir, &["--max-request-bytes-in-flight", &BUDGET.to_string()], &[])
+}
+
+fn big_job(i: usize) -> pb::JobSpec {
+    let mut data = format!("{{\"i\":{i},\"pad\":\"").into_bytes();
+    data.resize(PAYLOAD, b'x');
+    data.extend_from_slice(b"\"}");
+    job("big", &data)
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+        .parse()
+        .unwrap()
+}
+
+/// Waits, then checks the budget is whole again.
+async fn assert_budget_returned(server: &Server) {
+    // A call's bytes come back just after its answer is sent.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let text = server.metrics();
+        if metric(&text, "loam_jobs_request_bytes_in_flight") == 0.0 {
+            return;
+        }
+        assert!(std::time::Instant::now() < until, "bytes still held: {text}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unary_requests_past_the_budget_wait_and_all_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path());
+    let c = server.client();
+    let calls: Vec<_> = (0..8)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move { c.enqueue(enqueue_req("big", big_job(i))).await.map(|_| ()) })
+        })
+        .collect();
+    for call in calls {
+        call.await.unwrap().unwrap();
+    }
+    assert_eq!(counts(&c, "big", &["wait"]).await, vec![8]);
+    let text = server.metrics();
+    assert!(metric(&text, "loam_jobs_request_budget_waits_total") > 0.0, "no request waited: {text}");
+    assert_budget_returned(&server).await;
+
+    // One request larger than the whole budget runs alone.
+    let mut huge = big_job(99);
+    huge.data = vec![b'1'; 3 * BUDGET];
+    c.enqueue(enqueue_req("big", huge)).await.unwrap();
+    assert_eq!(counts(&c, "big", &["wait"]).await, vec![9]);
+    assert_budget_returned(&server).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_calls_past_the_budget_wait_in_order_and_all_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path());
+    let client = pb::JobsServiceClient::new(
+        HttpClient::plaintext_http2_only(),
+        ClientConfig::new(server.url().parse().unwrap()),
+    );
+    let mut session = client.session().await.unwrap();
+    let sent = 8usize;
+    for i in 0..sent {
+        let call = enqueue_req("big", big_job(i));
+        session.send(pb::SessionRequest { id: i as u64, call: Some(call.into()), ..Default::default() }).await.unwrap();
+    }
+    let mut answers = HashMap::new();
+    while answers.len() < sent {
+        let answer = session.message().await.unwrap().unwrap().to_owned_message();
+        answers.insert(answer.id, answer.result.unwrap());
+    }
+    let mut ids = Vec::new();
+    for i in 0..sent as u64 {
+        match answers.remove(&i) {
+            Some(Answer::Enqueue(e)) => ids.push(e.enqueued.as_option().unwrap().id.clone()),
+            other => panic!("call {i}: {other:?}"),
+        }
+    }
+    let text = server.metrics();
+    assert!(metric(&text, "loam_jobs_request_budget_waits_total") > 0.0, "no call waited: {text}");
+    // Calls that waited for the budget still ran in the order they were sent.
+    let c = server.client();
+    let query = oneof::query_request::Query::from(pb::query_request::Ranges {
+        types: vec!["wait".into()],
+        start: 0,
+        end: -1,
+        asc: true,
+        ..Default::default()
+    });
+    let listed = c.query(query_req("big", query)).await.unwrap().into_owned();
+    let Some(oneof::query_response::Result::Ranges(r)) = listed.result else { panic!("ranges") };
+    let in_queue: Vec<String> = r.ranges.into_iter().flat_map(|l| l.ids).collect();
+    assert_eq!(in_queue, ids);
+    session.close_send();
+    assert!(session.message().await.unwrap().is_none());
+    assert_budget_returned(&server).await;
+}
