@@ -8,18 +8,19 @@
 //! waits end at shutdown, as a single call's do). If the client goes away, the
 //! calls it left in flight are stopped.
 //!
-//! A session keeps at most [`MAX_UNSENT_ANSWERS`] answers the client has not
-//! read yet. While they are that many it neither reads requests nor runs its
-//! calls on (HTTP/2 flow control then holds the client back), so a client that
-//! never reads cannot make the server keep answers without end; and it has at
-//! most [`MAX_CALLS`] calls in flight.
+//! A session sends at most [`MAX_UNSENT_ANSWERS`] answers the client has not
+//! read yet. Past them it reads no request (HTTP/2 flow control then holds
+//! the client back); the calls in flight run to their end and their answers
+//! wait in the session, so a client that never reads makes the server keep
+//! no more than the answers of the calls it had in flight, at most
+//! [`MAX_CALLS`].
 //!
 //! Each call holds its request's bytes of the server's request budget
-//! ([`crate::budget`]) until it has answered. While a call waits for them,
+//! ([`crate::budget`]) until it has finished. While a call waits for them,
 //! the session reads no further request and starts no later call, so calls
 //! still start in the order they were sent.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 
@@ -67,21 +68,37 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
     let mut stops: HashMap<u64, AbortHandle> = HashMap::new();
     let mut reading = true;
     let mut waiting: Option<Waiting> = None;
-    while reading || !calls.is_empty() || waiting.is_some() {
+    // Answers of calls that finished while the client read none. Calls run to
+    // their end whatever the client reads, so they give their bytes of the
+    // budget back (a client that stops reading must not hold up every other).
+    // Nothing is read or started while any wait here, so they are at most the
+    // calls in flight when the client stopped.
+    let mut unsent: VecDeque<(u64, CallResult)> = VecDeque::new();
+    while reading || !calls.is_empty() || waiting.is_some() || !unsent.is_empty() {
         // Each turn below sends at most one answer: a finished call's, or a
         // refusal or cancel of the request read. Nothing goes on without a
         // place for it.
-        let room = answers.capacity() > 0;
+        let room = answers.capacity() > 0 && unsent.is_empty();
         tokio::select! {
             biased;
             // The client is gone: dropping the calls stops them.
             () = answers.closed() => return,
-            Some((id, result)) = calls.next(), if room && !calls.is_empty() => {
+            // The client read an answer: the oldest kept goes out.
+            Ok(place) = answers.reserve(), if !room => {
+                if let Some((id, result)) = unsent.pop_front() {
+                    place.send(Ok(response(id, result)));
+                }
+            }
+            Some((id, result)) = calls.next(), if !calls.is_empty() => {
                 // A cancelled call was answered when it was cancelled.
                 if let Ok(result) = result
                     && stops.remove(&id).is_some()
                 {
-                    answer(&answers, id, result);
+                    if room {
+                        answer(&answers, id, result);
+                    } else {
+                        unsent.push_back((id, result));
+                    }
                 }
             }
             held = async {
@@ -132,8 +149,6 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                     }
                 }
             },
-            // The client reads no answers: wait until it has read one.
-            Ok(place) = answers.reserve(), if !room => drop(place),
             // At shutdown, no new calls; the waits of those in flight end.
             () = svc.shutdown().fired(), if reading => reading = false,
         }
@@ -169,13 +184,17 @@ fn start(
     (run, stop)
 }
 
-fn answer(answers: &Answers, id: u64, result: Result<oneof::session_response::Result, ConnectError>) {
+fn answer(answers: &Answers, id: u64, result: CallResult) {
+    // Never full: `read` sends only with a place for the answer.
+    let _ = answers.try_send(Ok(response(id, result)));
+}
+
+fn response(id: u64, result: CallResult) -> pb::SessionResponse {
     let result = match result {
         Ok(r) => r,
         Err(e) => oneof::session_response::Result::from(error(&e)),
     };
-    // Never full: `read` sends only with a place for the answer.
-    let _ = answers.try_send(Ok(pb::SessionResponse { id, result: Some(result), ..Default::default() }));
+    pb::SessionResponse { id, result: Some(result), ..Default::default() }
 }
 
 /// A failed call's error as a message: the code, the message and the detail a

@@ -121,3 +121,50 @@ async fn session_calls_past_the_budget_wait_in_order_and_all_run() {
     assert!(session.message().await.unwrap().is_none());
     assert_budget_returned(&server).await;
 }
+
+/// A session whose client reads no answers still gives back the bytes of
+/// the calls it had in flight once they end, so it holds up no other call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_that_reads_no_answers_gives_its_bytes_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path());
+    let plain = server.client();
+    let answer_job = plain.enqueue(enqueue_req("answers", job("x", &vec![b'a'; 2 << 20]))).await.unwrap().into_owned();
+    let answer_id = answer_job.enqueued.into_option().unwrap().id;
+
+    let client = pb::JobsServiceClient::new(
+        HttpClient::plaintext_http2_only(),
+        ClientConfig::new(server.url().parse().unwrap()),
+    );
+    let mut session = client.session().await.unwrap();
+    // A long-poll whose request holds more than half the budget (its name filter)...
+    let names: Vec<String> = (0..6_000).map(|i| format!("{i:0>100}")).collect();
+    let lease = pb::LeaseRequest {
+        options: pb::LeaseOptions { max: 1, names, ..Default::default() }.into(),
+        ..lease_req("idle", 1, 1_500, 0)
+    };
+    session.send(pb::SessionRequest { id: 1, call: Some(lease.into()), ..Default::default() }).await.unwrap();
+    // ...then answers of 2 MiB until the client's window and the session's are full.
+    let query =
+        oneof::query_request::Query::from(pb::query_request::Jobs { ids: vec![answer_id], ..Default::default() });
+    let sending = tokio::spawn(async move {
+        for i in 0..200u64 {
+            let call = query_req("answers", query.clone());
+            if session
+                .send(pb::SessionRequest { id: 10 + i, call: Some(call.into()), ..Default::default() })
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        session
+    });
+    // The long-poll has ended, unanswered: its bytes are back.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let added = tokio::time::timeout(std::time::Duration::from_secs(10), plain.enqueue(enqueue_req("big", big_job(1))))
+        .await
+        .expect("an enqueue waited for bytes a finished call still held");
+    added.unwrap();
+    sending.abort();
+}
