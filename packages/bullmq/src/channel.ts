@@ -2,10 +2,10 @@
  * `RemoteChannel`: the connections of the remote backend to one
  * `loam-jobs serve`, shared by every backend a `loamBackend({ url })` factory
  * makes. Calls use the Connect protocol (binary) over HTTP/2; each
- * connection carries at most `maxStreamsPerConnection` calls at once (the
- * server's HTTP/2 limit is 200 concurrent streams, and Node's client is sent
- * GOAWAY ENHANCE_YOUR_CALM near it), further calls open another connection,
- * up to `maxConnections`, then wait for a free stream.
+ * connection carries at most `maxStreamsPerConnection` calls at once (below
+ * the server's HTTP/2 limit, `--max-concurrent-streams`, 1,000 by default: a
+ * client over it gets its connection closed), further calls open another
+ * connection, up to `maxConnections`, then wait for a free stream.
  *
  * Errors are converted here, once: a refused call becomes the error the
  * in-process backend throws for the same BullMQ command, and a call the

@@ -6,10 +6,11 @@
  * `$LOAM_TOKEN` and `$LOAM_NAMESPACE` when set, and `$LOAM_CALLS=unary` for one
  * HTTP/2 stream per call); otherwise data lives in `./.loam` or `$LOAM_DATA_DIR`.
  */
-import { loamBackend } from './index.js';
+import type { BackendFactory, IQueueBackend } from 'bullmq';
+import { loamBackend, type LoamConnectionOptions } from './index.js';
 
 const url = process.env.LOAM_URL;
-const factory = url
+const factory: BackendFactory<IQueueBackend, LoamConnectionOptions> = url
   ? loamBackend({
       url,
       token: process.env.LOAM_TOKEN || undefined,

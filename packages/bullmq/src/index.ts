@@ -19,7 +19,18 @@
  * `loamBackend({ url: 'http://127.0.0.1:7720', token, namespace })`.
  */
 import * as path from 'node:path';
-import { withBackend, type BackendFactory, type QueueBaseOptions } from 'bullmq';
+import {
+  withBackend,
+  type BackendFactory,
+  type FlowProducerOptions,
+  type JobProgress,
+  type Processor,
+  type QueueBaseOptions,
+  type QueueEventsOptions,
+  type QueueEventsProducerOptions,
+  type QueueOptions,
+  type WorkerOptions,
+} from 'bullmq';
 import { backendOptionsJson, LoamQueueBackend, type FactoryOptions, type LoamBackendSettings } from './backend.js';
 import { RemoteChannel, type RemoteSettings } from './channel.js';
 import { callSync } from './errors.js';
@@ -131,18 +142,41 @@ function isSettings(value: unknown): value is LoamConnectionOptions {
 
 const bound = withBackend(loamBackend());
 
+/** A class's options with `connection` left optional. */
+type LoamOptions<T extends { connection?: unknown }> = Omit<T, 'connection'> & { connection?: T['connection'] };
+
 /**
- * BullMQ's classes, bound to `loamBackend()` with the default data dir. A
- * Worker, which BullMQ refuses to make without a `connection`, needs none
- * here: the backend is the connection.
+ * BullMQ's classes, bound to `loamBackend()` with the default data dir
+ * (resolved when this module is loaded). Their options may be left out: the
+ * backend is the connection. A Worker, which BullMQ refuses to make without a
+ * `connection`, is given an empty one. (The type arguments' `any` defaults
+ * are BullMQ's.)
  */
-export const Queue = bound.Queue;
+export const Queue = bound.Queue as new <D = any, R = any, N extends string = string>(
+  name: string,
+  opts?: LoamOptions<QueueOptions<LoamConnectionOptions>>,
+) => InstanceType<typeof bound.Queue<D, R, N>>;
 export const Worker = new Proxy(bound.Worker, {
   construct(target, [name, processor, opts, ...rest]: unknown[], newTarget) {
     const withConnection = { connection: {}, ...(opts as object | undefined) };
     return Reflect.construct(target, [name, processor, withConnection, ...rest], newTarget);
   },
-});
-export const QueueEvents = bound.QueueEvents;
-export const QueueEventsProducer = bound.QueueEventsProducer;
-export const FlowProducer = bound.FlowProducer;
+}) as {
+  new <D = any, R = any, N extends string = string, P extends JobProgress = JobProgress>(
+    name: string,
+    processor?: string | URL | null | Processor<D, R, N, P>,
+    opts?: LoamOptions<WorkerOptions<LoamConnectionOptions>>,
+  ): InstanceType<typeof bound.Worker<D, R, N, P>>;
+  RateLimitError: typeof bound.Worker.RateLimitError;
+};
+export const QueueEvents = bound.QueueEvents as new <R = any>(
+  name: string,
+  opts?: LoamOptions<QueueEventsOptions<LoamConnectionOptions>>,
+) => InstanceType<typeof bound.QueueEvents<R>>;
+export const QueueEventsProducer = bound.QueueEventsProducer as new (
+  name: string,
+  opts?: LoamOptions<QueueEventsProducerOptions<LoamConnectionOptions>>,
+) => InstanceType<typeof bound.QueueEventsProducer>;
+export const FlowProducer = bound.FlowProducer as new (
+  opts?: LoamOptions<FlowProducerOptions<LoamConnectionOptions>>,
+) => InstanceType<typeof bound.FlowProducer>;

@@ -8,12 +8,13 @@
  * cannot read, a closed queue). Such a throw becomes a rejected promise here,
  * converted like a rejection, so every caller sees one kind of failure.
  *
- * Order: the addon settles each write from the store's committer thread, in
- * commit order, but Node runs those settlements in an order of its own (one
- * thread-safe callback per promise). A worker could then see a job before its
- * producer's `add` resolved, which Redis, answering in order, never shows.
- * So the promises of one store's writes resolve here in the order the writes
- * were submitted (which is the order the core applied them).
+ * Order: the addon settles writes from two of the store's threads: most from
+ * the committer, in commit order, but some from the executor before their
+ * batch is committed (a lease that found no job; every write under relaxed
+ * durability). A later write's result could then reach Node before an
+ * earlier one's, which Redis, answering one connection's commands in order,
+ * never shows. So the promises of one store's writes resolve here in the
+ * order the writes were submitted (which is the order the core applied them).
  */
 import { callSync, fromNative } from './errors.js';
 
