@@ -15,7 +15,8 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Serve loam.jobs.v1 (Connect, gRPC and gRPC-Web on one port), with
-    /// /metrics (Prometheus text) and /healthz on the same port.
+    /// /metrics (OpenMetrics text, which Prometheus reads) and /healthz on
+    /// the same port.
     ///
     /// SIGTERM or Ctrl-C stops accepting connections, ends long-polls and
     /// watches, lets in-flight calls finish (up to --shutdown-grace-secs) and

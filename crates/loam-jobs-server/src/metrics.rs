@@ -1,7 +1,7 @@
 //! `/metrics`: the counters and gauges of design 26 section 6.11, in the
-//! Prometheus text format. Counters move as calls succeed; the gauges of
-//! queue depth are read from the store's counters when scraped, so they
-//! cannot drift from the truth.
+//! OpenMetrics text format (which Prometheus reads). Counters move as calls
+//! succeed; the gauges of queue depth are read from the store's counters when
+//! scraped, so they cannot drift from the truth.
 
 use std::time::Duration;
 

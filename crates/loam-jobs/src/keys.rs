@@ -48,7 +48,6 @@ const SCHEDULER: u8 = b'S';
 const SCHEDULER_NEXT: u8 = b'T';
 const METRICS: u8 = b'M';
 const LIMITER: u8 = b'r';
-const RESULT: u8 = b'v';
 const CONFIG: u8 = b'C';
 
 fn push_str(out: &mut Vec<u8>, s: &str) {
@@ -356,10 +355,6 @@ impl QueueKeys {
 
     pub fn config(&self) -> Key {
         self.with(CONFIG)
-    }
-
-    pub fn result(&self, key: &str) -> Key {
-        self.tagged_str(RESULT, key)
     }
 }
 
