@@ -76,6 +76,8 @@ impl SharedStore {
 struct Entry {
     store: Arc<SharedStore>,
     users: usize,
+    /// What it was opened with: a store has one durability, whoever joins it.
+    durability: Durability,
 }
 
 fn registry() -> &'static Mutex<HashMap<PathBuf, Entry>> {
@@ -123,6 +125,16 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
         .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot resolve data dir {shown}: {e}")))?;
     let mut open = registry().lock();
     if let Some(entry) = open.get_mut(&canonical) {
+        // Joined silently, a backend asking for immediate durability would
+        // get a relaxed store's, and could lose writes it was told were safe.
+        if entry.durability != options.durability {
+            return Err(napi::Error::from_reason(format!(
+                "[loam:failed_precondition] the store in {shown} is open in this process with {}; this backend asks \
+                 for {}. Every backend of one data directory must use the same durability (and flush interval)",
+                describe(entry.durability),
+                describe(options.durability),
+            )));
+        }
         entry.users += 1;
         return Ok(Arc::clone(&entry.store));
     }
@@ -144,8 +156,17 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
         host_now_ms: std::sync::atomic::AtomicU64::new(0),
         dir: canonical.clone(),
     });
-    open.insert(canonical, Entry { store: Arc::clone(&store), users: 1 });
+    open.insert(canonical, Entry { store: Arc::clone(&store), users: 1, durability: options.durability });
     Ok(store)
+}
+
+fn describe(durability: Durability) -> String {
+    match durability {
+        Durability::Immediate => "durability 'immediate'".into(),
+        Durability::Relaxed { flush_interval_ms } => {
+            format!("durability 'relaxed' (flushIntervalMs {flush_interval_ms})")
+        }
+    }
 }
 
 /// Gives back one use of `store`; the last one closes it. Runs the close

@@ -4,7 +4,8 @@ import { fileURLToPath } from 'node:url';
 import * as path from 'node:path';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import type { Job } from 'bullmq';
+import { withBackend, type Job } from 'bullmq';
+import { loamBackend } from '../src/index.js';
 import { freshLoam, itInProcess, until } from './helpers.js';
 
 const loam = freshLoam();
@@ -43,6 +44,35 @@ describe('processes', () => {
     expect(result.message).toContain('loam-jobs serve');
     expect(Date.now() - started).toBeLessThan(5_000);
     await queue.close();
+  });
+
+  itInProcess('a backend asking for another durability than its open store is refused, naming both', async () => {
+    const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-durability-'));
+    try {
+      const relaxed = withBackend(loamBackend({ dataDir, durability: 'relaxed' }));
+      const immediate = withBackend(loamBackend({ dataDir }));
+      const first = new relaxed.Queue('d', { connection });
+      await first.add('a', {});
+      // Before: it joined the relaxed store, and its adds were not fsynced.
+      let refused: unknown;
+      try {
+        new immediate.Queue('d', { connection });
+      } catch (err) {
+        refused = err;
+      }
+      expect(refused).toMatchObject({ code: 'LOAM_FAILED_PRECONDITION' });
+      expect(String((refused as Error).message)).toContain("durability 'relaxed' (flushIntervalMs 100)");
+      expect(String((refused as Error).message)).toContain("asks for durability 'immediate'");
+      // The same settings join it; once closed, the store opens with others.
+      const second = new relaxed.Queue('d', { connection });
+      expect(await second.count()).toBe(1);
+      await Promise.all([first.close(), second.close()]);
+      const reopened = new immediate.Queue('d', { connection });
+      expect(await reopened.count()).toBe(1);
+      await reopened.close();
+    } finally {
+      rmSync(dataDir, { recursive: true, force: true });
+    }
   });
 
   itInProcess('a write in flight keeps Node running until it settles, and lets it exit after', async () => {
