@@ -10,6 +10,10 @@
 //! answered. Past the budget, calls wait with only their request's bytes
 //! read, while the calls under way finish.
 //!
+//! Long-polls (a Lease, an event read, a wait for a job) take no bytes: their
+//! requests are small, and holding bytes for a wait of up to 30 s held up the
+//! calls that would end it.
+//!
 //! A call never waits once it holds bytes (it waits before it starts, and a
 //! started call never waits on the budget again), so calls cannot wait for
 //! one another. Bodies are read before their call waits: a request waiting

@@ -152,6 +152,18 @@ impl JobsSvc {
         (r.to_owned_message(), held)
     }
 
+    /// A call that may wait long (`long_poll`): its request, owned, holding no
+    /// budget (see [`lease_waits`]); any other, as [`Self::admit`].
+    async fn admit_unless<M: HasMessageView>(
+        &self,
+        r: ServiceRequest<'_, M>,
+        long_poll: fn(&M) -> bool,
+    ) -> (M, Option<Held>) {
+        let size = r.bytes().len();
+        let r = r.to_owned_message();
+        if long_poll(&r) { (r, None) } else { (r, Some(self.budget.take(size).await)) }
+    }
+
     /// Runs a call, counting it and its time by method and code.
     async fn observe<T>(
         &self,
@@ -991,7 +1003,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::LeaseRequest>,
     ) -> ServiceResult<pb::LeaseResponse> {
-        let (r, _held) = self.admit(r).await;
+        let (r, _held) = self.admit_unless(r, lease_waits).await;
         self.observe("Lease", async { self.do_lease(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1072,7 +1084,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::QueryRequest>,
     ) -> ServiceResult<pb::QueryResponse> {
-        let (r, _held) = self.admit(r).await;
+        let (r, _held) = self.admit_unless(r, query_waits).await;
         self.observe("Query", async { self.do_query(self.caller(&ctx)?, r).await }).await
     }
 
@@ -1145,6 +1157,24 @@ impl pb::JobsService for JobsSvc {
         requests: InboundStream<pb::SessionRequest>,
     ) -> ServiceResult<ServiceStream<pb::SessionResponse>> {
         self.observe("Session", crate::session::open(self.clone(), ctx, requests)).await
+    }
+}
+
+/// Whether a Lease may wait for a job. Long-polls hold no request budget:
+/// their requests are small, and a wait of up to 30 s holding bytes held up
+/// the calls that would end it (a request needing the whole budget waited for
+/// every long-poll, and every call behind it with it).
+pub(crate) fn lease_waits(r: &pb::LeaseRequest) -> bool {
+    r.wait_ms > 0
+}
+
+/// Whether a Query may wait (an event read or a wait for a job); see [`lease_waits`].
+pub(crate) fn query_waits(r: &pb::QueryRequest) -> bool {
+    use oneof::query_request::Query;
+    match &r.query {
+        Some(Query::Events(e)) => e.wait_ms > 0,
+        Some(Query::WaitForJob(w)) => w.wait_ms > 0,
+        _ => false,
     }
 }
 

@@ -11,9 +11,9 @@
 //! A session sends at most [`MAX_UNSENT_ANSWERS`] answers the client has not
 //! read yet. Past them it reads no request (HTTP/2 flow control then holds
 //! the client back); the calls in flight run to their end and their answers
-//! wait in the session, so a client that never reads makes the server keep
-//! no more than the answers of the calls it had in flight, at most
-//! [`MAX_CALLS`].
+//! wait in the session (long-polls excepted: they run on only while the
+//! client reads), so a client that never reads makes the server keep no more
+//! than the answers of the calls it had in flight, at most [`MAX_CALLS`].
 //!
 //! Each call holds its request's bytes of the server's request budget
 //! ([`crate::budget`]) until it has finished. While a call waits for them,
@@ -65,16 +65,20 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
     // were sent, as Redis does the commands of one connection; answers then
     // go out as the calls finish.
     let mut calls = FuturesUnordered::new();
+    // Long-polls (a Lease, an event read or a wait for a job that may wait):
+    // they hold no budget, and run on only while the client reads answers, so
+    // a client that stops reading is handed no job it would not see.
+    let mut polls = FuturesUnordered::new();
     let mut stops: HashMap<u64, AbortHandle> = HashMap::new();
     let mut reading = true;
     let mut waiting: Option<Waiting> = None;
-    // Answers of calls that finished while the client read none. Calls run to
-    // their end whatever the client reads, so they give their bytes of the
-    // budget back (a client that stops reading must not hold up every other).
-    // Nothing is read or started while any wait here, so they are at most the
-    // calls in flight when the client stopped.
+    // Answers of calls that finished while the client read none. Other calls
+    // run to their end whatever the client reads, so they give their bytes of
+    // the budget back (a client that stops reading must not hold up every
+    // other). Nothing is read or started while any wait here, so they are at
+    // most the calls in flight when the client stopped.
     let mut unsent: VecDeque<(u64, CallResult)> = VecDeque::new();
-    while reading || !calls.is_empty() || waiting.is_some() || !unsent.is_empty() {
+    while reading || !calls.is_empty() || !polls.is_empty() || waiting.is_some() || !unsent.is_empty() {
         // Each turn below sends at most one answer: a finished call's, or a
         // refusal or cancel of the request read. Nothing goes on without a
         // place for it.
@@ -90,16 +94,10 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                 }
             }
             Some((id, result)) = calls.next(), if !calls.is_empty() => {
-                // A cancelled call was answered when it was cancelled.
-                if let Ok(result) = result
-                    && stops.remove(&id).is_some()
-                {
-                    if room {
-                        answer(&answers, id, result);
-                    } else {
-                        unsent.push_back((id, result));
-                    }
-                }
+                finish(&answers, &mut stops, &mut unsent, room, id, result);
+            }
+            Some((id, result)) = polls.next(), if room && !polls.is_empty() => {
+                finish(&answers, &mut stops, &mut unsent, room, id, result);
             }
             held = async {
                 match waiting.as_mut() {
@@ -108,7 +106,7 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                 }
             }, if waiting.is_some() => {
                 if let Some(Waiting { id, call, .. }) = waiting.take() {
-                    let (run, stop) = start(&svc, id, call, held);
+                    let (run, stop) = start(&svc, id, call, Some(held));
                     stops.insert(id, stop);
                     calls.push(run);
                 }
@@ -136,14 +134,18 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                         }
                         Some(call) => {
                             // A bad clock fails this call only, counted like any failed call.
+                            let long_poll = is_long_poll(&call);
                             let call = Call { caller: svc.session_caller(&ns, request.now_ms), call };
-                            match svc.budget().try_take(size) {
-                                Some(held) => {
-                                    let (run, stop) = start(&svc, id, call, held);
-                                    stops.insert(id, stop);
-                                    calls.push(run);
-                                }
-                                None => waiting = Some(Waiting { id, taking: Box::pin(svc.budget().take(size)), call }),
+                            if long_poll {
+                                let (run, stop) = start(&svc, id, call, None);
+                                stops.insert(id, stop);
+                                polls.push(run);
+                            } else if let Some(held) = svc.budget().try_take(size) {
+                                let (run, stop) = start(&svc, id, call, Some(held));
+                                stops.insert(id, stop);
+                                calls.push(run);
+                            } else {
+                                waiting = Some(Waiting { id, taking: Box::pin(svc.budget().take(size)), call });
                             }
                         }
                     }
@@ -168,13 +170,46 @@ struct Call {
     call: oneof::session_request::Call,
 }
 
+/// A call's answer, to send now or to keep until the client reads; none for
+/// a call cancelled (answered when it was cancelled).
+fn finish(
+    answers: &Answers,
+    stops: &mut HashMap<u64, AbortHandle>,
+    unsent: &mut VecDeque<(u64, CallResult)>,
+    room: bool,
+    id: u64,
+    result: Result<CallResult, Aborted>,
+) {
+    if let Ok(result) = result
+        && stops.remove(&id).is_some()
+    {
+        if room {
+            answer(answers, id, result);
+        } else {
+            unsent.push_back((id, result));
+        }
+    }
+}
+
+/// A call that may wait for something to happen (up to 30 s). Its request is
+/// small and its wait long: holding budget while it waits would hold up the
+/// calls that end it.
+fn is_long_poll(call: &oneof::session_request::Call) -> bool {
+    use oneof::session_request::Call as C;
+    match call {
+        C::Lease(l) => crate::service::lease_waits(l),
+        C::Query(q) => crate::service::query_waits(q),
+        _ => false,
+    }
+}
+
 /// `call` made ready to run: it holds `held` of the budget until it has
 /// answered, and stops when its handle is aborted.
 fn start(
     svc: &JobsSvc,
     id: u64,
     call: Call,
-    held: Held,
+    held: Option<Held>,
 ) -> (impl Future<Output = (u64, Result<CallResult, Aborted>)> + '_, AbortHandle) {
     let (run, stop) = futures::future::abortable(svc.dispatch(call.caller, call.call));
     let run = run.map(move |result| {

@@ -122,49 +122,52 @@ async fn session_calls_past_the_budget_wait_in_order_and_all_run() {
     assert_budget_returned(&server).await;
 }
 
-/// A session whose client reads no answers still gives back the bytes of
-/// the calls it had in flight once they end, so it holds up no other call.
+/// A long-poll holds no budget while it waits: calls that need the whole
+/// budget, or the bytes left beside it, go on, and a cancel of the long-poll
+/// sent behind such a call is answered at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_session_that_reads_no_answers_gives_its_bytes_back() {
+async fn a_long_poll_holds_no_budget_while_it_waits() {
     let dir = tempfile::tempdir().unwrap();
     let server = start(dir.path());
     let plain = server.client();
-    let answer_job = plain.enqueue(enqueue_req("answers", job("x", &vec![b'a'; 2 << 20]))).await.unwrap().into_owned();
-    let answer_id = answer_job.enqueued.into_option().unwrap().id;
-
     let client = pb::JobsServiceClient::new(
         HttpClient::plaintext_http2_only(),
         ClientConfig::new(server.url().parse().unwrap()),
     );
     let mut session = client.session().await.unwrap();
-    // A long-poll whose request holds more than half the budget (its name filter)...
+    // A long-poll whose request is more than half the budget (its name filter).
     let names: Vec<String> = (0..6_000).map(|i| format!("{i:0>100}")).collect();
     let lease = pb::LeaseRequest {
         options: pb::LeaseOptions { max: 1, names, ..Default::default() }.into(),
-        ..lease_req("idle", 1, 1_500, 0)
+        ..lease_req("idle", 1, 30_000, 0)
     };
     session.send(pb::SessionRequest { id: 1, call: Some(lease.into()), ..Default::default() }).await.unwrap();
-    // ...then answers of 2 MiB until the client's window and the session's are full.
-    let query =
-        oneof::query_request::Query::from(pb::query_request::Jobs { ids: vec![answer_id], ..Default::default() });
-    let sending = tokio::spawn(async move {
-        for i in 0..200u64 {
-            let call = query_req("answers", query.clone());
-            if session
-                .send(pb::SessionRequest { id: 10 + i, call: Some(call.into()), ..Default::default() })
-                .await
-                .is_err()
-            {
-                break;
-            }
-        }
-        session
-    });
-    // The long-poll has ended, unanswered: its bytes are back.
-    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
-    let added = tokio::time::timeout(std::time::Duration::from_secs(10), plain.enqueue(enqueue_req("big", big_job(1))))
-        .await
-        .expect("an enqueue waited for bytes a finished call still held");
-    added.unwrap();
-    sending.abort();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+
+    // Before: each waited for the long-poll's 30 s.
+    let quick = std::time::Duration::from_secs(10);
+    let mut whole = big_job(1);
+    whole.data = vec![b'1'; BUDGET];
+    tokio::time::timeout(quick, plain.enqueue(enqueue_req("big", whole))).await.expect("the whole budget").unwrap();
+    tokio::time::timeout(quick, plain.enqueue(enqueue_req("big", big_job(2)))).await.expect("most of it").unwrap();
+
+    // On the session: a call needing the whole budget, then a cancel of the long-poll.
+    let mut whole = big_job(3);
+    whole.data = vec![b'1'; BUDGET];
+    let call = enqueue_req("big", whole);
+    session.send(pb::SessionRequest { id: 2, call: Some(call.into()), ..Default::default() }).await.unwrap();
+    let cancel = pb::SessionRequest { id: 1, call: Some(pb::SessionCancel::default().into()), ..Default::default() };
+    session.send(cancel).await.unwrap();
+    let mut answers = HashMap::new();
+    while answers.len() < 2 {
+        let answer = tokio::time::timeout(quick, session.message()).await.expect("answers").unwrap().unwrap();
+        let answer = answer.to_owned_message();
+        answers.insert(answer.id, answer.result.unwrap());
+    }
+    assert!(matches!(answers.get(&1), Some(Answer::Error(e)) if e.code == "canceled"), "{:?}", answers.get(&1));
+    assert!(matches!(answers.get(&2), Some(Answer::Enqueue(_))), "{:?}", answers.get(&2));
+    assert_eq!(counts(&plain, "big", &["wait"]).await, vec![3]);
+    session.close_send();
+    assert!(session.message().await.unwrap().is_none());
+    assert_budget_returned(&server).await;
 }
