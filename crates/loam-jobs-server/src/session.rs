@@ -61,9 +61,11 @@ pub async fn open(
 async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionRequest>, answers: Answers) {
     // Every call runs on this task. A call's first poll hands its operation to
     // the core, and FuturesUnordered polls new futures in the order they were
-    // pushed, so the core applies the calls of a session in the order they
-    // were sent, as Redis does the commands of one connection; answers then
-    // go out as the calls finish.
+    // pushed; the next request is read only once both sets below were polled
+    // and had nothing ready, so every call read was first polled before it.
+    // So the core applies the calls of a session in the order they were sent,
+    // as Redis does the commands of one connection; answers then go out as the
+    // calls finish.
     let mut calls = FuturesUnordered::new();
     // Long-polls (a Lease, an event read or a wait for a job that may wait):
     // they hold no budget, and run on only while the client reads answers, so
@@ -106,9 +108,7 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                 }
             }, if waiting.is_some() => {
                 if let Some(Waiting { id, call, .. }) = waiting.take() {
-                    let (run, stop) = start(&svc, id, call, Some(held));
-                    stops.insert(id, stop);
-                    calls.push(run);
+                    calls.push(start(&svc, &mut stops, id, call, Some(held)));
                 }
             }
             next = requests.next(), if reading && waiting.is_none() && room && calls.len() < MAX_CALLS => match next {
@@ -137,13 +137,9 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                             let long_poll = is_long_poll(&call);
                             let call = Call { caller: svc.session_caller(&ns, request.now_ms), call };
                             if long_poll {
-                                let (run, stop) = start(&svc, id, call, None);
-                                stops.insert(id, stop);
-                                polls.push(run);
+                                polls.push(start(&svc, &mut stops, id, call, None));
                             } else if let Some(held) = svc.budget().try_take(size) {
-                                let (run, stop) = start(&svc, id, call, Some(held));
-                                stops.insert(id, stop);
-                                calls.push(run);
+                                calls.push(start(&svc, &mut stops, id, call, Some(held)));
                             } else {
                                 waiting = Some(Waiting { id, taking: Box::pin(svc.budget().take(size)), call });
                             }
@@ -204,19 +200,20 @@ fn is_long_poll(call: &oneof::session_request::Call) -> bool {
 }
 
 /// `call` made ready to run: it holds `held` of the budget until it has
-/// answered, and stops when its handle is aborted.
-fn start(
-    svc: &JobsSvc,
+/// answered, and stops when its handle in `stops` is aborted.
+fn start<'a>(
+    svc: &'a JobsSvc,
+    stops: &mut HashMap<u64, AbortHandle>,
     id: u64,
     call: Call,
     held: Option<Held>,
-) -> (impl Future<Output = (u64, Result<CallResult, Aborted>)> + '_, AbortHandle) {
+) -> impl Future<Output = (u64, Result<CallResult, Aborted>)> + 'a {
     let (run, stop) = futures::future::abortable(svc.dispatch(call.caller, call.call));
-    let run = run.map(move |result| {
+    stops.insert(id, stop);
+    run.map(move |result| {
         drop(held);
         (id, result)
-    });
-    (run, stop)
+    })
 }
 
 fn answer(answers: &Answers, id: u64, result: CallResult) {
