@@ -7,6 +7,7 @@
 //! runtime. Every method but the lifecycle ones takes the host's `Date.now()`
 //! first, which the core's clock follows.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +18,7 @@ use napi_derive::napi;
 use serde::Deserialize;
 
 use loam_jobs::keys::QueueId;
+use loam_jobs::notify::Tell;
 use loam_jobs::ops::{admin, complete, enqueue, lease, query, schedule};
 use loam_jobs::tx::Tx;
 use loam_jobs::{
@@ -147,7 +149,7 @@ where
     R: Send + 'static,
     T: ToNapiValue + Send + 'static,
 {
-    let (resolver, promise) = crate::promise::promise(env)?;
+    let (resolver, promise) = crate::promise::promise(env, crate::promise::Kind::Write)?;
     pending.then(move |result| {
         let shaped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| finish(result)))
             .unwrap_or_else(|panic| Err(crate::error::panicked(panic)));
@@ -473,17 +475,41 @@ impl LoamQueue {
     /// `waitForJob`: resolves with the marker score 0 once a job may be ready
     /// (the core also wakes when a delayed job falls due), or null on timeout
     /// or interrupt (`disconnectBlocking`, `close`).
-    #[napi]
-    pub async fn wait_for_job(&self, host_now: f64, block_timeout_seconds: f64) -> Result<Option<f64>> {
+    ///
+    /// The wait runs on napi's runtime, but the write that wakes it settles
+    /// the promise itself, on its own thread (see `loam_jobs::notify::Telling`):
+    /// an add run on the JavaScript thread starts the worker's next call in
+    /// the same turn of the event loop, where the runtime's wake-up and the
+    /// hop back took two thread wake-ups (add-to-start latency).
+    #[napi(ts_return_type = "Promise<number | null>")]
+    pub fn wait_for_job<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        block_timeout_seconds: f64,
+    ) -> Result<PromiseRaw<'env, Option<f64>>> {
         self.store.observe(host_now);
         // NaN (from a caller's arithmetic) waits not at all, as zero does.
         let wait = Duration::try_from_secs_f64(block_timeout_seconds.clamp(0.0, 86_400.0)).unwrap_or_default();
-        let ready = self
-            .jobs()?
-            .wait_for_job(&self.ns, &self.queue, wait, Some(&self.blocking))
-            .await
-            .map_err(|e| Op::new("waitForJob").error(e))?;
-        Ok(ready.map(|score| score as f64))
+        let jobs = self.jobs()?;
+        let (resolver, promise) = crate::promise::promise(env, crate::promise::Kind::Wait)?;
+        // Settled by whichever comes first: the wake-up, or the wait's end.
+        let resolver = Arc::new(Mutex::new(Some(resolver)));
+        let told = Arc::clone(&resolver);
+        let tell: Tell = Arc::new(move || {
+            if let Some(resolver) = told.lock().take() {
+                resolver.settle(Ok(Some(0.0)));
+            }
+        });
+        let (ns, queue, blocking) = (self.ns.clone(), self.queue.clone(), self.blocking.clone());
+        napi::bindgen_prelude::spawn(async move {
+            let ready = jobs.wait_for_job(&ns, &queue, wait, Some(&blocking), Some(&tell)).await;
+            if let Some(resolver) = resolver.lock().take() {
+                let ready = ready.map(|ready| ready.map(|score| score as f64));
+                resolver.settle(ready.map_err(|e| Op::new("waitForJob").error(e)));
+            }
+        });
+        Ok(promise)
     }
 
     #[napi]

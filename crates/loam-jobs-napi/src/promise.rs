@@ -38,8 +38,18 @@ struct Promises {
     waiting: Mutex<Vec<Delivery>>,
     /// Promises made and not yet settled; only the JavaScript thread changes it.
     outstanding: AtomicUsize,
+    /// Of those, the promises of writes (see [`caller_waits`]).
+    writes: AtomicUsize,
     wake: Wake,
+    /// The environment, used only on its JavaScript thread.
+    env: RawEnv,
 }
+
+struct RawEnv(sys::napi_env);
+
+// SAFETY: used only on the environment's JavaScript thread (see `Promises::here`).
+unsafe impl Send for RawEnv {}
+unsafe impl Sync for RawEnv {}
 
 thread_local! {
     /// The promises of the environment whose JavaScript thread this is (a
@@ -69,19 +79,32 @@ impl Promises {
                     }
                     Ok(())
                 })?;
-            let promises =
-                Arc::new(Promises { waiting: Mutex::new(Vec::new()), outstanding: AtomicUsize::new(0), wake });
+            let promises = Arc::new(Promises {
+                waiting: Mutex::new(Vec::new()),
+                outstanding: AtomicUsize::new(0),
+                writes: AtomicUsize::new(0),
+                wake,
+                env: RawEnv(env.raw()),
+            });
             *cell.borrow_mut() = Some(Arc::clone(&promises));
             Ok(promises)
         })
     }
 
     /// Counts a new promise; the first one outstanding keeps the loop alive.
-    fn made(&self, env: sys::napi_env) {
+    fn made(&self, env: sys::napi_env, kind: Kind) {
+        if kind == Kind::Write {
+            self.writes.fetch_add(1, Ordering::Relaxed);
+        }
         if self.outstanding.fetch_add(1, Ordering::Relaxed) == 0 {
             // SAFETY: on the JavaScript thread of the environment that made the function.
             unsafe { sys::napi_ref_threadsafe_function(env, self.wake.raw()) };
         }
+    }
+
+    /// Whether this is the JavaScript thread of these promises' environment.
+    fn here(self: &Arc<Self>) -> bool {
+        PROMISES.try_with(|cell| cell.borrow().as_ref().is_some_and(|p| Arc::ptr_eq(p, self))).unwrap_or(false)
     }
 
     /// From any thread.
@@ -95,6 +118,13 @@ impl Promises {
         // delivery waits with nobody left to tell.
         if first {
             self.wake.call((), ThreadsafeFunctionCallMode::NonBlocking);
+        }
+    }
+
+    /// A promise of `kind` was settled (on the JavaScript thread).
+    fn settled(&self, kind: Kind) {
+        if kind == Kind::Write {
+            self.writes.fetch_sub(1, Ordering::Relaxed);
         }
     }
 
@@ -112,6 +142,24 @@ impl Promises {
     }
 }
 
+/// Whether the calling thread is a JavaScript thread with no write of its own
+/// in flight: it would wait idle for the answer of the write it is making, so
+/// the core may run that write here (`RedbOptions::run_on_callers_thread`).
+pub fn caller_waits() -> bool {
+    PROMISES
+        .try_with(|cell| cell.borrow().as_ref().is_some_and(|p| p.writes.load(Ordering::Relaxed) <= 1))
+        .unwrap_or(false)
+}
+
+/// What a promise is for. A wait (for a job) is outstanding while its caller
+/// goes on with other work, so it does not make the caller look busy the way
+/// a write in flight does.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Write,
+    Wait,
+}
+
 /// A promise's V8 resolver, which only its JavaScript thread touches.
 struct Deferred(sys::napi_deferred);
 
@@ -125,37 +173,62 @@ unsafe impl Send for Deferred {}
 pub struct Resolver<T: ToNapiValue + Send + 'static> {
     deferred: Option<Deferred>,
     promises: Arc<Promises>,
+    kind: Kind,
     _value: PhantomData<fn(T)>,
 }
 
 /// A promise for JavaScript and its [`Resolver`]. Call on the JavaScript thread.
-pub fn promise<T: ToNapiValue + Send + 'static>(env: &Env) -> Result<(Resolver<T>, PromiseRaw<'_, T>)> {
+pub fn promise<T: ToNapiValue + Send + 'static>(env: &Env, kind: Kind) -> Result<(Resolver<T>, PromiseRaw<'_, T>)> {
     let promises = Promises::of(env)?;
     let mut deferred = std::ptr::null_mut();
     let mut promise = std::ptr::null_mut();
     // SAFETY: `env` is live on this thread; both out-pointers are valid.
     check_status!(unsafe { sys::napi_create_promise(env.raw(), &mut deferred, &mut promise) })?;
-    promises.made(env.raw());
+    promises.made(env.raw(), kind);
     Ok((
-        Resolver { deferred: Some(Deferred(deferred)), promises, _value: PhantomData },
+        Resolver { deferred: Some(Deferred(deferred)), promises, kind, _value: PhantomData },
         PromiseRaw::new(env.raw(), promise),
     ))
 }
 
 impl<T: ToNapiValue + Send + 'static> Resolver<T> {
+    /// Settles the promise. On its JavaScript thread (a write the core ran on
+    /// the caller's thread, or one refused at once) it is settled now: its
+    /// `await` goes on in this turn of the event loop, where a posted result
+    /// would wait for the next one.
     pub fn settle(mut self, result: Result<T>) {
-        if let Some(deferred) = self.deferred.take() {
-            self.promises.post(Box::new(move |env| settle_now(env, deferred, result)));
+        let Some(deferred) = self.deferred.take() else { return };
+        let env = self.promises.env.0;
+        // A call that left an exception pending must see it, not have a
+        // settlement take it (`settle_now` rejects with a pending exception).
+        // SAFETY: `here` means this is `env`'s JavaScript thread.
+        if self.promises.here() && unsafe { no_exception_pending(env) } {
+            settle_now(env, deferred, result);
+            self.promises.settled(self.kind);
+            if self.promises.outstanding.fetch_sub(1, Ordering::Relaxed) == 1 {
+                // SAFETY: on the JavaScript thread of the environment that made the function.
+                unsafe { sys::napi_unref_threadsafe_function(env, self.promises.wake.raw()) };
+            }
+            return;
         }
+        self.post(deferred, result);
+    }
+
+    /// Settles on the JavaScript thread, from the mailbox.
+    fn post(&self, deferred: Deferred, result: Result<T>) {
+        let (promises, kind) = (Arc::clone(&self.promises), self.kind);
+        self.promises.post(Box::new(move |env| {
+            settle_now(env, deferred, result);
+            promises.settled(kind);
+        }));
     }
 }
 
 impl<T: ToNapiValue + Send + 'static> Drop for Resolver<T> {
     fn drop(&mut self) {
         if let Some(deferred) = self.deferred.take() {
-            let dropped: Result<T> =
-                Err(Error::new(Status::GenericFailure, "the operation ended without a result".to_string()));
-            self.promises.post(Box::new(move |env| settle_now(env, deferred, dropped)));
+            let dropped = Err(Error::new(Status::GenericFailure, "the operation ended without a result".to_string()));
+            self.post(deferred, dropped);
         }
     }
 }
@@ -199,6 +272,17 @@ fn settle_now<T: ToNapiValue>(env: sys::napi_env, deferred: Deferred, result: Re
         }
         sys::napi_close_handle_scope(env, scope);
     }
+}
+
+/// Whether no JavaScript exception is pending on `env`.
+///
+/// # Safety
+/// On the JavaScript thread of `env`.
+unsafe fn no_exception_pending(env: sys::napi_env) -> bool {
+    let mut pending = false;
+    // SAFETY: the caller's.
+    unsafe { sys::napi_is_exception_pending(env, &mut pending) };
+    !pending
 }
 
 /// The JavaScript exception pending on `env`, cleared.

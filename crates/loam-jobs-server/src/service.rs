@@ -744,9 +744,9 @@ impl JobsSvc {
                         jobs.read_events(ns, queue, e.after, limit, wait_of(e.wait_ms), Some(&self.shutdown)).await?;
                     R::from(pb::EventList { events: events.iter().map(convert::event).collect(), ..Default::default() })
                 }
-                Query::WaitForJob(w) => {
-                    R::Flag(jobs.wait_for_job(ns, queue, wait_of(w.wait_ms), Some(&self.shutdown)).await?.is_some())
-                }
+                Query::WaitForJob(w) => R::Flag(
+                    jobs.wait_for_job(ns, queue, wait_of(w.wait_ms), Some(&self.shutdown), None).await?.is_some(),
+                ),
                 Query::Scheduler(s) => {
                     let rec = jobs.query(ns, queue, |tx, q| schedule::get(tx, q, &s.id))?;
                     R::from(pb::SchedulerSlot {

@@ -17,7 +17,7 @@ use crate::config::{Config, QueueConfig};
 use crate::error::JobsError;
 use crate::keys::QueueId;
 use crate::model::*;
-use crate::notify::{Channel, Notifier};
+use crate::notify::{Channel, Notifier, Tell, Telling};
 use crate::ops::{admin, complete, enqueue, lease, query, schedule};
 use crate::store::redb::{RedbOptions, RedbStore};
 use crate::store::{Store, WriteOp};
@@ -501,16 +501,19 @@ impl Jobs {
 
     /// Waits until a job may be ready, without taking it (BullMQ's
     /// `waitForJob`): Some(0) once one is ready (now, or when a delayed job
-    /// falls due within the wait), None on timeout or interrupt.
+    /// falls due within the wait), None on timeout or interrupt. `tell`, if
+    /// given, is also called the moment a write wakes this wait, on that
+    /// write's thread (see [`Telling`]); the result that follows is Some(0).
     pub async fn wait_for_job(
         &self,
         ns: &str,
         queue: &str,
         wait: Duration,
         interrupt: Option<&Interrupt>,
+        tell: Option<&Tell>,
     ) -> Result<Option<u64>, JobsError> {
         if self.at.is_some() {
-            return Box::pin(self.clocked().wait_for_job(ns, queue, wait, interrupt)).await;
+            return Box::pin(self.clocked().wait_for_job(ns, queue, wait, interrupt, tell)).await;
         }
         let q = Self::queue(ns, queue)?;
         let deadline = deadline_after(wait);
@@ -535,7 +538,7 @@ impl Jobs {
                 until = until.min(now.checked_add(Duration::from_millis(d.saturating_sub(now_ms))).unwrap_or(until));
             }
             let sleep = until.saturating_duration_since(now);
-            match sleep_until_woken(listener, sleep, interrupt).await {
+            match sleep_until_woken(Telling::new(listener, tell), sleep, interrupt).await {
                 // Woken by a write that may have made a job ready: the
                 // snapshot may not show it yet (its commit may still be on
                 // its way to disk), while the lease BullMQ now asks for
@@ -741,7 +744,7 @@ enum Wake {
 /// Sleeps until `listener` fires, `sleep` passes, or `interrupt` fires;
 /// `Interrupted` at once when the interrupt had already fired.
 async fn sleep_until_woken(
-    listener: event_listener::EventListener,
+    listener: impl std::future::Future<Output = ()> + Unpin,
     sleep: Duration,
     interrupt: Option<&Interrupt>,
 ) -> Wake {

@@ -2,7 +2,10 @@
 //! after its commit, so no wake-up is lost and nobody polls.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
 
 use event_listener::{Event, EventListener};
 use parking_lot::Mutex;
@@ -53,5 +56,51 @@ impl Notifier {
 
     pub fn listen_any(&self) -> EventListener {
         self.any.listen()
+    }
+}
+
+/// Called on the thread of the write that notifies a listener (see
+/// [`Telling`]).
+pub type Tell = Arc<dyn Fn() + Send + Sync>;
+
+/// A listener that, as it is notified, also calls its [`Tell`] on the
+/// notifying thread, before whoever awaits it is polled again. A host with an
+/// event loop of its own (Node) answers its waiter there: when the write ran
+/// on the host's own thread, in the same turn of its loop, with no wake-up of
+/// the runtime that polls the wait and none of the host's thread after it.
+pub struct Telling {
+    listener: EventListener,
+    tell: Option<Tell>,
+}
+
+impl Telling {
+    pub fn new(listener: EventListener, tell: Option<&Tell>) -> Self {
+        Self { listener, tell: tell.cloned() }
+    }
+}
+
+impl Future for Telling {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(tell) = self.tell.clone() else { return Pin::new(&mut self.listener).poll(cx) };
+        let waker = Waker::from(Arc::new(TellingWaker { tell, then: cx.waker().clone() }));
+        Pin::new(&mut self.listener).poll(&mut Context::from_waker(&waker))
+    }
+}
+
+struct TellingWaker {
+    tell: Tell,
+    then: Waker,
+}
+
+impl Wake for TellingWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        (self.tell)();
+        self.then.wake_by_ref();
     }
 }

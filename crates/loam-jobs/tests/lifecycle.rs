@@ -182,7 +182,7 @@ fn a_waiting_worker_is_woken_when_a_job_delayed_while_the_timers_were_busy_falls
             let waiter = s.spawn(|| {
                 let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
                 let started = Instant::now();
-                let woken = rt.block_on(jobs.wait_for_job("ns", &q, Duration::from_secs(5), None)).unwrap();
+                let woken = rt.block_on(jobs.wait_for_job("ns", &q, Duration::from_secs(5), None, None)).unwrap();
                 (woken, started.elapsed())
             });
             std::thread::sleep(Duration::from_millis(20));

@@ -429,8 +429,25 @@ impl Model {
 
 // ---- the harness ------------------------------------------------------------
 
-fn open(path: &Path, clock: &ManualClock) -> Jobs {
-    let store = RedbStore::open(path, RedbOptions::default()).expect("open the redb file");
+/// How the store runs writes: the default, or as a Node host has it under
+/// relaxed durability, every write on the caller's thread whenever the
+/// executor is idle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Writes {
+    OnTheExecutor,
+    OnTheCallersThread,
+}
+
+fn open(path: &Path, clock: &ManualClock, writes: Writes) -> Jobs {
+    let options = match writes {
+        Writes::OnTheExecutor => RedbOptions::default(),
+        Writes::OnTheCallersThread => RedbOptions {
+            durability: Durability::Relaxed { flush_interval_ms: 100 },
+            run_on_callers_thread: Some(|| true),
+            ..RedbOptions::default()
+        },
+    };
+    let store = RedbStore::open(path, options).expect("open the redb file");
     Jobs::with_store(Box::new(store), Arc::new(clock.clone()), Config { background: false, ..Config::default() })
         .expect("open the core")
 }
@@ -471,14 +488,15 @@ struct Harness {
     /// the states a hard crash may roll the store back to.
     unflushed: Vec<Model>,
     hard_crashes: u32,
+    writes: Writes,
 }
 
 impl Harness {
-    fn new() -> Self {
+    fn new(writes: Writes) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("jobs.redb");
         let clock = ManualClock::new(START_MS);
-        let jobs = open(&path, &clock);
+        let jobs = open(&path, &clock, writes);
         let config = Config::default();
         let max_stalled =
             ok("read queue config", jobs.query(NS, Q, |tx, q| tx.queue_config(q))).expect("queue config").max_stalled;
@@ -492,6 +510,7 @@ impl Harness {
             finished: HashMap::new(),
             unflushed: Vec::new(),
             hard_crashes: 0,
+            writes,
         }
     }
 
@@ -794,7 +813,7 @@ impl Harness {
                 let jobs = self.jobs.take().expect("open");
                 jobs.close();
                 drop(jobs);
-                self.jobs = Some(open(&self.path, &self.clock));
+                self.jobs = Some(open(&self.path, &self.clock, self.writes));
                 // Nothing in the model changes: every acknowledged write survives.
                 // Spot-check through the plain handle too.
                 for m in &self.model.jobs {
@@ -822,7 +841,7 @@ impl Harness {
                     jobs.close();
                 }
                 self.path = copy;
-                self.jobs = Some(open(&self.path, &self.clock));
+                self.jobs = Some(open(&self.path, &self.clock, self.writes));
                 // Writes not acknowledged as durable may be lost: the store is
                 // in the state after one of the writes since the last durable
                 // one. The workers keep the leases they were given.
@@ -1005,8 +1024,8 @@ impl Harness {
     }
 }
 
-fn run_steps(steps: &[Step]) -> Result<(), TestCaseError> {
-    let mut h = Harness::new();
+fn run_steps(steps: &[Step], writes: Writes) -> Result<(), TestCaseError> {
+    let mut h = Harness::new(writes);
     let result = (|| {
         for (i, step) in steps.iter().enumerate() {
             h.run(step).map_err(|e| TestCaseError::fail(format!("step {i} {step:?}: {e}")))?;
@@ -1030,7 +1049,16 @@ proptest! {
     /// Design 26 §6 over random interleavings, with clean restarts.
     #[test]
     fn queue_keeps_its_guarantees(steps in proptest::collection::vec(step_strategy(false), 1..60)) {
-        run_steps(&steps)?;
+        run_steps(&steps, Writes::OnTheExecutor)?;
+    }
+
+    /// The same, with each write run on the caller's thread (the Node host's
+    /// way under relaxed durability; clean restarts lose nothing under it).
+    #[test]
+    fn queue_keeps_its_guarantees_with_writes_on_the_callers_thread(
+        steps in proptest::collection::vec(step_strategy(false), 1..60)
+    ) {
+        run_steps(&steps, Writes::OnTheCallersThread)?;
     }
 
     /// The same, with hard crashes too: a lease is acknowledged before it is
@@ -1039,7 +1067,7 @@ proptest! {
     /// never be handed out again nor pass the fence.
     #[test]
     fn fencing_survives_a_hard_crash(steps in proptest::collection::vec(step_strategy(true), 1..60)) {
-        run_steps(&steps)?;
+        run_steps(&steps, Writes::OnTheExecutor)?;
     }
 }
 
@@ -1066,11 +1094,12 @@ fn a_known_history_passes_and_a_wrong_model_fails() {
         Complete { lease: 0, outcome: OutcomeSpec::Ok },
         StaleExtend { lease: 0 },
     ];
-    run_steps(&history).unwrap();
+    run_steps(&history, Writes::OnTheExecutor).unwrap();
+    run_steps(&history, Writes::OnTheCallersThread).unwrap();
 
     // The same history against a model that forgot the stalled sweep's front
     // placement must fail: the checks are not tautologies.
-    let mut h = Harness::new();
+    let mut h = Harness::new(Writes::OnTheExecutor);
     let mut failed = false;
     for step in &history {
         h.run(step).unwrap();

@@ -1118,7 +1118,7 @@ fn assert_wakes_a_waiting_worker(jobs: &Jobs, what: &str, change: impl FnOnce())
     std::thread::scope(|s| {
         let waiter = s.spawn(|| {
             let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
-            rt.block_on(jobs.wait_for_job("ns", "q", Duration::from_secs(5), None))
+            rt.block_on(jobs.wait_for_job("ns", "q", Duration::from_secs(5), None, None))
         });
         std::thread::sleep(Duration::from_millis(50));
         let started = std::time::Instant::now();

@@ -10,6 +10,7 @@ use std::any::Any;
 use crate::error::{JobsError, StoreError};
 use crate::kv::{KvRead, KvTxn};
 
+pub mod placement;
 pub mod redb;
 mod wal;
 

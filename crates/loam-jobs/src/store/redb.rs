@@ -24,6 +24,7 @@ use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -31,6 +32,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
+use super::placement::{CallerWaits, Placement};
 use super::wal::Wal;
 use super::{Durability, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
@@ -80,6 +82,13 @@ pub struct RedbOptions {
     /// carries durability (a crash test shortens it, to be killed during
     /// checkpoints).
     pub checkpoint_interval: Duration,
+    /// Lets a caller run its write on its own thread, when the executor is
+    /// idle and the function says the caller would otherwise wait idle for
+    /// the answer (see [`super::placement`]). A host with an event loop of
+    /// its own (Node) saves a round trip between threads per write; without
+    /// it (a server, whose callers only wait) every write goes to the
+    /// executor, which batches them.
+    pub run_on_callers_thread: Option<CallerWaits>,
 }
 
 impl Default for RedbOptions {
@@ -89,6 +98,7 @@ impl Default for RedbOptions {
             cache_size: 256 << 20,
             max_batch: MAX_BATCH,
             checkpoint_interval: CHECKPOINT_INTERVAL,
+            run_on_callers_thread: None,
         }
     }
 }
@@ -99,6 +109,9 @@ pub struct RedbStore {
     /// The committer's progress: reads start from its latest snapshot.
     progress: Arc<Progress>,
     sender: Mutex<Option<Sender<WriteOp>>>,
+    executor: Arc<Executor>,
+    /// Set when callers may run their writes (see [`RedbOptions::run_on_callers_thread`]).
+    placement: Option<Placement>,
     /// Under relaxed durability, the committer's thread, which a reader wakes
     /// from its linger.
     lingering_committer: Option<std::thread::Thread>,
@@ -185,23 +198,31 @@ impl RedbStore {
             .map_err(io)?;
         let lingering_committer = relaxed.then(|| committer.thread().clone());
         threads.push(committer);
-        let executor = Executor {
+        let executor = Arc::new(Executor {
             progress: Arc::clone(&progress),
-            to_committer,
             lingering_committer: lingering_committer.clone(),
             durability,
             max_batch: options.max_batch.max(1),
-        };
+            queued: AtomicUsize::new(0),
+            state: Mutex::new(ExecutorState {
+                uncommitted: Uncommitted::default(),
+                number: 0,
+                to_committer: Some(to_committer),
+            }),
+        });
+        let running = Arc::clone(&executor);
         threads.push(
             std::thread::Builder::new()
                 .name("loam-jobs-writer".into())
-                .spawn(move || executor.run(receiver))
+                .spawn(move || running.run(receiver))
                 .map_err(io)?,
         );
         Ok(Self {
             db: Mutex::new(Some(db)),
             progress,
             sender: Mutex::new(Some(sender)),
+            executor,
+            placement: options.run_on_callers_thread.map(Placement::new),
             lingering_committer,
             threads: Mutex::new(threads),
         })
@@ -264,8 +285,25 @@ fn apply(table: &mut redb::Table<&'static [u8], &'static [u8]>, writes: &Writes)
 
 impl Store for RedbStore {
     fn submit(&self, op: WriteOp) {
+        let op = match &self.placement {
+            Some(placement) if placement.here() => match self.executor.run_here(op) {
+                Some(op) => op,
+                None => return placement.ran_here(),
+            },
+            Some(placement) => {
+                placement.sent();
+                op
+            }
+            None => op,
+        };
         let rejected = match self.sender.lock().as_ref() {
-            Some(sender) => sender.send(op).err().map(|e| e.0),
+            Some(sender) => {
+                self.executor.queued.fetch_add(1, Ordering::AcqRel);
+                sender.send(op).err().map(|e| {
+                    self.executor.queued.fetch_sub(1, Ordering::AcqRel);
+                    e.0
+                })
+            }
             None => Some(op),
         };
         if let Some(op) = rejected {
@@ -451,12 +489,36 @@ const MAX_UNCOMMITTED_BATCHES: usize = 64;
 
 struct Executor {
     progress: Arc<Progress>,
-    to_committer: Sender<Batch>,
     /// Under relaxed durability, the committer's thread, woken from its
     /// linger once enough batches wait for it.
     lingering_committer: Option<std::thread::Thread>,
     durability: Durability,
     max_batch: usize,
+    /// Operations sent down the channel and not yet run. A caller runs its
+    /// operation on its own thread only while there are none (see
+    /// [`Executor::run_here`]), so no operation overtakes one submitted
+    /// before it.
+    queued: AtomicUsize,
+    /// Held while a batch runs and is handed over, by the executor's thread
+    /// or by a caller running its operation itself.
+    state: Mutex<ExecutorState>,
+}
+
+struct ExecutorState {
+    uncommitted: Uncommitted,
+    /// The last batch's number.
+    number: u64,
+    /// Taken once the executor's thread has run every operation sent to it
+    /// (the store is closing): the committer then finishes.
+    to_committer: Option<Sender<Batch>>,
+}
+
+/// What a batch leaves to deliver once the executor's state is let go (an
+/// answer's callback may submit again).
+struct Handed {
+    answers: Vec<Ack>,
+    /// The committer is gone: the executor stops.
+    closed: bool,
 }
 
 impl Executor {
@@ -464,63 +526,108 @@ impl Executor {
     /// the writes of every batch not yet committed, and never waits for a
     /// commit (short of [`MAX_UNCOMMITTED_BATCHES`]): the committer takes all
     /// the batches that ran while it wrote the previous ones in one commit.
-    fn run(self, receiver: Receiver<WriteOp>) {
-        let mut uncommitted = Uncommitted::default();
-        let mut number = 0;
+    fn run(&self, receiver: Receiver<WriteOp>) {
         while let Ok(first) = self.next(&receiver) {
+            let mut state = self.state.lock();
             let ops = with_waiting(&receiver, first, self.max_batch);
-            number += 1;
-            let (snapshot, snapshot_batch, failed) = self.view(&mut uncommitted);
-            let read_through = uncommitted.batches.back().map_or(snapshot_batch, |(n, _)| *n);
-            let sync = match self.durability {
-                Durability::Immediate => ops.iter().any(|op| op.sync),
-                Durability::Relaxed { .. } => false,
-            };
-            let (writes, acks, unchanged) = {
-                let mut committed = SnapshotReader(snapshot);
-                if uncommitted.writes.is_empty() {
-                    execute(ops, &mut committed)
-                } else {
-                    execute(ops, &mut Layer { below: &mut committed, writes: &mut uncommitted.writes })
-                }
-            };
-            // Under relaxed durability, acknowledgements go out once the batch
-            // is with the committer (a reader they wake then waits for that
-            // commit, see `RedbStore::snapshot`). Under immediate durability
-            // even leases wait for their commit: acknowledged early, a worker
-            // would see a job before the producer saw its `add` resolve, which
-            // BullMQ callers (and Redis, answering in order) never show. A
-            // lease that found nothing is answered at once either way: waiting
-            // for the batch's fsync only kept an idle worker from starting to
-            // wait for the next job.
-            // A store that lost acknowledged writes acknowledges no more
-            // early: the committer refuses these, as it refuses every commit.
-            let (early, late) = match self.durability {
-                Durability::Relaxed { .. } if !failed => (acks, Vec::new()),
-                _ => (Vec::new(), acks),
-            };
-            if !early.is_empty() {
-                self.progress.mark_acknowledged(number);
+            let count = ops.len();
+            let handed = self.run_batch(&mut state, ops);
+            self.queued.fetch_sub(count, Ordering::Release);
+            drop(state);
+            deliver(handed.answers);
+            if handed.closed {
+                break;
             }
-            let writes = Arc::new(writes);
-            uncommitted.writes.add(number, &writes);
-            uncommitted.batches.push_back((number, Arc::clone(&writes)));
-            // The batch goes on before anyone is answered: an answer's
-            // callback may read the store, and a read waits for the batches
-            // acknowledged before it.
-            let sent = self.to_committer.send(Batch { number, read_through, writes, sync, acks: late });
-            deliver(unchanged);
-            if let Err(mpsc::SendError(batch)) = sent {
-                deliver(batch.acks.into_iter().chain(early).map(|(done, _)| (done, Err(StoreError::Closed.into()))));
-                return;
-            }
-            if let Some(committer) = &self.lingering_committer
-                && uncommitted.batches.len() % LINGER_BATCHES == 0
-            {
-                committer.unpark();
-            }
-            deliver(early);
         }
+        // Every operation sent was run: without its sender, the committer
+        // finishes once it has the batches before.
+        self.state.lock().to_committer = None;
+    }
+
+    /// Runs `op` on the calling thread, as a batch of its own, when the
+    /// executor is idle: nothing queued for it, no batch running, and room for
+    /// one more uncommitted batch (so the caller never waits for the disk).
+    /// A caller with an event loop of its own (Node's) then gets an answer
+    /// that needs no commit before the call returns, instead of a round trip
+    /// to the executor's thread and back. Gives `op` back otherwise, to be
+    /// sent to the executor.
+    fn run_here(&self, op: WriteOp) -> Option<WriteOp> {
+        let Some(mut state) = self.state.try_lock() else { return Some(op) };
+        if self.queued.load(Ordering::Acquire) != 0
+            || state.to_committer.is_none()
+            || self.forget_committed(&mut state.uncommitted) >= MAX_UNCOMMITTED_BATCHES
+        {
+            return Some(op);
+        }
+        let handed = self.run_batch(&mut state, vec![op]);
+        drop(state);
+        deliver(handed.answers);
+        None
+    }
+
+    /// Runs `ops` as the next batch and hands it to the committer. Returns the
+    /// answers to deliver now: under relaxed durability all of them, else
+    /// those that wrote nothing and need no fsync.
+    fn run_batch(&self, state: &mut ExecutorState, ops: Vec<WriteOp>) -> Handed {
+        let ExecutorState { uncommitted, number, to_committer } = state;
+        let Some(to_committer) = to_committer.as_ref() else {
+            let answers = ops.into_iter().map(|op| (op.done, Err(StoreError::Closed.into()))).collect();
+            return Handed { answers, closed: true };
+        };
+        *number += 1;
+        let number = *number;
+        let (snapshot, snapshot_batch, failed) = self.view(uncommitted);
+        let read_through = uncommitted.batches.back().map_or(snapshot_batch, |(n, _)| *n);
+        let sync = match self.durability {
+            Durability::Immediate => ops.iter().any(|op| op.sync),
+            Durability::Relaxed { .. } => false,
+        };
+        let (writes, acks, mut unchanged) = {
+            let mut committed = SnapshotReader(snapshot);
+            if uncommitted.writes.is_empty() {
+                execute(ops, &mut committed)
+            } else {
+                execute(ops, &mut Layer { below: &mut committed, writes: &mut uncommitted.writes })
+            }
+        };
+        // Under relaxed durability, acknowledgements go out once the batch
+        // is with the committer (a reader they wake then waits for that
+        // commit, see `RedbStore::snapshot`). Under immediate durability
+        // even leases wait for their commit: acknowledged early, a worker
+        // would see a job before the producer saw its `add` resolve, which
+        // BullMQ callers (and Redis, answering in order) never show. A
+        // lease that found nothing is answered at once either way: waiting
+        // for the batch's fsync only kept an idle worker from starting to
+        // wait for the next job.
+        // A store that lost acknowledged writes acknowledges no more
+        // early: the committer refuses these, as it refuses every commit.
+        let (early, late) = match self.durability {
+            Durability::Relaxed { .. } if !failed => (acks, Vec::new()),
+            _ => (Vec::new(), acks),
+        };
+        if !early.is_empty() {
+            self.progress.mark_acknowledged(number);
+        }
+        let writes = Arc::new(writes);
+        uncommitted.writes.add(number, &writes);
+        uncommitted.batches.push_back((number, Arc::clone(&writes)));
+        // The batch goes on before anyone is answered: an answer's
+        // callback may read the store, and a read waits for the batches
+        // acknowledged before it.
+        if let Err(mpsc::SendError(batch)) = to_committer.send(Batch { number, read_through, writes, sync, acks: late })
+        {
+            state.to_committer = None;
+            let refused = batch.acks.into_iter().chain(early).map(|(done, _)| (done, Err(StoreError::Closed.into())));
+            unchanged.extend(refused);
+            return Handed { answers: unchanged, closed: true };
+        }
+        if let Some(committer) = &self.lingering_committer
+            && uncommitted.batches.len() % LINGER_BATCHES == 0
+        {
+            committer.unpark();
+        }
+        unchanged.extend(early);
+        Handed { answers: unchanged, closed: false }
     }
 
     /// The next operation. Under relaxed durability the executor first spins
@@ -543,19 +650,21 @@ impl Executor {
         receiver.recv()
     }
 
+    /// Forgets the batches the committer is done with (committed, or failed
+    /// and so never to be read); returns how many are left uncommitted.
+    fn forget_committed(&self, uncommitted: &mut Uncommitted) -> usize {
+        let state = self.progress.state.lock();
+        uncommitted.forget_done(state.batch);
+        uncommitted.batches.len()
+    }
+
     /// The latest committed snapshot, the batch it ends with, and whether the
     /// store lost acknowledged writes, after forgetting the batches the
-    /// committer is done with (committed, or failed and so never to be read).
-    /// Waits while too many batches are uncommitted.
+    /// committer is done with. Waits while too many batches are uncommitted.
     fn view(&self, uncommitted: &mut Uncommitted) -> (Arc<RedbSnapshot>, u64, bool) {
         let mut state = self.progress.state.lock();
         loop {
-            while let Some((n, writes)) = uncommitted.batches.front()
-                && *n <= state.batch
-            {
-                uncommitted.writes.forget(*n, writes);
-                uncommitted.batches.pop_front();
-            }
+            uncommitted.forget_done(state.batch);
             if uncommitted.batches.len() < MAX_UNCOMMITTED_BATCHES {
                 return (Arc::clone(&state.snapshot), state.snapshot_batch, state.unreadable.is_some());
             }
@@ -570,6 +679,18 @@ impl Executor {
 struct Uncommitted {
     batches: VecDeque<(u64, Arc<Writes>)>,
     writes: PendingWrites,
+}
+
+impl Uncommitted {
+    /// Forgets the batches up to `done`, which the committer is done with.
+    fn forget_done(&mut self, done: u64) {
+        while let Some((n, writes)) = self.batches.front()
+            && *n <= done
+        {
+            self.writes.forget(*n, writes);
+            self.batches.pop_front();
+        }
+    }
 }
 
 /// `first` and what else is waiting in `receiver` already, up to `max` in all.
@@ -1402,9 +1523,20 @@ mod log_tests {
     /// key they put.
     #[test]
     fn a_read_after_a_relaxed_write_sees_it() {
+        reads_after_relaxed_writes_see_them(relaxed());
+    }
+
+    /// The same, with writes run on their callers' threads when the executor
+    /// is idle (as a Node host has it).
+    #[test]
+    fn a_read_after_a_relaxed_write_run_on_its_callers_thread_sees_it() {
+        reads_after_relaxed_writes_see_them(RedbOptions { run_on_callers_thread: Some(|| true), ..relaxed() });
+    }
+
+    fn reads_after_relaxed_writes_see_them(options: RedbOptions) {
         use std::sync::atomic::{AtomicUsize, Ordering};
         let dir = tempfile::tempdir().unwrap();
-        let store = Arc::new(RedbStore::open(&dir.path().join("jobs.redb"), relaxed()).unwrap());
+        let store = Arc::new(RedbStore::open(&dir.path().join("jobs.redb"), options).unwrap());
         let missing = Arc::new(AtomicUsize::new(0));
         let writers: Vec<_> = (0..8)
             .map(|t| {
@@ -1424,6 +1556,76 @@ mod log_tests {
             writer.join().unwrap();
         }
         assert_eq!(missing.load(Ordering::SeqCst), 0, "reads that lacked a write acknowledged before them");
+    }
+
+    /// Callers may run their writes on their own threads, but no write runs
+    /// before one submitted earlier: four threads each submit 2,000
+    /// increments of their own counter, in turns of 50 without waiting for
+    /// the answers and 50 waiting for each, and each increment must find its
+    /// predecessor's value. Both ways of running a write must have been taken.
+    #[test]
+    fn writes_run_on_callers_threads_keep_their_order() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let options = RedbOptions { run_on_callers_thread: Some(|| true), ..relaxed() };
+        let store = Arc::new(RedbStore::open(&dir.path().join("jobs.redb"), options).unwrap());
+        let out_of_order = Arc::new(AtomicUsize::new(0));
+        let on_executor = Arc::new(AtomicUsize::new(0));
+        let on_callers = Arc::new(AtomicUsize::new(0));
+        const WRITES: u64 = 2000;
+        let callers: Vec<_> = (0..4)
+            .map(|t| {
+                let store = Arc::clone(&store);
+                let counters = [&out_of_order, &on_executor, &on_callers].map(Arc::clone);
+                std::thread::spawn(move || {
+                    let (sender, answers) = mpsc::channel::<bool>();
+                    let mut unanswered = 0;
+                    for i in 1..=WRITES {
+                        if i % 100 >= 50 {
+                            for _ in 0..unanswered {
+                                assert!(answers.recv().unwrap(), "every write is acknowledged");
+                            }
+                            unanswered = 0;
+                        }
+                        unanswered += 1;
+                        let [out_of_order, on_executor, on_callers] = counters.clone();
+                        let caller = std::thread::current().id();
+                        let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
+                            let key = format!("counter{t}");
+                            let before = txn.get(key.as_bytes())?.map_or(0, |v| read_u64(&v));
+                            if before != i - 1 {
+                                out_of_order.fetch_add(1, Ordering::SeqCst);
+                            }
+                            let ran = if std::thread::current().id() == caller { &on_callers } else { &on_executor };
+                            ran.fetch_add(1, Ordering::SeqCst);
+                            txn.put(key.as_bytes(), i.to_be_bytes().to_vec())?;
+                            Ok(Box::new(()) as OpOutput)
+                        });
+                        let sender = sender.clone();
+                        let done: OpDone = Box::new(move |result| {
+                            let _ = sender.send(result.is_ok());
+                        });
+                        store.submit(WriteOp { body, sync: true, done });
+                    }
+                    assert!(answers.iter().take(unanswered).all(|ok| ok), "every write is acknowledged");
+                })
+            })
+            .collect();
+        for caller in callers {
+            caller.join().unwrap();
+        }
+        assert_eq!(out_of_order.load(Ordering::SeqCst), 0, "writes that ran before one submitted earlier");
+        let mut snapshot = store.snapshot().unwrap();
+        for t in 0..4 {
+            let value = snapshot.get(format!("counter{t}").as_bytes()).unwrap().map(|v| read_u64(&v));
+            assert_eq!(value, Some(WRITES));
+        }
+        assert!(on_executor.load(Ordering::SeqCst) > 0, "no write ran on the executor");
+        assert!(on_callers.load(Ordering::SeqCst) > 0, "no write ran on its caller's thread");
+    }
+
+    fn read_u64(value: &[u8]) -> u64 {
+        u64::from_be_bytes(value.try_into().expect("eight bytes"))
     }
 
     /// Under relaxed durability, a failed checkpoint (the redb file fails, the

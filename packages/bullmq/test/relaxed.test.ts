@@ -1,0 +1,88 @@
+import { afterAll, describe, expect } from 'vitest';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import * as path from 'node:path';
+import { withBackend } from 'bullmq';
+import { loamBackend } from '../src/index.js';
+import { itInProcess, until } from './helpers.js';
+
+// Under relaxed durability a write made while the store is idle runs on the
+// JavaScript thread and is answered in the call (docs/design.md, "Writes on the
+// caller's thread"). These tests tell that from a round trip through the
+// store's threads by whether the event loop turned: a setImmediate callback
+// runs only once it has. Each test has a store of its own, and makes fewer than
+// the 256 writes after which the store sends a few to its own thread again to
+// see whether the host got busy.
+
+const connection = {};
+const dataDirs: string[] = [];
+
+/** BullMQ's classes over a store of their own, under relaxed durability. */
+function relaxedStore() {
+  const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-relaxed-'));
+  dataDirs.push(dataDir);
+  return withBackend(loamBackend({ dataDir, durability: 'relaxed' }));
+}
+
+afterAll(() => {
+  for (const dataDir of dataDirs) rmSync(dataDir, { recursive: true, force: true });
+});
+
+/** A flag that turns true once the event loop has turned after this call. */
+function loopTurn() {
+  const turn = { turned: false };
+  setImmediate(() => {
+    turn.turned = true;
+  });
+  return turn;
+}
+
+describe('relaxed durability', () => {
+  itInProcess('adds one at a time resolve without a turn of the event loop, in order, and are kept', async () => {
+    const relaxed = relaxedStore();
+    const queue = new relaxed.Queue('adds', { connection });
+    await queue.waitUntilReady();
+    let turns = 0;
+    for (let i = 0; i < 200; i++) {
+      const turn = loopTurn();
+      await queue.add('job', { i }, { jobId: `j${i}` });
+      if (turn.turned) turns++;
+      // Let the loop turn, so the next add does not find this one's timer.
+      await new Promise(resolve => setImmediate(resolve));
+    }
+    // Before: every add's answer came through the store's threads, a turn each.
+    // Now only a few may: the process's first write, and one made while the
+    // store's threads are behind (a checkpoint under way) goes to them.
+    expect(turns).toBeLessThanOrEqual(10);
+    const waiting = await queue.getWaiting(0, -1);
+    expect(waiting.map(job => job.data.i).sort((a, b) => a - b)).toEqual([...Array(200).keys()]);
+    await queue.close();
+  });
+
+  itInProcess("a worker waiting for a job starts it in the add's own turn of the event loop", async () => {
+    const relaxed = relaxedStore();
+    const queue = new relaxed.Queue('wakes', { connection });
+    const started: boolean[] = [];
+    let turn = { turned: false };
+    const worker = new relaxed.Worker(
+      'wakes',
+      async () => {
+        started.push(turn.turned);
+      },
+      { connection },
+    );
+    await worker.waitUntilReady();
+    for (let i = 0; i < 20; i++) {
+      // Long enough for the worker to be waiting for its next job.
+      await new Promise(resolve => setTimeout(resolve, 20));
+      turn = loopTurn();
+      await queue.add('job', { i });
+      await until(() => started.length === i + 1);
+    }
+    // Before: the wake-up went through napi's runtime and back, a turn at least.
+    // As above, the odd one may still take a turn.
+    expect(started.filter(turned => turned).length).toBeLessThanOrEqual(2);
+    await worker.close();
+    await queue.close();
+  });
+});
