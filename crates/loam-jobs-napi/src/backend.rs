@@ -401,7 +401,7 @@ impl LoamQueue {
         let placement =
             if job.add_to_waiting_children { enqueue::Placement::WaitChildren } else { enqueue::Placement::Normal };
         let pending =
-            self.jobs()?.admin(&self.ns, &self.queue, move |tx, q| enqueue::enqueue(tx, q, req.clone(), placement));
+            self.jobs()?.job_admin(&self.ns, &self.queue, move |tx, q| enqueue::enqueue(tx, q, req.clone(), placement));
         settle(env, op, pending, |added| added.id)
     }
 
@@ -496,7 +496,13 @@ impl LoamQueue {
         // Settled by whichever comes first: the wake-up, or the wait's end.
         let resolver = Arc::new(Mutex::new(Some(resolver)));
         let told = Arc::clone(&resolver);
+        let (interrupt, core) = (self.blocking.clone(), jobs.clone());
         let tell: Tell = Arc::new(move || {
+            // A wait cut short (`disconnectBlocking`, or `close`, which also
+            // wakes every waiter) answers null, from the wait itself.
+            if interrupt.is_fired() || core.is_closed() {
+                return;
+            }
             if let Some(resolver) = told.lock().take() {
                 resolver.settle(Ok(Some(0.0)));
             }

@@ -237,7 +237,16 @@ impl Jobs {
 
     /// Runs `body` as one write transaction in namespace `ns`. `sync` = its
     /// acknowledgement waits for the commit to be durable.
-    pub fn write<T, F>(&self, ns: &str, sync: bool, mut body: F) -> Pending<T>
+    pub fn write<T, F>(&self, ns: &str, sync: bool, body: F) -> Pending<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&mut Tx) -> Result<T, JobsError> + Send + 'static,
+    {
+        self.submit_write(ns, sync, false, body)
+    }
+
+    /// [`Self::write`]; `brief` marks a write of one job (see [`WriteOp::brief`]).
+    fn submit_write<T, F>(&self, ns: &str, sync: bool, brief: bool, mut body: F) -> Pending<T>
     where
         T: Send + 'static,
         F: FnMut(&mut Tx) -> Result<T, JobsError> + Send + 'static,
@@ -256,6 +265,7 @@ impl Jobs {
         let early = Arc::clone(&self.inner);
         let op = WriteOp {
             sync,
+            brief,
             body: Box::new(move |kv| {
                 let core_now = now_clock.now_ms();
                 let mut tx = Tx::new(kv, &ns, at.unwrap_or(core_now), &config);
@@ -308,13 +318,30 @@ impl Jobs {
         Ok(QueueId::new(ns, queue))
     }
 
-    fn queue_write<T, F>(&self, ns: &str, queue: &str, sync: bool, mut body: F) -> Pending<T>
+    fn queue_write<T, F>(&self, ns: &str, queue: &str, sync: bool, body: F) -> Pending<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&mut Tx, &QueueId) -> Result<T, JobsError> + Send + 'static,
+    {
+        self.queue_submit(ns, queue, sync, false, body)
+    }
+
+    /// [`Self::queue_write`] of a write of one job (see [`WriteOp::brief`]).
+    fn job_write<T, F>(&self, ns: &str, queue: &str, sync: bool, body: F) -> Pending<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&mut Tx, &QueueId) -> Result<T, JobsError> + Send + 'static,
+    {
+        self.queue_submit(ns, queue, sync, true, body)
+    }
+
+    fn queue_submit<T, F>(&self, ns: &str, queue: &str, sync: bool, brief: bool, mut body: F) -> Pending<T>
     where
         T: Send + 'static,
         F: FnMut(&mut Tx, &QueueId) -> Result<T, JobsError> + Send + 'static,
     {
         match Self::queue(ns, queue) {
-            Ok(q) => self.write(ns, sync, move |tx| body(tx, &q)),
+            Ok(q) => self.submit_write(ns, sync, brief, move |tx| body(tx, &q)),
             Err(e) => Pending::settled(Err(e)),
         }
     }
@@ -332,7 +359,7 @@ impl Jobs {
     // ---- producing -------------------------------------------------------
 
     pub fn enqueue(&self, ns: &str, queue: &str, req: EnqueueRequest) -> Pending<Enqueued> {
-        self.queue_write(ns, queue, true, move |tx, q| enqueue::enqueue(tx, q, req.clone(), enqueue::Placement::Normal))
+        self.job_write(ns, queue, true, move |tx, q| enqueue::enqueue(tx, q, req.clone(), enqueue::Placement::Normal))
     }
 
     /// Adds many jobs in one transaction; each gets its own result, and a
@@ -399,7 +426,7 @@ impl Jobs {
     /// of waiting out their leases and counting as stalled.
     pub fn lease(&self, ns: &str, queue: &str, req: LeaseRequest) -> Pending<Leased> {
         let give_back = self.give_back(ns, queue);
-        self.queue_write(ns, queue, false, move |tx, q| lease::lease(tx, q, &req))
+        self.job_write(ns, queue, false, move |tx, q| lease::lease(tx, q, &req))
             .if_abandoned(move |leased| give_back(leased.leases))
     }
 
@@ -542,7 +569,9 @@ impl Jobs {
                 // Woken by a write that may have made a job ready: the
                 // snapshot may not show it yet (its commit may still be on
                 // its way to disk), while the lease BullMQ now asks for
-                // sees it.
+                // sees it. Unless the wait was cut short meanwhile (close
+                // wakes every waiter too).
+                Wake::Notified if self.is_closed() || interrupt.is_some_and(|i| i.is_fired()) => return Ok(None),
                 Wake::Notified => return Ok(Some(0)),
                 Wake::TimedOut => {}
                 Wake::Interrupted => return Ok(None),
@@ -552,7 +581,7 @@ impl Jobs {
 
     pub fn extend(&self, ns: &str, queue: &str, id: &str, fence: Fence, duration_ms: u64) -> Pending<u64> {
         let id = id.to_string();
-        self.queue_write(ns, queue, false, move |tx, q| lease::extend(tx, q, &id, &fence, duration_ms))
+        self.job_write(ns, queue, false, move |tx, q| lease::extend(tx, q, &id, &fence, duration_ms))
     }
 
     /// Extends many leases; returns the ids that could not be extended.
@@ -587,7 +616,7 @@ impl Jobs {
         // The next job a completion fetched is a lease too: if its caller
         // is gone, it goes back as `lease` gives back its jobs.
         let give_back = self.give_back(ns, queue);
-        self.queue_write(ns, queue, true, move |tx, q| complete::complete(tx, q, &id, &fence, outcome.clone(), &opts))
+        self.job_write(ns, queue, true, move |tx, q| complete::complete(tx, q, &id, &fence, outcome.clone(), &opts))
             .if_abandoned(move |done| give_back(done.next.map(|n| n.leases).unwrap_or_default()))
     }
 
@@ -595,7 +624,7 @@ impl Jobs {
 
     pub fn update_progress(&self, ns: &str, queue: &str, id: &str, fence: Fence, progress: String) -> Pending<()> {
         let id = id.to_string();
-        self.queue_write(ns, queue, true, move |tx, q| admin::update_progress(tx, q, &id, &fence, progress.clone()))
+        self.job_write(ns, queue, true, move |tx, q| admin::update_progress(tx, q, &id, &fence, progress.clone()))
     }
 
     pub fn add_log(
@@ -608,12 +637,12 @@ impl Jobs {
         keep: Option<u64>,
     ) -> Pending<u64> {
         let id = id.to_string();
-        self.queue_write(ns, queue, true, move |tx, q| admin::add_log(tx, q, &id, &fence, row.clone(), keep))
+        self.job_write(ns, queue, true, move |tx, q| admin::add_log(tx, q, &id, &fence, row.clone(), keep))
     }
 
     pub fn update_data(&self, ns: &str, queue: &str, id: &str, fence: Fence, data: Vec<u8>) -> Pending<()> {
         let id = id.to_string();
-        self.queue_write(ns, queue, true, move |tx, q| admin::update_data(tx, q, &id, &fence, data.clone()))
+        self.job_write(ns, queue, true, move |tx, q| admin::update_data(tx, q, &id, &fence, data.clone()))
     }
 
     // ---- maintenance -----------------------------------------------------
@@ -635,6 +664,16 @@ impl Jobs {
         F: FnMut(&mut Tx, &QueueId) -> Result<T, JobsError> + Send + 'static,
     {
         self.queue_write(ns, queue, true, body)
+    }
+
+    /// [`Self::admin`] for a write of one job, whose cost is bounded (see
+    /// [`WriteOp::brief`]): a host's event loop may run it.
+    pub fn job_admin<T, F>(&self, ns: &str, queue: &str, body: F) -> Pending<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&mut Tx, &QueueId) -> Result<T, JobsError> + Send + 'static,
+    {
+        self.job_write(ns, queue, true, body)
     }
 
     /// A read on one queue (see [`query`]).

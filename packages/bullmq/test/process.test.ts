@@ -75,6 +75,26 @@ describe('processes', () => {
     }
   });
 
+  itInProcess("closing a store's last backend answers its pending waitForJob with null", async () => {
+    for (const durability of ['immediate', 'relaxed'] as const) {
+      for (let i = 0; i < 10; i++) {
+        const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-close-wait-'));
+        try {
+          const backend = loamBackend({ dataDir, durability })('idle', {}, { withBlockingConnection: true });
+          await backend.waitUntilReady();
+          const waiting = backend.waitForJob(5);
+          await new Promise(resolve => setTimeout(resolve, 2));
+          await backend.close();
+          // Before: close wakes every waiter, and the wake-up answered 0 ("a
+          // job may be ready") in every round.
+          expect([durability, i, await waiting]).toEqual([durability, i, null]);
+        } finally {
+          rmSync(dataDir, { recursive: true, force: true });
+        }
+      }
+    }
+  });
+
   itInProcess('a write in flight keeps Node running until it settles, and lets it exit after', async () => {
     // Nothing but the addon's promise keeps this process's loop alive while
     // the add is in flight; once everything settled, nothing may keep it.

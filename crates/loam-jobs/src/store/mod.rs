@@ -25,6 +25,12 @@ pub struct WriteOp {
     /// False for writes whose loss after a crash breaks no guarantee (a lost
     /// lease is the same as a stalled one), so they need not wait for fsync.
     pub sync: bool,
+    /// A write of one job (an add, a lease, a completion, a lock extension),
+    /// whose cost is bounded: it may run on its caller's thread (see
+    /// `redb::RedbOptions::run_on_callers_thread`). A write of many (a bulk
+    /// add, a flow, a drain, a clean) runs on the store's own thread
+    /// whatever the caller, so a host's event loop never runs it.
+    pub brief: bool,
     pub done: OpDone,
 }
 

@@ -286,15 +286,15 @@ fn apply(table: &mut redb::Table<&'static [u8], &'static [u8]>, writes: &Writes)
 impl Store for RedbStore {
     fn submit(&self, op: WriteOp) {
         let op = match &self.placement {
-            Some(placement) if placement.here() => match self.executor.run_here(op) {
+            Some(placement) if op.brief && placement.here() => match self.executor.run_here(op) {
                 Some(op) => op,
                 None => return placement.ran_here(),
             },
-            Some(placement) => {
+            Some(placement) if op.brief => {
                 placement.sent();
                 op
             }
-            None => op,
+            _ => op,
         };
         let rejected = match self.sender.lock().as_ref() {
             Some(sender) => {
@@ -559,7 +559,15 @@ impl Executor {
         {
             return Some(op);
         }
-        let handed = self.run_batch(&mut state, vec![op]);
+        // An operation's own panic fails that operation (see `execute`); one
+        // in the batch's bookkeeping is a bug of the store, which must not
+        // unwind into the caller (a Node host aborts): the store then takes
+        // no more writes, and this one is answered as unavailable.
+        let handed = catch_unwind(AssertUnwindSafe(|| self.run_batch(&mut state, vec![op])));
+        let handed = handed.unwrap_or_else(|_| {
+            state.to_committer = None;
+            Handed { answers: Vec::new(), closed: true }
+        });
         drop(state);
         deliver(handed.answers);
         None
@@ -716,7 +724,7 @@ fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>, Vec<A
     let mut group = Overlay::caching(base);
     let mut memo = Memo::default();
     for op in ops {
-        let WriteOp { mut body, done, sync } = op;
+        let WriteOp { mut body, done, sync, .. } = op;
         let mut local = Overlay::remembering(&mut group, &memo);
         // A bug in an operation must fail that operation, not the writer
         // thread and with it every caller (and a Node host).
@@ -1382,7 +1390,7 @@ mod tests {
             let done: OpDone = Box::new(move |result| {
                 let _ = sender.send((name, result.is_ok()));
             });
-            store.submit(WriteOp { body, sync, done });
+            store.submit(WriteOp { body, sync, brief: true, done });
         };
         submit("write", true, true);
         submit("lease that found nothing", false, false);
@@ -1463,7 +1471,7 @@ mod tests {
             let done: OpDone = Box::new(move |result| {
                 let _ = sender.send((i, result.map(|out| *out.downcast::<u64>().unwrap()).ok()));
             });
-            store.submit(WriteOp { body, sync: true, done });
+            store.submit(WriteOp { body, sync: true, brief: true, done });
         }
         drop(sender);
         settled.extend(outcomes.iter());
@@ -1508,7 +1516,7 @@ mod log_tests {
         let done: OpDone = Box::new(move |result| {
             let _ = sender.send(result.is_ok());
         });
-        store.submit(WriteOp { body, sync: true, done });
+        store.submit(WriteOp { body, sync: true, brief: true, done });
         receiver.recv().unwrap()
     }
 
@@ -1605,7 +1613,7 @@ mod log_tests {
                         let done: OpDone = Box::new(move |result| {
                             let _ = sender.send(result.is_ok());
                         });
-                        store.submit(WriteOp { body, sync: true, done });
+                        store.submit(WriteOp { body, sync: true, brief: true, done });
                     }
                     assert!(answers.iter().take(unanswered).all(|ok| ok), "every write is acknowledged");
                 })
@@ -1622,6 +1630,32 @@ mod log_tests {
         }
         assert!(on_executor.load(Ordering::SeqCst) > 0, "no write ran on the executor");
         assert!(on_callers.load(Ordering::SeqCst) > 0, "no write ran on its caller's thread");
+    }
+
+    /// A write that is not brief (a bulk add, a drain) runs on the executor
+    /// whatever its caller, while brief ones from the same caller run there.
+    #[test]
+    fn only_brief_writes_run_on_their_callers_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = RedbOptions { run_on_callers_thread: Some(|| true), ..relaxed() };
+        let store = RedbStore::open(&dir.path().join("jobs.redb"), options).unwrap();
+        let caller = std::thread::current().id();
+        let ran_here = |brief: bool| {
+            let (sender, receiver) = mpsc::channel();
+            let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
+                txn.put(b"k", b"v".to_vec())?;
+                Ok(Box::new(std::thread::current().id() == caller) as OpOutput)
+            });
+            let done: OpDone = Box::new(move |result| {
+                let _ = sender.send(*result.unwrap().downcast::<bool>().unwrap());
+            });
+            store.submit(WriteOp { body, sync: true, brief, done });
+            receiver.recv().unwrap()
+        };
+        for _ in 0..50 {
+            assert!(!ran_here(false), "a write that is not brief ran on its caller's thread");
+        }
+        assert!((0..50).any(|_| ran_here(true)), "no brief write ran on its caller's thread");
     }
 
     fn read_u64(value: &[u8]) -> u64 {
@@ -1720,7 +1754,7 @@ mod log_tests {
             let _ = panicking.send(());
             panic!("a bug in the caller's callback");
         });
-        store.submit(WriteOp { body, sync: true, done });
+        store.submit(WriteOp { body, sync: true, brief: true, done });
         panicked.recv().unwrap();
         let (sender, read) = mpsc::channel();
         let reader = Arc::clone(&store);
@@ -1753,7 +1787,7 @@ mod log_tests {
         let done: OpDone = Box::new(move |_| {
             let _ = sender.send(reader.snapshot().map(|mut s| s.get(b"k").unwrap().is_some()));
         });
-        store.submit(WriteOp { body, sync: true, done });
+        store.submit(WriteOp { body, sync: true, brief: true, done });
         let outcome = answer.recv_timeout(Duration::from_secs(5));
         if outcome.is_err() {
             std::mem::forget(store); // its threads are stuck; dropping it would join them
@@ -1836,7 +1870,7 @@ mod log_tests {
             let done: OpDone = Box::new(move |result| {
                 let _ = sender.send(result.ok().and_then(|seen| seen.downcast::<u64>().ok()).map(|seen| *seen));
             });
-            store.submit(WriteOp { body, sync: true, done });
+            store.submit(WriteOp { body, sync: true, brief: true, done });
         }
         let mut seen: Vec<u64> = (0..INCREMENTS).map(|_| receiver.recv().unwrap().expect("acknowledged")).collect();
         seen.sort_unstable();
