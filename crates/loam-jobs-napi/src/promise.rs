@@ -142,9 +142,11 @@ impl Promises {
     }
 }
 
-/// Whether the calling thread is a JavaScript thread with no write of its own
-/// in flight: it would wait idle for the answer of the write it is making, so
-/// the core may run that write here (`RedbOptions::run_on_callers_thread`).
+/// Whether the calling thread is a JavaScript thread with at most one other
+/// write of its own in flight (BullMQ's worker asks for its next job while it
+/// completes the last): it would wait idle for the answer of the write it is
+/// making, so the core may run that write here
+/// (`RedbOptions::run_on_callers_thread`).
 pub fn caller_waits() -> bool {
     PROMISES
         .try_with(|cell| cell.borrow().as_ref().is_some_and(|p| p.writes.load(Ordering::Relaxed) <= 1))

@@ -19,8 +19,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 /// Called on the submitting thread: whether that thread would wait idle for
-/// the answer of the write it submits (it has no other write of its own in
-/// flight, and can run one). False on threads that cannot run writes.
+/// the answer of the write it submits, having nothing else to do meanwhile.
+/// False on threads that should not run writes.
 pub type CallerWaits = fn() -> bool;
 
 /// Writes a window takes to decide.
