@@ -135,8 +135,14 @@ impl Promises {
         for delivery in waiting {
             delivery(env);
         }
+        self.released(env, count);
+    }
+
+    /// `count` promises were settled, on the JavaScript thread of `env`: the
+    /// last one outstanding lets the loop go.
+    fn released(&self, env: sys::napi_env, count: usize) {
         if count > 0 && self.outstanding.fetch_sub(count, Ordering::Relaxed) == count {
-            // SAFETY: on the JavaScript thread, in the function's own call.
+            // SAFETY: on the JavaScript thread of the environment that made the function.
             unsafe { sys::napi_unref_threadsafe_function(env, self.wake.raw()) };
         }
     }
@@ -207,10 +213,7 @@ impl<T: ToNapiValue + Send + 'static> Resolver<T> {
         if self.promises.here() && unsafe { no_exception_pending(env) } {
             settle_now(env, deferred, result);
             self.promises.settled(self.kind);
-            if self.promises.outstanding.fetch_sub(1, Ordering::Relaxed) == 1 {
-                // SAFETY: on the JavaScript thread of the environment that made the function.
-                unsafe { sys::napi_unref_threadsafe_function(env, self.promises.wake.raw()) };
-            }
+            self.promises.released(env, 1);
             return;
         }
         self.post(deferred, result);
@@ -292,11 +295,9 @@ unsafe fn no_exception_pending(env: sys::napi_env) -> bool {
 /// # Safety
 /// On the JavaScript thread of `env`.
 unsafe fn take_exception(env: sys::napi_env) -> Option<sys::napi_value> {
-    let mut pending = false;
     // SAFETY: the caller's.
     unsafe {
-        sys::napi_is_exception_pending(env, &mut pending);
-        if !pending {
+        if no_exception_pending(env) {
             return None;
         }
         let mut exception = std::ptr::null_mut();
