@@ -513,12 +513,24 @@ struct ExecutorState {
     to_committer: Option<Sender<Batch>>,
 }
 
+/// The latest committed snapshot, the batch it ends with, and whether the
+/// store lost acknowledged writes.
+type View = (Arc<RedbSnapshot>, u64, bool);
+
 /// What a batch leaves to deliver once the executor's state is let go (an
 /// answer's callback may submit again).
 struct Handed {
     answers: Vec<Ack>,
     /// The committer is gone: the executor stops.
     closed: bool,
+}
+
+impl Handed {
+    /// `ops` refused: the committer is gone.
+    fn refused(ops: Vec<WriteOp>) -> Self {
+        let answers = ops.into_iter().map(|op| (op.done, Err(StoreError::Closed.into()))).collect();
+        Self { answers, closed: true }
+    }
 }
 
 impl Executor {
@@ -531,7 +543,13 @@ impl Executor {
             let mut state = self.state.lock();
             let ops = with_waiting(&receiver, first, self.max_batch);
             let count = ops.len();
-            let handed = self.run_batch(&mut state, ops);
+            // Without a committer no room comes: refuse, rather than wait.
+            let handed = if state.to_committer.is_some() {
+                let view = self.view(&mut state.uncommitted);
+                self.run_batch(&mut state, ops, view)
+            } else {
+                Handed::refused(ops)
+            };
             self.queued.fetch_sub(count, Ordering::Release);
             drop(state);
             deliver(handed.answers);
@@ -553,17 +571,15 @@ impl Executor {
     /// sent to the executor.
     fn run_here(&self, op: WriteOp) -> Option<WriteOp> {
         let Some(mut state) = self.state.try_lock() else { return Some(op) };
-        if self.queued.load(Ordering::Acquire) != 0
-            || state.to_committer.is_none()
-            || self.forget_committed(&mut state.uncommitted) >= MAX_UNCOMMITTED_BATCHES
-        {
+        if self.queued.load(Ordering::Acquire) != 0 || state.to_committer.is_none() {
             return Some(op);
         }
+        let Some(view) = state.uncommitted.view(&self.progress.state.lock()) else { return Some(op) };
         // An operation's own panic fails that operation (see `execute`); one
         // in the batch's bookkeeping is a bug of the store, which must not
         // unwind into the caller (a Node host aborts): the store then takes
         // no more writes, and this one is answered as unavailable.
-        let handed = catch_unwind(AssertUnwindSafe(|| self.run_batch(&mut state, vec![op])));
+        let handed = catch_unwind(AssertUnwindSafe(|| self.run_batch(&mut state, vec![op], view)));
         let handed = handed.unwrap_or_else(|_| {
             state.to_committer = None;
             Handed { answers: Vec::new(), closed: true }
@@ -573,18 +589,16 @@ impl Executor {
         None
     }
 
-    /// Runs `ops` as the next batch and hands it to the committer. Returns the
-    /// answers to deliver now: under relaxed durability all of them, else
-    /// those that wrote nothing and need no fsync.
-    fn run_batch(&self, state: &mut ExecutorState, ops: Vec<WriteOp>) -> Handed {
+    /// Runs `ops` as the next batch over `view` (see [`Uncommitted::view`]) and
+    /// hands it to the committer. Returns the answers to deliver now: under
+    /// relaxed durability all of them, else those that wrote nothing and need
+    /// no fsync.
+    fn run_batch(&self, state: &mut ExecutorState, ops: Vec<WriteOp>, view: View) -> Handed {
         let ExecutorState { uncommitted, number, to_committer } = state;
-        let Some(to_committer) = to_committer.as_ref() else {
-            let answers = ops.into_iter().map(|op| (op.done, Err(StoreError::Closed.into()))).collect();
-            return Handed { answers, closed: true };
-        };
+        let Some(to_committer) = to_committer.as_ref() else { return Handed::refused(ops) };
         *number += 1;
         let number = *number;
-        let (snapshot, snapshot_batch, failed) = self.view(uncommitted);
+        let (snapshot, snapshot_batch, failed) = view;
         let read_through = uncommitted.batches.back().map_or(snapshot_batch, |(n, _)| *n);
         let sync = match self.durability {
             Durability::Immediate => ops.iter().any(|op| op.sync),
@@ -658,23 +672,13 @@ impl Executor {
         receiver.recv()
     }
 
-    /// Forgets the batches the committer is done with (committed, or failed
-    /// and so never to be read); returns how many are left uncommitted.
-    fn forget_committed(&self, uncommitted: &mut Uncommitted) -> usize {
-        let state = self.progress.state.lock();
-        uncommitted.forget_done(state.batch);
-        uncommitted.batches.len()
-    }
-
-    /// The latest committed snapshot, the batch it ends with, and whether the
-    /// store lost acknowledged writes, after forgetting the batches the
-    /// committer is done with. Waits while too many batches are uncommitted.
-    fn view(&self, uncommitted: &mut Uncommitted) -> (Arc<RedbSnapshot>, u64, bool) {
+    /// The view the next batch runs over (see [`Uncommitted::view`]); waits
+    /// while too many batches are uncommitted.
+    fn view(&self, uncommitted: &mut Uncommitted) -> View {
         let mut state = self.progress.state.lock();
         loop {
-            uncommitted.forget_done(state.batch);
-            if uncommitted.batches.len() < MAX_UNCOMMITTED_BATCHES {
-                return (Arc::clone(&state.snapshot), state.snapshot_batch, state.unreadable.is_some());
+            if let Some(view) = uncommitted.view(&state) {
+                return view;
             }
             self.progress.changed.wait(&mut state);
         }
@@ -690,14 +694,18 @@ struct Uncommitted {
 }
 
 impl Uncommitted {
-    /// Forgets the batches up to `done`, which the committer is done with.
-    fn forget_done(&mut self, done: u64) {
+    /// The view the next batch runs over, after forgetting the batches the
+    /// committer is done with (committed, or failed and so never to be
+    /// read); none while [`MAX_UNCOMMITTED_BATCHES`] remain.
+    fn view(&mut self, committed: &Committed) -> Option<View> {
         while let Some((n, writes)) = self.batches.front()
-            && *n <= done
+            && *n <= committed.batch
         {
             self.writes.forget(*n, writes);
             self.batches.pop_front();
         }
+        (self.batches.len() < MAX_UNCOMMITTED_BATCHES)
+            .then(|| (Arc::clone(&committed.snapshot), committed.snapshot_batch, committed.unreadable.is_some()))
     }
 }
 
