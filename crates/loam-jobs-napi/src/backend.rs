@@ -496,13 +496,8 @@ impl LoamQueue {
         // Settled by whichever comes first: the wake-up, or the wait's end.
         let resolver = Arc::new(Mutex::new(Some(resolver)));
         let told = Arc::clone(&resolver);
-        let (interrupt, core) = (self.blocking.clone(), jobs.clone());
+        // Not called for a wait cut short, which answers null itself.
         let tell: Tell = Arc::new(move || {
-            // A wait cut short (`disconnectBlocking`, or `close`, which also
-            // wakes every waiter) answers null, from the wait itself.
-            if interrupt.is_fired() || core.is_closed() {
-                return;
-            }
             if let Some(resolver) = told.lock().take() {
                 resolver.settle(Ok(Some(0.0)));
             }

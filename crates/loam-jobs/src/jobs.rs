@@ -531,6 +531,8 @@ impl Jobs {
     /// falls due within the wait), None on timeout or interrupt. `tell`, if
     /// given, is also called the moment a write wakes this wait, on that
     /// write's thread (see [`Telling`]); the result that follows is Some(0).
+    /// A wait cut short (interrupted, or the core closed, which wakes every
+    /// waiter too) answers None and does not tell.
     pub async fn wait_for_job(
         &self,
         ns: &str,
@@ -544,6 +546,18 @@ impl Jobs {
         }
         let q = Self::queue(ns, queue)?;
         let deadline = deadline_after(wait);
+        let cut_short = {
+            let (inner, interrupt) = (Arc::clone(&self.inner), interrupt.cloned());
+            move || inner.closed.load(Ordering::SeqCst) || interrupt.as_ref().is_some_and(Interrupt::is_fired)
+        };
+        let tell = tell.map(|tell| {
+            let (tell, cut_short) = (Arc::clone(tell), cut_short.clone());
+            Arc::new(move || {
+                if !cut_short() {
+                    tell();
+                }
+            }) as Tell
+        });
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Jobs);
             let (ready, due, paused) = self.read(ns, |tx| {
@@ -565,13 +579,12 @@ impl Jobs {
                 until = until.min(now.checked_add(Duration::from_millis(d.saturating_sub(now_ms))).unwrap_or(until));
             }
             let sleep = until.saturating_duration_since(now);
-            match sleep_until_woken(Telling::new(listener, tell), sleep, interrupt).await {
+            match sleep_until_woken(Telling::new(listener, tell.as_ref()), sleep, interrupt).await {
                 // Woken by a write that may have made a job ready: the
                 // snapshot may not show it yet (its commit may still be on
                 // its way to disk), while the lease BullMQ now asks for
-                // sees it. Unless the wait was cut short meanwhile (close
-                // wakes every waiter too).
-                Wake::Notified if self.is_closed() || interrupt.is_some_and(|i| i.is_fired()) => return Ok(None),
+                // sees it. Unless the wait was cut short meanwhile.
+                Wake::Notified if cut_short() => return Ok(None),
                 Wake::Notified => return Ok(Some(0)),
                 Wake::TimedOut => {}
                 Wake::Interrupted => return Ok(None),
