@@ -502,7 +502,9 @@ impl LoamQueue {
                 resolver.settle(Ok(Some(0.0)));
             }
         });
-        let (ns, queue, blocking) = (self.ns.clone(), self.queue.clone(), self.blocking.clone());
+        // Taken now: an interrupt fired after this call and reset before the wait
+        // starts still cuts it short.
+        let (ns, queue, blocking) = (self.ns.clone(), self.queue.clone(), self.blocking.from_now());
         napi::bindgen_prelude::spawn(async move {
             let ready = jobs.wait_for_job(&ns, &queue, wait, Some(&blocking), Some(&tell)).await;
             if let Some(resolver) = resolver.lock().take() {

@@ -6,7 +6,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use event_listener::{Event as Signal, Listener};
@@ -30,6 +30,10 @@ pub use crate::pending::Pending;
 pub struct Interrupt {
     signal: Arc<Signal>,
     fired: Arc<AtomicBool>,
+    /// How many times it was fired, reset or not.
+    fires: Arc<AtomicU64>,
+    /// For a handle from [`Interrupt::from_now`]: `fires` when it was made.
+    since: Option<u64>,
 }
 
 impl Interrupt {
@@ -38,14 +42,22 @@ impl Interrupt {
     }
     /// Ends every wait that uses this interrupt, now and until `reset`.
     pub fn fire(&self) {
+        self.fires.fetch_add(1, Ordering::SeqCst);
         self.fired.store(true, Ordering::SeqCst);
         self.signal.notify(usize::MAX);
     }
     pub fn reset(&self) {
         self.fired.store(false, Ordering::SeqCst);
     }
+    /// The same interrupt, for a wait asked for now: a `fire` from now on
+    /// ends it even if a `reset` follows before the wait begins (BullMQ's
+    /// `disconnectBlocking(); reconnectBlocking()` in one turn of Node's loop,
+    /// while the wait it asked for earlier in that turn has not started).
+    pub fn from_now(&self) -> Self {
+        Self { since: Some(self.fires.load(Ordering::SeqCst)), ..self.clone() }
+    }
     pub fn is_fired(&self) -> bool {
-        self.fired.load(Ordering::SeqCst)
+        self.fired.load(Ordering::SeqCst) || self.since.is_some_and(|since| self.fires.load(Ordering::SeqCst) != since)
     }
     /// Resolves once the interrupt is fired.
     pub async fn fired(&self) {
@@ -79,7 +91,7 @@ struct Inner {
     sweeps: Mutex<HashMap<QueueId, Instant>>,
     closed: AtomicBool,
     /// This open's generation (see `Tx::generation`), set once at open.
-    generation: std::sync::atomic::AtomicU64,
+    generation: AtomicU64,
 }
 
 impl Inner {
@@ -149,7 +161,7 @@ impl Jobs {
             timers: Timers { heap: Mutex::new(BinaryHeap::new()), changed: Condvar::new() },
             sweeps: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
-            generation: std::sync::atomic::AtomicU64::new(0),
+            generation: AtomicU64::new(0),
         });
         let jobs = Self { inner, maintenance: Arc::new(Mutex::new(None)), at: None };
         let generation = jobs

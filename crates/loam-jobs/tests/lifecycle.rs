@@ -195,3 +195,27 @@ fn a_waiting_worker_is_woken_when_a_job_delayed_while_the_timers_were_busy_falls
         });
     }
 }
+
+/// A wait handed an interrupt taken with `from_now` is cut short by a fire
+/// made after that, even when a reset follows before the wait begins (the
+/// Node binding takes it in the call and starts the wait later, and BullMQ
+/// may disconnect and reconnect its blocking connection in between).
+#[test]
+fn an_interrupt_fired_and_reset_before_a_wait_begins_still_cuts_it_short() {
+    let (jobs, _) = core();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let interrupt = Interrupt::new();
+    let asked = interrupt.from_now();
+    interrupt.fire();
+    interrupt.reset();
+    let started = Instant::now();
+    let woken = rt.block_on(jobs.wait_for_job("ns", "idle", Duration::from_secs(5), Some(&asked), None)).unwrap();
+    assert_eq!(woken, None);
+    assert!(started.elapsed() < Duration::from_secs(2), "waited {:?}", started.elapsed());
+    // Once reset, a wait asked for after it waits again (here until its end).
+    let later = interrupt.from_now();
+    let started = Instant::now();
+    let woken = rt.block_on(jobs.wait_for_job("ns", "idle", Duration::from_millis(200), Some(&later), None)).unwrap();
+    assert_eq!(woken, None);
+    assert!(started.elapsed() >= Duration::from_millis(190), "cut short after {:?}", started.elapsed());
+}

@@ -158,6 +158,26 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it('disconnectBlocking cuts short a waitForJob asked for in the same turn, even with reconnectBlocking after', async () => {
+    const name = loam.queueName();
+    const backend = loam.factory(name, {}, { withBlockingConnection: true });
+    await backend.waitUntilReady();
+    const started = Date.now();
+    // No await between the three: the wait may not have begun when the
+    // interrupt is fired and re-armed. Before: it ran its whole 5 s.
+    const waiting = backend.waitForJob(5);
+    void backend.disconnectBlocking();
+    void backend.reconnectBlocking();
+    expect(await waiting).toBeNull();
+    expect(Date.now() - started).toBeLessThan(2_000);
+    // Re-armed: the next wait waits, and a job ends it.
+    const next = backend.waitForJob(5);
+    const queue = new Queue(name, { connection });
+    await queue.add('a', {});
+    expect(await next).not.toBeNull();
+    await Promise.all([queue.close(), backend.close()]);
+  });
+
   it('lists workers through getClientList', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });
