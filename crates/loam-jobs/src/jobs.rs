@@ -20,7 +20,7 @@ use crate::model::*;
 use crate::notify::{Channel, Notifier, Tell, Telling};
 use crate::ops::{admin, complete, enqueue, lease, query, schedule};
 use crate::store::redb::{RedbOptions, RedbStore};
-use crate::store::{Store, WriteOp};
+use crate::store::{BRIEF_JOBS, Store, WriteOp};
 use crate::tx::{Effects, Tx};
 
 pub use crate::pending::Pending;
@@ -257,7 +257,7 @@ impl Jobs {
         self.submit_write(ns, sync, false, body)
     }
 
-    /// [`Self::write`]; `brief` marks a write of one job (see [`WriteOp::brief`]).
+    /// [`Self::write`]; `brief` marks a write of a few jobs (see [`WriteOp::brief`]).
     fn submit_write<T, F>(&self, ns: &str, sync: bool, brief: bool, mut body: F) -> Pending<T>
     where
         T: Send + 'static,
@@ -382,14 +382,20 @@ impl Jobs {
         queue: &str,
         reqs: Vec<EnqueueRequest>,
     ) -> Pending<Vec<Result<Enqueued, JobsError>>> {
-        self.queue_write(ns, queue, true, move |tx, q| {
+        let brief = reqs.len() <= BRIEF_JOBS;
+        self.queue_submit(ns, queue, true, brief, move |tx, q| {
             Ok(reqs.iter().map(|r| enqueue::enqueue(tx, q, r.clone(), enqueue::Placement::Normal)).collect())
         })
     }
 
     /// Inserts a flow tree atomically: all of it, or none of it.
     pub fn flow(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> Pending<Vec<Enqueued>> {
-        self.write(ns, true, move |tx| enqueue::flow(tx, nodes.clone()))
+        let brief = nodes.len() <= BRIEF_JOBS;
+        self.flow_write(ns, nodes, brief)
+    }
+
+    fn flow_write(&self, ns: &str, nodes: Vec<enqueue::FlowNode>, brief: bool) -> Pending<Vec<Enqueued>> {
+        self.submit_write(ns, true, brief, move |tx| enqueue::flow(tx, nodes.clone()))
     }
 
     /// Inserts several flows, each tree atomically on its own: one tree's
@@ -397,13 +403,16 @@ impl Jobs {
     /// same). Resolves to one result per node, in the nodes' order.
     pub fn flows(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> Pending<Vec<Result<Enqueued, JobsError>>> {
         let count = nodes.len();
+        // Brief only if all of them are: each tree is a write of its own, and
+        // many small trees run one after the other would add up.
+        let brief = count <= BRIEF_JOBS;
         let trees = enqueue::flow_trees(&nodes);
         let mut slots: Vec<Option<enqueue::FlowNode>> = nodes.into_iter().map(Some).collect();
         let (positions, writes): (Vec<Vec<usize>>, Vec<Pending<Vec<Enqueued>>>) = trees
             .into_iter()
             .map(|positions| {
                 let tree = positions.iter().filter_map(|&i| slots[i].take()).collect();
-                let write = self.flow(ns, tree);
+                let write = self.flow_write(ns, tree, brief);
                 (positions, write)
             })
             .unzip();
