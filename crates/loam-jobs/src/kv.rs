@@ -345,6 +345,33 @@ impl KvRead for Layer<'_> {
     }
 }
 
+/// The writes of several batches (oldest first) over a base they are not in
+/// yet, read-only: what a reader sees of batches on their way into the file.
+/// Each batch's writes are read where they are, not merged into one map
+/// first, since a reader may read only a key or two of them.
+pub struct Stacked<'a> {
+    pub batches: &'a [Arc<Writes>],
+    pub base: &'a mut dyn KvRead,
+}
+
+impl KvRead for Stacked<'_> {
+    fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
+        match self.batches.iter().rev().find_map(|writes| writes.get(key)) {
+            Some(v) => Ok(v.clone()),
+            None => self.base.get(key),
+        }
+    }
+
+    fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
+        let Some((newest, older)) = self.batches.split_last() else {
+            return self.base.scan(range, limit, reverse);
+        };
+        let mut below = Stacked { batches: older, base: &mut *self.base };
+        // No floors: a reader's view lives for one read.
+        scan_under(local_range(newest, range, reverse), &mut BTreeMap::new(), &mut below, range, limit, reverse)
+    }
+}
+
 impl KvRead for Overlay<'_> {
     fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
         match self.writes.get(key) {
@@ -454,6 +481,39 @@ mod tests {
                         proptest::prop_assert_eq!(got, want, "scan {:?}", range);
                     }
                 }
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Batches stacked over a base read like the base with every batch
+        /// applied in order.
+        #[test]
+        fn stacked_batches_read_like_the_applied_map(
+            base in proptest::collection::btree_map(0u8..32, 0u8..4, 0..24),
+            batches in proptest::collection::vec(
+                proptest::collection::btree_map(0u8..32, proptest::option::of(0u8..4), 0..12), 0..6),
+            lo in 0u8..32, width in 0u8..40, limit in 0usize..40, rev in proptest::bool::ANY,
+        ) {
+            let base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
+            let mut expected = base.clone();
+            let batches: Vec<Arc<Writes>> = batches
+                .into_iter()
+                .map(|b| Arc::new(b.into_iter().map(|(k, v)| (vec![k], v.map(|v| vec![v]))).collect::<Writes>()))
+                .collect();
+            for writes in &batches {
+                for (k, v) in writes.iter() {
+                    match v { Some(v) => { expected.insert(k.clone(), v.clone()); } None => { expected.remove(k); } }
+                }
+            }
+            let mut below = MapRead(base);
+            let mut stacked = Stacked { batches: &batches, base: &mut below };
+            let range = KeyRange::new(vec![lo], vec![lo.saturating_add(width)]);
+            let got = stacked.scan(&range, limit, rev).unwrap();
+            let want = MapRead(expected.clone()).scan(&range, limit, rev).unwrap();
+            proptest::prop_assert_eq!(got, want, "scan {:?}", range);
+            for k in 0u8..32 {
+                proptest::prop_assert_eq!(stacked.get(&[k]).unwrap(), expected.get(&vec![k]).cloned(), "get {}", k);
             }
         }
     }
