@@ -431,6 +431,41 @@ mod tests {
         }
     }
 
+    /// A generated batch (one-byte keys and values) as writes.
+    fn writes_of(batch: BTreeMap<u8, Option<u8>>) -> Writes {
+        batch.into_iter().map(|(k, v)| (vec![k], v.map(|v| vec![v]))).collect()
+    }
+
+    fn apply(map: &mut BTreeMap<Key, Value>, writes: &Writes) {
+        for (k, v) in writes {
+            match v {
+                Some(v) => {
+                    map.insert(k.clone(), v.clone());
+                }
+                None => {
+                    map.remove(k);
+                }
+            }
+        }
+    }
+
+    /// `reader` scans `range` as `expected` does, and gets every one-byte key as it has it.
+    fn reads_match(
+        reader: &mut dyn KvRead,
+        expected: &BTreeMap<Key, Value>,
+        range: KeyRange,
+        limit: usize,
+        rev: bool,
+    ) -> Result<(), proptest::test_runner::TestCaseError> {
+        let got = reader.scan(&range, limit, rev).unwrap();
+        let want = MapRead(expected.clone()).scan(&range, limit, rev).unwrap();
+        proptest::prop_assert_eq!(got, want, "scan {:?}", range);
+        for k in 0u8..32 {
+            proptest::prop_assert_eq!(reader.get(&[k]).unwrap(), expected.get(&vec![k]).cloned(), "get {}", k);
+        }
+        Ok(())
+    }
+
     #[derive(Debug, Clone)]
     enum Step {
         Put(u8, u8),
@@ -497,24 +532,13 @@ mod tests {
         ) {
             let base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
             let mut expected = base.clone();
-            let batches: Vec<Arc<Writes>> = batches
-                .into_iter()
-                .map(|b| Arc::new(b.into_iter().map(|(k, v)| (vec![k], v.map(|v| vec![v]))).collect::<Writes>()))
-                .collect();
+            let batches: Vec<Arc<Writes>> = batches.into_iter().map(|b| Arc::new(writes_of(b))).collect();
             for writes in &batches {
-                for (k, v) in writes.iter() {
-                    match v { Some(v) => { expected.insert(k.clone(), v.clone()); } None => { expected.remove(k); } }
-                }
+                apply(&mut expected, writes);
             }
             let mut below = MapRead(base);
             let mut stacked = Stacked { batches: &batches, base: &mut below };
-            let range = KeyRange::new(vec![lo], vec![lo.saturating_add(width)]);
-            let got = stacked.scan(&range, limit, rev).unwrap();
-            let want = MapRead(expected.clone()).scan(&range, limit, rev).unwrap();
-            proptest::prop_assert_eq!(got, want, "scan {:?}", range);
-            for k in 0u8..32 {
-                proptest::prop_assert_eq!(stacked.get(&[k]).unwrap(), expected.get(&vec![k]).cloned(), "get {}", k);
-            }
+            reads_match(&mut stacked, &expected, KeyRange::new(vec![lo], vec![lo.saturating_add(width)]), limit, rev)?;
         }
     }
 
@@ -594,16 +618,8 @@ mod tests {
             committed in 0usize..5,
             lo in 0u8..32, width in 0u8..40, limit in 0usize..40, rev in proptest::bool::ANY,
         ) {
-            let batches: Vec<BTreeMap<Key, Option<Value>>> = batches
-                .into_iter()
-                .map(|b| b.into_iter().map(|(k, v)| (vec![k], v.map(|v| vec![v]))).collect())
-                .collect();
+            let batches: Vec<Writes> = batches.into_iter().map(writes_of).collect();
             let committed = committed.min(batches.len());
-            let apply = |map: &mut BTreeMap<Key, Value>, writes: &BTreeMap<Key, Option<Value>>| {
-                for (k, v) in writes {
-                    match v { Some(v) => { map.insert(k.clone(), v.clone()); } None => { map.remove(k); } }
-                }
-            };
             let mut base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
             let mut expected = base.clone();
             let mut pending = PendingWrites::default();
@@ -619,13 +635,7 @@ mod tests {
             }
             let mut below = MapRead(base);
             let mut layer = Layer { below: &mut below, writes: &mut pending };
-            let range = KeyRange::new(vec![lo], vec![lo.saturating_add(width)]);
-            let got = layer.scan(&range, limit, rev).unwrap();
-            let want = MapRead(expected.clone()).scan(&range, limit, rev).unwrap();
-            proptest::prop_assert_eq!(got, want);
-            for k in 0u8..32 {
-                proptest::prop_assert_eq!(layer.get(&[k]).unwrap(), expected.get(&vec![k]).cloned());
-            }
+            reads_match(&mut layer, &expected, KeyRange::new(vec![lo], vec![lo.saturating_add(width)]), limit, rev)?;
         }
     }
 
