@@ -42,6 +42,16 @@ enum FlowId {
 /// with the error as its tagged message, see `src/errors.ts`).
 type FlowResult = (Option<String>, FlowId);
 
+/// `readEvents`'s answer: the events as BullMQ's stream entries in JSON, or
+/// null for none.
+fn stream_entries(events: Vec<Event>) -> Option<String> {
+    if events.is_empty() {
+        return None;
+    }
+    let entries: Vec<StreamEntry> = events.into_iter().map(StreamEntry::from).collect();
+    Some(json(&entries))
+}
+
 /// Most events one `readEvents` returns.
 const EVENTS_PER_READ: usize = 1000;
 
@@ -1313,21 +1323,54 @@ impl LoamQueue {
 
     /// `readEvents`: the entries after `id` (`$` = from now) as JSON
     /// `[[id, [k, v, ...]], ...]`, or null when none came within `block_ms`.
-    #[napi]
-    pub async fn read_events(&self, host_now: f64, id: String, block_ms: f64) -> Result<Option<String>> {
+    /// Like `waitForJob`, answered by the write that adds the events, on its
+    /// own thread: a write run on the JavaScript thread hands a QueueEvents
+    /// its events in its own turn of the event loop, as Redis pushes them to
+    /// a blocked XREAD, instead of after a worker that runs on has gone on
+    /// to its next jobs (its completions could then come before the events
+    /// that led to them).
+    #[napi(ts_return_type = "Promise<string | null>")]
+    pub fn read_events<'env>(
+        &self,
+        env: &'env Env,
+        host_now: f64,
+        id: String,
+        block_ms: f64,
+    ) -> Result<PromiseRaw<'env, Option<String>>> {
         self.store.observe(host_now);
-        let after = if id == "$" { None } else { Some(Event::parse_id(&id).unwrap_or(0)) };
+        let jobs = self.jobs()?;
+        // Resolved now (a read never waits): the write's thread reads after it.
+        let after = match id.as_str() {
+            "$" => self.read(Op::new("readEvents"), query::last_event_seq)?,
+            id => Event::parse_id(id).unwrap_or(0),
+        };
         let wait = Duration::from_millis(ms(block_ms));
-        let events = self
-            .jobs()?
-            .read_events(&self.ns, &self.queue, after, EVENTS_PER_READ, wait, Some(&self.events))
-            .await
-            .map_err(|e| Op::new("readEvents").error(e))?;
-        if events.is_empty() {
-            return Ok(None);
-        }
-        let entries: Vec<StreamEntry> = events.into_iter().map(StreamEntry::from).collect();
-        Ok(Some(json(&entries)))
+        let (resolver, promise) = crate::promise::promise(env, crate::promise::Kind::Wait)?;
+        // Settled by whichever comes first with events: the write's thread,
+        // or the wait itself (which also answers none at its end).
+        let resolver = Arc::new(Mutex::new(Some(resolver)));
+        let told = Arc::clone(&resolver);
+        let (ns, queue) = (self.ns.clone(), self.queue.clone());
+        let reader = (jobs.clone(), ns.clone(), queue.clone());
+        let tell: Tell = Arc::new(move || {
+            let (jobs, ns, queue) = &reader;
+            let read = jobs.query(ns, queue, |tx, q| query::events_after(tx, q, after, EVENTS_PER_READ));
+            if let Ok(events) = read
+                && !events.is_empty()
+                && let Some(resolver) = told.lock().take()
+            {
+                resolver.settle(Ok(stream_entries(events)));
+            }
+        });
+        let interrupt = self.events.clone();
+        napi::bindgen_prelude::spawn(async move {
+            let events =
+                jobs.read_events(&ns, &queue, Some(after), EVENTS_PER_READ, wait, Some(&interrupt), Some(&tell)).await;
+            if let Some(resolver) = resolver.lock().take() {
+                resolver.settle(events.map(stream_entries).map_err(|e| Op::new("readEvents").error(e)));
+            }
+        });
+        Ok(promise)
     }
 
     /// `publishEvent`: `fields` is a JSON object with `event` and the rest.

@@ -740,8 +740,9 @@ impl JobsSvc {
                 Query::LastEvent(_) => R::Number(jobs.query(ns, queue, query::last_event_seq)?),
                 Query::Events(e) => {
                     let limit = if e.limit == 0 { EVENT_BATCH } else { (e.limit as usize).min(MAX_EVENTS_PER_READ) };
-                    let events =
-                        jobs.read_events(ns, queue, e.after, limit, wait_of(e.wait_ms), Some(&self.shutdown)).await?;
+                    let events = jobs
+                        .read_events(ns, queue, e.after, limit, wait_of(e.wait_ms), Some(&self.shutdown), None)
+                        .await?;
                     R::from(pb::EventList { events: events.iter().map(convert::event).collect(), ..Default::default() })
                 }
                 Query::WaitForJob(w) => R::Flag(
@@ -880,7 +881,7 @@ impl JobsSvc {
                 }
                 let read = st
                     .jobs
-                    .read_events(&st.ns, &st.queue, Some(st.cursor), EVENT_BATCH, WATCH_HEARTBEAT, Some(&st.stop))
+                    .read_events(&st.ns, &st.queue, Some(st.cursor), EVENT_BATCH, WATCH_HEARTBEAT, Some(&st.stop), None)
                     .await;
                 match read {
                     Ok(events) => {

@@ -567,18 +567,7 @@ impl Jobs {
         }
         let q = Self::queue(ns, queue)?;
         let deadline = deadline_after(wait);
-        let cut_short = {
-            let (inner, interrupt) = (Arc::clone(&self.inner), interrupt.cloned());
-            move || inner.closed.load(Ordering::SeqCst) || interrupt.as_ref().is_some_and(Interrupt::is_fired)
-        };
-        let tell = tell.map(|tell| {
-            let (tell, cut_short) = (Arc::clone(tell), cut_short.clone());
-            Arc::new(move || {
-                if !cut_short() {
-                    tell();
-                }
-            }) as Tell
-        });
+        let (cut_short, tell) = self.unless_cut_short(interrupt, tell);
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Jobs);
             let (ready, due, paused) = self.read(ns, |tx| {
@@ -611,6 +600,28 @@ impl Jobs {
                 Wake::Interrupted => return Ok(None),
             }
         }
+    }
+
+    /// Whether a wait was cut short (the core closed, or `interrupt` fired),
+    /// and `tell` made to do nothing for a wait cut short.
+    fn unless_cut_short(
+        &self,
+        interrupt: Option<&Interrupt>,
+        tell: Option<&Tell>,
+    ) -> (impl Fn() -> bool + Clone + Send + Sync + 'static, Option<Tell>) {
+        let cut_short = {
+            let (inner, interrupt) = (Arc::clone(&self.inner), interrupt.cloned());
+            move || inner.closed.load(Ordering::SeqCst) || interrupt.as_ref().is_some_and(Interrupt::is_fired)
+        };
+        let tell = tell.map(|tell| {
+            let (tell, cut_short) = (Arc::clone(tell), cut_short.clone());
+            Arc::new(move || {
+                if !cut_short() {
+                    tell();
+                }
+            }) as Tell
+        });
+        (cut_short, tell)
     }
 
     pub fn extend(&self, ns: &str, queue: &str, id: &str, fence: Fence, duration_ms: u64) -> Pending<u64> {
@@ -739,7 +750,14 @@ impl Jobs {
     // ---- events ----------------------------------------------------------
 
     /// Events after sequence `after` (None = from now on), at most `limit`,
-    /// waiting up to `wait` for the first.
+    /// waiting up to `wait` for the first. `tell`, if given, is also called
+    /// the moment a write that added events wakes this wait, on that write's
+    /// thread (see [`Telling`]), unless the wait was cut short; the events
+    /// are then read here too.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the read (from where, how many) and the wait (how long, what cuts it short, whom it tells), as wait_for_job"
+    )]
     pub async fn read_events(
         &self,
         ns: &str,
@@ -748,6 +766,7 @@ impl Jobs {
         limit: usize,
         wait: Duration,
         interrupt: Option<&Interrupt>,
+        tell: Option<&Tell>,
     ) -> Result<Vec<Event>, JobsError> {
         let q = Self::queue(ns, queue)?;
         let after = match after {
@@ -755,6 +774,7 @@ impl Jobs {
             None => self.read(ns, |tx| query::last_event_seq(tx, &q))?,
         };
         let deadline = deadline_after(wait);
+        let (_, tell) = self.unless_cut_short(interrupt, tell);
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Events);
             let events = self.read(ns, |tx| query::events_after(tx, &q, after, limit))?;
@@ -763,7 +783,7 @@ impl Jobs {
                 return Ok(events);
             }
             let sleep = deadline - now;
-            if sleep_until_woken(listener, sleep, interrupt).await == Wake::Interrupted {
+            if sleep_until_woken(Telling::new(listener, tell.as_ref()), sleep, interrupt).await == Wake::Interrupted {
                 return Ok(events);
             }
         }
