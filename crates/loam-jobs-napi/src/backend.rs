@@ -1323,12 +1323,14 @@ impl LoamQueue {
 
     /// `readEvents`: the entries after `id` (`$` = from now) as JSON
     /// `[[id, [k, v, ...]], ...]`, or null when none came within `block_ms`.
-    /// Like `waitForJob`, answered by the write that adds the events, on its
-    /// own thread: a write run on the JavaScript thread hands a QueueEvents
-    /// its events in its own turn of the event loop, as Redis pushes them to
-    /// a blocked XREAD, instead of after a worker that runs on has gone on
-    /// to its next jobs (its completions could then come before the events
-    /// that led to them).
+    /// The write that adds events reads them and answers, on its own thread
+    /// (as it answers `waitForJob`): a QueueEvents gets them in that write's
+    /// own turn of the event loop (or, from a store thread, in the same
+    /// delivery as the write's own answer), as Redis pushes them to a blocked
+    /// XREAD, instead of after a worker running on that thread has gone on to
+    /// its next jobs (its completions could then come before the events that
+    /// led to them). The read moves from napi's runtime to that thread; it
+    /// happens once per answer, since a QueueEvents asks again only after.
     #[napi(ts_return_type = "Promise<string | null>")]
     pub fn read_events<'env>(
         &self,
