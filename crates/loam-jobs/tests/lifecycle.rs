@@ -219,3 +219,69 @@ fn an_interrupt_fired_and_reset_before_a_wait_begins_still_cuts_it_short() {
     assert_eq!(woken, None);
     assert!(started.elapsed() >= Duration::from_millis(190), "cut short after {:?}", started.elapsed());
 }
+
+/// The writes a store was given: whether each was marked brief (see
+/// `WriteOp::brief`), and the thread that submitted it.
+type Submitted = Arc<std::sync::Mutex<Vec<(std::thread::ThreadId, bool)>>>;
+
+/// A store in memory that records what [`Submitted`] holds.
+struct BriefRecorder {
+    inner: RedbStore,
+    submitted: Submitted,
+}
+
+impl store::Store for BriefRecorder {
+    fn submit(&self, op: store::WriteOp) {
+        self.submitted.lock().unwrap().push((std::thread::current().id(), op.brief));
+        self.inner.submit(op);
+    }
+    fn snapshot(&self) -> Result<Box<dyn kv::KvRead + Send>, StoreError> {
+        self.inner.snapshot()
+    }
+    fn close(&self) {
+        self.inner.close();
+    }
+}
+
+/// A flow or bulk add of up to `store::BRIEF_JOBS` jobs may run on its
+/// caller's thread, a larger one never; a FlowProducer.addBulk of several
+/// trees counts them all together.
+#[test]
+fn flows_and_bulk_adds_are_brief_up_to_sixteen_jobs() {
+    let submitted = Submitted::default();
+    let recorder = BriefRecorder { inner: RedbStore::in_memory().unwrap(), submitted: Arc::clone(&submitted) };
+    let jobs = Jobs::with_store(Box::new(recorder), Arc::new(SystemClock), Config::default()).unwrap();
+    let tree = |parent: &str, children: usize| -> Vec<FlowNode> {
+        let root = FlowNode {
+            queue: "parents".into(),
+            request: EnqueueRequest { job_id: Some(parent.into()), ..job("parent") },
+            wait_children: true,
+        };
+        let of = ParentRef { queue: "parents".into(), id: parent.into(), prefix: "bull".into() };
+        std::iter::once(root)
+            .chain((0..children).map(|i| FlowNode {
+                queue: "children".into(),
+                request: EnqueueRequest { job_id: Some(format!("{parent}-{i}")), parent: Some(of.clone()), ..job("c") },
+                wait_children: false,
+            }))
+            .collect()
+    };
+    // The writes this thread submitted (the core's maintenance submits its own).
+    let caller = std::thread::current().id();
+    let brief_of = |write: &dyn Fn()| {
+        let before = submitted.lock().unwrap().len();
+        write();
+        let recorded = submitted.lock().unwrap();
+        recorded[before..].iter().filter(|(by, _)| *by == caller).map(|(_, brief)| *brief).collect::<Vec<_>>()
+    };
+    assert_eq!(brief_of(&|| drop(jobs.flow("ns", tree("a", 15)).wait().unwrap())), [true]);
+    assert_eq!(brief_of(&|| drop(jobs.flow("ns", tree("b", 16)).wait().unwrap())), [false]);
+    let bulk = |n: usize| (0..n).map(|_| job("j")).collect::<Vec<_>>();
+    assert_eq!(brief_of(&|| drop(jobs.enqueue_bulk("ns", "bulk", bulk(16)).wait().unwrap())), [true]);
+    assert_eq!(brief_of(&|| drop(jobs.enqueue_bulk("ns", "bulk", bulk(17)).wait().unwrap())), [false]);
+    // Two trees of 8 and 9 jobs: 17 in one call, so neither is brief.
+    let two: Vec<FlowNode> = tree("c", 7).into_iter().chain(tree("d", 8)).collect();
+    assert_eq!(brief_of(&|| drop(jobs.flows("ns", two.clone()).wait().unwrap())), [false, false]);
+    let small: Vec<FlowNode> = tree("e", 3).into_iter().chain(tree("f", 3)).collect();
+    assert_eq!(brief_of(&|| drop(jobs.flows("ns", small.clone()).wait().unwrap())), [true, true]);
+}
