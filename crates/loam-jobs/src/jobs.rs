@@ -403,8 +403,8 @@ impl Jobs {
     /// same). Resolves to one result per node, in the nodes' order.
     pub fn flows(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> Pending<Vec<Result<Enqueued, JobsError>>> {
         let count = nodes.len();
-        // Brief only if all of them are: each tree is a write of its own, and
-        // many small trees run one after the other would add up.
+        // Brief only if all the trees together are: each tree is a write of
+        // its own, and many small ones run one after the other would add up.
         let brief = count <= BRIEF_JOBS;
         let trees = enqueue::flow_trees(&nodes);
         let mut slots: Vec<Option<enqueue::FlowNode>> = nodes.into_iter().map(Some).collect();
@@ -580,7 +580,7 @@ impl Jobs {
                 return Ok(Some(0));
             }
             let now = Instant::now();
-            if now >= deadline || self.is_closed() || interrupt.is_some_and(|i| i.is_fired()) {
+            if now >= deadline || cut_short() {
                 return Ok(None);
             }
             // Sleep until woken, or until the next delayed job falls due.
@@ -774,12 +774,12 @@ impl Jobs {
             None => self.read(ns, |tx| query::last_event_seq(tx, &q))?,
         };
         let deadline = deadline_after(wait);
-        let (_, tell) = self.unless_cut_short(interrupt, tell);
+        let (cut_short, tell) = self.unless_cut_short(interrupt, tell);
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Events);
             let events = self.read(ns, |tx| query::events_after(tx, &q, after, limit))?;
             let now = Instant::now();
-            if !events.is_empty() || now >= deadline || self.is_closed() || interrupt.is_some_and(|i| i.is_fired()) {
+            if !events.is_empty() || now >= deadline || cut_short() {
                 return Ok(events);
             }
             let sleep = deadline - now;

@@ -316,14 +316,13 @@ impl Store for RedbStore {
         }
         // Every acknowledged batch is readable: published before it was
         // answered (see `Progress::publish`), or (a store in memory, a
-        // checkpoint) in the file.
+        // checkpoint) in the file. The file writer drops the batches it wrote
+        // under this lock as it swaps in the snapshot, so none is in both.
         let state = self.progress.state.lock();
         if let Some(e) = &state.unreadable {
             return Err(e.clone());
         }
-        let snapshot_batch = state.snapshot_batch;
-        let unapplied =
-            state.unapplied.iter().filter(|(n, _)| *n > snapshot_batch).map(|(_, w)| Arc::clone(w)).collect();
+        let unapplied = state.unapplied.iter().map(|(_, writes)| Arc::clone(writes)).collect();
         Ok(Box::new(PublishedReader { snapshot: SnapshotReader(Arc::clone(&state.snapshot)), unapplied }))
     }
 
@@ -369,8 +368,8 @@ impl RedbSnapshot {
 /// A shared snapshot as a reader.
 struct SnapshotReader(Arc<RedbSnapshot>);
 
-/// What a read sees: the file's snapshot, under the logged batches the file
-/// writer has not written into it yet.
+/// What a read sees: the file's snapshot, under the published batches the
+/// file writer has not written into it yet.
 struct PublishedReader {
     snapshot: SnapshotReader,
     unapplied: Vec<Arc<Writes>>,
@@ -887,9 +886,9 @@ impl Committer {
     /// was written. Under relaxed durability, whose callers were answered
     /// already, also those that come within [`COMMIT_LINGER`], until
     /// [`LINGER_BATCHES`] are in (the executor then unparks this thread; a
-    /// read does not wait for them, see [`Progress::publish`]): each commit costs a log append and a redb transaction
-    /// (copied and checksummed pages) that are much the same for one small
-    /// batch as for many, and committed one at a time the batches of a
+    /// read does not wait for them, see [`Progress::publish`]): each commit
+    /// costs a log append and a redb transaction (copied and checksummed
+    /// pages) that are much the same for one small batch as for many, and committed one at a time the batches of a
     /// one-at-a-time `add` took a third of its CPU. The committer sleeps
     /// rather than wait on the channel, so a batch sent meanwhile wakes
     /// nobody.
@@ -1074,7 +1073,7 @@ impl Committer {
         // Acknowledged before the file writer has the group (it refuses
         // reads if it then fails to write what was acknowledged), and
         // readable from here on; answered after (an answer's callback may
-        // read, and wait for the group).
+        // read it).
         self.progress.publish(&group.batches, group.last);
         self.to_file(ToFile::Group(group));
         deliver(batches.iter_mut().flat_map(|b| b.acks.drain(..)));
