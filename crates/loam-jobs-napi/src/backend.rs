@@ -7,7 +7,6 @@
 //! runtime. Every method but the lifecycle ones takes the host's `Date.now()`
 //! first, which the core's clock follows.
 
-use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,6 +27,7 @@ use loam_jobs::{
 
 use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, StreamEntry};
 use crate::error::{BullmqCode, Op, invalid};
+use crate::promise::FirstSettles;
 use crate::store::{self, OpenOptions, SharedStore};
 
 /// The id a flow node got, or the BullMQ code of its refusal.
@@ -504,23 +504,17 @@ impl LoamQueue {
         let jobs = self.jobs()?;
         let (resolver, promise) = crate::promise::promise(env, crate::promise::Kind::Wait)?;
         // Settled by whichever comes first: the wake-up, or the wait's end.
-        let resolver = Arc::new(Mutex::new(Some(resolver)));
-        let told = Arc::clone(&resolver);
+        let answer = FirstSettles::new(resolver);
+        let told = answer.clone();
         // Not called for a wait cut short, which answers null itself.
-        let tell: Tell = Arc::new(move || {
-            if let Some(resolver) = told.lock().take() {
-                resolver.settle(Ok(Some(0.0)));
-            }
-        });
+        let tell: Tell = Arc::new(move || told.settle(Ok(Some(0.0))));
         // Taken now: an interrupt fired after this call and reset before the wait
         // starts still cuts it short.
         let (ns, queue, blocking) = (self.ns.clone(), self.queue.clone(), self.blocking.from_now());
         napi::bindgen_prelude::spawn(async move {
             let ready = jobs.wait_for_job(&ns, &queue, wait, Some(&blocking), Some(&tell)).await;
-            if let Some(resolver) = resolver.lock().take() {
-                let ready = ready.map(|ready| ready.map(|score| score as f64));
-                resolver.settle(ready.map_err(|e| Op::new("waitForJob").error(e)));
-            }
+            let ready = ready.map(|ready| ready.map(|score| score as f64));
+            answer.settle(ready.map_err(|e| Op::new("waitForJob").error(e)));
         });
         Ok(promise)
     }
@@ -1350,8 +1344,8 @@ impl LoamQueue {
         let (resolver, promise) = crate::promise::promise(env, crate::promise::Kind::Wait)?;
         // Settled by whichever comes first with events: the write's thread,
         // or the wait itself (which also answers none at its end).
-        let resolver = Arc::new(Mutex::new(Some(resolver)));
-        let told = Arc::clone(&resolver);
+        let answer = FirstSettles::new(resolver);
+        let told = answer.clone();
         let (ns, queue) = (self.ns.clone(), self.queue.clone());
         let reader = (jobs.clone(), ns.clone(), queue.clone());
         let tell: Tell = Arc::new(move || {
@@ -1359,18 +1353,15 @@ impl LoamQueue {
             let read = jobs.query(ns, queue, |tx, q| query::events_after(tx, q, after, EVENTS_PER_READ));
             if let Ok(events) = read
                 && !events.is_empty()
-                && let Some(resolver) = told.lock().take()
             {
-                resolver.settle(Ok(stream_entries(events)));
+                told.settle(Ok(stream_entries(events)));
             }
         });
         let interrupt = self.events.clone();
         napi::bindgen_prelude::spawn(async move {
             let events =
                 jobs.read_events(&ns, &queue, Some(after), EVENTS_PER_READ, wait, Some(&interrupt), Some(&tell)).await;
-            if let Some(resolver) = resolver.lock().take() {
-                resolver.settle(events.map(stream_entries).map_err(|e| Op::new("readEvents").error(e)));
-            }
+            answer.settle(events.map(stream_entries).map_err(|e| Op::new("readEvents").error(e)));
         });
         Ok(promise)
     }

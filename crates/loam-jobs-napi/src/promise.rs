@@ -229,6 +229,31 @@ impl<T: ToNapiValue + Send + 'static> Resolver<T> {
     }
 }
 
+/// A promise that several parties race to settle (a wait, and the write that
+/// wakes it, each on its own thread): the first settles it, the rest do
+/// nothing.
+pub struct FirstSettles<T: ToNapiValue + Send + 'static>(Arc<Mutex<Option<Resolver<T>>>>);
+
+impl<T: ToNapiValue + Send + 'static> FirstSettles<T> {
+    pub fn new(resolver: Resolver<T>) -> Self {
+        Self(Arc::new(Mutex::new(Some(resolver))))
+    }
+
+    /// Settles the promise, unless it was settled already.
+    pub fn settle(&self, result: Result<T>) {
+        let resolver = self.0.lock().take();
+        if let Some(resolver) = resolver {
+            resolver.settle(result);
+        }
+    }
+}
+
+impl<T: ToNapiValue + Send + 'static> Clone for FirstSettles<T> {
+    fn clone(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+}
+
 impl<T: ToNapiValue + Send + 'static> Drop for Resolver<T> {
     fn drop(&mut self) {
         if let Some(deferred) = self.deferred.take() {
