@@ -285,3 +285,40 @@ fn flows_and_bulk_adds_are_brief_up_to_sixteen_jobs() {
     let small: Vec<FlowNode> = tree("e", 3).into_iter().chain(tree("f", 3)).collect();
     assert_eq!(brief_of(&|| drop(jobs.flows("ns", small.clone()).wait().unwrap())), [true, true]);
 }
+
+/// A write run on its caller's thread that adds events tells a waiting
+/// `read_events` there, before the write is answered (the Node binding then
+/// hands a QueueEvents its events in the write's own turn of the event loop).
+#[test]
+fn a_write_on_the_callers_thread_tells_a_waiting_event_read_there() {
+    use loam_jobs::store::redb::RedbOptions;
+    let dir = tempfile::tempdir().unwrap();
+    let options = RedbOptions {
+        durability: Durability::Relaxed { flush_interval_ms: 100 },
+        run_on_callers_thread: Some(|| true),
+        ..Default::default()
+    };
+    let store = RedbStore::open(&dir.path().join("jobs.redb"), options).unwrap();
+    let jobs = Jobs::with_store(Box::new(store), Arc::new(SystemClock), Config::default()).unwrap();
+    jobs.enqueue("ns", "q", job("first")).wait().unwrap();
+    let caller = std::thread::current().id();
+    let told_here = (0..50).any(|_| {
+        let (sender, told) = std::sync::mpsc::channel();
+        let tell: notify::Tell = Arc::new(move || {
+            let _ = sender.send(std::thread::current().id());
+        });
+        let after = jobs.query("ns", "q", ops::query::last_event_seq).unwrap();
+        let reader = jobs.clone();
+        let waiting = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+            rt.block_on(reader.read_events("ns", "q", Some(after), 10, Duration::from_secs(5), None, Some(&tell)))
+        });
+        // Let the read start waiting (it reads nothing new until the add).
+        std::thread::sleep(Duration::from_millis(20));
+        jobs.enqueue("ns", "q", job("j")).wait().unwrap();
+        let by = told.try_recv();
+        assert!(!waiting.join().unwrap().unwrap().is_empty(), "the read got the add's events");
+        by == Ok(caller)
+    });
+    assert!(told_here, "no add told the waiting read on the adding thread before it was answered");
+}
