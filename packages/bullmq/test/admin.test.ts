@@ -161,6 +161,26 @@ describe('queue and job admin', () => {
     await queue.close();
   });
 
+  it('never holds a fetched job through a rate-limit wait', async () => {
+    // A lease refused by the limiter because a completion had just fetched the
+    // window's last job must not be answered before that job: BullMQ's worker
+    // would sleep out the limit with the job in hand.
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const held: number[] = [];
+    const worker = new Worker(name, () => new Promise(resolve => setTimeout(resolve, 1 + Math.random() * 4)), {
+      connection,
+      concurrency: 5,
+      limiter: { max: 4, duration: 250 },
+    });
+    worker.on('completed', (job: Job) => void held.push(job.finishedOn! - job.processedOn!));
+    await queue.addBulk(Array.from({ length: 60 }, () => ({ name: 'x', data: {} })));
+    await until(() => held.length === 60, 15_000);
+    expect(Math.max(...held)).toBeLessThan(200);
+    await worker.close();
+    await queue.close();
+  });
+
   it('runs a job scheduler every interval', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });
