@@ -225,6 +225,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** Where a QueueEvents started reading (`'$'` resolved at construction, or once the server answered). */
   private eventsStart: Promise<string> | undefined;
   private readonly siblings = new Siblings<RemoteQueueBackend>();
+  /** This backend's completions in flight, each settled once answered (see `moveToActive`). */
+  private readonly completing = new Set<Promise<void>>();
   /** The next registration of the name this backend reports to the server's client list. */
   private clientNameTimer: NodeJS.Timeout | undefined;
   /** The name this backend registered, while it is registered. */
@@ -338,9 +340,13 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     outcome: OutcomeInit['kind'],
     options?: CompleteOptionsInit,
   ) {
-    const r = await this.send(command, (c, o) =>
+    const sent = this.send(command, (c, o) =>
       c.complete({ queue: this.queueName, jobId: command.jobId, fence, outcome: { kind: outcome }, options }, o),
     );
+    const answered = sent.then(ignore, ignore);
+    this.completing.add(answered);
+    void answered.then(() => this.completing.delete(answered));
+    const r = await sent;
     // A next job (fetchNext) waits for the adds still on their way, as a lease does.
     if (r.completed?.next?.leases.length) await this.channel.writesAnswered();
     return r;
@@ -540,7 +546,23 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
     );
     if (r.leased?.leases.length) await this.channel.writesAnswered();
+    else if (r.leased?.info && r.leased.info.rateLimitMs > 0n) await this.completionsAnswered();
     return nextJob(r.leased);
+  }
+
+  /**
+   * Settles once the completions in flight when it was called were answered,
+   * and then a turn of the event loop, so their callers see any job their
+   * fetchNext took first. The server answers a lease refused by the rate
+   * limiter at once, before an earlier completion whose fetchNext took the
+   * window's last job (it waits for its commit), where Redis answers in
+   * order; BullMQ's worker, seeing the refusal with nothing else ready,
+   * sleeps out the window with that job in hand (BullMQ's suite, "should
+   * respect processing time without adding limiter delay").
+   */
+  private completionsAnswered(): Promise<void> {
+    if (this.completing.size === 0) return Promise.resolve();
+    return Promise.all([...this.completing]).then(() => new Promise<void>(resolve => setImmediate(resolve)));
   }
 
   /** Resolves once a job may be ready, or null on timeout, interrupt or deadline. */

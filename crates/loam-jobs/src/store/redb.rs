@@ -612,8 +612,8 @@ impl Executor {
 
     /// Runs `ops` as the next batch over `view` (see [`Uncommitted::view`]) and
     /// hands it to the committer. Returns the answers to deliver now: under
-    /// relaxed durability all of them, else those of the first operations if
-    /// they wrote nothing and need no fsync and no batch before waits.
+    /// relaxed durability all of them, else those that wrote nothing and need
+    /// no fsync.
     fn run_batch(&self, state: &mut ExecutorState, ops: Vec<WriteOp>, view: View) -> Handed {
         let ExecutorState { uncommitted, number, to_committer } = state;
         let Some(to_committer) = to_committer.as_ref() else { return Handed::refused(ops) };
@@ -625,19 +625,7 @@ impl Executor {
             Durability::Immediate => ops.iter().any(|op| op.sync),
             Durability::Relaxed { .. } => false,
         };
-        // Answers go out in the order their operations ran, as Redis answers
-        // one connection's commands. An operation that wrote nothing and
-        // needs no fsync is answered at once, but only while no batch before
-        // it waits for its commit (an idle worker's empty lease: waiting for
-        // the fsync only kept it from starting to wait for the next job).
-        // Answered before the batches it read, a lease that the rate limiter
-        // refused because of a job that a worker's completion had just
-        // leased reached BullMQ before that job did, and BullMQ's worker
-        // slept out the limit with the job in hand (its suite's "should
-        // respect processing time without adding limiter delay", through the
-        // server).
-        let nothing_before = uncommitted.batches.is_empty();
-        let (writes, mut acks, unchanged) = {
+        let (writes, acks, mut unchanged) = {
             let mut committed = SnapshotReader(snapshot);
             if uncommitted.writes.is_empty() {
                 execute(ops, &mut committed)
@@ -645,18 +633,15 @@ impl Executor {
                 execute(ops, &mut Layer { below: &mut committed, writes: &mut uncommitted.writes })
             }
         };
-        let mut unchanged = if nothing_before {
-            let rest = acks.split_off(unchanged);
-            std::mem::replace(&mut acks, rest)
-        } else {
-            Vec::new()
-        };
         // Under relaxed durability, acknowledgements go out once the batch
-        // is with the committer and published to readers. Under immediate
-        // durability even leases wait for their commit: acknowledged early,
-        // a worker would see a job before the producer saw its `add`
-        // resolve, which BullMQ callers (and Redis, answering in order)
-        // never show.
+        // is with the committer (a reader they wake then waits for that
+        // commit, see `RedbStore::snapshot`). Under immediate durability
+        // even leases wait for their commit: acknowledged early, a worker
+        // would see a job before the producer saw its `add` resolve, which
+        // BullMQ callers (and Redis, answering in order) never show. A
+        // lease that found nothing is answered at once either way: waiting
+        // for the batch's fsync only kept an idle worker from starting to
+        // wait for the next job.
         // A store that lost acknowledged writes acknowledges no more
         // early: the committer refuses these, as it refuses every commit.
         let (early, late) = match self.durability {
@@ -758,14 +743,13 @@ fn with_waiting<T>(receiver: &Receiver<T>, first: T, max: usize) -> Vec<T> {
 }
 
 /// Runs a batch's operations, each in its own overlay over the batch's.
-/// Returns the batch's writes, every operation's acknowledgement in the
-/// order they ran, and how many of the first ones wrote nothing and need no
-/// fsync (a lease that found no job or was refused by the rate limiter, a
-/// lock extension that failed): those told their callers nothing a crash
-/// could take back, so they need not wait for this batch's commit.
-fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>, usize) {
+/// Returns the batch's writes, the acknowledgements that must wait for its
+/// commit, and those that need not: an operation that needs no fsync (a
+/// lease, a lock extension) and wrote nothing (a lease that found no job)
+/// told its caller nothing a crash could take back.
+fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>, Vec<Ack>) {
     let mut acks = Vec::with_capacity(ops.len());
-    let mut unchanged = 0;
+    let mut unchanged = Vec::new();
     let mut group = Overlay::caching(base);
     let mut memo = Memo::default();
     for op in ops {
@@ -777,10 +761,10 @@ fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>, usize
             .unwrap_or_else(|panic| Err(JobsError::Internal(panic_message(panic))));
         let (writes, remembered) = local.into_parts();
         if !sync && writes.is_empty() {
-            if unchanged == acks.len() {
-                unchanged += 1;
-            }
-        } else if result.is_ok() {
+            unchanged.push((done, result));
+            continue;
+        }
+        if result.is_ok() {
             memo.absorb(&writes, remembered);
             group.absorb(writes);
         }
@@ -1413,11 +1397,11 @@ mod tests {
     }
 
     /// Under immediate durability an operation that needs no fsync and wrote
-    /// nothing (a lease that found no job) is answered at once while no
-    /// write before it waits for its commit; after one, every operation is
-    /// answered in its turn, as Redis answers.
+    /// nothing (a lease that found no job) is answered without waiting for
+    /// the commit of a write before it; one that wrote, or that asked for
+    /// fsync, waits.
     #[test]
-    fn an_operation_that_wrote_nothing_is_answered_at_once_only_while_no_write_waits() {
+    fn an_operation_that_wrote_nothing_and_needs_no_fsync_is_answered_before_the_commit() {
         let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
         let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
         let db = Database::builder().create_with_backend(disk).unwrap();
@@ -1440,16 +1424,16 @@ mod tests {
             });
             store.submit(WriteOp { body, sync, brief: true, done });
         };
-        submit("idle lease", false, false);
-        assert_eq!(answers.recv_timeout(Duration::from_secs(5)).unwrap(), ("idle lease", true));
         submit("write", true, true);
         submit("lease that found nothing", false, false);
         submit("lease that took a job", false, true);
         submit("read-only, fsync asked", true, false);
-        assert!(answers.recv_timeout(Duration::from_millis(300)).is_err(), "every answer waits for the held fsync");
+        assert_eq!(answers.recv_timeout(Duration::from_secs(5)).unwrap(), ("lease that found nothing", true));
+        assert!(answers.recv_timeout(Duration::from_millis(300)).is_err(), "the others wait for the held fsync");
         gate.release();
-        let rest: Vec<_> = (0..4).map(|_| answers.recv_timeout(Duration::from_secs(5)).unwrap().0).collect();
-        assert_eq!(rest, ["write", "lease that found nothing", "lease that took a job", "read-only, fsync asked"]);
+        let mut rest: Vec<_> = (0..3).map(|_| answers.recv_timeout(Duration::from_secs(5)).unwrap().0).collect();
+        rest.sort_unstable();
+        assert_eq!(rest, ["lease that took a job", "read-only, fsync asked", "write"]);
     }
 
     fn read_u64(txn: &mut dyn KvRead, key: &[u8]) -> u64 {
