@@ -14,7 +14,7 @@ use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError,
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 
-use crate::budget::{Budget, Held};
+use crate::budget::Budget;
 use crate::convert::{self, SERVER_OWNED};
 use crate::errors::{code_name, detail, events_trimmed, invalid, to_connect};
 use crate::metrics::Metrics;
@@ -145,23 +145,32 @@ impl JobsSvc {
         Caller { ns, jobs }
     }
 
-    /// A unary call's request, owned, once the budget has its bytes (held
-    /// until the call has answered).
-    async fn admit<M: HasMessageView>(&self, r: ServiceRequest<'_, M>) -> (M, Held) {
-        let held = self.budget.take(r.bytes().len()).await;
-        (r.to_owned_message(), held)
-    }
-
-    /// A call that may wait long (`long_poll`): its request, owned, holding no
-    /// budget (see [`lease_waits`]); any other, as [`Self::admit`].
-    async fn admit_unless<M: HasMessageView>(
-        &self,
+    /// Runs a unary call: checks its caller (token and clock), takes its
+    /// request's bytes of the budget (held until it has answered) unless it
+    /// may wait long (`long_poll`, see [`lease_waits`]), runs it, and counts
+    /// it by method and code. The caller comes first, so a request without a
+    /// valid token is refused holding none of the budget, and does not queue
+    /// for it ahead of calls that would run.
+    async fn unary<'a, M, T, F>(
+        &'a self,
+        method: &'static str,
+        ctx: &RequestContext,
         r: ServiceRequest<'_, M>,
         long_poll: fn(&M) -> bool,
-    ) -> (M, Option<Held>) {
-        let size = r.bytes().len();
-        let r = r.to_owned_message();
-        if long_poll(&r) { (r, None) } else { (r, Some(self.budget.take(size).await)) }
+        call: impl FnOnce(Caller, M) -> F,
+    ) -> ServiceResult<T>
+    where
+        M: HasMessageView,
+        F: Future<Output = Result<T, ConnectError>> + 'a,
+    {
+        self.observe(method, async {
+            let caller = self.caller(ctx)?;
+            let size = r.bytes().len();
+            let r = r.to_owned_message();
+            let _held = if long_poll(&r) { None } else { Some(self.budget.take(size).await) };
+            call(caller, r).await
+        })
+        .await
     }
 
     /// Runs a call, counting it and its time by method and code.
@@ -986,8 +995,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::EnqueueRequest>,
     ) -> ServiceResult<pb::EnqueueResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("Enqueue", async { self.do_enqueue(self.caller(&ctx)?, r).await }).await
+        self.unary("Enqueue", &ctx, r, never_waits, |c, r| self.do_enqueue(c, r)).await
     }
 
     async fn enqueue_bulk(
@@ -995,8 +1003,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::EnqueueBulkRequest>,
     ) -> ServiceResult<pb::EnqueueBulkResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("EnqueueBulk", async { self.do_enqueue_bulk(self.caller(&ctx)?, r).await }).await
+        self.unary("EnqueueBulk", &ctx, r, never_waits, |c, r| self.do_enqueue_bulk(c, r)).await
     }
 
     async fn lease(
@@ -1004,8 +1011,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::LeaseRequest>,
     ) -> ServiceResult<pb::LeaseResponse> {
-        let (r, _held) = self.admit_unless(r, lease_waits).await;
-        self.observe("Lease", async { self.do_lease(self.caller(&ctx)?, r).await }).await
+        self.unary("Lease", &ctx, r, lease_waits, |c, r| self.do_lease(c, r)).await
     }
 
     async fn extend(
@@ -1013,8 +1019,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ExtendRequest>,
     ) -> ServiceResult<pb::ExtendResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("Extend", async { self.do_extend(self.caller(&ctx)?, r).await }).await
+        self.unary("Extend", &ctx, r, never_waits, |c, r| self.do_extend(c, r)).await
     }
 
     async fn complete(
@@ -1022,8 +1027,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::CompleteRequest>,
     ) -> ServiceResult<pb::CompleteResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("Complete", async { self.do_complete(self.caller(&ctx)?, r).await }).await
+        self.unary("Complete", &ctx, r, never_waits, |c, r| self.do_complete(c, r)).await
     }
 
     async fn report(
@@ -1031,8 +1035,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ReportRequest>,
     ) -> ServiceResult<pb::ReportResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("Report", async { self.do_report(self.caller(&ctx)?, r).await }).await
+        self.unary("Report", &ctx, r, never_waits, |c, r| self.do_report(c, r)).await
     }
 
     async fn schedule(
@@ -1040,8 +1043,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ScheduleRequest>,
     ) -> ServiceResult<pb::ScheduleResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("Schedule", async { self.do_schedule(self.caller(&ctx)?, r).await }).await
+        self.unary("Schedule", &ctx, r, never_waits, |c, r| self.do_schedule(c, r)).await
     }
 
     async fn unschedule(
@@ -1049,8 +1051,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::UnscheduleRequest>,
     ) -> ServiceResult<pb::UnscheduleResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("Unschedule", async { self.do_unschedule(self.caller(&ctx)?, r).await }).await
+        self.unary("Unschedule", &ctx, r, never_waits, |c, r| self.do_unschedule(c, r)).await
     }
 
     async fn flow(
@@ -1058,8 +1059,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::FlowRequest>,
     ) -> ServiceResult<pb::FlowResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("Flow", async { self.do_flow(self.caller(&ctx)?, r).await }).await
+        self.unary("Flow", &ctx, r, never_waits, |c, r| self.do_flow(c, r)).await
     }
 
     async fn queue_admin(
@@ -1067,8 +1067,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::QueueAdminRequest>,
     ) -> ServiceResult<pb::QueueAdminResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("QueueAdmin", async { self.do_queue_admin(self.caller(&ctx)?, r).await }).await
+        self.unary("QueueAdmin", &ctx, r, never_waits, |c, r| self.do_queue_admin(c, r)).await
     }
 
     async fn job_admin(
@@ -1076,8 +1075,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::JobAdminRequest>,
     ) -> ServiceResult<pb::JobAdminResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("JobAdmin", async { self.do_job_admin(self.caller(&ctx)?, r).await }).await
+        self.unary("JobAdmin", &ctx, r, never_waits, |c, r| self.do_job_admin(c, r)).await
     }
 
     async fn query(
@@ -1085,8 +1083,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::QueryRequest>,
     ) -> ServiceResult<pb::QueryResponse> {
-        let (r, _held) = self.admit_unless(r, query_waits).await;
-        self.observe("Query", async { self.do_query(self.caller(&ctx)?, r).await }).await
+        self.unary("Query", &ctx, r, query_waits, |c, r| self.do_query(c, r)).await
     }
 
     async fn result_get(
@@ -1094,8 +1091,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultGetRequest>,
     ) -> ServiceResult<pb::ResultGetResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("ResultGet", async { self.do_result_get(self.caller(&ctx)?, r).await }).await
+        self.unary("ResultGet", &ctx, r, never_waits, |c, r| self.do_result_get(c, r)).await
     }
 
     async fn result_m_get(
@@ -1103,8 +1099,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultMGetRequest>,
     ) -> ServiceResult<pb::ResultMGetResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("ResultMGet", async { self.do_result_mget(self.caller(&ctx)?, r).await }).await
+        self.unary("ResultMGet", &ctx, r, never_waits, |c, r| self.do_result_mget(c, r)).await
     }
 
     async fn result_set(
@@ -1112,8 +1107,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultSetRequest>,
     ) -> ServiceResult<pb::ResultSetResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("ResultSet", async { self.do_result_set(self.caller(&ctx)?, r).await }).await
+        self.unary("ResultSet", &ctx, r, never_waits, |c, r| self.do_result_set(c, r)).await
     }
 
     async fn result_delete(
@@ -1121,8 +1115,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultDeleteRequest>,
     ) -> ServiceResult<pb::ResultDeleteResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("ResultDelete", async { self.do_result_delete(self.caller(&ctx)?, r).await }).await
+        self.unary("ResultDelete", &ctx, r, never_waits, |c, r| self.do_result_delete(c, r)).await
     }
 
     async fn result_incr(
@@ -1130,8 +1123,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultIncrRequest>,
     ) -> ServiceResult<pb::ResultIncrResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("ResultIncr", async { self.do_result_incr(self.caller(&ctx)?, r).await }).await
+        self.unary("ResultIncr", &ctx, r, never_waits, |c, r| self.do_result_incr(c, r)).await
     }
 
     async fn result_expire(
@@ -1139,8 +1131,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultExpireRequest>,
     ) -> ServiceResult<pb::ResultExpireResponse> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("ResultExpire", async { self.do_result_expire(self.caller(&ctx)?, r).await }).await
+        self.unary("ResultExpire", &ctx, r, never_waits, |c, r| self.do_result_expire(c, r)).await
     }
 
     async fn watch(
@@ -1148,8 +1139,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::WatchRequest>,
     ) -> ServiceResult<ServiceStream<pb::WatchResponse>> {
-        let (r, _held) = self.admit(r).await;
-        self.observe("Watch", async { self.do_watch(self.caller(&ctx)?, r).await }).await
+        self.unary("Watch", &ctx, r, never_waits, |c, r| self.do_watch(c, r)).await
     }
 
     async fn session(
@@ -1159,6 +1149,11 @@ impl pb::JobsService for JobsSvc {
     ) -> ServiceResult<ServiceStream<pb::SessionResponse>> {
         self.observe("Session", crate::session::open(self.clone(), ctx, requests)).await
     }
+}
+
+/// A call that never waits long (see [`lease_waits`]).
+fn never_waits<M>(_: &M) -> bool {
+    false
 }
 
 /// Whether a Lease may wait for a job. Long-polls hold no request budget:

@@ -8,6 +8,7 @@ mod support;
 
 use std::collections::HashMap;
 
+use connectrpc::ErrorCode;
 use connectrpc::client::{ClientConfig, HttpClient};
 use pb::__buffa::oneof::session_response::Result as Answer;
 use support::*;
@@ -74,6 +75,43 @@ async fn unary_requests_past_the_budget_wait_and_all_run() {
     c.enqueue(enqueue_req("big", huge)).await.unwrap();
     assert_eq!(counts(&c, "big", &["wait"]).await, vec![9]);
     assert_budget_returned(&server).await;
+}
+
+/// A request without a valid token is refused before it takes any of the
+/// budget: refused callers neither hold it nor queue for it ahead of calls
+/// that would run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_token_takes_no_budget() {
+    const TOKEN: &str = "alpha-token-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, format!("{TOKEN} alpha\n")).unwrap();
+    // The smallest budget, and requests larger than it: each takes all of it,
+    // so two holding it at once would make one wait.
+    let server = Server::start_in(
+        dir.path(),
+        &["--tokens", tokens.to_str().unwrap(), "--max-request-bytes-in-flight", "1024"],
+        &[],
+    );
+    let stranger = server.client_with(&[("authorization", "Bearer not-a-real-token-at-all")]);
+    let calls: Vec<_> = (0..64)
+        .map(|i| {
+            let c = stranger.clone();
+            let data = format!("{{\"i\":{i},\"pad\":\"{}\"}}", "x".repeat(2048));
+            tokio::spawn(async move { c.enqueue(enqueue_req("q", job("x", data.as_bytes()))).await })
+        })
+        .collect();
+    for call in calls {
+        assert_code(call.await.unwrap(), ErrorCode::Unauthenticated, Some("unauthenticated"));
+    }
+    let bearer = format!("Bearer {TOKEN}");
+    let (status, body) = server.http_with("GET", "/metrics", &[("Authorization", &bearer)], "", b"").unwrap();
+    assert_eq!(status, 200);
+    let text = String::from_utf8(body).unwrap();
+    assert_eq!(metric(&text, "loam_jobs_request_budget_waits_total"), 0.0, "{text}");
+    // A call with the token still runs.
+    let alpha = server.client_with(&[("authorization", &bearer)]);
+    alpha.enqueue(enqueue_req("q", job("x", b"{}"))).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
