@@ -206,6 +206,14 @@ function isLockRefusal(err: unknown): boolean {
   );
 }
 
+/**
+ * A completion in flight. Plain, so that tracking one costs no promise on a
+ * worker's hot path; `answered` is set only while a refused lease waits for it.
+ */
+interface InFlight {
+  answered?: () => void;
+}
+
 export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   closing: Promise<void> | undefined;
   readonly keys: KeysMap = {} as KeysMap;
@@ -225,8 +233,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** Where a QueueEvents started reading (`'$'` resolved at construction, or once the server answered). */
   private eventsStart: Promise<string> | undefined;
   private readonly siblings = new Siblings<RemoteQueueBackend>();
-  /** This backend's completions in flight, each settled once answered (see `moveToActive`). */
-  private readonly completing = new Set<Promise<void>>();
+  /** This backend's completions in flight (see `completionsAnswered`). */
+  private readonly completing = new Set<InFlight>();
   /** The next registration of the name this backend reports to the server's client list. */
   private clientNameTimer: NodeJS.Timeout | undefined;
   /** The name this backend registered, while it is registered. */
@@ -340,13 +348,17 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     outcome: OutcomeInit['kind'],
     options?: CompleteOptionsInit,
   ) {
-    const sent = this.send(command, (c, o) =>
-      c.complete({ queue: this.queueName, jobId: command.jobId, fence, outcome: { kind: outcome }, options }, o),
-    );
-    const answered = sent.then(ignore, ignore);
-    this.completing.add(answered);
-    void answered.then(() => this.completing.delete(answered));
-    const r = await sent;
+    const inFlight: InFlight = {};
+    this.completing.add(inFlight);
+    let r;
+    try {
+      r = await this.send(command, (c, o) =>
+        c.complete({ queue: this.queueName, jobId: command.jobId, fence, outcome: { kind: outcome }, options }, o),
+      );
+    } finally {
+      this.completing.delete(inFlight);
+      inFlight.answered?.();
+    }
     // A next job (fetchNext) waits for the adds still on their way, as a lease does.
     if (r.completed?.next?.leases.length) await this.channel.writesAnswered();
     return r;
@@ -562,7 +574,22 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    */
   private completionsAnswered(): Promise<void> {
     if (this.completing.size === 0) return Promise.resolve();
-    return Promise.all([...this.completing]).then(() => new Promise<void>(resolve => setImmediate(resolve)));
+    const waitingFor = [...this.completing];
+    return new Promise<void>(resolve => {
+      let left = waitingFor.length;
+      const one = () => {
+        if (--left === 0) setImmediate(resolve);
+      };
+      for (const inFlight of waitingFor) {
+        const before = inFlight.answered;
+        inFlight.answered = before
+          ? () => {
+              before();
+              one();
+            }
+          : one;
+      }
+    });
   }
 
   /** Resolves once a job may be ready, or null on timeout, interrupt or deadline. */
