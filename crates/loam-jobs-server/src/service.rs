@@ -146,17 +146,18 @@ impl JobsSvc {
     }
 
     /// Runs a unary call: checks its caller (token and clock), takes its
-    /// request's bytes of the budget (held until it has answered) unless it
-    /// may wait long (`long_poll`, see [`lease_waits`]), runs it, and counts
-    /// it by method and code. The caller comes first, so a request without a
-    /// valid token is refused holding none of the budget, and does not queue
-    /// for it ahead of calls that would run.
+    /// request's bytes of the budget (held until it has answered) before it
+    /// converts the request, runs it, and counts it by method and code. A
+    /// call that may wait long (`long_poll`, see [`lease_waits`]) is converted
+    /// first, to tell, and holds no budget if it does. The caller comes first,
+    /// so a request without a valid token is refused holding none of the
+    /// budget, and does not queue for it ahead of calls that would run.
     async fn unary<'a, M, T, F>(
         &'a self,
         method: &'static str,
         ctx: &RequestContext,
         r: ServiceRequest<'_, M>,
-        long_poll: fn(&M) -> bool,
+        long_poll: Option<fn(&M) -> bool>,
         call: impl FnOnce(Caller, M) -> F,
     ) -> ServiceResult<T>
     where
@@ -166,8 +167,17 @@ impl JobsSvc {
         self.observe(method, async {
             let caller = self.caller(ctx)?;
             let size = r.bytes().len();
-            let r = r.to_owned_message();
-            let _held = if long_poll(&r) { None } else { Some(self.budget.take(size).await) };
+            let (r, _held) = match long_poll {
+                None => {
+                    let held = self.budget.take(size).await;
+                    (r.to_owned_message(), Some(held))
+                }
+                Some(waits) => {
+                    let r = r.to_owned_message();
+                    let held = if waits(&r) { None } else { Some(self.budget.take(size).await) };
+                    (r, held)
+                }
+            };
             call(caller, r).await
         })
         .await
@@ -995,7 +1005,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::EnqueueRequest>,
     ) -> ServiceResult<pb::EnqueueResponse> {
-        self.unary("Enqueue", &ctx, r, never_waits, |c, r| self.do_enqueue(c, r)).await
+        self.unary("Enqueue", &ctx, r, None, |c, r| self.do_enqueue(c, r)).await
     }
 
     async fn enqueue_bulk(
@@ -1003,7 +1013,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::EnqueueBulkRequest>,
     ) -> ServiceResult<pb::EnqueueBulkResponse> {
-        self.unary("EnqueueBulk", &ctx, r, never_waits, |c, r| self.do_enqueue_bulk(c, r)).await
+        self.unary("EnqueueBulk", &ctx, r, None, |c, r| self.do_enqueue_bulk(c, r)).await
     }
 
     async fn lease(
@@ -1011,7 +1021,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::LeaseRequest>,
     ) -> ServiceResult<pb::LeaseResponse> {
-        self.unary("Lease", &ctx, r, lease_waits, |c, r| self.do_lease(c, r)).await
+        self.unary("Lease", &ctx, r, Some(lease_waits), |c, r| self.do_lease(c, r)).await
     }
 
     async fn extend(
@@ -1019,7 +1029,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ExtendRequest>,
     ) -> ServiceResult<pb::ExtendResponse> {
-        self.unary("Extend", &ctx, r, never_waits, |c, r| self.do_extend(c, r)).await
+        self.unary("Extend", &ctx, r, None, |c, r| self.do_extend(c, r)).await
     }
 
     async fn complete(
@@ -1027,7 +1037,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::CompleteRequest>,
     ) -> ServiceResult<pb::CompleteResponse> {
-        self.unary("Complete", &ctx, r, never_waits, |c, r| self.do_complete(c, r)).await
+        self.unary("Complete", &ctx, r, None, |c, r| self.do_complete(c, r)).await
     }
 
     async fn report(
@@ -1035,7 +1045,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ReportRequest>,
     ) -> ServiceResult<pb::ReportResponse> {
-        self.unary("Report", &ctx, r, never_waits, |c, r| self.do_report(c, r)).await
+        self.unary("Report", &ctx, r, None, |c, r| self.do_report(c, r)).await
     }
 
     async fn schedule(
@@ -1043,7 +1053,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ScheduleRequest>,
     ) -> ServiceResult<pb::ScheduleResponse> {
-        self.unary("Schedule", &ctx, r, never_waits, |c, r| self.do_schedule(c, r)).await
+        self.unary("Schedule", &ctx, r, None, |c, r| self.do_schedule(c, r)).await
     }
 
     async fn unschedule(
@@ -1051,7 +1061,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::UnscheduleRequest>,
     ) -> ServiceResult<pb::UnscheduleResponse> {
-        self.unary("Unschedule", &ctx, r, never_waits, |c, r| self.do_unschedule(c, r)).await
+        self.unary("Unschedule", &ctx, r, None, |c, r| self.do_unschedule(c, r)).await
     }
 
     async fn flow(
@@ -1059,7 +1069,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::FlowRequest>,
     ) -> ServiceResult<pb::FlowResponse> {
-        self.unary("Flow", &ctx, r, never_waits, |c, r| self.do_flow(c, r)).await
+        self.unary("Flow", &ctx, r, None, |c, r| self.do_flow(c, r)).await
     }
 
     async fn queue_admin(
@@ -1067,7 +1077,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::QueueAdminRequest>,
     ) -> ServiceResult<pb::QueueAdminResponse> {
-        self.unary("QueueAdmin", &ctx, r, never_waits, |c, r| self.do_queue_admin(c, r)).await
+        self.unary("QueueAdmin", &ctx, r, None, |c, r| self.do_queue_admin(c, r)).await
     }
 
     async fn job_admin(
@@ -1075,7 +1085,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::JobAdminRequest>,
     ) -> ServiceResult<pb::JobAdminResponse> {
-        self.unary("JobAdmin", &ctx, r, never_waits, |c, r| self.do_job_admin(c, r)).await
+        self.unary("JobAdmin", &ctx, r, None, |c, r| self.do_job_admin(c, r)).await
     }
 
     async fn query(
@@ -1083,7 +1093,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::QueryRequest>,
     ) -> ServiceResult<pb::QueryResponse> {
-        self.unary("Query", &ctx, r, query_waits, |c, r| self.do_query(c, r)).await
+        self.unary("Query", &ctx, r, Some(query_waits), |c, r| self.do_query(c, r)).await
     }
 
     async fn result_get(
@@ -1091,7 +1101,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultGetRequest>,
     ) -> ServiceResult<pb::ResultGetResponse> {
-        self.unary("ResultGet", &ctx, r, never_waits, |c, r| self.do_result_get(c, r)).await
+        self.unary("ResultGet", &ctx, r, None, |c, r| self.do_result_get(c, r)).await
     }
 
     async fn result_m_get(
@@ -1099,7 +1109,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultMGetRequest>,
     ) -> ServiceResult<pb::ResultMGetResponse> {
-        self.unary("ResultMGet", &ctx, r, never_waits, |c, r| self.do_result_mget(c, r)).await
+        self.unary("ResultMGet", &ctx, r, None, |c, r| self.do_result_mget(c, r)).await
     }
 
     async fn result_set(
@@ -1107,7 +1117,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultSetRequest>,
     ) -> ServiceResult<pb::ResultSetResponse> {
-        self.unary("ResultSet", &ctx, r, never_waits, |c, r| self.do_result_set(c, r)).await
+        self.unary("ResultSet", &ctx, r, None, |c, r| self.do_result_set(c, r)).await
     }
 
     async fn result_delete(
@@ -1115,7 +1125,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultDeleteRequest>,
     ) -> ServiceResult<pb::ResultDeleteResponse> {
-        self.unary("ResultDelete", &ctx, r, never_waits, |c, r| self.do_result_delete(c, r)).await
+        self.unary("ResultDelete", &ctx, r, None, |c, r| self.do_result_delete(c, r)).await
     }
 
     async fn result_incr(
@@ -1123,7 +1133,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultIncrRequest>,
     ) -> ServiceResult<pb::ResultIncrResponse> {
-        self.unary("ResultIncr", &ctx, r, never_waits, |c, r| self.do_result_incr(c, r)).await
+        self.unary("ResultIncr", &ctx, r, None, |c, r| self.do_result_incr(c, r)).await
     }
 
     async fn result_expire(
@@ -1131,7 +1141,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::ResultExpireRequest>,
     ) -> ServiceResult<pb::ResultExpireResponse> {
-        self.unary("ResultExpire", &ctx, r, never_waits, |c, r| self.do_result_expire(c, r)).await
+        self.unary("ResultExpire", &ctx, r, None, |c, r| self.do_result_expire(c, r)).await
     }
 
     async fn watch(
@@ -1139,7 +1149,7 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         r: ServiceRequest<'_, pb::WatchRequest>,
     ) -> ServiceResult<ServiceStream<pb::WatchResponse>> {
-        self.unary("Watch", &ctx, r, never_waits, |c, r| self.do_watch(c, r)).await
+        self.unary("Watch", &ctx, r, None, |c, r| self.do_watch(c, r)).await
     }
 
     async fn session(
@@ -1149,11 +1159,6 @@ impl pb::JobsService for JobsSvc {
     ) -> ServiceResult<ServiceStream<pb::SessionResponse>> {
         self.observe("Session", crate::session::open(self.clone(), ctx, requests)).await
     }
-}
-
-/// A call that never waits long (see [`lease_waits`]).
-fn never_waits<M>(_: &M) -> bool {
-    false
 }
 
 /// Whether a Lease may wait for a job. Long-polls hold no request budget:

@@ -888,8 +888,9 @@ impl Committer {
     /// [`LINGER_BATCHES`] are in (the executor then unparks this thread; a
     /// read does not wait for them, see [`Progress::publish`]): each commit
     /// costs a log append and a redb transaction (copied and checksummed
-    /// pages) that are much the same for one small batch as for many, and committed one at a time the batches of a
-    /// one-at-a-time `add` took a third of its CPU. The committer sleeps
+    /// pages) that are much the same for one small batch as for many, and
+    /// committed one at a time the batches of a one-at-a-time `add` took a
+    /// third of its CPU. The committer sleeps
     /// rather than wait on the channel, so a batch sent meanwhile wakes
     /// nobody.
     fn gather(&self, receiver: &Receiver<Batch>, first: Batch) -> Vec<Batch> {
