@@ -4,21 +4,20 @@
 //! an unknown enum value).
 
 use buffa::EnumValue;
-use connectrpc::ConnectError;
 use loam_jobs::{
     Backoff, CompleteOptions, Completed, Dedup, Dependency, DependencyStatus, EnqueueRequest, Enqueued, Event, Fence,
-    Idempotency, JobError, JobRecord, JobState, Keep, Lease, LeaseInfo, LeaseRequest, Leased, MetricsRecord,
+    Idempotency, JobError, JobRecord, JobState, JobsError, Keep, Lease, LeaseInfo, LeaseRequest, Leased, MetricsRecord,
     OnChildFailure, Outcome, ParentRef, QueueConfig, RateLimit, Retention, SchedulerRecord, SchedulerSpec,
 };
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 
-use crate::errors::invalid;
-
 /// The extra-map key that marks a scheduler the server ticks itself.
 pub const SERVER_OWNED: &str = "loam.owner";
 
-type Res<T> = Result<T, ConnectError>;
+/// Conversions refuse with the core's own error, which each handler turns
+/// into the caller's once.
+type Res<T> = Result<T, JobsError>;
 
 // ---- enums -----------------------------------------------------------------
 
@@ -43,7 +42,7 @@ pub fn state_from_pb(s: &EnumValue<pb::JobState>) -> Res<JobState> {
         Some(pb::JobState::JOB_STATE_WAITING_CHILDREN) => JobState::WaitingChildren,
         Some(pb::JobState::JOB_STATE_COMPLETED) => JobState::Completed,
         Some(pb::JobState::JOB_STATE_FAILED) => JobState::Failed,
-        _ => return Err(invalid(format!("a job state is required, got {}", s.to_i32()))),
+        _ => return Err(JobsError::invalid(format!("a job state is required, got {}", s.to_i32()))),
     })
 }
 
@@ -54,7 +53,7 @@ fn on_child_failure_from(v: &EnumValue<pb::OnChildFailure>) -> Res<OnChildFailur
         Some(pb::OnChildFailure::ON_CHILD_FAILURE_CONTINUE_PARENT) => OnChildFailure::ContinueParent,
         Some(pb::OnChildFailure::ON_CHILD_FAILURE_IGNORE) => OnChildFailure::Ignore,
         Some(pb::OnChildFailure::ON_CHILD_FAILURE_REMOVE) => OnChildFailure::Remove,
-        None => return Err(invalid(format!("unknown on_child_failure {}", v.to_i32()))),
+        None => return Err(JobsError::invalid(format!("unknown on_child_failure {}", v.to_i32()))),
     })
 }
 
@@ -76,7 +75,7 @@ fn backoff_from(b: pb::Backoff) -> Res<Backoff> {
         Some(pb::BackoffKind::BACKOFF_KIND_EXPONENTIAL) => {
             Backoff::Exponential { delay_ms: b.delay_ms, jitter: b.jitter, max_ms: b.max_ms }
         }
-        _ => return Err(invalid("backoff needs a kind (fixed or exponential)")),
+        _ => return Err(JobsError::invalid("backoff needs a kind (fixed or exponential)")),
     })
 }
 
@@ -105,7 +104,7 @@ pub fn retention_from(r: pb::Retention) -> Res<Retention> {
         Some(oneof::retention::Policy::Keep(k)) => {
             Retention::Keep(Keep { count: k.count, age_ms: k.age_ms, limit: k.limit })
         }
-        None => return Err(invalid("retention needs a policy")),
+        None => return Err(JobsError::invalid("retention needs a policy")),
     })
 }
 
@@ -300,7 +299,7 @@ pub fn fence(f: Option<pb::Fence>) -> Res<Fence> {
         Some(oneof::fence::Kind::Epoch(e)) => Ok(Fence::Epoch(e)),
         Some(oneof::fence::Kind::Token(t)) => Ok(Fence::Token(t)),
         Some(oneof::fence::Kind::Unchecked(_)) => Ok(Fence::Unchecked),
-        None => Err(invalid("a fence (epoch, token or unchecked) is required")),
+        None => Err(JobsError::invalid("a fence (epoch, token or unchecked) is required")),
     }
 }
 
@@ -324,7 +323,7 @@ pub fn outcome(o: Option<pb::Outcome>) -> Res<Outcome> {
         Some(Kind::Delay(d)) => Outcome::Delay { until: d.until },
         Some(Kind::WaitChildren(w)) => Outcome::WaitChildren { child: w.child },
         Some(Kind::RateLimited(r)) => Outcome::RateLimited { for_ms: r.for_ms },
-        None => return Err(invalid("an outcome is required")),
+        None => return Err(JobsError::invalid("an outcome is required")),
     })
 }
 

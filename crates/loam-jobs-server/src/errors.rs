@@ -155,6 +155,15 @@ pub fn events_trimmed(cursor: u64, oldest: u64) -> ConnectError {
     .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
 }
 
+/// A watch cursor past the newest event of the log: no event the server
+/// wrote carries it (a queue's event numbers go on across an obliterate), so
+/// waiting for it would skip every event up to it.
+pub fn cursor_ahead(cursor: u64, newest: u64) -> ConnectError {
+    let detail = pb::ErrorDetail { reason: "cursor_ahead".into(), subject: newest.to_string(), ..Default::default() };
+    ConnectError::new(ErrorCode::OutOfRange, format!("cursor {cursor} is past the newest event, {newest}"))
+        .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -87,7 +87,7 @@ pub fn prepare(s: pb::ServerSchedule, now: u64) -> Result<(SchedulerSpec, BTreeM
         return Err(JobsError::invalid("end_date is before start_date"));
     }
     let mut job = match s.job.into_option() {
-        Some(j) => convert::job_spec(j).map_err(|e| JobsError::invalid(e.message.unwrap_or_default()))?,
+        Some(j) => convert::job_spec(j)?,
         None => EnqueueRequest { attempts: 1, ..Default::default() },
     };
     // Each tick's job is keyed by its tick already; one key for every tick

@@ -16,7 +16,7 @@ use pb::__buffa::oneof;
 
 use crate::budget::Budget;
 use crate::convert::{self, SERVER_OWNED};
-use crate::errors::{code_name, detail, events_trimmed, invalid, to_connect};
+use crate::errors::{code_name, cursor_ahead, detail, events_trimmed, invalid, to_connect};
 use crate::metrics::Metrics;
 use crate::schedules;
 
@@ -261,7 +261,8 @@ impl JobsSvc {
     // ---- calls ------------------------------------------------------------------
 
     async fn do_enqueue(&self, c: Caller, req: pb::EnqueueRequest) -> Result<pb::EnqueueResponse, ConnectError> {
-        let job = convert::job_spec(req.job.into_option().ok_or_else(|| invalid("job is required"))?)?;
+        let job =
+            convert::job_spec(req.job.into_option().ok_or_else(|| invalid("job is required"))?).map_err(core_err)?;
         let done = c.jobs.enqueue(&c.ns, &req.queue, job).await.map_err(core_err)?;
         if done.created {
             self.metrics.enqueued(&c.ns, &req.queue, 1);
@@ -274,8 +275,18 @@ impl JobsSvc {
         c: Caller,
         req: pb::EnqueueBulkRequest,
     ) -> Result<pb::EnqueueBulkResponse, ConnectError> {
-        let jobs = req.jobs.into_iter().map(convert::job_spec).collect::<Result<Vec<_>, _>>()?;
-        let done = c.jobs.enqueue_bulk(&c.ns, &req.queue, jobs).await.map_err(core_err)?;
+        // A job that does not convert is refused alone, as one the core refuses.
+        let (mut jobs, mut refused) = (Vec::new(), Vec::new());
+        for (at, job) in req.jobs.into_iter().enumerate() {
+            match convert::job_spec(job) {
+                Ok(job) => jobs.push(job),
+                Err(e) => refused.push((at, e)),
+            }
+        }
+        let mut done = c.jobs.enqueue_bulk(&c.ns, &req.queue, jobs).await.map_err(core_err)?;
+        for (at, e) in refused {
+            done.insert(at, Err(e));
+        }
         let created = done.iter().filter(|r| r.as_ref().is_ok_and(|e| e.created)).count() as u64;
         self.metrics.enqueued(&c.ns, &req.queue, created);
         Ok(pb::EnqueueBulkResponse { results: done.iter().map(enqueue_result).collect(), ..Default::default() })
@@ -305,7 +316,7 @@ impl JobsSvc {
     async fn do_extend(&self, c: Caller, req: pb::ExtendRequest) -> Result<pb::ExtendResponse, ConnectError> {
         let mut items = Vec::with_capacity(req.items.len());
         for item in req.items {
-            items.push((item.job_id, convert::fence(item.fence.into_option())?));
+            items.push((item.job_id, convert::fence(item.fence.into_option()).map_err(core_err)?));
         }
         match items.len() {
             0 => Err(invalid("extend needs at least one item")),
@@ -325,9 +336,9 @@ impl JobsSvc {
     }
 
     async fn do_complete(&self, c: Caller, req: pb::CompleteRequest) -> Result<pb::CompleteResponse, ConnectError> {
-        let fence = convert::fence(req.fence.into_option())?;
-        let outcome = convert::outcome(req.outcome.into_option())?;
-        let opts = convert::complete_options(req.options.into_option())?;
+        let fence = convert::fence(req.fence.into_option()).map_err(core_err)?;
+        let outcome = convert::outcome(req.outcome.into_option()).map_err(core_err)?;
+        let opts = convert::complete_options(req.options.into_option()).map_err(core_err)?;
         let name = outcome_name(&outcome);
         let ttl_for = req.rate_limit_ttl_for.into_option().map(convert::rate_limit);
         let id = req.job_id.clone();
@@ -366,7 +377,7 @@ impl JobsSvc {
 
     async fn do_report(&self, c: Caller, req: pb::ReportRequest) -> Result<pb::ReportResponse, ConnectError> {
         use oneof::report_request::Report;
-        let fence = convert::fence(req.fence.into_option())?;
+        let fence = convert::fence(req.fence.into_option()).map_err(core_err)?;
         let (ns, queue, id) = (&c.ns, &req.queue, &req.job_id);
         let result = match req.report {
             Some(Report::Progress(p)) => c.jobs.update_progress(ns, queue, id, fence, p).await.map(|_| 0),
@@ -386,7 +397,7 @@ impl JobsSvc {
         let queue = req.queue;
         let (job_id, delay_ms) = match req.schedule {
             Some(Schedule::Upsert(spec)) => {
-                let spec = convert::scheduler_spec(*spec)?;
+                let spec = convert::scheduler_spec(*spec).map_err(core_err)?;
                 let id = spec.id.clone();
                 // A worker's scheduler replaces a server schedule of the same id.
                 let done = c
@@ -408,7 +419,7 @@ impl JobsSvc {
                 done.map_or((None, 0), |(j, d)| (Some(j), d))
             }
             Some(Schedule::Advance(mut a)) => {
-                let template = convert::job_spec(a.job.take().unwrap_or_default())?;
+                let template = convert::job_spec(a.job.take().unwrap_or_default()).map_err(core_err)?;
                 let next = c
                     .jobs
                     .admin(&c.ns, &queue, move |tx, q| {
@@ -465,8 +476,8 @@ impl JobsSvc {
     async fn do_flow(&self, c: Caller, req: pb::FlowRequest) -> Result<pb::FlowResponse, ConnectError> {
         let mut nodes = Vec::with_capacity(req.nodes.len());
         for n in req.nodes {
-            let request =
-                convert::job_spec(n.job.into_option().ok_or_else(|| invalid("every flow node needs a job"))?)?;
+            let request = convert::job_spec(n.job.into_option().ok_or_else(|| invalid("every flow node needs a job"))?)
+                .map_err(core_err)?;
             nodes.push(FlowNode { queue: n.queue, request, wait_children: n.wait_children });
         }
         let queues: Vec<String> = nodes.iter().map(|n| n.queue.clone()).collect();
@@ -499,8 +510,10 @@ impl JobsSvc {
         let op = req.op.ok_or_else(|| invalid("an operation is required"))?;
         let r: Result<(), JobsError> = async {
             match op {
-                Op::Pause(_) => jobs.admin(ns, queue, |tx, q| admin::set_paused(tx, q, true)).await,
-                Op::Resume(_) => jobs.admin(ns, queue, |tx, q| admin::set_paused(tx, q, false)).await,
+                // The case names what to do; a false flag is a caller's mistake, not the other one.
+                Op::Pause(false) | Op::Resume(false) => Err(JobsError::invalid("pause and resume take true")),
+                Op::Pause(true) => jobs.admin(ns, queue, |tx, q| admin::set_paused(tx, q, true)).await,
+                Op::Resume(true) => jobs.admin(ns, queue, |tx, q| admin::set_paused(tx, q, false)).await,
                 Op::Drain(d) => {
                     out.count = jobs.admin(ns, queue, move |tx, q| admin::drain(tx, q, d.delayed)).await?;
                     Ok(())
@@ -518,8 +531,7 @@ impl JobsSvc {
                     Ok(())
                 }
                 Op::RetryJobs(r) => {
-                    let state = convert::state_from_pb(&r.state)
-                        .map_err(|e| JobsError::invalid(e.message.unwrap_or_default()))?;
+                    let state = convert::state_from_pb(&r.state)?;
                     let (count, before) = (r.count, r.before);
                     out.more = jobs
                         .admin(ns, queue, move |tx, q| admin::retry_finished_jobs(tx, q, state, count, before))
@@ -631,7 +643,7 @@ impl JobsSvc {
                 jobs.admin(ns, queue, move |tx, q| admin::remove_child_dependency(tx, q, &id, &parent)).await
             }
             Op::RetryFinished(r) => {
-                let from = convert::state_from_pb(&r.state)?;
+                let from = convert::state_from_pb(&r.state).map_err(core_err)?;
                 if !from.is_finished() {
                     return Err(invalid("only completed or failed jobs can be retried"));
                 }
@@ -887,8 +899,16 @@ impl JobsSvc {
                 if st.failed || st.stop.is_fired() || st.jobs.is_closed() {
                     return None;
                 }
-                match st.jobs.query(&st.ns, &st.queue, |tx, q| Ok(tx.stats(q)?.first_event)) {
-                    Ok(oldest) if st.cursor > 0 && oldest > st.cursor + 1 => {
+                let bounds = st.jobs.query(&st.ns, &st.queue, |tx, q| {
+                    let stats = tx.stats(q)?;
+                    Ok((stats.first_event, stats.last_event))
+                });
+                match bounds {
+                    Ok((_, newest)) if st.cursor > newest => {
+                        st.failed = true;
+                        return Some((Err(cursor_ahead(st.cursor, newest)), st));
+                    }
+                    Ok((oldest, _)) if st.cursor > 0 && oldest > st.cursor + 1 => {
                         st.failed = true;
                         return Some((Err(events_trimmed(st.cursor, oldest)), st));
                     }

@@ -80,6 +80,11 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
     // other). Nothing is read or started while any wait here, so they are at
     // most the calls in flight when the client stopped.
     let mut unsent: VecDeque<(u64, CallResult)> = VecDeque::new();
+    // A request that could not be read ends the session with its error, once
+    // the calls started before it are answered: each may have been applied,
+    // and its caller must learn of it. Calls not answered when the session
+    // ends were not applied (a long-poll's lease goes back when it is dropped).
+    let mut unreadable = None;
     while reading || !calls.is_empty() || !polls.is_empty() || waiting.is_some() || !unsent.is_empty() {
         // Each turn below sends at most one answer: a finished call's, or a
         // refusal or cancel of the request read. Nothing goes on without a
@@ -114,8 +119,10 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
             next = requests.next(), if reading && waiting.is_none() && room && calls.len() < MAX_CALLS => match next {
                 None => reading = false,
                 Some(Err(e)) => {
-                    let _ = answers.try_send(Err(e));
-                    return;
+                    reading = false;
+                    polls = FuturesUnordered::new();
+                    waiting = None;
+                    unreadable = Some(e);
                 }
                 Some(Ok(message)) => {
                     let size = message.bytes().len();
@@ -150,6 +157,9 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
             // At shutdown, no new calls; the waits of those in flight end.
             () = svc.shutdown().fired(), if reading => reading = false,
         }
+    }
+    if let Some(e) = unreadable {
+        let _ = answers.send(Err(e)).await;
     }
 }
 

@@ -77,24 +77,30 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     let mut prio = job("x", b"{}");
     prio.priority = 1 << 22;
     assert_code(c.enqueue(enqueue_req("q", prio)).await, InvalidArgument, inv);
-    let mut both = job("x", b"{}");
-    both.priority = 3;
-    both.lifo = true;
-    assert_code(c.enqueue(enqueue_req("q", both)).await, InvalidArgument, inv);
+    let mut numbered = job("x", b"{}");
+    numbered.job_id = Some("42".into());
+    assert_code(c.enqueue(enqueue_req("q", numbered)).await, InvalidArgument, inv);
 
     // EnqueueBulk: each job has its own result.
+    // One that does not convert (a backoff with no kind) is refused alone too.
+    let no_kind = pb::JobSpec { backoff: pb::Backoff { delay_ms: 10, ..Default::default() }.into(), ..job("c", b"{}") };
     let bulk = pb::EnqueueBulkRequest {
         queue: "q".into(),
-        jobs: vec![job("a", b"{}"), job("b", &[0; 4096])],
+        jobs: vec![job("a", b"{}"), job("b", &[0; 4096]), no_kind, job("d", b"{}")],
         ..Default::default()
     };
     let results = c.enqueue_bulk(bulk).await.unwrap().into_owned().results;
-    assert!(matches!(results[0].result, Some(oneof::enqueue_result::Result::Enqueued(_))));
+    assert_eq!(results.len(), 4);
+    for at in [0, 3] {
+        assert!(matches!(results[at].result, Some(oneof::enqueue_result::Result::Enqueued(_))), "{at}");
+    }
     let Some(oneof::enqueue_result::Result::Error(e)) = &results[1].result else { panic!("bulk error") };
     assert_eq!(
         (e.code.as_str(), e.detail.as_option().unwrap().reason.as_str()),
         ("resource_exhausted", "payload_too_large")
     );
+    let Some(oneof::enqueue_result::Result::Error(e)) = &results[2].result else { panic!("bulk error") };
+    assert_eq!(e.code, "invalid_argument");
     assert_code(
         c.enqueue_bulk(pb::EnqueueBulkRequest { queue: "\u{0}".repeat(0), ..Default::default() }).await,
         InvalidArgument,
@@ -223,6 +229,14 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
         ..Default::default()
     };
     assert_code(c.queue_admin(queue_admin_req("q", retry)).await, InvalidArgument, inv);
+    let unknown = pb::queue_admin_request::RetryJobs { count: 1, ..Default::default() };
+    let e = assert_code(c.queue_admin(queue_admin_req("q", unknown)).await, InvalidArgument, inv);
+    assert_eq!(e.message.as_deref(), Some("invalid argument: a job state is required, got 0"));
+    // `pause: false` is neither a pause nor a resume.
+    for op in [oneof::queue_admin_request::Op::Pause(false), oneof::queue_admin_request::Op::Resume(false)] {
+        let r = c.queue_admin(pb::QueueAdminRequest { queue: "q".into(), op: Some(op), ..Default::default() }).await;
+        assert_code(r, InvalidArgument, inv);
+    }
 
     // JobAdmin: unknown job; a job in the wrong state; no operation.
     assert_code(
@@ -292,6 +306,32 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
         server.http("POST", "/loam.jobs.v1.JobsService/Session", "application/connect+proto", &garbage).unwrap();
     let text = String::from_utf8_lossy(&body);
     assert!(status >= 400 || text.contains("invalid_argument"), "a garbage session message got {status} {text}");
+    // Calls read before it are still answered: each may have been applied.
+    let mut stream = Vec::new();
+    for id in 1..=5u64 {
+        let call = pb::__buffa::oneof::session_request::Call::from(enqueue_req("before-garbage", job("x", b"{}")));
+        let message = buffa::Message::encode_to_vec(&pb::SessionRequest { id, call: Some(call), ..Default::default() });
+        stream.push(0);
+        stream.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+        stream.extend_from_slice(&message);
+    }
+    stream.extend_from_slice(&garbage);
+    let (_, body) =
+        server.http("POST", "/loam.jobs.v1.JobsService/Session", "application/connect+proto", &stream).unwrap();
+    let (mut answered, mut rest) = (Vec::new(), body.as_slice());
+    while rest.len() >= 5 {
+        let len = u32::from_be_bytes(rest[1..5].try_into().unwrap()) as usize;
+        let (flags, message) = (rest[0], &rest[5..5 + len]);
+        if flags & 0b10 == 0 {
+            let answer: pb::SessionResponse = buffa::Message::decode_from_slice(message).unwrap();
+            answered.push(answer.id);
+        } else {
+            assert!(String::from_utf8_lossy(message).contains("invalid_argument"), "the session's end");
+        }
+        rest = &rest[5 + len..];
+    }
+    answered.sort_unstable();
+    assert_eq!(answered, [1, 2, 3, 4, 5]);
 
     // Still up, and the leased job is intact.
     assert!(server.healthy());

@@ -406,6 +406,21 @@ async fn a_watch_cursor_behind_the_trimmed_log_is_refused() {
         c.watch(pb::WatchRequest { queue: "short".into(), after: Some(0), ..Default::default() }).await.unwrap();
     let first = next_event(&mut from_start).await.unwrap().unwrap();
     assert_eq!(first.seq, all_events(&c, "short").await[0].seq);
+    // Past the newest event: a cursor no event carries (u64::MAX must not wrap
+    // round to "trimmed").
+    let newest = all_events(&c, "short").await.last().unwrap().seq;
+    for after in [newest + 1, u64::MAX] {
+        let mut ahead = c
+            .watch(pb::WatchRequest { queue: "short".into(), after: Some(after), ..Default::default() })
+            .await
+            .unwrap();
+        let e = ahead.message::<pb::WatchResponse>().await.unwrap_err();
+        assert_eq!(
+            (e.code, detail(&e).reason.as_str()),
+            (connectrpc::ErrorCode::OutOfRange, "cursor_ahead"),
+            "{after}"
+        );
+    }
     assert!(server.healthy());
 }
 

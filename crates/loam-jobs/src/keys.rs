@@ -25,9 +25,10 @@ const RESULT_ENTRY: u8 = b'V';
 const RESULT_EXPIRY: u8 = b'X';
 /// `K expires-at record-key`: idempotency records by expiry, for the purge.
 const IDEMPOTENCY_EXPIRY: u8 = b'K';
-/// `E ns queue`: the epoch floor of an obliterated queue (see
-/// `QueueStats::epoch_floor`), kept until the queue is written again.
-const EPOCH_FLOOR: u8 = b'E';
+/// `E ns queue`: what an obliterated queue leaves for its next life (its
+/// epoch floor and its last event, `model::QueueRemains`), kept until the
+/// queue is written again.
+const QUEUE_REMAINS: u8 = b'E';
 
 // Per-queue sub-tags.
 const JOB: u8 = b'j';
@@ -129,8 +130,8 @@ pub fn generation() -> Key {
     vec![GENERATION]
 }
 
-pub fn epoch_floor(q: &QueueId) -> Key {
-    let mut k = vec![EPOCH_FLOOR];
+pub fn queue_remains(q: &QueueId) -> Key {
+    let mut k = vec![QUEUE_REMAINS];
     push_str(&mut k, &q.ns);
     push_str(&mut k, &q.name);
     k

@@ -223,6 +223,8 @@ pub struct JobRecord {
     pub opts: String,
     pub state: JobState,
     pub priority: u32,
+    /// Asked for LIFO: it places the job only while it has no priority
+    /// (BullMQ on Redis files a prioritized job FIFO within its priority).
     pub lifo: bool,
     /// Order within the priority band; see [`SEQ_ORIGIN`].
     pub seq: u64,
@@ -278,6 +280,11 @@ impl JobRecord {
     pub fn is_prioritized(&self) -> bool {
         self.priority > 0
     }
+
+    /// Whether the job goes to the front of its line when it is queued.
+    pub fn queues_lifo(&self) -> bool {
+        self.lifo && !self.is_prioritized()
+    }
 }
 
 /// Counters kept per queue, so counts and ids cost one read.
@@ -309,6 +316,34 @@ pub struct QueueStats {
     /// stores written before it: zero.)
     #[serde(default)]
     pub stalled_total: u64,
+}
+
+/// What an obliterated queue leaves for a queue of the same name: a worker
+/// may still hold a lease on a job obliterated with `force` (the epoch floor
+/// fences it out of a new job under the same id), and a reader's event
+/// cursor must not point into the new queue's events (the sequence goes on
+/// from the last event, as Redis's stream ids, which are times, go on).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueRemains {
+    pub epoch_floor: u64,
+    pub last_event: u64,
+}
+
+impl QueueRemains {
+    pub fn of(stats: &QueueStats) -> Self {
+        Self { epoch_floor: stats.epoch_floor, last_event: stats.last_event }
+    }
+
+    /// Stores written before the event sequence was kept hold the epoch
+    /// floor alone, as a number.
+    pub fn decode(bytes: &[u8]) -> Result<Self, StoreError> {
+        decode(bytes).or_else(|_| decode(bytes).map(|epoch_floor| Self { epoch_floor, last_event: 0 }))
+    }
+
+    /// The counters a queue starts from: none of its jobs, no event kept.
+    pub fn stats(&self) -> QueueStats {
+        QueueStats { epoch_floor: self.epoch_floor, last_event: self.last_event, ..Default::default() }
+    }
 }
 
 impl QueueStats {
@@ -713,5 +748,15 @@ mod tests {
         let now: QueueStats =
             decode(&encode(&QueueStats { epoch_floor: 5, ..stats })).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(now.epoch_floor, 5);
+    }
+
+    /// What an obliterated queue left before its last event was kept (its
+    /// epoch floor, a number) still reads.
+    #[test]
+    fn remains_from_before_the_event_sequence_still_read() {
+        let old = QueueRemains::decode(&encode(&7u64)).unwrap_or_else(|e| panic!("old remains: {e}"));
+        assert_eq!(old, QueueRemains { epoch_floor: 7, last_event: 0 });
+        let now = QueueRemains { epoch_floor: 7, last_event: 9 };
+        assert_eq!(QueueRemains::decode(&encode(&now)).unwrap_or_else(|e| panic!("{e}")), now);
     }
 }

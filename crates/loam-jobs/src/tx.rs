@@ -10,7 +10,7 @@ use crate::error::JobsError;
 use crate::keys::EVENTS_PER_PAGE;
 use crate::keys::{self, QueueId, QueueKeys};
 use crate::kv::{Key, KeyRange, KvTxn, Value};
-use crate::model::{self, EventRef, JobRecord, JobState, QueueStats};
+use crate::model::{self, EventRef, JobRecord, JobState, QueueRemains, QueueStats};
 
 /// What to do once the transaction has committed.
 #[derive(Default, Debug)]
@@ -28,8 +28,8 @@ struct QueueCache {
     dirty: bool,
     /// The queue had no counters yet: its first write registers it.
     new: bool,
-    /// It had been obliterated: its counters start from the epoch floor it
-    /// left (`keys::epoch_floor`), which its first write takes over.
+    /// It had been obliterated: its counters start from what it left
+    /// (`keys::queue_remains`), which its first write takes over.
     reborn: bool,
     config: Option<QueueConfig>,
     max_events: Option<u64>,
@@ -139,10 +139,8 @@ impl<'a> Tx<'a> {
             None => {
                 let (stats, new, reborn) = match self.kv.get(&QueueKeys::new(q).stats())? {
                     Some(bytes) => (model::decode(&bytes)?, false, false),
-                    None => match self.kv.get(&keys::epoch_floor(q))? {
-                        Some(floor) => {
-                            (QueueStats { epoch_floor: model::decode(&floor)?, ..Default::default() }, true, true)
-                        }
+                    None => match self.kv.get(&keys::queue_remains(q))? {
+                        Some(remains) => (QueueRemains::decode(&remains)?.stats(), true, true),
                         None => (QueueStats::default(), true, false),
                     },
                 };
@@ -256,8 +254,8 @@ impl<'a> Tx<'a> {
                 self.effects.new_queues.push(q.clone());
             }
             if reborn {
-                // Its counters carry the floor now.
-                self.kv.delete(&keys::epoch_floor(&q))?;
+                // Its counters carry what it left now.
+                self.kv.delete(&keys::queue_remains(&q))?;
             }
         }
         Ok(self.effects)

@@ -591,8 +591,11 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
     assert!(matches!(bad_queue, Err(JobsError::InvalidArgument(_))));
     let bad_prio = jobs.enqueue("ns", "q", EnqueueRequest { priority: 1 << 22, ..job("a") }).wait();
     assert!(matches!(bad_prio, Err(JobsError::InvalidArgument(_))));
-    let both = jobs.enqueue("ns", "q", EnqueueRequest { priority: 1, lifo: true, ..job("a") }).wait();
-    assert!(matches!(both, Err(JobsError::InvalidArgument(_))));
+    // An integer id could take the place of a job the queue numbers itself.
+    for id in ["1", "2", "-3", "0", "18446744073709551615"] {
+        let taken = jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some(id.into()), ..job("a") }).wait();
+        assert!(matches!(taken, Err(JobsError::InvalidArgument(_))), "{id}: {taken:?}");
+    }
     let missing = jobs
         .complete("ns", "q", "nope", Fence::Epoch(1), Outcome::Ok { result: None }, CompleteOptions::default())
         .wait();
@@ -603,6 +606,9 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
         .unwrap();
     assert!(bulk[0].is_ok() && bulk[1].is_err() && bulk[2].is_ok());
     assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![2]);
+    for id in ["01", "-0", "1a", "+1", " 1"] {
+        jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some(id.into()), ..job("a") }).wait().unwrap();
+    }
 }
 
 #[test]
@@ -748,6 +754,44 @@ fn admin_moves_jobs_between_states() {
     assert_eq!((retried.state, retried.attempts_made, retried.failed_reason), (JobState::Prioritized, 0, None));
 }
 
+/// BullMQ's flows answer for their root only: a child whose id another
+/// existing parent holds stays that parent's and the rest of the flow goes
+/// in; its new parent is not released by the flow, only once its other
+/// children finish ("flowAttachmentFailed" in BullMQ's scripts).
+#[test]
+fn a_flow_child_held_by_another_parent_stays_there_and_the_flow_goes_in() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::Wait); // parents/p with kids a and b
+    let child = |id: &str, of: &str| FlowNode {
+        queue: "kids".into(),
+        request: EnqueueRequest { job_id: Some(id.into()), parent: Some(parent("parents", of)), ..job(id) },
+        wait_children: false,
+    };
+    let root = |id: &str| FlowNode {
+        queue: "parents".into(),
+        request: EnqueueRequest { job_id: Some(id.into()), ..job(id) },
+        wait_children: true,
+    };
+    let added = jobs.flow("ns", vec![root("p2"), child("a", "p2"), child("other", "p2")]).wait().unwrap();
+    assert_eq!(added.iter().map(|e| e.created).collect::<Vec<_>>(), [true, false, true]);
+    assert_eq!(jobs.get_job("ns", "kids", "a").unwrap().unwrap().parent, Some(parent("parents", "p")));
+    let p2 = jobs.get_job("ns", "parents", "p2").unwrap().unwrap();
+    assert_eq!((p2.state, p2.pending_children), (JobState::WaitingChildren, 1));
+    assert!(event_names(&jobs, "kids").contains(&"duplicated".to_string()));
+    // Its only child held elsewhere, a parent is not released by the flow.
+    jobs.flow("ns", vec![root("p3"), child("b", "p3")]).wait().unwrap();
+    assert_eq!(state(&jobs, "parents", "p3"), Some(JobState::WaitingChildren));
+    // The root itself is refused, and nothing of its flow goes in.
+    let refused = jobs.flow("ns", vec![child("a", "p3"), child("c", "p3")]).wait();
+    assert!(matches!(refused, Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { .. }))));
+    assert_eq!(state(&jobs, "kids", "c"), None);
+    for _ in 0..3 {
+        let l = lease_one(&jobs, "kids").expect("a kid");
+        ok(&jobs, "kids", &l, "1");
+    }
+    assert_eq!(state(&jobs, "parents", "p2"), Some(JobState::Waiting), "released once `other` finished");
+}
+
 #[test]
 fn remove_refuses_a_leased_job_and_takes_children_along() {
     let (jobs, _) = core();
@@ -789,10 +833,19 @@ fn clean_drain_and_obliterate() {
     let unpaused = jobs.admin("ns", "q", |tx, q| admin::obliterate(tx, q, false, 100)).wait();
     assert!(matches!(unpaused, Err(JobsError::Precondition(Precondition::QueueNotPaused { .. }))));
     jobs.admin("ns", "q", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
+    let cursor = jobs.query("ns", "q", query::last_event_seq).unwrap();
     assert!(!jobs.admin("ns", "q", |tx, q| admin::obliterate(tx, q, false, 100)).wait().unwrap());
     assert_eq!(jobs.counts("ns", "q", &[JobState::Delayed]).unwrap(), vec![0]);
     assert!(jobs.query("ns", "q", |tx, _| query::queues(tx, "ns")).unwrap().is_empty());
     assert!(events(&jobs, "q").is_empty());
+    // A queue made again under the name numbers its jobs from 1, and its
+    // events go on from the last one: a reader's cursor from before sees them.
+    assert_eq!(jobs.enqueue("ns", "q", job("again")).wait().unwrap().id, "1");
+    let seen = jobs.read_events_blocking("ns", "q", Some(cursor), 100, Duration::ZERO).unwrap();
+    assert_eq!(
+        seen.iter().map(|e| (e.seq, e.name.as_str())).collect::<Vec<_>>(),
+        [(cursor + 1, "added"), (cursor + 2, "waiting")]
+    );
 }
 
 #[test]
@@ -1432,6 +1485,50 @@ fn a_promoted_lifo_job_goes_behind_the_waiting_jobs() {
     clock.advance(100);
     let order: Vec<String> = (0..3).map(|_| lease_one(&jobs, "q").expect("a job").job.name).collect();
     assert_eq!(order, ["fifo", "lifo-by-hand", "lifo-due"]);
+}
+
+/// BullMQ's addJob files a job with a priority by its priority alone, LIFO
+/// or not (many apps set `lifo` in `defaultJobOptions`): it is accepted and
+/// runs FIFO within its priority, also when it is retried.
+#[test]
+fn a_prioritized_job_asked_for_lifo_runs_fifo_within_its_priority() {
+    let (jobs, _) = core();
+    for name in ["first", "second"] {
+        let e = jobs.enqueue("ns", "q", EnqueueRequest { priority: 3, lifo: true, attempts: 2, ..job(name) });
+        assert_eq!(e.wait().unwrap().state, JobState::Prioritized);
+    }
+    jobs.enqueue("ns", "q", EnqueueRequest { priority: 3, ..job("third") }).wait().unwrap();
+    let first = lease_one(&jobs, "q").unwrap();
+    assert_eq!(first.job.name, "first");
+    let retry = Outcome::Retry { error: Some(JobError::new("boom")), after_ms: Some(0) };
+    finish(&jobs, "q", &first, retry).unwrap(); // its second attempt goes to the back of its priority
+    let order: Vec<String> = (0..3).map(|_| lease_one(&jobs, "q").expect("a job").job.name).collect();
+    assert_eq!(order, ["second", "third", "first"]);
+}
+
+/// BullMQ's reprocessJob and moveJobsToWait delete only the field of the
+/// state a job is retried from: a job that failed an attempt and then
+/// completed keeps that attempt's reason when it is retried from completed.
+#[test]
+fn a_retried_completed_job_keeps_the_reason_an_earlier_attempt_failed_with() {
+    let (jobs, _) = core();
+    for name in ["one", "all"] {
+        jobs.enqueue("ns", name, EnqueueRequest { attempts: 2, ..job(name) }).wait().unwrap();
+        let l = lease_one(&jobs, name).unwrap();
+        finish(&jobs, name, &l, Outcome::Retry { error: Some(JobError::new("boom")), after_ms: Some(0) }).unwrap();
+        let l = lease_one(&jobs, name).unwrap();
+        ok(&jobs, name, &l, "done");
+    }
+    jobs.admin("ns", "one", |tx, q| admin::retry_finished(tx, q, "1", JobState::Completed, false, false))
+        .wait()
+        .unwrap();
+    jobs.admin("ns", "all", |tx, q| admin::retry_finished_jobs(tx, q, JobState::Completed, 10, u64::MAX))
+        .wait()
+        .unwrap();
+    for name in ["one", "all"] {
+        let j = jobs.get_job("ns", name, "1").unwrap().unwrap();
+        assert_eq!((j.state, j.return_value, j.failed_reason.as_deref()), (JobState::Waiting, None, Some("boom")));
+    }
 }
 
 /// Redis's moveToFinished emits `drained` only when the fetch of the next job

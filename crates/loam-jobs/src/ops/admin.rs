@@ -349,14 +349,13 @@ pub fn obliterate(tx: &mut Tx, q: &QueueId, force: bool, count: u64) -> Result<b
     if jobs.len() == budget {
         return Ok(true);
     }
-    // The counters go with the queue; their epoch floor outlives it (see
-    // `QueueStats::epoch_floor`): a worker may still hold a lease on a job
-    // obliterated with `force`, and the ids start from 1 again.
-    let floor = tx.stats(q)?.epoch_floor;
+    // The counters go with the queue (the ids start from 1 again), but for
+    // what outlives it, `QueueRemains`.
+    let remains = model::QueueRemains::of(tx.stats(q)?);
     tx.delete_range(&keys.all())?;
     tx.delete(&keys::registry(q))?;
-    if floor > 0 {
-        tx.put_record(&keys::epoch_floor(q), &floor)?;
+    if remains != model::QueueRemains::default() {
+        tx.put_record(&keys::queue_remains(q), &remains)?;
     }
     tx.drop_queue(q);
     Ok(false)
@@ -377,10 +376,7 @@ pub fn retry_finished(
     }
     reattach_to_parent(tx, q, &job)?;
     tx.unindex(q, &job)?; // before the finish time that names its index entry is cleared
-    job.finished_on = None;
-    job.processed_on = None;
-    job.failed_reason = None;
-    job.return_value = None;
+    forget_finish(&mut job, from);
     if reset_attempts_made {
         job.attempts_made = 0;
     }
@@ -389,6 +385,19 @@ pub fn retry_finished(
     }
     lease::requeue(tx, q, job, Some(from.as_str()), Line::Back)?;
     Ok(())
+}
+
+/// Clears what a finished job's end in `state` recorded, before it runs again:
+/// its times and the result of that state only. A completed job that had
+/// failed an attempt first keeps that attempt's reason, as BullMQ's scripts
+/// delete only the finished state's own field.
+fn forget_finish(job: &mut JobRecord, state: JobState) {
+    job.finished_on = None;
+    job.processed_on = None;
+    match state {
+        JobState::Completed => job.return_value = None,
+        _ => job.failed_reason = None,
+    }
 }
 
 /// A child that runs again is pending for its parent again.
@@ -440,10 +449,7 @@ pub fn retry_finished_jobs(
         }
         reattach_to_parent(tx, q, &job)?;
         tx.unindex(q, &job)?;
-        job.finished_on = None;
-        job.processed_on = None;
-        job.failed_reason = None;
-        job.return_value = None;
+        forget_finish(&mut job, state);
         lease::requeue(tx, q, job, Some(state.as_str()), Line::Back)?;
         moved += 1;
     }

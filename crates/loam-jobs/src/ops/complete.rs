@@ -372,7 +372,7 @@ fn release_dedup_on_finish(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<
     }
     if let Some(next) = rec.next {
         tx.delete(&key)?;
-        enqueue::enqueue(tx, q, *next, Placement::Normal)?;
+        enqueue::enqueue_kept(tx, q, *next)?;
     }
     Ok(())
 }

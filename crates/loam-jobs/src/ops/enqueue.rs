@@ -37,13 +37,20 @@ pub fn validate(tx: &Tx, req: &EnqueueRequest) -> Result<(), JobsError> {
     if req.parent.is_some() && req.dedup.as_ref().is_some_and(|d| d.keep_last_if_active) {
         return Err(JobsError::invalid("keepLastIfActive cannot be used on a job with a parent"));
     }
-    if req.priority > 0 && req.lifo {
-        return Err(JobsError::invalid("priority and lifo cannot be combined"));
-    }
     if let Some(dl) = &req.dead_letter {
         validate_name("dead-letter queue", dl, MAX_NAME_BYTES)?;
     }
     Ok(())
+}
+
+/// Whether `id` reads as an integer that prints back the same (`"7"`,
+/// `"-2"`, not `"07"`): BullMQ's test for "Custom Id cannot be integers".
+/// A job added without an id takes the queue's next number as its id, so a
+/// custom id of that form could take a number's place (the later job with
+/// that number would overwrite it) or stand in for another job.
+fn is_integer_text(id: &str) -> bool {
+    let digits = id.strip_prefix('-').unwrap_or(id);
+    !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) && (!digits.starts_with('0') || id == "0")
 }
 
 fn request_hash(req: &EnqueueRequest) -> u64 {
@@ -68,6 +75,22 @@ pub enum Placement {
 /// Every refusal comes before the first write: `Jobs::enqueue_bulk` runs its
 /// items on one transaction, and a refused item must leave nothing behind.
 pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
+    if let Some(id) = &req.job_id
+        && is_integer_text(id)
+    {
+        return Err(JobsError::invalid(format!(
+            "job id {id:?} is an integer: a queue numbers the jobs added without an id, so a custom id cannot be one"
+        )));
+    }
+    add(tx, q, req, placement)
+}
+
+/// The add `keepLastIfActive` kept, made now under the number it took then.
+pub fn enqueue_kept(tx: &mut Tx, q: &QueueId, kept: EnqueueRequest) -> Result<Enqueued, JobsError> {
+    add(tx, q, kept, Placement::Normal)
+}
+
+fn add(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
     validate(tx, &req)?;
     let keys = QueueKeys::new(q);
 
@@ -93,9 +116,7 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
         if let Some(parent) = &req.parent {
             adopt(tx, q, existing.clone(), parent, req.on_child_failure)?;
         }
-        tx.stats_mut(q)?.last_id += 1;
-        tx.event(q, "duplicated", &[("jobId", id)])?;
-        return Ok(Enqueued { id: id.clone(), created: false, state: existing.state, deduplicated_by: None });
+        return duplicated(tx, q, &existing);
     }
 
     if let Some(parent) = &req.parent {
@@ -119,7 +140,6 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
     }
 
     let timestamp = req.timestamp.unwrap_or(tx.now);
-    let seq = tx.next_seq(q, req.lifo)?;
     let due = timestamp.saturating_add(req.delay_ms);
     let mut job = JobRecord {
         id: id.clone(),
@@ -129,7 +149,7 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
         state: JobState::Waiting,
         priority: req.priority,
         lifo: req.lifo,
-        seq,
+        seq: 0,
         timestamp,
         delay: req.delay_ms,
         due,
@@ -165,6 +185,7 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
         dead_letter: req.dead_letter.clone(),
         headers: req.headers.clone(),
     };
+    job.seq = tx.next_seq(q, job.queues_lifo())?;
     job.state = match placement {
         Placement::WaitChildren => JobState::WaitingChildren,
         Placement::Normal if req.delay_ms > 0 => JobState::Delayed,
@@ -287,6 +308,23 @@ fn refuse_cycle(tx: &mut Tx, q: &QueueId, job: &JobRecord, parent: &ParentRef) -
     Ok(())
 }
 
+/// The answer to an add that names an existing job: that job stands (BullMQ's
+/// `duplicated` event), and the add still takes a number, as Redis's `INCR`.
+fn duplicated(tx: &mut Tx, q: &QueueId, existing: &JobRecord) -> Result<Enqueued, JobsError> {
+    tx.stats_mut(q)?.last_id += 1;
+    tx.event(q, "duplicated", &[("jobId", &existing.id)])?;
+    Ok(Enqueued { id: existing.id.clone(), created: false, state: existing.state, deduplicated_by: None })
+}
+
+/// Whether `job` belongs to a parent other than `parent` that still exists:
+/// such a job cannot be taken over.
+fn held_by_another_parent(tx: &mut Tx, job: &JobRecord, parent: &ParentRef) -> Result<bool, JobsError> {
+    match &job.parent {
+        Some(old) if old != parent => Ok(tx.load_job(&parent_queue(tx, old), &old.id)?.is_some()),
+        _ => Ok(false),
+    }
+}
+
 /// An add that names an existing job id and a parent makes the existing job
 /// that parent's child (BullMQ's flow re-use of a job id): a finished child
 /// counts as processed at once, an unfinished one as pending. A job that
@@ -298,10 +336,7 @@ fn adopt(
     parent: &ParentRef,
     policy: crate::model::OnChildFailure,
 ) -> Result<(), JobsError> {
-    if let Some(old) = &job.parent
-        && old != parent
-        && tx.load_job(&QueueId::new(tx.ns.clone(), old.queue.clone()), &old.id)?.is_some()
-    {
+    if held_by_another_parent(tx, &job, parent)? {
         return Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { job: parent.node_key() }));
     }
     let (pq, mut pjob) = load_parent(tx, parent)?;
@@ -434,21 +469,41 @@ pub fn flow_trees(nodes: &[FlowNode]) -> Vec<Vec<usize>> {
 /// Inserts a flow tree; parents come before their children. Parents whose
 /// children all turned out to exist already (or that got none) are released
 /// once the whole tree is in (BullMQ's deferred parent release).
+///
+/// A child whose id another existing parent holds stays that parent's, and
+/// the rest of the flow goes in: BullMQ's flows answer only for their root.
+/// Its new parent is then not released here ("flowAttachmentFailed" in
+/// BullMQ's scripts), only once its other children finish.
 pub fn flow(tx: &mut Tx, nodes: Vec<FlowNode>) -> Result<Vec<Enqueued>, JobsError> {
     let ns = tx.ns.clone();
     let mut out = Vec::with_capacity(nodes.len());
     let mut parents = Vec::new();
+    let mut in_flow = std::collections::HashSet::new();
+    let mut held_back = std::collections::HashSet::new();
     for node in nodes {
         validate_name("queue name", &node.queue, MAX_NAME_BYTES)?;
         let q = QueueId::new(ns.clone(), node.queue.clone());
+        if let (Some(parent), Some(id)) = (&node.request.parent, &node.request.job_id)
+            && in_flow.contains(&(parent.queue.clone(), parent.id.clone()))
+            && let Some(existing) = tx.load_job(&q, id)?
+            && held_by_another_parent(tx, &existing, parent)?
+        {
+            held_back.insert((parent.queue.clone(), parent.id.clone()));
+            out.push(duplicated(tx, &q, &existing)?);
+            continue;
+        }
         let placement = if node.wait_children { Placement::WaitChildren } else { Placement::Normal };
         let e = enqueue(tx, &q, node.request, placement)?;
+        in_flow.insert((node.queue, e.id.clone()));
         if node.wait_children && e.created {
             parents.push((q, e.id.clone()));
         }
         out.push(e);
     }
     for (q, id) in parents.into_iter().rev() {
+        if held_back.contains(&(q.name.clone(), id.clone())) {
+            continue;
+        }
         let job = tx.require_job(&q, &id)?;
         if job.state == JobState::WaitingChildren && job.pending_children == 0 {
             super::complete::release_parent(tx, &q, job)?;

@@ -237,7 +237,7 @@ pub fn requeue(
     line: Line,
 ) -> Result<JobRecord, JobsError> {
     let front = match line {
-        Line::Back => job.lifo,
+        Line::Back => job.queues_lifo(),
         Line::Promoted => false,
         Line::Front => true,
     };
