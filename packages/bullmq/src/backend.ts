@@ -38,6 +38,7 @@ import {
   finishedNext,
   heldNames,
   holdName,
+  logRowsKept,
   newJobJson,
   paginateTarget,
   parseJob,
@@ -361,7 +362,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
-    return this.native.addLog(Date.now(), jobId, logRow, keepLogs);
+    return this.native.addLog(Date.now(), jobId, logRow, logRowsKept(keepLogs));
   }
 
   clearLogs(jobId: string, keepLogs?: number): Promise<void> {

@@ -218,3 +218,13 @@ export class Siblings<B extends { closing: Promise<void> | undefined }> {
     return sibling;
   }
 }
+
+/**
+ * The log rows an `addLog` keeps, in the core's terms. BullMQ's Redis backend
+ * trims a job's logs only when it is given a `keepLogs` (`job.log` passes the
+ * job's own); 0 or none keeps every row. Given none, the core would fall back
+ * to the job's `keepLogs`, then to a cap of its own.
+ */
+export function logRowsKept(keepLogs: number | undefined): number {
+  return keepLogs ? keepLogs : Number.MAX_SAFE_INTEGER;
+}

@@ -46,6 +46,7 @@ import {
   clientListText,
   dependenciesPage,
   finishedNext,
+  logRowsKept,
   newJobJson,
   paginateTarget,
   parseNodeKey,
@@ -856,8 +857,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
-    const keep = keepLogs === undefined ? undefined : u64(keepLogs);
-    return this.report({ command: 'addLog', jobId }, { case: 'log', value: { row: logRow, keep } });
+    return this.report({ command: 'addLog', jobId }, { case: 'log', value: { row: logRow, keep: u64(logRowsKept(keepLogs)) } });
   }
 
   async clearLogs(jobId: string, keepLogs?: number): Promise<void> {

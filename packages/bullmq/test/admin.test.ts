@@ -60,6 +60,21 @@ describe('queue and job admin', () => {
     await queue.close();
   });
 
+  it("trims a job's logs only when given a keepLogs, as Redis does", async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const kept = await queue.add('kept', {}, { keepLogs: 2 });
+    // job.log passes the job's own keepLogs.
+    for (const row of ['l0', 'l1', 'l2']) await kept.log(row);
+    expect(await queue.getJobLogs(kept.id!)).toEqual({ logs: ['l1', 'l2'], count: 2 });
+    expect(await queue.addJobLog(kept.id!, 'l3')).toBe(3);
+    const zero = await queue.add('zero', {}, { keepLogs: 0 });
+    expect(await Promise.all(['z0', 'z1', 'z2'].map(row => zero.log(row)))).toEqual([1, 2, 3]);
+    const many = await queue.add('many', {});
+    await Promise.all(Array.from({ length: 1005 }, (_, i) => many.log(`row${i}`)));
+    expect(await queue.getJobLogs(many.id!, 0, 0)).toEqual({ logs: ['row0'], count: 1005 });
+    await queue.close();
+  });
+
   it('promotes, changes priority, drains, cleans and obliterates', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const delayed = await queue.add('d', {}, { delay: 60_000 });
