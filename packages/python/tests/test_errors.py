@@ -64,6 +64,18 @@ def test_not_found_and_preconditions(client: Client, queue: str) -> None:
     assert state.value.bullmq_code == -3
 
 
+def test_values_the_wire_cannot_carry_are_refused_before_sending() -> None:
+    # No server: a request the client cannot encode must not be taken for one
+    # that could not reach it (retried, then reported as unavailable).
+    with Client(f"http://127.0.0.1:{free_port()}") as nowhere:
+        for options in ({"delay_ms": -1}, {"delay_ms": 1.5}, {"attempts": 2**40}):
+            with pytest.raises(InvalidArgumentError) as refused:
+                nowhere.enqueue("q", "a", None, **options)  # type: ignore[arg-type]
+            assert "request not sent" in refused.value.message
+        with pytest.raises(InvalidArgumentError):
+            nowhere.change_priority("q", "j", -1)
+
+
 def test_unreachable_server_is_unavailable() -> None:
     with Client(f"http://127.0.0.1:{free_port()}") as nowhere:
         with pytest.raises(UnavailableError) as down:

@@ -676,7 +676,8 @@ class Operations(ABC):
         unchecked: bool = False,
     ) -> int:
         """Reports exactly one of: `progress` (any JSON value), a `log` line
-        (keeping the newest `keep_logs`), or new `data` for the job. Returns
+        (keeping the newest `keep_logs`; by default the job's own `keep_logs`,
+        else the newest 1,000), or new `data` for the job. Returns
         the number of log lines kept (0 for progress and data)."""
         chosen = [name for name, v in (("progress", progress), ("log", log), ("data", data)) if v is not None]
         if len(chosen) != 1:

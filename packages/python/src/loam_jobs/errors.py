@@ -237,7 +237,17 @@ def from_connect_error(err: ConnectError) -> LoamJobsError:
             detail = attached.value(ErrorDetail)
             break
     code = err.code.value if isinstance(err.code, Code) else str(err.code)
+    if err.code == Code.UNAVAILABLE and _refused_before_sending(err):
+        # The stubs report every failure of a call as `unavailable`, their own
+        # refusal to encode a value (a negative or float count, a bool) too:
+        # that request never left, and sending it again would fail the same.
+        return InvalidArgumentError(f"request not sent: {err.message}")
     return _build(code, err.message, detail)
+
+
+def _refused_before_sending(err: ConnectError) -> bool:
+    cause = err.__cause__
+    return isinstance(cause, (TypeError, ValueError, ArithmeticError)) and not isinstance(cause, OSError)
 
 
 def from_bulk_error(err: BulkError) -> LoamJobsError:
