@@ -20,6 +20,11 @@ fn lease_one(jobs: &Jobs, q: &str) -> Option<Lease> {
     jobs.lease("ns", q, LeaseRequest { max: 1, token: "w".into(), ..Default::default() }).wait().unwrap().leases.pop()
 }
 
+/// The names of the next `n` jobs leased from `q`, one at a time.
+fn leased_names(jobs: &Jobs, q: &str, n: usize) -> Vec<String> {
+    (0..n).map(|_| lease_one(jobs, q).unwrap_or_else(|| panic!("no job left in {q}")).job.name).collect()
+}
+
 fn finish(jobs: &Jobs, q: &str, l: &Lease, outcome: Outcome) -> Result<Completed, JobsError> {
     jobs.complete("ns", q, &l.job.id, Fence::Epoch(l.epoch), outcome, CompleteOptions::default()).wait()
 }
@@ -1483,8 +1488,7 @@ fn a_promoted_lifo_job_goes_behind_the_waiting_jobs() {
     jobs.enqueue("ns", "q", job("fifo")).wait().unwrap();
     jobs.admin("ns", "q", move |tx, q| admin::promote(tx, q, &by_hand)).wait().unwrap();
     clock.advance(100);
-    let order: Vec<String> = (0..3).map(|_| lease_one(&jobs, "q").expect("a job").job.name).collect();
-    assert_eq!(order, ["fifo", "lifo-by-hand", "lifo-due"]);
+    assert_eq!(leased_names(&jobs, "q", 3), ["fifo", "lifo-by-hand", "lifo-due"]);
 }
 
 /// BullMQ's addJob files a job with a priority by its priority alone, LIFO
@@ -1502,8 +1506,7 @@ fn a_prioritized_job_asked_for_lifo_runs_fifo_within_its_priority() {
     assert_eq!(first.job.name, "first");
     let retry = Outcome::Retry { error: Some(JobError::new("boom")), after_ms: Some(0) };
     finish(&jobs, "q", &first, retry).unwrap(); // its second attempt goes to the back of its priority
-    let order: Vec<String> = (0..3).map(|_| lease_one(&jobs, "q").expect("a job").job.name).collect();
-    assert_eq!(order, ["second", "third", "first"]);
+    assert_eq!(leased_names(&jobs, "q", 3), ["second", "third", "first"]);
 }
 
 /// BullMQ's reprocessJob and moveJobsToWait delete only the field of the
