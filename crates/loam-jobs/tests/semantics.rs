@@ -1094,6 +1094,10 @@ fn a_replaced_every_iteration_keeps_the_scheduler_phase() {
     let rec = jobs.query("ns", "q", |tx, q| schedule::get(tx, q, "s")).unwrap().unwrap();
     assert_eq!(rec.offset_ms, Some(1000));
     assert_eq!(rec.every_ms, Some(120_000));
+    // The replaced iteration went without a `removed` event, as on Redis.
+    assert!(!event_names(&jobs, "q").contains(&"removed".to_string()), "{:?}", event_names(&jobs, "q"));
+    let pending = jobs.counts("ns", "q", &[JobState::Waiting, JobState::Delayed]).unwrap();
+    assert_eq!(pending.iter().sum::<u64>(), 1, "one iteration waits: {pending:?}");
 }
 
 #[test]

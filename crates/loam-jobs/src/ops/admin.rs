@@ -26,6 +26,13 @@ pub fn purge_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsEr
     Ok(())
 }
 
+/// A scheduler's iteration that has not started, which an upsert of the
+/// scheduler replaces: gone without a `removed` event, as BullMQ's
+/// addJobScheduler replaces it (its listeners hear of jobs removed by hand).
+pub fn drop_replaced_iteration(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    drop_job(tx, q, job)
+}
+
 /// Removes a job from everything: its index, its parent's pending children,
 /// its dedup key, its record.
 fn drop_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {

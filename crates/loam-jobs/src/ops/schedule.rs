@@ -193,10 +193,7 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
             _ => false,
         }
     {
-        let mut detached = o.clone();
-        detached.next_job_id = None;
-        tx.put_record(&keys.scheduler(&o.id), &detached)?;
-        admin::remove_job(tx, q, pid, false)?;
+        admin::drop_replaced_iteration(tx, q, &pjob)?;
         removed_prev = true;
         if spec.every_ms.is_some() && o.every_ms == spec.every_ms && prev.is_some() {
             next = o.next_millis;
