@@ -24,10 +24,20 @@ from loam_jobs import (
     UnavailableError,
     flow_node,
     job,
+    models,
 )
 from loam_jobs import _ops as ops
 
 from .conftest import MAX_PAYLOAD_BYTES, Server
+
+
+def test_the_package_exports_every_model_type() -> None:
+    # The types the methods take and return (Retention for remove_on_complete,
+    # Metrics from metrics(), ...) are importable from the package itself.
+    import loam_jobs
+
+    assert set(models.__all__) <= set(loam_jobs.__all__)
+    assert all(hasattr(loam_jobs, name) for name in loam_jobs.__all__)
 
 
 def test_enqueue_lease_complete_round_trip(client: Client, queue: str) -> None:
