@@ -1429,6 +1429,8 @@ impl LoamQueue {
             start_date: Option<f64>,
             end_date: Option<f64>,
             limit: Option<f64>,
+            /// The first iteration's `repeat.count`, which BullMQ computed.
+            count: Option<f64>,
         }
         let r: RepeatOpts = parse("repeat options", &repeat_opts)?;
         let template = NewJob::template(&template_opts).map_err(invalid)?;
@@ -1448,6 +1450,7 @@ impl LoamQueue {
             job: template,
             // BullMQ's rule: a replaced `every` scheduler keeps its phase.
             start_resets: false,
+            count: r.count.map(ms),
         };
         let op = Op::new("addJobScheduler").job(&scheduler_id);
         let upsert = move |tx: &mut Tx, q: &QueueId| schedule::upsert(tx, q, spec.clone());

@@ -415,6 +415,7 @@ pub fn scheduler_spec(s: pb::SchedulerSpec) -> Res<SchedulerSpec> {
         job: s.job.into_option().map(job_spec).transpose()?.unwrap_or_default(),
         // A BullMQ scheduler, over the wire: BullMQ's rule.
         start_resets: false,
+        count: s.count,
     })
 }
 

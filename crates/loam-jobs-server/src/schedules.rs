@@ -129,6 +129,7 @@ pub fn prepare(s: pb::ServerSchedule, now: u64) -> Result<(SchedulerSpec, BTreeM
         template_opts: opts,
         job,
         start_resets: true,
+        count: None,
     };
     let extra = BTreeMap::from([(SERVER_OWNED.to_string(), "server".to_string()), (TEMPLATE.to_string(), template)]);
     Ok((spec, extra))

@@ -516,6 +516,17 @@ pub struct SchedulerRecord {
     pub next_job_id: Option<String>,
     /// Anything else the caller keeps with the scheduler.
     pub extra: BTreeMap<String, String>,
+    /// The pending iteration's number among those `limit` bounds (BullMQ's
+    /// `repeat.count`): unlike `iteration_count`, an upsert may restart it.
+    /// None in records written before it was kept: `iteration_count` then.
+    #[serde(default)]
+    pub repeat_count: Option<u64>,
+}
+
+impl SchedulerRecord {
+    pub fn repeat_count(&self) -> u64 {
+        self.repeat_count.unwrap_or(self.iteration_count)
+    }
 }
 
 /// A job as a caller describes it.

@@ -797,6 +797,34 @@ fn a_flow_child_held_by_another_parent_stays_there_and_the_flow_goes_in() {
     assert_eq!(state(&jobs, "parents", "p2"), Some(JobState::Waiting), "released once `other` finished");
 }
 
+/// A flow whose root exists stands on it: the root is "duplicated" and the
+/// flow's children join the ones it waits for, as BullMQ's addParentJob does.
+#[test]
+fn a_flow_onto_an_existing_parent_adds_its_children_to_that_parent() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::Wait); // parents/p with kids a and b
+    let root = FlowNode {
+        queue: "parents".into(),
+        request: EnqueueRequest { job_id: Some("p".into()), ..job("p") },
+        wait_children: true,
+    };
+    let added =
+        jobs.flow("ns", vec![root, flow_node("kids", "c", Some(parent("parents", "p")), false)]).wait().unwrap();
+    assert_eq!(added.iter().map(|e| e.created).collect::<Vec<_>>(), [false, true]);
+    assert!(event_names(&jobs, "parents").contains(&"duplicated".to_string()));
+    let p = jobs.get_job("ns", "parents", "p").unwrap().unwrap();
+    assert_eq!((p.state, p.pending_children), (JobState::WaitingChildren, 3));
+    for _ in 0..2 {
+        let l = lease_one(&jobs, "kids").expect("a kid");
+        ok(&jobs, "kids", &l, "1");
+    }
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::WaitingChildren), "c is still pending");
+    let c = lease_one(&jobs, "kids").expect("kid c");
+    assert_eq!(c.job.id, "c");
+    ok(&jobs, "kids", &c, "1");
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
+}
+
 #[test]
 fn remove_refuses_a_leased_job_and_takes_children_along() {
     let (jobs, _) = core();
@@ -1098,6 +1126,57 @@ fn a_replaced_every_iteration_keeps_the_scheduler_phase() {
     assert!(!event_names(&jobs, "q").contains(&"removed".to_string()), "{:?}", event_names(&jobs, "q"));
     let pending = jobs.counts("ns", "q", &[JobState::Waiting, JobState::Delayed]).unwrap();
     assert_eq!(pending.iter().sum::<u64>(), 1, "one iteration waits: {pending:?}");
+}
+
+/// BullMQ counts a scheduler's iterations toward `limit` from 1 at each upsert
+/// (`repeat.count`, in JavaScript), while `ic` goes on; a server schedule,
+/// upserted with no count, keeps counting its ticks.
+#[test]
+fn an_upsert_with_a_count_restarts_the_limit_and_one_without_keeps_it() {
+    let (jobs, clock) = core();
+    clock.set(1_000_000);
+    let every = |count| SchedulerSpec {
+        id: "s".into(),
+        name: "tick".into(),
+        every_ms: Some(1000),
+        limit: Some(2),
+        count,
+        job: job("tick"),
+        ..Default::default()
+    };
+    let run_and_advance = |jobs: &Jobs| {
+        let l = lease_one(jobs, "q").expect("an iteration is due");
+        let next = jobs
+            .admin("ns", "q", {
+                let id = l.job.id.clone();
+                move |tx, q| schedule::advance(tx, q, "s", None, &id, &job("tick"))
+            })
+            .wait()
+            .unwrap();
+        ok(jobs, "q", &l, "1");
+        next
+    };
+    let stored = |jobs: &Jobs| jobs.query("ns", "q", |tx, q| schedule::get(tx, q, "s")).unwrap().unwrap();
+    jobs.upsert_scheduler("ns", "q", every(Some(1))).wait().unwrap();
+    clock.advance(1000);
+    assert!(run_and_advance(&jobs).is_some(), "iteration 2 of 2");
+    clock.advance(1000);
+    assert!(run_and_advance(&jobs).is_none(), "the limit is reached");
+    assert_eq!((stored(&jobs).iteration_count, stored(&jobs).repeat_count()), (3, 3));
+
+    jobs.upsert_scheduler("ns", "q", every(Some(1))).wait().unwrap();
+    let rec = stored(&jobs);
+    assert_eq!((rec.iteration_count, rec.repeat_count()), (3, 1), "ic goes on, the count restarts");
+    let pending = jobs.get_job("ns", "q", &schedule::pending_iteration_id(&rec)).unwrap().unwrap();
+    assert!(pending.opts.contains(r#""count":1"#), "{}", pending.opts);
+    clock.advance(1000);
+    assert!(run_and_advance(&jobs).is_some(), "two more runs after the upsert");
+
+    // Upserted with no count, the scheduler keeps its count of 2: no third run.
+    jobs.upsert_scheduler("ns", "q", every(None)).wait().unwrap();
+    assert_eq!(stored(&jobs).repeat_count(), 2);
+    clock.advance(1000);
+    assert!(run_and_advance(&jobs).is_none());
 }
 
 #[test]

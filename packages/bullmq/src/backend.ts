@@ -44,6 +44,7 @@ import {
   parseJob,
   parseNodeKey,
   reportBackgroundError,
+  schedulerRepeat,
   Siblings,
   type ChildrenByCategory,
   type FinishedResult,
@@ -576,7 +577,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     templateData: string,
     templateOpts: JobsOptions,
     opts: RepeatableOptions,
-    _delayedJobOpts: JobsOptions,
+    delayedJobOpts: JobsOptions,
     _producerId?: string,
   ): Promise<[string, number]> {
     const added = await this.native.addJobScheduler(
@@ -585,7 +586,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
       nextMillis ?? undefined,
       templateData,
       JSON.stringify(templateOpts ?? {}),
-      JSON.stringify(opts ?? {}),
+      JSON.stringify(schedulerRepeat(opts, delayedJobOpts)),
     );
     return added ? JSON.parse(added) : [undefined as unknown as string, 0];
   }

@@ -4,7 +4,7 @@
  * how the core is reached.
  */
 import type { EventEmitter } from 'node:events';
-import type { DependenciesOpts, IQueueBackend, JobJson, ParentKeyOpts } from 'bullmq';
+import type { DependenciesOpts, IQueueBackend, JobJson, JobsOptions, ParentKeyOpts, RepeatableOptions, RepeatOptions } from 'bullmq';
 
 /** BullMQ's next-job tuple: `[jobJson | null, id (0 without a job), rateLimitDelayMs, delayUntilMs]`. */
 export type NextJobTuple = [JobJson | null, string | 0, number, number];
@@ -227,4 +227,15 @@ export class Siblings<B extends { closing: Promise<void> | undefined }> {
  */
 export function logRowsKept(keepLogs: number | undefined): number {
   return keepLogs ? keepLogs : Number.MAX_SAFE_INTEGER;
+}
+
+/**
+ * A scheduler's repeat options as the core takes them: BullMQ's own, plus the
+ * `repeat.count` it gave the first iteration. BullMQ counts iterations in
+ * JavaScript, from 1 at each upsert, so an upsert restarts its `limit`.
+ */
+export function schedulerRepeat(opts: RepeatableOptions | undefined, delayedJobOpts: JobsOptions | undefined) {
+  // BullMQ types the iteration's options as JobsOptions; they carry `repeat`.
+  const repeat = (delayedJobOpts as { repeat?: RepeatOptions } | undefined)?.repeat;
+  return { ...(opts ?? {}), count: repeat?.count };
 }

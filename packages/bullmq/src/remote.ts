@@ -51,6 +51,7 @@ import {
   paginateTarget,
   parseNodeKey,
   reportBackgroundError,
+  schedulerRepeat,
   Siblings,
   type NextJobTuple,
 } from './common.js';
@@ -1267,7 +1268,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     templateData: string,
     templateOpts: JobsOptions,
     opts: RepeatableOptions,
-    _delayedJobOpts: JobsOptions,
+    delayedJobOpts: JobsOptions,
     _producerId?: string,
   ): Promise<[string, number]> {
     const spec = schedulerSpec(
@@ -1275,7 +1276,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       nextMillis ?? undefined,
       templateData,
       (templateOpts ?? {}) as Record<string, any>,
-      (opts ?? {}) as Record<string, any>,
+      schedulerRepeat(opts, delayedJobOpts),
     );
     const r = await this.send(
       { command: 'addJobScheduler', jobId: jobSchedulerId },

@@ -239,6 +239,7 @@ export function schedulerSpec(
     startDate: date(repeat.startDate),
     endDate: date(repeat.endDate),
     limit: optU64(repeat.limit),
+    count: optU64(repeat.count),
     nextMillis: optU64(nextMillis),
     templateData,
     templateOpts: optsText,

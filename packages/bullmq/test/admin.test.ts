@@ -212,4 +212,23 @@ describe('queue and job admin', () => {
     await worker.close();
     await queue.close();
   });
+
+  it("restarts a job scheduler's limit at each upsert, as Redis does", async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const ran: string[] = [];
+    const worker = new Worker(name, async (job: Job) => void ran.push(job.id!), { connection });
+    const upsert = () => queue.upsertJobScheduler('capped', { every: 100, limit: 1 }, { name: 'capped' });
+    await upsert();
+    await until(() => ran.length === 1, 5_000);
+    await new Promise(resolve => setTimeout(resolve, 500));
+    expect(ran.length).toBe(1);
+    const again = await upsert();
+    expect(again?.opts.repeat?.count).toBe(1);
+    await until(() => ran.length === 2, 5_000);
+    await new Promise(resolve => setTimeout(resolve, 500));
+    expect(ran.length).toBe(2);
+    await worker.close();
+    await queue.close();
+  });
 });

@@ -104,6 +104,25 @@ describe('flows', () => {
     await queue.close();
   });
 
+  it('adds a flow onto an existing parent: the parent stands and waits for the new children too', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const flow = new FlowProducer({ connection });
+    const root = { name: 'root', queueName: name, opts: { jobId: 'root' } };
+    await flow.add({ ...root, children: [{ name: 'first', queueName: name }] });
+    const again = await flow.add({ ...root, children: [{ name: 'second', queueName: name }] });
+    expect(again.job.id).toBe('root');
+    expect(await queue.getJobState('root')).toBe('waiting-children');
+    expect(await again.job.getDependenciesCount()).toEqual({ processed: 0, unprocessed: 2, ignored: 0, failed: 0 });
+    const worker = new Worker(name, async (job: Job) => job.name, { connection });
+    await until(async () => (await queue.getJobState('root')) === 'completed');
+    const values = Object.values(await (await queue.getJob('root'))!.getChildrenValues());
+    expect(values.sort()).toEqual(['first', 'second']);
+    await worker.close();
+    await flow.close();
+    await queue.close();
+  });
+
   it('parks a running parent until the children it added finish (moveToWaitingChildren)', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });

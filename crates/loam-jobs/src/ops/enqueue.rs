@@ -110,9 +110,8 @@ fn add(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> R
     if let Some(id) = &req.job_id
         && let Some(existing) = tx.load_job(q, id)?
     {
-        if placement == Placement::WaitChildren && existing.pending_children > 0 {
-            return Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { job: id.clone() }));
-        }
+        // An existing flow parent stands, and the children added with it
+        // join its others (BullMQ's addParentJob answers "duplicated").
         if let Some(parent) = &req.parent {
             adopt(tx, q, existing.clone(), parent, req.on_child_failure)?;
         }

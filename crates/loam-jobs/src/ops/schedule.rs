@@ -42,6 +42,11 @@ pub struct SchedulerSpec {
     /// phase and ignores a new start date; a server schedule (design 26
     /// section 8.1) honours it.
     pub start_resets: bool,
+    /// The pending iteration's `repeat.count` (BullMQ counts iterations in
+    /// JavaScript, from 1 at each upsert unless the options give a start).
+    /// None keeps the stored count: a server schedule's `limit` counts its
+    /// ticks across upserts.
+    pub count: Option<u64>,
 }
 
 pub fn iteration_id(scheduler: &str, millis: u64) -> String {
@@ -114,7 +119,7 @@ fn iteration_opts(rec: &SchedulerRecord, job_id: &str, delay: u64, now: u64) -> 
         repeat.insert("endDate".into(), Json::from(e));
     }
     repeat.insert("offset".into(), Json::from(rec.offset_ms.unwrap_or(0)));
-    repeat.insert("count".into(), Json::from(rec.iteration_count));
+    repeat.insert("count".into(), Json::from(rec.repeat_count()));
     opts.insert("jobId".into(), Json::from(job_id));
     opts.insert("delay".into(), Json::from(delay));
     opts.insert("timestamp".into(), Json::from(now));
@@ -152,7 +157,7 @@ fn add_iteration(
 }
 
 fn finished_scheduling(rec: &SchedulerRecord) -> bool {
-    rec.limit.is_some_and(|l| rec.iteration_count > l) || rec.end_date.is_some_and(|e| rec.next_millis > e)
+    rec.limit.is_some_and(|l| rec.repeat_count() > l) || rec.end_date.is_some_and(|e| rec.next_millis > e)
 }
 
 /// Creates or replaces a scheduler and enqueues its next iteration. Returns
@@ -247,6 +252,7 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
         template_opts: spec.template_opts.clone(),
         next_job_id: Some(job_id),
         extra: old.as_ref().map(|o| o.extra.clone()).unwrap_or_default(),
+        repeat_count: Some(spec.count.unwrap_or_else(|| old.as_ref().map_or(1, SchedulerRecord::repeat_count))),
     };
     save(tx, q, old.as_ref().map(|o| o.next_millis), &rec)?;
     if finished_scheduling(&rec) {
@@ -313,6 +319,7 @@ fn move_to_tick(
     }
     rec.next_millis = next;
     rec.iteration_count += 1;
+    rec.repeat_count = Some(rec.repeat_count() + 1);
     rec.next_job_id = Some(next_id.clone());
     save(tx, q, Some(prev), &rec)?;
     if taken || finished_scheduling(&rec) {
