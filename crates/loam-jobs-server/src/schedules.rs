@@ -80,11 +80,21 @@ pub fn prepare(s: pb::ServerSchedule, now: u64) -> Result<(SchedulerSpec, BTreeM
     if s.every_ms == Some(0) {
         return Err(JobsError::invalid("every_ms must be at least 1"));
     }
+    if s.limit == Some(0) {
+        return Err(JobsError::invalid("limit must be at least 1: a schedule with limit 0 never ticks"));
+    }
     parse_tz(s.tz.as_deref())?;
     if let (Some(start), Some(end)) = (s.start_date, s.end_date)
         && end < start
     {
         return Err(JobsError::invalid("end_date is before start_date"));
+    }
+    if let Some(end) = s.end_date
+        && end < now
+    {
+        return Err(JobsError::invalid(format!(
+            "end_date {end} has passed (now is {now}): the schedule would never tick; Unschedule ends one"
+        )));
     }
     let mut job = match s.job.into_option() {
         Some(j) => convert::job_spec(j)?,
@@ -97,10 +107,14 @@ pub fn prepare(s: pb::ServerSchedule, now: u64) -> Result<(SchedulerSpec, BTreeM
             "a schedule's job cannot have an idempotency key: each tick's job is keyed by its tick",
         ));
     }
+    if job.job_id.is_some() {
+        return Err(JobsError::invalid(
+            "a schedule's job cannot have a job_id: each tick's job is `repeat:<schedule id>:<tick ms>`",
+        ));
+    }
     let data = String::from_utf8(std::mem::take(&mut job.data))
         .map_err(|_| JobsError::invalid("a schedule's job data must be UTF-8 text"))?;
     let opts = std::mem::take(&mut job.opts);
-    job.job_id = None;
     let base = now.max(s.start_date.unwrap_or(0));
     // `every` starts at once (BullMQ's rule); cron at its first time, or at
     // once with `immediately`.

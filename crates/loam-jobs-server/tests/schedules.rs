@@ -46,16 +46,38 @@ async fn let_it_tick() {
     tokio::time::sleep(Duration::from_millis(700)).await;
 }
 
+/// A schedule whose ticks could not be keyed by their tick, or that would
+/// never tick, is refused rather than stored silently.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_schedules_job_cannot_carry_an_idempotency_key() {
+async fn a_schedule_that_could_not_key_its_ticks_or_never_ticks_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &[], &[]);
-    let mut spec = job("tick", b"{}");
-    spec.idempotency = pb::Idempotency { key: "k1".into(), ..Default::default() }.into();
-    let s = pb::ServerSchedule { id: "x".into(), every_ms: Some(300), job: spec.into(), ..Default::default() };
-    let r = server.client().schedule(schedule_req("idem", s)).await;
-    let e = assert_code(r, connectrpc::ErrorCode::InvalidArgument, Some("invalid_argument"));
-    assert!(e.message.as_deref().unwrap_or("").contains("idempotency"), "{e:?}");
+    let every = |job: pb::JobSpec| pb::ServerSchedule {
+        id: "x".into(),
+        every_ms: Some(300),
+        job: job.into(),
+        ..Default::default()
+    };
+    let mut keyed = job("tick", b"{}");
+    keyed.idempotency = pb::Idempotency { key: "k1".into(), ..Default::default() }.into();
+    let mut named = job("tick", b"{}");
+    named.job_id = Some("mine".into());
+    let cases = [
+        (every(keyed), "idempotency"),
+        (every(named), "job_id"),
+        (pb::ServerSchedule { limit: Some(0), ..every(job("tick", b"{}")) }, "limit"),
+        (pb::ServerSchedule { end_date: Some(1_000), ..every(job("tick", b"{}")) }, "has passed"),
+    ];
+    let c = server.client();
+    for (schedule, says) in cases {
+        let e = assert_code(
+            c.schedule(schedule_req("refused", schedule)).await,
+            connectrpc::ErrorCode::InvalidArgument,
+            Some("invalid_argument"),
+        );
+        assert!(e.message.as_deref().unwrap_or("").contains(says), "{says}: {e:?}");
+    }
+    assert!(ticks(&c, "refused", "x").await.is_empty(), "nothing was enqueued");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
