@@ -11,7 +11,9 @@ from loam_jobs import (
     Fail,
     FailedPreconditionError,
     InvalidArgumentError,
+    InvalidJsonError,
     JobState,
+    LoamJobsError,
     Success,
 )
 
@@ -160,6 +162,14 @@ def test_server_schedule_cron_with_time_zone(client: Client, queue: str) -> None
     assert client.get_scheduler(queue, "nightly") is None
 
 
+def test_a_schedule_with_no_data_ticks_jobs_whose_data_is_null(client: Client, queue: str) -> None:
+    # The server gives a template with no data `{}`: None must reach it as null.
+    tick = client.schedule(queue, "none", "tick", None, every_ms=60_000, limit=1)
+    leased = client.lease(queue, wait_ms=1_000)[0]
+    assert leased.id == tick.job_id
+    assert (leased.data, leased.json()) == (b"null", None)
+
+
 def test_bad_schedules_are_invalid_arguments(client: Client, queue: str) -> None:
     with pytest.raises(InvalidArgumentError):
         client.schedule(queue, "bad", "x", None, cron="not a cron")
@@ -196,3 +206,33 @@ def test_result_store(client: Client, queue: str) -> None:
     time.sleep(0.25)
     assert client.result_get(f"{key}:short") is None
     assert client.result_get(f"{key}:raw") is None
+
+
+def test_result_store_json_round_trip(client: Client, queue: str) -> None:
+    values = [{"answer": 42}, [1, "two"], "text", 3.5, True, None]
+    keys = [f"{queue}:{i}" for i in range(len(values))]
+    for key, value in zip(keys, values, strict=True):
+        client.result_set(key, value)
+        assert client.result_get_json(key) == value
+    assert client.result_mget_json([*keys, f"{queue}:missing"]) == [*values, None]
+
+    # A stored null is None; a missing key is the default, which tells them apart.
+    missing = object()
+    assert client.result_get(keys[-1]) == b"null"
+    assert client.result_get_json(keys[-1], default=missing) is None
+    assert client.result_get_json(f"{queue}:missing", default=missing) is missing
+    assert client.result_mget_json([keys[-1], f"{queue}:missing"], default=missing) == [None, missing]
+
+    # Bytes are stored as they are: result_get reads them back, result_get_json
+    # refuses them unless they are JSON text.
+    client.result_set(f"{queue}:raw", b'{"raw":1}')
+    assert client.result_get_json(f"{queue}:raw") == {"raw": 1}
+    for raw in (b"\x00\x01", b"", b"{'single': 1}"):
+        client.result_set(f"{queue}:raw", raw)
+        assert client.result_get(f"{queue}:raw") == raw
+        with pytest.raises(InvalidJsonError) as not_json:
+            client.result_get_json(f"{queue}:raw")
+        assert not_json.value.subject == f"{queue}:raw" and "is not JSON" in not_json.value.message
+        assert isinstance(not_json.value, ValueError) and isinstance(not_json.value, LoamJobsError)
+        with pytest.raises(InvalidJsonError):
+            client.result_mget_json([keys[0], f"{queue}:raw"])

@@ -13,6 +13,7 @@ from loam_jobs import (
     AsyncClient,
     FencedError,
     InvalidArgumentError,
+    InvalidJsonError,
     JobState,
     LoamJobsError,
     Retry,
@@ -46,6 +47,19 @@ async def test_async_round_trip_and_errors(server: Server, queue: str) -> None:
         assert await client.is_paused(queue)
         await client.result_set(f"{queue}:k", {"v": 1}, ttl_ms=60_000)
         assert await client.result_get(f"{queue}:k") == b'{"v":1}'
+
+
+async def test_async_result_json_helpers(server: Server, queue: str) -> None:
+    async with AsyncClient(server.url) as client:
+        await client.result_set(f"{queue}:k", {"v": [1, None]})
+        assert await client.result_get_json(f"{queue}:k") == {"v": [1, None]}
+        assert await client.result_mget_json([f"{queue}:k", f"{queue}:missing"], default=0) == [
+            {"v": [1, None]},
+            0,
+        ]
+        await client.result_set(f"{queue}:raw", b"\xff")
+        with pytest.raises(InvalidJsonError):
+            await client.result_get_json(f"{queue}:raw")
 
 
 async def test_async_lease_long_poll_wakes_on_enqueue(server: Server, queue: str) -> None:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
+import loam_jobs
 from loam_jobs import (
     Client,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
+    Job,
+    LeasedJob,
     LoamJobsError,
     NotFoundError,
     PayloadTooLargeError,
@@ -74,6 +80,39 @@ def test_values_the_wire_cannot_carry_are_refused_before_sending() -> None:
             assert "request not sent" in refused.value.message
         with pytest.raises(InvalidArgumentError):
             nowhere.change_priority("q", "j", -1)
+
+
+def test_values_json_cannot_carry_are_refused_before_sending() -> None:
+    # NaN and the infinities would be written as `NaN` and `Infinity`, which
+    # JSON.parse (a BullMQ worker) cannot read. No server: a request sent
+    # would fail as unavailable, not as an invalid argument.
+    leased = LeasedJob(queue="q", job=Job(id="j"), epoch=1, token="t", deadline=0)
+    with Client(f"http://127.0.0.1:{free_port()}") as nowhere:
+
+        def every_write_of(bad: object) -> list[Callable[[], object]]:
+            return [
+                lambda: nowhere.enqueue("q", "a", bad),
+                lambda: nowhere.enqueue("q", "a", None, opts={"x": bad}),
+                lambda: nowhere.enqueue_bulk("q", [{"name": "a", "data": bad}]),
+                lambda: nowhere.schedule("q", "s", "a", bad, every_ms=1_000),
+                lambda: nowhere.complete(leased, Success(bad)),
+                lambda: nowhere.report(leased, progress=bad),
+                lambda: nowhere.report(leased, data=bad),
+                lambda: nowhere.result_set("k", bad),
+            ]
+
+        for bad in (float("nan"), float("inf"), -float("inf"), {"nested": [float("nan")]}, object()):
+            for write in every_write_of(bad):
+                with pytest.raises(InvalidArgumentError) as refused:
+                    write()
+                assert "request not sent" in refused.value.message
+
+
+def test_the_client_writes_json_in_one_place() -> None:
+    # Every JSON value goes through encode_json, which refuses NaN.
+    package = Path(loam_jobs.__file__).parent
+    writers = {path.name: path.read_text().count("json.dumps(") for path in package.glob("*.py")}
+    assert {name: count for name, count in writers.items() if count} == {"models.py": 1}
 
 
 def test_unreachable_server_is_unavailable() -> None:

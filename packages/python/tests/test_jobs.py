@@ -22,6 +22,7 @@ from loam_jobs import (
     Retry,
     Success,
     UnavailableError,
+    fixed_backoff,
     flow_node,
     job,
     models,
@@ -75,6 +76,85 @@ def test_job_id_and_bulk_results(client: Client, queue: str) -> None:
     assert results[1].reason == "payload_too_large"
     assert client.counts(queue, "wait")["wait"] == 3
     assert client.get_job(queue, "fixed").data == b"raw bytes"
+
+
+def test_enqueue_bulk_takes_mappings_of_enqueues_parameters(client: Client, queue: str) -> None:
+    results = client.enqueue_bulk(
+        queue,
+        [
+            {"name": "a", "data": {"n": 1}, "job_id": "m1", "priority": 2, "attempts": 3, "backoff": 500},
+            job("b", 2, job_id="s1"),
+            {"name": "c", "job_id": "m2"},
+        ],
+    )
+    assert all(isinstance(r, Enqueued) for r in results)
+    built = client.get_job(queue, "m1")
+    assert (built.name, built.data, built.priority, built.attempts) == ("a", b'{"n":1}', 2, 3)
+    assert built.backoff == fixed_backoff(500)
+    assert client.get_job(queue, "s1").data == b"2"
+    assert client.get_job(queue, "m2").name == "c"
+
+
+def test_a_bad_bulk_mapping_is_refused_like_enqueues_keywords_and_nothing_is_sent(
+    client: Client, queue: str
+) -> None:
+    good = {"name": "ok", "data": 1}
+    # enqueue refuses an unknown keyword with TypeError and a value the wire
+    # cannot carry with InvalidArgumentError: so does enqueue_bulk, naming the job and the key.
+    with pytest.raises(TypeError):
+        client.enqueue(queue, "a", delay=5)
+    with pytest.raises(TypeError, match=r"job 1 has an unknown key 'delay'"):
+        client.enqueue_bulk(queue, [good, {"name": "a", "delay": 5}])
+    with pytest.raises(TypeError, match=r"job 0 has no 'name'"):
+        client.enqueue_bulk(queue, [{"data": 1}])
+    with pytest.raises(TypeError, match=r"job 1 is a tuple"):
+        client.enqueue_bulk(queue, [good, ("a", 1)])  # type: ignore[list-item]
+
+    with pytest.raises(InvalidArgumentError, match="request not sent"):
+        client.enqueue(queue, "a", delay_ms="soon")
+    for index, key, value in [
+        (1, "delay_ms", "soon"),
+        (2, "attempts", 2**40),
+        (1, "name", 5),
+        (2, "data", float("nan")),
+        (1, "remove_on_complete", "always"),
+    ]:
+        bad = {"name": "bad", key: value}
+        items = [good, bad] if index == 1 else [good, good, bad]
+        with pytest.raises(InvalidArgumentError, match=rf"request not sent: .*job {index}, key '{key}'"):
+            client.enqueue_bulk(queue, items)
+    assert client.counts(queue, "wait") == {"wait": 0}
+
+
+def test_none_is_json_null_wherever_a_value_is_written(client: Client, queue: str) -> None:
+    # As BullMQ's JSON.stringify: a Node worker reads `job.data === null`.
+    omitted = client.enqueue(queue, "omitted")
+    given = client.enqueue(queue, "none", None)
+    bulk = client.enqueue_bulk(queue, [{"name": "bulk"}, job("spec")])
+    for enqueued in [omitted, given, *bulk]:
+        assert isinstance(enqueued, Enqueued)
+        assert client.get_job(queue, enqueued.id).data == b"null"
+
+    leased = client.lease(queue)[0]
+    assert leased.json() is None
+    client.report(leased, progress=None)
+    client.report(leased, data=None)
+    reported = client.get_job(queue, leased.id)
+    assert (reported.progress, reported.data) == ("null", b"null")
+    with pytest.raises(InvalidArgumentError):
+        client.report(leased)  # nothing to report
+    with pytest.raises(InvalidArgumentError):
+        client.report(leased, progress=1, data=None)
+
+    # A return value of None is null, as a BullMQ processor that returns nothing.
+    client.complete(leased, Success())
+    assert client.get_job(queue, leased.id).return_value == b"null"
+    assert not client.get_job(queue, given.id).has_field("return_value")  # no result yet
+
+    # Data stored empty (no data at all) still reads as None.
+    empty = client.enqueue(queue, "empty", b"")
+    assert client.get_job(queue, empty.id).data == b""
+    assert [j.json() for j in client.lease(queue, max_jobs=10)] == [None] * 4
 
 
 def test_a_job_names_its_scheduler(client: Client, queue: str) -> None:

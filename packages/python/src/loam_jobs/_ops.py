@@ -10,11 +10,12 @@ server's 30 s cap) are written once too.
 
 from __future__ import annotations
 
-import json
+import inspect
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Literal, TypeVar, overload
 
 from protobuf import Message, Oneof
@@ -79,7 +80,9 @@ from .models import (
     OutcomeSpec,
     QueueEvent,
     Success,
+    decode_json,
     encode_data,
+    encode_json,
     idempotent,
     job,
     lease_options,
@@ -93,6 +96,15 @@ SERVER_MAX_WAIT_MS = 30_000
 DEFAULT_MAX_EVENTS = 10_000
 
 T = TypeVar("T")
+
+
+class NotGiven(Enum):
+    """The default of a keyword for which None is a value (JSON null)."""
+
+    NOT_GIVEN = "not given"
+
+
+NOT_GIVEN = NotGiven.NOT_GIVEN
 
 
 @dataclass(frozen=True)
@@ -204,6 +216,48 @@ def _retried(call: Call) -> Op[Any]:
 def enqueue(queue: str, spec: JobSpec) -> Op[Enqueued]:
     resp = yield from _retried(Call("enqueue", EnqueueRequest(queue=queue, job=idempotent(spec))))
     return resp.enqueued
+
+
+# What building or encoding a request raises for a value the wire cannot
+# carry (a wrong type, a number out of range, NaN).
+_UNSENDABLE = (TypeError, ValueError, ArithmeticError, InvalidArgumentError)
+
+# The keys of a job given to enqueue_bulk as a mapping: enqueue's parameters,
+# which are job()'s.
+_JOB_KEYS = frozenset(inspect.signature(job).parameters)
+
+
+def _bulk_job_spec(index: int, item: JobSpec | Mapping[str, Any]) -> JobSpec:
+    """Job `index` of an enqueue_bulk as a JobSpec: a mapping is built by
+    job(), as enqueue builds its job, and refused as enqueue would refuse its
+    keywords: TypeError for a key it does not take, InvalidArgumentError for
+    a value the wire cannot carry, naming the index and the key."""
+    if isinstance(item, JobSpec):
+        return item
+    if not isinstance(item, Mapping):
+        raise TypeError(f"enqueue_bulk: job {index} is a {type(item).__name__}, not a JobSpec or a mapping")
+    if unknown := [key for key in item if key not in _JOB_KEYS]:
+        raise TypeError(f"enqueue_bulk: job {index} has an unknown key {unknown[0]!r}")
+    if "name" not in item:
+        raise TypeError(f"enqueue_bulk: job {index} has no 'name'")
+    try:
+        spec = job(**item)
+        # The stub only says that the whole request cannot be encoded; this
+        # says which job, before any is sent.
+        spec.to_binary()
+    except _UNSENDABLE as err:
+        key = next((key for key in item if not _sendable({"name": "", key: item[key]})), None)
+        at = f"job {index}" if key is None else f"job {index}, key {key!r}"
+        raise InvalidArgumentError(f"request not sent: enqueue_bulk {at}: {err.__cause__ or err}") from err
+    return spec
+
+
+def _sendable(fields: Mapping[str, Any]) -> bool:
+    try:
+        job(**fields).to_binary()
+    except _UNSENDABLE:
+        return False
+    return True
 
 
 def enqueue_bulk(queue: str, specs: Iterable[JobSpec]) -> Op[list[Enqueued | LoamJobsError]]:
@@ -465,6 +519,10 @@ def result_mget(keys: Sequence[str]) -> Op[list[bytes | None]]:
     return [_present(v, "value") for v in resp.values]
 
 
+def _decoded(key: str, value: bytes | None, default: Any) -> Any:
+    return default if value is None else decode_json(value, key)
+
+
 def result_set(key: str, value: Any, ttl_ms: int | None) -> Op[None]:
     yield Call("result_set", ResultSetRequest(key=key, value=encode_data(value), ttl_ms=ttl_ms))
     return None
@@ -532,10 +590,17 @@ class Operations(ABC):
         """Adds a job built with `loam_jobs.job()`."""
         return self._run(enqueue(queue, spec))
 
-    def enqueue_bulk(self, queue: str, specs: Iterable[JobSpec]) -> list[Enqueued | LoamJobsError]:
-        """Adds many jobs in one transaction. Each entry of the result is the
+    def enqueue_bulk(
+        self, queue: str, specs: Iterable[JobSpec | Mapping[str, Any]]
+    ) -> list[Enqueued | LoamJobsError]:
+        """Adds many jobs in one transaction. A job is a `JobSpec` (from
+        `loam_jobs.job()`) or a mapping of `enqueue`'s parameters (`name`,
+        `data` and its options), built as `enqueue` builds its job. A mapping
+        with a key `enqueue` does not take raises TypeError, one with a value
+        the wire cannot carry InvalidArgumentError, each naming the job's
+        index and the key, and no job is sent. Each entry of the result is the
         job's `Enqueued`, or the error (not raised) that refused that job."""
-        return self._run(enqueue_bulk(queue, specs))
+        return self._run(enqueue_bulk(queue, [_bulk_job_spec(i, item) for i, item in enumerate(specs)]))
 
     def flow(self, nodes: Sequence[FlowNode]) -> list[Enqueued]:
         """Adds a tree of jobs across queues, all or nothing (parents first)."""
@@ -666,10 +731,10 @@ class Operations(ABC):
         self,
         target: LeasedJob | str,
         *,
-        progress: Any = None,
+        progress: Any = NOT_GIVEN,
         log: str | None = None,
         keep_logs: int | None = None,
-        data: Any = None,
+        data: Any = NOT_GIVEN,
         queue: str | None = None,
         epoch: int | None = None,
         token: str | None = None,
@@ -677,15 +742,14 @@ class Operations(ABC):
     ) -> int:
         """Reports exactly one of: `progress` (any JSON value), a `log` line
         (keeping the newest `keep_logs`; by default the job's own `keep_logs`,
-        else the newest 1,000), or new `data` for the job. Returns
-        the number of log lines kept (0 for progress and data)."""
-        chosen = [name for name, v in (("progress", progress), ("log", log), ("data", data)) if v is not None]
-        if len(chosen) != 1:
+        else the newest 1,000), or new `data` for the job (`encode_data`).
+        None is JSON null for progress and data, as everywhere: leave out what
+        is not reported. Returns the number of log lines kept (0 for progress
+        and data)."""
+        if (progress is not NOT_GIVEN) + (log is not None) + (data is not NOT_GIVEN) != 1:
             raise InvalidArgumentError("report takes exactly one of progress, log and data")
-        if progress is not None:
-            body: ReportBody = Oneof[Literal["progress"], str](
-                "progress", json.dumps(progress, separators=(",", ":"))
-            )
+        if progress is not NOT_GIVEN:
+            body: ReportBody = Oneof[Literal["progress"], str]("progress", encode_json(progress))
         elif log is not None:
             body = Oneof[Literal["log"], ReportRequest.Log]("log", ReportRequest.Log(row=log, keep=keep_logs))
         else:
@@ -1051,14 +1115,36 @@ class Operations(ABC):
     # --- the result store ----------------------------------------------------
 
     def result_get(self, key: str) -> bytes | None:
-        """The value at `key`, or None when missing or expired."""
+        """The bytes at `key` (`b"null"` for a stored None), or None when
+        missing or expired; `result_get_json` decodes them."""
         return self._run(result_get(key))
 
     def result_mget(self, keys: Sequence[str]) -> list[bytes | None]:
+        """`result_get` of each key, in one call."""
         return self._run(result_mget(keys))
 
+    def result_get_json(self, key: str, default: Any = None) -> Any:
+        """The value at `key` decoded as JSON, which gives back any value but
+        bytes that `result_set` stored, or `default` when missing or expired.
+        A stored None is None: pass a `default` of your own to tell it from a
+        missing key. InvalidJsonError when the value is not JSON (bytes
+        stored as they are)."""
+        return self._run(_then(result_get(key), lambda value: _decoded(key, value, default)))
+
+    def result_mget_json(self, keys: Sequence[str], default: Any = None) -> list[Any]:
+        """`result_get_json` of each key, in one call."""
+        names = list(keys)
+        return self._run(
+            _then(
+                result_mget(names),
+                lambda values: [_decoded(k, v, default) for k, v in zip(names, values, strict=True)],
+            )
+        )
+
     def result_set(self, key: str, value: Any, *, ttl_ms: int | None = None) -> None:
-        """Stores `value` (bytes, or JSON for anything else), expiring after `ttl_ms`."""
+        """Stores `value`, expiring after `ttl_ms`: bytes as they are (read
+        them back with `result_get`), anything else as JSON, None as null
+        (read it back with `result_get_json`)."""
         return self._run(result_set(key, value, ttl_ms))
 
     def result_delete(self, key: str) -> bool:

@@ -35,6 +35,7 @@ __all__ = [
     "CanceledError",
     "OutOfRangeError",
     "EventsTrimmedError",
+    "InvalidJsonError",
     "from_connect_error",
 ]
 
@@ -42,10 +43,12 @@ _DETAIL_TYPE = "loam.jobs.v1.ErrorDetail"
 
 
 class LoamJobsError(Exception):
-    """A call the server (or the connection to it) refused.
+    """A call the server (or the connection to it) refused, or a value read
+    back that the client could not decode.
 
     Attributes:
-        code: the Connect code name (`invalid_argument`, `not_found`, ...).
+        code: the Connect code name (`invalid_argument`, `not_found`, ...),
+            or `invalid_json` (`InvalidJsonError`).
         message: the server's human-readable message.
         reason: the server's stable, machine-readable reason
             (`not_found.job`, `fenced.mismatch`, `payload_too_large`, ...);
@@ -167,6 +170,14 @@ class EventsTrimmedError(OutOfRangeError):
     """A watch cursor older than the oldest event the queue's log still
     holds: the events in between are gone. `subject` is the oldest kept
     sequence; resynchronise (read the jobs' state) before watching again."""
+
+
+class InvalidJsonError(LoamJobsError, ValueError):
+    """A value read back as JSON (`result_get_json`) that is not JSON text:
+    `subject` is its key, and the `json.JSONDecodeError` is the cause. A
+    `ValueError`, as json.loads' own error is."""
+
+    code = "invalid_json"
 
 
 class InternalError(LoamJobsError):

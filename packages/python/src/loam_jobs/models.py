@@ -7,8 +7,9 @@ classes of their own; `job()` builds the `JobSpec` that enqueue, bulk
 enqueue, flows and schedules share.
 
 Times are milliseconds since the Unix epoch and durations are milliseconds,
-as on the wire. Job data, results and result-store values are bytes: bytes
-pass through unchanged, anything else is encoded as JSON.
+as on the wire. Job data, results, progress and result-store values are
+bytes or JSON text on the wire: bytes pass through unchanged, anything else
+is encoded as JSON by `encode_json`, None as `null`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from ._gen.loam.jobs.v1.types_pb import (
     Scheduler,
     SchedulerSpec,
 )
+from .errors import InvalidArgumentError, InvalidJsonError
 
 __all__ = [
     "Backoff",
@@ -94,11 +96,33 @@ __all__ = [
 ]
 
 
+def encode_json(value: Any) -> str:
+    """`value` as compact JSON text, None as `null`.
+
+    NaN and the infinities are refused: Python writes them as `NaN` and
+    `Infinity`, which are not JSON, and which JSON.parse (a BullMQ worker,
+    any other client) cannot read. They, and values JSON has no form for,
+    raise InvalidArgumentError("request not sent: ..."), as every value the
+    wire cannot carry does, before anything is sent."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise InvalidArgumentError(f"request not sent: {err}") from err
+
+
 def encode_data(value: Any) -> bytes:
-    """Bytes as they are; anything else as JSON text."""
+    """Bytes as they are; anything else as JSON text (`encode_json`)."""
     if isinstance(value, bytes | bytearray | memoryview):
         return bytes(value)
-    return json.dumps(value, separators=(",", ":")).encode()
+    return encode_json(value).encode()
+
+
+def decode_json(value: bytes, subject: str) -> Any:
+    """`value` read as JSON text; InvalidJsonError about `subject` (a key) when it is not."""
+    try:
+        return json.loads(value)
+    except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8 text
+        raise InvalidJsonError(f"the value of {subject!r} is not JSON: {err}", subject=subject) from err
 
 
 def fixed_backoff(delay_ms: int, *, jitter: float = 0.0) -> Backoff:
@@ -154,7 +178,7 @@ def job(
 ) -> JobSpec:
     """A job as a producer describes it.
 
-    `data` is encoded with `encode_data` (None sends no data). `backoff` as a
+    `data` is encoded with `encode_data` (None is JSON null). `backoff` as a
     number is a fixed delay in ms. `dedup` as a string is the dedup id with
     BullMQ's default mode (until the job finishes). `opts` is the caller's
     own options document (BullMQ's job options), kept verbatim by the server.
@@ -162,8 +186,8 @@ def job(
     """
     return JobSpec(
         name=name,
-        data=b"" if data is None else encode_data(data),
-        opts=opts if isinstance(opts, str) else json.dumps(opts, separators=(",", ":")),
+        data=encode_data(data),
+        opts=opts if isinstance(opts, str) else encode_json(opts),
         headers=dict(headers or {}),
         job_id=job_id,
         idempotency=Idempotency(key=idempotency_key, ttl_ms=idempotency_ttl_ms) if idempotency_key else None,
@@ -226,14 +250,16 @@ def _job_error(error: str | BaseException, stacktrace: str | None, stacktrace_li
 
 @dataclass(frozen=True)
 class Success:
-    """The job succeeded; `result` is stored as its return value."""
+    """The job succeeded; `result` (`encode_data`) is stored as its return
+    value: JSON null by default, as a BullMQ processor that returns nothing."""
 
     result: Any = None
 
     def to_proto(self) -> Outcome:
-        value = None if self.result is None else encode_data(self.result)
         return Outcome(
-            kind=Oneof[Literal["success"], Outcome.Success]("success", Outcome.Success(result=value))
+            kind=Oneof[Literal["success"], Outcome.Success](
+                "success", Outcome.Success(result=encode_data(self.result))
+            )
         )
 
 
@@ -360,7 +386,9 @@ class LeasedJob:
         return self.job.data
 
     def json(self) -> Any:
-        """The job's data decoded as JSON."""
+        """The job's data decoded as JSON: None for null, and for empty data
+        (no data at all: the wire's default, and what this client sent for
+        None before it sent null)."""
         return json.loads(self.job.data) if self.job.data else None
 
     def fence(self) -> Fence:
