@@ -404,6 +404,19 @@ fn rate_limit_and_global_concurrency_bound_leases() {
     assert!(jobs.lease("ns", "q", LeaseRequest { max: 5, ..Default::default() }).wait().unwrap().info.maxed);
 }
 
+/// BullMQ's getRateLimitTtl of a manual rate limit: what is left of it, the
+/// longest an i64 holds for one set "for ever", and -2 with none.
+#[test]
+fn a_manual_rate_limit_reads_back_its_time_left_never_a_negative_one() {
+    let (jobs, _) = core();
+    let ttl = |jobs: &Jobs| jobs.query("ns", "q", |tx, q| query::rate_limit_ttl_or_missing(tx, q, None)).unwrap();
+    assert_eq!(ttl(&jobs), -2);
+    jobs.admin("ns", "q", |tx, q| admin::set_rate_limit(tx, q, 5_000)).wait().unwrap();
+    assert_eq!(ttl(&jobs), 5_000);
+    jobs.admin("ns", "q", |tx, q| admin::set_rate_limit(tx, q, u64::MAX)).wait().unwrap();
+    assert_eq!(ttl(&jobs), i64::MAX);
+}
+
 #[test]
 fn paused_queue_gives_nothing_and_keeps_jobs_waiting() {
     let (jobs, _) = core();

@@ -183,11 +183,14 @@ pub fn rate_limit_ttl(tx: &mut Tx, q: &QueueId, max: Option<u64>) -> Result<u64,
 /// window a manual rate limit opened; -2 when there is no window at all
 /// (Redis' PTTL of a missing key).
 pub fn rate_limit_ttl_or_missing(tx: &mut Tx, q: &QueueId, max: Option<u64>) -> Result<i64, JobsError> {
+    // A window set for longer than i64 can count (`rateLimit(u64::MAX)`)
+    // reads as the longest, not as a negative number.
+    let signed = |ms: u64| i64::try_from(ms).unwrap_or(i64::MAX);
     if max.is_none() && lease::limiter(tx, q, None)?.is_none() {
         let window = lease::limiter_window(tx, q)?;
-        return Ok(if window.window_end == 0 { -2 } else { window.window_end.saturating_sub(tx.now) as i64 });
+        return Ok(if window.window_end == 0 { -2 } else { signed(window.window_end.saturating_sub(tx.now)) });
     }
-    Ok(rate_limit_ttl(tx, q, max)? as i64)
+    Ok(signed(rate_limit_ttl(tx, q, max)?))
 }
 
 pub fn is_maxed(tx: &mut Tx, q: &QueueId) -> Result<bool, JobsError> {
