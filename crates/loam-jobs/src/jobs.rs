@@ -638,6 +638,7 @@ impl Jobs {
         duration_ms: u64,
     ) -> Pending<Vec<String>> {
         self.queue_write(ns, queue, false, move |tx, q| {
+            lease::check_extension(duration_ms)?;
             let mut failed = Vec::new();
             for (id, fence) in &items {
                 if lease::extend(tx, q, id, fence, duration_ms).is_err() {

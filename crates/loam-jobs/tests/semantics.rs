@@ -940,6 +940,24 @@ fn a_hard_timeout_caps_the_lease_and_fails_the_attempt() {
     assert_eq!((j.state, j.attempts_made, j.failed_reason.as_deref()), (JobState::Waiting, 1, Some("timeout")));
 }
 
+/// A lock extended by 0 ms would be released at once, and a `remove` could
+/// then take the job its worker is still processing: refused, lock kept.
+#[test]
+fn a_lock_is_not_extended_by_zero_ms() {
+    let (jobs, clock) = core();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    let by_zero = jobs.extend("ns", "q", "1", Fence::Epoch(l.epoch), 0).wait();
+    assert!(matches!(by_zero, Err(JobsError::InvalidArgument(_))), "{by_zero:?}");
+    let many = jobs.extend_many("ns", "q", vec![("1".into(), Fence::Epoch(l.epoch))], 0).wait();
+    assert!(matches!(many, Err(JobsError::InvalidArgument(_))), "{many:?}");
+    clock.advance(1);
+    let removed = jobs.admin("ns", "q", |tx, q| admin::remove_job(tx, q, "1", false)).wait().unwrap();
+    assert!(!removed, "the lock still holds");
+    ok(&jobs, "q", &l, "1");
+    assert_eq!(state(&jobs, "q", "1"), Some(JobState::Completed));
+}
+
 #[test]
 fn retried_finished_jobs_leave_their_finished_index() {
     let (jobs, _) = core();

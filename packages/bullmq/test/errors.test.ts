@@ -119,6 +119,24 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it('refuses to extend a lock by 0 ms or less, keeping it, as Redis refuses the expire time', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const job = await queue.add('a', {});
+    const backend = queue.getBackend() as LoamQueueBackend;
+    await backend.moveToActive('tok-5');
+    const active = (await queue.getJob(job.id!))!;
+    for (const duration of [0, -1_000]) {
+      await expect(active.extendLock('tok-5', duration)).rejects.toThrow('a lock is extended by at least 1 ms');
+      await expect(backend.extendLocks([job.id!], ['tok-5'], duration)).rejects.toThrow('at least 1 ms');
+    }
+    await new Promise(resolve => setTimeout(resolve, 5));
+    // Released, the lock would let remove take the job its worker still has.
+    await expect(active.remove()).rejects.toThrow('locked');
+    await active.moveToCompleted('x', 'tok-5', false);
+    expect(await active.getState()).toBe('completed');
+    await queue.close();
+  });
+
   it('a closed Queue refuses calls, as a closed Redis connection does', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     await queue.add('a', {});

@@ -260,7 +260,19 @@ pub fn requeue(
     Ok(job)
 }
 
+/// Refuses extending a lock by 0 ms (or by a negative or fractional duration
+/// a caller rounded to 0): that would release it at once, and another
+/// worker, or a `remove`, could take the job while it is being processed.
+/// Redis refuses it too ("invalid expire time").
+pub fn check_extension(duration_ms: u64) -> Result<(), JobsError> {
+    if duration_ms == 0 {
+        return Err(JobsError::invalid("a lock is extended by at least 1 ms"));
+    }
+    Ok(())
+}
+
 pub fn extend(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, duration_ms: u64) -> Result<u64, JobsError> {
+    check_extension(duration_ms)?;
     let mut job = tx.require_job(q, id)?;
     check_fence(&job, fence)?;
     if matches!(fence, Fence::Unchecked) && job.state != JobState::Active {
