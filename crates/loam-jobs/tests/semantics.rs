@@ -859,6 +859,22 @@ fn remove_refuses_a_leased_job_and_takes_children_along() {
     );
 }
 
+/// Redis keeps `wait` as a list, newest first: a clean with a limit takes the
+/// oldest jobs, and answers newest first, as the list holds them.
+#[test]
+fn clean_of_waiting_jobs_takes_the_oldest_and_answers_newest_first() {
+    let (jobs, clock) = core();
+    for i in 1..=5 {
+        jobs.enqueue("ns", "q", job(&format!("w{i}"))).wait().unwrap();
+    }
+    clock.advance(1000);
+    let now = clock.now_ms();
+    let two = jobs.admin("ns", "q", move |tx, q| admin::clean(tx, q, "wait", now, 2)).wait().unwrap();
+    assert_eq!(two, ["2", "1"]);
+    let rest = jobs.admin("ns", "q", move |tx, q| admin::clean(tx, q, "wait", now, 0)).wait().unwrap();
+    assert_eq!(rest, ["5", "4", "3"]);
+}
+
 #[test]
 fn clean_drain_and_obliterate() {
     let (jobs, clock) = core();

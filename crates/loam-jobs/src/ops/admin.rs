@@ -329,6 +329,10 @@ pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> 
             removed.push(id);
         }
     }
+    // Redis keeps these two as lists, newest first, and answers in list order.
+    if matches!(state, "wait" | "waiting" | "active") {
+        removed.reverse();
+    }
     tx.event(q, "cleaned", &[("count", &removed.len().to_string())])?;
     Ok(removed)
 }
