@@ -12,6 +12,15 @@ const connection = {};
 
 afterAll(() => loam.cleanup());
 
+/** A job of a new queue, taken by a worker holding `token`, as the Job a caller reads back. */
+async function activeJob(token: string) {
+  const queue = new Queue(loam.queueName(), { connection });
+  const added = await queue.add('a', {});
+  const backend = queue.getBackend() as LoamQueueBackend;
+  await backend.moveToActive(token);
+  return { queue, backend, active: (await queue.getJob(added.id!))! };
+}
+
 describe('errors', () => {
   it('reports BullMQ codes and finishedErrors texts', async () => {
     const queue = new Queue(loam.queueName(), { connection });
@@ -100,19 +109,15 @@ describe('errors', () => {
   });
 
   it("refuses a completion or lock extension without a token on another worker's job, as Redis does", async () => {
-    const queue = new Queue(loam.queueName(), { connection });
-    const job = await queue.add('a', {});
-    const backend = queue.getBackend() as LoamQueueBackend;
-    await backend.moveToActive('tok-4');
-    const active = (await queue.getJob(job.id!))!;
+    const { queue, backend, active } = await activeJob('tok-4');
     const noToken = undefined as unknown as string;
     // Before: in-process failed converting undefined to a string; remote
     // failed the job, overriding tok-4's lock.
-    const mismatch = { code: -6, message: `Lock mismatch for job ${job.id}. Cmd moveToFinished from active` };
+    const mismatch = { code: -6, message: `Lock mismatch for job ${active.id}. Cmd moveToFinished from active` };
     await expect(active.moveToFailed(new Error('e3'), noToken, false)).rejects.toMatchObject(mismatch);
     await expect(active.moveToCompleted('x', noToken, false)).rejects.toMatchObject(mismatch);
     await expect(active.moveToCompleted('x', '', false)).rejects.toMatchObject(mismatch);
-    expect(await backend.extendLock(job.id!, '', 1_000)).toBe(0);
+    expect(await backend.extendLock(active.id!, '', 1_000)).toBe(0);
     expect(await active.getState()).toBe('active');
     await active.moveToCompleted('x', 'tok-4', false);
     expect(await active.getState()).toBe('completed');
@@ -120,14 +125,10 @@ describe('errors', () => {
   });
 
   it('refuses to extend a lock by 0 ms or less, keeping it, as Redis refuses the expire time', async () => {
-    const queue = new Queue(loam.queueName(), { connection });
-    const job = await queue.add('a', {});
-    const backend = queue.getBackend() as LoamQueueBackend;
-    await backend.moveToActive('tok-5');
-    const active = (await queue.getJob(job.id!))!;
+    const { queue, backend, active } = await activeJob('tok-5');
     for (const duration of [0, -1_000]) {
       await expect(active.extendLock('tok-5', duration)).rejects.toThrow('a lock is extended by at least 1 ms');
-      await expect(backend.extendLocks([job.id!], ['tok-5'], duration)).rejects.toThrow('at least 1 ms');
+      await expect(backend.extendLocks([active.id!], ['tok-5'], duration)).rejects.toThrow('at least 1 ms');
     }
     await new Promise(resolve => setTimeout(resolve, 5));
     // Released, the lock would let remove take the job its worker still has.
