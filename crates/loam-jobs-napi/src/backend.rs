@@ -415,22 +415,14 @@ impl LoamQueue {
         settle(env, op, pending, |added| added.id)
     }
 
-    /// `addJobs`: one transaction; the first failing job fails the call.
+    /// `addJobs`: every job or none; the first job refused fails the call.
     #[napi]
     pub fn add_jobs<'env>(&self, env: &'env Env, host_now: f64, jobs: String) -> Result<PromiseRaw<'env, Vec<String>>> {
         self.store.observe(host_now);
         let jobs: Vec<NewJob> = parse("jobs", &jobs)?;
         let reqs = jobs.iter().map(NewJob::to_request).collect::<std::result::Result<Vec<_>, _>>().map_err(invalid)?;
-        let parents: Vec<Option<String>> = jobs.iter().map(|j| j.parent_key.clone()).collect();
-        let pending = self.jobs()?.enqueue_bulk(&self.ns, &self.queue, reqs);
-        settle_with(env, pending, move |results| {
-            let results = results.map_err(|e| Op::new("addJob").error(e))?;
-            results
-                .into_iter()
-                .zip(parents)
-                .map(|(r, parent)| r.map(|e| e.id).map_err(|e| Op::new("addJob").parent(parent).error(e)))
-                .collect()
-        })
+        let pending = self.jobs()?.enqueue_all(&self.ns, &self.queue, reqs);
+        settle(env, Op::new("addJob"), pending, |added| added.into_iter().map(|e| e.id).collect())
     }
 
     /// `addFlow`: the whole tree in one transaction. Returns BullMQ's

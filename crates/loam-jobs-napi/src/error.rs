@@ -112,14 +112,29 @@ impl Op {
         }
     }
 
-    /// The JavaScript error for a core error raised by this operation.
+    /// The JavaScript error for a core error raised by this operation. An
+    /// operation on many jobs (addJobs) knows the parent only from the error.
     pub fn error(&self, err: JobsError) -> napi::Error {
         let text = match BullmqCode::of(&err) {
-            Some(code) => format!("[bullmq:{}] {}", code as i32, self.message(code)),
+            Some(code) => {
+                let parent_key = self.parent_key.clone().or_else(|| parent_named(&err).map(str::to_string));
+                format!("[bullmq:{}] {}", code as i32, Op { parent_key, ..self.clone() }.message(code))
+            }
             None => loam_message(&err),
         };
         napi::Error::from_reason(text)
     }
+}
+
+/// The parent key a refusal about a parent names (none for a job without a
+/// parent, whose message says `undefined`, as BullMQ's does).
+fn parent_named(err: &JobsError) -> Option<&str> {
+    match err {
+        JobsError::NotFound(Missing::ParentJob(key)) => Some(key.as_str()),
+        JobsError::Precondition(Precondition::ParentCannotBeReplaced { job }) => Some(job.as_str()),
+        _ => None,
+    }
+    .filter(|key| !key.is_empty())
 }
 
 /// Errors BullMQ has no code for keep the core's own text, tagged with the

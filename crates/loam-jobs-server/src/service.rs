@@ -275,6 +275,16 @@ impl JobsSvc {
         c: Caller,
         req: pb::EnqueueBulkRequest,
     ) -> Result<pb::EnqueueBulkResponse, ConnectError> {
+        if req.all_or_nothing {
+            let jobs = req.jobs.into_iter().map(convert::job_spec).collect::<Result<Vec<_>, _>>().map_err(core_err)?;
+            let added = c.jobs.enqueue_all(&c.ns, &req.queue, jobs).await.map_err(core_err)?;
+            self.metrics.enqueued(&c.ns, &req.queue, added.iter().filter(|e| e.created).count() as u64);
+            let results = added.into_iter().map(Ok).collect::<Vec<_>>();
+            return Ok(pb::EnqueueBulkResponse {
+                results: results.iter().map(enqueue_result).collect(),
+                ..Default::default()
+            });
+        }
         // A job that does not convert is refused alone, as one the core refuses.
         let (mut jobs, mut refused) = (Vec::new(), Vec::new());
         for (at, job) in req.jobs.into_iter().enumerate() {

@@ -86,7 +86,7 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     let no_kind = pb::JobSpec { backoff: pb::Backoff { delay_ms: 10, ..Default::default() }.into(), ..job("c", b"{}") };
     let bulk = pb::EnqueueBulkRequest {
         queue: "q".into(),
-        jobs: vec![job("a", b"{}"), job("b", &[0; 4096]), no_kind, job("d", b"{}")],
+        jobs: vec![job("a", b"{}"), job("b", &[0; 4096]), no_kind.clone(), job("d", b"{}")],
         ..Default::default()
     };
     let results = c.enqueue_bulk(bulk).await.unwrap().into_owned().results;
@@ -101,6 +101,18 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     );
     let Some(oneof::enqueue_result::Result::Error(e)) = &results[2].result else { panic!("bulk error") };
     assert_eq!(e.code, "invalid_argument");
+    // All or nothing: the first job refused fails the call, and none is added.
+    for (refused, code) in [(job("b", &[0; 4096]), ResourceExhausted), (no_kind.clone(), InvalidArgument)] {
+        let all = pb::EnqueueBulkRequest {
+            queue: "aon".into(),
+            jobs: vec![job("a", b"{}"), refused, job("d", b"{}")],
+            all_or_nothing: true,
+            ..Default::default()
+        };
+        assert_eq!(c.enqueue_bulk(all).await.unwrap_err().code, code);
+    }
+    let none = c.lease(lease_req("aon", 1, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
+    assert!(none.leases.is_empty(), "nothing of a refused all-or-nothing bulk was added");
     assert_code(
         c.enqueue_bulk(pb::EnqueueBulkRequest { queue: "\u{0}".repeat(0), ..Default::default() }).await,
         InvalidArgument,

@@ -388,6 +388,15 @@ impl Jobs {
         })
     }
 
+    /// Adds every job or none: the first refusal fails the write, which then
+    /// keeps nothing (BullMQ's addBulk answers one error for the call).
+    pub fn enqueue_all(&self, ns: &str, queue: &str, reqs: Vec<EnqueueRequest>) -> Pending<Vec<Enqueued>> {
+        let brief = reqs.len() <= BRIEF_JOBS;
+        self.queue_submit(ns, queue, true, brief, move |tx, q| {
+            reqs.iter().map(|r| enqueue::enqueue(tx, q, r.clone(), enqueue::Placement::Normal)).collect()
+        })
+    }
+
     /// Inserts a flow tree atomically: all of it, or none of it.
     pub fn flow(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> Pending<Vec<Enqueued>> {
         let brief = nodes.len() <= BRIEF_JOBS;

@@ -624,6 +624,11 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
         .unwrap();
     assert!(bulk[0].is_ok() && bulk[1].is_err() && bulk[2].is_ok());
     assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![2]);
+    // All or nothing: one job refused (its parent is missing) keeps the others out.
+    let orphan = EnqueueRequest { parent: Some(parent("q", "nope")), ..job("orphan") };
+    let all = jobs.enqueue_all("ns", "q", vec![job("g1"), orphan, job("g2")]).wait();
+    assert!(matches!(all, Err(JobsError::NotFound(Missing::ParentJob(_)))), "{all:?}");
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![2]);
     for id in ["01", "-0", "1a", "+1", " 1"] {
         jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some(id.into()), ..job("a") }).wait().unwrap();
     }

@@ -520,12 +520,12 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     return r.enqueued?.id ?? '';
   }
 
-  /** One transaction; the first failing job fails the call, as in-process. */
+  /** Every job or none; the first job refused fails the call, as in-process. */
   async addJobs(entries: { job: JobJson; jobId: string; parentKeyOpts?: ParentKeyOpts }[]): Promise<string[]> {
     const jobs = entries.map(e => newJobJson(e.job, e.jobId, e.parentKeyOpts));
     const r = await this.send(
       { command: 'addJob' },
-      (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: jobs.map(jobSpec) }, o),
+      (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: jobs.map(jobSpec), allOrNothing: true }, o),
       { ordered: true },
     );
     return r.results.map((result, i) => {

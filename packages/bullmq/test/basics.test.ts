@@ -47,6 +47,17 @@ describe('Queue and Worker on Loam', () => {
     await queue.close();
   });
 
+  it('adds every job of an addBulk or none: one refused job fails the call and adds nothing', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const orphan = { name: 'orphan', data: {}, opts: { parent: { id: 'nope', queue: `bull:${name}` } } };
+    await expect(
+      queue.addBulk([{ name: 'g1', data: {} }, orphan, { name: 'g2', data: {} }]),
+    ).rejects.toMatchObject({ code: -5, message: `Missing key for parent job bull:${name}:nope. addJob` });
+    expect(await queue.count()).toBe(0);
+    await queue.close();
+  });
+
   it("keeps a job's repeatJobKey (the scheduler it belongs to)", async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const job = await queue.add('tick', {}, { repeatJobKey: 'every-minute' } as never);
