@@ -95,6 +95,15 @@ def test_enqueue_bulk_takes_mappings_of_enqueues_parameters(client: Client, queu
     assert client.get_job(queue, "m2").name == "c"
 
 
+def test_enqueue_bulk_all_or_nothing_raises_the_refusal_and_adds_nothing(client: Client, queue: str) -> None:
+    jobs = [{"name": "a"}, {"name": "b", "data": b"x" * (MAX_PAYLOAD_BYTES + 1)}, {"name": "c"}]
+    assert isinstance(client.enqueue_bulk(queue, jobs)[1], PayloadTooLargeError)
+    assert client.counts(queue, "wait") == {"wait": 2}, "per job, the others go in"
+    with pytest.raises(PayloadTooLargeError):
+        client.enqueue_bulk(queue, jobs, all_or_nothing=True)
+    assert client.counts(queue, "wait") == {"wait": 2}, "all or nothing: none of the three"
+
+
 def test_a_bad_bulk_mapping_is_refused_like_enqueues_keywords_and_nothing_is_sent(
     client: Client, queue: str
 ) -> None:

@@ -260,8 +260,12 @@ def _sendable(fields: Mapping[str, Any]) -> bool:
     return True
 
 
-def enqueue_bulk(queue: str, specs: Iterable[JobSpec]) -> Op[list[Enqueued | LoamJobsError]]:
-    request = EnqueueBulkRequest(queue=queue, jobs=[idempotent(spec) for spec in specs])
+def enqueue_bulk(
+    queue: str, specs: Iterable[JobSpec], all_or_nothing: bool = False
+) -> Op[list[Enqueued | LoamJobsError]]:
+    request = EnqueueBulkRequest(
+        queue=queue, jobs=[idempotent(spec) for spec in specs], all_or_nothing=all_or_nothing
+    )
     resp = yield from _retried(Call("enqueue_bulk", request))
     results: list[Enqueued | LoamJobsError] = []
     for item in resp.results:
@@ -591,7 +595,11 @@ class Operations(ABC):
         return self._run(enqueue(queue, spec))
 
     def enqueue_bulk(
-        self, queue: str, specs: Iterable[JobSpec | Mapping[str, Any]]
+        self,
+        queue: str,
+        specs: Iterable[JobSpec | Mapping[str, Any]],
+        *,
+        all_or_nothing: bool = False,
     ) -> list[Enqueued | LoamJobsError]:
         """Adds many jobs in one transaction. A job is a `JobSpec` (from
         `loam_jobs.job()`) or a mapping of `enqueue`'s parameters (`name`,
@@ -599,8 +607,11 @@ class Operations(ABC):
         with a key `enqueue` does not take raises TypeError, one with a value
         the wire cannot carry InvalidArgumentError, each naming the job's
         index and the key, and no job is sent. Each entry of the result is the
-        job's `Enqueued`, or the error (not raised) that refused that job."""
-        return self._run(enqueue_bulk(queue, [_bulk_job_spec(i, item) for i, item in enumerate(specs)]))
+        job's `Enqueued`, or the error (not raised) that refused that job;
+        with `all_or_nothing`, the first job refused is raised instead and no
+        job is added (BullMQ's addBulk on Loam)."""
+        jobs = [_bulk_job_spec(i, item) for i, item in enumerate(specs)]
+        return self._run(enqueue_bulk(queue, jobs, all_or_nothing))
 
     def flow(self, nodes: Sequence[FlowNode]) -> list[Enqueued]:
         """Adds a tree of jobs across queues, all or nothing (parents first)."""
