@@ -275,28 +275,24 @@ impl JobsSvc {
         c: Caller,
         req: pb::EnqueueBulkRequest,
     ) -> Result<pb::EnqueueBulkResponse, ConnectError> {
-        if req.all_or_nothing {
+        let done = if req.all_or_nothing {
             let jobs = req.jobs.into_iter().map(convert::job_spec).collect::<Result<Vec<_>, _>>().map_err(core_err)?;
-            let added = c.jobs.enqueue_all(&c.ns, &req.queue, jobs).await.map_err(core_err)?;
-            self.metrics.enqueued(&c.ns, &req.queue, added.iter().filter(|e| e.created).count() as u64);
-            let results = added.into_iter().map(Ok).collect::<Vec<_>>();
-            return Ok(pb::EnqueueBulkResponse {
-                results: results.iter().map(enqueue_result).collect(),
-                ..Default::default()
-            });
-        }
-        // A job that does not convert is refused alone, as one the core refuses.
-        let (mut jobs, mut refused) = (Vec::new(), Vec::new());
-        for (at, job) in req.jobs.into_iter().enumerate() {
-            match convert::job_spec(job) {
-                Ok(job) => jobs.push(job),
-                Err(e) => refused.push((at, e)),
+            c.jobs.enqueue_all(&c.ns, &req.queue, jobs).await.map_err(core_err)?.into_iter().map(Ok).collect()
+        } else {
+            // A job that does not convert is refused alone, as one the core refuses.
+            let (mut jobs, mut refused) = (Vec::new(), Vec::new());
+            for (at, job) in req.jobs.into_iter().enumerate() {
+                match convert::job_spec(job) {
+                    Ok(job) => jobs.push(job),
+                    Err(e) => refused.push((at, e)),
+                }
             }
-        }
-        let mut done = c.jobs.enqueue_bulk(&c.ns, &req.queue, jobs).await.map_err(core_err)?;
-        for (at, e) in refused {
-            done.insert(at, Err(e));
-        }
+            let mut done = c.jobs.enqueue_bulk(&c.ns, &req.queue, jobs).await.map_err(core_err)?;
+            for (at, e) in refused {
+                done.insert(at, Err(e));
+            }
+            done
+        };
         let created = done.iter().filter(|r| r.as_ref().is_ok_and(|e| e.created)).count() as u64;
         self.metrics.enqueued(&c.ns, &req.queue, created);
         Ok(pb::EnqueueBulkResponse { results: done.iter().map(enqueue_result).collect(), ..Default::default() })
