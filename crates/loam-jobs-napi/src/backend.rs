@@ -1328,10 +1328,7 @@ impl LoamQueue {
         self.store.observe(host_now);
         let jobs = self.jobs()?;
         // Resolved now (a read never waits): the write's thread reads after it.
-        let after = match id.as_str() {
-            "$" => self.read(Op::new("readEvents"), query::last_event_seq)?,
-            id => Event::parse_id(id).unwrap_or(0),
-        };
+        let after = self.read(Op::new("readEvents"), |tx, q| query::event_cursor(tx, q, &id))?;
         let wait = Duration::from_millis(ms(block_ms));
         let (resolver, promise) = crate::promise::promise(env, crate::promise::Kind::Wait)?;
         // Settled by whichever comes first with events: the write's thread,

@@ -777,8 +777,12 @@ impl JobsSvc {
                 Query::LastEvent(_) => R::Number(jobs.query(ns, queue, query::last_event_seq)?),
                 Query::Events(e) => {
                     let limit = if e.limit == 0 { EVENT_BATCH } else { (e.limit as usize).min(MAX_EVENTS_PER_READ) };
+                    let after = match &e.after_id {
+                        Some(id) => Some(jobs.query(ns, queue, |tx, q| query::event_cursor(tx, q, id))?),
+                        None => e.after,
+                    };
                     let events = jobs
-                        .read_events(ns, queue, e.after, limit, wait_of(e.wait_ms), Some(&self.shutdown), None)
+                        .read_events(ns, queue, after, limit, wait_of(e.wait_ms), Some(&self.shutdown), None)
                         .await?;
                     R::from(pb::EventList { events: events.iter().map(convert::event).collect(), ..Default::default() })
                 }

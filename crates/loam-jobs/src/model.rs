@@ -430,10 +430,12 @@ impl Event {
         format!("{}-{}", self.ts, self.seq)
     }
 
-    /// The sequence number in an id made by [`Event::id`].
-    pub fn parse_id(id: &str) -> Option<u64> {
-        let seq = id.rsplit_once('-').map_or(id, |(_, s)| s);
-        seq.parse().ok()
+    /// A Redis stream id, `<ms>-<seq>` or `<ms>` (sequence 0), as XREAD
+    /// reads one; None for anything else.
+    pub fn parse_id(id: &str) -> Option<(u64, u64)> {
+        let (ms, seq) = id.split_once('-').unwrap_or((id, "0"));
+        let number = |s: &str| if s.bytes().all(|b| b.is_ascii_digit()) { s.parse().ok() } else { None };
+        Some((number(ms)?, number(seq)?))
     }
 }
 

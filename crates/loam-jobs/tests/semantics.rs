@@ -447,6 +447,40 @@ fn events_have_bullmq_names_fields_and_a_resumable_cursor() {
 }
 
 #[test]
+fn a_lastevent_id_is_read_as_xread_reads_a_stream_id() {
+    let (jobs, clock) = core();
+    for name in ["a", "b", "c"] {
+        jobs.enqueue("ns", "q", job(name)).wait().unwrap();
+        clock.advance(10);
+    }
+    // added and waiting for each: sequences 1 to 6, two to a millisecond.
+    let all = jobs.read_events_blocking("ns", "q", Some(0), 100, Duration::ZERO).unwrap();
+    assert_eq!(
+        all.iter().map(|e| (e.seq, e.ts)).collect::<Vec<_>>()[..3],
+        [(1, 1_000_000), (2, 1_000_000), (3, 1_000_010)]
+    );
+    let cursor = |id: &str| jobs.query("ns", "q", |tx, q| query::event_cursor(tx, q, id));
+    // From now on; a QueueEvents' own start (`0-<seq>`) and `0-0` by sequence.
+    assert_eq!(cursor("$").unwrap(), 6);
+    assert_eq!(cursor("0-0").unwrap(), 0);
+    assert_eq!(cursor("0-4").unwrap(), 4);
+    // An id this queue issued resumes right after its event.
+    assert_eq!(cursor(&all[2].id()).unwrap(), 3);
+    // Foreign ids by time, as (ms, seq) compare: before every event, between
+    // two milliseconds, within one, and later than every event.
+    assert_eq!(cursor("1").unwrap(), 0);
+    assert_eq!(cursor("1000005-0").unwrap(), 2);
+    assert_eq!(cursor("1000010").unwrap(), 2);
+    assert_eq!(cursor("1000010-99").unwrap(), 4);
+    assert_eq!(cursor("9999999999999-0").unwrap(), 6);
+    // A foreign id that names a sequence of ours at another time is placed by its time.
+    assert_eq!(cursor("1000020-2").unwrap(), 4);
+    for bad in ["garbage", "", "-1", "1-", "1-x", "1-2-3", "+5"] {
+        assert!(matches!(cursor(bad), Err(JobsError::InvalidArgument(_))), "{bad:?} was read");
+    }
+}
+
+#[test]
 fn event_log_is_trimmed_to_its_length() {
     let (jobs, _) = core();
     jobs.set_meta("ns", "q", BTreeMap::from([("opts.maxLenEvents".to_string(), "5".to_string())])).wait().unwrap();

@@ -77,7 +77,6 @@ import {
 import {
   bytes,
   childrenByCategory,
-  eventSeq,
   jobError,
   jobJson,
   jobSpec,
@@ -1222,10 +1221,9 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     let events;
     try {
       const from = id === '$' && this.eventsStart ? await this.eventsFrom(this.eventsStart) : id;
-      const after = from === '$' ? undefined : eventSeq(from);
       const r = await this.query(
         { command: 'readEvents' },
-        { case: 'events', value: { after, limit: EVENTS_PER_READ, waitMs } },
+        { case: 'events', value: { afterId: from, limit: EVENTS_PER_READ, waitMs } },
         this.events.signal,
         waitMs,
       );

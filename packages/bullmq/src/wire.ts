@@ -390,10 +390,3 @@ export function streamEntry(e: Event): [string, string[]] {
   for (const f of e.fields) fields.push(f.key, f.value);
   return [`${e.ts}-${e.seq}`, fields];
 }
-
-/** The sequence in an event id `<ms>-<seq>` (or a bare number). */
-export function eventSeq(id: string): bigint {
-  const at = id.lastIndexOf('-');
-  const seq = at === -1 ? id : id.slice(at + 1);
-  return /^\d+$/.test(seq) ? BigInt(seq) : 0n;
-}

@@ -34,6 +34,43 @@ describe('queue and job admin', () => {
     await queue.close();
   });
 
+  it("resumes a QueueEvents from a lastEventId as Redis's XREAD reads one", async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    await queue.add('a', {});
+    await queue.add('b', {});
+    /** The `waiting` events a QueueEvents from `lastEventId` hears (job ids), and their event ids. */
+    const listen = async (lastEventId: string) => {
+      const events = new QueueEvents(name, { connection, lastEventId });
+      const heard: { jobId: string; id: string }[] = [];
+      const errors: Error[] = [];
+      events.on('waiting', ({ jobId }, id) => heard.push({ jobId, id }));
+      events.on('error', err => errors.push(err));
+      await events.waitUntilReady();
+      return { events, heard, errors };
+    };
+    const all = await listen('0-0');
+    await until(() => all.heard.length === 2);
+    expect(all.heard.map(e => e.jobId)).toEqual(['1', '2']);
+    // An id this queue issued resumes right after its event.
+    const afterA = await listen(all.heard[0].id);
+    // A foreign id is placed by its time: one later than every event replays nothing.
+    const future = await listen('9999999999999-0');
+    // An id from before the first event (Redis's `<ms>` form) replays everything.
+    const past = await listen('1');
+    const garbage = await listen('garbage');
+    await queue.add('c', {});
+    await until(() => afterA.heard.length === 2 && future.heard.length === 1 && past.heard.length === 3);
+    await until(() => garbage.errors.length > 0);
+    expect(afterA.heard.map(e => e.jobId)).toEqual(['2', '3']);
+    expect(past.heard.map(e => e.jobId)).toEqual(['1', '2', '3']);
+    expect(future.heard.map(e => e.jobId)).toEqual(['3']);
+    expect(garbage.heard).toEqual([]);
+    expect(garbage.errors[0].message).toMatch(/invalid stream id "garbage"/);
+    for (const l of [all, afterA, future, past, garbage]) await l.events.close();
+    await queue.close();
+  });
+
   it('progress, logs, data and removal', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });

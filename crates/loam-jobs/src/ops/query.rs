@@ -152,6 +152,44 @@ pub fn last_event_seq(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError> {
     Ok(tx.stats(q)?.last_event)
 }
 
+/// The sequence to read events after for a QueueEvents' `lastEventId`:
+/// `$` is the newest event; otherwise the events after `id` are those whose
+/// `(ms, seq)` is greater, as Redis's XREAD compares stream ids. An id this
+/// queue issued (`Event::id`) resumes right after its event; `0-<seq>` (the
+/// start a QueueEvents is given, `0-0` included) reads by sequence alone. A
+/// foreign id, from Redis or another queue, is placed by its time, so one
+/// later than every event reads nothing old, as on Redis; it then reads the
+/// events written from now on, where Redis would skip those older than the
+/// id (a listener given a wrong clock's id would hear nothing until then).
+/// Anything else is refused, as Redis refuses an invalid stream id.
+pub fn event_cursor(tx: &mut Tx, q: &QueueId, id: &str) -> Result<u64, JobsError> {
+    if id == "$" {
+        return last_event_seq(tx, q);
+    }
+    let (ms, seq) =
+        Event::parse_id(id).ok_or_else(|| JobsError::invalid(format!("invalid stream id {id:?}: not <ms>-<seq>")))?;
+    if ms == 0 {
+        return Ok(seq);
+    }
+    if seq > 0 && events_after(tx, q, seq - 1, 1)?.first().is_some_and(|e| e.seq == seq && e.ts == ms) {
+        return Ok(seq);
+    }
+    // The events kept are few (trimmed to the queue's maxLen), and only a
+    // foreign id's first read comes here: later reads resume from ids issued here.
+    let mut after = 0;
+    loop {
+        let page = events_after(tx, q, after, EVENT_CURSOR_PAGE)?;
+        let Some(last) = page.last() else { return Ok(after.max(last_event_seq(tx, q)?)) };
+        if let Some(newer) = page.iter().find(|e| (e.ts, e.seq) > (ms, seq)) {
+            return Ok(newer.seq - 1);
+        }
+        after = last.seq;
+    }
+}
+
+/// Events read at a time while placing a foreign id (`event_cursor`).
+const EVENT_CURSOR_PAGE: usize = 512;
+
 pub fn metrics(tx: &mut Tx, q: &QueueId, kind: &str) -> Result<Option<MetricsRecord>, JobsError> {
     tx.get_record(&QueueKeys::new(q).metrics(kind))
 }
