@@ -1328,7 +1328,8 @@ impl LoamQueue {
         self.store.observe(host_now);
         let jobs = self.jobs()?;
         // Resolved now (a read never waits): the write's thread reads after it.
-        let after = self.read(Op::new("readEvents"), |tx, q| query::event_cursor(tx, q, &id))?;
+        let cursor = self.read(Op::new("readEvents"), |tx, q| query::event_cursor(tx, q, &id))?;
+        let after = cursor.after;
         let wait = Duration::from_millis(ms(block_ms));
         let (resolver, promise) = crate::promise::promise(env, crate::promise::Kind::Wait)?;
         // Settled by whichever comes first with events: the write's thread,
@@ -1340,7 +1341,7 @@ impl LoamQueue {
         let tell: Tell = Arc::new(move || {
             let (jobs, ns, queue) = &reader;
             let read = jobs.query(ns, queue, |tx, q| query::events_after(tx, q, after, EVENTS_PER_READ));
-            if let Ok(events) = read
+            if let Ok(events) = read.map(|events| cursor.keep(events))
                 && !events.is_empty()
             {
                 told.settle(Ok(stream_entries(events)));
@@ -1350,7 +1351,9 @@ impl LoamQueue {
         napi::bindgen_prelude::spawn(async move {
             let events =
                 jobs.read_events(&ns, &queue, Some(after), EVENTS_PER_READ, wait, Some(&interrupt), Some(&tell)).await;
-            answer.settle(events.map(stream_entries).map_err(|e| Op::new("readEvents").error(e)));
+            // Events a foreign id does not read answer null, as a wait with none
+            // would: BullMQ asks again with the same id.
+            answer.settle(events.map(|e| stream_entries(cursor.keep(e))).map_err(|e| Op::new("readEvents").error(e)));
         });
         Ok(promise)
     }

@@ -777,13 +777,18 @@ impl JobsSvc {
                 Query::LastEvent(_) => R::Number(jobs.query(ns, queue, query::last_event_seq)?),
                 Query::Events(e) => {
                     let limit = if e.limit == 0 { EVENT_BATCH } else { (e.limit as usize).min(MAX_EVENTS_PER_READ) };
-                    let after = match &e.after_id {
+                    let cursor = match &e.after_id {
                         Some(id) => Some(jobs.query(ns, queue, |tx, q| query::event_cursor(tx, q, id))?),
-                        None => e.after,
+                        None => None,
                     };
-                    let events = jobs
+                    let after = cursor.map_or(e.after, |c| Some(c.after));
+                    let mut events = jobs
                         .read_events(ns, queue, after, limit, wait_of(e.wait_ms), Some(&self.shutdown), None)
                         .await?;
+                    // Events a foreign id does not read: none, as a wait with none answers.
+                    if let Some(cursor) = cursor {
+                        events = cursor.keep(events);
+                    }
                     R::from(pb::EventList { events: events.iter().map(convert::event).collect(), ..Default::default() })
                 }
                 Query::WaitForJob(w) => R::Flag(

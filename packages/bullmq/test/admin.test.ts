@@ -60,11 +60,13 @@ describe('queue and job admin', () => {
     const past = await listen('1');
     const garbage = await listen('garbage');
     await queue.add('c', {});
-    await until(() => afterA.heard.length === 2 && future.heard.length === 1 && past.heard.length === 3);
+    await until(() => afterA.heard.length === 2 && past.heard.length === 3);
     await until(() => garbage.errors.length > 0);
     expect(afterA.heard.map(e => e.jobId)).toEqual(['2', '3']);
     expect(past.heard.map(e => e.jobId)).toEqual(['1', '2', '3']);
-    expect(future.heard.map(e => e.jobId)).toEqual(['3']);
+    // Nor the events written since: their ids are older than it, as on Redis.
+    await new Promise(r => setTimeout(r, 200));
+    expect(future.heard).toEqual([]);
     expect(garbage.heard).toEqual([]);
     expect(garbage.errors[0].message).toMatch(/invalid stream id "garbage"/);
     for (const l of [all, afterA, future, past, garbage]) await l.events.close();

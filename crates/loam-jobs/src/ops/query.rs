@@ -152,36 +152,63 @@ pub fn last_event_seq(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError> {
     Ok(tx.stats(q)?.last_event)
 }
 
-/// The sequence to read events after for a QueueEvents' `lastEventId`:
-/// `$` is the newest event; otherwise the events after `id` are those whose
-/// `(ms, seq)` is greater, as Redis's XREAD compares stream ids. An id this
-/// queue issued (`Event::id`) resumes right after its event; `0-<seq>` (the
-/// start a QueueEvents is given, `0-0` included) reads by sequence alone. A
-/// foreign id, from Redis or another queue, is placed by its time, so one
-/// later than every event reads nothing old, as on Redis; it then reads the
-/// events written from now on, where Redis would skip those older than the
-/// id (a listener given a wrong clock's id would hear nothing until then).
-/// Anything else is refused, as Redis refuses an invalid stream id.
-pub fn event_cursor(tx: &mut Tx, q: &QueueId, id: &str) -> Result<u64, JobsError> {
+/// Where a QueueEvents' `lastEventId` reads from (`event_cursor`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EventCursor {
+    /// The sequence to read events after.
+    pub after: u64,
+    /// For a foreign id, its `(ms, seq)`: only events whose own is greater
+    /// are its, as Redis's XREAD compares stream ids.
+    pub newer_than: Option<(u64, u64)>,
+}
+
+impl EventCursor {
+    /// Whether `event` is one the id reads.
+    pub fn admits(&self, event: &Event) -> bool {
+        self.newer_than.is_none_or(|id| (event.ts, event.seq) > id)
+    }
+
+    /// The events of `read` the id reads.
+    pub fn keep(&self, mut read: Vec<Event>) -> Vec<Event> {
+        read.retain(|e| self.admits(e));
+        read
+    }
+}
+
+/// Where a QueueEvents' `lastEventId` reads from: `$` is the newest event;
+/// otherwise the events after `id` are those whose `(ms, seq)` is greater, as
+/// Redis's XREAD compares stream ids. An id this queue issued (`Event::id`)
+/// resumes right after its event; `0-<seq>` (the start a QueueEvents is
+/// given, `0-0` included) reads by sequence alone. A foreign id, from Redis or
+/// another queue, is placed by its time among the events kept, and the
+/// events written later are its only once their id is greater (one from a
+/// clock ahead of ours hears nothing until then, as on Redis). Anything else
+/// is refused, as Redis refuses an invalid stream id.
+pub fn event_cursor(tx: &mut Tx, q: &QueueId, id: &str) -> Result<EventCursor, JobsError> {
+    let by_sequence = |after| Ok(EventCursor { after, newer_than: None });
     if id == "$" {
-        return last_event_seq(tx, q);
+        return by_sequence(last_event_seq(tx, q)?);
     }
     let (ms, seq) =
         Event::parse_id(id).ok_or_else(|| JobsError::invalid(format!("invalid stream id {id:?}: not <ms>-<seq>")))?;
     if ms == 0 {
-        return Ok(seq);
+        return by_sequence(seq);
     }
     if seq > 0 && events_after(tx, q, seq - 1, 1)?.first().is_some_and(|e| e.seq == seq && e.ts == ms) {
-        return Ok(seq);
+        return by_sequence(seq);
     }
     // The events kept are few (trimmed to the queue's maxLen), and only a
-    // foreign id's first read comes here: later reads resume from ids issued here.
+    // foreign id's reads come here: once it hears an event, it resumes from
+    // that event's id.
+    let newer_than = Some((ms, seq));
     let mut after = 0;
     loop {
         let page = events_after(tx, q, after, EVENT_CURSOR_PAGE)?;
-        let Some(last) = page.last() else { return Ok(after.max(last_event_seq(tx, q)?)) };
+        let Some(last) = page.last() else {
+            return Ok(EventCursor { after: after.max(last_event_seq(tx, q)?), newer_than });
+        };
         if let Some(newer) = page.iter().find(|e| (e.ts, e.seq) > (ms, seq)) {
-            return Ok(newer.seq - 1);
+            return Ok(EventCursor { after: newer.seq - 1, newer_than });
         }
         after = last.seq;
     }
