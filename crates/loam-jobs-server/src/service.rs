@@ -777,10 +777,11 @@ impl JobsSvc {
                 Query::LastEvent(_) => R::Number(jobs.query(ns, queue, query::last_event_seq)?),
                 Query::Events(e) => {
                     let limit = if e.limit == 0 { EVENT_BATCH } else { (e.limit as usize).min(MAX_EVENTS_PER_READ) };
-                    let cursor = match &e.after_id {
-                        Some(id) => Some(jobs.query(ns, queue, |tx, q| query::event_cursor(tx, q, id))?),
-                        None => None,
-                    };
+                    let cursor = e
+                        .after_id
+                        .as_deref()
+                        .map(|id| jobs.query(ns, queue, |tx, q| query::event_cursor(tx, q, id)))
+                        .transpose()?;
                     let after = cursor.map_or(e.after, |c| Some(c.after));
                     let mut events = jobs
                         .read_events(ns, queue, after, limit, wait_of(e.wait_ms), Some(&self.shutdown), None)

@@ -459,7 +459,8 @@ fn a_lastevent_id_is_read_as_xread_reads_a_stream_id() {
         all.iter().map(|e| (e.seq, e.ts)).collect::<Vec<_>>()[..3],
         [(1, 1_000_000), (2, 1_000_000), (3, 1_000_010)]
     );
-    let cursor = |id: &str| jobs.query("ns", "q", |tx, q| query::event_cursor(tx, q, id)).map(|c| c.after);
+    let resolve = |id: &str| jobs.query("ns", "q", |tx, q| query::event_cursor(tx, q, id));
+    let cursor = |id: &str| resolve(id).map(|c| c.after);
     // From now on; a QueueEvents' own start (`0-<seq>`) and `0-0` by sequence.
     assert_eq!(cursor("$").unwrap(), 6);
     assert_eq!(cursor("0-0").unwrap(), 0);
@@ -480,8 +481,8 @@ fn a_lastevent_id_is_read_as_xread_reads_a_stream_id() {
     }
     // A foreign id ahead of every event reads the events written later only
     // once their id is greater; ids of ours and `0-<seq>` read every later event.
-    let ahead = jobs.query("ns", "q", |tx, q| query::event_cursor(tx, q, "1000040-0")).unwrap();
-    let own = jobs.query("ns", "q", |tx, q| query::event_cursor(tx, q, &all[5].id())).unwrap();
+    let ahead = resolve("1000040-0").unwrap();
+    let own = resolve(&all[5].id()).unwrap();
     jobs.enqueue("ns", "q", job("d")).wait().unwrap();
     clock.set(1_000_041);
     jobs.enqueue("ns", "q", job("e")).wait().unwrap();

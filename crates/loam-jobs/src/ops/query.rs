@@ -200,17 +200,18 @@ pub fn event_cursor(tx: &mut Tx, q: &QueueId, id: &str) -> Result<EventCursor, J
     // The events kept are few (trimmed to the queue's maxLen), and only a
     // foreign id's reads come here: once it hears an event, it resumes from
     // that event's id.
-    let newer_than = Some((ms, seq));
-    let mut after = 0;
+    let mut cursor = EventCursor { after: 0, newer_than: Some((ms, seq)) };
     loop {
-        let page = events_after(tx, q, after, EVENT_CURSOR_PAGE)?;
+        let page = events_after(tx, q, cursor.after, EVENT_CURSOR_PAGE)?;
         let Some(last) = page.last() else {
-            return Ok(EventCursor { after: after.max(last_event_seq(tx, q)?), newer_than });
+            cursor.after = cursor.after.max(last_event_seq(tx, q)?);
+            return Ok(cursor);
         };
-        if let Some(newer) = page.iter().find(|e| (e.ts, e.seq) > (ms, seq)) {
-            return Ok(EventCursor { after: newer.seq - 1, newer_than });
+        if let Some(newer) = page.iter().find(|e| cursor.admits(e)) {
+            cursor.after = newer.seq - 1;
+            return Ok(cursor);
         }
-        after = last.seq;
+        cursor.after = last.seq;
     }
 }
 
