@@ -779,10 +779,7 @@ impl Jobs {
         tell: Option<&Tell>,
     ) -> Result<Vec<Event>, JobsError> {
         let q = Self::queue(ns, queue)?;
-        let after = match after {
-            Some(a) => a,
-            None => self.read(ns, |tx| query::last_event_seq(tx, &q))?,
-        };
+        let after = self.events_start(ns, &q, after)?;
         let deadline = deadline_after(wait);
         let (cut_short, tell) = self.unless_cut_short(interrupt, tell);
         loop {
@@ -799,6 +796,15 @@ impl Jobs {
         }
     }
 
+    /// Where a read of events starts: after `after`, or after the newest
+    /// event when it is None (from now on).
+    fn events_start(&self, ns: &str, q: &QueueId, after: Option<u64>) -> Result<u64, JobsError> {
+        match after {
+            Some(a) => Ok(a),
+            None => self.read(ns, |tx| query::last_event_seq(tx, q)),
+        }
+    }
+
     /// The blocking form of [`Jobs::read_events`].
     pub fn read_events_blocking(
         &self,
@@ -809,10 +815,7 @@ impl Jobs {
         wait: Duration,
     ) -> Result<Vec<Event>, JobsError> {
         let q = Self::queue(ns, queue)?;
-        let after = match after {
-            Some(a) => a,
-            None => self.read(ns, |tx| query::last_event_seq(tx, &q))?,
-        };
+        let after = self.events_start(ns, &q, after)?;
         let deadline = deadline_after(wait);
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Events);

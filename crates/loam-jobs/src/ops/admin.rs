@@ -4,10 +4,8 @@ use std::collections::BTreeMap;
 
 use crate::error::{JobsError, Precondition};
 use crate::keys::{self, QueueId, QueueKeys};
-use crate::model::{
-    self, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Fence, JobRecord, JobState, LimiterWindow,
-};
-use crate::ops::enqueue::{self, Placement};
+use crate::model::{self, DedupRecord, Dependency, DependencyStatus, Fence, JobRecord, JobState, LimiterWindow};
+use crate::ops::enqueue;
 use crate::ops::lease::{self, Line};
 use crate::tx::Tx;
 
@@ -701,17 +699,7 @@ pub fn redrive_dead_letters(tx: &mut Tx, dlq: &QueueId, limit: u64) -> Result<u6
         let Some(origin) = job.headers.get("x-dead-letter-queue").cloned() else { continue };
         let mut headers = job.headers.clone();
         headers.retain(|k, _| !k.starts_with("x-dead-letter-"));
-        let req = EnqueueRequest {
-            name: job.name.clone(),
-            data: job.data.clone(),
-            opts: job.opts.clone(),
-            headers,
-            attempts: job.attempts,
-            backoff: job.backoff.clone(),
-            priority: job.priority,
-            ..Default::default()
-        };
-        enqueue::enqueue(tx, &QueueId::new(dlq.ns.clone(), origin), req, Placement::Normal)?;
+        enqueue::enqueue_copy(tx, &QueueId::new(dlq.ns.clone(), origin), &job, headers)?;
         drop_job(tx, dlq, &job)?;
         moved += 1;
     }

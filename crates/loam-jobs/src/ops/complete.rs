@@ -4,10 +4,10 @@
 use crate::error::{JobsError, Precondition};
 use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
-    AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Fence, JobError,
-    JobRecord, JobState, Keep, LimiterWindow, MetricsRecord, OnChildFailure, Outcome, Retention,
+    AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, Fence, JobError, JobRecord,
+    JobState, Keep, LimiterWindow, MetricsRecord, OnChildFailure, Outcome, Retention,
 };
-use crate::ops::enqueue::{self, Placement};
+use crate::ops::enqueue;
 use crate::ops::lease::{self, Line};
 use crate::tx::Tx;
 
@@ -462,17 +462,7 @@ fn send_to_dead_letter(tx: &mut Tx, q: &QueueId, job: &JobRecord, dlq: &str, rea
     headers.insert("x-dead-letter-queue".into(), q.name.clone());
     headers.insert("x-dead-letter-job".into(), job.id.clone());
     headers.insert("x-dead-letter-reason".into(), reason.to_string());
-    let req = EnqueueRequest {
-        name: job.name.clone(),
-        data: job.data.clone(),
-        opts: job.opts.clone(),
-        headers,
-        attempts: job.attempts,
-        backoff: job.backoff.clone(),
-        priority: job.priority,
-        ..Default::default()
-    };
-    enqueue::enqueue(tx, &target, req, Placement::Normal)?;
+    enqueue::enqueue_copy(tx, &target, job, headers)?;
     Ok(())
 }
 

@@ -72,6 +72,28 @@ pub enum Placement {
     WaitChildren,
 }
 
+/// Enqueues a fresh copy of `job` on `q` under `headers`: its name, payload,
+/// options, attempts, backoff and priority, as a new job with a new id (a
+/// job moved into a dead-letter queue, and back out of it).
+pub fn enqueue_copy(
+    tx: &mut Tx,
+    q: &QueueId,
+    job: &JobRecord,
+    headers: std::collections::BTreeMap<String, String>,
+) -> Result<Enqueued, JobsError> {
+    let req = EnqueueRequest {
+        name: job.name.clone(),
+        data: job.data.clone(),
+        opts: job.opts.clone(),
+        headers,
+        attempts: job.attempts,
+        backoff: job.backoff.clone(),
+        priority: job.priority,
+        ..Default::default()
+    };
+    enqueue(tx, q, req, Placement::Normal)
+}
+
 /// Every refusal comes before the first write: `Jobs::enqueue_bulk` runs its
 /// items on one transaction, and a refused item must leave nothing behind.
 pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
