@@ -228,10 +228,23 @@ struct Tally {
 }
 
 impl Tally {
-    fn error(&mut self, e: &JobsError) {
-        self.errors += 1;
-        if self.first_error.is_none() {
-            self.first_error = Some(e.to_string());
+    /// Records an operation that started at `t0` and just ended: its latency
+    /// if it ran inside the window, or its error (past 100 errors every
+    /// caller stops).
+    fn record(&mut self, r: Result<(), JobsError>, t0: Instant, window: Window, stop: &AtomicBool) {
+        let t1 = Instant::now();
+        match r {
+            Ok(()) if t0 >= window.start && t1 <= window.end => self.latencies.push((t1 - t0).as_nanos() as u64),
+            Ok(()) => {}
+            Err(e) => {
+                self.errors += 1;
+                if self.first_error.is_none() {
+                    self.first_error = Some(e.to_string());
+                }
+                if self.errors > 100 {
+                    stop.store(true, Ordering::Relaxed);
+                }
+            }
         }
     }
 }
@@ -284,17 +297,7 @@ fn caller_thread(jobs: &Jobs, scenario: Scenario, window: Window, stop: &AtomicB
             Scenario::Cycle => blocking_cycle(jobs, &mut tally),
             Scenario::Flow => jobs.flows(NS, flow_tree()).wait().and_then(all_added),
         };
-        let t1 = Instant::now();
-        match r {
-            Ok(()) if t0 >= window.start && t1 <= window.end => tally.latencies.push((t1 - t0).as_nanos() as u64),
-            Ok(()) => {}
-            Err(e) => {
-                tally.error(&e);
-                if tally.errors > 100 {
-                    stop.store(true, Ordering::Relaxed);
-                }
-            }
-        }
+        tally.record(r, t0, window, stop);
     }
     tally
 }
@@ -311,17 +314,7 @@ async fn caller_task(jobs: Jobs, scenario: Scenario, window: Window, stop: Arc<A
             Scenario::Cycle => async_cycle(&jobs, &mut tally).await,
             Scenario::Flow => jobs.flows(NS, flow_tree()).await.and_then(all_added),
         };
-        let t1 = Instant::now();
-        match r {
-            Ok(()) if t0 >= window.start && t1 <= window.end => tally.latencies.push((t1 - t0).as_nanos() as u64),
-            Ok(()) => {}
-            Err(e) => {
-                tally.error(&e);
-                if tally.errors > 100 {
-                    stop.store(true, Ordering::Relaxed);
-                }
-            }
-        }
+        tally.record(r, t0, window, &stop);
     }
     tally
 }
