@@ -2,7 +2,12 @@ import { describe, expect, it } from 'vitest';
 import { create, fromBinary, ScalarType, toBinary, type DescField, type DescMessage } from '@bufbuild/protobuf';
 import { decodeMessage, encodeMessage } from '../src/codec.js';
 import { file_loam_jobs_v1_events } from '../src/gen/loam/jobs/v1/events_pb.js';
-import { file_loam_jobs_v1_jobs, SessionRequestSchema, SessionResponseSchema } from '../src/gen/loam/jobs/v1/jobs_pb.js';
+import {
+  ErrorDetailSchema,
+  file_loam_jobs_v1_jobs,
+  SessionRequestSchema,
+  SessionResponseSchema,
+} from '../src/gen/loam/jobs/v1/jobs_pb.js';
 import { file_loam_jobs_v1_types, MetricsSchema } from '../src/gen/loam/jobs/v1/types_pb.js';
 
 /** Every message type of the package, nested ones included. */
@@ -37,12 +42,15 @@ function rng(seed: number) {
 }
 type Rng = ReturnType<typeof rng>;
 
-// Around the writer's one-byte-length limit (42 units, 3 bytes each at most) and the reader's ASCII one (48 bytes),
+// Around the writer's one-byte-length limit (42 units, 3 bytes each at most) and the reader's ASCII one (8 bytes),
 // astral and lone surrogates (written as U+FFFD), long ones.
 const TEXTS = [
   '',
   'a',
   'job-1',
+  'x'.repeat(8),
+  'x'.repeat(9),
+  'aé',
   'é✓ unicode',
   'x'.repeat(41),
   '✓'.repeat(41),
@@ -208,6 +216,19 @@ describe('session codec', () => {
     expect(decodeMessage(SessionResponseSchema, withUnknown).id).toBe(3n);
     expect(() => decodeMessage(SessionResponseSchema, Uint8Array.from([0x0a, 0x05, 0x01]))).toThrow();
     expect(() => decodeMessage(SessionResponseSchema, Uint8Array.from([0x07]))).toThrow();
+  });
+
+  it('refuses a string that runs past its message, and invalid UTF-8, as protobuf-es does', () => {
+    for (const reason of ['abc', 'x'.repeat(30)]) {
+      const bytes = toBinary(ErrorDetailSchema, create(ErrorDetailSchema, { reason }));
+      expect(() => decodeMessage(ErrorDetailSchema, bytes.subarray(0, bytes.length - 1))).toThrow();
+      expect(() => fromBinary(ErrorDetailSchema, bytes.subarray(0, bytes.length - 1))).toThrow();
+      // The last byte of the text made invalid: a lone continuation byte.
+      const invalid = Uint8Array.from(bytes);
+      invalid[invalid.length - 1] = 0x80;
+      expect(() => fromBinary(ErrorDetailSchema, invalid)).toThrow();
+      expect(() => decodeMessage(ErrorDetailSchema, invalid)).toThrow();
+    }
   });
 
   it('reads a packed list of any length (more items than a call takes arguments)', () => {
