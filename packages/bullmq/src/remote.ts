@@ -285,19 +285,29 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * `ordered`: each is sent once the previous one was answered, and every
    * other call starts after the ordered writes issued before it. A worker's
    * own calls (lease, extend, complete) do not wait for one another.
+   *
+   * A call of a Worker that cut its blocking calls (to close or pause) does
+   * not wait for a server that is away, unless it records the outcome of the
+   * job in hand (`outcome`): BullMQ's close and pause wait for that job, and
+   * a completion given up at once left it active, to be run again once its
+   * lock lapsed, where ioredis holds the command until Redis is back. It
+   * waits as any call does, up to `reconnectTimeoutMs`.
    */
   private send<T>(
     command: BullmqCommand,
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
-    { ordered = false, signal, deadlineMs }: { ordered?: boolean; signal?: AbortSignal; deadlineMs?: number } = {},
+    {
+      ordered = false,
+      signal,
+      deadlineMs,
+      outcome = false,
+    }: { ordered?: boolean; signal?: AbortSignal; deadlineMs?: number; outcome?: boolean } = {},
   ): Promise<T> {
     // As the in-process backend's closed store refuses it (a shutdown race in
     // the caller's code would otherwise still add work: the channel reconnects).
     if (this.closing) return Promise.reject(loamError('unavailable', 'the backend is closed'));
     const start = () => {
-      // A call of a closing backend (or a Worker that cut its blocking calls
-      // to close or pause) does not wait for a server that is away.
-      const stopRetrying = this.blocking.signal;
+      const stopRetrying = outcome ? undefined : this.blocking.signal;
       return deadlineMs === undefined || !signal
         ? this.channel.call(command, rpc, signal, { stopRetrying })
         : this.channel.longPoll(command, rpc, signal, deadlineMs, stopRetrying);
@@ -353,8 +363,11 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     this.completing.add(inFlight);
     let r;
     try {
-      r = await this.send(command, (c, o) =>
-        c.complete({ queue: this.queueName, jobId: command.jobId, fence, outcome: { kind: outcome }, options }, o),
+      r = await this.send(
+        command,
+        (c, o) =>
+          c.complete({ queue: this.queueName, jobId: command.jobId, fence, outcome: { kind: outcome }, options }, o),
+        { outcome: true },
       );
     } finally {
       this.completing.delete(inFlight);

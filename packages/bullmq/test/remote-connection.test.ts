@@ -147,6 +147,56 @@ describeRemote('remote connection failures', () => {
     },
   );
 
+  it.each(['close', 'pause'] as const)(
+    'a Worker told to %s while its server is away records the outcome of the job in hand once the server is back',
+    async end => {
+      const port = await freePort();
+      const listen = `127.0.0.1:${port}`;
+      const first = await startLoamServer({}, { listen });
+      const { Queue, Worker } = withBackend(loamBackend({ url: first.url }));
+      const name = `q-${randomUUID()}`;
+      const queue = new Queue(name, { connection: {} });
+      let release!: () => void;
+      const gate = new Promise<void>(resolve => (release = resolve));
+      let runs = 0;
+      const worker = new Worker(
+        name,
+        async () => {
+          runs++;
+          await gate;
+          return 'done';
+        },
+        { connection: {} },
+      );
+      worker.on('error', () => undefined);
+      await queue.add('a', {}, { jobId: 'in-hand' });
+      await vi.waitFor(() => expect(runs).toBe(1));
+      await first.kill();
+      // Once the client has seen the connection close: a completion sent on
+      // a connection that then fails may have been applied, and is not sent
+      // again (BullMQ's own retry, 15 s later, finds out).
+      await new Promise(resolve => setTimeout(resolve, 200));
+      // BullMQ cuts the Worker's blocking calls, then waits for the job in
+      // hand. Before: its completion was given up at once, and the job stayed
+      // active, to run again once its lock lapsed (BullMQ's own retry, 15 s
+      // later, saved a pause but not a close).
+      const ending = end === 'close' ? worker.close() : worker.pause();
+      release();
+      await new Promise(resolve => setTimeout(resolve, 700));
+      const second = await startLoamServer({}, { listen, dataDir: first.dataDir });
+      try {
+        const started = Date.now();
+        await ending;
+        expect(Date.now() - started).toBeLessThan(10_000);
+        expect(await queue.getJobState('in-hand')).toBe('completed');
+        expect(runs).toBe(1);
+        await Promise.all([worker.close(), queue.close()]);
+      } finally {
+        await second.stop();
+      }
+    },
+  );
+
   it('a Worker, QueueEvents and Queue close at once while their server is away', async () => {
     const port = await freePort();
     const { Queue, Worker, QueueEvents } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}` }));
