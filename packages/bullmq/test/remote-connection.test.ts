@@ -170,7 +170,7 @@ describeRemote('remote connection failures', () => {
       );
       worker.on('error', () => undefined);
       await queue.add('a', {}, { jobId: 'in-hand' });
-      await vi.waitFor(() => expect(runs).toBe(1));
+      await vi.waitFor(() => expect(runs).toBe(1), { timeout: 10_000 });
       await first.kill();
       // Once the client has seen the connection close: a completion sent on
       // a connection that then fails may have been applied, and is not sent
