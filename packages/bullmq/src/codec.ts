@@ -106,12 +106,9 @@ class Reader extends BinaryReader {
     const buf = this.buf;
     if (length <= SHORT_TEXT) {
       let text = '';
-      for (let i = start; i < end; i++) {
-        const c = buf[i];
-        if (c >= 0x80) return (validate ? strict : lenient).decode(buf.subarray(start, end));
-        text += String.fromCharCode(c);
-      }
-      return text;
+      let i = start;
+      for (; i < end && buf[i] < 0x80; i++) text += String.fromCharCode(buf[i]);
+      if (i === end) return text;
     }
     return (validate ? strict : lenient).decode(buf.subarray(start, end));
   }
