@@ -288,10 +288,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    *
    * A call of a Worker that cut its blocking calls (to close or pause) does
    * not wait for a server that is away, unless it records the outcome of the
-   * job in hand (`outcome`): BullMQ's close and pause wait for that job, and
-   * a completion given up at once left it active, to be run again once its
-   * lock lapsed, where ioredis holds the command until Redis is back. It
-   * waits as any call does, up to `reconnectTimeoutMs`.
+   * job in hand (`recordsOutcome`): BullMQ's close and pause wait for that
+   * job, and a completion given up at once left it active, to be run again
+   * once its lock lapsed, where ioredis holds the command until Redis is
+   * back. It waits as any call does, up to `reconnectTimeoutMs`.
    */
   private send<T>(
     command: BullmqCommand,
@@ -300,14 +300,14 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       ordered = false,
       signal,
       deadlineMs,
-      outcome = false,
-    }: { ordered?: boolean; signal?: AbortSignal; deadlineMs?: number; outcome?: boolean } = {},
+      recordsOutcome = false,
+    }: { ordered?: boolean; signal?: AbortSignal; deadlineMs?: number; recordsOutcome?: boolean } = {},
   ): Promise<T> {
     // As the in-process backend's closed store refuses it (a shutdown race in
     // the caller's code would otherwise still add work: the channel reconnects).
     if (this.closing) return Promise.reject(loamError('unavailable', 'the backend is closed'));
     const start = () => {
-      const stopRetrying = outcome ? undefined : this.blocking.signal;
+      const stopRetrying = recordsOutcome ? undefined : this.blocking.signal;
       return deadlineMs === undefined || !signal
         ? this.channel.call(command, rpc, signal, { stopRetrying })
         : this.channel.longPoll(command, rpc, signal, deadlineMs, stopRetrying);
@@ -367,7 +367,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
         command,
         (c, o) =>
           c.complete({ queue: this.queueName, jobId: command.jobId, fence, outcome: { kind: outcome }, options }, o),
-        { outcome: true },
+        { recordsOutcome: true },
       );
     } finally {
       this.completing.delete(inFlight);
