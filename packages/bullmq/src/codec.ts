@@ -56,8 +56,6 @@ interface MessagePlan {
   zero: Record<string, Value>;
   /** Sorted by number, the order protobuf-es writes in. */
   fields: FieldPlan[];
-  /** Indexed by field number. */
-  byNumber: (FieldPlan | undefined)[];
   /** Its properties that get a fresh value each (lists, maps, bytes, oneofs). */
   fresh: [string, () => Value][];
   /** Its reader and writer, compiled at their first use (below). */
@@ -125,7 +123,7 @@ function plan(desc: DescMessage): MessagePlan {
   let made = plans.get(desc);
   if (!made) {
     // Stored before its fields are planned: a message may contain itself.
-    made = { typeName: desc.typeName, zero: { $typeName: desc.typeName }, fields: [], byNumber: [], fresh: [] };
+    made = { typeName: desc.typeName, zero: { $typeName: desc.typeName }, fields: [], fresh: [] };
     plans.set(desc, made);
     fill(made, desc);
   }
@@ -148,7 +146,6 @@ function fill(made: MessagePlan, desc: DescMessage): void {
   for (const field of [...desc.fields].sort((a, b) => a.number - b.number)) {
     const p = fieldPlan(field);
     made.fields.push(p);
-    made.byNumber[field.number] = p;
   }
 }
 
@@ -329,7 +326,7 @@ function compileRead(p: MessagePlan): CompiledRead {
     const t = reader.uint32();
     const number = t >>> 3;
     const wireType = t & 7;
-    if (number <= 0 || wireType > 5) throw new Error(\`illegal tag: field no \${number} wire type \${wireType}\`);
+    checkTag(number, wireType);
     switch (number) {
 ${cases.join('\n')}
 default:
@@ -341,13 +338,14 @@ default:
 };`;
   const zero = properties.map(name => p.zero[name]);
   const makers = properties.map(name => fresh.get(name));
-  return new Function('Z', 'M', 'F', 'LIMIT', 'TOO_DEEP', 'PAST_END', 'merge', body)(
+  return new Function('Z', 'M', 'F', 'LIMIT', 'TOO_DEEP', 'PAST_END', 'checkTag', 'merge', body)(
     zero,
     makers,
     p.fields,
     RECURSION_LIMIT,
     `cannot decode ${p.typeName}: messages nest too deep`,
     `cannot decode ${p.typeName}: a field runs past the message's end`,
+    checkTag,
     mergeMessage,
   ) as CompiledRead;
 }
@@ -355,7 +353,8 @@ default:
 /** The statements that read one occurrence of field `f` (the plan `at`) into `m`. */
 function readField(f: FieldPlan, at: string): string {
   const property = `m${key(f.property)}`;
-  const oneof = f.oneofCase !== undefined ? JSON.stringify(f.oneofCase) : undefined;
+  // A oneof member (a scalar, an enum or a message) replaces the oneof's case.
+  if (f.oneofCase !== undefined) return `${property} = { case: ${JSON.stringify(f.oneofCase)}, value: ${at}.read(reader, depth) };`;
   switch (f.kind) {
     case 'list':
       return f.packable
@@ -365,13 +364,9 @@ function readField(f: FieldPlan, at: string): string {
       return `const entry = ${at}.read(reader, depth); ${property}[entry[0]] = entry[1];`;
     case 'message':
       // A message field that comes twice is merged, as protobuf-es does.
-      return oneof !== undefined
-        ? `${property} = { case: ${oneof}, value: ${at}.read(reader, depth) };`
-        : `const previous = ${property}; ${property} = previous ? merge(reader, ${at}.message, depth, previous) : ${at}.read(reader, depth);`;
+      return `const previous = ${property}; ${property} = previous ? merge(reader, ${at}.message, depth, previous) : ${at}.read(reader, depth);`;
     default:
-      return oneof !== undefined
-        ? `${property} = { case: ${oneof}, value: ${at}.read(reader, depth) };`
-        : `${property} = ${at}.read(reader, depth);`;
+      return `${property} = ${at}.read(reader, depth);`;
   }
 }
 
@@ -384,8 +379,12 @@ function tag(reader: Reader): { number: number; wireType: WireType } {
   const t = reader.uint32();
   const number = t >>> 3;
   const wireType = t & 7;
-  if (number <= 0 || wireType > 5) throw new Error(`illegal tag: field no ${number} wire type ${wireType}`);
+  checkTag(number, wireType);
   return { number, wireType };
+}
+
+function checkTag(number: number, wireType: number): void {
+  if (number <= 0 || wireType > 5) throw new Error(`illegal tag: field no ${number} wire type ${wireType}`);
 }
 
 interface ScalarIo {
