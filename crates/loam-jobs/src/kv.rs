@@ -51,31 +51,41 @@ pub trait KvTxn: KvRead {
     fn delete(&mut self, key: &[u8]) -> Result<(), StoreError>;
 
     /// What was remembered of `range` (see [`KvTxn::remember`]) by this
-    /// transaction or an earlier operation of its batch, if nothing in the
-    /// range was written since. Engines without batches remember nothing.
+    /// transaction or an earlier operation, if nothing in the range was
+    /// written since. Engines without batches remember nothing.
     fn recall(&mut self, _range: &KeyRange) -> Option<Decoded> {
         None
     }
 
     /// Remembers `value` as what the keys in `range` hold now, decoded, so
-    /// that later operations of the batch need not read and decode them again
-    /// (every operation reads its queue's settings). A write in the range
-    /// forgets it.
+    /// that later operations need not read and decode them again (every
+    /// operation reads its queue's settings). A write in the range forgets it.
     fn remember(&mut self, _range: &KeyRange, _value: Decoded) {}
 }
 
 /// A value decoded from what a range of keys holds (see [`KvTxn::remember`]).
 pub type Decoded = Arc<dyn Any + Send + Sync>;
 
-/// What the operations of one batch remembered, by range. Ranges never
-/// overlap (one that would is not remembered), so the one range a written key
-/// can fall in is the last one starting at or before it.
+/// What operations remembered, by range (the redb engine keeps one for as
+/// long as its executor runs). Ranges never overlap (one that would is not
+/// remembered), so the one range a written key can fall in is the last one
+/// starting at or before it.
 #[derive(Default)]
 pub struct Memo {
     entries: BTreeMap<Key, (Key, Decoded)>,
 }
 
+/// Most ranges a memo keeps: one per queue in use, each its meta hash. Past
+/// it the memo starts over, so a store with many queues holds no more than
+/// this many decoded hashes.
+const MAX_REMEMBERED: usize = 1024;
+
 impl Memo {
+    /// Forgets everything: what it held may no longer be what the store holds.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+    }
+
     fn get(&self, range: &KeyRange) -> Option<Decoded> {
         match self.entries.get(&range.start) {
             Some((end, value)) if *end == range.end => Some(Arc::clone(value)),
@@ -92,6 +102,9 @@ impl Memo {
     }
 
     fn insert(&mut self, range: KeyRange, value: Decoded) {
+        if self.entries.len() >= MAX_REMEMBERED {
+            self.entries.clear();
+        }
         self.entries.remove(&range.start);
         // The ranges are disjoint, so the last one starting before this one
         // ends is the only one that can overlap it.
@@ -137,7 +150,7 @@ pub struct Overlay<'a> {
     /// are not remembered: the batch's own writes move their start (see
     /// `floors`), so under BullMQ at concurrency 100 not one scan in 80,000
     /// was asked twice, and keeping each result cost a copy of it.
-    cache: Option<HashMap<Key, Option<Value>>>,
+    cache: Option<HashMap<Key, Option<Value>, foldhash::fast::RandomState>>,
     /// What earlier operations of the batch remembered, and what this one
     /// remembered since (taken in by the batch if it succeeds).
     memo: Option<&'a Memo>,
@@ -156,7 +169,7 @@ impl<'a> Overlay<'a> {
 
     /// An overlay that also remembers what it read from the base.
     pub fn caching(base: &'a mut dyn KvRead) -> Self {
-        Self { cache: Some(HashMap::new()), ..Self::new(base) }
+        Self { cache: Some(HashMap::default()), ..Self::new(base) }
     }
 
     fn base_get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
@@ -264,12 +277,11 @@ fn scan_under(
         Some(f) => KeyRange::new(f.clone().min(range.end.clone()), range.end.clone()),
         None => range.clone(),
     };
-    // Every local write may hide one base entry, so asking the base for
-    // `limit + hiding` entries always yields enough survivors.
-    let hiding = match floor {
-        Some(f) => local.iter().filter(|(k, _)| *k >= f).count(),
-        None => local.len(),
-    };
+    // Only a delete can hide a base entry (a put over one replaces it one for
+    // one), so asking the base for `limit + hiding` entries always yields
+    // enough survivors. Counting every write asked a lease's scan, under the
+    // jobs added by the batches in flight, for hundreds of entries it dropped.
+    let hiding = local.iter().filter(|(k, v)| v.is_none() && floor.is_none_or(|f| *k >= f)).count();
     let base = base.scan(&base_range, limit.saturating_add(hiding), reverse)?;
     let (out, shadowed) = merge(&local, base, limit, reverse);
     if let Some(mut next) = shadowed {

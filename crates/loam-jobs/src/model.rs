@@ -393,11 +393,15 @@ pub(crate) struct EventRef<'a> {
     pub fields: &'a [(&'a str, &'a str)],
 }
 
-/// Appends one encoded record to a page of records (a length, then the bytes).
-pub(crate) fn append_to_page(page: &mut Vec<u8>, record: &[u8]) {
-    page.reserve(4 + record.len());
-    page.extend_from_slice(&(record.len() as u32).to_be_bytes());
-    page.extend_from_slice(record);
+/// Appends one record to a page of records (a length, then its encoding),
+/// encoded in place.
+pub(crate) fn append_to_page<T: Serialize>(page: &mut Vec<u8>, record: &T) {
+    let at = page.len();
+    page.extend_from_slice(&[0; 4]);
+    // Serializing plain structs into a Vec cannot fail.
+    let _ = rmp_serde::encode::write(page, record);
+    let len = (page.len() - at - 4) as u32;
+    page[at..at + 4].copy_from_slice(&len.to_be_bytes());
 }
 
 /// The records of a page, oldest first; a truncated page is a corrupt record.
@@ -427,7 +431,12 @@ pub(crate) fn page_records(page: &[u8]) -> impl Iterator<Item = Result<&[u8], St
 impl Event {
     /// The Redis-stream-shaped id BullMQ shows: `<ms>-<seq>`.
     pub fn id(&self) -> String {
-        format!("{}-{}", self.ts, self.seq)
+        Self::id_of(self.ts, self.seq)
+    }
+
+    /// The id of the event written at `ts` with sequence `seq`.
+    pub fn id_of(ts: u64, seq: u64) -> String {
+        format!("{ts}-{seq}")
     }
 
     /// A Redis stream id, `<ms>-<seq>` or `<ms>` (sequence 0), as XREAD

@@ -24,6 +24,8 @@ pub struct Effects {
 }
 
 struct QueueCache {
+    /// The queue's key prefix, built once: an operation makes a dozen keys.
+    keys: QueueKeys,
     stats: QueueStats,
     dirty: bool,
     /// The queue had no counters yet: its first write registers it.
@@ -34,7 +36,7 @@ struct QueueCache {
     config: Option<QueueConfig>,
     max_events: Option<u64>,
     /// The meta hash, read with one scan on first use (or recalled from an
-    /// earlier operation of the batch).
+    /// earlier operation).
     meta: Option<Arc<MetaMap>>,
 }
 
@@ -137,14 +139,16 @@ impl<'a> Tx<'a> {
         let at = match self.queues.iter().position(|(known, _)| known == q) {
             Some(at) => at,
             None => {
-                let (stats, new, reborn) = match self.kv.get(&QueueKeys::new(q).stats())? {
+                let keys = QueueKeys::new(q);
+                let (stats, new, reborn) = match self.kv.get(&keys.stats())? {
                     Some(bytes) => (model::decode(&bytes)?, false, false),
                     None => match self.kv.get(&keys::queue_remains(q))? {
                         Some(remains) => (QueueRemains::decode(&remains)?.stats(), true, true),
                         None => (QueueStats::default(), true, false),
                     },
                 };
-                let cache = QueueCache { stats, dirty: false, new, reborn, config: None, max_events: None, meta: None };
+                let cache =
+                    QueueCache { keys, stats, dirty: false, new, reborn, config: None, max_events: None, meta: None };
                 self.queues.push((q.clone(), cache));
                 self.queues.len() - 1
             }
@@ -182,10 +186,11 @@ impl<'a> Tx<'a> {
         Ok(())
     }
 
-    /// A field of the queue's meta hash (BullMQ's `meta` key), as text.
-    pub fn meta(&mut self, q: &QueueId, field: &str) -> Result<Option<String>, JobsError> {
+    /// The queue's meta hash (BullMQ's `meta` key), read with one scan on
+    /// first use, or recalled from an earlier operation.
+    fn loaded_meta(&mut self, q: &QueueId) -> Result<&MetaMap, JobsError> {
         if self.cache(q)?.meta.is_none() {
-            let range = QueueKeys::new(q).meta_all();
+            let range = self.cache(q)?.keys.meta_all();
             let recalled = self.kv.recall(&range).and_then(|known| known.downcast::<MetaMap>().ok());
             let map = match recalled {
                 Some(map) => map,
@@ -206,21 +211,28 @@ impl<'a> Tx<'a> {
             };
             self.cache(q)?.meta = Some(map);
         }
-        Ok(self.cache(q)?.meta.as_ref().and_then(|m| m.get(field).cloned()))
+        self.cache(q)?.meta.as_deref().ok_or_else(|| JobsError::Internal("the meta hash was not loaded".into()))
+    }
+
+    /// A field of the queue's meta hash, as text.
+    pub fn meta(&mut self, q: &QueueId, field: &str) -> Result<Option<String>, JobsError> {
+        Ok(self.loaded_meta(q)?.get(field).cloned())
     }
 
     /// The whole meta hash.
-    pub fn meta_map(&mut self, q: &QueueId) -> Result<std::collections::BTreeMap<String, String>, JobsError> {
-        self.meta(q, "")?; // loads the cache; the field itself does not matter
-        Ok(self.cache(q)?.meta.as_deref().cloned().unwrap_or_default())
+    pub fn meta_map(&mut self, q: &QueueId) -> Result<MetaMap, JobsError> {
+        Ok(self.loaded_meta(q)?.clone())
     }
 
+    /// A numeric field of the meta hash (BullMQ writes some as floats); a
+    /// negative one reads as 0.
     pub fn meta_u64(&mut self, q: &QueueId, field: &str) -> Result<Option<u64>, JobsError> {
-        Ok(self.meta(q, field)?.and_then(|v| v.trim().parse::<f64>().ok()).map(|f| f.max(0.0) as u64))
+        let value = self.loaded_meta(q)?.get(field);
+        Ok(value.and_then(|v| v.trim().parse::<f64>().ok()).map(|f| f.max(0.0) as u64))
     }
 
     pub fn is_paused(&mut self, q: &QueueId) -> Result<bool, JobsError> {
-        Ok(self.meta(q, "paused")?.is_some_and(|v| v == "1" || v == "true"))
+        Ok(self.loaded_meta(q)?.get("paused").is_some_and(|v| v == "1" || v == "true"))
     }
 
     /// Drops cached settings (meta, config) of a queue after they changed.
@@ -240,14 +252,14 @@ impl<'a> Tx<'a> {
     /// Writes the queues' counters back. Called once, at the end of the body.
     pub fn finish(mut self) -> Result<Effects, JobsError> {
         self.close_page_if(|_| true)?;
-        let dirty: Vec<(QueueId, Vec<u8>, bool, bool)> = self
+        let dirty: Vec<(QueueId, Key, Vec<u8>, bool, bool)> = self
             .queues
             .iter()
             .filter(|(_, c)| c.dirty)
-            .map(|(q, c)| (q.clone(), model::encode(&c.stats), c.new, c.reborn))
+            .map(|(q, c)| (q.clone(), c.keys.stats(), model::encode(&c.stats), c.new, c.reborn))
             .collect();
-        for (q, bytes, new, reborn) in dirty {
-            self.kv.put(&QueueKeys::new(&q).stats(), bytes)?;
+        for (q, key, bytes, new, reborn) in dirty {
+            self.kv.put(&key, bytes)?;
             if new {
                 // First write to this queue: register it for sweeps and listings.
                 self.kv.put(&keys::registry(&q), Vec::new())?;
@@ -264,7 +276,8 @@ impl<'a> Tx<'a> {
     // ---- jobs -------------------------------------------------------------
 
     pub fn load_job(&mut self, q: &QueueId, id: &str) -> Result<Option<JobRecord>, JobsError> {
-        match self.kv.get_for_update(&QueueKeys::new(q).job(id))? {
+        let key = self.cache(q)?.keys.job(id);
+        match self.kv.get_for_update(&key)? {
             Some(bytes) => Ok(Some(model::decode(&bytes)?)),
             None => Ok(None),
         }
@@ -275,7 +288,8 @@ impl<'a> Tx<'a> {
     }
 
     pub fn save_job(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
-        self.put(&QueueKeys::new(q).job(&job.id), model::encode(job))
+        let key = self.cache(q)?.keys.job(&job.id);
+        self.put(&key, model::encode(job))
     }
 
     /// The index entry that lists the job under its current state.
@@ -292,7 +306,7 @@ impl<'a> Tx<'a> {
 
     /// Removes the job from its state's index and count.
     pub fn unindex(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
-        let key = Self::index_key(&QueueKeys::new(q), job);
+        let key = Self::index_key(&self.cache(q)?.keys, job);
         self.delete(&key)?;
         let count = self.stats_mut(q)?.count_mut(job.state);
         *count = count.saturating_sub(1);
@@ -306,7 +320,7 @@ impl<'a> Tx<'a> {
 
     /// Lists the job under its (new) state and records the effects of that state.
     pub fn index(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
-        let key = Self::index_key(&QueueKeys::new(q), job);
+        let key = Self::index_key(&self.cache(q)?.keys, job);
         self.put(&key, job.id.as_bytes().to_vec())?;
         *self.stats_mut(q)?.count_mut(job.state) += 1;
         match job.state {
@@ -353,7 +367,8 @@ impl<'a> Tx<'a> {
     }
 
     /// Appends an event to the queue's log, trimming the log to its length.
-    pub fn event(&mut self, q: &QueueId, name: &str, fields: &[(&str, &str)]) -> Result<String, JobsError> {
+    /// Returns its sequence number (its id is [`model::Event::id_of`] it and `now`).
+    pub fn event(&mut self, q: &QueueId, name: &str, fields: &[(&str, &str)]) -> Result<u64, JobsError> {
         let now = self.now;
         let max = self.max_events(q)?;
         let stats = self.stats_mut(q)?;
@@ -362,22 +377,20 @@ impl<'a> Tx<'a> {
             stats.first_event = stats.last_event;
         }
         let seq = stats.last_event;
-        let event = model::encode(&EventRef { seq, ts: now, name, fields });
-        let key = QueueKeys::new(q).event_page(seq);
+        let key = self.cache(q)?.keys.event_page(seq);
         if self.open_page.as_ref().is_none_or(|(open, _)| *open != key) {
             self.close_page_if(|_| true)?;
             let page = self.kv.get(&key)?.unwrap_or_default();
             self.open_page = Some((key, page));
         }
         if let Some((_, page)) = self.open_page.as_mut() {
-            model::append_to_page(page, &event);
+            model::append_to_page(page, &EventRef { seq, ts: now, name, fields });
         }
-        let id = format!("{now}-{seq}");
         self.trim_events(q, max)?;
         if !self.effects.wake_events.contains(q) {
             self.effects.wake_events.insert(q.clone());
         }
-        Ok(id)
+        Ok(seq)
     }
 
     /// Writes the open event page back if `touches` its key.
@@ -401,20 +414,21 @@ impl<'a> Tx<'a> {
     /// whose events are all dropped are deleted; readers skip the dropped
     /// events of a page still in use (see [`crate::ops::query::events_after`]).
     pub fn trim_events(&mut self, q: &QueueId, max: u64) -> Result<u64, JobsError> {
-        let stats = self.stats(q)?.clone();
-        if stats.first_event == 0 {
+        let stats = self.stats(q)?;
+        let (first_event, last_event) = (stats.first_event, stats.last_event);
+        if first_event == 0 {
             return Ok(0);
         }
-        let kept = stats.last_event + 1 - stats.first_event;
+        let kept = last_event + 1 - first_event;
         if kept <= max {
             return Ok(0);
         }
         let excess = kept - max;
-        let first = stats.first_event + excess;
-        let keys = QueueKeys::new(q);
-        let (old_page, new_page) = (stats.first_event / EVENTS_PER_PAGE, first / EVENTS_PER_PAGE);
+        let first = first_event + excess;
+        let (old_page, new_page) = (first_event / EVENTS_PER_PAGE, first / EVENTS_PER_PAGE);
         for page in old_page..new_page {
-            self.delete(&keys.event_page(page * EVENTS_PER_PAGE))?;
+            let key = self.cache(q)?.keys.event_page(page * EVENTS_PER_PAGE);
+            self.delete(&key)?;
         }
         self.stats_mut(q)?.first_event = first;
         Ok(excess)

@@ -684,9 +684,9 @@ pub fn publish_event(
     max: u64,
 ) -> Result<String, JobsError> {
     let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let id = tx.event(q, name, &fields)?;
+    let seq = tx.event(q, name, &fields)?;
     tx.trim_events(q, max)?;
-    Ok(id)
+    Ok(crate::model::Event::id_of(tx.now, seq))
 }
 
 /// Moves up to `limit` dead-lettered jobs of `dlq` back to the queues they

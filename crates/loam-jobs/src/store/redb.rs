@@ -627,10 +627,11 @@ impl Executor {
         };
         let (writes, acks, mut unchanged) = {
             let mut committed = SnapshotReader(snapshot);
-            if uncommitted.writes.is_empty() {
-                execute(ops, &mut committed)
+            let Uncommitted { writes, memo, .. } = uncommitted;
+            if writes.is_empty() {
+                execute(ops, &mut committed, memo)
             } else {
-                execute(ops, &mut Layer { below: &mut committed, writes: &mut uncommitted.writes })
+                execute(ops, &mut Layer { below: &mut committed, writes }, memo)
             }
         };
         // Under relaxed durability, acknowledgements go out once the batch
@@ -712,6 +713,14 @@ impl Executor {
 struct Uncommitted {
     batches: VecDeque<(u64, Arc<Writes>)>,
     writes: PendingWrites,
+    /// What operations remembered (`KvTxn::remember`), kept from batch to
+    /// batch: every write the store takes is a successful operation's, which
+    /// forgets what it touches, so a value stays right until a batch is given
+    /// up (then the file lacks writes it was read through, and all is
+    /// forgotten). Kept per batch, each batch's first operation read and
+    /// decoded its queue's meta hash again: with the few operations a batch
+    /// holds at low concurrency, that was a scan for every second operation.
+    memo: Memo,
 }
 
 impl Uncommitted {
@@ -722,8 +731,14 @@ impl Uncommitted {
         while let Some((n, writes)) = self.batches.front()
             && *n <= committed.batch
         {
+            if *n > committed.snapshot_batch {
+                self.memo.clear();
+            }
             self.writes.forget(*n, writes);
             self.batches.pop_front();
+        }
+        if committed.unreadable.is_some() {
+            self.memo.clear();
         }
         (self.batches.len() < MAX_UNCOMMITTED_BATCHES)
             .then(|| (Arc::clone(&committed.snapshot), committed.snapshot_batch, committed.unreadable.is_some()))
@@ -747,14 +762,13 @@ fn with_waiting<T>(receiver: &Receiver<T>, first: T, max: usize) -> Vec<T> {
 /// commit, and those that need not: an operation that needs no fsync (a
 /// lease, a lock extension) and wrote nothing (a lease that found no job)
 /// told its caller nothing a crash could take back.
-fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead) -> (Writes, Vec<Ack>, Vec<Ack>) {
+fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead, memo: &mut Memo) -> (Writes, Vec<Ack>, Vec<Ack>) {
     let mut acks = Vec::with_capacity(ops.len());
     let mut unchanged = Vec::new();
     let mut group = Overlay::caching(base);
-    let mut memo = Memo::default();
     for op in ops {
         let WriteOp { mut body, done, sync, .. } = op;
-        let mut local = Overlay::remembering(&mut group, &memo);
+        let mut local = Overlay::remembering(&mut group, &*memo);
         // A bug in an operation must fail that operation, not the writer
         // thread and with it every caller (and a Node host).
         let result = catch_unwind(AssertUnwindSafe(|| body(&mut local)))
