@@ -252,22 +252,17 @@ impl<'a> Tx<'a> {
     /// Writes the queues' counters back. Called once, at the end of the body.
     pub fn finish(mut self) -> Result<Effects, JobsError> {
         self.close_page_if(|_| true)?;
-        let dirty: Vec<(QueueId, Key, Vec<u8>, bool, bool)> = self
-            .queues
-            .iter()
-            .filter(|(_, c)| c.dirty)
-            .map(|(q, c)| (q.clone(), c.keys.stats(), model::encode(&c.stats), c.new, c.reborn))
-            .collect();
-        for (q, key, bytes, new, reborn) in dirty {
-            self.kv.put(&key, bytes)?;
-            if new {
+        let Self { queues, kv, effects, .. } = &mut self;
+        for (q, c) in queues.iter().filter(|(_, c)| c.dirty) {
+            kv.put(&c.keys.stats(), model::encode(&c.stats))?;
+            if c.new {
                 // First write to this queue: register it for sweeps and listings.
-                self.kv.put(&keys::registry(&q), Vec::new())?;
-                self.effects.new_queues.push(q.clone());
+                kv.put(&keys::registry(q), Vec::new())?;
+                effects.new_queues.push(q.clone());
             }
-            if reborn {
+            if c.reborn {
                 // Its counters carry what it left now.
-                self.kv.delete(&keys::queue_remains(&q))?;
+                kv.delete(&keys::queue_remains(q))?;
             }
         }
         Ok(self.effects)
