@@ -136,7 +136,14 @@ impl<'a> Tx<'a> {
     // ---- queues -----------------------------------------------------------
 
     fn cache(&mut self, q: &QueueId) -> Result<&mut QueueCache, JobsError> {
-        let at = match self.queues.iter().position(|(known, _)| known == q) {
+        let at = self.cache_at(q)?;
+        Ok(&mut self.queues[at].1)
+    }
+
+    /// Where `q`'s cache is in `queues`, loaded on first use. Indices stay
+    /// put until [`Tx::drop_queue`].
+    fn cache_at(&mut self, q: &QueueId) -> Result<usize, JobsError> {
+        Ok(match self.queues.iter().position(|(known, _)| known == q) {
             Some(at) => at,
             None => {
                 let keys = QueueKeys::new(q);
@@ -152,8 +159,7 @@ impl<'a> Tx<'a> {
                 self.queues.push((q.clone(), cache));
                 self.queues.len() - 1
             }
-        };
-        Ok(&mut self.queues[at].1)
+        })
     }
 
     pub fn stats(&mut self, q: &QueueId) -> Result<&QueueStats, JobsError> {
@@ -189,8 +195,9 @@ impl<'a> Tx<'a> {
     /// The queue's meta hash (BullMQ's `meta` key), read with one scan on
     /// first use, or recalled from an earlier operation.
     fn loaded_meta(&mut self, q: &QueueId) -> Result<&MetaMap, JobsError> {
-        if self.cache(q)?.meta.is_none() {
-            let range = self.cache(q)?.keys.meta_all();
+        let at = self.cache_at(q)?;
+        if self.queues[at].1.meta.is_none() {
+            let range = self.queues[at].1.keys.meta_all();
             let recalled = self.kv.recall(&range).and_then(|known| known.downcast::<MetaMap>().ok());
             let map = match recalled {
                 Some(map) => map,
@@ -209,9 +216,9 @@ impl<'a> Tx<'a> {
                     map
                 }
             };
-            self.cache(q)?.meta = Some(map);
+            self.queues[at].1.meta = Some(map);
         }
-        self.cache(q)?.meta.as_deref().ok_or_else(|| JobsError::Internal("the meta hash was not loaded".into()))
+        self.queues[at].1.meta.as_deref().ok_or_else(|| JobsError::Internal("the meta hash was not loaded".into()))
     }
 
     /// A field of the queue's meta hash, as text.

@@ -49,12 +49,17 @@ pub fn limiter_window(tx: &mut Tx, q: &QueueId) -> Result<LimiterWindow, JobsErr
 /// Milliseconds until the limiter lets a job through (0 = now).
 pub fn rate_limit_ttl(tx: &mut Tx, q: &QueueId, limit: Option<&RateLimit>) -> Result<u64, JobsError> {
     let w = limiter_window(tx, q)?;
+    Ok(window_ttl(&w, limit, tx.now))
+}
+
+/// [`rate_limit_ttl`] of the window `w` at `now`.
+fn window_ttl(w: &LimiterWindow, limit: Option<&RateLimit>, now: u64) -> u64 {
     let limited = match limit {
         Some(l) => w.count >= l.max,
         // Without a limit only a manual rate limit (count = u64::MAX) holds.
         None => w.count == u64::MAX,
     };
-    Ok(if limited { w.window_end.saturating_sub(tx.now) } else { 0 })
+    if limited { w.window_end.saturating_sub(now) } else { 0 }
 }
 
 pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, JobsError> {
@@ -76,7 +81,7 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
     }
     let limit = limiter(tx, q, req.limiter.as_ref())?;
     let mut window = limiter_window(tx, q)?;
-    let ttl = rate_limit_ttl(tx, q, limit.as_ref())?;
+    let ttl = window_ttl(&window, limit.as_ref(), tx.now);
     if ttl > 0 {
         out.info.rate_limit_ms = ttl;
         return Ok(out);
