@@ -97,6 +97,9 @@ describe('relaxed durability', () => {
     await Promise.all([flows.close(), queue.close()]);
   });
 
+  // 60,000 jobs written and removed: about 15 s with the debug addon on an idle
+  // machine, past the default 20 s beside the other test files in CI. What it
+  // checks is the event loop's longest pause, not the total time.
   itInProcess('writes of many jobs do not block the event loop', async () => {
     const relaxed = relaxedStore();
     const queue = new relaxed.Queue('large', { connection });
@@ -131,7 +134,7 @@ describe('relaxed durability', () => {
     }
     expect(await queue.count()).toBe(0);
     await queue.close();
-  });
+  }, 60_000);
 
   itInProcess("a worker waiting for a job starts it in the add's own turn of the event loop", async () => {
     const relaxed = relaxedStore();
