@@ -151,7 +151,7 @@ pub struct Overlay<'a> {
     /// `floors`), so under BullMQ at concurrency 100 not one scan in 80,000
     /// was asked twice, and keeping each result cost a copy of it.
     cache: Option<HashMap<Key, Option<Value>, foldhash::fast::RandomState>>,
-    /// What earlier operations of the batch remembered, and what this one
+    /// What earlier operations remembered, and what this one
     /// remembered since (taken in by the batch if it succeeds).
     memo: Option<&'a Memo>,
     remembered: Vec<(KeyRange, Decoded)>,
@@ -583,38 +583,47 @@ mod tests {
         #[test]
         fn recalled_values_match_what_the_range_holds(
             base in proptest::collection::btree_map(0u8..16, 0u8..4, 0..12),
-            ops in proptest::collection::vec((proptest::collection::vec(memo_step(), 0..12), proptest::bool::ANY), 0..12),
+            batches in proptest::collection::vec(
+                proptest::collection::vec((proptest::collection::vec(memo_step(), 0..12), proptest::bool::ANY), 0..8),
+                0..5,
+            ),
         ) {
-            let base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
-            let mut reader = MapRead(base);
-            let mut group = Overlay::caching(&mut reader);
+            // One memo for every batch, as the executor keeps it; each batch
+            // is committed to the base before the next runs.
+            let mut base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
             let mut memo = Memo::default();
-            for (steps, succeeds) in ops {
-                let mut local = Overlay::remembering(&mut group, &memo);
-                for step in steps {
-                    match step {
-                        MemoStep::Put(k, v) => local.put(&[k], vec![v]).unwrap(),
-                        MemoStep::Delete(k) => local.delete(&[k]).unwrap(),
-                        MemoStep::Remember(r) => {
-                            let range = KeyRange::new(vec![MEMO_RANGES[r].0], vec![MEMO_RANGES[r].1]);
-                            let now = local.scan(&range, usize::MAX, false).unwrap();
-                            local.remember(&range, Arc::new(now));
-                        }
-                        MemoStep::Recall(r) => {
-                            let range = KeyRange::new(vec![MEMO_RANGES[r].0], vec![MEMO_RANGES[r].1]);
-                            if let Some(known) = local.recall(&range) {
-                                let known = known.downcast::<Vec<(Key, Value)>>().unwrap();
+            for ops in batches {
+                let mut reader = MapRead(base.clone());
+                let mut group = Overlay::caching(&mut reader);
+                for (steps, succeeds) in ops {
+                    let mut local = Overlay::remembering(&mut group, &memo);
+                    for step in steps {
+                        match step {
+                            MemoStep::Put(k, v) => local.put(&[k], vec![v]).unwrap(),
+                            MemoStep::Delete(k) => local.delete(&[k]).unwrap(),
+                            MemoStep::Remember(r) => {
+                                let range = KeyRange::new(vec![MEMO_RANGES[r].0], vec![MEMO_RANGES[r].1]);
                                 let now = local.scan(&range, usize::MAX, false).unwrap();
-                                proptest::prop_assert_eq!(known.as_ref(), &now, "recall of {:?}", range);
+                                local.remember(&range, Arc::new(now));
+                            }
+                            MemoStep::Recall(r) => {
+                                let range = KeyRange::new(vec![MEMO_RANGES[r].0], vec![MEMO_RANGES[r].1]);
+                                if let Some(known) = local.recall(&range) {
+                                    let known = known.downcast::<Vec<(Key, Value)>>().unwrap();
+                                    let now = local.scan(&range, usize::MAX, false).unwrap();
+                                    proptest::prop_assert_eq!(known.as_ref(), &now, "recall of {:?}", range);
+                                }
                             }
                         }
                     }
+                    let (writes, remembered) = local.into_parts();
+                    if succeeds {
+                        memo.absorb(&writes, remembered);
+                        group.absorb(writes);
+                    }
                 }
-                let (writes, remembered) = local.into_parts();
-                if succeeds {
-                    memo.absorb(&writes, remembered);
-                    group.absorb(writes);
-                }
+                let writes = group.into_writes();
+                apply(&mut base, &writes);
             }
         }
     }
