@@ -21,9 +21,14 @@ pub const SEQ_ORIGIN: u64 = 1 << 63;
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     let mut out = Vec::with_capacity(256);
-    // Serializing plain structs into a Vec cannot fail.
-    let _ = rmp_serde::encode::write(&mut out, value);
+    encode_into(&mut out, value);
     out
+}
+
+/// Appends `value`'s encoding to `out`.
+fn encode_into<T: Serialize>(out: &mut Vec<u8>, value: &T) {
+    // Serializing plain structs into a Vec cannot fail.
+    let _ = rmp_serde::encode::write(out, value);
 }
 
 pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {
@@ -398,8 +403,7 @@ pub(crate) struct EventRef<'a> {
 pub(crate) fn append_to_page<T: Serialize>(page: &mut Vec<u8>, record: &T) {
     let at = page.len();
     page.extend_from_slice(&[0; 4]);
-    // Serializing plain structs into a Vec cannot fail.
-    let _ = rmp_serde::encode::write(page, record);
+    encode_into(page, record);
     let len = (page.len() - at - 4) as u32;
     page[at..at + 4].copy_from_slice(&len.to_be_bytes());
 }

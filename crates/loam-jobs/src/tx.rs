@@ -176,8 +176,8 @@ impl<'a> Tx<'a> {
         if let Some(c) = self.cache(q)?.config.clone() {
             return Ok(c);
         }
-        let config: QueueConfig =
-            self.get_record(&QueueKeys::new(q).config())?.unwrap_or_else(|| QueueConfig::defaults(self.config));
+        let key = self.cache(q)?.keys.config();
+        let config: QueueConfig = self.get_record(&key)?.unwrap_or_else(|| QueueConfig::defaults(self.config));
         self.cache(q)?.config = Some(config.clone());
         Ok(config)
     }
@@ -187,7 +187,8 @@ impl<'a> Tx<'a> {
         if let Some(dlq) = &config.dead_letter_queue {
             model::validate_name("dead-letter queue", dlq, crate::ops::enqueue::MAX_NAME_BYTES)?;
         }
-        self.put_record(&QueueKeys::new(q).config(), &config)?;
+        let key = self.cache(q)?.keys.config();
+        self.put_record(&key, &config)?;
         self.cache(q)?.config = Some(config);
         Ok(())
     }
