@@ -296,6 +296,80 @@ fn local_range<'w>(writes: &'w Writes, range: &KeyRange, reverse: bool) -> Vec<(
     if reverse { writes.range(bounds).rev().collect() } else { writes.range(bounds).collect() }
 }
 
+/// The net effect of write sets applied in order: each key once, in key
+/// order, with its last set's write. A group of batches is logged and written
+/// to redb this way, not batch after batch: one-at-a-time adds, a batch each,
+/// rewrite the same event page and counters in every batch, and applied one by
+/// one a group of them wrote its page and counters again for each add.
+pub fn net_writes<'a>(sets: &[&'a Writes]) -> NetWrites<'a> {
+    let mut sets: Vec<_> = sets.iter().map(|writes| writes.iter()).collect();
+    let mut heads = std::collections::BinaryHeap::with_capacity(sets.len());
+    for (set, writes) in sets.iter_mut().enumerate() {
+        if let Some((key, value)) = writes.next() {
+            heads.push(Head { key, value, set });
+        }
+    }
+    NetWrites { sets, heads }
+}
+
+/// See [`net_writes`]: a merge of the sets' sorted writes.
+pub struct NetWrites<'a> {
+    sets: Vec<std::collections::btree_map::Iter<'a, Key, Option<Value>>>,
+    heads: std::collections::BinaryHeap<Head<'a>>,
+}
+
+/// A set's next write; the greatest head is the smallest key, and among equal
+/// keys the latest set's.
+struct Head<'a> {
+    key: &'a Key,
+    value: &'a Option<Value>,
+    set: usize,
+}
+
+impl PartialEq for Head<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
+
+impl Eq for Head<'_> {}
+
+impl PartialOrd for Head<'_> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Head<'_> {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other.key.cmp(self.key).then(self.set.cmp(&other.set))
+    }
+}
+
+impl<'a> NetWrites<'a> {
+    fn advance(&mut self, set: usize) {
+        if let Some((key, value)) = self.sets[set].next() {
+            self.heads.push(Head { key, value, set });
+        }
+    }
+}
+
+impl<'a> Iterator for NetWrites<'a> {
+    type Item = (&'a Key, &'a Option<Value>);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let newest = self.heads.pop()?;
+        self.advance(newest.set);
+        // Older sets' writes of the same key are overwritten.
+        while self.heads.peek().is_some_and(|older| older.key == newest.key) {
+            if let Some(older) = self.heads.pop() {
+                self.advance(older.set);
+            }
+        }
+        Some((newest.key, newest.value))
+    }
+}
+
 /// The writes of batches that ran but whose commit is not done yet, merged
 /// (the newest write of a key wins), each stamped with the batch that made it.
 #[derive(Default)]
@@ -497,6 +571,27 @@ mod tests {
                 rev
             }),
         ]
+    }
+
+    proptest::proptest! {
+        /// The net writes of several sets are each key once, ascending, with
+        /// the last set's write of it: what applying the sets in order leaves.
+        #[test]
+        fn net_writes_are_the_sets_applied_in_order(
+            sets in proptest::collection::vec(
+                proptest::collection::btree_map(0u8..24, proptest::option::of(0u8..4), 0..12),
+                0..8,
+            ),
+        ) {
+            let sets: Vec<Writes> = sets.into_iter().map(writes_of).collect();
+            let mut applied = Writes::new();
+            for set in &sets {
+                applied.extend(set.iter().map(|(k, v)| (k.clone(), v.clone())));
+            }
+            let net: Vec<_> = net_writes(&sets.iter().collect::<Vec<_>>()).collect();
+            let want: Vec<_> = applied.iter().collect();
+            proptest::prop_assert_eq!(net, want);
+        }
     }
 
     proptest::proptest! {

@@ -37,7 +37,7 @@ use super::placement::{CallerWaits, Placement};
 use super::wal::Wal;
 use super::{Durability, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
-use crate::kv::{Key, KeyRange, KvRead, Layer, Memo, Overlay, PendingWrites, Stacked, Value, Writes};
+use crate::kv::{Key, KeyRange, KvRead, Layer, Memo, Overlay, PendingWrites, Stacked, Value, Writes, net_writes};
 
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("loam_jobs");
 /// The write-ahead log's generation (see [`super::wal`]), set by each checkpoint.
@@ -266,7 +266,10 @@ fn store_generation(txn: &redb::WriteTransaction, generation: u64) -> Result<(),
     Ok(())
 }
 
-fn apply(table: &mut redb::Table<&'static [u8], &'static [u8]>, writes: &Writes) -> Result<(), StoreError> {
+fn apply<'a>(
+    table: &mut redb::Table<&'static [u8], &'static [u8]>,
+    writes: impl IntoIterator<Item = (&'a Key, &'a Option<Value>)>,
+) -> Result<(), StoreError> {
     for (key, value) in writes {
         match value {
             Some(v) => {
@@ -1077,7 +1080,7 @@ impl Committer {
             File::Inline(file) => return file.write(&[group], sync, None),
             File::Logged { wal, .. } => wal,
         };
-        let record = Wal::encode(batches.iter().map(|b| b.writes.as_ref()));
+        let record = Wal::encode(net_writes(&batches.iter().map(|b| b.writes.as_ref()).collect::<Vec<_>>()));
         if !wal.fits(&record) {
             return self.checkpoint(Some(group));
         }
@@ -1282,9 +1285,7 @@ impl FileWriter {
         txn.set_durability(if durable { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
         {
             let mut table = txn.open_table(TABLE).map_err(io)?;
-            for (_, writes) in batches {
-                apply(&mut table, writes)?;
-            }
+            apply(&mut table, net_writes(&batches.iter().map(|(_, writes)| writes.as_ref()).collect::<Vec<_>>()))?;
         }
         if let Some(generation) = generation {
             store_generation(&txn, generation)?;

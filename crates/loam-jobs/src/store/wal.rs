@@ -30,7 +30,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use crate::kv::Writes;
+use crate::kv::{Key, Value, Writes};
 
 const HEADER: usize = 4 + 8 + 8 + 4;
 const DELETE: u8 = 0;
@@ -94,9 +94,9 @@ impl Wal {
     }
 
     /// Encodes `writes`, applied in order, as one record's payload.
-    pub(crate) fn encode<'a>(writes: impl Iterator<Item = &'a Writes>) -> Vec<u8> {
+    pub(crate) fn encode<'a>(writes: impl IntoIterator<Item = (&'a Key, &'a Option<Value>)>) -> Vec<u8> {
         let mut record = vec![0u8; HEADER];
-        for (key, value) in writes.flat_map(|w| w.iter()) {
+        for (key, value) in writes {
             match value {
                 Some(v) => {
                     record.push(PUT);
@@ -285,10 +285,10 @@ mod tests {
         let a = writes(&[("a", Some("1")), ("b", None)]);
         let b = writes(&[("a", Some("2"))]);
         let c = writes(&[("c", Some("3"))]);
-        assert!(wal.append(Wal::encode([&a].into_iter())).is_ok());
-        assert!(wal.append(Wal::encode([&b].into_iter())).is_ok());
+        assert!(wal.append(Wal::encode(a.iter())).is_ok());
+        assert!(wal.append(Wal::encode(b.iter())).is_ok());
         let torn_at = wal.end;
-        assert!(wal.append(Wal::encode([&c].into_iter())).is_ok());
+        assert!(wal.append(Wal::encode(c.iter())).is_ok());
         wal.sync().unwrap();
         drop(wal);
         let (_, records) = Wal::open(&path, 7, 4096).unwrap();
@@ -310,13 +310,13 @@ mod tests {
         let (mut wal, _) = Wal::open(&path, 1, 4096).unwrap();
         let long = writes(&[("old", Some("a long value from before the checkpoint"))]);
         let later = writes(&[("old2", Some("x"))]);
-        assert!(wal.append(Wal::encode([&long].into_iter())).is_ok());
-        assert!(wal.append(Wal::encode([&later].into_iter())).is_ok());
+        assert!(wal.append(Wal::encode(long.iter())).is_ok());
+        assert!(wal.append(Wal::encode(later.iter())).is_ok());
         // Generation 3 writes generation 1's region again.
         wal.restart(2).unwrap();
         wal.restart(3).unwrap();
         let short = writes(&[("new", Some("b"))]);
-        assert!(wal.append(Wal::encode([&short].into_iter())).is_ok());
+        assert!(wal.append(Wal::encode(short.iter())).is_ok());
         wal.sync().unwrap();
         drop(wal);
         let (_, records) = Wal::open(&path, 3, 4096).unwrap();
@@ -330,11 +330,11 @@ mod tests {
         let (mut wal, _) = Wal::open(&path, 4, 4096).unwrap();
         let before = writes(&[("a", Some("1"))]);
         let during = writes(&[("a", Some("2")), ("b", Some("3"))]);
-        assert!(wal.append(Wal::encode([&before].into_iter())).is_ok());
+        assert!(wal.append(Wal::encode(before.iter())).is_ok());
         // A checkpoint to generation 5 is asked for; commits go on in the
         // other region before it is made, and the process dies.
         wal.restart(5).unwrap();
-        assert!(wal.append(Wal::encode([&during].into_iter())).is_ok());
+        assert!(wal.append(Wal::encode(during.iter())).is_ok());
         wal.sync().unwrap();
         drop(wal);
         let (_, records) = Wal::open(&path, 4, 4096).unwrap();
@@ -354,7 +354,7 @@ mod tests {
         let (mut wal, _) = Wal::open(&dir.path().join("log"), 4, 4096).unwrap();
         let failing = Arc::new(AtomicBool::new(false));
         wal.fail_while(Arc::clone(&failing));
-        assert!(wal.append(Wal::encode([&writes(&[("lease", Some("active"))])].into_iter())).is_ok());
+        assert!(wal.append(Wal::encode(writes(&[("lease", Some("active"))]).iter())).is_ok());
         failing.store(true, Ordering::SeqCst);
         assert!(wal.restart(5).is_err(), "switched regions with the record unsynced");
         assert_eq!(wal.generation(), 4);
@@ -369,7 +369,7 @@ mod tests {
         let path = dir.path().join("log");
         let (mut wal, _) = Wal::open(&path, 2, 4096).unwrap();
         let old = writes(&[("a", Some("1"))]);
-        assert!(wal.append(Wal::encode([&old].into_iter())).is_ok());
+        assert!(wal.append(Wal::encode(old.iter())).is_ok());
         wal.sync().unwrap();
         drop(wal);
         // What a log of one region left, at its start, under an odd generation.
@@ -388,7 +388,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (mut wal, _) = Wal::open(&dir.path().join("log"), 1, 64).unwrap();
         let big = writes(&[("k", Some(&"v".repeat(100)))]);
-        let record = Wal::encode([&big].into_iter());
+        let record = Wal::encode(big.iter());
         assert!(!wal.fits(&record));
         assert!(wal.append(record).is_err());
         assert!(wal.is_empty());
