@@ -301,8 +301,8 @@ fn local_range<'w>(writes: &'w Writes, range: &KeyRange, reverse: bool) -> Vec<(
 /// to redb this way, not batch after batch: one-at-a-time adds, a batch each,
 /// rewrite the same event page and counters in every batch, and applied one by
 /// one a group of them wrote its page and counters again for each add.
-pub fn net_writes<'a>(sets: &[&'a Writes]) -> NetWrites<'a> {
-    let mut sets: Vec<_> = sets.iter().map(|writes| writes.iter()).collect();
+pub fn net_writes<'a>(sets: impl IntoIterator<Item = &'a Writes>) -> NetWrites<'a> {
+    let mut sets: Vec<_> = sets.into_iter().map(|writes| writes.iter()).collect();
     let mut heads = std::collections::BinaryHeap::with_capacity(sets.len());
     for (set, writes) in sets.iter_mut().enumerate() {
         if let Some((key, value)) = writes.next() {
@@ -588,7 +588,7 @@ mod tests {
             for set in &sets {
                 applied.extend(set.iter().map(|(k, v)| (k.clone(), v.clone())));
             }
-            let net: Vec<_> = net_writes(&sets.iter().collect::<Vec<_>>()).collect();
+            let net: Vec<_> = net_writes(&sets).collect();
             let want: Vec<_> = applied.iter().collect();
             proptest::prop_assert_eq!(net, want);
         }

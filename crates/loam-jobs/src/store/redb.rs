@@ -1080,7 +1080,7 @@ impl Committer {
             File::Inline(file) => return file.write(&[group], sync, None),
             File::Logged { wal, .. } => wal,
         };
-        let record = Wal::encode(net_writes(&batches.iter().map(|b| b.writes.as_ref()).collect::<Vec<_>>()));
+        let record = Wal::encode(net_writes(batches.iter().map(|b| b.writes.as_ref())));
         if !wal.fits(&record) {
             return self.checkpoint(Some(group));
         }
@@ -1285,7 +1285,7 @@ impl FileWriter {
         txn.set_durability(if durable { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
         {
             let mut table = txn.open_table(TABLE).map_err(io)?;
-            apply(&mut table, net_writes(&batches.iter().map(|(_, writes)| writes.as_ref()).collect::<Vec<_>>()))?;
+            apply(&mut table, net_writes(batches.iter().map(|(_, writes)| writes.as_ref())))?;
         }
         if let Some(generation) = generation {
             store_generation(&txn, generation)?;
