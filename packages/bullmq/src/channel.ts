@@ -100,6 +100,21 @@ export interface CallHooks {
   /** Learns the connection a unary call goes on. */
   carriedBy?: (connection: Connection) => void;
   /**
+   * Told, after each attempt is sent, the number of the session stream it
+   * went on when that stream's connection is made (see `Session.liveStream`),
+   * else `undefined`: a call that must follow this one may be sent behind it
+   * on that stream, without waiting for its answer.
+   */
+  sentOn?: (stream: number | undefined) => void;
+  /** Awaited before each attempt: what must be sent before the call is. */
+  sendAfter?: () => Promise<void>;
+  /**
+   * The server recognizes the call made again (an add under an idempotency
+   * key): one cut on its way, which may or may not have been applied, is
+   * tried again as one that never left is, rather than failed.
+   */
+  resendable?: boolean;
+  /**
    * Once aborted, a call that could not reach its server is not tried again:
    * its backend closed, or its Worker is closing (BullMQ's Worker cuts its
    * blocking calls first, then waits for its main loop; waiting each of the
@@ -156,6 +171,8 @@ export class RemoteChannel {
   /** With `calls: 'session'`: the stream every call goes on, and a client whose methods use it. */
   private readonly session?: Session;
   private readonly sessionClient?: JobsClient;
+  /** The session stream the call just made went on, if its connection is made (see `CallHooks.sentOn`). */
+  private sentOn: number | undefined;
   /** Until when calls wait, after the server refused the token. */
   private refusedUntil = 0;
   /**
@@ -183,11 +200,38 @@ export class RemoteChannel {
       this.sessionClient = new Proxy({} as JobsClient, {
         get: (_, method: string) => (request: never, options?: CallOptions) => {
           const encoded = session.encode(method as SessionCall, request, Date.now());
-          if (encoded.framed.length <= SESSION_MAX_MESSAGE_BYTES) return session.send(encoded, options?.signal);
+          if (encoded.framed.length <= SESSION_MAX_MESSAGE_BYTES) {
+            const answer = session.send(encoded, options?.signal);
+            this.sentOn = session.liveStream;
+            return answer;
+          }
+          this.sentOn = undefined;
           return this.unary(client => (client[method as keyof JobsClient] as UnaryMethod)(request, options));
         },
       });
     }
+  }
+
+  /** The session stream a call sent now goes on, if its connection is made (see `Session.liveStream`). */
+  get liveStream(): number | undefined {
+    return this.session?.liveStream;
+  }
+
+  /**
+   * How long after the server applied a resendable call it may get that call
+   * again: the answer may be lost on a connection that died without a word
+   * (found out within a ping interval and a ping timeout), and the call is
+   * then tried until the server has been unreachable for
+   * `reconnectTimeoutMs`. With a minute to spare, for slow clocks and
+   * servers.
+   */
+  get resendWindowMs(): number {
+    return (
+      this.keepalive.pingIntervalMs +
+      this.keepalive.pingTimeoutMs +
+      Math.max(0, this.settings.reconnectTimeoutMs ?? DEFAULT_RECONNECT_TIMEOUT_MS) +
+      60_000
+    );
   }
 
   /** A backend starts using the channel. */
@@ -238,7 +282,7 @@ export class RemoteChannel {
     command: BullmqCommand,
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
     signal?: AbortSignal,
-    { carriedBy, stopRetrying }: CallHooks = {},
+    { carriedBy, stopRetrying, sentOn, sendAfter, resendable = false }: CallHooks = {},
   ): Promise<T> {
     const session = this.sessionClient;
     const waitUntil = signal && stopRetrying ? AbortSignal.any([signal, stopRetrying]) : (signal ?? stopRetrying);
@@ -249,12 +293,21 @@ export class RemoteChannel {
         if (refused > 0) await sleep(refused, undefined, { signal: waitUntil }).catch(() => undefined);
         else this.refusedUntil = 0;
       }
+      if (sendAfter) await sendAfter();
       if (signal?.aborted) throw new CallAborted();
       let failure: unknown;
       try {
-        const answer = await (session
-          ? rpc(session, { signal })
-          : this.unary(client => rpc(client, { signal }), carriedBy));
+        let answering: Promise<T>;
+        if (session) {
+          this.sentOn = undefined;
+          answering = rpc(session, { signal });
+          // The session's methods send at once, before they return.
+          sentOn?.(this.sentOn);
+        } else {
+          answering = this.unary(client => rpc(client, { signal }), carriedBy);
+          sentOn?.(undefined);
+        }
+        const answer = await answering;
         this.unreachableSince = 0;
         return answer;
       } catch (err) {
@@ -264,7 +317,7 @@ export class RemoteChannel {
         }
         // Tried again while its backend is open, and the server may yet come
         // back in time.
-        if (!neverSent(err)) {
+        if (!neverSent(err) && !(resendable && cutOnItsWay(err))) {
           this.unreachableSince = 0;
           throw toBullmqError(err, command);
         }
@@ -413,6 +466,13 @@ export function neverSent(err: unknown): boolean {
     if (syscall === 'connect' || syscall === 'getaddrinfo') return true;
   }
   return false;
+}
+
+/** Whether a call sent failed on its way, not refused by the server (see `isTransportFailure`). */
+function cutOnItsWay(err: unknown): boolean {
+  if (!(err instanceof ConnectError)) return false;
+  const [detail] = err.findDetails(ErrorDetailSchema);
+  return isTransportFailure(err, detail);
 }
 
 /** Connect code names as the server's bulk results spell them (`invalid_argument`). */

@@ -41,7 +41,7 @@ import type {
 import type { MessageInitShape } from '@bufbuild/protobuf';
 import type { FactoryOptions } from './backend.js';
 import type { CallOptions } from '@connectrpc/connect';
-import { CallAborted, type JobsClient, type RemoteChannel } from './channel.js';
+import { CallAborted, type CallHooks, type JobsClient, type RemoteChannel } from './channel.js';
 import {
   clientListText,
   dependenciesPage,
@@ -243,6 +243,11 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** Settles once every ordered write issued so far has been answered (see `send`). */
   private orderedWrites: Promise<void> = Promise.resolve();
   private orderedInFlight = 0;
+  /** What this backend's adds are told apart by on the server (see `addJob`): a prefix, then a count. */
+  private readonly addKeyPrefix = `bullmq-add:${randomBytes(12).toString('base64url')}:`;
+  private adds = 0;
+  /** The last ordered write issued: what the next one is sent behind (see `send`). */
+  private lastOrdered: OrderedWrite = OrderedWrite.answered();
 
   constructor(
     private readonly channel: RemoteChannel,
@@ -282,9 +287,19 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * waiting, jobs added in a loop wait in that order. Concurrent calls on
    * HTTP/2 streams have no order, so writes that callers issue and leave
    * behind (adds, queue and job admin, schedulers, progress and logs) are
-   * `ordered`: each is sent once the previous one was answered, and every
-   * other call starts after the ordered writes issued before it. A worker's
-   * own calls (lease, extend, complete) do not wait for one another.
+   * `ordered`: they reach the server in call order, and every other call
+   * starts after the ordered writes issued before it were answered (a read
+   * runs on the server at once, ahead of writes still queued there). A
+   * worker's own calls (lease, extend, complete) do not wait for one another.
+   *
+   * An add (`resendable`: the server knows it again by its key) is sent as
+   * soon as the ordered write before it was answered or is on the session
+   * stream the add goes on: the server starts a stream's calls in the order
+   * they came, so `Promise.all` of adds costs about one round trip, not one
+   * each. If the stream fails, the adds on it are sent again, each behind
+   * the one before. Any other ordered write waits for the answers of all
+   * before it: it is not sent again if cut, so an add ahead of it that is
+   * could land after it.
    *
    * A call of a Worker that cut its blocking calls (to close or pause) does
    * not wait for a server that is away, unless it records the outcome of the
@@ -298,27 +313,39 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
     {
       ordered = false,
+      resendable = false,
       signal,
       deadlineMs,
       recordsOutcome = false,
-    }: { ordered?: boolean; signal?: AbortSignal; deadlineMs?: number; recordsOutcome?: boolean } = {},
+    }: { ordered?: boolean; resendable?: boolean; signal?: AbortSignal; deadlineMs?: number; recordsOutcome?: boolean } = {},
   ): Promise<T> {
     // As the in-process backend's closed store refuses it (a shutdown race in
     // the caller's code would otherwise still add work: the channel reconnects).
     if (this.closing) return Promise.reject(loamError('unavailable', 'the backend is closed'));
-    const start = () => {
+    const start = (hooks: CallHooks = {}) => {
       const stopRetrying = recordsOutcome ? undefined : this.blocking.signal;
       return deadlineMs === undefined || !signal
-        ? this.channel.call(command, rpc, signal, { stopRetrying })
+        ? this.channel.call(command, rpc, signal, { ...hooks, stopRetrying })
         : this.channel.longPoll(command, rpc, signal, deadlineMs, stopRetrying);
     };
-    if (!ordered) return this.orderedInFlight === 0 ? start() : this.orderedWrites.then(start);
+    if (!ordered) return this.orderedInFlight === 0 ? start() : this.orderedWrites.then(() => start());
     this.orderedInFlight++;
-    const sent = this.orderedWrites.then(start);
+    const before = this.lastOrdered;
+    const write = new OrderedWrite();
+    this.lastOrdered = write;
+    const hooks: CallHooks = { sentOn: stream => write.sentOn(stream) };
+    let sent: Promise<T>;
+    if (resendable) {
+      sent = start({ ...hooks, resendable, sendAfter: () => before.followable(() => this.channel.liveStream) });
+    } else {
+      sent = this.orderedWrites.then(() => start(hooks));
+    }
     const answered = () => {
       this.orderedInFlight--;
+      write.answer();
     };
-    this.orderedWrites = sent.then(answered, answered);
+    const settled = sent.then(answered, answered);
+    this.orderedWrites = Promise.all([this.orderedWrites, settled]).then(ignore);
     return this.channel.track(sent);
   }
 
@@ -526,8 +553,15 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       );
       return r.enqueued[0]?.id ?? '';
     }
-    const r = await this.send(command, (c, o) => c.enqueue({ queue: this.queueName, job: jobSpec(entry) }, o), {
+    // Under a key of its own, the add may be sent again when its connection
+    // fails on the way: the server answers a repeat with the job the first
+    // made, so no add is lost or made twice, and adds left un-awaited need
+    // not wait for each other's answers (see `send`).
+    const idempotency = { key: `${this.addKeyPrefix}${++this.adds}`, ttlMs: BigInt(this.channel.resendWindowMs) };
+    const spec = { ...jobSpec(entry), idempotency };
+    const r = await this.send(command, (c, o) => c.enqueue({ queue: this.queueName, job: spec }, o), {
       ordered: true,
+      resendable: true,
     });
     return r.enqueued?.id ?? '';
   }
@@ -1373,6 +1407,52 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async getJobSchedulersCount(): Promise<number> {
     const r = await this.query({ command: 'getJobSchedulersCount' }, { case: 'schedulerCount', value: true });
     return r.case === 'number' ? Number(r.value) : 0;
+  }
+}
+
+/**
+ * An ordered write as the next one sees it (see `RemoteQueueBackend.send`):
+ * that one may be sent once this one is answered, or while this one's last
+ * attempt is on the session stream it would go on itself, since the server
+ * starts the calls of a stream in the order they came.
+ */
+class OrderedWrite {
+  private done = false;
+  /** The session stream this write's last attempt went on, if its connection was made. */
+  private stream: number | undefined;
+  private wake!: () => void;
+  private changed = this.next();
+
+  static answered(): OrderedWrite {
+    const write = new OrderedWrite();
+    write.answer();
+    return write;
+  }
+
+  sentOn(stream: number | undefined): void {
+    this.stream = stream;
+    this.wake();
+  }
+
+  answer(): void {
+    this.done = true;
+    this.wake();
+  }
+
+  /** Settles once a write may be sent behind this one; `liveStream` says where it would go now. */
+  async followable(liveStream: () => number | undefined): Promise<void> {
+    // A stream that failed fails this write too, which then answers or is
+    // sent again: either wakes this loop.
+    while (!this.done && (this.stream === undefined || this.stream !== liveStream())) await this.changed;
+  }
+
+  private next(): Promise<void> {
+    return new Promise<void>(resolve => {
+      this.wake = () => {
+        this.changed = this.next();
+        resolve();
+      };
+    });
   }
 }
 

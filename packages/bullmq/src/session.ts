@@ -70,6 +70,8 @@ export class Session {
   private partialNeeds = 0;
   /** Whether the stream received anything since the keepalive last looked. */
   private heard = false;
+  /** How many streams were opened (see `liveStream`). */
+  private streams = 0;
 
   constructor(
     private readonly url: string,
@@ -80,6 +82,22 @@ export class Session {
   /** Whether calls are in flight (the channel stays open while they are). */
   get busy(): boolean {
     return this.waiting.size > 0;
+  }
+
+  /**
+   * The number of the stream a call sent now goes on, if its connection is
+   * made (else `undefined`). The server starts the calls of one stream in the
+   * order they came, so a call sent on stream `n` is behind every call sent
+   * on it before; a call sent while connecting may yet fail unsent. Each new
+   * stream gets a new number: a call on a stream that failed is not behind
+   * anything sent on the next.
+   */
+  get liveStream(): number | undefined {
+    const connection = this.connection;
+    const stream = this.stream;
+    if (!connection || connection.connecting || connection.closed || connection.destroyed) return undefined;
+    if (!stream || stream.closed || stream.destroyed) return undefined;
+    return this.streams;
   }
 
   /**
@@ -157,6 +175,7 @@ export class Session {
       ...this.headers,
     });
     this.stream = stream;
+    this.streams++;
     this.partial = [];
     this.partialBytes = 0;
     let status = 200;

@@ -231,6 +231,68 @@ describeRemote('remote connection failures', () => {
     await queue.close();
   });
 
+  /**
+   * A Queue through a proxy whose session is made (it added a first job, `n`
+   * -1), and a watcher on the same queue straight to the server.
+   */
+  async function addsThroughProxy() {
+    const link = await proxy();
+    const { through, direct } = classes({ url: link.url });
+    const name = `q-${randomUUID()}`;
+    const queue = new through.Queue(name, { connection: {} });
+    const watcher = new direct.Queue(name, { connection: {} });
+    await queue.add('first', { n: -1 });
+    onTestFinished(() => Promise.all([queue.close(), watcher.close()]));
+    return { link, queue, watcher };
+  }
+
+  /** The queue holds the first job, then one for each of `jobs` (`n` 0, 1, ...), in call order and made once. */
+  async function expectAddedOnceInOrder(watcher: InstanceType<ReturnType<typeof withBackend>['Queue']>, jobs: Job[]) {
+    const waiting = await watcher.getWaiting(0, -1);
+    expect(waiting.map(j => j.data.n)).toEqual(Array.from({ length: jobs.length + 1 }, (_, n) => n - 1));
+    // Each add resolved with the job the server made for it the first time.
+    expect(jobs.map(j => j.id)).toEqual(waiting.slice(1).map(j => j.id));
+  }
+
+  it('un-awaited adds are sent without waiting for answers, and the server applies them in call order', async () => {
+    const { link, queue, watcher } = await addsThroughProxy();
+    link.holdReplies();
+    const adds = Array.from({ length: 20 }, (_, n) => queue.add('pipelined', { n }));
+    try {
+      // No answer has come back, yet every add reached the server. Sent
+      // each once the one before was answered, at most one of them would.
+      await vi.waitFor(async () => expect(await watcher.count()).toBe(21), { timeout: 5_000, interval: 20 });
+    } finally {
+      link.passReplies();
+    }
+    await expectAddedOnceInOrder(watcher, await Promise.all(adds));
+  });
+
+  it('adds whose connection is cut after the server applied them are sent again and added once, in call order', async () => {
+    const { link, queue, watcher } = await addsThroughProxy();
+    link.holdReplies();
+    const adds = Array.from({ length: 20 }, (_, n) => queue.add('cut', { n }));
+    await vi.waitFor(async () => expect(await watcher.count()).toBe(21), { timeout: 5_000, interval: 20 });
+    // The answers are lost with the connection; the adds are sent again.
+    link.cut();
+    link.passReplies();
+    await expectAddedOnceInOrder(watcher, await Promise.all(adds));
+  });
+
+  it('adds made while cut adds wait to be sent again go after them', async () => {
+    const { link, queue, watcher } = await addsThroughProxy();
+    // None of these reaches the server: the proxy cuts the connection when
+    // the first comes, and the rest go on the dying stream.
+    link.cutOnNextSend();
+    const cut = Array.from({ length: 10 }, (_, n) => queue.add('cut', { n }));
+    // The client has seen the connection close by now; the cut adds are
+    // sent again only after a first wait of 50 ms. Sent at once on a new
+    // connection, these would land before them.
+    await new Promise(resolve => setTimeout(resolve, 15));
+    const after = Array.from({ length: 10 }, (_, n) => queue.add('after', { n: 10 + n }));
+    await expectAddedOnceInOrder(watcher, await Promise.all([...cut, ...after]));
+  });
+
   it('a call gives up on a server that stays away after reconnectTimeoutMs', async () => {
     const port = await freePort();
     const { Queue } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}`, reconnectTimeoutMs: 300 }));

@@ -1,7 +1,9 @@
 /**
  * A TCP proxy in front of a `loam-jobs serve`, for tests of what the remote
  * backend does when its connection fails: cut every connection when the
- * client next sends something, or leave the connections open but silent.
+ * client next sends something, or leave the connections open but silent;
+ * and for tests of what it sends before it hears back: hold the server's
+ * replies.
  */
 import * as net from 'node:net';
 
@@ -10,8 +12,14 @@ export interface TcpProxy {
   url: string;
   /** The next bytes a client sends are not passed on: every connection is cut instead. */
   cutOnNextSend(): void;
+  /** Every connection is cut now (replies held back are dropped). */
+  cut(): void;
   /** The connections open now pass nothing more, either way, and stay open (a half-open link); new ones work. */
   silence(): void;
+  /** What the server sends is kept back, until `passReplies`; what clients send still passes. */
+  holdReplies(): void;
+  /** Sends on what was kept back, and lets replies pass again. */
+  passReplies(): void;
   close(): Promise<void>;
 }
 
@@ -20,6 +28,7 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
   const sockets = new Set<net.Socket>();
   const silenced = new Set<net.Socket>();
   let cutArmed = false;
+  let held: [net.Socket, Buffer][] | undefined;
   const cutAll = () => {
     for (const socket of sockets) socket.destroy();
     sockets.clear();
@@ -35,7 +44,8 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
       } else if (!silenced.has(client)) upstream.write(data);
     });
     upstream.on('data', data => {
-      if (!silenced.has(client)) client.write(data);
+      if (held) held.push([client, data]);
+      else if (!silenced.has(client)) client.write(data);
     });
     const end = () => {
       client.destroy();
@@ -56,8 +66,20 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
     cutOnNextSend: () => {
       cutArmed = true;
     },
+    cut: () => {
+      held = held && [];
+      cutAll();
+    },
     silence: () => {
       for (const socket of sockets) silenced.add(socket);
+    },
+    holdReplies: () => {
+      held ??= [];
+    },
+    passReplies: () => {
+      const kept = held ?? [];
+      held = undefined;
+      for (const [client, data] of kept) if (!client.destroyed && !silenced.has(client)) client.write(data);
     },
     close: () => {
       cutAll();
