@@ -246,6 +246,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** What this backend's adds are told apart by on the server (see `addJob`): a prefix, then a count. */
   private readonly addKeyPrefix = `bullmq-add:${randomBytes(12).toString('base64url')}:`;
   private adds = 0;
+  /** Settles once every resendable write (add) issued so far has been answered (see `send`). */
+  private resendsAnswered: Promise<void> = Promise.resolve();
   /** The last ordered write issued: what the next one is sent behind (see `send`). */
   private lastOrdered: OrderedWrite = OrderedWrite.answered();
 
@@ -292,14 +294,15 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * runs on the server at once, ahead of writes still queued there). A
    * worker's own calls (lease, extend, complete) do not wait for one another.
    *
-   * An add (`resendable`: the server knows it again by its key) is sent as
-   * soon as the ordered write before it was answered or is on the session
-   * stream the add goes on: the server starts a stream's calls in the order
-   * they came, so `Promise.all` of adds costs about one round trip, not one
-   * each. If the stream fails, the adds on it are sent again, each behind
-   * the one before. Any other ordered write waits for the answers of all
-   * before it: it is not sent again if cut, so an add ahead of it that is
-   * could land after it.
+   * An ordered write is sent as soon as the one before it was answered or
+   * is on the session stream it goes on itself: the server starts a
+   * stream's calls in the order they came, so `Promise.all` of adds costs
+   * about one round trip, not one each. If the stream fails, the adds on it
+   * (`resendable`: the server knows one again by its key) are sent again,
+   * each behind the one before; the other writes on it fail with
+   * `ConnectionClosedError` (their callers cannot know whether they were
+   * applied). So any other write also waits for the answers of the adds
+   * before it: one of them sent again could land after it.
    *
    * A call of a Worker that cut its blocking calls (to close or pause) does
    * not wait for a server that is away, unless it records the outcome of the
@@ -333,19 +336,20 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const before = this.lastOrdered;
     const write = new OrderedWrite();
     this.lastOrdered = write;
-    const hooks: CallHooks = { sentOn: stream => write.sentOn(stream) };
-    let sent: Promise<T>;
-    if (resendable) {
-      sent = start({ ...hooks, resendable, sendAfter: () => before.followable(() => this.channel.liveStream) });
-    } else {
-      sent = this.orderedWrites.then(() => start(hooks));
-    }
+    const behind = () => before.followable(() => this.channel.liveStream);
+    const addsAnswered = this.resendsAnswered;
+    const sent = start({
+      sentOn: stream => write.sentOn(stream),
+      sendAfter: resendable ? behind : () => addsAnswered.then(behind),
+      resendable,
+    });
     const answered = () => {
       this.orderedInFlight--;
       write.answer();
     };
     const settled = sent.then(answered, answered);
     this.orderedWrites = Promise.all([this.orderedWrites, settled]).then(ignore);
+    if (resendable) this.resendsAnswered = Promise.all([this.resendsAnswered, settled]).then(ignore);
     return this.channel.track(sent);
   }
 

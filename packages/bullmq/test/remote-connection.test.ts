@@ -293,6 +293,30 @@ describeRemote('remote connection failures', () => {
     await expectAddedOnceInOrder(watcher, await Promise.all([...cut, ...after]));
   });
 
+  it('other un-awaited writes go without waiting for answers, but not ahead of an add not yet answered', async () => {
+    const { link, queue, watcher } = await addsThroughProxy();
+    const jobs = await Promise.all(Array.from({ length: 20 }, (_, n) => queue.add('a', { n })));
+    link.holdReplies();
+    try {
+      const removals = jobs.map(job => queue.remove(job.id!));
+      // No answer has come back, yet every removal reached the server.
+      await vi.waitFor(async () => expect(await watcher.count()).toBe(1), { timeout: 5_000, interval: 20 });
+      const add = queue.add('b', { n: 0 });
+      await vi.waitFor(async () => expect(await watcher.count()).toBe(2), { timeout: 5_000, interval: 20 });
+      // Were the add's connection to fail, it would be sent again, and could
+      // land after a write sent behind it: that write waits for its answer.
+      const pausing = queue.pause();
+      await new Promise(resolve => setTimeout(resolve, 200));
+      expect(await watcher.isPaused()).toBe(false);
+      link.passReplies();
+      await Promise.all([add, pausing]);
+      expect(await watcher.isPaused()).toBe(true);
+      expect(await Promise.all(removals)).toEqual(jobs.map(() => 1));
+    } finally {
+      link.passReplies();
+    }
+  });
+
   it('a call gives up on a server that stays away after reconnectTimeoutMs', async () => {
     const port = await freePort();
     const { Queue } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}`, reconnectTimeoutMs: 300 }));
