@@ -146,6 +146,12 @@ const DEFAULT_RECONNECT_TIMEOUT_MS = 20_000;
 /** The first and the longest wait between attempts to reach a server that is away. */
 const RECONNECT_FIRST_WAIT_MS = 50;
 const RECONNECT_MAX_WAIT_MS = 1_000;
+/**
+ * How many times a resendable call cut on its way is sent again. Other calls
+ * reset the unreachable window each time one gets through, so a call whose
+ * every attempt kills its connection (or its server) would go on forever.
+ */
+const MAX_RESENDS = 5;
 
 /**
  * How long calls wait once the server refused the token (unauthenticated,
@@ -286,6 +292,7 @@ export class RemoteChannel {
   ): Promise<T> {
     const session = this.sessionClient;
     const waitUntil = signal && stopRetrying ? AbortSignal.any([signal, stopRetrying]) : (signal ?? stopRetrying);
+    let resends = 0;
     for (let wait = RECONNECT_FIRST_WAIT_MS; ; wait = Math.min(2 * wait, RECONNECT_MAX_WAIT_MS)) {
       if (this.refusedUntil !== 0) {
         // A closing backend's call is tried at once: it ends either way.
@@ -317,7 +324,7 @@ export class RemoteChannel {
         }
         // Tried again while its backend is open, and the server may yet come
         // back in time.
-        if (!neverSent(err) && !(resendable && cutOnItsWay(err))) {
+        if (!neverSent(err) && !(resendable && cutOnItsWay(err) && ++resends <= MAX_RESENDS)) {
           this.unreachableSince = 0;
           throw toBullmqError(err, command);
         }

@@ -293,6 +293,20 @@ describeRemote('remote connection failures', () => {
     await expectAddedOnceInOrder(watcher, await Promise.all([...cut, ...after]));
   });
 
+  it('an add cut on its way every time it is sent gives up after a few attempts', async () => {
+    const link = await proxy();
+    // A long window: what ends the add is the count of its attempts.
+    const { through } = classes({ url: link.url, reconnectTimeoutMs: 60_000 });
+    const queue = new through.Queue(`q-${randomUUID()}`, { connection: {} });
+    onTestFinished(() => queue.close());
+    await queue.add('first', {});
+    link.cutOnEverySend();
+    const started = Date.now();
+    await expect(queue.add('doomed', {})).rejects.toBeInstanceOf(ConnectionClosedError);
+    // Five resends, after waits of 50 to 800 ms.
+    expect(Date.now() - started).toBeLessThan(10_000);
+  });
+
   it('other un-awaited writes go without waiting for answers, but not ahead of an add not yet answered', async () => {
     const { link, queue, watcher } = await addsThroughProxy();
     const jobs = await Promise.all(Array.from({ length: 20 }, (_, n) => queue.add('a', { n })));

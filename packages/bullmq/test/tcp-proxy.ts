@@ -14,6 +14,8 @@ export interface TcpProxy {
   cutOnNextSend(): void;
   /** Every connection is cut now (replies held back are dropped). */
   cut(): void;
+  /** From now on, whatever a client sends cuts every connection instead of passing on. */
+  cutOnEverySend(): void;
   /** The connections open now pass nothing more, either way, and stay open (a half-open link); new ones work. */
   silence(): void;
   /** What the server sends is kept back, until `passReplies`; what clients send still passes. */
@@ -28,6 +30,7 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
   const sockets = new Set<net.Socket>();
   const silenced = new Set<net.Socket>();
   let cutArmed = false;
+  let cutAlways = false;
   let held: [net.Socket, Buffer][] | undefined;
   const cutAll = () => {
     for (const socket of sockets) socket.destroy();
@@ -38,7 +41,7 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
     sockets.add(client);
     sockets.add(upstream);
     client.on('data', data => {
-      if (cutArmed) {
+      if (cutArmed || cutAlways) {
         cutArmed = false;
         cutAll();
       } else if (!silenced.has(client)) upstream.write(data);
@@ -65,6 +68,9 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
     url: `http://127.0.0.1:${own}`,
     cutOnNextSend: () => {
       cutArmed = true;
+    },
+    cutOnEverySend: () => {
+      cutAlways = true;
     },
     cut: () => {
       held = held && [];
