@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -395,6 +396,30 @@ def test_enqueue_retries_an_unknown_outcome_under_one_idempotency_key() -> None:
     # A refusal is not retried.
     with pytest.raises(InvalidArgumentError):
         op.throw(InvalidArgumentError("bad"))
+
+
+def test_an_enqueues_own_key_outlives_its_retries_and_no_more() -> None:
+    class FirstCall(ops.Operations):
+        """Answers each operation with the first call it makes."""
+
+        def __init__(self, timeout_ms: int | None) -> None:
+            self._timeout_ms = timeout_ms
+
+        def _run(self, op: ops.Op[Any]) -> Any:
+            return next(op)
+
+    # Four tries of up to 5 s, the pauses between them, and a minute.
+    assert ops.own_key_ttl_ms(5_000) == 4 * 5_000 + 2_100 + 60_000
+    call = FirstCall(5_000).enqueue("q", "a")
+    assert call.request.job.idempotency.ttl_ms == 82_100
+    bulk = FirstCall(5_000).enqueue_bulk("q", [job("a"), job("b")])
+    assert [j.idempotency.ttl_ms for j in bulk.request.jobs] == [82_100, 82_100]
+    # Calls without a bound: the server's default (a day).
+    unbounded = FirstCall(None).enqueue_job("q", job("a"))
+    assert unbounded.request.job.idempotency.key and not unbounded.request.job.idempotency.has_field("ttl_ms")
+    # A key of the caller's own keeps the caller's ttl.
+    keyed = FirstCall(5_000).enqueue_job("q", job("a", idempotency_key="k", idempotency_ttl_ms=7))
+    assert keyed.request.job.idempotency.ttl_ms == 7
 
 
 def test_each_enqueue_of_one_spec_adds_a_job(client: Client, queue: str) -> None:

@@ -225,14 +225,15 @@ def uuid7() -> str:
     return str(uuid.UUID(int=value))
 
 
-def idempotent(spec: JobSpec) -> JobSpec:
+def idempotent(spec: JobSpec, ttl_ms: int | None = None) -> JobSpec:
     """`spec`, or a copy of it with an idempotency key of its own when it has
     neither a key nor a job id: an enqueue retried after an unknown outcome
-    then returns the first try's job instead of adding a second one."""
+    then returns the first try's job instead of adding a second one. The
+    server keeps the key `ttl_ms` (None: its default, a day)."""
     if spec.has_field("idempotency") or spec.job_id:
         return spec
     keyed = copy.copy(spec)
-    keyed.idempotency = Idempotency(key=uuid7())
+    keyed.idempotency = Idempotency(key=uuid7(), ttl_ms=ttl_ms)
     return keyed
 
 
