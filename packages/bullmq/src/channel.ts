@@ -174,6 +174,8 @@ export class RemoteChannel {
   private users = 0;
   /** Ordered writes of every backend on this channel not answered yet (see `track`). */
   private readonly pendingWrites = new Set<Promise<void>>();
+  /** Whether a tracked write was answered in this turn of the event loop (see `writesAnswered`). */
+  private answeredThisTurn = false;
   /** With `calls: 'session'`: the stream every call goes on, and a client whose methods use it. */
   private readonly session?: Session;
   private readonly sessionClient?: JobsClient;
@@ -262,7 +264,15 @@ export class RemoteChannel {
       () => undefined,
     );
     this.pendingWrites.add(answered);
-    void answered.then(() => this.pendingWrites.delete(answered));
+    void answered.then(() => {
+      this.pendingWrites.delete(answered);
+      if (!this.answeredThisTurn) {
+        this.answeredThisTurn = true;
+        setImmediate(() => {
+          this.answeredThisTurn = false;
+        });
+      }
+    });
     return write;
   }
 
@@ -273,7 +283,10 @@ export class RemoteChannel {
    * answering in order) never see resolve after the job started.
    */
   writesAnswered(): Promise<void> {
-    if (this.pendingWrites.size === 0) return Promise.resolve();
+    // A write answered in this turn is out of the set, but its caller's chain
+    // of awaits may not have seen it resolve yet (it and the lease's answer
+    // came in one read, and the lease's chain got here first).
+    if (this.pendingWrites.size === 0 && !this.answeredThisTurn) return Promise.resolve();
     // Then one turn of the event loop, so the callers of those writes (their
     // chains of awaits) see them resolve before anyone sees the job.
     return Promise.all([...this.pendingWrites]).then(() => new Promise<void>(resolve => setImmediate(resolve)));
