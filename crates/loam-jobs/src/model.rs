@@ -351,7 +351,79 @@ impl QueueRemains {
     }
 }
 
+/// The tag byte of [`QueueStats::encode`]: MessagePack never uses it, so
+/// counters written before, as MessagePack, are told apart.
+const FIXED_STATS_TAG: u8 = 0xc1;
+
 impl QueueStats {
+    /// The counters as a tag byte and fixed-width little-endian numbers, in
+    /// field order. Every operation on a queue reads and writes them once;
+    /// as MessagePack, through serde, that took about 1,450 of the 21,600
+    /// instructions of a one-at-a-time add on the executor's thread.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(1 + 8 * self.fields().len());
+        out.push(FIXED_STATS_TAG);
+        for field in self.fields() {
+            out.extend_from_slice(&field.to_le_bytes());
+        }
+        out
+    }
+
+    /// Reads [`QueueStats::encode`]'s form, or the MessagePack of stores
+    /// written before it. A shorter fixed form (from before a counter was
+    /// added) reads the missing counters as zero; a longer one (written by a
+    /// later version) keeps the counters this one knows.
+    pub fn decode(bytes: &[u8]) -> Result<Self, StoreError> {
+        let Some((&FIXED_STATS_TAG, numbers)) = bytes.split_first() else { return decode(bytes) };
+        if numbers.len() % 8 != 0 {
+            return Err(StoreError::Corrupt(format!("queue counters of {} bytes", bytes.len())));
+        }
+        let mut stats = Self::default();
+        for (field, number) in stats.fields_mut().into_iter().zip(numbers.chunks_exact(8)) {
+            let mut le = [0u8; 8];
+            le.copy_from_slice(number);
+            *field = u64::from_le_bytes(le);
+        }
+        Ok(stats)
+    }
+
+    fn fields(&self) -> [u64; 13] {
+        [
+            self.last_id,
+            self.last_seq,
+            self.waiting,
+            self.prioritized,
+            self.delayed,
+            self.active,
+            self.waiting_children,
+            self.completed,
+            self.failed,
+            self.last_event,
+            self.first_event,
+            self.epoch_floor,
+            self.stalled_total,
+        ]
+    }
+
+    /// The same fields, in the same order, to read into.
+    fn fields_mut(&mut self) -> [&mut u64; 13] {
+        [
+            &mut self.last_id,
+            &mut self.last_seq,
+            &mut self.waiting,
+            &mut self.prioritized,
+            &mut self.delayed,
+            &mut self.active,
+            &mut self.waiting_children,
+            &mut self.completed,
+            &mut self.failed,
+            &mut self.last_event,
+            &mut self.first_event,
+            &mut self.epoch_floor,
+            &mut self.stalled_total,
+        ]
+    }
+
     pub fn count(&self, state: JobState) -> u64 {
         match state {
             JobState::Waiting => self.waiting,
@@ -774,6 +846,41 @@ mod tests {
         let now: QueueStats =
             decode(&encode(&QueueStats { epoch_floor: 5, ..stats })).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(now.epoch_floor, 5);
+    }
+
+    /// Counters written as MessagePack (every store before the fixed form)
+    /// still read; the fixed form reads back what was written, and one
+    /// written with fewer counters (an older version's) or more (a later
+    /// version's) reads the ones it shares.
+    #[test]
+    fn counters_read_in_either_form() {
+        let stats = QueueStats {
+            last_id: 1,
+            last_seq: 2,
+            waiting: 3,
+            prioritized: 4,
+            delayed: 5,
+            active: 6,
+            waiting_children: 7,
+            completed: 8,
+            failed: 9,
+            last_event: 10,
+            first_event: 11,
+            epoch_floor: 12,
+            stalled_total: u64::MAX,
+        };
+        let read = |bytes: &[u8]| QueueStats::decode(bytes).unwrap_or_else(|e| panic!("{e}")).fields();
+        assert_eq!(read(&encode(&stats)), stats.fields(), "MessagePack");
+        let fixed = stats.encode();
+        assert_eq!(fixed.len(), 1 + 13 * 8);
+        assert_eq!(read(&fixed), stats.fields(), "fixed");
+        let mut expected = stats.fields();
+        expected[12] = 0;
+        assert_eq!(read(&fixed[..fixed.len() - 8]), expected, "one counter fewer");
+        let mut longer = fixed.clone();
+        longer.extend_from_slice(&7u64.to_le_bytes());
+        assert_eq!(read(&longer), stats.fields(), "one counter more");
+        assert!(QueueStats::decode(&fixed[..fixed.len() - 3]).is_err(), "a torn number is corrupt");
     }
 
     /// What an obliterated queue left before its last event was kept (its

@@ -148,7 +148,7 @@ impl<'a> Tx<'a> {
             None => {
                 let keys = QueueKeys::new(q);
                 let (stats, new, reborn) = match self.kv.get(&keys.stats())? {
-                    Some(bytes) => (model::decode(&bytes)?, false, false),
+                    Some(bytes) => (QueueStats::decode(&bytes)?, false, false),
                     None => match self.kv.get(&keys::queue_remains(q))? {
                         Some(remains) => (QueueRemains::decode(&remains)?.stats(), true, true),
                         None => (QueueStats::default(), true, false),
@@ -262,7 +262,7 @@ impl<'a> Tx<'a> {
         self.close_page_if(|_| true)?;
         let Self { queues, kv, effects, .. } = &mut self;
         for (q, c) in queues.iter().filter(|(_, c)| c.dirty) {
-            kv.put(&c.keys.stats(), model::encode(&c.stats))?;
+            kv.put(&c.keys.stats(), c.stats.encode())?;
             if c.new {
                 // First write to this queue: register it for sweeps and listings.
                 kv.put(&keys::registry(q), Vec::new())?;
