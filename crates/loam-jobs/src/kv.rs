@@ -50,6 +50,16 @@ pub trait KvTxn: KvRead {
     fn put(&mut self, key: &[u8], value: Value) -> Result<(), StoreError>;
     fn delete(&mut self, key: &[u8]) -> Result<(), StoreError>;
 
+    /// Lets `extend` add to the end of `key`'s value (an absent key's starts
+    /// empty). An engine that holds the value may extend it where it is: a
+    /// queue's event page grows by an event or two per operation, and read,
+    /// copied and written back whole it was the largest cost of an add.
+    fn append(&mut self, key: &[u8], extend: &mut dyn FnMut(&mut Value)) -> Result<(), StoreError> {
+        let mut value = self.get(key)?.unwrap_or_default();
+        extend(&mut value);
+        self.put(key, value)
+    }
+
     /// What was remembered of `range` (see [`KvTxn::remember`]) by this
     /// transaction or an earlier operation, if nothing in the range was
     /// written since. Engines without batches remember nothing.
@@ -117,27 +127,21 @@ impl Memo {
             self.entries.insert(range.start, (range.end, value));
         }
     }
-
-    /// Takes in a successful operation's writes and what it remembered.
-    pub fn absorb(&mut self, writes: &Writes, remembered: Vec<(KeyRange, Decoded)>) {
-        if !self.entries.is_empty() {
-            for key in writes.keys() {
-                self.forget_key(key);
-            }
-        }
-        for (range, value) in remembered {
-            self.insert(range, value);
-        }
-    }
 }
 
-/// Uncommitted writes layered over a base reader. Group commit runs every
-/// operation in its own overlay over the batch's overlay, so a failed operation
-/// is dropped whole while the others in its batch still commit, and hot keys
-/// written by many operations of one batch reach the engine once.
+/// Uncommitted writes layered over a base reader: a batch's, under group
+/// commit. The batch's operations write into it one after another, each
+/// leaving an undo log ([`Overlay::end_operation`]), so a failed operation is
+/// taken back whole while the others in its batch still commit, and hot keys
+/// written by many operations of one batch reach the engine once. (Each
+/// operation had its own overlay over the batch's once, merged into it when
+/// it succeeded: every read went through one more map, every write was
+/// inserted twice, and every append to the event page copied the page.)
 pub struct Overlay<'a> {
     base: &'a mut dyn KvRead,
     writes: Writes,
+    /// How to take back the writes of the operation under way, oldest first.
+    undo: Vec<Undo>,
     /// Per forward-scan start: every base key in `[start, floor)` has a write
     /// here. The base does not change under an overlay, so a later scan from
     /// the same start can read the base from the floor. This keeps the many
@@ -151,25 +155,43 @@ pub struct Overlay<'a> {
     /// `floors`), so under BullMQ at concurrency 100 not one scan in 80,000
     /// was asked twice, and keeping each result cost a copy of it.
     cache: Option<HashMap<Key, Option<Value>, foldhash::fast::RandomState>>,
-    /// What earlier operations remembered, and what this one
-    /// remembered since (taken in by the batch if it succeeds).
-    memo: Option<&'a Memo>,
+    /// What earlier operations remembered (the executor's, lent to the
+    /// batch), and what the operation under way remembered since (taken in
+    /// when it succeeds).
+    memo: Option<&'a mut Memo>,
     remembered: Vec<(KeyRange, Decoded)>,
+}
+
+/// A step back to what `writes` held before a write of the operation under way.
+enum Undo {
+    /// The key's entry before (`None`: it had none).
+    Restore(Key, Option<Option<Value>>),
+    /// The key's value before it was appended to was this long.
+    Truncate(Key, usize),
 }
 
 impl<'a> Overlay<'a> {
     pub fn new(base: &'a mut dyn KvRead) -> Self {
-        Self { base, writes: BTreeMap::new(), floors: BTreeMap::new(), cache: None, memo: None, remembered: Vec::new() }
-    }
-
-    /// An operation's overlay in a batch that remembers decoded values.
-    pub fn remembering(base: &'a mut dyn KvRead, memo: &'a Memo) -> Self {
-        Self { memo: Some(memo), ..Self::new(base) }
+        Self {
+            base,
+            writes: BTreeMap::new(),
+            undo: Vec::new(),
+            floors: BTreeMap::new(),
+            cache: None,
+            memo: None,
+            remembered: Vec::new(),
+        }
     }
 
     /// An overlay that also remembers what it read from the base.
     pub fn caching(base: &'a mut dyn KvRead) -> Self {
         Self { cache: Some(HashMap::default()), ..Self::new(base) }
+    }
+
+    /// Lets operations recall what earlier ones remembered in `memo`, and
+    /// remember more there (see [`KvTxn::remember`]).
+    pub fn remembering(self, memo: &'a mut Memo) -> Self {
+        Self { memo: Some(memo), ..self }
     }
 
     fn base_get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
@@ -186,19 +208,58 @@ impl<'a> Overlay<'a> {
         self.writes
     }
 
-    /// The writes, and what was remembered of their outcome.
-    pub fn into_parts(self) -> (Writes, Vec<(KeyRange, Decoded)>) {
-        (self.writes, self.remembered)
+    /// Ends the operation whose writes began after the last call: keeps them
+    /// (and what it remembered) if it `succeeded`, else takes them back.
+    /// Returns whether it wrote anything.
+    pub fn end_operation(&mut self, succeeded: bool) -> bool {
+        let wrote = !self.undo.is_empty();
+        if succeeded {
+            self.undo.clear();
+            if let Some(memo) = self.memo.as_deref_mut() {
+                for (range, value) in self.remembered.drain(..) {
+                    memo.insert(range, value);
+                }
+            }
+            return wrote;
+        }
+        self.remembered.clear();
+        if wrote {
+            // A floor says the writes cover the base up to it; the writes
+            // taken back may have been what covered it.
+            self.floors.clear();
+        }
+        while let Some(step) = self.undo.pop() {
+            match step {
+                Undo::Restore(key, Some(before)) => {
+                    self.writes.insert(key, before);
+                }
+                Undo::Restore(key, None) => {
+                    self.writes.remove(&key);
+                }
+                Undo::Truncate(key, len) => {
+                    if let Some(Some(value)) = self.writes.get_mut(&key) {
+                        value.truncate(len);
+                    }
+                }
+            }
+        }
+        wrote
     }
 
-    fn forget_remembered(&mut self, key: &[u8]) {
+    /// A write to `key` makes what was remembered of its range stale.
+    fn forget(&mut self, key: &[u8]) {
         if !self.remembered.is_empty() {
             self.remembered.retain(|(range, _)| !range.contains(key));
         }
+        if let Some(memo) = self.memo.as_deref_mut() {
+            memo.forget_key(key);
+        }
     }
 
-    pub fn absorb(&mut self, writes: Writes) {
-        self.writes.extend(writes);
+    fn write(&mut self, key: &[u8], value: Option<Value>) {
+        self.forget(key);
+        let before = self.writes.insert(key.to_vec(), value);
+        self.undo.push(Undo::Restore(key.to_vec(), before));
     }
 }
 
@@ -474,14 +535,29 @@ impl KvRead for Overlay<'_> {
 
 impl KvTxn for Overlay<'_> {
     fn put(&mut self, key: &[u8], value: Value) -> Result<(), StoreError> {
-        self.forget_remembered(key);
-        self.writes.insert(key.to_vec(), Some(value));
+        self.write(key, Some(value));
         Ok(())
     }
 
     fn delete(&mut self, key: &[u8]) -> Result<(), StoreError> {
-        self.forget_remembered(key);
-        self.writes.insert(key.to_vec(), None);
+        self.write(key, None);
+        Ok(())
+    }
+
+    fn append(&mut self, key: &[u8], extend: &mut dyn FnMut(&mut Value)) -> Result<(), StoreError> {
+        if let Some(Some(value)) = self.writes.get_mut(key) {
+            // The undo goes first: `extend` may panic (the operation then fails).
+            self.undo.push(Undo::Truncate(key.to_vec(), value.len()));
+            extend(value);
+            self.forget(key);
+            return Ok(());
+        }
+        let mut value = match self.writes.get(key) {
+            Some(_) => Vec::new(), // deleted by this batch
+            None => self.base_get(key)?.unwrap_or_default(),
+        };
+        extend(&mut value);
+        self.write(key, Some(value));
         Ok(())
     }
 
@@ -489,9 +565,8 @@ impl KvTxn for Overlay<'_> {
         if let Some((_, value)) = self.remembered.iter().find(|(r, _)| r == range) {
             return Some(Arc::clone(value));
         }
-        let memo = self.memo?;
-        let bounds = (Bound::Included(range.start.as_slice()), Bound::Excluded(range.end.as_slice()));
-        if self.writes.range::<[u8], _>(bounds).next().is_some() { None } else { memo.get(range) }
+        // Every write forgets what the memo held of its key's range.
+        self.memo.as_deref()?.get(range)
     }
 
     fn remember(&mut self, range: &KeyRange, value: Decoded) {
@@ -650,6 +725,73 @@ mod tests {
     }
 
     #[derive(Debug, Clone)]
+    enum OpStep {
+        Put(u8, u8),
+        Delete(u8),
+        Append(u8, u8),
+        Scan { lo: u8, width: u8, limit: usize },
+    }
+
+    fn op_step() -> impl proptest::strategy::Strategy<Value = OpStep> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0u8..32, 0u8..4).prop_map(|(k, v)| OpStep::Put(k, v)),
+            (0u8..32).prop_map(OpStep::Delete),
+            (0u8..32, 0u8..4).prop_map(|(k, v)| OpStep::Append(k, v)),
+            (0u8..8, 0u8..40, 1usize..6).prop_map(|(lo, width, limit)| OpStep::Scan { lo, width, limit }),
+        ]
+    }
+
+    proptest::proptest! {
+        /// A batch of operations in one overlay, some failing: every read
+        /// (gets, and forward scans, whose floors a failed operation may have
+        /// raised) sees the base with the successful operations' writes and
+        /// the failing one's own so far, and the batch's writes are the
+        /// successful operations' alone.
+        #[test]
+        fn a_failed_operation_is_taken_back_whole(
+            base in proptest::collection::btree_map(0u8..32, 0u8..4, 0..24),
+            ops in proptest::collection::vec((proptest::collection::vec(op_step(), 0..10), proptest::bool::ANY), 0..10),
+        ) {
+            let base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
+            let mut kept = base.clone();
+            let mut reader = MapRead(base.clone());
+            let mut overlay = Overlay::caching(&mut reader);
+            for (steps, succeeds) in ops {
+                let mut now = kept.clone();
+                let writes = steps.iter().any(|step| !matches!(step, OpStep::Scan { .. }));
+                for step in steps {
+                    match step {
+                        OpStep::Put(k, v) => {
+                            overlay.put(&[k], vec![v]).unwrap();
+                            now.insert(vec![k], vec![v]);
+                        }
+                        OpStep::Delete(k) => {
+                            overlay.delete(&[k]).unwrap();
+                            now.remove(&vec![k]);
+                        }
+                        OpStep::Append(k, v) => {
+                            overlay.append(&[k], &mut |value| value.push(v)).unwrap();
+                            now.entry(vec![k]).or_default().push(v);
+                        }
+                        OpStep::Scan { lo, width, limit } => {
+                            reads_match(&mut overlay, &now, KeyRange::new(vec![lo], vec![lo.saturating_add(width)]), limit, false)?;
+                        }
+                    }
+                }
+                proptest::prop_assert_eq!(overlay.end_operation(succeeds), writes, "whether it wrote");
+                if succeeds {
+                    kept = now;
+                }
+                reads_match(&mut overlay, &kept, KeyRange::new(vec![0], vec![32]), 32, false)?;
+            }
+            let mut applied = base;
+            apply(&mut applied, &overlay.into_writes());
+            proptest::prop_assert_eq!(applied, kept);
+        }
+    }
+
+    #[derive(Debug, Clone)]
     enum MemoStep {
         Put(u8, u8),
         Delete(u8),
@@ -689,9 +831,8 @@ mod tests {
             let mut memo = Memo::default();
             for ops in batches {
                 let mut reader = MapRead(base.clone());
-                let mut group = Overlay::caching(&mut reader);
+                let mut local = Overlay::caching(&mut reader).remembering(&mut memo);
                 for (steps, succeeds) in ops {
-                    let mut local = Overlay::remembering(&mut group, &memo);
                     for step in steps {
                         match step {
                             MemoStep::Put(k, v) => local.put(&[k], vec![v]).unwrap(),
@@ -711,13 +852,9 @@ mod tests {
                             }
                         }
                     }
-                    let (writes, remembered) = local.into_parts();
-                    if succeeds {
-                        memo.absorb(&writes, remembered);
-                        group.absorb(writes);
-                    }
+                    local.end_operation(succeeds);
                 }
-                let writes = group.into_writes();
+                let writes = local.into_writes();
                 apply(&mut base, &writes);
             }
         }

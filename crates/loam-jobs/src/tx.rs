@@ -62,11 +62,6 @@ pub struct Tx<'a> {
     /// The queues the operation touched: one or two, rarely more (flows), so
     /// a list beats hashing queue names on every counter update.
     queues: Vec<(QueueId, QueueCache)>,
-    /// The event page the operation is appending to, written back when the
-    /// operation ends (or before anything reads, scans or replaces its key):
-    /// an operation may append many events (an addBulk two per job), and
-    /// writing the page back per event copied the whole page each time.
-    open_page: Option<(Key, Value)>,
     pub effects: Effects,
 }
 
@@ -81,7 +76,6 @@ impl<'a> Tx<'a> {
             core_now: now,
             config,
             queues: Vec::new(),
-            open_page: None,
             effects: Effects::default(),
         }
     }
@@ -89,23 +83,18 @@ impl<'a> Tx<'a> {
     // ---- raw access -------------------------------------------------------
 
     pub fn get(&mut self, key: &[u8]) -> Result<Option<Value>, JobsError> {
-        self.close_page_if(|page| page == key)?;
         Ok(self.kv.get(key)?)
     }
     pub fn get_for_update(&mut self, key: &[u8]) -> Result<Option<Value>, JobsError> {
-        self.close_page_if(|page| page == key)?;
         Ok(self.kv.get_for_update(key)?)
     }
     pub fn put(&mut self, key: &[u8], value: Value) -> Result<(), JobsError> {
-        self.drop_page_if(key);
         Ok(self.kv.put(key, value)?)
     }
     pub fn delete(&mut self, key: &[u8]) -> Result<(), JobsError> {
-        self.drop_page_if(key);
         Ok(self.kv.delete(key)?)
     }
     pub fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, JobsError> {
-        self.close_page_if(|page| range.contains(page))?;
         Ok(self.kv.scan(range, limit, reverse)?)
     }
     pub fn get_record<T: for<'de> serde::Deserialize<'de>>(&mut self, key: &[u8]) -> Result<Option<T>, JobsError> {
@@ -167,9 +156,15 @@ impl<'a> Tx<'a> {
     }
 
     pub fn stats_mut(&mut self, q: &QueueId) -> Result<&mut QueueStats, JobsError> {
+        Ok(&mut self.counted(q)?.stats)
+    }
+
+    /// The queue's cache, its counters to be written back: the hot helpers
+    /// take its keys and counters with one lookup (each compares queue names).
+    fn counted(&mut self, q: &QueueId) -> Result<&mut QueueCache, JobsError> {
         let c = self.cache(q)?;
         c.dirty = true;
-        Ok(&mut c.stats)
+        Ok(c)
     }
 
     pub fn queue_config(&mut self, q: &QueueId) -> Result<QueueConfig, JobsError> {
@@ -259,7 +254,6 @@ impl<'a> Tx<'a> {
 
     /// Writes the queues' counters back. Called once, at the end of the body.
     pub fn finish(mut self) -> Result<Effects, JobsError> {
-        self.close_page_if(|_| true)?;
         let Self { queues, kv, effects, .. } = &mut self;
         for (q, c) in queues.iter().filter(|(_, c)| c.dirty) {
             kv.put(&c.keys.stats(), c.stats.encode())?;
@@ -309,10 +303,11 @@ impl<'a> Tx<'a> {
 
     /// Removes the job from its state's index and count.
     pub fn unindex(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
-        let key = Self::index_key(&self.cache(q)?.keys, job);
-        self.delete(&key)?;
-        let count = self.stats_mut(q)?.count_mut(job.state);
+        let c = self.counted(q)?;
+        let key = Self::index_key(&c.keys, job);
+        let count = c.stats.count_mut(job.state);
         *count = count.saturating_sub(1);
+        self.delete(&key)?;
         // A job leaving active frees a slot of a queue's global concurrency:
         // workers waiting on a maxed queue may take the next job.
         if job.state == JobState::Active && self.meta_u64(q, "concurrency")?.is_some_and(|c| c > 0) {
@@ -323,9 +318,10 @@ impl<'a> Tx<'a> {
 
     /// Lists the job under its (new) state and records the effects of that state.
     pub fn index(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
-        let key = Self::index_key(&self.cache(q)?.keys, job);
+        let c = self.counted(q)?;
+        let key = Self::index_key(&c.keys, job);
+        *c.stats.count_mut(job.state) += 1;
         self.put(&key, job.id.as_bytes().to_vec())?;
-        *self.stats_mut(q)?.count_mut(job.state) += 1;
         match job.state {
             JobState::Waiting | JobState::Prioritized => {
                 self.effects.wake_jobs.insert(q.clone());
@@ -361,11 +357,12 @@ impl<'a> Tx<'a> {
     // ---- events -----------------------------------------------------------
 
     fn max_events(&mut self, q: &QueueId) -> Result<u64, JobsError> {
-        if let Some(m) = self.cache(q)?.max_events {
+        let at = self.cache_at(q)?;
+        if let Some(m) = self.queues[at].1.max_events {
             return Ok(m);
         }
         let m = self.meta_u64(q, "opts.maxLenEvents")?.unwrap_or(self.config.max_events);
-        self.cache(q)?.max_events = Some(m);
+        self.queues[at].1.max_events = Some(m);
         Ok(m)
     }
 
@@ -374,43 +371,24 @@ impl<'a> Tx<'a> {
     pub fn event(&mut self, q: &QueueId, name: &str, fields: &[(&str, &str)]) -> Result<u64, JobsError> {
         let now = self.now;
         let max = self.max_events(q)?;
-        let stats = self.stats_mut(q)?;
+        let c = self.counted(q)?;
+        let stats = &mut c.stats;
         stats.last_event += 1;
         if stats.first_event == 0 {
             stats.first_event = stats.last_event;
         }
         let seq = stats.last_event;
-        let key = self.cache(q)?.keys.event_page(seq);
-        if self.open_page.as_ref().is_none_or(|(open, _)| *open != key) {
-            self.close_page_if(|_| true)?;
-            let page = self.kv.get(&key)?.unwrap_or_default();
-            self.open_page = Some((key, page));
+        let over = stats.last_event + 1 - stats.first_event > max;
+        let key = c.keys.event_page(seq);
+        let event = EventRef { seq, ts: now, name, fields };
+        self.kv.append(&key, &mut |page| model::append_to_page(page, &event))?;
+        if over {
+            self.trim_events(q, max)?;
         }
-        if let Some((_, page)) = self.open_page.as_mut() {
-            model::append_to_page(page, &EventRef { seq, ts: now, name, fields });
-        }
-        self.trim_events(q, max)?;
         if !self.effects.wake_events.contains(q) {
             self.effects.wake_events.insert(q.clone());
         }
         Ok(seq)
-    }
-
-    /// Writes the open event page back if `touches` its key.
-    fn close_page_if(&mut self, touches: impl FnOnce(&[u8]) -> bool) -> Result<(), JobsError> {
-        if self.open_page.as_ref().is_some_and(|(key, _)| touches(key))
-            && let Some((key, page)) = self.open_page.take()
-        {
-            self.kv.put(&key, page)?;
-        }
-        Ok(())
-    }
-
-    /// Forgets the open event page when its key is overwritten or deleted.
-    fn drop_page_if(&mut self, key: &[u8]) {
-        if self.open_page.as_ref().is_some_and(|(open, _)| open == key) {
-            self.open_page = None;
-        }
     }
 
     /// Keeps the newest `max` events; returns how many were dropped. Pages

@@ -760,34 +760,30 @@ fn with_waiting<T>(receiver: &Receiver<T>, first: T, max: usize) -> Vec<T> {
     items
 }
 
-/// Runs a batch's operations, each in its own overlay over the batch's.
-/// Returns the batch's writes, the acknowledgements that must wait for its
-/// commit, and those that need not: an operation that needs no fsync (a
-/// lease, a lock extension) and wrote nothing (a lease that found no job)
-/// told its caller nothing a crash could take back.
+/// Runs a batch's operations one after another in the batch's overlay (a
+/// failed one is taken back whole). Returns the batch's writes, the
+/// acknowledgements that must wait for its commit, and those that need not:
+/// an operation that needs no fsync (a lease, a lock extension) and wrote
+/// nothing (a lease that found no job) told its caller nothing a crash could
+/// take back.
 fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead, memo: &mut Memo) -> (Writes, Vec<Ack>, Vec<Ack>) {
     let mut acks = Vec::with_capacity(ops.len());
     let mut unchanged = Vec::new();
-    let mut group = Overlay::caching(base);
+    let mut batch = Overlay::caching(base).remembering(memo);
     for op in ops {
         let WriteOp { mut body, done, sync, .. } = op;
-        let mut local = Overlay::remembering(&mut group, &*memo);
         // A bug in an operation must fail that operation, not the writer
         // thread and with it every caller (and a Node host).
-        let result = catch_unwind(AssertUnwindSafe(|| body(&mut local)))
+        let result = catch_unwind(AssertUnwindSafe(|| body(&mut batch)))
             .unwrap_or_else(|panic| Err(JobsError::Internal(panic_message(panic))));
-        let (writes, remembered) = local.into_parts();
-        if !sync && writes.is_empty() {
+        let wrote = batch.end_operation(result.is_ok());
+        if !sync && !wrote {
             unchanged.push((done, result));
             continue;
         }
-        if result.is_ok() {
-            memo.absorb(&writes, remembered);
-            group.absorb(writes);
-        }
         acks.push((done, result));
     }
-    (group.into_writes(), acks, unchanged)
+    (batch.into_writes(), acks, unchanged)
 }
 
 /// Most batches one commit takes.
