@@ -456,8 +456,12 @@ impl PendingWrites {
     pub fn forget(&mut self, batch: u64, writes: &Writes) {
         self.floors.clear();
         for key in writes.keys() {
-            if self.writes.get(key).is_some_and(|(by, _)| *by == batch) {
-                self.writes.remove(key);
+            // One search, not a get and a remove: a later batch's write, the
+            // rare case, goes back in under the key it came out with.
+            if let Some((key, later)) = self.writes.remove_entry(key)
+                && later.0 != batch
+            {
+                self.writes.insert(key, later);
             }
         }
     }
