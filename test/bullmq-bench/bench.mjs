@@ -1,12 +1,16 @@
 // BullMQ on @loam/bullmq beside BullMQ on Redis: the same scenarios, in one
 // run, with the ratios printed. Not a test: figures vary with machine load.
 //
-//   node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--rounds 3] [--scale 0.5]
-//                  [--json out.json]
+//   node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
+//                  [--scale 0.5] [--json out.json]
 //
 // Each round runs every scenario on every backend back to back; the tables
 // give each backend's median and the median (and range) of the ratios of
-// runs made in the same round.
+// runs made in the same round. The first --warmup rounds run the same way
+// and are printed but not counted: they are where V8 compiles BullMQ's code
+// (and each backend's) on its way to the code a long-running process runs.
+// A fresh process's first thousands of `Queue.add` calls ran at about two
+// thirds of the speed of the later ones.
 //
 // Redis is started here (redis-server from the machine, on a free loopback
 // port, with no persistence: no RDB snapshots, no AOF). Loam uses its default
@@ -321,12 +325,13 @@ function printComparison(title, ours, redis) {
 
 async function main() {
   const rounds = Math.max(1, Number(arg('rounds', '3')));
+  const warmup = Math.max(0, Number(arg('warmup', '1')));
   const names = chosen === '' ? Object.keys(scenarios) : chosen.split(';');
   console.log(
     `bullmq bench: ${cpus().length} CPUs, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}, scale ${scale}, ` +
-      `${rounds} rounds`,
+      `${rounds} rounds after ${warmup} warm-up round${warmup === 1 ? '' : 's'}`,
   );
-  const report = { cpus: cpus().length, loadBefore: loadavg(), scale, rounds, results: {}, medians: {} };
+  const report = { cpus: cpus().length, loadBefore: loadavg(), scale, rounds, warmup, results: {}, warmups: {}, medians: {} };
   /** Each backend: how BullMQ is pointed at it, and the scenarios it runs. */
   const backends = [];
   try {
@@ -365,19 +370,23 @@ async function main() {
         stop: redis.stop,
       });
     }
-    for (const backend of backends) report.results[backend.label] = {};
+    for (const backend of backends) {
+      report.results[backend.label] = {};
+      report.warmups[backend.label] = {};
+    }
     // Each scenario runs on every backend back to back, in an order that turns
     // with each round: these machines' speed drifts within minutes, and a
     // ratio of runs made minutes apart measured the drift as much as the code.
-    for (let round = 0; round < rounds; round++) {
+    for (let round = 0; round < warmup + rounds; round++) {
+      const counted = round >= warmup;
       for (const name of names.filter((name) => name in scenarios)) {
         for (let k = 0; k < backends.length; k++) {
           const backend = backends[(k + round) % backends.length];
           if (!backend.names.includes(name)) continue;
           backend.use();
           const x = await scenarios[name](backend.b);
-          (report.results[backend.label][name] ??= []).push(x);
-          printRun(backend.label, name, x);
+          ((counted ? report.results : report.warmups)[backend.label][name] ??= []).push(x);
+          printRun(counted ? backend.label : `${backend.label} (warm-up)`, name, x);
         }
       }
     }
