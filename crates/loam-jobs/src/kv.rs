@@ -635,7 +635,20 @@ mod tests {
     enum Step {
         Put(u8, u8),
         Delete(u8),
-        Scan { lo: u8, width: u8, limit: usize, rev: bool },
+        /// A byte appended to the key's value.
+        Append(u8, u8),
+        Scan {
+            lo: u8,
+            width: u8,
+            limit: usize,
+            rev: bool,
+        },
+    }
+
+    impl Step {
+        fn writes(&self) -> bool {
+            !matches!(self, Step::Scan { .. })
+        }
     }
 
     fn step() -> impl proptest::strategy::Strategy<Value = Step> {
@@ -643,6 +656,7 @@ mod tests {
         prop_oneof![
             (0u8..32, 0u8..4).prop_map(|(k, v)| Step::Put(k, v)),
             (0u8..32).prop_map(Step::Delete),
+            (0u8..32, 0u8..4).prop_map(|(k, v)| Step::Append(k, v)),
             (0u8..8, 0u8..40, 0usize..12, any::<bool>()).prop_map(|(lo, width, limit, rev)| Step::Scan {
                 lo,
                 width,
@@ -650,6 +664,36 @@ mod tests {
                 rev
             }),
         ]
+    }
+
+    /// Takes `step` in `overlay` and in `model` (the reads it should give);
+    /// a scan must read as the model does.
+    fn run_step(
+        overlay: &mut Overlay,
+        model: &mut BTreeMap<Key, Value>,
+        step: Step,
+    ) -> Result<(), proptest::test_runner::TestCaseError> {
+        match step {
+            Step::Put(k, v) => {
+                overlay.put(&[k], vec![v]).unwrap();
+                model.insert(vec![k], vec![v]);
+            }
+            Step::Delete(k) => {
+                overlay.delete(&[k]).unwrap();
+                model.remove(&vec![k]);
+            }
+            Step::Append(k, v) => {
+                overlay.append(&[k], &mut |value| value.push(v)).unwrap();
+                model.entry(vec![k]).or_default().push(v);
+            }
+            Step::Scan { lo, width, limit, rev } => {
+                let range = KeyRange::new(vec![lo], vec![lo.saturating_add(width)]);
+                let got = overlay.scan(&range, limit, rev).unwrap();
+                let want = MapRead(model.clone()).scan(&range, limit, rev).unwrap();
+                proptest::prop_assert_eq!(got, want, "scan {:?}", range);
+            }
+        }
+        Ok(())
     }
 
     proptest::proptest! {
@@ -686,22 +730,7 @@ mod tests {
             let mut reader = MapRead(base);
             let mut overlay = Overlay::new(&mut reader);
             for s in steps {
-                match s {
-                    Step::Put(k, v) => {
-                        overlay.put(&[k], vec![v]).unwrap();
-                        expected.insert(vec![k], vec![v]);
-                    }
-                    Step::Delete(k) => {
-                        overlay.delete(&[k]).unwrap();
-                        expected.remove(&vec![k]);
-                    }
-                    Step::Scan { lo, width, limit, rev } => {
-                        let range = KeyRange::new(vec![lo], vec![lo.saturating_add(width)]);
-                        let got = overlay.scan(&range, limit, rev).unwrap();
-                        let want = MapRead(expected.clone()).scan(&range, limit, rev).unwrap();
-                        proptest::prop_assert_eq!(got, want, "scan {:?}", range);
-                    }
-                }
+                run_step(&mut overlay, &mut expected, s)?;
             }
         }
     }
@@ -728,24 +757,6 @@ mod tests {
         }
     }
 
-    #[derive(Debug, Clone)]
-    enum OpStep {
-        Put(u8, u8),
-        Delete(u8),
-        Append(u8, u8),
-        Scan { lo: u8, width: u8, limit: usize },
-    }
-
-    fn op_step() -> impl proptest::strategy::Strategy<Value = OpStep> {
-        use proptest::prelude::*;
-        prop_oneof![
-            (0u8..32, 0u8..4).prop_map(|(k, v)| OpStep::Put(k, v)),
-            (0u8..32).prop_map(OpStep::Delete),
-            (0u8..32, 0u8..4).prop_map(|(k, v)| OpStep::Append(k, v)),
-            (0u8..8, 0u8..40, 1usize..6).prop_map(|(lo, width, limit)| OpStep::Scan { lo, width, limit }),
-        ]
-    }
-
     proptest::proptest! {
         /// A batch of operations in one overlay, some failing: every read
         /// (gets, and forward scans, whose floors a failed operation may have
@@ -755,7 +766,7 @@ mod tests {
         #[test]
         fn a_failed_operation_is_taken_back_whole(
             base in proptest::collection::btree_map(0u8..32, 0u8..4, 0..24),
-            ops in proptest::collection::vec((proptest::collection::vec(op_step(), 0..10), proptest::bool::ANY), 0..10),
+            ops in proptest::collection::vec((proptest::collection::vec(step(), 0..10), proptest::bool::ANY), 0..10),
         ) {
             let base: BTreeMap<Key, Value> = base.into_iter().map(|(k, v)| (vec![k], vec![v])).collect();
             let mut kept = base.clone();
@@ -763,25 +774,10 @@ mod tests {
             let mut overlay = Overlay::caching(&mut reader);
             for (steps, succeeds) in ops {
                 let mut now = kept.clone();
-                let writes = steps.iter().any(|step| !matches!(step, OpStep::Scan { .. }));
+                let writes = steps.iter().any(Step::writes);
                 for step in steps {
-                    match step {
-                        OpStep::Put(k, v) => {
-                            overlay.put(&[k], vec![v]).unwrap();
-                            now.insert(vec![k], vec![v]);
-                        }
-                        OpStep::Delete(k) => {
-                            overlay.delete(&[k]).unwrap();
-                            now.remove(&vec![k]);
-                        }
-                        OpStep::Append(k, v) => {
-                            overlay.append(&[k], &mut |value| value.push(v)).unwrap();
-                            now.entry(vec![k]).or_default().push(v);
-                        }
-                        OpStep::Scan { lo, width, limit } => {
-                            reads_match(&mut overlay, &now, KeyRange::new(vec![lo], vec![lo.saturating_add(width)]), limit, false)?;
-                        }
-                    }
+                    run_step(&mut overlay, &mut now, step)?;
+                    reads_match(&mut overlay, &now, KeyRange::new(vec![0], vec![32]), 32, false)?;
                 }
                 proptest::prop_assert_eq!(overlay.end_operation(succeeds), writes, "whether it wrote");
                 if succeeds {
