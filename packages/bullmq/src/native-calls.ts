@@ -39,31 +39,130 @@ export const WRITE_METHODS: ReadonlySet<string> = new Set([
 
 type Method = (...args: unknown[]) => unknown;
 
-/** The last write of each store (by data dir), settled or not. */
-const tails = new Map<string, Promise<unknown>>();
+/** The writes whose answer may hand a worker a job (see `WriteOrder`). */
+const HANDS_OUT_JOBS: ReadonlySet<string> = new Set(['moveToActive', 'moveToCompleted', 'moveToFailed']);
 
-const settled = (): undefined => undefined;
+/** A write's settlement, kept until its turn. */
+interface Held {
+  settle(): void;
+  handsOutJob: boolean;
+  /** Its place in the order writes were made. */
+  number: number;
+}
+
+/**
+ * The writes of one store in flight, each settled once it and every write
+ * submitted before it have settled. Writes mostly settle in order (the
+ * committer settles them in commit order), so a write is usually released
+ * at once; one that settles early waits in `early`. (A chain of promises, each
+ * write's after the one before, cost every write about five promises more
+ * and the adoption of one by another, on the JavaScript thread that at
+ * concurrency 100 completes a job per write.)
+ *
+ * A write that may hand a worker a job, made while an earlier write that
+ * hands out none (an add, say) was unanswered, is also released no earlier
+ * than the turn of the event loop after that one: both answers come in one
+ * turn (the lease, woken by the add, waits for the add's commit), the add's
+ * caller sees its `await` return in that turn's microtasks, but its chain of
+ * awaits may be longer than the worker's way to its `active` event, and on
+ * Redis (the add's answer and the job coming on two connections, so in two
+ * turns) a producer never sees a worker start the job before its add
+ * returned. A lease made after the add was answered (a worker woken in the
+ * add's own call, under relaxed durability) is not held back.
+ */
+class WriteOrder {
+  /** Settlements of writes that settled before an earlier one, or wait for the next turn, by number. */
+  private readonly early = new Map<number, Held>();
+  private submitted = 0;
+  private released = 0;
+  /** A write that hands out no job was released in this turn of the event loop. */
+  private releasedThisTurn = false;
+  /** How many writes had been made when the last of those was released. */
+  private madeBeforeRelease = 0;
+  /** The next write waits for the next turn (see the class comment). */
+  private waitingForTurn = false;
+
+  constructor(private readonly store: string) {}
+
+  /** `write` (a native promise), in BullMQ's error form, in order. */
+  add<T>(write: Promise<T>, handsOutJob: boolean): Promise<T> {
+    const number = this.submitted++;
+    return new Promise<T>((resolve, reject) => {
+      write.then(
+        value => this.settled(number, { settle: () => resolve(value), handsOutJob, number }),
+        (err: unknown) => this.settled(number, { settle: () => reject(fromNative(err)), handsOutJob, number }),
+      );
+    });
+  }
+
+  private settled(number: number, held: Held): void {
+    if (number !== this.released || this.waitingForTurn) {
+      this.early.set(number, held);
+      return;
+    }
+    if (!this.release(held)) {
+      this.early.set(number, held);
+      return;
+    }
+    for (let next = this.early.get(this.released); next; next = this.early.get(this.released)) {
+      this.early.delete(this.released);
+      if (!this.release(next)) {
+        this.early.set(this.released, next);
+        return;
+      }
+    }
+    this.forgetIfIdle();
+  }
+
+  /** Settles the next write, unless it must wait for the next turn (then false). */
+  private release(held: Held): boolean {
+    if (held.handsOutJob && this.releasedThisTurn && held.number < this.madeBeforeRelease) {
+      this.waitingForTurn = true;
+      setImmediate(() => {
+        this.waitingForTurn = false;
+        this.releasedThisTurn = false;
+        const next = this.early.get(this.released);
+        if (next) {
+          this.early.delete(this.released);
+          this.settled(this.released, next);
+        } else {
+          this.forgetIfIdle();
+        }
+      });
+      return false;
+    }
+    this.released++;
+    if (!held.handsOutJob) this.madeBeforeRelease = this.submitted;
+    if (!held.handsOutJob && !this.releasedThisTurn) {
+      this.releasedThisTurn = true;
+      setImmediate(() => {
+        this.releasedThisTurn = false;
+        this.forgetIfIdle();
+      });
+    }
+    held.settle();
+    return true;
+  }
+
+  /** Forgets a store with nothing in flight or held (its next write starts afresh). */
+  private forgetIfIdle(): void {
+    const idle = this.released === this.submitted && !this.releasedThisTurn && !this.waitingForTurn;
+    if (idle && orders.get(this.store) === this) orders.delete(this.store);
+  }
+}
+
+/** Each store's writes in flight (by data dir). */
+const orders = new Map<string, WriteOrder>();
 
 const inBullmqForm = (err: unknown): never => {
   throw fromNative(err);
 };
 
 /** `write`, resolving (or rejecting) only after every earlier write of `store`. */
-function inOrder<T>(store: string, write: Promise<T>): Promise<T> {
-  const before = tails.get(store);
-  let ordered = write;
-  if (before) {
-    // Its rejection is handled, once the earlier writes settled.
-    write.catch(settled);
-    ordered = before.then(() => write);
-  }
-  const tail = ordered.then(settled, settled);
-  tails.set(store, tail);
-  // Forget a store's chain once its last write settled.
-  void tail.then(() => {
-    if (tails.get(store) === tail) tails.delete(store);
-  });
-  return ordered;
+function inOrder<T>(store: string, write: Promise<T>, handsOutJob: boolean): Promise<T> {
+  let order = orders.get(store);
+  if (!order) orders.set(store, (order = new WriteOrder(store)));
+  return order.add(write, handsOutJob);
 }
 
 /** Wraps the methods of a native queue (in place) as the module comment says; `store` is its data dir. */
@@ -81,6 +180,7 @@ export function nativeCalls<N extends object>(native: N, store: string): N {
       continue;
     }
     const write = WRITE_METHODS.has(name);
+    const handsOutJob = HANDS_OUT_JOBS.has(name);
     methods[name] = (...args) => {
       let answer: Promise<unknown>;
       try {
@@ -88,7 +188,7 @@ export function nativeCalls<N extends object>(native: N, store: string): N {
       } catch (err) {
         answer = Promise.reject(err);
       }
-      return (write ? inOrder(store, answer) : answer).catch(inBullmqForm);
+      return write ? inOrder(store, answer, handsOutJob) : answer.catch(inBullmqForm);
     };
   }
   return native;

@@ -1,0 +1,149 @@
+import { describe, expect, it } from 'vitest';
+import { nativeCalls, WRITE_METHODS } from '../src/native-calls.js';
+
+/** A write's promise and the hands that settle it. */
+interface Settleable {
+  promise: Promise<unknown>;
+  resolve(value: unknown): void;
+  reject(err: unknown): void;
+}
+
+function settleable(): Settleable {
+  let resolve!: (value: unknown) => void;
+  let reject!: (err: unknown) => void;
+  const promise = new Promise<unknown>((res, rej) => {
+    resolve = res;
+    reject = rej;
+  });
+  return { promise, resolve, reject };
+}
+
+/**
+ * A stand-in for a native queue: every write method hands out a promise the
+ * test settles (in `calls`, in call order); `getState` is a read; a write
+ * called with `'refuse'` throws at once, as the addon does with arguments it
+ * cannot read.
+ */
+function fakeNative(): { native: Record<string, (...args: unknown[]) => Promise<unknown>>; calls: Settleable[] } {
+  const calls: Settleable[] = [];
+  class FakeQueue {}
+  const prototype = FakeQueue.prototype as Record<string, unknown>;
+  for (const name of [...WRITE_METHODS, 'getState']) {
+    prototype[name] = (...args: unknown[]) => {
+      if (args[0] === 'refuse') throw new Error('[bullmq:-1] Missing key for job 1. addJob');
+      const call = settleable();
+      calls.push(call);
+      return call.promise;
+    };
+  }
+  return { native: new FakeQueue() as never, calls };
+}
+
+/** Lets every pending promise reaction run. */
+const drain = () => new Promise(resolve => setImmediate(resolve));
+
+describe("native calls' writes", () => {
+  it('settle in the order they were made, whatever order the store settles them in', async () => {
+    const { native, calls } = fakeNative();
+    const queue = nativeCalls(native, 'store-a');
+    const order: string[] = [];
+    // Writes that hand out no job (those that do may also wait a turn, below).
+    const writes = ['addJob', 'extendLock', 'moveToDelayed', 'updateProgress', 'retryJob'].map((name, i) =>
+      queue[name]!().then(
+        value => order.push(`${i}:${String(value)}`),
+        (err: Error & { code?: number }) => order.push(`${i}:error ${err.code}`),
+      ),
+    );
+    calls[3]!.resolve('d');
+    calls[1]!.resolve('b');
+    await drain();
+    expect(order).toEqual([]);
+    calls[0]!.resolve('a');
+    await drain();
+    expect(order).toEqual(['0:a', '1:b']);
+    calls[4]!.reject(new Error('[bullmq:-3] Job 5 is not in the active state. retryJob'));
+    await drain();
+    expect(order).toEqual(['0:a', '1:b']);
+    calls[2]!.resolve('c');
+    await Promise.all(writes);
+    expect(order).toEqual(['0:a', '1:b', '2:c', '3:d', '4:error -3']);
+  });
+
+  it('keep a refused write in its place, and leave reads and other stores out of the order', async () => {
+    const { native, calls } = fakeNative();
+    const queue = nativeCalls(native, 'store-b');
+    const otherStore = fakeNative();
+    const other = nativeCalls(otherStore.native, 'store-c');
+    const order: string[] = [];
+    const first = queue.addJob!().then(() => order.push('first write'));
+    const refused = queue.addJob!('refuse').catch((err: Error & { code?: number }) => order.push(`refused ${err.code}`));
+    const read = queue.getState!().then(() => order.push('read'));
+    const elsewhere = other.addJob!().then(() => order.push("other store's write"));
+    calls[1]!.resolve('state');
+    otherStore.calls[0]!.resolve(undefined);
+    await Promise.all([read, elsewhere]);
+    expect(order).toEqual(['read', "other store's write"]);
+    calls[0]!.resolve(undefined);
+    await Promise.all([first, refused]);
+    expect(order).toEqual(['read', "other store's write", 'first write', 'refused -1']);
+  });
+
+  it("hand a worker a job no earlier than the turn after a producer's write resolved", async () => {
+    const { native, calls } = fakeNative();
+    const queue = nativeCalls(native, 'store-e');
+    const seen: string[] = [];
+    // The producer's await returns many microtasks after its write resolves.
+    const producer = (async () => {
+      let added = await queue.addJob!();
+      for (let hop = 0; hop < 50; hop++) added = await Promise.resolve(added);
+      seen.push('add returned');
+    })();
+    const lease = queue.moveToActive!().then(() => seen.push('job handed out'));
+    calls[0]!.resolve('added');
+    calls[1]!.resolve('job');
+    await Promise.all([producer, lease]);
+    expect(seen).toEqual(['add returned', 'job handed out']);
+  });
+
+  it('hand a worker a job at once when its write was made after the producer\'s was answered', async () => {
+    const { native, calls } = fakeNative();
+    const queue = nativeCalls(native, 'store-g');
+    const added = queue.addJob!();
+    calls[0]!.resolve('added');
+    await added;
+    // Same turn: a worker woken by the add asks for its job now.
+    let turned = false;
+    setImmediate(() => (turned = true));
+    const lease = queue.moveToActive!();
+    calls[1]!.resolve('job');
+    await lease;
+    expect(turned).toBe(false);
+  });
+
+  it('hand out jobs one after another in one turn when no other write resolved in it', async () => {
+    const { native, calls } = fakeNative();
+    const queue = nativeCalls(native, 'store-f');
+    const seen: string[] = [];
+    const completions = ['moveToCompleted', 'moveToFailed', 'moveToCompleted'].map((name, i) =>
+      queue[name]!().then(() => seen.push(`job ${i}`)),
+    );
+    let turned = false;
+    setImmediate(() => (turned = true));
+    for (const call of calls) call.resolve('next');
+    await Promise.all(completions);
+    expect(turned).toBe(false);
+    expect(seen).toEqual(['job 0', 'job 1', 'job 2']);
+  });
+
+  it('start afresh once every write of a store has settled', async () => {
+    const { native, calls } = fakeNative();
+    const queue = nativeCalls(native, 'store-d');
+    const a = queue.addJob!();
+    calls[0]!.resolve(1);
+    expect(await a).toBe(1);
+    // A later write is not held behind anything.
+    const b = queue.addJob!();
+    calls[1]!.resolve(2);
+    expect(await b).toBe(2);
+  });
+});
