@@ -423,6 +423,14 @@ impl QueueStats {
         Ok(stats)
     }
 
+    /// How many of the oldest events are past the newest `max` the log keeps.
+    pub fn events_over(&self, max: u64) -> u64 {
+        if self.first_event == 0 {
+            return 0;
+        }
+        (self.last_event + 1 - self.first_event).saturating_sub(max)
+    }
+
     pub fn count(&self, state: JobState) -> u64 {
         match state {
             JobState::Waiting => self.waiting,

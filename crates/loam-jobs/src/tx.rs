@@ -378,7 +378,7 @@ impl<'a> Tx<'a> {
             stats.first_event = stats.last_event;
         }
         let seq = stats.last_event;
-        let over = stats.last_event + 1 - stats.first_event > max;
+        let over = stats.events_over(max) > 0;
         let key = c.keys.event_page(seq);
         let event = EventRef { seq, ts: now, name, fields };
         self.kv.append(&key, &mut |page| model::append_to_page(page, &event))?;
@@ -396,15 +396,10 @@ impl<'a> Tx<'a> {
     /// events of a page still in use (see [`crate::ops::query::events_after`]).
     pub fn trim_events(&mut self, q: &QueueId, max: u64) -> Result<u64, JobsError> {
         let stats = self.stats(q)?;
-        let (first_event, last_event) = (stats.first_event, stats.last_event);
-        if first_event == 0 {
+        let (first_event, excess) = (stats.first_event, stats.events_over(max));
+        if excess == 0 {
             return Ok(0);
         }
-        let kept = last_event + 1 - first_event;
-        if kept <= max {
-            return Ok(0);
-        }
-        let excess = kept - max;
         let first = first_event + excess;
         let (old_page, new_page) = (first_event / EVENTS_PER_PAGE, first / EVENTS_PER_PAGE);
         for page in old_page..new_page {
