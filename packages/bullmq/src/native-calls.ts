@@ -46,18 +46,16 @@ const HANDS_OUT_JOBS: ReadonlySet<string> = new Set(['moveToActive', 'moveToComp
 interface Held {
   settle(): void;
   handsOutJob: boolean;
-  /** Its place in the order writes were made. */
-  number: number;
 }
 
 /**
  * The writes of one store in flight, each settled once it and every write
- * submitted before it have settled. Writes mostly settle in order (the
- * committer settles them in commit order), so a write is usually released
- * at once; one that settles early waits in `early`. (A chain of promises, each
- * write's after the one before, cost every write about five promises more
- * and the adoption of one by another, on the JavaScript thread that at
- * concurrency 100 completes a job per write.)
+ * submitted before it have settled. Each settles into `settled` under its
+ * number, and the run of settled writes from the next one due is released
+ * (the committer settles them in commit order, so mostly at once). (A chain of
+ * promises, each write's after the one before, cost every write about five
+ * promises more and the adoption of one by another, on the JavaScript thread
+ * that at concurrency 100 completes a job per write.)
  *
  * A write that may hand a worker a job, made while an earlier write that
  * hands out none (an add, say) was unanswered, is also released no earlier
@@ -71,15 +69,16 @@ interface Held {
  * add's own call, under relaxed durability) is not held back.
  */
 class WriteOrder {
-  /** Settlements of writes that settled before an earlier one, or wait for the next turn, by number. */
-  private readonly early = new Map<number, Held>();
+  /** Writes settled and not released yet, by the number they were made under. */
+  private readonly settled = new Map<number, Held>();
   private submitted = 0;
+  /** The number of the next write to release. */
   private released = 0;
   /** A write that hands out no job was released in this turn of the event loop. */
   private releasedThisTurn = false;
   /** How many writes had been made when the last of those was released. */
   private madeBeforeRelease = 0;
-  /** The next write waits for the next turn (see the class comment). */
+  /** Releasing waits for the next turn (see the class comment). */
   private waitingForTurn = false;
 
   constructor(private readonly store: string) {}
@@ -89,59 +88,45 @@ class WriteOrder {
     const number = this.submitted++;
     return new Promise<T>((resolve, reject) => {
       write.then(
-        value => this.settled(number, { settle: () => resolve(value), handsOutJob, number }),
-        (err: unknown) => this.settled(number, { settle: () => reject(fromNative(err)), handsOutJob, number }),
+        value => this.settle(number, { settle: () => resolve(value), handsOutJob }),
+        (err: unknown) => this.settle(number, { settle: () => reject(fromNative(err)), handsOutJob }),
       );
     });
   }
 
-  private settled(number: number, held: Held): void {
-    if (number !== this.released || this.waitingForTurn) {
-      this.early.set(number, held);
-      return;
-    }
-    if (!this.release(held)) {
-      this.early.set(number, held);
-      return;
-    }
-    for (let next = this.early.get(this.released); next; next = this.early.get(this.released)) {
-      this.early.delete(this.released);
-      if (!this.release(next)) {
-        this.early.set(this.released, next);
-        return;
-      }
-    }
-    this.forgetIfIdle();
+  private settle(number: number, held: Held): void {
+    this.settled.set(number, held);
+    this.release();
   }
 
-  /** Settles the next write, unless it must wait for the next turn (then false). */
-  private release(held: Held): boolean {
-    if (held.handsOutJob && this.releasedThisTurn && held.number < this.madeBeforeRelease) {
-      this.waitingForTurn = true;
-      setImmediate(() => {
-        this.waitingForTurn = false;
-        this.releasedThisTurn = false;
-        const next = this.early.get(this.released);
-        if (next) {
-          this.early.delete(this.released);
-          this.settled(this.released, next);
-        } else {
-          this.forgetIfIdle();
+  /** Releases the settled writes due, in order, until one is missing or must wait for the next turn. */
+  private release(): void {
+    if (this.waitingForTurn) return;
+    for (let next = this.settled.get(this.released); next; next = this.settled.get(this.released)) {
+      if (next.handsOutJob && this.releasedThisTurn && this.released < this.madeBeforeRelease) {
+        this.waitingForTurn = true;
+        setImmediate(() => {
+          this.waitingForTurn = false;
+          this.releasedThisTurn = false;
+          this.release();
+        });
+        return;
+      }
+      this.settled.delete(this.released);
+      this.released++;
+      if (!next.handsOutJob) {
+        this.madeBeforeRelease = this.submitted;
+        if (!this.releasedThisTurn) {
+          this.releasedThisTurn = true;
+          setImmediate(() => {
+            this.releasedThisTurn = false;
+            this.forgetIfIdle();
+          });
         }
-      });
-      return false;
+      }
+      next.settle();
     }
-    this.released++;
-    if (!held.handsOutJob) this.madeBeforeRelease = this.submitted;
-    if (!held.handsOutJob && !this.releasedThisTurn) {
-      this.releasedThisTurn = true;
-      setImmediate(() => {
-        this.releasedThisTurn = false;
-        this.forgetIfIdle();
-      });
-    }
-    held.settle();
-    return true;
+    this.forgetIfIdle();
   }
 
   /** Forgets a store with nothing in flight or held (its next write starts afresh). */
