@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo run --release -p loam-jobs-bench -- [--seconds 3] [--callers 1,16,128]
-//!     [--scenarios enqueue,cycle,flow] [--mode threads|async|both]
+//!     [--scenarios enqueue,cycle,flow,flowcycle] [--mode threads|async|both]
 //!     [--durability immediate|relaxed|both] [--warmup-ms 300] [--dir PATH] [--json PATH]
 //! ```
 //!
@@ -10,7 +10,10 @@
 //! - `enqueue`: every caller loops on `enqueue(..).wait()`;
 //! - `cycle`: every caller loops on enqueue, lease (one job), complete Ok;
 //! - `flow`: every caller loops on adding one flow tree, a parent and ten
-//!   children in another queue (what BullMQ's `FlowProducer.add` sends).
+//!   children in another queue (what BullMQ's `FlowProducer.add` sends);
+//! - `flowcycle`: every caller loops on adding one flow tree, leasing and
+//!   completing ten children (any flow's: callers share the queues), then
+//!   leasing and completing one released parent. Operations are whole loops.
 //!
 //! Callers are OS threads on the blocking `.wait()` API (`threads`), or tokio
 //! tasks awaiting the same `Pending` futures on one current-thread runtime
@@ -40,6 +43,9 @@ use serde::Serialize;
 
 const NS: &str = "bench";
 const QUEUE: &str = "q";
+/// The queues of the flow scenarios: parents wait in one for their children in the other.
+const PARENTS: &str = "parents";
+const CHILDREN: &str = "children";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -47,6 +53,7 @@ enum Scenario {
     Enqueue,
     Cycle,
     Flow,
+    FlowCycle,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -67,7 +74,7 @@ struct Options {
     json: Option<PathBuf>,
 }
 
-const USAGE: &str = "usage: loam-jobs-bench [--seconds S] [--callers 1,16,128] [--scenarios enqueue,cycle,flow] \
+const USAGE: &str = "usage: loam-jobs-bench [--seconds S] [--callers 1,16,128] [--scenarios enqueue,cycle,flow,flowcycle] \
                      [--mode threads|async|both] [--durability immediate|relaxed|both] [--warmup-ms MS] \
                      [--dir PATH] [--json PATH]";
 
@@ -111,6 +118,7 @@ fn parse_options() -> Result<Options, String> {
                         "enqueue" => Ok(Scenario::Enqueue),
                         "cycle" => Ok(Scenario::Cycle),
                         "flow" => Ok(Scenario::Flow),
+                        "flowcycle" => Ok(Scenario::FlowCycle),
                         other => Err(bad(&format!("unknown scenario {other}"))),
                     })
                     .collect::<Result<_, _>>()?;
@@ -191,15 +199,15 @@ fn flow_tree() -> Vec<FlowNode> {
     let tree = FLOW_IDS.fetch_add(1, Ordering::Relaxed);
     let parent_id = format!("p{tree}");
     let parent = FlowNode {
-        queue: "parents".into(),
+        queue: PARENTS.into(),
         request: EnqueueRequest { job_id: Some(parent_id.clone()), ..job() },
         wait_children: true,
     };
     let children = (0..10).map(|i| FlowNode {
-        queue: "children".into(),
+        queue: CHILDREN.into(),
         request: EnqueueRequest {
             job_id: Some(format!("c{tree}-{i}")),
-            parent: Some(ParentRef { queue: "parents".into(), id: parent_id.clone(), prefix: "bull".into() }),
+            parent: Some(ParentRef { queue: PARENTS.into(), id: parent_id.clone(), prefix: "bull".into() }),
             ..job()
         },
         wait_children: false,
@@ -264,8 +272,7 @@ fn blocking_cycle(jobs: &Jobs, tally: &mut Tally) -> Result<(), JobsError> {
             tally.empty_leases += 1;
             continue;
         };
-        let outcome = Outcome::Ok { result: Some(b"1".to_vec()) };
-        jobs.complete(NS, QUEUE, &lease.job.id, Fence::Epoch(lease.epoch), outcome, CompleteOptions::default())
+        jobs.complete(NS, QUEUE, &lease.job.id, Fence::Epoch(lease.epoch), ok_outcome(), CompleteOptions::default())
             .wait()?;
         return Ok(());
     }
@@ -279,10 +286,53 @@ async fn async_cycle(jobs: &Jobs, tally: &mut Tally) -> Result<(), JobsError> {
             tally.empty_leases += 1;
             continue;
         };
-        let outcome = Outcome::Ok { result: Some(b"1".to_vec()) };
-        jobs.complete(NS, QUEUE, &lease.job.id, Fence::Epoch(lease.epoch), outcome, CompleteOptions::default()).await?;
+        let fence = Fence::Epoch(lease.epoch);
+        jobs.complete(NS, QUEUE, &lease.job.id, fence, ok_outcome(), CompleteOptions::default()).await?;
         return Ok(());
     }
+}
+
+/// What every bench job returns.
+fn ok_outcome() -> Outcome {
+    Outcome::Ok { result: Some(b"1".to_vec()) }
+}
+
+fn blocking_flow_cycle(jobs: &Jobs, tally: &mut Tally, stop: &AtomicBool) -> Result<(), JobsError> {
+    jobs.flows(NS, flow_tree()).wait().and_then(all_added)?;
+    for (queue, mut left) in [(CHILDREN, 10), (PARENTS, 1)] {
+        while left > 0 && !stop.load(Ordering::Relaxed) {
+            let leased = jobs.lease(NS, queue, LeaseRequest { max: left, ..lease_request() }).wait()?;
+            if leased.leases.is_empty() {
+                tally.empty_leases += 1;
+            }
+            for lease in leased.leases {
+                let fence = Fence::Epoch(lease.epoch);
+                jobs.complete(NS, queue, &lease.job.id, fence, ok_outcome(), CompleteOptions::default()).wait()?;
+                left -= 1;
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn async_flow_cycle(jobs: &Jobs, tally: &mut Tally, stop: &AtomicBool) -> Result<(), JobsError> {
+    jobs.flows(NS, flow_tree()).await.and_then(all_added)?;
+    for (queue, mut left) in [(CHILDREN, 10), (PARENTS, 1)] {
+        while left > 0 && !stop.load(Ordering::Relaxed) {
+            let leased = jobs.lease(NS, queue, LeaseRequest { max: left, ..lease_request() }).await?;
+            if leased.leases.is_empty() {
+                tally.empty_leases += 1;
+                // Another caller's children hold this parent back: let it run.
+                tokio::task::yield_now().await;
+            }
+            for lease in leased.leases {
+                let fence = Fence::Epoch(lease.epoch);
+                jobs.complete(NS, queue, &lease.job.id, fence, ok_outcome(), CompleteOptions::default()).await?;
+                left -= 1;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn caller_thread(jobs: &Jobs, scenario: Scenario, window: Window, stop: &AtomicBool) -> Tally {
@@ -296,6 +346,7 @@ fn caller_thread(jobs: &Jobs, scenario: Scenario, window: Window, stop: &AtomicB
             Scenario::Enqueue => jobs.enqueue(NS, QUEUE, job()).wait().map(drop),
             Scenario::Cycle => blocking_cycle(jobs, &mut tally),
             Scenario::Flow => jobs.flows(NS, flow_tree()).wait().and_then(all_added),
+            Scenario::FlowCycle => blocking_flow_cycle(jobs, &mut tally, stop),
         };
         tally.record(r, t0, window, stop);
     }
@@ -313,6 +364,7 @@ async fn caller_task(jobs: Jobs, scenario: Scenario, window: Window, stop: Arc<A
             Scenario::Enqueue => jobs.enqueue(NS, QUEUE, job()).await.map(drop),
             Scenario::Cycle => async_cycle(&jobs, &mut tally).await,
             Scenario::Flow => jobs.flows(NS, flow_tree()).await.and_then(all_added),
+            Scenario::FlowCycle => async_flow_cycle(&jobs, &mut tally, &stop).await,
         };
         tally.record(r, t0, window, &stop);
     }
@@ -470,6 +522,7 @@ fn print_row(r: &Row) {
         Scenario::Enqueue => "enqueue",
         Scenario::Cycle => "cycle",
         Scenario::Flow => "flow",
+        Scenario::FlowCycle => "flowcycle",
     };
     println!(
         "{:<10} {:<8} {:<8} {:>7} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>12} {:>12}",
