@@ -43,6 +43,7 @@ const META: u8 = b'm';
 const STATS: u8 = b's';
 const LOG: u8 = b'l';
 const DEPENDENCY: u8 = b'D';
+const CHILD_COUNTS: u8 = b'n';
 const DEDUP: u8 = b'x';
 const IDEMPOTENCY: u8 = b'k';
 const SCHEDULER: u8 = b'S';
@@ -319,6 +320,10 @@ impl QueueKeys {
     }
     pub fn dependencies(&self, parent: &str) -> KeyRange {
         prefix_range(self.tagged_str(DEPENDENCY, parent))
+    }
+    /// How many of a parent's children are pending and have failed it.
+    pub fn child_counts(&self, parent: &str) -> Key {
+        self.tagged_str(CHILD_COUNTS, parent)
     }
 
     pub fn dedup(&self, id: &str) -> Key {

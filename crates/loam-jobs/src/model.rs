@@ -279,6 +279,14 @@ pub struct JobRecord {
     pub log_count: u64,
     pub dead_letter: Option<String>,
     pub headers: BTreeMap<String, String>,
+    /// The counts of its children live in their own key
+    /// ([`crate::keys::QueueKeys::child_counts`]), which `Tx::load_job` reads
+    /// into `pending_children` and `failed_children` and `Tx::save_job`
+    /// writes, so that a child's add or end updates eight bytes instead of
+    /// rewriting its parent's record. A record written before (false) keeps
+    /// its counts in those fields until its next child moves them out.
+    #[serde(default)]
+    pub children_counted: bool,
 }
 
 impl JobRecord {
@@ -529,6 +537,14 @@ impl Event {
         let number = |s: &str| if s.bytes().all(|b| b.is_ascii_digit()) { s.parse().ok() } else { None };
         Some((number(ms)?, number(seq)?))
     }
+}
+
+/// How many of a parent's children are pending, and how many failed it
+/// (failParentOnFailure): see [`JobRecord::children_counted`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChildCounts {
+    pub pending: u32,
+    pub failed: u32,
 }
 
 /// A parent's record of one child.

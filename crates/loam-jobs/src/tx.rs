@@ -10,7 +10,7 @@ use crate::error::JobsError;
 use crate::keys::EVENTS_PER_PAGE;
 use crate::keys::{self, QueueId, QueueKeys};
 use crate::kv::{Key, KeyRange, KvTxn, Value};
-use crate::model::{self, EventRef, JobRecord, JobState, QueueRemains, QueueStats};
+use crate::model::{self, ChildCounts, EventRef, JobRecord, JobState, QueueRemains, QueueStats};
 
 /// What to do once the transaction has committed.
 #[derive(Default, Debug)]
@@ -274,10 +274,15 @@ impl<'a> Tx<'a> {
 
     pub fn load_job(&mut self, q: &QueueId, id: &str) -> Result<Option<JobRecord>, JobsError> {
         let key = self.cache(q)?.keys.job(id);
-        match self.kv.get_for_update(&key)? {
-            Some(bytes) => Ok(Some(model::decode(&bytes)?)),
-            None => Ok(None),
+        let Some(bytes) = self.kv.get_for_update(&key)? else { return Ok(None) };
+        let mut job: JobRecord = model::decode(&bytes)?;
+        if job.children_counted {
+            let counts_key = self.cache(q)?.keys.child_counts(id);
+            if let Some(counts) = self.get_record::<ChildCounts>(&counts_key)? {
+                (job.pending_children, job.failed_children) = (counts.pending, counts.failed);
+            }
         }
+        Ok(Some(job))
     }
 
     pub fn require_job(&mut self, q: &QueueId, id: &str) -> Result<JobRecord, JobsError> {
@@ -285,8 +290,41 @@ impl<'a> Tx<'a> {
     }
 
     pub fn save_job(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+        if job.children_counted {
+            let counts = ChildCounts { pending: job.pending_children, failed: job.failed_children };
+            let counts_key = self.cache(q)?.keys.child_counts(&job.id);
+            self.put_record(&counts_key, &counts)?;
+        }
         let key = self.cache(q)?.keys.job(&job.id);
         self.put(&key, model::encode(job))
+    }
+
+    /// Changes the counts of a parent's children with `change` and returns
+    /// them, without reading or writing the parent's record once they have
+    /// their own key (a record from before that gets it now). None when the
+    /// parent does not exist.
+    pub fn count_children(
+        &mut self,
+        q: &QueueId,
+        parent: &str,
+        change: impl FnOnce(&mut ChildCounts),
+    ) -> Result<Option<ChildCounts>, JobsError> {
+        // Not through `cache`: that would read the parent's queue's counters,
+        // which a child's end leaves alone unless it releases the parent.
+        let counts_key = QueueKeys::new(q).child_counts(parent);
+        if let Some(bytes) = self.get_for_update(&counts_key)? {
+            let mut counts: ChildCounts = model::decode(&bytes)?;
+            change(&mut counts);
+            self.put_record(&counts_key, &counts)?;
+            return Ok(Some(counts));
+        }
+        let Some(mut job) = self.load_job(q, parent)? else { return Ok(None) };
+        let mut counts = ChildCounts { pending: job.pending_children, failed: job.failed_children };
+        change(&mut counts);
+        job.children_counted = true;
+        (job.pending_children, job.failed_children) = (counts.pending, counts.failed);
+        self.save_job(q, &job)?;
+        Ok(Some(counts))
     }
 
     /// The index entry that lists the job under its current state.

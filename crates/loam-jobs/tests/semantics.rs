@@ -117,6 +117,62 @@ fn flow_parent_waits_for_children_and_reads_their_results() {
     assert_eq!(values.get("bull:kids:b"), Some(&Some("\"rb\"".to_string())));
 }
 
+fn child_counts(jobs: &Jobs, id: &str) -> (u32, u32) {
+    let p = jobs.get_job("ns", "parents", id).unwrap().unwrap();
+    (p.pending_children, p.failed_children)
+}
+
+/// A parent that an older build wrote (its children's counts in its record,
+/// not in a key of their own) waits for its children as before: the first
+/// child to end moves the counts to the key, the last releases it.
+#[test]
+fn a_parent_counting_children_in_its_record_still_waits_for_them() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::FailParent);
+    jobs.write("ns", true, |tx| {
+        let q = QueueId::new("ns".to_string(), "parents".to_string());
+        let mut p = tx.require_job(&q, "p")?;
+        p.children_counted = false;
+        tx.save_job(&q, &p)?;
+        tx.delete(&keys::QueueKeys::new(&q).child_counts("p"))
+    })
+    .wait()
+    .unwrap();
+    let old = jobs.get_job("ns", "parents", "p").unwrap().unwrap();
+    assert_eq!((old.children_counted, old.pending_children), (false, 2));
+
+    let a = lease_one(&jobs, "kids").unwrap();
+    ok(&jobs, "kids", &a, "1");
+    let moved = jobs.get_job("ns", "parents", "p").unwrap().unwrap();
+    assert_eq!((moved.children_counted, moved.pending_children), (true, 1));
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::WaitingChildren));
+    let b = lease_one(&jobs, "kids").unwrap();
+    ok(&jobs, "kids", &b, "2");
+    assert_eq!(child_counts(&jobs, "p"), (0, 0));
+    let p = lease_one(&jobs, "parents").unwrap();
+    ok(&jobs, "parents", &p, "3");
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Completed));
+}
+
+/// What a parent reports of its children follows them: each add counts one
+/// pending, each end one fewer, a failure under failParentOnFailure one
+/// failed; removing the parent takes its counts with it.
+#[test]
+fn a_parent_reports_its_pending_and_failed_children() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::FailParent);
+    assert_eq!(child_counts(&jobs, "p"), (2, 0));
+    let a = lease_one(&jobs, "kids").unwrap();
+    ok(&jobs, "kids", &a, "1");
+    assert_eq!(child_counts(&jobs, "p"), (1, 0));
+    let b = lease_one(&jobs, "kids").unwrap();
+    fail(&jobs, "kids", &b);
+    assert_eq!(child_counts(&jobs, "p"), (0, 1));
+    assert!(jobs.admin("ns", "parents", |tx, q| admin::remove_job(tx, q, "p", false)).wait().unwrap());
+    let left = jobs.query("ns", "parents", |tx, q| tx.get(&keys::QueueKeys::new(q).child_counts("p"))).unwrap();
+    assert_eq!(left, None, "the counts went with the parent");
+}
+
 #[test]
 fn flow_without_policy_keeps_parent_waiting_after_child_failure() {
     let (jobs, _) = core();

@@ -19,6 +19,9 @@ pub fn purge_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsEr
     }
     let keys = QueueKeys::new(q);
     tx.delete(&keys.job(&job.id))?;
+    if job.children_counted {
+        tx.delete(&keys.child_counts(&job.id))?;
+    }
     tx.delete_range(&keys.logs(&job.id))?;
     tx.delete_range(&keys.dependencies(&job.id))?;
     Ok(())

@@ -393,35 +393,45 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd) ->
     if dep.status != DependencyStatus::Pending {
         return Ok(());
     }
-    let Some(mut pjob) = tx.load_job(&pq, &parent.id)? else {
-        tx.delete(&dep_key)?;
-        return Ok(());
-    };
     let (status, value, release_now) = match end {
         ChildEnd::Completed(v) => (Some(DependencyStatus::Processed), Some(v), false),
         ChildEnd::Failed(reason) => match child.on_child_failure {
-            OnChildFailure::Wait => return Ok(()),
+            OnChildFailure::Wait => {
+                if tx.load_job(&pq, &parent.id)?.is_none() {
+                    tx.delete(&dep_key)?;
+                }
+                return Ok(());
+            }
             OnChildFailure::FailParent => (Some(DependencyStatus::Failed), Some(reason), false),
             OnChildFailure::ContinueParent => (Some(DependencyStatus::Ignored), Some(reason), true),
             OnChildFailure::Ignore => (Some(DependencyStatus::Ignored), Some(reason), false),
             OnChildFailure::Remove => (None, None, false),
         },
     };
+    let failed = status == Some(DependencyStatus::Failed);
+    // The parent's record is read only when it is to move: most children end
+    // with their parent still waiting for others.
+    let counted = tx.count_children(&pq, &parent.id, |c| {
+        c.pending = c.pending.saturating_sub(1);
+        if failed {
+            c.failed += 1;
+        }
+    })?;
+    let Some(counts) = counted else {
+        tx.delete(&dep_key)?;
+        return Ok(());
+    };
     match status {
         Some(status) => tx.put_record(&dep_key, &Dependency { status, value, ..dep })?,
         None => tx.delete(&dep_key)?,
     }
-    pjob.pending_children = pjob.pending_children.saturating_sub(1);
-    if status == Some(DependencyStatus::Failed) {
-        pjob.failed_children += 1;
-    }
-    tx.save_job(&pq, &pjob)?;
-    if status == Some(DependencyStatus::Failed) {
+    if failed {
         // failParentOnFailure, as BullMQ 6.7: the parent is marked with a
         // deferred failure and, if it was waiting (for children or a delay),
         // released now; the worker that claims it fails it, and the parent's
         // own policy carries the failure further up. A running parent is
         // refused completion (FailedChildren) instead.
+        let mut pjob = tx.require_job(&pq, &parent.id)?;
         let reason = format!("child {child_key} failed");
         match pjob.state {
             JobState::WaitingChildren | JobState::Delayed => {
@@ -438,8 +448,11 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd) ->
         }
         return Ok(());
     }
-    if pjob.state == JobState::WaitingChildren && (release_now || pjob.pending_children == 0) {
-        release_parent(tx, &pq, pjob)?;
+    if release_now || counts.pending == 0 {
+        let pjob = tx.require_job(&pq, &parent.id)?;
+        if pjob.state == JobState::WaitingChildren {
+            release_parent(tx, &pq, pjob)?;
+        }
     }
     Ok(())
 }

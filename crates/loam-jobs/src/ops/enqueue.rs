@@ -205,6 +205,7 @@ fn add(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> R
         log_count: 0,
         dead_letter: req.dead_letter.clone(),
         headers: req.headers.clone(),
+        children_counted: matches!(placement, Placement::WaitChildren),
     };
     job.seq = tx.next_seq(q, job.queues_lifo())?;
     job.state = match placement {
@@ -267,9 +268,10 @@ fn keys_node(q: &QueueId, id: &str, parent: &ParentRef) -> String {
 /// Records a new child under its parent: a pending dependency and one more
 /// pending child. The parent must exist (BullMQ's ParentJobNotExist).
 fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_key: &str) -> Result<(), JobsError> {
-    let (pq, mut pjob) = load_parent(tx, parent)?;
+    let pq = parent_queue(tx, parent);
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, child_key);
     if tx.get(&dep_key)?.is_none() {
+        tx.count_children(&pq, &parent.id, |c| c.pending += 1)?.ok_or_else(|| missing_parent(parent))?;
         let dep = Dependency {
             status: DependencyStatus::Pending,
             child_queue: child.0.name.clone(),
@@ -277,16 +279,14 @@ fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_k
             value: None,
         };
         tx.put_record(&dep_key, &dep)?;
-        pjob.pending_children += 1;
-        tx.save_job(&pq, &pjob)?;
     }
     Ok(())
 }
 
 /// Refuses an add whose parent does not exist (BullMQ's ParentJobNotExist),
-/// before anything is written, without decoding the parent: `link_parent`
-/// loads it (a flow links ten children to one parent, and decoding it twice a
-/// child was a tenth of the flow's cost).
+/// before anything is written, without decoding the parent (a flow links ten
+/// children to one parent, and decoding it twice a child was a tenth of the
+/// flow's cost; `link_parent` now counts them without decoding it at all).
 fn require_parent(tx: &mut Tx, parent: &ParentRef) -> Result<(), JobsError> {
     let key = QueueKeys::new(&parent_queue(tx, parent)).job(&parent.id);
     tx.get_for_update(&key)?.map(|_| ()).ok_or_else(|| missing_parent(parent))
