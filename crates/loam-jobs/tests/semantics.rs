@@ -173,6 +173,33 @@ fn a_parent_reports_its_pending_and_failed_children() {
     assert_eq!(left, None, "the counts went with the parent");
 }
 
+/// A failed child retried is pending for its parent again, and no longer
+/// counts as having failed it.
+#[test]
+fn a_retried_child_is_pending_for_its_parent_again() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::FailParent);
+    let a = lease_one(&jobs, "kids").unwrap();
+    fail(&jobs, "kids", &a);
+    assert_eq!(child_counts(&jobs, "p"), (1, 1));
+    jobs.admin("ns", "kids", |tx, q| admin::retry_finished(tx, q, "a", JobState::Failed, false, false)).wait().unwrap();
+    assert_eq!(child_counts(&jobs, "p"), (2, 0));
+}
+
+/// Removing a parent's pending children releases it once none is left.
+#[test]
+fn removing_the_last_pending_child_releases_its_parent() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::Wait);
+    let remove = |id: &'static str| jobs.admin("ns", "kids", move |tx, q| admin::remove_job(tx, q, id, false)).wait();
+    assert!(remove("a").unwrap());
+    assert_eq!(child_counts(&jobs, "p"), (1, 0));
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::WaitingChildren));
+    assert!(remove("b").unwrap());
+    assert_eq!(child_counts(&jobs, "p"), (0, 0));
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
+}
+
 #[test]
 fn flow_without_policy_keeps_parent_waiting_after_child_failure() {
     let (jobs, _) = core();

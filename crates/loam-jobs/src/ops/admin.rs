@@ -76,10 +76,12 @@ fn unlink_pending_child(
         return Ok((false, None));
     }
     tx.delete(&dep_key)?;
-    let Some(mut pjob) = tx.load_job(&pq, &parent.id)? else { return Ok((true, None)) };
-    pjob.pending_children = pjob.pending_children.saturating_sub(1);
-    tx.save_job(&pq, &pjob)?;
-    let idle = pjob.pending_children == 0 && pjob.state == JobState::WaitingChildren;
+    let counted = tx.count_children(&pq, &parent.id, |c| c.pending = c.pending.saturating_sub(1))?;
+    if counted.is_none_or(|c| c.pending > 0) {
+        return Ok((true, None));
+    }
+    let pjob = tx.require_job(&pq, &parent.id)?;
+    let idle = pjob.state == JobState::WaitingChildren;
     Ok((true, idle.then_some((pq, pjob))))
 }
 
@@ -416,14 +418,19 @@ fn forget_finish(job: &mut JobRecord, state: JobState) {
 fn reattach_to_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
     let Some(parent) = &job.parent else { return Ok(()) };
     let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
-    let Some(mut pjob) = tx.load_job(&pq, &parent.id)? else { return Ok(()) };
     let child_key = model::node_key(&parent.prefix, &q.name, &job.id);
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
     let previous = tx.get_record::<Dependency>(&dep_key)?.map(|d| d.status);
-    if previous != Some(DependencyStatus::Pending) {
+    if previous == Some(DependencyStatus::Pending) {
+        return Ok(());
+    }
+    let counted = tx.count_children(&pq, &parent.id, |c| {
         if previous == Some(DependencyStatus::Failed) {
-            pjob.failed_children = pjob.failed_children.saturating_sub(1);
+            c.failed = c.failed.saturating_sub(1);
         }
+        c.pending += 1;
+    })?;
+    if counted.is_some() {
         let dep = Dependency {
             status: DependencyStatus::Pending,
             child_queue: q.name.clone(),
@@ -431,8 +438,6 @@ fn reattach_to_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), J
             value: None,
         };
         tx.put_record(&dep_key, &dep)?;
-        pjob.pending_children += 1;
-        tx.save_job(&pq, &pjob)?;
     }
     Ok(())
 }

@@ -268,19 +268,28 @@ fn keys_node(q: &QueueId, id: &str, parent: &ParentRef) -> String {
 /// Records a new child under its parent: a pending dependency and one more
 /// pending child. The parent must exist (BullMQ's ParentJobNotExist).
 fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_key: &str) -> Result<(), JobsError> {
+    let dep = Dependency {
+        status: DependencyStatus::Pending,
+        child_queue: child.0.name.clone(),
+        child_id: child.1.to_string(),
+        value: None,
+    };
+    record_child(tx, parent, child_key, dep)
+}
+
+/// Puts `dep` under `parent` (which must exist) unless the child is there
+/// already, and counts it among the parent's pending children when it is
+/// pending.
+fn record_child(tx: &mut Tx, parent: &ParentRef, child_key: &str, dep: Dependency) -> Result<(), JobsError> {
     let pq = parent_queue(tx, parent);
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, child_key);
-    if tx.get(&dep_key)?.is_none() {
-        tx.count_children(&pq, &parent.id, |c| c.pending += 1)?.ok_or_else(|| missing_parent(parent))?;
-        let dep = Dependency {
-            status: DependencyStatus::Pending,
-            child_queue: child.0.name.clone(),
-            child_id: child.1.to_string(),
-            value: None,
-        };
-        tx.put_record(&dep_key, &dep)?;
+    if tx.get(&dep_key)?.is_some() {
+        return Ok(());
     }
-    Ok(())
+    if dep.status == DependencyStatus::Pending {
+        tx.count_children(&pq, &parent.id, |c| c.pending += 1)?.ok_or_else(|| missing_parent(parent))?;
+    }
+    tx.put_record(&dep_key, &dep)
 }
 
 /// Refuses an add whose parent does not exist (BullMQ's ParentJobNotExist),
@@ -290,13 +299,6 @@ fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_k
 fn require_parent(tx: &mut Tx, parent: &ParentRef) -> Result<(), JobsError> {
     let key = QueueKeys::new(&parent_queue(tx, parent)).job(&parent.id);
     tx.get_for_update(&key)?.map(|_| ()).ok_or_else(|| missing_parent(parent))
-}
-
-/// The parent an add names, which must exist (BullMQ's ParentJobNotExist).
-fn load_parent(tx: &mut Tx, parent: &ParentRef) -> Result<(QueueId, JobRecord), JobsError> {
-    let pq = parent_queue(tx, parent);
-    let pjob = tx.load_job(&pq, &parent.id)?.ok_or_else(|| missing_parent(parent))?;
-    Ok((pq, pjob))
 }
 
 fn parent_queue(tx: &Tx, parent: &ParentRef) -> QueueId {
@@ -360,27 +362,20 @@ fn adopt(
     if held_by_another_parent(tx, &job, parent)? {
         return Err(JobsError::Precondition(Precondition::ParentCannotBeReplaced { job: parent.node_key() }));
     }
-    let (pq, mut pjob) = load_parent(tx, parent)?;
+    require_parent(tx, parent)?;
     refuse_cycle(tx, q, &job, parent)?;
-    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &keys_node(q, &job.id, parent));
-    if tx.get(&dep_key)?.is_none() {
-        let completed = job.state == JobState::Completed;
-        let dep = Dependency {
-            status: if completed { DependencyStatus::Processed } else { DependencyStatus::Pending },
-            child_queue: q.name.clone(),
-            child_id: job.id.clone(),
-            value: if completed {
-                job.return_value.as_ref().map(|v| String::from_utf8_lossy(v).into_owned())
-            } else {
-                None
-            },
-        };
-        tx.put_record(&dep_key, &dep)?;
-        if !completed {
-            pjob.pending_children += 1;
-            tx.save_job(&pq, &pjob)?;
-        }
-    }
+    let completed = job.state == JobState::Completed;
+    let dep = Dependency {
+        status: if completed { DependencyStatus::Processed } else { DependencyStatus::Pending },
+        child_queue: q.name.clone(),
+        child_id: job.id.clone(),
+        value: if completed {
+            job.return_value.as_ref().map(|v| String::from_utf8_lossy(v).into_owned())
+        } else {
+            None
+        },
+    };
+    record_child(tx, parent, &keys_node(q, &job.id, parent), dep)?;
     job.parent = Some(parent.clone());
     job.on_child_failure = policy;
     tx.save_job(q, &job)
