@@ -14,8 +14,8 @@
 //! acknowledging.
 //!
 //! The threads overlap: the executor runs each batch as soon as it comes,
-//! over the last committed snapshot and the merged writes of every batch not
-//! yet in it (a [`Layer`]), and never waits for a commit; the committer logs
+//! over the last committed snapshot and the writes of every batch not yet in
+//! it ([`PendingBatches`]), and never waits for a commit; the committer logs
 //! every batch that ran while it logged the previous group, so the busier the
 //! store, the more operations one fsync carries; and redb's commit is off
 //! both. If a commit fails, its batches fail, and so does every batch that
@@ -37,7 +37,7 @@ use super::placement::{CallerWaits, Placement};
 use super::wal::Wal;
 use super::{Durability, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
-use crate::kv::{Key, KeyRange, KvRead, Layer, Memo, Overlay, PendingWrites, Stacked, Value, Writes, net_writes};
+use crate::kv::{Key, KeyRange, KvRead, Memo, Overlay, PendingBatches, Stacked, Value, Writes, net_writes};
 
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("loam_jobs");
 /// The write-ahead log's generation (see [`super::wal`]), set by each checkpoint.
@@ -380,10 +380,10 @@ struct PublishedReader {
 
 impl KvRead for PublishedReader {
     fn get(&mut self, key: &[u8]) -> Result<Option<Value>, StoreError> {
-        Stacked { batches: &self.unapplied, base: &mut self.snapshot }.get(key)
+        Stacked::new(&self.unapplied, &mut self.snapshot).get(key)
     }
     fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
-        Stacked { batches: &self.unapplied, base: &mut self.snapshot }.scan(range, limit, reverse)
+        Stacked::new(&self.unapplied, &mut self.snapshot).scan(range, limit, reverse)
     }
 }
 
@@ -623,18 +623,18 @@ impl Executor {
         *number += 1;
         let number = *number;
         let (snapshot, snapshot_batch, failed) = view;
-        let read_through = uncommitted.batches.back().map_or(snapshot_batch, |(n, _)| *n);
+        let read_through = uncommitted.batches.newest().unwrap_or(snapshot_batch);
         let sync = match self.durability {
             Durability::Immediate => ops.iter().any(|op| op.sync),
             Durability::Relaxed { .. } => false,
         };
         let (writes, acks, mut unchanged) = {
             let mut committed = SnapshotReader(snapshot);
-            let Uncommitted { writes, memo, .. } = uncommitted;
-            if writes.is_empty() {
+            let Uncommitted { batches, memo } = uncommitted;
+            if batches.is_empty() {
                 execute(ops, &mut committed, memo)
             } else {
-                execute(ops, &mut Layer { below: &mut committed, writes }, memo)
+                execute(ops, &mut batches.over(&mut committed), memo)
             }
         };
         // Under relaxed durability, acknowledgements go out once the batch
@@ -653,8 +653,7 @@ impl Executor {
             _ => (Vec::new(), acks),
         };
         let writes = Arc::new(writes);
-        uncommitted.writes.add(number, &writes);
-        uncommitted.batches.push_back((number, Arc::clone(&writes)));
+        uncommitted.batches.push(number, Arc::clone(&writes));
         let published = (!early.is_empty()).then(|| Arc::clone(&writes));
         // The batch goes on, and is published to readers, before anyone is
         // answered: an answer's callback may read the store.
@@ -710,12 +709,11 @@ impl Executor {
     }
 }
 
-/// The batches the executor handed over whose commit is not done yet, oldest
-/// first, and their writes merged, which the next batches read through.
+/// The batches the executor handed over whose commit is not done yet, which
+/// the next batches read through.
 #[derive(Default)]
 struct Uncommitted {
-    batches: VecDeque<(u64, Arc<Writes>)>,
-    writes: PendingWrites,
+    batches: PendingBatches,
     /// What operations remembered (`KvTxn::remember`), kept from batch to
     /// batch: every write the store takes is a successful operation's, which
     /// forgets what it touches, so a value stays right until a batch is given
@@ -731,14 +729,13 @@ impl Uncommitted {
     /// committer is done with (committed, or failed and so never to be
     /// read); none while [`MAX_UNCOMMITTED_BATCHES`] remain.
     fn view(&mut self, committed: &Committed) -> Option<View> {
-        while let Some((n, writes)) = self.batches.front()
-            && *n <= committed.batch
+        while let Some(n) = self.batches.oldest()
+            && n <= committed.batch
         {
-            if *n > committed.snapshot_batch {
+            if n > committed.snapshot_batch {
                 self.memo.clear();
             }
-            self.writes.forget(*n, writes);
-            self.batches.pop_front();
+            self.batches.forget_oldest();
         }
         if committed.unreadable.is_some() {
             self.memo.clear();
