@@ -148,6 +148,15 @@ pub struct Overlay<'a> {
     /// leases of one batch, each of which deletes the head of the waiting
     /// index, from rescanning every head deleted before them.
     floors: BTreeMap<Key, Key>,
+    /// Per forward-scan start: the overlay over its base holds no key in
+    /// `[start, end)`, found by the last scan from that start (the range up
+    /// to the first key it returned). A later scan from the same start begins
+    /// at `end`, in the writes as in the base: a batch's leases each delete
+    /// the head of the waiting index, and each one's scan went through every
+    /// head deleted before it, in this batch and in every batch below. A
+    /// put in the range ends the entry (a delete cannot break it); so does
+    /// an operation taken back. Few scan starts per batch, so a list.
+    empty: Vec<(Key, Key)>,
     /// Base gets remembered for the overlay's life (the base does not change
     /// under it): a batch's operations read the same settings keys again and
     /// again. Off for short-lived overlays, where it would only cost. Scans
@@ -177,6 +186,7 @@ impl<'a> Overlay<'a> {
             writes: BTreeMap::new(),
             undo: Vec::new(),
             floors: BTreeMap::new(),
+            empty: Vec::new(),
             cache: None,
             memo: None,
             remembered: Vec::new(),
@@ -224,9 +234,11 @@ impl<'a> Overlay<'a> {
         }
         self.remembered.clear();
         if wrote {
-            // A floor says the writes cover the base up to it; the writes
-            // taken back may have been what covered it.
+            // A floor says the writes cover the base up to it, an empty
+            // range that nothing is there; the writes taken back may have
+            // been what covered it, or what hid it.
             self.floors.clear();
+            self.empty.clear();
         }
         while let Some(step) = self.undo.pop() {
             match step {
@@ -258,6 +270,9 @@ impl<'a> Overlay<'a> {
 
     fn write(&mut self, key: &[u8], value: Option<Value>) {
         self.forget(key);
+        if value.is_some() && !self.empty.is_empty() {
+            self.empty.retain(|(start, end)| !(start.as_slice() <= key && key < end.as_slice()));
+        }
         let before = self.writes.insert(key.to_vec(), value);
         self.undo.push(Undo::Restore(key.to_vec(), before));
     }
@@ -554,8 +569,33 @@ impl KvRead for Overlay<'_> {
     }
 
     fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
-        let local = local_range(&self.writes, range, reverse);
-        scan_under(local, &mut self.floors, self.base, range, limit, reverse)
+        if reverse || limit == 0 {
+            return scan_under(
+                local_range(&self.writes, range, reverse),
+                &mut self.floors,
+                self.base,
+                range,
+                limit,
+                reverse,
+            );
+        }
+        let known = self.empty.iter().position(|(start, _)| *start == range.start);
+        let narrowed;
+        let from = match known {
+            Some(i) if self.empty[i].1 >= range.end => return Ok(Vec::new()),
+            Some(i) => {
+                narrowed = KeyRange::new(self.empty[i].1.clone(), range.end.clone());
+                &narrowed
+            }
+            None => range,
+        };
+        let out = scan_under(local_range(&self.writes, from, false), &mut self.floors, self.base, from, limit, false)?;
+        let first = out.first().map_or(&range.end, |(key, _)| key).clone();
+        match known {
+            Some(i) => self.empty[i].1 = first,
+            None => self.empty.push((range.start.clone(), first)),
+        }
+        Ok(out)
     }
 }
 
