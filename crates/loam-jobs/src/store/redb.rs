@@ -37,7 +37,7 @@ use super::placement::{CallerWaits, Placement};
 use super::wal::Wal;
 use super::{Durability, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
-use crate::kv::{Key, KeyRange, KvRead, Memo, Overlay, PendingBatches, Stacked, Value, Writes, net_writes};
+use crate::kv::{Key, KeyRange, KvRead, Memo, Overlay, PendingBatches, ReadAhead, Stacked, Value, Writes, net_writes};
 
 const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("loam_jobs");
 /// The write-ahead log's generation (see [`super::wal`]), set by each checkpoint.
@@ -629,7 +629,9 @@ impl Executor {
             Durability::Relaxed { .. } => false,
         };
         let (writes, acks, mut unchanged) = {
-            let mut committed = SnapshotReader(snapshot);
+            // A batch's leases scan the waiting index one after another:
+            // one entry ahead for each operation after the first.
+            let mut committed = ReadAhead::new(SnapshotReader(snapshot), ops.len().min(64) - 1);
             let Uncommitted { batches, memo } = uncommitted;
             if batches.is_empty() {
                 execute(ops, &mut committed, memo)
