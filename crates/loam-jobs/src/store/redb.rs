@@ -631,7 +631,7 @@ impl Executor {
         let (writes, acks, mut unchanged) = {
             // A batch's leases scan the waiting index one after another:
             // one entry ahead for each operation after the first.
-            let mut committed = ReadAhead::new(SnapshotReader(snapshot), ops.len().min(64) - 1);
+            let mut committed = ReadAhead::new(SnapshotReader(snapshot), ops.len().min(64).saturating_sub(1));
             let Uncommitted { batches, memo } = uncommitted;
             if batches.is_empty() {
                 execute(ops, &mut committed, memo)
