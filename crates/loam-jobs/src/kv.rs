@@ -634,17 +634,10 @@ impl KvRead for Overlay<'_> {
     }
 
     fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, StoreError> {
-        if reverse || limit == 0 {
-            return scan_under(
-                local_range(&self.writes, range, reverse),
-                &mut self.floors,
-                self.base,
-                range,
-                limit,
-                reverse,
-            );
-        }
-        let known = self.empty.iter().position(|(start, _)| *start == range.start);
+        // Only a forward scan that may return something learns where the
+        // view's keys begin.
+        let forward = !reverse && limit > 0;
+        let known = if forward { self.empty.iter().position(|(start, _)| *start == range.start) } else { None };
         let narrowed;
         let from = match known {
             Some(i) if self.empty[i].1 >= range.end => return Ok(Vec::new()),
@@ -654,11 +647,14 @@ impl KvRead for Overlay<'_> {
             }
             None => range,
         };
-        let out = scan_under(local_range(&self.writes, from, false), &mut self.floors, self.base, from, limit, false)?;
-        let first = out.first().map_or(&range.end, |(key, _)| key).clone();
-        match known {
-            Some(i) => self.empty[i].1 = first,
-            None => self.empty.push((range.start.clone(), first)),
+        let out =
+            scan_under(local_range(&self.writes, from, reverse), &mut self.floors, self.base, from, limit, reverse)?;
+        if forward {
+            let first = out.first().map_or(&range.end, |(key, _)| key).clone();
+            match known {
+                Some(i) => self.empty[i].1 = first,
+                None => self.empty.push((range.start.clone(), first)),
+            }
         }
         Ok(out)
     }
