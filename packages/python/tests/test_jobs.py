@@ -398,6 +398,20 @@ def test_enqueue_retries_an_unknown_outcome_under_one_idempotency_key() -> None:
         op.throw(InvalidArgumentError("bad"))
 
 
+def test_a_retried_enqueue_with_a_job_id_does_not_add_a_removed_job_again(client: Client, queue: str) -> None:
+    # The first try's answer was lost; by the retry its job ran and was removed.
+    tried = next(ops.enqueue(queue, job("a", {"n": 1}, job_id="once", remove_on_complete=True)))
+    assert isinstance(tried, ops.Call)
+    sent = tried.request.job
+    assert sent.idempotency.key, "an enqueue with a job id gets a key of its own too"
+    assert client.enqueue_job(queue, sent).created
+    client.complete(client.lease(queue)[0], Success())
+    assert client.get_job(queue, "once") is None
+    retried = client.enqueue_job(queue, sent)
+    assert (retried.id, retried.created) == ("once", False)
+    assert len(client.lease(queue, wait_ms=0)) == 0
+
+
 def test_an_enqueues_own_key_outlives_its_retries_and_no_more() -> None:
     class FirstCall(ops.Operations):
         """Answers each operation with the first call it makes."""

@@ -227,10 +227,12 @@ def uuid7() -> str:
 
 def idempotent(spec: JobSpec, ttl_ms: int | None = None) -> JobSpec:
     """`spec`, or a copy of it with an idempotency key of its own when it has
-    neither a key nor a job id: an enqueue retried after an unknown outcome
-    then returns the first try's job instead of adding a second one. The
-    server keeps the key `ttl_ms` (None: its default, a day)."""
-    if spec.has_field("idempotency") or spec.job_id:
+    none: an enqueue retried after an unknown outcome then returns the first
+    try's job instead of adding a second one. A job id alone does not do
+    that: if the first try's job finished and was removed before the retry,
+    the retry would add the job again. The server keeps the key `ttl_ms`
+    (None: its default, a day)."""
+    if spec.has_field("idempotency"):
         return spec
     keyed = copy.copy(spec)
     keyed.idempotency = Idempotency(key=uuid7(), ttl_ms=ttl_ms)
