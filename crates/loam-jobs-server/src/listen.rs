@@ -57,8 +57,8 @@ pub async fn serve(
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let stream = match accepted {
-                    Ok((stream, _)) => stream,
+                let (stream, peer) = match accepted {
+                    Ok(accepted) => accepted,
                     Err(e) => {
                         // Out of file descriptors and the like: back off, keep serving.
                         tracing::warn!(error = %e, "accept failed");
@@ -67,7 +67,8 @@ pub async fn serve(
                     }
                 };
                 tune(&stream, probing);
-                let service = TowerToHyperService::new(app.clone());
+                // The connection's address, for calls that record who made them (`RequestContext::peer_addr`).
+                let service = TowerToHyperService::new(app.clone().layer(axum::Extension(connectrpc::PeerAddr(peer))));
                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
                 let conn = graceful.watch(conn);
                 tokio::spawn(async move {

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -69,15 +70,25 @@ fn outcome_name(o: &Outcome) -> &'static str {
 pub(crate) struct Caller {
     ns: String,
     jobs: Jobs,
+    /// The connection's address, when the transport gave it.
+    peer: Option<SocketAddr>,
 }
 
 /// Per (namespace, queue): the worker names seen, and when.
 #[derive(Default)]
 struct WorkersSeen {
-    by_queue: HashMap<(String, String), HashMap<String, Instant>>,
+    by_queue: HashMap<(String, String), HashMap<String, Seen>>,
     /// When names gone quiet were last dropped from every queue: a queue
     /// whose workers left (or any name a caller tried) is not kept for good.
     swept: Option<Instant>,
+}
+
+/// A worker name: when it was first and last seen (it is forgotten once
+/// unseen for `WORKER_TTL`), and on which connection last.
+struct Seen {
+    first: Instant,
+    last: Instant,
+    peer: Option<SocketAddr>,
 }
 
 #[derive(Clone)]
@@ -121,18 +132,23 @@ impl JobsSvc {
             Some(v) => Some(v.to_str().ok().and_then(|s| s.parse::<u64>().ok()).ok_or_else(bad_now)?),
             None => None,
         };
-        Ok(self.at(ns, now_ms))
+        Ok(self.at(ns, now_ms, ctx.peer_addr()))
     }
 
     /// A session call's caller: the session's namespace (checked when it
     /// opened) and the call's own clock, as a single call's `loam-now-ms`
     /// header would give them.
-    pub(crate) fn session_caller(&self, ns: &str, now_ms: Option<i64>) -> Result<Caller, ConnectError> {
+    pub(crate) fn session_caller(
+        &self,
+        ns: &str,
+        now_ms: Option<i64>,
+        peer: Option<SocketAddr>,
+    ) -> Result<Caller, ConnectError> {
         let now_ms = now_ms.map(|n| u64::try_from(n).map_err(|_| bad_now())).transpose()?;
-        Ok(self.at(ns.to_string(), now_ms))
+        Ok(self.at(ns.to_string(), now_ms, peer))
     }
 
-    fn at(&self, ns: String, now_ms: Option<u64>) -> Caller {
+    fn at(&self, ns: String, now_ms: Option<u64>, peer: Option<SocketAddr>) -> Caller {
         let jobs = match now_ms {
             Some(at) => {
                 if let Some(clock) = &self.following {
@@ -142,7 +158,7 @@ impl JobsSvc {
             }
             None => self.jobs.clone(),
         };
-        Caller { ns, jobs }
+        Caller { ns, jobs, peer }
     }
 
     /// Runs a unary call: checks its caller (token and clock), takes its
@@ -216,19 +232,21 @@ impl JobsSvc {
         }
     }
 
-    fn saw_worker(&self, ns: &str, queue: &str, name: &str) {
+    fn saw_worker(&self, c: &Caller, queue: &str, name: &str) {
         if let Ok(mut w) = self.workers.lock() {
             let now = Instant::now();
             if w.swept.is_none_or(|at| now.duration_since(at) >= WORKER_TTL) {
                 w.by_queue.retain(|_, names| {
-                    names.retain(|_, seen| now.duration_since(*seen) < WORKER_TTL);
+                    names.retain(|_, seen| now.duration_since(seen.last) < WORKER_TTL);
                     !names.is_empty()
                 });
                 w.swept = Some(now);
             }
-            let names = w.by_queue.entry((ns.to_string(), queue.to_string())).or_default();
-            names.retain(|_, seen| now.duration_since(*seen) < WORKER_TTL);
-            names.insert(name.to_string(), now);
+            let names = w.by_queue.entry((c.ns.clone(), queue.to_string())).or_default();
+            names.retain(|_, seen| now.duration_since(seen.last) < WORKER_TTL);
+            let seen = names.entry(name.to_string()).or_insert(Seen { first: now, last: now, peer: None });
+            seen.last = now;
+            seen.peer = c.peer.or(seen.peer);
         }
     }
 
@@ -244,18 +262,24 @@ impl JobsSvc {
         listed
     }
 
-    fn workers_of(&self, ns: &str, queue: &str) -> Vec<String> {
+    /// The queue's workers, oldest first (Redis lists clients in the order they connected).
+    fn workers_of(&self, ns: &str, queue: &str) -> Vec<pb::WorkerSeen> {
         let now = Instant::now();
         let Ok(w) = self.workers.lock() else { return Vec::new() };
-        let mut names: Vec<String> = w
-            .by_queue
-            .get(&(ns.to_string(), queue.to_string()))
-            .map(|m| {
-                m.iter().filter(|(_, seen)| now.duration_since(**seen) < WORKER_TTL).map(|(n, _)| n.clone()).collect()
+        let Some(names) = w.by_queue.get(&(ns.to_string(), queue.to_string())) else { return Vec::new() };
+        let mut seen: Vec<(&String, &Seen)> =
+            names.iter().filter(|(_, seen)| now.duration_since(seen.last) < WORKER_TTL).collect();
+        seen.sort_by(|a, b| a.1.first.cmp(&b.1.first).then_with(|| a.0.cmp(b.0)));
+        let ms = |since: Instant| u64::try_from(now.duration_since(since).as_millis()).unwrap_or(u64::MAX);
+        seen.into_iter()
+            .map(|(name, seen)| pb::WorkerSeen {
+                name: name.clone(),
+                addr: seen.peer.map(|p| p.to_string()).unwrap_or_default(),
+                age_ms: ms(seen.first),
+                idle_ms: ms(seen.last),
+                ..Default::default()
             })
-            .unwrap_or_default();
-        names.sort();
-        names
+            .collect()
     }
 
     // ---- calls ------------------------------------------------------------------
@@ -306,7 +330,7 @@ impl JobsSvc {
             return Err(invalid("lease options.max must be at least 1"));
         }
         if let Some(w) = &options.worker {
-            self.saw_worker(&c.ns, &req.queue, w);
+            self.saw_worker(&c, &req.queue, w);
         }
         let wait = wait_of(req.wait_ms);
         let leased = if wait.is_zero() {
@@ -616,7 +640,7 @@ impl JobsSvc {
                     }
                     // Validates the queue name as every other call does.
                     jobs.query(ns, queue, |_, _| Ok(()))?;
-                    self.saw_worker(ns, queue, &w.name);
+                    self.saw_worker(&c, queue, &w.name);
                     Ok(())
                 }
                 Op::UnregisterWorker(w) => {
@@ -812,7 +836,9 @@ impl JobsSvc {
                 Query::SchedulerCount(_) => R::Number(jobs.query(ns, queue, schedule::count)?),
                 Query::Workers(_) => {
                     jobs.query(ns, queue, |_, _| Ok(()))?;
-                    R::from(pb::NameList { names: self.workers_of(ns, queue), ..Default::default() })
+                    let workers = self.workers_of(ns, queue);
+                    let names = workers.iter().map(|w| w.name.clone()).collect();
+                    R::from(pb::NameList { names, workers, ..Default::default() })
                 }
                 Query::Queues(_) => {
                     let names = jobs.read(ns, |tx| query::queues(tx, ns))?.into_iter().map(|q| q.name).collect();

@@ -22,6 +22,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 
 use base64::Engine;
@@ -54,11 +55,17 @@ pub async fn open(
 ) -> Result<ServiceStream<pb::SessionResponse>, ConnectError> {
     let ns = svc.session_namespace(&ctx)?;
     let (answers, out) = mpsc::channel(MAX_UNSENT_ANSWERS);
-    tokio::spawn(read(svc, ns, requests, answers));
+    tokio::spawn(read(svc, ns, ctx.peer_addr(), requests, answers));
     Ok(Box::pin(futures::stream::unfold(out, |mut out| async move { out.recv().await.map(|a| (a, out)) })))
 }
 
-async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionRequest>, answers: Answers) {
+async fn read(
+    svc: JobsSvc,
+    ns: String,
+    peer: Option<SocketAddr>,
+    mut requests: InboundStream<pb::SessionRequest>,
+    answers: Answers,
+) {
     // Every call runs on this task. A call's first poll hands its operation to
     // the core, and FuturesUnordered polls new futures in the order they were
     // pushed; the next request is read only once both sets below were polled
@@ -142,7 +149,7 @@ async fn read(svc: JobsSvc, ns: String, mut requests: InboundStream<pb::SessionR
                         Some(call) => {
                             // A bad clock fails this call only, counted like any failed call.
                             let long_poll = is_long_poll(&call);
-                            let call = Call { caller: svc.session_caller(&ns, request.now_ms), call };
+                            let call = Call { caller: svc.session_caller(&ns, request.now_ms, peer), call };
                             if long_poll {
                                 polls.push(start(&svc, &mut stops, id, call, None));
                             } else if let Some(held) = svc.budget().try_take(size) {

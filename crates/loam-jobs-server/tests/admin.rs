@@ -208,6 +208,17 @@ async fn queue_and_job_admin_reports_and_queries() {
     qa(&c, qn, pb::queue_admin_request::RegisterWorker { name: "host-1:42".into(), ..Default::default() }).await;
     let R::Names(w) = q(&c, qn, Q::Workers(true)).await else { panic!("workers") };
     assert_eq!(w.names, vec!["host-1:42".to_string()]);
+    // With what CLIENT LIST tells of a Redis client: the connection's address, its age and idle time.
+    let [seen] = w.workers.as_slice() else { panic!("one worker: {:?}", w.workers) };
+    let addr: std::net::SocketAddr = seen.addr.parse().expect("the connection's address");
+    assert!(addr.ip().is_loopback(), "{addr}");
+    assert!(seen.age_ms < 60_000 && seen.idle_ms <= seen.age_ms, "{seen:?}");
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    qa(&c, qn, pb::queue_admin_request::RegisterWorker { name: "host-1:42".into(), ..Default::default() }).await;
+    let R::Names(again) = q(&c, qn, Q::Workers(true)).await else { panic!("workers") };
+    let [seen_again] = again.workers.as_slice() else { panic!("one worker: {:?}", again.workers) };
+    assert!(seen_again.age_ms >= seen.age_ms + 30, "its age counts from when it was first seen: {seen_again:?}");
+    assert!(seen_again.idle_ms < seen_again.age_ms, "its idle time from when it was last seen: {seen_again:?}");
     let forget = || pb::queue_admin_request::UnregisterWorker { name: "host-1:42".into(), ..Default::default() };
     assert_eq!(qa(&c, qn, forget()).await.count, 1);
     assert_eq!(qa(&c, qn, forget()).await.count, 0, "forgotten once");

@@ -46,6 +46,7 @@ import {
   reportBackgroundError,
   schedulerRepeat,
   Siblings,
+  type Activity,
   type ChildrenByCategory,
   type FinishedResult,
 } from './common.js';
@@ -96,6 +97,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   /** Whose names `getClientList` lists: this store's and namespace's (see `clientsKey`). */
   private readonly clients: string;
   private releaseName: (() => void) | undefined;
+  /** When this backend last called the store: a named client's idle time. */
+  private readonly activity: Activity = { at: Date.now() };
   private readonly ready: Promise<void>;
   /** Set once `ready` resolved; a worker takes jobs only from then on. */
   private isReady = false;
@@ -114,11 +117,11 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     this.namespace = options.namespace ?? DEFAULT_NAMESPACE;
     this.clients = clientsKey(native.dataDir, this.namespace);
     // Every call of `this.native` fails in BullMQ's form, its writes settle in order.
-    this.native = nativeCalls(native, native.dataDir);
+    this.native = nativeCalls(native, native.dataDir, this.activity);
     if (options.withBlockingConnection) {
       // Redis names a worker's blocking connection so getWorkers finds it.
       const suffix = options.workerName ? `:w:${options.workerName}` : '';
-      this.releaseName = holdName(this.clients, this.clientName(suffix));
+      this.releaseName = holdName(this.clients, this.clientName(suffix), this.activity);
     }
     if (options.blocking) {
       // A QueueEvents reads from "now": fix that point when it is created (and
@@ -164,7 +167,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   async setName(name: string): Promise<void> {
     this.releaseName?.();
-    this.releaseName = holdName(this.clients, name);
+    this.releaseName = holdName(this.clients, name, this.activity);
   }
 
   async disconnectBlocking(_wait?: boolean): Promise<void> {

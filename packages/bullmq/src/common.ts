@@ -49,43 +49,79 @@ export function reportBackgroundError(emitter: EventEmitter, err: unknown): void
  * get in Redis), so `getClientList` can report the workers and QueueEvents of
  * this process, which are all the clients an embedded store has. Kept per
  * store and namespace (see `clientsKey`): a queue lists only the clients of
- * its own, as a Redis server lists only its own connections.
+ * its own, as a Redis server lists only its own connections. Each holder
+ * once, in the order they took their names (Redis lists clients by id).
  */
-const clientNames = new Map<string, Map<string, number>>();
+const clientNames = new Map<string, Set<NameHolder>>();
+
+/** When a client last called the store (epoch ms), kept up to date by its backend. */
+export interface Activity {
+  at: number;
+}
+
+interface NameHolder {
+  name: string;
+  since: number;
+  activity: Activity;
+}
+
+/** A client as `getClientList` reports it (Redis's CLIENT LIST fields that a queue backend knows). */
+export interface ClientSeen {
+  name: string;
+  /** `host:port` of its connection; none in-process. */
+  addr?: string;
+  /** Since it took its name, when known. */
+  ageMs?: number;
+  /** Since it last called the store, when known. */
+  idleMs?: number;
+}
 
 /** Which clients a backend's `getClientList` sees: those of its data dir and namespace. */
 export function clientsKey(dataDir: string, namespace: string): string {
   return `${dataDir}\u0000${namespace}`;
 }
 
-/** Holds `name` among the clients of `clients` (a `clientsKey`); returns its release. */
-export function holdName(clients: string, name: string): () => void {
-  let names = clientNames.get(clients);
-  if (!names) clientNames.set(clients, (names = new Map()));
-  names.set(name, (names.get(name) ?? 0) + 1);
-  let held = true;
+/**
+ * Holds `name` among the clients of `clients` (a `clientsKey`) for a client
+ * whose calls `activity` follows; returns its release.
+ */
+export function holdName(clients: string, name: string, activity: Activity): () => void {
+  let holders = clientNames.get(clients);
+  if (!holders) clientNames.set(clients, (holders = new Set()));
+  const holder: NameHolder = { name, since: Date.now(), activity };
+  holders.add(holder);
   return () => {
-    if (!held) return;
-    held = false;
-    const left = (names.get(name) ?? 1) - 1;
-    if (left > 0) names.set(name, left);
-    else names.delete(name);
-    if (names.size === 0 && clientNames.get(clients) === names) clientNames.delete(clients);
+    if (holders.delete(holder) && holders.size === 0 && clientNames.get(clients) === holders) {
+      clientNames.delete(clients);
+    }
   };
 }
 
-/** Every name held among the clients of `clients`, once per holder. */
-export function heldNames(clients: string): string[] {
-  const names: string[] = [];
-  for (const [name, count] of clientNames.get(clients) ?? []) {
-    for (let i = 0; i < count; i++) names.push(name);
-  }
-  return names;
+/** The clients of `clients` that hold a name. */
+export function heldNames(clients: string): ClientSeen[] {
+  const now = Date.now();
+  return [...(clientNames.get(clients) ?? [])].map(h => {
+    const ageMs = now - h.since;
+    // Never idle for longer than it has held its name (as Redis's idle is never over its age).
+    return { name: h.name, ageMs, idleMs: Math.max(0, Math.min(ageMs, now - h.activity.at)) };
+  });
 }
 
-/** Client names as one Redis CLIENT LIST text, the shape BullMQ's getWorkers parses. */
-export function clientListText(names: string[]): string[] {
-  return [names.map((name, i) => `id=${i + 1} name=${name}`).join('\n')];
+/**
+ * Clients as one Redis CLIENT LIST text, the shape BullMQ's getWorkers
+ * parses: age and idle in whole seconds, as Redis gives them.
+ */
+export function clientListText(clients: ClientSeen[]): string[] {
+  const seconds = (ms: number) => String(Math.floor(ms / 1000));
+  const line = (c: ClientSeen, i: number) =>
+    [
+      `id=${i + 1}`,
+      ...(c.addr ? [`addr=${c.addr}`] : []),
+      `name=${c.name}`,
+      ...(c.ageMs !== undefined ? [`age=${seconds(c.ageMs)}`] : []),
+      ...(c.idleMs !== undefined ? [`idle=${seconds(c.idleMs)}`] : []),
+    ].join(' ');
+  return [clients.map(line).join('\n')];
 }
 
 export function parseJob(text: string | null | undefined): JobJson | undefined {

@@ -16,6 +16,7 @@
  * never shows. So the promises of one store's writes resolve here in the
  * order the writes were submitted (which is the order the core applied them).
  */
+import type { Activity } from './common.js';
 import { callSync, fromNative } from './errors.js';
 
 /** The native methods that answer synchronously; every other one returns a promise. */
@@ -150,8 +151,12 @@ function inOrder<T>(store: string, write: Promise<T>, handsOutJob: boolean): Pro
   return order.add(write, handsOutJob);
 }
 
-/** Wraps the methods of a native queue (in place) as the module comment says; `store` is its data dir. */
-export function nativeCalls<N extends object>(native: N, store: string): N {
+/**
+ * Wraps the methods of a native queue (in place) as the module comment says;
+ * `store` is its data dir. Each call sets `activity.at` to its time (a named
+ * client's idle time in `getWorkers`).
+ */
+export function nativeCalls<N extends object>(native: N, store: string, activity: Activity = { at: 0 }): N {
   const methods = native as unknown as Record<string, Method>;
   const prototype = Object.getPrototypeOf(native) as object;
   for (const name of WRITE_METHODS) {
@@ -161,12 +166,16 @@ export function nativeCalls<N extends object>(native: N, store: string): N {
     const method = Object.getOwnPropertyDescriptor(prototype, name)?.value as Method | undefined;
     if (name === 'constructor' || typeof method !== 'function') continue;
     if (SYNC_METHODS.has(name)) {
-      methods[name] = (...args) => callSync(() => method.apply(native, args));
+      methods[name] = (...args) => {
+        activity.at = Date.now();
+        return callSync(() => method.apply(native, args));
+      };
       continue;
     }
     const write = WRITE_METHODS.has(name);
     const handsOutJob = HANDS_OUT_JOBS.has(name);
     methods[name] = (...args) => {
+      activity.at = Date.now();
       let answer: Promise<unknown>;
       try {
         answer = method.apply(native, args) as Promise<unknown>;

@@ -53,6 +53,7 @@ import {
   reportBackgroundError,
   schedulerRepeat,
   Siblings,
+  type ClientSeen,
   type NextJobTuple,
 } from './common.js';
 import { fromServer, isConnectionError, loamError, type BullmqCommand, type LoamErrorCode } from './errors.js';
@@ -1140,7 +1141,18 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** The names the server saw recently for this queue, as one CLIENT LIST text. */
   async getClientList(): Promise<string[]> {
     const r = await this.query({ command: 'getClientList' }, { case: 'workers', value: true });
-    return clientListText(r.case === 'names' ? r.value.names.map(untaggedName) : []);
+    if (r.case !== 'names') return clientListText([]);
+    // A server without `workers` gives the names alone.
+    const clients: ClientSeen[] =
+      r.value.workers.length > 0
+        ? r.value.workers.map(w => ({
+            name: untaggedName(w.name),
+            addr: w.addr || undefined,
+            ageMs: Number(w.ageMs),
+            idleMs: Number(w.idleMs),
+          }))
+        : r.value.names.map(name => ({ name: untaggedName(name) }));
+    return clientListText(clients);
   }
 
   /** `paginate` of a parent's pending (`:dependencies`) or processed (`:processed`) children. */

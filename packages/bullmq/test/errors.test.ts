@@ -204,6 +204,14 @@ describe('errors', () => {
     await worker.waitUntilReady();
     const workers = await queue.getWorkers();
     expect(workers.map(w => w.rawname)).toContain(`${queue.clientName()}:w:w1`);
+    // Age and idle time in whole seconds, as Redis's CLIENT LIST gives them;
+    // through the server also the address of the worker's connection.
+    const [listed] = workers;
+    expect(Number(listed!.age)).toBeGreaterThanOrEqual(0);
+    expect(Number(listed!.idle)).toBeGreaterThanOrEqual(0);
+    expect(Number(listed!.idle)).toBeLessThanOrEqual(Number(listed!.age));
+    if (backendKind === 'remote') expect(listed!.addr).toMatch(/^127\.0\.0\.1:\d+$/);
+    else expect(listed!.addr).toBeUndefined();
     // A closed worker is not listed (as Redis forgets a closed connection).
     await worker.close();
     expect(await queue.getWorkersCount()).toBe(0);
