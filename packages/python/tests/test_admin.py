@@ -114,6 +114,9 @@ def test_meta_config_events_and_workers(client: Client, queue: str) -> None:
     client.register_worker(queue, "worker-1")
     client.lease(queue, worker="worker-2")
     assert {"worker-1", "worker-2"} <= set(client.workers(queue))
+    seen = {w.name: w for w in client.workers_seen(queue)}
+    assert seen["worker-1"].addr.startswith("127.0.0.1:"), seen
+    assert all(w.idle_ms <= w.age_ms < 60_000 for w in seen.values()), seen
     assert client.unregister_worker(queue, "worker-1")
     assert not client.unregister_worker(queue, "worker-1")
     assert "worker-1" not in client.workers(queue)

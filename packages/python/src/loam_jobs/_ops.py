@@ -80,6 +80,7 @@ from .models import (
     OutcomeSpec,
     QueueEvent,
     Success,
+    WorkerSeen,
     decode_json,
     encode_data,
     encode_json,
@@ -999,6 +1000,14 @@ class Operations(ABC):
     def workers(self, queue: str) -> list[str]:
         """Worker names seen on the queue in the last 5 minutes."""
         return self._run(_then(query(queue, "workers", True), _names))
+
+    def workers_seen(self, queue: str) -> list[WorkerSeen]:
+        """The workers of `workers`, first seen first, each with the address of
+        the connection it was last seen on, and how long ago it was first and
+        last seen (`age_ms`, `idle_ms`)."""
+        return self._run(
+            _then(query(queue, "workers", True), lambda result: list(result.workers) if result else [])
+        )
 
     def queues(self) -> list[str]:
         """The namespace's queues."""

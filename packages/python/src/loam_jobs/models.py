@@ -26,6 +26,7 @@ from typing import Any, Literal
 from protobuf import Oneof
 
 from ._gen.loam.jobs.v1.events_pb import Event
+from ._gen.loam.jobs.v1.jobs_pb import WorkerSeen
 from ._gen.loam.jobs.v1.types_pb import (
     Backoff,
     BackoffKind,
@@ -87,6 +88,7 @@ __all__ = [
     "SchedulerSpec",
     "Success",
     "WaitChildren",
+    "WorkerSeen",
     "encode_data",
     "exponential_backoff",
     "fixed_backoff",
