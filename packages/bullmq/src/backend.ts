@@ -36,9 +36,9 @@ import {
   clientsKey,
   dependenciesPage,
   finishedNext,
-  heldNames,
   holdName,
   logRowsKept,
+  namedClients,
   newJobJson,
   paginateTarget,
   parseJob,
@@ -486,7 +486,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   /** One CLIENT LIST text with the names this process's backends of this store and namespace hold. */
   async getClientList(): Promise<string[]> {
-    return clientListText(heldNames(this.clients));
+    return clientListText(namedClients(this.clients));
   }
 
   /** `paginate` of `<qualifiedName>:<parentId>:dependencies` or `:processed`. */

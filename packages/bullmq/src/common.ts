@@ -98,7 +98,7 @@ export function holdName(clients: string, name: string, activity: Activity): () 
 }
 
 /** The clients of `clients` that hold a name. */
-export function heldNames(clients: string): ClientSeen[] {
+export function namedClients(clients: string): ClientSeen[] {
   const now = Date.now();
   return [...(clientNames.get(clients) ?? [])].map(h => {
     const ageMs = now - h.since;
