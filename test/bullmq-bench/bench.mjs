@@ -14,7 +14,8 @@
 //
 // Redis is started here (redis-server from the machine, on a free loopback
 // port, with no persistence: no RDB snapshots, no AOF). Loam uses its default
-// immediate durability unless LOAM_DURABILITY=relaxed.
+// immediate durability unless LOAM_DURABILITY=relaxed, in-process and in the
+// server alike.
 //
 // `remote` is BullMQ through `loamBackend({ url })` on a `loam-jobs serve`
 // started here ($LOAM_JOBS_BIN, else target/release/loam-jobs; build it with
@@ -47,6 +48,7 @@ const chosen = arg('scenarios', '');
 const serverBin =
   process.env.LOAM_JOBS_BIN ?? resolve(dirname(fileURLToPath(import.meta.url)), '../../target/release/loam-jobs');
 const n = (count) => Math.max(1, Math.round(count * scale));
+const relaxed = process.env.LOAM_DURABILITY === 'relaxed';
 
 function freePort() {
   return new Promise((resolve, reject) => {
@@ -89,7 +91,8 @@ async function startRedis() {
 async function startLoamServer() {
   const port = await freePort();
   const dir = mkdtempSync(join(tmpdir(), 'bench-loam-serve-'));
-  const child = spawn(serverBin, ['serve', '--listen', `127.0.0.1:${port}`, '--data-dir', dir], {
+  const durability = relaxed ? ['--durability', 'relaxed'] : [];
+  const child = spawn(serverBin, ['serve', '--listen', `127.0.0.1:${port}`, '--data-dir', dir, ...durability], {
     stdio: ['ignore', 'pipe', 'pipe'],
     env: { ...process.env, NO_COLOR: '1' },
   });
@@ -329,17 +332,17 @@ async function main() {
   const names = chosen === '' ? Object.keys(scenarios) : chosen.split(';');
   console.log(
     `bullmq bench: ${cpus().length} CPUs, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}, scale ${scale}, ` +
-      `${rounds} rounds after ${warmup} warm-up round${warmup === 1 ? '' : 's'}`,
+      `${rounds} rounds after ${warmup} warm-up round${warmup === 1 ? '' : 's'}, Loam durability ${relaxed ? 'relaxed' : 'immediate'}`,
   );
-  const report = { cpus: cpus().length, loadBefore: loadavg(), scale, rounds, warmup, results: {}, warmups: {}, medians: {} };
+  const durability = relaxed ? 'relaxed' : 'immediate';
+  const report = { cpus: cpus().length, loadBefore: loadavg(), scale, rounds, warmup, durability, results: {}, warmups: {}, medians: {} };
   /** Each backend: how BullMQ is pointed at it, and the scenarios it runs. */
   const backends = [];
   try {
     if (wants('loam')) {
       const dataDir = mkdtempSync(join(tmpdir(), 'bench-loam-'));
-      const durability = process.env.LOAM_DURABILITY === 'relaxed' ? { durability: 'relaxed' } : {};
       // BullMQ's own classes, unchanged, over the Loam backend.
-      const factory = loamBackend({ dataDir, ...durability });
+      const factory = loamBackend({ dataDir, durability });
       backends.push({
         label: 'loam',
         b: { opts: { connection: {} }, serverPid: 0 },
