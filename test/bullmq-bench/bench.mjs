@@ -48,7 +48,8 @@ const chosen = arg('scenarios', '');
 const serverBin =
   process.env.LOAM_JOBS_BIN ?? resolve(dirname(fileURLToPath(import.meta.url)), '../../target/release/loam-jobs');
 const n = (count) => Math.max(1, Math.round(count * scale));
-const relaxed = process.env.LOAM_DURABILITY === 'relaxed';
+/** Loam's durability, in-process and in the server: immediate unless LOAM_DURABILITY=relaxed. */
+const durability = process.env.LOAM_DURABILITY === 'relaxed' ? 'relaxed' : 'immediate';
 
 function freePort() {
   return new Promise((resolve, reject) => {
@@ -91,8 +92,7 @@ async function startRedis() {
 async function startLoamServer() {
   const port = await freePort();
   const dir = mkdtempSync(join(tmpdir(), 'bench-loam-serve-'));
-  const durability = relaxed ? ['--durability', 'relaxed'] : [];
-  const child = spawn(serverBin, ['serve', '--listen', `127.0.0.1:${port}`, '--data-dir', dir, ...durability], {
+  const child = spawn(serverBin, ['serve', '--listen', `127.0.0.1:${port}`, '--data-dir', dir, '--durability', durability], {
     stdio: ['ignore', 'pipe', 'pipe'],
     env: { ...process.env, NO_COLOR: '1' },
   });
@@ -332,9 +332,8 @@ async function main() {
   const names = chosen === '' ? Object.keys(scenarios) : chosen.split(';');
   console.log(
     `bullmq bench: ${cpus().length} CPUs, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}, scale ${scale}, ` +
-      `${rounds} rounds after ${warmup} warm-up round${warmup === 1 ? '' : 's'}, Loam durability ${relaxed ? 'relaxed' : 'immediate'}`,
+      `${rounds} rounds after ${warmup} warm-up round${warmup === 1 ? '' : 's'}, Loam durability ${durability}`,
   );
-  const durability = relaxed ? 'relaxed' : 'immediate';
   const report = { cpus: cpus().length, loadBefore: loadavg(), scale, rounds, warmup, durability, results: {}, warmups: {}, medians: {} };
   /** Each backend: how BullMQ is pointed at it, and the scenarios it runs. */
   const backends = [];
