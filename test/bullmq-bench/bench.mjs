@@ -2,7 +2,7 @@
 // run, with the ratios printed. Not a test: figures vary with machine load.
 //
 //   node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
-//                  [--scale 0.5] [--json out.json]
+//                  [--scale 0.5] [--remote 'name,...'] [--json out.json] [--help]
 //
 // Each round runs every scenario on every backend back to back; the tables
 // give each backend's median and the median (and range) of the ratios of
@@ -28,28 +28,76 @@ import { createServer } from 'node:net';
 import { tmpdir, loadavg, cpus } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { parseArgs } from 'node:util';
 import { performance } from 'node:perf_hooks';
 import { FlowProducer, Queue, Worker, setDefaultBackendFactory } from 'bullmq';
 import { loamBackend } from '@loam/bullmq';
 
-const args = process.argv.slice(2);
-const arg = (name, fallback) => {
-  const i = args.indexOf(`--${name}`);
-  return i >= 0 ? args[i + 1] : fallback;
-};
-const scale = Number(arg('scale', '1'));
-const only = arg('only', '');
+const usage = `usage: node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
+                      [--scale 1] [--remote 'name,...'] [--json out.json] [--help]
+  --only       the backends to run (default: all; remote when target/release/loam-jobs exists)
+  --scenarios  the scenarios to run, by their printed names, separated by ';' (default: all)
+  --rounds     counted rounds (default 3); --warmup: rounds before them, printed, not counted (default 1)
+  --scale      multiplies every scenario's job count (default 1)
+  --remote     the scenarios that also run through loamBackend({ url }) (default: process at concurrency 100)
+  --json       writes every run and the medians to this file
+LOAM_DURABILITY=relaxed runs Loam relaxed, in-process and in the server; LOAM_JOBS_BIN names the server binary.`;
+let options;
+try {
+  ({ values: options } = parseArgs({
+    options: {
+      only: { type: 'string', default: '' },
+      scenarios: { type: 'string', default: '' },
+      rounds: { type: 'string', default: '3' },
+      warmup: { type: 'string', default: '1' },
+      scale: { type: 'string', default: '1' },
+      remote: { type: 'string', default: 'process at concurrency 100' },
+      json: { type: 'string', default: '' },
+      help: { type: 'boolean', default: false },
+    },
+  }));
+} catch (e) {
+  console.error(`${e.message}\n${usage}`);
+  process.exit(2);
+}
+if (options.help) {
+  console.log(usage);
+  process.exit(0);
+}
+const scale = Number(options.scale);
+const only = options.only;
 /** The backends to run: all by default, or those --only lists. */
 const wants = (backend) => only === '' || only.split(',').includes(backend);
-const jsonOut = arg('json', '');
-const remoteScenarios = arg('remote', 'process at concurrency 100').split(',');
+const jsonOut = options.json;
+const remoteScenarios = options.remote.split(',');
 /** The scenarios to run (their names as printed), all by default. */
-const chosen = arg('scenarios', '');
+const chosen = options.scenarios;
 const serverBin =
   process.env.LOAM_JOBS_BIN ?? resolve(dirname(fileURLToPath(import.meta.url)), '../../target/release/loam-jobs');
 const n = (count) => Math.max(1, Math.round(count * scale));
 /** Loam's durability, in-process and in the server: immediate unless LOAM_DURABILITY=relaxed. */
 const durability = process.env.LOAM_DURABILITY === 'relaxed' ? 'relaxed' : 'immediate';
+
+/**
+ * What the bench started (servers, data directories), undone however it ends:
+ * a Ctrl-C, or a closed pipe (`| head`), left redis-server and loam-jobs serve
+ * running before. Each undo runs once, from `finally` or from the exit.
+ */
+const undos = new Set();
+function undoOnExit(undo) {
+  const once = () => {
+    if (undos.delete(once)) undo();
+  };
+  undos.add(once);
+  return once;
+}
+process.on('exit', () => {
+  for (const undo of [...undos]) undo();
+});
+for (const [signal, code] of [['SIGINT', 130], ['SIGTERM', 143], ['SIGHUP', 129]]) {
+  process.on(signal, () => process.exit(code));
+}
+process.stdout.on('error', (e) => process.exit(e.code === 'EPIPE' ? 141 : 1));
 
 function freePort() {
   return new Promise((resolve, reject) => {
@@ -75,6 +123,7 @@ async function startRedis() {
   const child = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, '--save', '', '--appendonly', 'no'], {
     stdio: ['ignore', 'pipe', 'inherit'],
   });
+  const stop = undoOnExit(() => (child.kill('SIGTERM'), rmSync(dir, { recursive: true, force: true })));
   await new Promise((resolve, reject) => {
     const timer = setTimeout(() => reject(new Error('redis-server did not start')), 10000);
     child.stdout.on('data', (d) => {
@@ -85,7 +134,7 @@ async function startRedis() {
     });
     child.on('exit', (code) => reject(new Error(`redis-server exited with ${code}`)));
   });
-  return { port, pid: child.pid, stop: () => (child.kill('SIGTERM'), rmSync(dir, { recursive: true, force: true })) };
+  return { port, pid: child.pid, stop };
 }
 
 /** Starts `loam-jobs serve` on a free loopback port with a fresh data dir. */
@@ -96,6 +145,7 @@ async function startLoamServer() {
     stdio: ['ignore', 'pipe', 'pipe'],
     env: { ...process.env, NO_COLOR: '1' },
   });
+  const stop = undoOnExit(() => (child.kill('SIGTERM'), rmSync(dir, { recursive: true, force: true })));
   await new Promise((resolve, reject) => {
     const timer = setTimeout(() => reject(new Error('loam-jobs serve did not start')), 30000);
     const ready = (d) => {
@@ -111,7 +161,7 @@ async function startLoamServer() {
   return {
     url: `http://127.0.0.1:${port}`,
     pid: child.pid,
-    stop: () => (child.kill('SIGTERM'), rmSync(dir, { recursive: true, force: true })),
+    stop,
   };
 }
 
@@ -327,8 +377,8 @@ function printComparison(title, ours, redis) {
 }
 
 async function main() {
-  const rounds = Math.max(1, Number(arg('rounds', '3')));
-  const warmup = Math.max(0, Number(arg('warmup', '1')));
+  const rounds = Math.max(1, Number(options.rounds));
+  const warmup = Math.max(0, Number(options.warmup));
   const names = chosen === '' ? Object.keys(scenarios) : chosen.split(';');
   console.log(
     `bullmq bench: ${cpus().length} CPUs, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}, scale ${scale}, ` +
@@ -347,7 +397,7 @@ async function main() {
         b: { opts: { connection: {} }, serverPid: 0 },
         use: () => setDefaultBackendFactory(factory),
         names,
-        stop: () => rmSync(dataDir, { recursive: true, force: true }),
+        stop: undoOnExit(() => rmSync(dataDir, { recursive: true, force: true })),
       });
     }
     if (wants('remote') && (only !== '' || existsSync(serverBin))) {
