@@ -689,6 +689,8 @@ pub struct Enqueued {
     /// False when an existing job was returned (same job id, idempotency key
     /// or dedup id).
     pub created: bool,
+    /// The job's state; for a dedup key that outlived its job (removed when
+    /// it finished, before the key's ttl ran out), completed.
     pub state: JobState,
     /// Set when a dedup id matched: the job that holds the dedup key.
     pub deduplicated_by: Option<String>,

@@ -1853,3 +1853,266 @@ fn every_add_takes_a_number_of_the_auto_id_counter_as_on_redis() {
     add(EnqueueRequest { dedup: Some(dedup("d", None)), ..job("deduplicated") });
     assert_eq!(add(job("auto")), "6");
 }
+
+// ---- found in review: dedup keys that outlive their jobs, replaced flow children, stalled
+// iterations of removed schedulers, a failing child's delayed parent, retention count ties
+
+fn lease_for(jobs: &Jobs, q: &str, token: &str, lock_ms: u64) -> Option<Lease> {
+    let req = LeaseRequest { max: 1, token: token.into(), lock_duration_ms: lock_ms, ..Default::default() };
+    jobs.lease("ns", q, req).wait().unwrap().leases.pop()
+}
+
+/// Throttling (a ttl) with removeOnComplete, the usual pair: on Redis the
+/// dedup key lives out its ttl whatever becomes of its job.
+#[test]
+fn a_throttle_holds_for_its_ttl_after_its_job_is_removed_on_completion() {
+    let (jobs, clock) = core();
+    let add = || EnqueueRequest {
+        dedup: Some(dedup("d", Some(60_000))),
+        remove_on_complete: Some(Retention::RemoveImmediately),
+        ..job("a")
+    };
+    let first = jobs.enqueue("ns", "q", add()).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    finish(&jobs, "q", &l, Outcome::Ok { result: None }).unwrap();
+    assert!(jobs.get_job("ns", "q", &first.id).unwrap().is_none());
+    let held = jobs.query("ns", "q", |tx, q| query::dedup_job_id(tx, q, "d")).unwrap();
+    assert_eq!(held.as_deref(), Some(first.id.as_str()));
+    let again = jobs.enqueue("ns", "q", add()).wait().unwrap();
+    assert!(!again.created, "throttled within its ttl, but job {} was created", again.id);
+    assert_eq!((again.id.as_str(), again.deduplicated_by.as_deref()), (first.id.as_str(), Some(first.id.as_str())));
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), [0]);
+    assert!(event_names(&jobs, "q").ends_with(&["deduplicated".to_string()]));
+    // Past the ttl the next add gets a job of its own.
+    clock.advance(60_001);
+    assert!(jobs.enqueue("ns", "q", add()).wait().unwrap().created);
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), [1]);
+}
+
+/// A key without a ttl goes with its job: one left behind by a job that is
+/// gone no longer deduplicates (BullMQ's recoverStaleDeduplicationKey).
+#[test]
+fn a_simple_dedup_key_whose_job_is_gone_is_taken_by_the_next_add() {
+    let (jobs, _) = core();
+    let add = || EnqueueRequest { dedup: Some(dedup("d", None)), ..job("a") };
+    let first = jobs.enqueue("ns", "q", add()).wait().unwrap();
+    // The job's record gone without its key (as an outage leaves it on Redis).
+    let id = first.id.clone();
+    jobs.admin("ns", "q", move |tx, q| {
+        let key = loam_jobs::keys::QueueKeys::new(q).job(&id);
+        tx.delete(&key)
+    })
+    .wait()
+    .unwrap();
+    let again = jobs.enqueue("ns", "q", add()).wait().unwrap();
+    assert!(again.created);
+    let held = jobs.query("ns", "q", |tx, q| query::dedup_job_id(tx, q, "d")).unwrap();
+    assert_eq!(held.as_deref(), Some(again.id.as_str()));
+}
+
+/// A debounced child (replace) replaced by a newer add for the same parent:
+/// the parent waits on, for the replacement, instead of being released
+/// between the removal and the add.
+#[test]
+fn a_debounced_child_replaced_under_the_same_parent_keeps_the_parent_waiting() {
+    let (jobs, clock) = core();
+    let d = Dedup { replace: true, ..dedup("d", Some(60_000)) };
+    let child = |data: &[u8]| EnqueueRequest {
+        parent: Some(parent("parents", "p")),
+        dedup: Some(d.clone()),
+        delay_ms: 10_000,
+        data: data.to_vec(),
+        ..job("c")
+    };
+    let nodes = vec![
+        flow_node("parents", "p", None, true),
+        FlowNode { queue: "kids".into(), request: child(b"1"), wait_children: false },
+    ];
+    jobs.flow("ns", nodes).wait().unwrap();
+    let replacement = jobs.enqueue("ns", "kids", child(b"2")).wait().unwrap();
+    assert!(replacement.created);
+    assert_eq!(jobs.counts("ns", "kids", &[JobState::Delayed]).unwrap(), [1]);
+    let p = jobs.get_job("ns", "parents", "p").unwrap().unwrap();
+    assert_eq!((p.state, p.pending_children), (JobState::WaitingChildren, 1));
+    assert!(lease_one(&jobs, "parents").is_none());
+    // The replacement's end releases it.
+    clock.advance(10_001);
+    let l = lease_one(&jobs, "kids").unwrap();
+    assert_eq!(l.job.id, replacement.id);
+    ok(&jobs, "kids", &l, "2");
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
+}
+
+/// Replaced by an add under another parent (or none), the old child's parent
+/// is released as by a removal.
+#[test]
+fn a_debounced_child_replaced_under_no_parent_releases_its_parent() {
+    let (jobs, _) = core();
+    let d = Dedup { replace: true, ..dedup("d", Some(60_000)) };
+    let nodes = vec![
+        flow_node("parents", "p", None, true),
+        FlowNode {
+            queue: "kids".into(),
+            request: EnqueueRequest {
+                parent: Some(parent("parents", "p")),
+                dedup: Some(d.clone()),
+                delay_ms: 10_000,
+                ..job("c")
+            },
+            wait_children: false,
+        },
+    ];
+    jobs.flow("ns", nodes).wait().unwrap();
+    let orphan = EnqueueRequest { dedup: Some(d), delay_ms: 10_000, ..job("c") };
+    assert!(jobs.enqueue("ns", "kids", orphan).wait().unwrap().created);
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
+}
+
+/// BullMQ exempts a stalled job from maxStalledCount only while its
+/// scheduler exists: an iteration whose scheduler was removed while it ran
+/// gets the stall limit like any job.
+#[test]
+fn an_iteration_of_a_removed_scheduler_is_not_exempt_from_max_stalled() {
+    let (jobs, clock) = core();
+    let spec = schedule::SchedulerSpec {
+        id: "s".into(),
+        name: "tick".into(),
+        every_ms: Some(3_600_000),
+        job: job("tick"),
+        ..Default::default()
+    };
+    jobs.upsert_scheduler("ns", "q", spec).wait().unwrap();
+    let first = lease_for(&jobs, "q", "w1", 1_000).expect("the first iteration is due now");
+    assert!(jobs.admin("ns", "q", |tx, q| schedule::remove(tx, q, "s")).wait().unwrap());
+    for round in 1..=2u32 {
+        clock.advance(2_000);
+        assert_eq!(jobs.sweep_stalled("ns", "q").wait().unwrap(), std::slice::from_ref(&first.job.id));
+        let j = jobs.get_job("ns", "q", &first.job.id).unwrap().unwrap();
+        assert_eq!(j.stalled_counter, round);
+        if round == 1 {
+            assert_eq!(j.deferred_failure, None);
+            lease_for(&jobs, "q", "w2", 1_000).unwrap();
+        } else {
+            assert_eq!(j.deferred_failure.as_deref(), Some("job stalled more than allowable limit"));
+        }
+    }
+}
+
+/// An iteration of a scheduler that still exists stalls without limit.
+#[test]
+fn an_iteration_of_a_live_scheduler_is_exempt_from_max_stalled() {
+    let (jobs, clock) = core();
+    let spec = schedule::SchedulerSpec {
+        id: "s".into(),
+        name: "tick".into(),
+        every_ms: Some(3_600_000),
+        job: job("tick"),
+        ..Default::default()
+    };
+    jobs.upsert_scheduler("ns", "q", spec).wait().unwrap();
+    let first = lease_for(&jobs, "q", "w1", 1_000).unwrap();
+    for _ in 0..3 {
+        clock.advance(2_000);
+        assert_eq!(jobs.sweep_stalled("ns", "q").wait().unwrap(), std::slice::from_ref(&first.job.id));
+        lease_for(&jobs, "q", "w", 1_000).unwrap();
+    }
+    let j = jobs.get_job("ns", "q", &first.job.id).unwrap().unwrap();
+    assert_eq!((j.stalled_counter, j.deferred_failure), (3, None));
+}
+
+/// failParentOnFailure releases a parent waiting for children as their end
+/// would: after the parent's own delay (BullMQ's moveParentToWait); a parent
+/// already delayed has its delay cut short.
+#[test]
+fn fail_parent_on_failure_keeps_a_waiting_parents_own_delay() {
+    let (jobs, clock) = core();
+    let nodes = vec![
+        FlowNode {
+            queue: "parents".into(),
+            request: EnqueueRequest { job_id: Some("p".into()), delay_ms: 5_000, ..job("p") },
+            wait_children: true,
+        },
+        FlowNode {
+            queue: "kids".into(),
+            request: EnqueueRequest {
+                on_child_failure: OnChildFailure::FailParent,
+                ..flow_node("kids", "c", Some(parent("parents", "p")), false).request
+            },
+            wait_children: false,
+        },
+    ];
+    jobs.flow("ns", nodes).wait().unwrap();
+    let c = lease_one(&jobs, "kids").unwrap();
+    fail(&jobs, "kids", &c);
+    let p = jobs.get_job("ns", "parents", "p").unwrap().unwrap();
+    assert_eq!(p.deferred_failure.as_deref(), Some("child bull:kids:c failed"));
+    assert_eq!(p.state, JobState::Delayed);
+    assert!(lease_one(&jobs, "parents").is_none());
+    clock.advance(5_001);
+    let l = lease_one(&jobs, "parents").expect("due after its delay");
+    assert_eq!(l.job.id, "p");
+}
+
+/// removeOnComplete {count: 1}: two jobs finishing in the same millisecond,
+/// the later one added first to finish. One stays, as on Redis.
+#[test]
+fn a_retention_count_holds_when_finish_times_tie() {
+    let (jobs, _) = core();
+    let keep1 = || EnqueueRequest {
+        remove_on_complete: Some(Retention::Keep(Keep { count: Some(1), ..Default::default() })),
+        ..job("a")
+    };
+    jobs.enqueue("ns", "q", keep1()).wait().unwrap();
+    jobs.enqueue("ns", "q", keep1()).wait().unwrap();
+    let first = lease_one(&jobs, "q").unwrap();
+    let second = lease_one(&jobs, "q").unwrap();
+    finish(&jobs, "q", &second, Outcome::Ok { result: None }).unwrap();
+    finish(&jobs, "q", &first, Outcome::Ok { result: None }).unwrap();
+    let listed = jobs.query("ns", "q", |tx, q| query::range(tx, q, JobState::Completed, 0, -1, true)).unwrap();
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Completed]).unwrap(), [1], "kept {listed:?}");
+    assert_eq!(state(&jobs, "q", &first.job.id), Some(JobState::Completed), "the job just finished stays");
+}
+
+/// Every write that takes a lease refuses a stale one: after a stall and a
+/// re-lease, and after the job finished.
+#[test]
+fn stale_leases_are_fenced_on_every_write() {
+    let (jobs, clock) = core();
+    jobs.enqueue("ns", "q", EnqueueRequest { attempts: 5, ..job("a") }).wait().unwrap();
+    let old = lease_for(&jobs, "q", "old", 1_000).unwrap();
+    clock.advance(2_000);
+    jobs.sweep_stalled("ns", "q").wait().unwrap();
+    let new = lease_for(&jobs, "q", "new", 60_000).unwrap();
+    let id = old.job.id.clone();
+    let outcomes = [
+        Outcome::Ok { result: None },
+        Outcome::Fail { error: JobError::new("x"), dead_letter: false },
+        Outcome::Retry { error: None, after_ms: Some(0) },
+        Outcome::Retry { error: None, after_ms: Some(10) },
+        Outcome::Release { after_ms: None },
+        Outcome::Delay { until: clock.now_ms() + 10 },
+        Outcome::RateLimited { for_ms: 10 },
+    ];
+    for stale in [Fence::Epoch(old.epoch), Fence::Token(old.token.clone())] {
+        for o in &outcomes {
+            let r = jobs.complete("ns", "q", &id, stale.clone(), o.clone(), CompleteOptions::default()).wait();
+            assert!(matches!(r, Err(JobsError::Fenced { .. })), "{o:?} {r:?}");
+        }
+        assert!(jobs.extend("ns", "q", &id, stale.clone(), 1000).wait().is_err());
+        assert!(jobs.update_progress("ns", "q", &id, stale.clone(), "1".into()).wait().is_err());
+        assert!(jobs.add_log("ns", "q", &id, stale.clone(), "x".into(), None).wait().is_err());
+        assert_eq!(
+            jobs.extend_many("ns", "q", vec![(id.clone(), stale.clone())], 1000).wait().unwrap(),
+            std::slice::from_ref(&id)
+        );
+    }
+    finish(&jobs, "q", &new, Outcome::Ok { result: None }).unwrap();
+    for f in [Fence::Epoch(new.epoch), Fence::Token(new.token.clone())] {
+        let r = jobs.complete("ns", "q", &id, f.clone(), Outcome::Ok { result: None }, CompleteOptions::default());
+        assert!(r.wait().is_err());
+        assert!(jobs.extend("ns", "q", &id, f.clone(), 1000).wait().is_err());
+        assert!(jobs.update_progress("ns", "q", &id, f, "1".into()).wait().is_err());
+    }
+    let j = jobs.get_job("ns", "q", &id).unwrap().unwrap();
+    assert_eq!((j.state, j.attempts_made), (JobState::Completed, 1));
+}

@@ -34,6 +34,26 @@ pub fn drop_replaced_iteration(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Res
     drop_job(tx, q, job)
 }
 
+/// A delayed job that a debounced add replaces (deduplication with
+/// `replace`), gone with a `removed` event. When the add that replaces it
+/// joins the same parent, that parent is not released in between: it goes on
+/// waiting, for the replacement.
+pub fn remove_replaced(
+    tx: &mut Tx,
+    q: &QueueId,
+    job: &JobRecord,
+    successor_parent: Option<&model::ParentRef>,
+) -> Result<(), JobsError> {
+    if job.parent.is_some() && job.parent.as_ref() == successor_parent {
+        unlink_pending_child(tx, q, job)?;
+    } else {
+        detach_from_parent(tx, q, job)?;
+    }
+    drop_detached(tx, q, job)?;
+    tx.event(q, "removed", &[("jobId", &job.id), ("prev", removed_prev(job.state))])?;
+    Ok(())
+}
+
 /// Removes a job from everything: its index, its parent's pending children,
 /// its dedup key, its record.
 fn drop_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {

@@ -335,11 +335,18 @@ fn keep_or_purge(tx: &mut Tx, q: &QueueId, job: &mut JobRecord, retention: Reten
         let expired = crate::kv::KeyRange::new(range.start.clone(), upto);
         old.extend(tx.scan(&expired, limit, false)?.into_iter().map(|(_, v)| String::from_utf8_lossy(&v).into_owned()));
     }
-    if let Some(count) = keep.count {
-        // Both rules drop the oldest first, so the union is a prefix.
-        let excess = tx.stats(q)?.count(job.state).saturating_sub(count) as usize;
-        for (_, v) in tx.scan(&range, excess, false)? {
-            let id = String::from_utf8_lossy(&v).into_owned();
+    if let Some(count) = keep.count
+        && let excess = tx.stats(q)?.count(job.state).saturating_sub(count) as usize
+        && excess > 0
+    {
+        // Both rules drop the oldest first, so the union is a prefix. This
+        // job stays, and may sort among the oldest (finished in the same
+        // millisecond as jobs added after it): one more is read, so that
+        // `count` are still all that is kept.
+        let oldest = tx.scan(&range, excess + 1, false)?;
+        let others =
+            oldest.into_iter().map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).filter(|id| *id != job.id);
+        for id in others.take(excess) {
             if !old.contains(&id) {
                 old.push(id);
             }
@@ -427,18 +434,23 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd) ->
     }
     if failed {
         // failParentOnFailure, as BullMQ 6.7: the parent is marked with a
-        // deferred failure and, if it was waiting (for children or a delay),
-        // released now; the worker that claims it fails it, and the parent's
+        // deferred failure and, if it was waiting (for children, or for a
+        // delay, which ends now), released; the worker that claims it fails it, and the parent's
         // own policy carries the failure further up. A running parent is
         // refused completion (FailedChildren) instead.
         let mut pjob = tx.require_job(&pq, &parent.id)?;
         let reason = format!("child {child_key} failed");
         match pjob.state {
-            JobState::WaitingChildren | JobState::Delayed => {
-                let prev = pjob.state.as_str();
+            // Released as when its children are done: after its own delay.
+            JobState::WaitingChildren => {
+                pjob.deferred_failure = Some(reason);
+                release_parent(tx, &pq, pjob)?;
+            }
+            // Its delay is cut short.
+            JobState::Delayed => {
                 pjob.delay = 0;
                 pjob.deferred_failure = Some(reason);
-                lease::make_ready(tx, &pq, pjob, Some(prev), Line::Front)?;
+                lease::make_ready(tx, &pq, pjob, Some("delayed"), Line::Front)?;
             }
             JobState::Failed | JobState::Completed => {}
             _ => {

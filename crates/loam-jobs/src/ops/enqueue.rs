@@ -394,37 +394,45 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     let keys = QueueKeys::new(q);
     let dkey = keys.dedup(&d.id);
     let now = tx.now;
-    let (current, current_job) = match tx.get_record::<DedupRecord>(&dkey)? {
-        Some(r) => {
-            let job = tx.load_job(q, &r.job_id)?;
-            let live = job.as_ref().is_some_and(|j| r.is_live(j, now));
-            (live.then_some(r), job)
-        }
-        None => (None, None),
+    let held = match tx.get_record::<DedupRecord>(&dkey)? {
+        Some(rec) => match tx.load_job(q, &rec.job_id)? {
+            Some(job) => rec.is_live(&job, now).then_some((rec, Some(job))),
+            // A key with an expiry outlives a job removed before it (on
+            // completion, or by retention), as a Redis key lives out its TTL
+            // whatever becomes of its job: a throttle holds for its ttl. One
+            // without an expiry goes with its job; left behind, it is stale.
+            None => rec.expires_at.is_some_and(|e| e > now).then_some((rec, None)),
+        },
+        None => None,
     };
-    let (Some(rec), Some(mut job)) = (current, current_job) else {
-        let expires_at = d.ttl_ms.filter(|t| *t > 0).map(|t| now.saturating_add(t));
-        tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at, next: None })?;
+    let ttl_expiry = d.ttl_ms.filter(|t| *t > 0).map(|t| now.saturating_add(t));
+    let Some((mut rec, mut job)) = held else {
+        tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at: ttl_expiry, next: None })?;
         return Ok(None);
     };
+    let state = job.as_ref().map(|j| j.state);
     // A finished job holds a simple (ttl-less) dedup key no longer.
-    if job.state.is_finished() && rec.expires_at.is_none() {
+    if state.is_some_and(JobState::is_finished) && rec.expires_at.is_none() {
         tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at: None, next: None })?;
         return Ok(None);
     }
-    let ttl_expiry = d.ttl_ms.filter(|t| *t > 0).map(|t| now.saturating_add(t));
 
-    if d.replace && job.state == JobState::Delayed {
+    if d.replace
+        && let Some(replaced) = job.as_ref().filter(|j| j.state == JobState::Delayed)
+    {
         // Debounce with replace: the pending delayed job gives way to the new one.
-        super::admin::remove_job(tx, q, &job.id, false)?;
-        tx.event(q, "deduplicated", &[("jobId", new_id), ("deduplicationId", &d.id), ("deduplicatedJobId", &job.id)])?;
+        super::admin::remove_replaced(tx, q, replaced, req.parent.as_ref())?;
+        tx.event(
+            q,
+            "deduplicated",
+            &[("jobId", new_id), ("deduplicationId", &d.id), ("deduplicatedJobId", &replaced.id)],
+        )?;
         let expires_at = if d.extend { ttl_expiry } else { rec.expires_at.or(ttl_expiry) };
         tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at, next: None })?;
         return Ok(None);
     }
 
-    let mut rec = rec;
-    let keep_next = d.keep_last_if_active && job.state == JobState::Active;
+    let keep_next = d.keep_last_if_active && state == Some(JobState::Active);
     if keep_next {
         // The kept add runs later under the id it was given now.
         let mut next = req.clone();
@@ -434,22 +442,28 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     } else if d.extend {
         rec.expires_at = ttl_expiry;
     }
-    if d.reschedule && job.state == JobState::Delayed {
-        tx.unindex(q, &job)?;
+    let mut rescheduled_to = None;
+    if let Some(job) = job.as_mut().filter(|j| d.reschedule && j.state == JobState::Delayed) {
+        tx.unindex(q, job)?;
         job.delay = req.delay_ms;
         job.due = now.saturating_add(req.delay_ms);
-        tx.index(q, &job)?;
-        tx.save_job(q, &job)?;
+        tx.index(q, job)?;
+        tx.save_job(q, job)?;
+        rescheduled_to = Some(job.due);
     }
     tx.put_record(&dkey, &rec)?;
+    let holder = rec.job_id;
     // BullMQ's replace mode absorbs an add silently unless it kept it for later.
     if !d.replace || keep_next {
-        tx.event(q, "deduplicated", &[("jobId", &job.id), ("deduplicationId", &d.id), ("deduplicatedJobId", new_id)])?;
+        tx.event(q, "deduplicated", &[("jobId", &holder), ("deduplicationId", &d.id), ("deduplicatedJobId", new_id)])?;
     }
-    if d.reschedule && job.state == JobState::Delayed {
-        tx.event(q, "delayed", &[("jobId", &job.id), ("delay", &job.due.to_string())])?;
+    if let Some(due) = rescheduled_to {
+        tx.event(q, "delayed", &[("jobId", &holder), ("delay", &due.to_string())])?;
     }
-    Ok(Some(Enqueued { id: job.id.clone(), created: false, state: job.state, deduplicated_by: Some(job.id) }))
+    // A holder removed before its key expired finished (only finishing
+    // leaves its key behind).
+    let state = state.unwrap_or(JobState::Completed);
+    Ok(Some(Enqueued { id: holder.clone(), created: false, state, deduplicated_by: Some(holder) }))
 }
 
 /// One node of a flow: a job, its queue, and whether it waits for children

@@ -302,9 +302,16 @@ pub fn extend(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, duration_ms: u6
     Ok(deadline)
 }
 
+/// Whether `job` is an iteration of a scheduler that still exists: those
+/// stall without limit, as in BullMQ, whose exemption ends with the scheduler.
+fn of_a_live_scheduler(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<bool, JobsError> {
+    let Some(id) = &job.scheduler_id else { return Ok(false) };
+    Ok(tx.get(&QueueKeys::new(q).scheduler(id))?.is_some())
+}
+
 /// Reclaims jobs whose lease expired: back to the front of waiting with one
-/// more stall. Past the queue's `max_stalled` (scheduler iterations are
-/// exempt) it goes back marked with a deferred failure, which the worker that
+/// more stall. Past the queue's `max_stalled` (iterations of a scheduler that
+/// still exists are exempt) it goes back marked with a deferred failure, which the worker that
 /// claims it next applies, as BullMQ 6.7 does. A job past its hard timeout
 /// fails its attempt instead.
 pub fn sweep_stalled(tx: &mut Tx, q: &QueueId) -> Result<Vec<String>, JobsError> {
@@ -323,7 +330,7 @@ pub fn sweep_stalled(tx: &mut Tx, q: &QueueId) -> Result<Vec<String>, JobsError>
             super::complete::retry_or_fail(tx, q, job, Some(&JobError::new("timeout")), None)?;
         } else {
             job.stalled_counter += 1;
-            if job.stalled_counter > config.max_stalled && job.scheduler_id.is_none() {
+            if job.stalled_counter > config.max_stalled && !of_a_live_scheduler(tx, q, &job)? {
                 job.deferred_failure = Some(STALLED_TOO_OFTEN.to_string());
             }
             make_ready(tx, q, job, Some("active"), Line::Front)?;
