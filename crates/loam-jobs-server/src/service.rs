@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use buffa::view::HasMessageView;
 use connectrpc::{ConnectError, InboundStream, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
-use loam_jobs::ops::{admin, complete, enqueue, lease, query, results, schedule};
+use loam_jobs::ops::{admin, enqueue, lease, query, results, schedule};
 use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, Outcome, QueueId};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
@@ -374,16 +374,11 @@ impl JobsSvc {
         let id = req.job_id.clone();
         let result = match ttl_for {
             None => c.jobs.complete(&c.ns, &req.queue, &id, fence, outcome, opts).await.map(|done| (done, None)),
-            Some(limiter) => {
-                c.jobs
-                    .admin(&c.ns, &req.queue, move |tx, q| {
-                        let done = complete::complete(tx, q, &id, &fence, outcome.clone(), &opts)?;
-                        let limit = lease::limiter(tx, q, Some(&limiter))?;
-                        let ttl = lease::rate_limit_ttl(tx, q, limit.as_ref())?;
-                        Ok((done, Some(ttl)))
-                    })
-                    .await
-            }
+            Some(limiter) => c
+                .jobs
+                .complete_then_rate_limit_ttl(&c.ns, &req.queue, &id, fence, outcome, opts, limiter)
+                .await
+                .map(|(done, ttl)| (done, Some(ttl))),
         };
         let (done, ttl) = result.map_err(|e| {
             self.count_fenced(&c.ns, &req.queue, &e);

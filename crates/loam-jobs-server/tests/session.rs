@@ -218,6 +218,22 @@ fn complete_fetch_next(q: &str, id: &str, epoch_: u64) -> pb::CompleteRequest {
 /// holding it (as a cancelled Lease's does).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_completion_gives_back_the_job_it_fetched() {
+    cancelled_completions_give_back_what_they_fetched(|req| req).await;
+}
+
+/// The same for a Complete that also asks for the rate limiter's ttl (as a
+/// BullMQ worker with a limiter sends it), which the server answered by
+/// another way that did not give the job back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_rate_limited_completion_gives_back_the_job_it_fetched() {
+    cancelled_completions_give_back_what_they_fetched(|mut req| {
+        req.rate_limit_ttl_for = pb::RateLimit { max: 1000, duration_ms: 1000, ..Default::default() }.into();
+        req
+    })
+    .await;
+}
+
+async fn cancelled_completions_give_back_what_they_fetched(shape: fn(pb::CompleteRequest) -> pb::CompleteRequest) {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &[], &[]);
     let client = http2_client(&server);
@@ -230,7 +246,7 @@ async fn a_cancelled_completion_gives_back_the_job_it_fetched() {
             plain.enqueue(enqueue_req(&q, job("x", b"{}"))).await.unwrap();
         }
         let (id, ep) = lease_one(&plain, &q).await;
-        session.send(request(i * 10 + 1, complete_fetch_next(&q, &id, ep))).await.unwrap();
+        session.send(request(i * 10 + 1, shape(complete_fetch_next(&q, &id, ep)))).await.unwrap();
         session.send(request(i * 10 + 1, pb::SessionCancel::default())).await.unwrap();
         let answer = session.message().await.unwrap().unwrap().to_owned_message();
         if !matches!(answer.result, Some(Answer::Error(ref e)) if e.code == "canceled") {

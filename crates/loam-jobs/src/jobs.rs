@@ -668,11 +668,40 @@ impl Jobs {
         opts: CompleteOptions,
     ) -> Pending<Completed> {
         let id = id.to_string();
-        // The next job a completion fetched is a lease too: if its caller
-        // is gone, it goes back as `lease` gives back its jobs.
-        let give_back = self.give_back(ns, queue);
+        let give_back = self.give_back_next(ns, queue);
         self.job_write(ns, queue, true, move |tx, q| complete::complete(tx, q, &id, &fence, outcome.clone(), &opts))
-            .if_abandoned(move |done| give_back(done.next.map(|n| n.leases).unwrap_or_default()))
+            .if_abandoned(give_back)
+    }
+
+    /// [`Self::complete`], then, in the same transaction, how long the queue
+    /// is rate limited for under `limiter` (or the queue's own limit): how a
+    /// remote worker with a limiter learns it as its job finishes.
+    #[allow(clippy::too_many_arguments, reason = "complete's arguments and the limiter")]
+    pub fn complete_then_rate_limit_ttl(
+        &self,
+        ns: &str,
+        queue: &str,
+        id: &str,
+        fence: Fence,
+        outcome: Outcome,
+        opts: CompleteOptions,
+        limiter: RateLimit,
+    ) -> Pending<(Completed, u64)> {
+        let id = id.to_string();
+        let give_back = self.give_back_next(ns, queue);
+        self.job_write(ns, queue, true, move |tx, q| {
+            let done = complete::complete(tx, q, &id, &fence, outcome.clone(), &opts)?;
+            let limit = lease::limiter(tx, q, Some(&limiter))?;
+            Ok((done, lease::rate_limit_ttl(tx, q, limit.as_ref())?))
+        })
+        .if_abandoned(move |(done, _)| give_back(done))
+    }
+
+    /// The next job a completion fetched is a lease too: if its caller is
+    /// gone, it goes back as `lease` gives back its jobs.
+    fn give_back_next(&self, ns: &str, queue: &str) -> impl FnOnce(Completed) + Send + 'static {
+        let give_back = self.give_back(ns, queue);
+        move |done| give_back(done.next.map(|n| n.leases).unwrap_or_default())
     }
 
     // ---- reporting -------------------------------------------------------
