@@ -355,6 +355,13 @@ impl QueueKeys {
     pub fn metrics(&self, kind: &str) -> Key {
         self.tagged_str(METRICS, kind)
     }
+    /// The per-minute points of [`Self::metrics`], apart from its counters:
+    /// those change with every finished job, the points once a minute.
+    pub fn metrics_points(&self, kind: &str) -> Key {
+        let mut k = self.metrics(kind);
+        k.push(b'p');
+        k
+    }
     pub fn limiter(&self) -> Key {
         self.with(LIMITER)
     }

@@ -821,9 +821,17 @@ pub struct MetricsRecord {
     pub count: u64,
     pub prev_ts: u64,
     pub prev_count: u64,
-    /// Jobs per minute, newest first.
+    /// Jobs per minute, newest first. Stored under a key of its own
+    /// ([`crate::keys::QueueKeys::metrics_points`]); stores written before
+    /// that keep them here until the next minute's point moves them.
     pub data: std::collections::VecDeque<u64>,
 }
+
+/// The most per-minute points a queue's metrics keep, whatever a worker
+/// asks for: 91 days of minutes, past BullMQ's longest `MetricsTime` (8
+/// weeks). An unbounded count let one completion, its clock far ahead, write
+/// a point for every minute in between.
+pub const MAX_METRICS_POINTS: u64 = 1 << 17;
 
 #[derive(Clone, Debug)]
 pub struct Completed {

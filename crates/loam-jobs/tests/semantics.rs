@@ -798,6 +798,70 @@ fn metrics_count_finished_jobs_per_minute() {
     assert_eq!(m.data.iter().copied().collect::<Vec<_>>(), vec![2, 1]);
 }
 
+fn complete_with_metrics(jobs: &Jobs, max_points: u64) {
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    let l = lease_one(jobs, "q").unwrap();
+    let opts = CompleteOptions { metrics_max_points: Some(max_points), ..Default::default() };
+    jobs.complete("ns", "q", &l.job.id, Fence::Epoch(l.epoch), Outcome::Ok { result: None }, opts).wait().unwrap();
+}
+
+fn stored_len(jobs: &Jobs, key: fn(&loam_jobs::keys::QueueKeys) -> Vec<u8>) -> usize {
+    jobs.query("ns", "q", move |tx, q| tx.get(&key(&loam_jobs::keys::QueueKeys::new(q))))
+        .unwrap()
+        .map_or(0, |v| v.len())
+}
+
+/// However many points a worker asks for and however far its clock jumps,
+/// one completion writes at most `MAX_METRICS_POINTS`.
+#[test]
+fn metrics_keep_a_bounded_number_of_points() {
+    let (jobs, clock) = core();
+    complete_with_metrics(&jobs, u64::MAX);
+    clock.advance(20_000_000 * 60_000);
+    complete_with_metrics(&jobs, u64::MAX);
+    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, "completed")).unwrap().unwrap();
+    assert_eq!(m.data.len() as u64, loam_jobs::model::MAX_METRICS_POINTS);
+    // As on Redis: the finished job's point, then a zero for each minute
+    // since, as many as fit.
+    assert_eq!((m.data.back(), m.data.iter().sum::<u64>()), (Some(&1), 1));
+}
+
+/// The points are written once a minute, apart from the counters every
+/// finished job writes: a week of points is not rewritten per job.
+#[test]
+fn a_finished_job_does_not_rewrite_the_metrics_points() {
+    let (jobs, clock) = core();
+    complete_with_metrics(&jobs, 10_080);
+    clock.advance(5_000 * 60_000);
+    complete_with_metrics(&jobs, 10_080);
+    let points = stored_len(&jobs, |k| k.metrics_points("completed"));
+    assert!(points >= 5_000, "5,000 minutes of points: {points} bytes");
+    complete_with_metrics(&jobs, 10_080);
+    assert!(stored_len(&jobs, |k| k.metrics("completed")) < 64);
+    assert_eq!(stored_len(&jobs, |k| k.metrics_points("completed")), points);
+    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, "completed")).unwrap().unwrap();
+    assert_eq!((m.count, m.data.len(), m.data[4_999]), (3, 5_000, 1));
+}
+
+/// A store written when the points were kept with the counters reads them
+/// there, and moves them to their own key with the next minute's point.
+#[test]
+fn metrics_points_kept_with_their_counters_are_read_and_moved() {
+    let (jobs, clock) = core();
+    complete_with_metrics(&jobs, 10);
+    let old = MetricsRecord { count: 9, prev_ts: clock.now_ms(), prev_count: 7, data: [5, 4].into() };
+    jobs.admin("ns", "q", move |tx, q| tx.put_record(&loam_jobs::keys::QueueKeys::new(q).metrics("completed"), &old))
+        .wait()
+        .unwrap();
+    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, "completed")).unwrap().unwrap();
+    assert_eq!(Vec::from(m.data), [5, 4]);
+    clock.advance(60_000);
+    complete_with_metrics(&jobs, 10);
+    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, "completed")).unwrap().unwrap();
+    assert_eq!((m.count, Vec::from(m.data)), (10, vec![2, 5, 4]));
+    assert!(stored_len(&jobs, |k| k.metrics("completed")) < 64);
+}
+
 #[test]
 fn stores_survive_reopening() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,11 +1,13 @@
 //! Ending a lease: every outcome, and what a finished job does to its
 //! parent, its dedup key, its queue's retention and metrics.
 
+use std::collections::VecDeque;
+
 use crate::error::{JobsError, Precondition};
 use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
     AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, Fence, JobError, JobRecord,
-    JobState, Keep, LimiterWindow, MetricsRecord, OnChildFailure, Outcome, Retention,
+    JobState, Keep, LimiterWindow, MAX_METRICS_POINTS, MetricsRecord, OnChildFailure, Outcome, Retention,
 };
 use crate::ops::enqueue;
 use crate::ops::lease::{self, Line};
@@ -493,8 +495,9 @@ fn send_to_dead_letter(tx: &mut Tx, q: &QueueId, job: &JobRecord, dlq: &str, rea
 
 /// BullMQ's per-minute metrics of finished jobs.
 fn collect_metrics(tx: &mut Tx, q: &QueueId, kind: &str, max_points: Option<u64>) -> Result<(), JobsError> {
-    let Some(max) = max_points.filter(|m| *m > 0) else { return Ok(()) };
-    let key = QueueKeys::new(q).metrics(kind);
+    let Some(max) = max_points.filter(|m| *m > 0).map(|m| m.min(MAX_METRICS_POINTS)) else { return Ok(()) };
+    let keys = QueueKeys::new(q);
+    let key = keys.metrics(kind);
     let mut rec: MetricsRecord = tx.get_record(&key)?.unwrap_or_default();
     let before = rec.count;
     rec.count += 1;
@@ -504,11 +507,17 @@ fn collect_metrics(tx: &mut Tx, q: &QueueId, kind: &str, max_points: Option<u64>
     } else {
         let minutes = (tx.now / 60_000).saturating_sub(rec.prev_ts / 60_000).min(max);
         if minutes > 0 {
-            rec.data.push_front(before.saturating_sub(rec.prev_count));
+            let points_key = keys.metrics_points(kind);
+            let mut points: VecDeque<u64> = match tx.get_record(&points_key)? {
+                Some(points) => points,
+                None => std::mem::take(&mut rec.data),
+            };
+            points.push_front(before.saturating_sub(rec.prev_count));
             for _ in 1..minutes {
-                rec.data.push_front(0);
+                points.push_front(0);
             }
-            rec.data.truncate(max as usize);
+            points.truncate(max as usize);
+            tx.put_record(&points_key, &points)?;
             rec.prev_count = before;
             rec.prev_ts = tx.now;
         }

@@ -219,7 +219,12 @@ pub fn event_cursor(tx: &mut Tx, q: &QueueId, id: &str) -> Result<EventCursor, J
 const EVENT_CURSOR_PAGE: usize = 512;
 
 pub fn metrics(tx: &mut Tx, q: &QueueId, kind: &str) -> Result<Option<MetricsRecord>, JobsError> {
-    tx.get_record(&QueueKeys::new(q).metrics(kind))
+    let keys = QueueKeys::new(q);
+    let Some(mut rec) = tx.get_record::<MetricsRecord>(&keys.metrics(kind))? else { return Ok(None) };
+    if let Some(points) = tx.get_record(&keys.metrics_points(kind))? {
+        rec.data = points;
+    }
+    Ok(Some(rec))
 }
 
 pub fn meta(tx: &mut Tx, q: &QueueId) -> Result<BTreeMap<String, String>, JobsError> {
