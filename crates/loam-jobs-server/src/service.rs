@@ -232,7 +232,12 @@ impl JobsSvc {
         }
     }
 
-    fn saw_worker(&self, c: &Caller, queue: &str, name: &str) {
+    /// Lists worker `name` for `queue`, once both names are ones the core
+    /// takes (a Lease's worker name is kept with every job it takes, so the
+    /// same bound holds here).
+    fn saw_worker(&self, c: &Caller, queue: &str, name: &str) -> Result<(), JobsError> {
+        Jobs::check_queue_name(&c.ns, queue)?;
+        lease::check_worker_name(name)?;
         if let Ok(mut w) = self.workers.lock() {
             let now = Instant::now();
             if w.swept.is_none_or(|at| now.duration_since(at) >= WORKER_TTL) {
@@ -248,6 +253,7 @@ impl JobsSvc {
             seen.last = now;
             seen.peer = c.peer.or(seen.peer);
         }
+        Ok(())
     }
 
     /// Whether `name` was listed.
@@ -329,8 +335,8 @@ impl JobsSvc {
             // Zero would wait out the whole long-poll for nothing.
             return Err(invalid("lease options.max must be at least 1"));
         }
-        if let Some(w) = &options.worker {
-            self.saw_worker(&c, &req.queue, w);
+        if let Some(w) = options.worker.as_deref().filter(|w| !w.is_empty()) {
+            self.saw_worker(&c, &req.queue, w).map_err(core_err)?;
         }
         let wait = wait_of(req.wait_ms);
         let leased = if wait.is_zero() {
@@ -630,13 +636,10 @@ impl JobsSvc {
                     Ok(())
                 }
                 Op::RegisterWorker(w) => {
-                    if w.name.is_empty() || w.name.len() > 1024 {
-                        return Err(JobsError::invalid("a worker name must be 1 to 1024 bytes"));
+                    if w.name.is_empty() {
+                        return Err(JobsError::invalid("a worker name must not be empty"));
                     }
-                    // Validates the queue name as every other call does.
-                    jobs.query(ns, queue, |_, _| Ok(()))?;
-                    self.saw_worker(&c, queue, &w.name);
-                    Ok(())
+                    self.saw_worker(&c, queue, &w.name)
                 }
                 Op::UnregisterWorker(w) => {
                     jobs.query(ns, queue, |_, _| Ok(()))?;

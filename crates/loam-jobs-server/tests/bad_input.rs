@@ -119,9 +119,33 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
         inv,
     );
 
-    // Lease: invalid queue; asking for nothing.
+    // Lease: invalid queue; asking for nothing; a worker name or lock token
+    // over 1,024 bytes (each is kept with every job the lease takes, and the
+    // name in the queue's list of workers). A worker's name on a refused
+    // queue is not listed anywhere.
     assert_code(c.lease(lease_req("", 1, 0, 0)).await, InvalidArgument, inv);
     assert_code(c.lease(lease_req("q", 0, 1000, 0)).await, InvalidArgument, inv);
+    let with_options = |queue: &str, options: pb::LeaseOptions| pb::LeaseRequest {
+        options: pb::LeaseOptions { max: 1, ..options }.into(),
+        ..lease_req(queue, 1, 0, 0)
+    };
+    for queue in ["q", ""] {
+        let long_name = pb::LeaseOptions { worker: Some("w".repeat(1025)), ..Default::default() };
+        assert_code(c.lease(with_options(queue, long_name)).await, InvalidArgument, inv);
+    }
+    let long_token = pb::LeaseOptions { token: "t".repeat(1025), ..Default::default() };
+    assert_code(c.lease(with_options("q", long_token)).await, InvalidArgument, inv);
+    let named = pb::LeaseOptions { worker: Some("w".into()), ..Default::default() };
+    assert_code(c.lease(with_options("", named)).await, InvalidArgument, inv);
+    let workers = pb::QueryRequest {
+        queue: "q".into(),
+        query: Some(oneof::query_request::Query::Workers(true)),
+        ..Default::default()
+    };
+    let Some(oneof::query_response::Result::Names(listed)) = c.query(workers).await.unwrap().into_owned().result else {
+        panic!("workers")
+    };
+    assert!(listed.names.is_empty(), "{:?}", listed.names);
 
     // Extend, Complete, Report: stale lease tokens and epochs, missing fences and outcomes.
     let leased = c.lease(lease_req("q", 1, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();

@@ -324,6 +324,11 @@ impl Jobs {
         f(&mut tx)
     }
 
+    /// Refuses a namespace or queue name no call would take.
+    pub fn check_queue_name(ns: &str, queue: &str) -> Result<(), JobsError> {
+        Self::queue(ns, queue).map(|_| ())
+    }
+
     fn queue(ns: &str, queue: &str) -> Result<QueueId, JobsError> {
         validate_name("namespace", ns, 128)?;
         validate_name("queue name", queue, enqueue::MAX_NAME_BYTES)?;

@@ -62,7 +62,25 @@ fn window_ttl(w: &LimiterWindow, limit: Option<&RateLimit>, now: u64) -> u64 {
     if limited { w.window_end.saturating_sub(now) } else { 0 }
 }
 
+/// The longest worker name and lock token a lease takes: both are kept with
+/// each job it takes (and a server lists its queues' workers by name).
+pub const MAX_WORKER_NAME_BYTES: usize = 1024;
+
+/// Refuses a worker name longer than [`MAX_WORKER_NAME_BYTES`].
+pub fn check_worker_name(name: &str) -> Result<(), JobsError> {
+    if name.len() > MAX_WORKER_NAME_BYTES {
+        return Err(JobsError::invalid(format!("a worker name must be at most {MAX_WORKER_NAME_BYTES} bytes")));
+    }
+    Ok(())
+}
+
 pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, JobsError> {
+    if let Some(w) = &req.worker {
+        check_worker_name(w)?;
+    }
+    if req.token.len() > MAX_WORKER_NAME_BYTES {
+        return Err(JobsError::invalid(format!("a lock token must be at most {MAX_WORKER_NAME_BYTES} bytes")));
+    }
     promote_due(tx, q, PROMOTE_BATCH)?;
     let mut out = Leased::default();
     let keys = QueueKeys::new(q);
