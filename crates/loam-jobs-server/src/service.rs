@@ -180,8 +180,10 @@ impl JobsSvc {
         M: HasMessageView,
         F: Future<Output = Result<T, ConnectError>> + 'a,
     {
-        self.observe(method, async {
-            let caller = self.caller(ctx)?;
+        let caller = self.caller(ctx);
+        let ns = caller.as_ref().map_or_else(|_| String::new(), |c| c.ns.clone());
+        self.observe(&ns, method, async {
+            let caller = caller?;
             let size = r.bytes().len();
             let (r, _held) = match long_poll {
                 None => {
@@ -199,17 +201,20 @@ impl JobsSvc {
         .await
     }
 
-    /// Runs a call, counting it and its time by method and code.
+    /// Runs a call of namespace `ns`, counting it and its time by method and
+    /// code.
     async fn observe<T>(
         &self,
+        ns: &str,
         method: &'static str,
         call: impl Future<Output = Result<T, ConnectError>>,
     ) -> ServiceResult<T> {
-        self.timed(method, call).await.map(Response::new)
+        self.timed(ns, method, call).await.map(Response::new)
     }
 
     async fn timed<T>(
         &self,
+        ns: &str,
         method: &'static str,
         call: impl Future<Output = Result<T, ConnectError>>,
     ) -> Result<T, ConnectError> {
@@ -219,7 +224,7 @@ impl JobsSvc {
             Ok(_) => "ok",
             Err(e) => e.code.as_str(),
         };
-        self.metrics.rpc(method, code, started.elapsed());
+        self.metrics.rpc(ns, method, code, started.elapsed());
         if let Err(e) = &result {
             tracing::debug!(method, code, message = e.message.as_deref().unwrap_or(""), "call refused");
         }
@@ -1019,30 +1024,39 @@ impl JobsSvc {
     ) -> Result<oneof::session_response::Result, ConnectError> {
         use oneof::session_request::Call as C;
         use oneof::session_response::Result as R;
+        let ns = c.as_ref().map_or_else(|_| String::new(), |c| c.ns.clone());
         Ok(match call {
-            C::Enqueue(r) => R::from(self.timed("Enqueue", async { self.do_enqueue(c?, *r).await }).await?),
+            C::Enqueue(r) => R::from(self.timed(&ns, "Enqueue", async { self.do_enqueue(c?, *r).await }).await?),
             C::EnqueueBulk(r) => {
-                R::from(self.timed("EnqueueBulk", async { self.do_enqueue_bulk(c?, *r).await }).await?)
+                R::from(self.timed(&ns, "EnqueueBulk", async { self.do_enqueue_bulk(c?, *r).await }).await?)
             }
-            C::Lease(r) => R::from(self.timed("Lease", async { self.do_lease(c?, *r).await }).await?),
-            C::Extend(r) => R::from(self.timed("Extend", async { self.do_extend(c?, *r).await }).await?),
-            C::Complete(r) => R::from(self.timed("Complete", async { self.do_complete(c?, *r).await }).await?),
-            C::Report(r) => R::from(self.timed("Report", async { self.do_report(c?, *r).await }).await?),
-            C::Schedule(r) => R::from(self.timed("Schedule", async { self.do_schedule(c?, *r).await }).await?),
-            C::Unschedule(r) => R::from(self.timed("Unschedule", async { self.do_unschedule(c?, *r).await }).await?),
-            C::Flow(r) => R::from(self.timed("Flow", async { self.do_flow(c?, *r).await }).await?),
-            C::QueueAdmin(r) => R::from(self.timed("QueueAdmin", async { self.do_queue_admin(c?, *r).await }).await?),
-            C::JobAdmin(r) => R::from(self.timed("JobAdmin", async { self.do_job_admin(c?, *r).await }).await?),
-            C::Query(r) => R::from(self.timed("Query", async { self.do_query(c?, *r).await }).await?),
-            C::ResultGet(r) => R::from(self.timed("ResultGet", async { self.do_result_get(c?, *r).await }).await?),
-            C::ResultMGet(r) => R::from(self.timed("ResultMGet", async { self.do_result_mget(c?, *r).await }).await?),
-            C::ResultSet(r) => R::from(self.timed("ResultSet", async { self.do_result_set(c?, *r).await }).await?),
+            C::Lease(r) => R::from(self.timed(&ns, "Lease", async { self.do_lease(c?, *r).await }).await?),
+            C::Extend(r) => R::from(self.timed(&ns, "Extend", async { self.do_extend(c?, *r).await }).await?),
+            C::Complete(r) => R::from(self.timed(&ns, "Complete", async { self.do_complete(c?, *r).await }).await?),
+            C::Report(r) => R::from(self.timed(&ns, "Report", async { self.do_report(c?, *r).await }).await?),
+            C::Schedule(r) => R::from(self.timed(&ns, "Schedule", async { self.do_schedule(c?, *r).await }).await?),
+            C::Unschedule(r) => {
+                R::from(self.timed(&ns, "Unschedule", async { self.do_unschedule(c?, *r).await }).await?)
+            }
+            C::Flow(r) => R::from(self.timed(&ns, "Flow", async { self.do_flow(c?, *r).await }).await?),
+            C::QueueAdmin(r) => {
+                R::from(self.timed(&ns, "QueueAdmin", async { self.do_queue_admin(c?, *r).await }).await?)
+            }
+            C::JobAdmin(r) => R::from(self.timed(&ns, "JobAdmin", async { self.do_job_admin(c?, *r).await }).await?),
+            C::Query(r) => R::from(self.timed(&ns, "Query", async { self.do_query(c?, *r).await }).await?),
+            C::ResultGet(r) => R::from(self.timed(&ns, "ResultGet", async { self.do_result_get(c?, *r).await }).await?),
+            C::ResultMGet(r) => {
+                R::from(self.timed(&ns, "ResultMGet", async { self.do_result_mget(c?, *r).await }).await?)
+            }
+            C::ResultSet(r) => R::from(self.timed(&ns, "ResultSet", async { self.do_result_set(c?, *r).await }).await?),
             C::ResultDelete(r) => {
-                R::from(self.timed("ResultDelete", async { self.do_result_delete(c?, *r).await }).await?)
+                R::from(self.timed(&ns, "ResultDelete", async { self.do_result_delete(c?, *r).await }).await?)
             }
-            C::ResultIncr(r) => R::from(self.timed("ResultIncr", async { self.do_result_incr(c?, *r).await }).await?),
+            C::ResultIncr(r) => {
+                R::from(self.timed(&ns, "ResultIncr", async { self.do_result_incr(c?, *r).await }).await?)
+            }
             C::ResultExpire(r) => {
-                R::from(self.timed("ResultExpire", async { self.do_result_expire(c?, *r).await }).await?)
+                R::from(self.timed(&ns, "ResultExpire", async { self.do_result_expire(c?, *r).await }).await?)
             }
             C::Cancel(_) => return Err(invalid("a cancel is not a call")),
         })
@@ -1217,7 +1231,8 @@ impl pb::JobsService for JobsSvc {
         ctx: RequestContext,
         requests: InboundStream<pb::SessionRequest>,
     ) -> ServiceResult<ServiceStream<pb::SessionResponse>> {
-        self.observe("Session", crate::session::open(self.clone(), ctx, requests)).await
+        let ns = self.caller(&ctx).map(|c| c.ns).unwrap_or_default();
+        self.observe(&ns, "Session", crate::session::open(self.clone(), ctx, requests)).await
     }
 }
 

@@ -445,12 +445,22 @@ async fn tokens_keep_namespaces_apart() {
     assert_eq!(counts(&a, "shared", &["wait"]).await, vec![1]);
     b.enqueue(enqueue_req("b-only", job("x", b"{}"))).await.unwrap();
 
-    // /metrics needs a token too, and shows only the token's namespace.
+    // /metrics needs a token too, and shows only the token's namespace: not
+    // the other's calls (beta made ResultSet calls, alpha none); the
+    // server-wide series have no namespace.
+    for n in 0..3 {
+        let set = pb::ResultSetRequest { key: format!("k{n}"), value: b"v".to_vec(), ..Default::default() };
+        b.result_set(set).await.unwrap();
+    }
     assert_eq!(server.http("GET", "/metrics", "", b"").unwrap().0, 401);
     let (status, body) = server.http_with("GET", "/metrics", &[("Authorization", &bearer(TOKEN_A))], "", b"").unwrap();
     let text = String::from_utf8_lossy(&body);
     assert_eq!(status, 200);
     assert!(text.contains("ns=\"alpha\"") && !text.contains("beta") && !text.contains("b-only"), "{text}");
+    assert!(text.contains("loam_jobs_rpc_requests_total{ns=\"alpha\",method=\"Enqueue\""), "{text}");
+    assert!(!text.contains("ResultSet"), "{text}");
+    let samples = text.lines().filter(|l| !l.starts_with('#') && l.contains("ns=\""));
+    assert!(samples.clone().all(|l| l.contains("ns=\"alpha\"")), "{:?}", samples.collect::<Vec<_>>());
     assert!(server.healthy());
 }
 

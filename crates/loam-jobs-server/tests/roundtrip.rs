@@ -114,7 +114,9 @@ async fn enqueue_lease_complete_watch_and_results() {
     assert!(text.contains("loam_jobs_enqueued_total{ns=\"default\",queue=\"emails\"} 4"), "{text}");
     assert!(text.contains("loam_jobs_completed_total{ns=\"default\",queue=\"emails\",outcome=\"ok\"} 4"), "{text}");
     assert!(
-        text.contains("loam_jobs_rpc_requests_total{method=\"Complete\",code=\"failed_precondition\"} 4"),
+        text.contains(
+            "loam_jobs_rpc_requests_total{ns=\"default\",method=\"Complete\",code=\"failed_precondition\"} 4"
+        ),
         "{text}"
     );
     assert!(text.contains("loam_jobs_active{ns=\"default\",queue=\"emails\"} 0"), "{text}");

@@ -81,14 +81,15 @@ async fn calls_on_one_stream_are_answered_by_id_and_a_wait_can_be_cancelled() {
         other => panic!("expected leases, got {other:?}"),
     }
     // A clock before 1970 is refused like any bad argument, and counted as
-    // a failed call of its method, as a unary call's would be.
+    // a failed call of its method, as a unary call's would be (refused with
+    // its caller, under no namespace).
     let bad_clock = pb::SessionRequest { now_ms: Some(-1), ..request(5, lease_req("mail", 1, 0, 0)) };
     session.send(bad_clock).await.unwrap();
     let answer = session.message().await.unwrap().unwrap().to_owned_message();
     assert_eq!(answer.id, 5);
     assert!(matches!(answer.result, Some(Answer::Error(ref e)) if e.code == "invalid_argument"), "{:?}", answer.result);
     let text = server.metrics();
-    assert!(text.contains(r#"loam_jobs_rpc_requests_total{method="Lease",code="invalid_argument"} 1"#), "{text}");
+    assert!(text.contains(r#"loam_jobs_rpc_requests_total{ns="",method="Lease",code="invalid_argument"} 1"#), "{text}");
     // Closing our side ends the stream once everything is answered.
     session.close_send();
     assert!(session.message().await.unwrap().is_none());
