@@ -975,8 +975,8 @@ impl Committer {
     /// them in order), and goes on at once under the next generation, in the
     /// log's other region. Commits do not wait for the checkpoint: a second
     /// of writes made durable took 12-43 ms at 40k jobs/s, every commit
-    /// stopped meanwhile. Only the next checkpoint waits for this one, whose
-    /// region it writes again.
+    /// stopped meanwhile. The next checkpoint, which writes this one's region
+    /// again, is not due until this one is done (see `checkpoint_due`).
     fn start_checkpoint(&mut self) {
         self.checkpoint_done(true);
         if self.broken.is_some() {
@@ -1034,26 +1034,36 @@ impl Committer {
         let File::Logged { wal, to_file } = &mut self.file else { return Ok(()) };
         let generation = wal.generation() + 1;
         let (done, answer) = mpsc::sync_channel(1);
-        let result = to_file
+        let committed = to_file
             .send(ToFile::Checkpoint { group, generation, done })
             .map_err(|_| StoreError::Closed)
             .and_then(|()| answer.recv().map_err(|_| StoreError::Closed)?);
-        // redb now holds the generation durably: what its records were to
-        // make durable is, and the fsync `restart` makes is all but free.
-        let result = result.and_then(|()| wal.restart(generation).map_err(io));
-        match &result {
-            Ok(()) => {
-                self.last_checkpoint = Instant::now();
-                self.unflushed_since = None;
-            }
-            Err(e) => self.break_store(e.clone()),
+        if let Err(e) = committed {
+            self.break_store(e.clone());
+            return Err(e);
         }
-        result
+        self.last_checkpoint = Instant::now();
+        self.unflushed_since = None;
+        // redb now holds the generation durably, the group with it: what the
+        // log's records were to make durable is, and the fsync `restart`
+        // makes is all but free. Should it fail, later commits are refused,
+        // but the group is in, and succeeded.
+        if let Err(e) = wal.restart(generation) {
+            self.break_store(io(e));
+        }
+        Ok(())
     }
 
+    /// Not while one is under way: starting the next waits for it, and the
+    /// committer would stop appending and flushing the log for as long as
+    /// redb's durable commit takes (relaxed writes acknowledged meanwhile
+    /// unlogged past the flush interval). The region being written still has
+    /// room (a checkpoint starts at half of it), and a group that does not
+    /// fit waits for the checkpoint anyway.
     fn checkpoint_due(&self) -> bool {
-        matches!(&self.file, File::Logged { wal, .. }
-            if !wal.is_empty() && (wal.half_full() || self.last_checkpoint.elapsed() >= self.checkpoint_interval))
+        self.checkpointing.is_none()
+            && matches!(&self.file, File::Logged { wal, .. }
+                if !wal.is_empty() && (wal.half_full() || self.last_checkpoint.elapsed() >= self.checkpoint_interval))
     }
 
     /// Makes `batches` durable and hands them to the file. With a log, the
@@ -2038,5 +2048,143 @@ mod log_tests {
         let bare = RedbStore::open(&bare, RedbOptions::default()).unwrap();
         let mut snapshot = bare.snapshot().unwrap();
         assert!(["a", "b", "c"].iter().any(|k| snapshot.get(k.as_bytes()).unwrap().is_none()));
+    }
+}
+
+#[cfg(test)]
+mod checkpoint_tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use redb::StorageBackend;
+    use redb::backends::InMemoryBackend;
+
+    use super::*;
+    use crate::kv::KvTxn;
+
+    /// redb's backend whose fsyncs wait while `held` is set: a slow disk.
+    #[derive(Debug)]
+    struct SlowSyncDisk {
+        memory: InMemoryBackend,
+        held: Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>,
+    }
+
+    impl StorageBackend for SlowSyncDisk {
+        fn len(&self) -> std::io::Result<u64> {
+            self.memory.len()
+        }
+        fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+            self.memory.read(offset, out)
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.memory.set_len(len)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            let (held, released) = &*self.held;
+            let mut held = held.lock();
+            while *held {
+                released.wait(&mut held);
+            }
+            self.memory.sync_data()
+        }
+        fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.memory.write(offset, data)
+        }
+    }
+
+    fn submit(store: &RedbStore, key: &'static str, value: Vec<u8>, sync: bool) -> mpsc::Receiver<bool> {
+        let (sender, receiver) = mpsc::channel();
+        let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
+            txn.put(key.as_bytes(), value.clone())?;
+            Ok(Box::new(()) as OpOutput)
+        });
+        let done: OpDone = Box::new(move |result| {
+            let _ = sender.send(result.is_ok());
+        });
+        store.submit(WriteOp { body, sync, brief: true, done });
+        receiver
+    }
+
+    /// Relaxed durability loses at most the last flush interval (100 ms) of
+    /// acknowledged writes, however slow a checkpoint's durable redb commit:
+    /// the committer goes on appending and flushing the log meanwhile (it
+    /// used to stop, waiting for it, when the next checkpoint came due).
+    fn slow_checkpoint(kill: bool) {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("log");
+        let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+        let disk = SlowSyncDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
+        let db = Database::builder().create_with_backend(disk).unwrap();
+        let mut wal = recover(&db, &log).unwrap();
+        let failing = Arc::new(AtomicBool::new(false));
+        wal.fail_while(Arc::clone(&failing));
+        let options = RedbOptions {
+            durability: Durability::Relaxed { flush_interval_ms: 100 },
+            checkpoint_interval: Duration::from_millis(1),
+            ..Default::default()
+        };
+        let store = RedbStore::start(db, &options, Some(wal)).unwrap();
+        // From now on redb's fsync takes as long as the test wants (a slow disk).
+        *held.0.lock() = true;
+        assert!(submit(&store, "a", b"1".to_vec(), true).recv().unwrap());
+        std::thread::sleep(Duration::from_millis(50)); // logged; its checkpoint waits on redb's fsync
+        assert!(submit(&store, "b", b"2".to_vec(), true).recv().unwrap());
+        std::thread::sleep(Duration::from_millis(50)); // logged, unsynced; the next checkpoint is due
+        let outcome = if kill {
+            assert!(submit(&store, "c", b"3".to_vec(), true).recv().unwrap());
+            std::thread::sleep(Duration::from_millis(400)); // four flush intervals
+            // What a kill -9 leaves now: the log as it is.
+            let copy = dir.path().join("copy");
+            std::fs::copy(&log, &copy).unwrap();
+            let (_, records) = super::super::wal::Wal::open(&copy, 2, LOG_CAPACITY).unwrap();
+            let logged: Vec<&[u8]> = records.iter().flat_map(|w| w.keys().map(Vec::as_slice)).collect();
+            (logged.contains(&&b"c"[..]), format!("c, acknowledged 400 ms ago, is in the log (logged keys {logged:?})"))
+        } else {
+            // From here a log fsync fails: if the committer tries one, the
+            // relaxed store breaks and refuses reads.
+            failing.store(true, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(400)); // four flush intervals
+            (store.snapshot().is_err(), "a log fsync was attempted for b within 450 ms of its acknowledgement".into())
+        };
+        *held.0.lock() = false;
+        held.1.notify_all();
+        drop(store);
+        assert!(outcome.0, "{}", outcome.1);
+    }
+
+    #[test]
+    fn relaxed_ack_is_appended_to_the_log_during_a_slow_checkpoint() {
+        slow_checkpoint(true);
+    }
+
+    #[test]
+    fn relaxed_ack_is_fsynced_within_the_flush_interval_during_a_slow_checkpoint() {
+        slow_checkpoint(false);
+    }
+
+    /// A group too large for the log is committed durably to redb as a
+    /// checkpoint: once that succeeded its operations succeeded, whatever the
+    /// log's restart after it does (its fsync of records the checkpoint made
+    /// redundant failing breaks the store for later commits only). They were
+    /// answered as failed, with their writes durable and visible.
+    #[test]
+    fn an_operation_answered_as_failed_leaves_no_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("jobs.redb");
+        let failing = Arc::new(AtomicBool::new(false));
+        let store = RedbStore::open_with_failing_log(&path, RedbOptions::default(), Arc::clone(&failing)).unwrap();
+        // A write that needs no fsync (a lease): logged, acknowledged, unsynced.
+        assert!(submit(&store, "lease", b"l".to_vec(), false).recv().unwrap());
+        failing.store(true, Ordering::SeqCst);
+        // Larger than a region: checkpointed into redb instead of logged.
+        let big = vec![7u8; (LOG_CAPACITY + 1024) as usize];
+        let acked = submit(&store, "big", big, true).recv().unwrap();
+        let visible = store.snapshot().unwrap().get(b"big").unwrap().is_some();
+        drop(store);
+        let reopened = RedbStore::open(&path, RedbOptions::default()).unwrap();
+        let after_reopen = reopened.snapshot().unwrap().get(b"big").unwrap().is_some();
+        assert!(
+            acked || (!visible && !after_reopen),
+            "answered failed (acked={acked}) yet visible to reads: {visible}, in the file after reopen: {after_reopen}"
+        );
     }
 }
