@@ -71,6 +71,9 @@ impl Wal {
                 at += n as u64;
             }
             file.sync_all()?;
+            if len == 0 {
+                sync_parent_dir(path)?;
+            }
         }
         let start = |g: u64| region_start(g, region);
         let mut records = read_records(&file, start(generation), region, generation)?;
@@ -193,6 +196,15 @@ impl Wal {
 
     pub(crate) fn is_empty(&self) -> bool {
         self.end == 0
+    }
+}
+
+/// Makes a new file's directory entry durable: its own fsync covers its
+/// data, not the name that finds it after a power cut.
+fn sync_parent_dir(path: &Path) -> io::Result<()> {
+    match path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(dir) => File::open(dir)?.sync_all(),
+        None => File::open(".")?.sync_all(),
     }
 }
 
