@@ -37,10 +37,12 @@ import {
   dependenciesPage,
   finishedNext,
   holdName,
+  logRowText,
   logRowsKept,
   namedClients,
   newJobJson,
   paginateTarget,
+  progressText,
   parseJob,
   parseNodeKey,
   reportBackgroundError,
@@ -243,7 +245,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   extendLock(jobId: string, token: string, duration: number): Promise<number> {
-    return this.native.extendLock(Date.now(), jobId, token, duration);
+    return this.native.extendLock(Date.now(), String(jobId), token, duration);
   }
 
   extendLocks(jobIds: string[], tokens: string[], duration: number): Promise<string[]> {
@@ -299,21 +301,21 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     opts?: MoveToDelayedOpts,
   ): Promise<void | any[]> {
     const options = opts ? JSON.stringify(opts) : undefined;
-    return JSON.parse(await this.native.moveToDelayed(Date.now(), jobId, timestamp, delay, token, options));
+    return JSON.parse(await this.native.moveToDelayed(Date.now(), String(jobId), timestamp, delay, token, options));
   }
 
   moveToWaitingChildren(jobId: string, token: string, opts: MoveToWaitingChildrenOpts = {}): Promise<boolean> {
     const child = opts.child ? `${opts.child.queue}:${opts.child.id}` : undefined;
-    return this.native.moveToWaitingChildren(Date.now(), jobId, token, child);
+    return this.native.moveToWaitingChildren(Date.now(), String(jobId), token, child);
   }
 
   moveJobFromActiveToWait(jobId: string, token?: string): Promise<number> {
-    return this.native.moveJobFromActiveToWait(Date.now(), jobId, token);
+    return this.native.moveJobFromActiveToWait(Date.now(), String(jobId), token);
   }
 
   async retryJob(jobId: string, _lifo: boolean, token?: string, opts?: RetryJobOpts): Promise<void> {
     const fields = opts?.fieldsToUpdate ? JSON.stringify(opts.fieldsToUpdate) : undefined;
-    await this.native.retryJob(Date.now(), jobId, token, fields);
+    await this.native.retryJob(Date.now(), String(jobId), token, fields);
   }
 
   async retryFinishedJob<T = any, R = any, N extends string = string>(
@@ -331,28 +333,28 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   promote(jobId: string): Promise<void> {
-    return this.native.promote(Date.now(), jobId);
+    return this.native.promote(Date.now(), String(jobId));
   }
 
   changeDelay(jobId: string, delay: number): Promise<void> {
-    return this.native.changeDelay(Date.now(), jobId, delay);
+    return this.native.changeDelay(Date.now(), String(jobId), delay);
   }
 
   changePriority(jobId: string, priority = 0, lifo = false): Promise<void> {
-    return this.native.changePriority(Date.now(), jobId, priority, lifo);
+    return this.native.changePriority(Date.now(), String(jobId), priority, lifo);
   }
 
   remove(jobId: string, removeChildren: boolean): Promise<number> {
-    return this.native.remove(Date.now(), jobId, removeChildren);
+    return this.native.remove(Date.now(), String(jobId), removeChildren);
   }
 
   removeUnprocessedChildren(jobId: string): Promise<void> {
-    return this.native.removeUnprocessedChildren(Date.now(), jobId);
+    return this.native.removeUnprocessedChildren(Date.now(), String(jobId));
   }
 
   /** `parentKey` is the job's own, undefined when it has none (BullMQ's -5 then). */
   removeChildDependency(jobId: string, parentKey: string | undefined): Promise<boolean> {
-    return this.native.removeChildDependency(Date.now(), jobId, parentKey);
+    return this.native.removeChildDependency(Date.now(), String(jobId), parentKey);
   }
 
   // ---- job data --------------------------------------------------------------------
@@ -362,15 +364,15 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   updateProgress(jobId: string, progress: JobProgress): Promise<void> {
-    return this.native.updateProgress(Date.now(), jobId, JSON.stringify(progress));
+    return this.native.updateProgress(Date.now(), String(jobId), progressText(progress));
   }
 
   addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
-    return this.native.addLog(Date.now(), jobId, logRow, logRowsKept(keepLogs));
+    return this.native.addLog(Date.now(), String(jobId), logRowText(logRow), logRowsKept(keepLogs));
   }
 
   clearLogs(jobId: string, keepLogs?: number): Promise<void> {
-    return this.native.clearLogs(Date.now(), jobId, keepLogs);
+    return this.native.clearLogs(Date.now(), String(jobId), keepLogs);
   }
 
   // ---- queue admin ---------------------------------------------------------------------
@@ -412,23 +414,23 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- getters ---------------------------------------------------------------------------
 
   async getState(jobId: string): Promise<JobState | 'unknown'> {
-    return (await this.native.getState(Date.now(), jobId)) as JobState | 'unknown';
+    return (await this.native.getState(Date.now(), String(jobId))) as JobState | 'unknown';
   }
 
   async isFinished(jobId: string, returnValue = false): Promise<number | [number, string]> {
-    return JSON.parse(await this.native.isFinished(Date.now(), jobId, returnValue));
+    return JSON.parse(await this.native.isFinished(Date.now(), String(jobId), returnValue));
   }
 
   isJobInState(state: string, jobId: string): Promise<boolean> {
-    return this.native.isJobInState(Date.now(), state, jobId);
+    return this.native.isJobInState(Date.now(), state, String(jobId));
   }
 
   async getJobData(jobId: string): Promise<JobJson | undefined> {
-    return parseJob(await this.native.getJobData(Date.now(), jobId));
+    return parseJob(await this.native.getJobData(Date.now(), String(jobId)));
   }
 
   async getJobLogs(jobId: string, start: number, end: number, asc: boolean): Promise<{ logs: string[]; count: number }> {
-    return JSON.parse(await this.native.getJobLogs(Date.now(), jobId, start, end, asc));
+    return JSON.parse(await this.native.getJobLogs(Date.now(), String(jobId), start, end, asc));
   }
 
   getCounts(types: JobType[], delayedTimestamp?: number): Promise<number[]> {
@@ -444,7 +446,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   getDependencyCounts(jobId: string, types: string[]): Promise<number[]> {
-    return this.native.getDependencyCounts(Date.now(), jobId, types);
+    return this.native.getDependencyCounts(Date.now(), String(jobId), types);
   }
 
   async getDependencies(
@@ -460,20 +462,20 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     nextUnprocessedCursor?: number;
     unprocessed?: string[];
   }> {
-    const all: ChildrenByCategory = JSON.parse(await this.native.getDependencies(Date.now(), jobId));
+    const all: ChildrenByCategory = JSON.parse(await this.native.getDependencies(Date.now(), String(jobId)));
     return dependenciesPage(all, opts);
   }
 
   async getProcessedChildrenValues(jobId: string): Promise<Record<string, string>> {
-    return JSON.parse(await this.native.getProcessedChildrenValues(Date.now(), jobId));
+    return JSON.parse(await this.native.getProcessedChildrenValues(Date.now(), String(jobId)));
   }
 
   async getIgnoredChildrenFailures(jobId: string): Promise<Record<string, string>> {
-    return JSON.parse(await this.native.getIgnoredChildrenFailures(Date.now(), jobId));
+    return JSON.parse(await this.native.getIgnoredChildrenFailures(Date.now(), String(jobId)));
   }
 
   getDeduplicationJobId(deduplicationId: string): Promise<string | null> {
-    return this.native.getDeduplicationJobId(Date.now(), deduplicationId).then(id => id ?? null);
+    return this.native.getDeduplicationJobId(Date.now(), String(deduplicationId)).then(id => id ?? null);
   }
 
   getRateLimitTtl(maxJobs?: number): Promise<number> {
@@ -544,11 +546,11 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   removeDeduplicationKey(deduplicationId: string, jobId: string): Promise<number> {
-    return this.native.removeDeduplicationKey(Date.now(), deduplicationId, jobId);
+    return this.native.removeDeduplicationKey(Date.now(), String(deduplicationId), String(jobId));
   }
 
   deleteDeduplicationKey(deduplicationId: string): Promise<number> {
-    return this.native.removeDeduplicationKey(Date.now(), deduplicationId, undefined);
+    return this.native.removeDeduplicationKey(Date.now(), String(deduplicationId), undefined);
   }
 
   // ---- events -----------------------------------------------------------------------------------

@@ -429,7 +429,9 @@ function wireTypeOf(type: ScalarType): WireType {
 function valueWriter(type: ScalarType): Write {
   switch (type) {
     case ScalarType.STRING:
-      return (w, v) => w.string(v);
+      // As ioredis sends any argument: a job id given as a number (plain
+      // JavaScript, an id from a route's params) goes as its digits.
+      return (w, v) => w.string(typeof v === 'string' ? v : String(v));
     case ScalarType.BOOL:
       return (w, v) => w.bool(v);
     case ScalarType.DOUBLE:

@@ -266,6 +266,19 @@ export function logRowsKept(keepLogs: number | undefined): number {
 }
 
 /**
+ * A progress as Redis keeps it: its JSON, or '' for `undefined`, which
+ * `JSON.stringify` drops (the job's progress then reads back as 0).
+ */
+export function progressText(progress: unknown): string {
+  return JSON.stringify(progress) ?? '';
+}
+
+/** A log row as Redis keeps it: ioredis sends whatever it is given as its string. */
+export function logRowText(row: unknown): string {
+  return typeof row === 'string' ? row : String(row);
+}
+
+/**
  * A scheduler's repeat options as the core takes them: BullMQ's own, plus the
  * `repeat.count` it gave the first iteration. BullMQ counts iterations in
  * JavaScript, from 1 at each upsert, so an upsert restarts its `limit`.

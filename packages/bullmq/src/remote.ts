@@ -46,9 +46,11 @@ import {
   clientListText,
   dependenciesPage,
   finishedNext,
+  logRowText,
   logRowsKept,
   newJobJson,
   paginateTarget,
+  progressText,
   parseNodeKey,
   reportBackgroundError,
   schedulerRepeat,
@@ -905,11 +907,11 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async updateProgress(jobId: string, progress: JobProgress): Promise<void> {
-    await this.report({ command: 'updateProgress', jobId }, { case: 'progress', value: JSON.stringify(progress) });
+    await this.report({ command: 'updateProgress', jobId }, { case: 'progress', value: progressText(progress) });
   }
 
   addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
-    return this.report({ command: 'addLog', jobId }, { case: 'log', value: { row: logRow, keep: u64(logRowsKept(keepLogs)) } });
+    return this.report({ command: 'addLog', jobId }, { case: 'log', value: { row: logRowText(logRow), keep: u64(logRowsKept(keepLogs)) } });
   }
 
   async clearLogs(jobId: string, keepLogs?: number): Promise<void> {

@@ -47,6 +47,25 @@ describe('Queue and Worker on Loam', () => {
     await queue.close();
   });
 
+  it('takes what ioredis would: a job id given as a number, a progress of undefined, a log row that is no string', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const job = await queue.add('a', {});
+    expect(job.id).toBe('1');
+    // Plain JavaScript, an id from a route's params: ioredis sends a number's digits.
+    const byNumber = 1 as unknown as string;
+    expect((await queue.getJob(byNumber))?.name).toBe('a');
+    expect(await queue.getJobState(byNumber)).toBe('waiting');
+    expect(await queue.addJobLog(byNumber, 'by number')).toBe(1);
+    // JSON.stringify(undefined) is undefined: Redis keeps '', read back as 0.
+    await job.updateProgress(undefined as never);
+    expect((await queue.getJob(job.id!))?.progress).toBe(0);
+    expect(await job.log(42 as never)).toBe(2);
+    expect((await queue.getJobLogs(job.id!)).logs).toEqual(['by number', '42']);
+    expect(await queue.remove(byNumber)).toBe(1);
+    expect(await queue.getJob('1')).toBeUndefined();
+    await queue.close();
+  });
+
   it('adds every job of an addBulk or none: one refused job fails the call and adds nothing', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });
