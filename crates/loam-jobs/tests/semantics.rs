@@ -2180,3 +2180,39 @@ fn stale_leases_are_fenced_on_every_write() {
     let j = jobs.get_job("ns", "q", &id).unwrap().unwrap();
     assert_eq!((j.state, j.attempts_made), (JobState::Completed, 1));
 }
+
+/// BullMQ's removeUnprocessedChildren: each pending child goes with its
+/// pending descendants, skipping a leased job (only its own lease counts)
+/// and a failed one; a leased grandchild stays, and its end, with its parent
+/// gone, is still recorded.
+#[test]
+fn remove_unprocessed_children_skips_only_leased_and_failed_jobs() {
+    let (jobs, _) = core();
+    let nodes = vec![
+        flow_node("q", "P", None, true),
+        flow_node("q", "A", Some(parent("q", "P")), true),
+        flow_node("q", "AA", Some(parent("q", "A")), false),
+        flow_node("q", "AB", Some(parent("q", "A")), false),
+        flow_node("q", "B", Some(parent("q", "P")), false),
+    ];
+    jobs.flow("ns", nodes).wait().unwrap();
+    let leased = lease_one(&jobs, "q").unwrap();
+    assert_eq!(leased.job.id, "AA");
+    jobs.admin("ns", "q", |tx, q| admin::remove_unprocessed_children(tx, q, "P")).wait().unwrap();
+    for gone in ["A", "AB", "B"] {
+        assert_eq!(state(&jobs, "q", gone), None, "{gone}");
+    }
+    assert_eq!(state(&jobs, "q", "AA"), Some(JobState::Active), "a leased job stays");
+    // P waits for nothing now, as on Redis.
+    assert_eq!(state(&jobs, "q", "P"), Some(JobState::Waiting));
+    let removed: Vec<String> = events(&jobs, "q")
+        .into_iter()
+        .filter(|(name, _)| name == "removed")
+        .filter_map(|(_, fields)| fields.into_iter().find(|(k, _)| k == "jobId").map(|(_, v)| v))
+        .collect();
+    let at = |id: &str| removed.iter().position(|r| r == id);
+    assert!(at("AB").is_some() && at("AB") < at("A"), "a child goes after its own: {removed:?}");
+    ok(&jobs, "q", &leased, "done");
+    assert_eq!(state(&jobs, "q", "AA"), Some(JobState::Completed));
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::Active]).unwrap(), [1, 0]);
+}

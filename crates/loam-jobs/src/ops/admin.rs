@@ -241,21 +241,47 @@ fn remove_descendants_of(tx: &mut Tx, mut children: Vec<(QueueId, Dependency)>) 
     Ok(())
 }
 
-/// Removes a job's unfinished children and their subtrees, skipping leased
-/// and failed ones.
+/// Removes a job's unprocessed children as BullMQ does: each pending child
+/// with its own pending descendants, depth first, skipping a leased or failed
+/// job and what is under it. A leased job below a child that goes stays,
+/// without that parent (its end then finds none to tell).
 pub fn remove_unprocessed_children(tx: &mut Tx, q: &QueueId, id: &str) -> Result<(), JobsError> {
+    for child in unprocessed_children(tx, q, id)? {
+        // Each child's pending descendants go before it, each after its own
+        // (a list, not recursion: a tree may be deep).
+        let mut order = Vec::new();
+        let mut pending = vec![child];
+        while let Some((jq, job)) = pending.pop() {
+            pending.extend(unprocessed_children(tx, &jq, &job.id)?);
+            order.push((jq, job));
+        }
+        let Some((cq, child)) = order.first().cloned() else { continue };
+        for (jq, job) in order.into_iter().skip(1).rev() {
+            // Its parent goes too: unlinking it would release that parent.
+            drop_detached(tx, &jq, &job)?;
+            tx.event(&jq, "removed", &[("jobId", &job.id), ("prev", removed_prev(job.state))])?;
+        }
+        drop_job(tx, &cq, &child)?;
+        tx.event(&cq, "removed", &[("jobId", &child.id), ("prev", removed_prev(child.state))])?;
+    }
+    Ok(())
+}
+
+/// A job's pending children that may be removed: neither leased nor failed.
+fn unprocessed_children(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(QueueId, JobRecord)>, JobsError> {
+    let mut out = Vec::new();
     for (cq, dep) in children(tx, q, id)? {
         if dep.status != DependencyStatus::Pending {
             continue;
         }
         if let Some(child) = tx.load_job(&cq, &dep.child_id)?
             && child.state != JobState::Failed
-            && !locked(tx, &cq, &child, true)?
+            && !locked(tx, &cq, &child, false)?
         {
-            remove_tree(tx, &cq, child, true)?;
+            out.push((cq, child));
         }
     }
-    Ok(())
+    Ok(out)
 }
 
 pub fn set_paused(tx: &mut Tx, q: &QueueId, paused: bool) -> Result<(), JobsError> {
