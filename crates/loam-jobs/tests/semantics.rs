@@ -2032,12 +2032,8 @@ fn a_debounced_child_replaced_under_no_parent_releases_its_parent() {
     assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
 }
 
-/// BullMQ exempts a stalled job from maxStalledCount only while its
-/// scheduler exists: an iteration whose scheduler was removed while it ran
-/// gets the stall limit like any job.
-#[test]
-fn an_iteration_of_a_removed_scheduler_is_not_exempt_from_max_stalled() {
-    let (jobs, clock) = core();
+/// The first iteration of an hourly scheduler `s` in `q`, leased for a second.
+fn hourly_iteration_leased(jobs: &Jobs) -> Lease {
     let spec = schedule::SchedulerSpec {
         id: "s".into(),
         name: "tick".into(),
@@ -2046,7 +2042,16 @@ fn an_iteration_of_a_removed_scheduler_is_not_exempt_from_max_stalled() {
         ..Default::default()
     };
     jobs.upsert_scheduler("ns", "q", spec).wait().unwrap();
-    let first = lease_for(&jobs, "q", "w1", 1_000).expect("the first iteration is due now");
+    lease_for(jobs, "q", "w1", 1_000).unwrap()
+}
+
+/// BullMQ exempts a stalled job from maxStalledCount only while its
+/// scheduler exists: an iteration whose scheduler was removed while it ran
+/// gets the stall limit like any job.
+#[test]
+fn an_iteration_of_a_removed_scheduler_is_not_exempt_from_max_stalled() {
+    let (jobs, clock) = core();
+    let first = hourly_iteration_leased(&jobs);
     assert!(jobs.admin("ns", "q", |tx, q| schedule::remove(tx, q, "s")).wait().unwrap());
     for round in 1..=2u32 {
         clock.advance(2_000);
@@ -2066,15 +2071,7 @@ fn an_iteration_of_a_removed_scheduler_is_not_exempt_from_max_stalled() {
 #[test]
 fn an_iteration_of_a_live_scheduler_is_exempt_from_max_stalled() {
     let (jobs, clock) = core();
-    let spec = schedule::SchedulerSpec {
-        id: "s".into(),
-        name: "tick".into(),
-        every_ms: Some(3_600_000),
-        job: job("tick"),
-        ..Default::default()
-    };
-    jobs.upsert_scheduler("ns", "q", spec).wait().unwrap();
-    let first = lease_for(&jobs, "q", "w1", 1_000).unwrap();
+    let first = hourly_iteration_leased(&jobs);
     for _ in 0..3 {
         clock.advance(2_000);
         assert_eq!(jobs.sweep_stalled("ns", "q").wait().unwrap(), std::slice::from_ref(&first.job.id));

@@ -1353,17 +1353,17 @@ mod tests {
     /// Memory whose syncs wait while its gate is held: an fsync that takes as
     /// long as the test wants.
     #[derive(Debug)]
-    struct GatedDisk {
-        memory: InMemoryBackend,
-        held: Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>,
+    pub(super) struct GatedDisk {
+        pub(super) memory: InMemoryBackend,
+        pub(super) held: Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>,
     }
 
     /// Holds a `GatedDisk`'s syncs until released, or dropped (a failing test
     /// must not leave the committer waiting for ever).
-    struct Gate(Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>);
+    pub(super) struct Gate(pub(super) Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>);
 
     impl Gate {
-        fn release(&self) {
+        pub(super) fn release(&self) {
             *self.0.0.lock() = false;
             self.0.1.notify_all();
         }
@@ -1561,6 +1561,11 @@ mod log_tests {
 
     /// Whether the write was acknowledged.
     fn try_put_value(store: &RedbStore, key: String, value: Vec<u8>) -> bool {
+        submit_put(store, key, value, true).recv().unwrap()
+    }
+
+    /// Submits a write of `key`; the receiver tells whether it was acknowledged.
+    pub(super) fn submit_put(store: &RedbStore, key: String, value: Vec<u8>, sync: bool) -> mpsc::Receiver<bool> {
         let (sender, receiver) = mpsc::channel();
         let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
             txn.put(key.as_bytes(), value.clone())?;
@@ -1569,8 +1574,8 @@ mod log_tests {
         let done: OpDone = Box::new(move |result| {
             let _ = sender.send(result.is_ok());
         });
-        store.submit(WriteOp { body, sync: true, brief: true, done });
-        receiver.recv().unwrap()
+        store.submit(WriteOp { body, sync, brief: true, done });
+        receiver
     }
 
     fn relaxed() -> RedbOptions {
@@ -2055,53 +2060,14 @@ mod log_tests {
 mod checkpoint_tests {
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use redb::StorageBackend;
     use redb::backends::InMemoryBackend;
 
+    use super::log_tests::submit_put;
+    use super::tests::{Gate, GatedDisk};
     use super::*;
-    use crate::kv::KvTxn;
 
-    /// redb's backend whose fsyncs wait while `held` is set: a slow disk.
-    #[derive(Debug)]
-    struct SlowSyncDisk {
-        memory: InMemoryBackend,
-        held: Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>,
-    }
-
-    impl StorageBackend for SlowSyncDisk {
-        fn len(&self) -> std::io::Result<u64> {
-            self.memory.len()
-        }
-        fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
-            self.memory.read(offset, out)
-        }
-        fn set_len(&self, len: u64) -> std::io::Result<()> {
-            self.memory.set_len(len)
-        }
-        fn sync_data(&self) -> std::io::Result<()> {
-            let (held, released) = &*self.held;
-            let mut held = held.lock();
-            while *held {
-                released.wait(&mut held);
-            }
-            self.memory.sync_data()
-        }
-        fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
-            self.memory.write(offset, data)
-        }
-    }
-
-    fn submit(store: &RedbStore, key: &'static str, value: Vec<u8>, sync: bool) -> mpsc::Receiver<bool> {
-        let (sender, receiver) = mpsc::channel();
-        let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
-            txn.put(key.as_bytes(), value.clone())?;
-            Ok(Box::new(()) as OpOutput)
-        });
-        let done: OpDone = Box::new(move |result| {
-            let _ = sender.send(result.is_ok());
-        });
-        store.submit(WriteOp { body, sync, brief: true, done });
-        receiver
+    fn submit(store: &RedbStore, key: &str, value: Vec<u8>, sync: bool) -> mpsc::Receiver<bool> {
+        submit_put(store, key.to_string(), value, sync)
     }
 
     /// Relaxed durability loses at most the last flush interval (100 ms) of
@@ -2112,7 +2078,7 @@ mod checkpoint_tests {
         let dir = tempfile::tempdir().unwrap();
         let log = dir.path().join("log");
         let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
-        let disk = SlowSyncDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
+        let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
         let db = Database::builder().create_with_backend(disk).unwrap();
         let mut wal = recover(&db, &log).unwrap();
         let failing = Arc::new(AtomicBool::new(false));
@@ -2125,6 +2091,7 @@ mod checkpoint_tests {
         let store = RedbStore::start(db, &options, Some(wal)).unwrap();
         // From now on redb's fsync takes as long as the test wants (a slow disk).
         *held.0.lock() = true;
+        let gate = Gate(held);
         assert!(submit(&store, "a", b"1".to_vec(), true).recv().unwrap());
         std::thread::sleep(Duration::from_millis(50)); // logged; its checkpoint waits on redb's fsync
         assert!(submit(&store, "b", b"2".to_vec(), true).recv().unwrap());
@@ -2145,8 +2112,7 @@ mod checkpoint_tests {
             std::thread::sleep(Duration::from_millis(400)); // four flush intervals
             (store.snapshot().is_err(), "a log fsync was attempted for b within 450 ms of its acknowledgement".into())
         };
-        *held.0.lock() = false;
-        held.1.notify_all();
+        gate.release();
         drop(store);
         assert!(outcome.0, "{}", outcome.1);
     }
