@@ -250,24 +250,57 @@ enum Tick {
 
 async fn tick(jobs: &Jobs, q: &QueueId, id: &str) -> Result<Tick, JobsError> {
     let Some(rec) = jobs.query(&q.ns, &q.name, |tx, q| schedule::get(tx, q, id))? else { return Ok(Tick::Gone) };
-    if !rec.extra.contains_key(SERVER_OWNED) || schedule::has_finished(&rec) {
+    if !ticking(&rec) {
         return Ok(Tick::Gone);
     }
     if rec.next_millis > jobs.now_ms() {
         return Ok(Tick::Idle(rec.next_millis));
     }
-    let next = tick_after(&rec, rec.next_millis)?;
+    let id = id.to_string();
+    let advanced = jobs.admin(&q.ns, &q.name, move |tx, q| advance_past_due(tx, q, &id, &rec)).await?;
+    // Not advanced: another caller moved it first; read it again next pass.
+    Ok(if advanced.is_some() { Tick::Advanced } else { Tick::Idle(0) })
+}
+
+/// Whether `rec` is a schedule of the server's that has ticks left.
+fn ticking(rec: &SchedulerRecord) -> bool {
+    rec.extra.contains_key(SERVER_OWNED) && !schedule::has_finished(rec)
+}
+
+/// Enqueues the tick after `rec`'s pending one, whose tick has come (see
+/// [`schedule::advance_to`]).
+fn advance_past_due(
+    tx: &mut loam_jobs::tx::Tx,
+    q: &QueueId,
+    id: &str,
+    rec: &SchedulerRecord,
+) -> Result<Option<String>, JobsError> {
+    let next = tick_after(rec, rec.next_millis)?;
     let template: EnqueueRequest = rec
         .extra
         .get(TEMPLATE)
         .and_then(|t| serde_json::from_str(t).ok())
         .unwrap_or_else(|| EnqueueRequest { attempts: 1, ..Default::default() });
-    let producer = schedule::pending_iteration_id(&rec);
-    let id = id.to_string();
-    let advanced =
-        jobs.admin(&q.ns, &q.name, move |tx, q| schedule::advance_to(tx, q, &id, next, &producer, &template)).await?;
-    // Not advanced: another caller moved it first; read it again next pass.
-    Ok(if advanced.is_some() { Tick::Advanced } else { Tick::Idle(0) })
+    schedule::advance_to(tx, q, id, next, &schedule::pending_iteration_id(rec), &template)
+}
+
+/// Most ticks an upsert enqueues for the ticker (see [`catch_up`]).
+const CATCH_UP_ON_UPSERT: usize = 1_000;
+
+/// Moves schedule `id` of the server's past the ticks that came by `now`
+/// and that the ticker has not taken yet, as it would (up to
+/// [`CATCH_UP_ON_UPSERT`]), before an upsert replaces it: the upsert drops
+/// its pending iteration as one not started, and that iteration's tick,
+/// come but not yet followed by the next one's job, would be lost (Celery
+/// beat upserts every entry each time it starts).
+pub fn catch_up(tx: &mut loam_jobs::tx::Tx, q: &QueueId, id: &str, now: u64) -> Result<(), JobsError> {
+    for _ in 0..CATCH_UP_ON_UPSERT {
+        let Some(rec) = schedule::get(tx, q, id)? else { return Ok(()) };
+        if !ticking(&rec) || rec.next_millis > now || advance_past_due(tx, q, id, &rec)?.is_none() {
+            return Ok(());
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -474,11 +474,13 @@ impl JobsSvc {
                 // server ticks it from then on, and a schedule started in
                 // 1970 would enqueue every tick since (with
                 // --follow-client-clock the server's clock is the callers').
-                let (spec, extra) = schedules::prepare(*s, self.jobs.now_ms()).map_err(core_err)?;
+                let now = self.jobs.now_ms();
+                let (spec, extra) = schedules::prepare(*s, now).map_err(core_err)?;
                 let id = spec.id.clone();
                 let done = self
                     .jobs
                     .admin(&c.ns, &queue, move |tx, q| {
+                        schedules::catch_up(tx, q, &spec.id, now)?;
                         let done = schedule::upsert(tx, q, spec.clone())?;
                         schedule::set_extra(tx, q, &spec.id, extra.clone())?;
                         Ok(done)

@@ -163,3 +163,24 @@ async fn a_tick_whose_id_a_job_holds_is_that_jobs_and_the_schedule_goes_on() {
     let expected: Vec<String> = [first, first + 1_000, first + 2_000].iter().map(u64::to_string).collect();
     assert_eq!(ticks(&server.client(), "q", "h").await, expected);
 }
+
+/// Celery beat upserts every entry each time it starts (design 26 section
+/// 7.1.6: "running beat twice ... cannot duplicate or miss a tick"). An
+/// unchanged upsert just after a tick fell due, before the ticker's pass,
+/// keeps that tick's job: the schedule is moved past it first, as the
+/// ticker would. It used to be dropped as a replaced iteration.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upsert_just_after_a_tick_fell_due_keeps_that_tick() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--follow-client-clock"], &[]);
+    let hourly = pb::ServerSchedule { id: "h".into(), cron: Some("0 * * * *".into()), ..Default::default() };
+    // 12:00:30: the first tick is 13:00.
+    client_at(&server, T).schedule(schedule_req("q", hourly.clone())).await.unwrap();
+    let tick = T - 30_000 + 3_600_000;
+    assert_eq!(ticks(&server.client(), "q", "h").await, vec![tick.to_string()]);
+    // 50 ms into 13:00 (the ticker passes every 200 ms): the same entry again.
+    client_at(&server, tick + 50).schedule(schedule_req("q", hourly)).await.unwrap();
+    assert_eq!(ticks(&server.client(), "q", "h").await, vec![tick.to_string(), (tick + 3_600_000).to_string()]);
+    let_it_tick().await;
+    assert_eq!(ticks(&server.client(), "q", "h").await, vec![tick.to_string(), (tick + 3_600_000).to_string()]);
+}
