@@ -36,6 +36,7 @@ import {
   clientsKey,
   dependenciesPage,
   finishedNext,
+  INTERRUPTED_WAIT,
   holdName,
   logRowText,
   logRowsKept,
@@ -99,6 +100,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   /** Whose names `getClientList` lists: this store's and namespace's (see `clientsKey`). */
   private readonly clients: string;
   private releaseName: (() => void) | undefined;
+  /** How many times a blocking wait was cut short (`close`, `disconnect`, `disconnectBlocking`). */
+  private blockingCuts = 0;
   /** When this backend last called the store: a named client's idle time. */
   private readonly activity: Activity = { at: Date.now() };
   private readonly ready: Promise<void>;
@@ -154,6 +157,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   close(_force?: boolean): Promise<void> {
     if (!this.closing) {
+      this.blockingCuts++;
       this.releaseName?.();
       this.closing = (this.owner ? this.native.close() : Promise.resolve()).then(() => {
         this.emit('close');
@@ -163,6 +167,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async disconnect(): Promise<void> {
+    this.blockingCuts++;
     this.native.interruptBlocking();
     this.native.interruptEvents();
   }
@@ -173,6 +178,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async disconnectBlocking(_wait?: boolean): Promise<void> {
+    this.blockingCuts++;
     this.native.interruptBlocking();
   }
 
@@ -238,8 +244,10 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async waitForJob(blockTimeout: number): Promise<{ member: string; score: number } | null> {
+    const cuts = this.blockingCuts;
     const score = await this.native.waitForJob(Date.now(), blockTimeout);
-    if (score === null || score === undefined) return null;
+    // The addon answers null for a wait that ran out and for one cut short.
+    if (score === null || score === undefined) return this.blockingCuts === cuts ? null : INTERRUPTED_WAIT;
     // Redis marker members: "0" = a job is ready, "1" = next delayed due time.
     return { member: score === 0 ? '0' : '1', score };
   }

@@ -266,6 +266,16 @@ export function logRowsKept(keepLogs: number | undefined): number {
 }
 
 /**
+ * What `waitForJob` answers when `close()` or `disconnectBlocking()` cut it
+ * short: nothing is ready before forever, so BullMQ's worker fetches
+ * nothing. A null reads as "a job may be ready", and the lease that followed
+ * could hand a job to a closing worker (or, through the server, wait out a
+ * dead link before `close()` returned); on Redis the cut blocking command
+ * throws, and the worker fetches nothing either.
+ */
+export const INTERRUPTED_WAIT: { member: string; score: number } = Object.freeze({ member: '1', score: Infinity });
+
+/**
  * A progress as Redis keeps it: its JSON, or '' for `undefined`, which
  * `JSON.stringify` drops (the job's progress then reads back as 0).
  */

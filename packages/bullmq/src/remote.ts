@@ -46,6 +46,7 @@ import {
   clientListText,
   dependenciesPage,
   finishedNext,
+  INTERRUPTED_WAIT,
   logRowText,
   logRowsKept,
   newJobJson,
@@ -660,7 +661,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       // Redis' marker member "0" with score 0: a job is ready now.
       return r.case === 'flag' && r.value ? { member: '0', score: 0 } : null;
     } catch (err) {
-      if (err instanceof CallAborted) return null;
+      if (err instanceof CallAborted) return INTERRUPTED_WAIT;
       throw err;
     }
   }

@@ -197,6 +197,25 @@ describeRemote('remote connection failures', () => {
     },
   );
 
+  it('a drained Worker closes at once when its connection went silent, and sends no lease once closing', async () => {
+    const link = await proxy();
+    const { through } = classes({ url: link.url });
+    const worker = new through.Worker(`q-${randomUUID()}`, async () => 'done', { connection: {} });
+    worker.on('error', () => undefined);
+    await new Promise(resolve => worker.once('drained', resolve));
+    await new Promise(resolve => setTimeout(resolve, 200));
+    const { RemoteQueueBackend } = await import('../src/remote.js');
+    const leases = vi.spyOn(RemoteQueueBackend.prototype, 'moveToActive');
+    onTestFinished(() => leases.mockRestore());
+    link.silence();
+    const started = Date.now();
+    await worker.close();
+    // Its cut wait answered that nothing is ready: no lease to wait out on
+    // the dead link (about 25 s of PINGs before).
+    expect(Date.now() - started).toBeLessThan(3_000);
+    expect(leases).not.toHaveBeenCalled();
+  }, 60_000);
+
   it('a Worker, QueueEvents and Queue close at once while their server is away', async () => {
     const port = await freePort();
     const { Queue, Worker, QueueEvents } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}` }));

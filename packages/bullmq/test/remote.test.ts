@@ -3,6 +3,7 @@ import { randomUUID } from 'node:crypto';
 import { Queue, getDefaultBackendFactory, setDefaultBackendFactory, withBackend } from 'bullmq';
 import { backendKind, until } from './helpers.js';
 import { loamBackend, RemoteQueueBackend } from '../src/index.js';
+import { INTERRUPTED_WAIT } from '../src/common.js';
 import { startLoamServer } from './remote-server.js';
 
 /** What only the remote backend has: the factory's LOAM_URL, namespaces, interrupts, stream limits. */
@@ -99,7 +100,7 @@ describeRemote('remote backend', () => {
     const waiting = backend.waitForJob(20);
     await new Promise(r => setTimeout(r, 100));
     await backend.disconnectBlocking();
-    expect(await waiting).toBeNull();
+    expect(await waiting).toEqual(INTERRUPTED_WAIT);
     expect(Date.now() - started).toBeLessThan(2_000);
 
     await backend.reconnectBlocking();
