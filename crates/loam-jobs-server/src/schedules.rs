@@ -256,8 +256,10 @@ async fn tick(jobs: &Jobs, q: &QueueId, id: &str) -> Result<Tick, JobsError> {
     if rec.next_millis > jobs.now_ms() {
         return Ok(Tick::Idle(rec.next_millis));
     }
+    // Worked out here, off the store's writer, which only applies it.
+    let step = Step::after(&rec)?;
     let id = id.to_string();
-    let advanced = jobs.admin(&q.ns, &q.name, move |tx, q| advance_past_due(tx, q, &id, &rec)).await?;
+    let advanced = jobs.admin(&q.ns, &q.name, move |tx, q| step.apply(tx, q, &id)).await?;
     // Not advanced: another caller moved it first; read it again next pass.
     Ok(if advanced.is_some() { Tick::Advanced } else { Tick::Idle(0) })
 }
@@ -267,21 +269,27 @@ fn ticking(rec: &SchedulerRecord) -> bool {
     rec.extra.contains_key(SERVER_OWNED) && !schedule::has_finished(rec)
 }
 
-/// Enqueues the tick after `rec`'s pending one, whose tick has come (see
-/// [`schedule::advance_to`]).
-fn advance_past_due(
-    tx: &mut loam_jobs::tx::Tx,
-    q: &QueueId,
-    id: &str,
-    rec: &SchedulerRecord,
-) -> Result<Option<String>, JobsError> {
-    let next = tick_after(rec, rec.next_millis)?;
-    let template: EnqueueRequest = rec
-        .extra
-        .get(TEMPLATE)
-        .and_then(|t| serde_json::from_str(t).ok())
-        .unwrap_or_else(|| EnqueueRequest { attempts: 1, ..Default::default() });
-    schedule::advance_to(tx, q, id, next, &schedule::pending_iteration_id(rec), &template)
+/// A schedule's move past its pending tick, whose time has come: the tick
+/// after it, and the job it enqueues (see [`schedule::advance_to`]).
+struct Step {
+    next: u64,
+    pending: String,
+    template: EnqueueRequest,
+}
+
+impl Step {
+    fn after(rec: &SchedulerRecord) -> Result<Self, JobsError> {
+        let template = rec
+            .extra
+            .get(TEMPLATE)
+            .and_then(|t| serde_json::from_str(t).ok())
+            .unwrap_or_else(|| EnqueueRequest { attempts: 1, ..Default::default() });
+        Ok(Self { next: tick_after(rec, rec.next_millis)?, pending: schedule::pending_iteration_id(rec), template })
+    }
+
+    fn apply(&self, tx: &mut loam_jobs::tx::Tx, q: &QueueId, id: &str) -> Result<Option<String>, JobsError> {
+        schedule::advance_to(tx, q, id, self.next, &self.pending, &self.template)
+    }
 }
 
 /// Most ticks an upsert enqueues for the ticker (see [`catch_up`]).
@@ -296,7 +304,7 @@ const CATCH_UP_ON_UPSERT: usize = 1_000;
 pub fn catch_up(tx: &mut loam_jobs::tx::Tx, q: &QueueId, id: &str, now: u64) -> Result<(), JobsError> {
     for _ in 0..CATCH_UP_ON_UPSERT {
         let Some(rec) = schedule::get(tx, q, id)? else { return Ok(()) };
-        if !ticking(&rec) || rec.next_millis > now || advance_past_due(tx, q, id, &rec)?.is_none() {
+        if !ticking(&rec) || rec.next_millis > now || Step::after(&rec)?.apply(tx, q, id)?.is_none() {
             return Ok(());
         }
     }

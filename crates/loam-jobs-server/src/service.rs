@@ -649,7 +649,7 @@ impl JobsSvc {
                     self.saw_worker(&c, queue, &w.name)
                 }
                 Op::UnregisterWorker(w) => {
-                    jobs.query(ns, queue, |_, _| Ok(()))?;
+                    Jobs::check_queue_name(ns, queue)?;
                     out.count = u64::from(self.forget_worker(ns, queue, &w.name));
                     Ok(())
                 }
@@ -840,7 +840,7 @@ impl JobsSvc {
                 }
                 Query::SchedulerCount(_) => R::Number(jobs.query(ns, queue, schedule::count)?),
                 Query::Workers(_) => {
-                    jobs.query(ns, queue, |_, _| Ok(()))?;
+                    Jobs::check_queue_name(ns, queue)?;
                     let workers = self.workers_of(ns, queue);
                     let names = workers.iter().map(|w| w.name.clone()).collect();
                     R::from(pb::NameList { names, workers, ..Default::default() })
