@@ -50,7 +50,7 @@ pub fn remove_replaced(
         detach_from_parent(tx, q, job)?;
     }
     drop_detached(tx, q, job)?;
-    tx.event(q, "removed", &[("jobId", &job.id), ("prev", removed_prev(job.state))])?;
+    removed_event(tx, q, job)?;
     Ok(())
 }
 
@@ -146,6 +146,11 @@ fn release_parent_of_purged(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result
     }
 }
 
+/// The `removed` event of `job`, with the state it left.
+fn removed_event(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<u64, JobsError> {
+    tx.event(q, "removed", &[("jobId", &job.id), ("prev", removed_prev(job.state))])
+}
+
 /// BullMQ's name of a state in `removed` events (`wait`, not `waiting`).
 fn removed_prev(state: JobState) -> &'static str {
     match state {
@@ -220,7 +225,7 @@ pub fn remove_job(tx: &mut Tx, q: &QueueId, id: &str, remove_children: bool) -> 
 fn remove_tree(tx: &mut Tx, q: &QueueId, job: JobRecord, remove_children: bool) -> Result<(), JobsError> {
     let children = if remove_children { children(tx, q, &job.id)? } else { Vec::new() };
     drop_job(tx, q, &job)?;
-    tx.event(q, "removed", &[("jobId", &job.id), ("prev", removed_prev(job.state))])?;
+    removed_event(tx, q, &job)?;
     remove_descendants_of(tx, children)
 }
 
@@ -234,7 +239,7 @@ fn remove_descendants_of(tx: &mut Tx, mut children: Vec<(QueueId, Dependency)>) 
         if let Some(child) = tx.load_job(&cq, &dep.child_id)? {
             let grandchildren = self::children(tx, &cq, &child.id)?;
             drop_detached(tx, &cq, &child)?;
-            tx.event(&cq, "removed", &[("jobId", &child.id), ("prev", removed_prev(child.state))])?;
+            removed_event(tx, &cq, &child)?;
             children.extend(grandchildren.into_iter().rev());
         }
     }
@@ -246,23 +251,22 @@ fn remove_descendants_of(tx: &mut Tx, mut children: Vec<(QueueId, Dependency)>) 
 /// job and what is under it. A leased job below a child that goes stays,
 /// without that parent (its end then finds none to tell).
 pub fn remove_unprocessed_children(tx: &mut Tx, q: &QueueId, id: &str) -> Result<(), JobsError> {
-    for child in unprocessed_children(tx, q, id)? {
-        // Each child's pending descendants go before it, each after its own
-        // (a list, not recursion: a tree may be deep).
-        let mut order = Vec::new();
-        let mut pending = vec![child];
+    for (cq, child) in unprocessed_children(tx, q, id)? {
+        // Its pending descendants go before it, each after its own (a list,
+        // not recursion: a tree may be deep).
+        let mut below = Vec::new();
+        let mut pending = unprocessed_children(tx, &cq, &child.id)?;
         while let Some((jq, job)) = pending.pop() {
             pending.extend(unprocessed_children(tx, &jq, &job.id)?);
-            order.push((jq, job));
+            below.push((jq, job));
         }
-        let Some((cq, child)) = order.first().cloned() else { continue };
-        for (jq, job) in order.into_iter().skip(1).rev() {
+        for (jq, job) in below.into_iter().rev() {
             // Its parent goes too: unlinking it would release that parent.
             drop_detached(tx, &jq, &job)?;
-            tx.event(&jq, "removed", &[("jobId", &job.id), ("prev", removed_prev(job.state))])?;
+            removed_event(tx, &jq, &job)?;
         }
         drop_job(tx, &cq, &child)?;
-        tx.event(&cq, "removed", &[("jobId", &child.id), ("prev", removed_prev(child.state))])?;
+        removed_event(tx, &cq, &child)?;
     }
     Ok(())
 }
