@@ -99,6 +99,9 @@ for (const [signal, code] of [['SIGINT', 130], ['SIGTERM', 143], ['SIGHUP', 129]
 }
 process.stdout.on('error', (e) => process.exit(e.code === 'EPIPE' ? 141 : 1));
 
+/** Stops a server the bench started and removes its data directory, once (see `undoOnExit`). */
+const stopOnExit = (child, dir) => undoOnExit(() => (child.kill('SIGTERM'), rmSync(dir, { recursive: true, force: true })));
+
 function freePort() {
   return new Promise((resolve, reject) => {
     const srv = createServer();
@@ -123,7 +126,7 @@ async function startRedis() {
   const child = spawn('redis-server', ['--port', String(port), '--bind', '127.0.0.1', '--dir', dir, '--save', '', '--appendonly', 'no'], {
     stdio: ['ignore', 'pipe', 'inherit'],
   });
-  const stop = undoOnExit(() => (child.kill('SIGTERM'), rmSync(dir, { recursive: true, force: true })));
+  const stop = stopOnExit(child, dir);
   await new Promise((resolve, reject) => {
     const timer = setTimeout(() => reject(new Error('redis-server did not start')), 10000);
     child.stdout.on('data', (d) => {
@@ -145,7 +148,7 @@ async function startLoamServer() {
     stdio: ['ignore', 'pipe', 'pipe'],
     env: { ...process.env, NO_COLOR: '1' },
   });
-  const stop = undoOnExit(() => (child.kill('SIGTERM'), rmSync(dir, { recursive: true, force: true })));
+  const stop = stopOnExit(child, dir);
   await new Promise((resolve, reject) => {
     const timer = setTimeout(() => reject(new Error('loam-jobs serve did not start')), 30000);
     const ready = (d) => {

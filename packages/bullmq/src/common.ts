@@ -285,7 +285,7 @@ export function progressText(progress: unknown): string {
 
 /** A log row as Redis keeps it: ioredis sends whatever it is given as its string. */
 export function logRowText(row: unknown): string {
-  return typeof row === 'string' ? row : String(row);
+  return String(row);
 }
 
 /**
