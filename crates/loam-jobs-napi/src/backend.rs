@@ -195,8 +195,13 @@ fn json<T: serde::Serialize>(value: &T) -> String {
     serde_json::to_string(value).unwrap_or_else(|_| "null".into())
 }
 
-fn parse<'a, T: Deserialize<'a>>(what: &str, text: &'a str) -> Result<T> {
-    serde_json::from_str(text).map_err(|e| invalid(format!("{what} is not valid JSON of the expected shape: {e}")))
+fn parse<T: serde::de::DeserializeOwned>(what: &str, text: &str) -> Result<T> {
+    serde_json::from_str(text)
+        .or_else(|e| match convert::without_lone_surrogates(text) {
+            Some(fixed) => serde_json::from_str(&fixed),
+            None => Err(e),
+        })
+        .map_err(|e| invalid(format!("{what} is not valid JSON of the expected shape: {e}")))
 }
 
 /// A lease expiring, a job gone or not active: `extendLock` reports these as
@@ -217,7 +222,9 @@ pub struct LoamQueue {
     settings: Arc<WorkerSettings>,
     /// Siblings made by `forQueue` share their creator's store use.
     owns_store: bool,
-    released: AtomicBool,
+    /// Closed: its calls are refused, as Redis refuses a closed connection's,
+    /// though another backend of the process keeps the store open.
+    closed: AtomicBool,
     /// Cuts `waitForJob` short (BullMQ's `disconnectBlocking`).
     blocking: Interrupt,
     /// Cuts `readEvents` short (`disconnect` / `close` of a QueueEvents).
@@ -226,6 +233,9 @@ pub struct LoamQueue {
 
 impl LoamQueue {
     fn jobs(&self) -> Result<Jobs> {
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(napi::Error::from_reason("[loam:unavailable] the backend is closed"));
+        }
         self.store.jobs()
     }
 
@@ -306,6 +316,8 @@ impl LoamQueue {
             remove_on_complete: self.settings.remove_on_complete,
             remove_on_fail: self.settings.remove_on_fail,
             metrics_max_points: self.settings.metrics_max_points,
+            // In-process, an answer is never lost on its way.
+            idempotency: None,
         }
     }
 
@@ -317,7 +329,7 @@ impl LoamQueue {
             prefix,
             settings: Arc::clone(&self.settings),
             owns_store: false,
-            released: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             blocking: Interrupt::new(),
             events: Interrupt::new(),
         }
@@ -338,15 +350,24 @@ impl LoamQueue {
                 return Err(invalid(format!("unknown durability {other:?}: use \"immediate\" or \"relaxed\"")));
             }
         };
+        let ns = o.namespace.clone().unwrap_or_else(|| "default".into());
+        // Refused here, as the Queue or Worker is made: a Worker refused by each
+        // fetch instead asked again at once, in microtasks only, and starved
+        // the event loop for good (or, for its name, raised thousands of errors
+        // a second). A FlowProducer has no queue of its own ("").
+        let names = if o.queue.is_empty() { Jobs::check_namespace(&ns) } else { Jobs::check_queue_name(&ns, &o.queue) };
+        names
+            .and_then(|()| o.name.as_deref().map_or(Ok(()), lease::check_worker_name))
+            .map_err(|e| Op::new("open").error(e))?;
         let store = store::acquire(std::path::Path::new(&o.data_dir), OpenOptions { durability })?;
         Ok(LoamQueue {
             store,
-            ns: o.namespace.clone().unwrap_or_else(|| "default".into()),
+            ns,
             queue: o.queue.clone(),
             prefix: o.prefix.clone().unwrap_or_else(|| "bull".into()),
             settings: Arc::new(WorkerSettings::from_options(&o)),
             owns_store: true,
-            released: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             blocking: Interrupt::new(),
             events: Interrupt::new(),
         })
@@ -378,7 +399,7 @@ impl LoamQueue {
     pub async fn close(&self) -> Result<()> {
         self.blocking.fire();
         self.events.fire();
-        if self.owns_store && !self.released.swap(true, Ordering::SeqCst) {
+        if !self.closed.swap(true, Ordering::SeqCst) && self.owns_store {
             store::release(&self.store);
         }
         Ok(())

@@ -497,6 +497,44 @@ impl From<Event> for StreamEntry {
     }
 }
 
+/// `text` (JSON) with each escaped lone UTF-16 surrogate replaced by U+FFFD,
+/// or None if it has none. `JSON.stringify` writes a string cut inside a
+/// surrogate pair (an emoji cut short) with such an escape, which serde
+/// refuses; Redis stores that text with U+FFFD in its place, and so does
+/// this (a processor's error message cut so was refused, and its job's
+/// failure lost).
+pub fn without_lone_surrogates(text: &str) -> Option<String> {
+    let unit = |at: usize| {
+        let hex = text.get(at..at + 6)?.strip_prefix("\\u")?;
+        u16::from_str_radix(hex, 16).ok()
+    };
+    let (mut out, mut copied, mut fixed, mut i) = (String::with_capacity(text.len()), 0, false, 0);
+    let bytes = text.as_bytes();
+    while i < bytes.len() {
+        if bytes[i] != b'\\' {
+            i += 1;
+            continue;
+        }
+        let Some(first) = unit(i) else {
+            i += 2; // an escaped character: `\\`, `\"`, ...
+            continue;
+        };
+        let paired = (0xD800..0xDC00).contains(&first) && unit(i + 6).is_some_and(|u| (0xDC00..0xE000).contains(&u));
+        if paired {
+            i += 12;
+        } else if (0xD800..0xE000).contains(&first) {
+            out.push_str(&text[copied..i]);
+            out.push_str("\\ufffd");
+            i += 6;
+            copied = i;
+            fixed = true;
+        } else {
+            i += 6;
+        }
+    }
+    fixed.then(|| out + &text[copied..])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -560,5 +598,18 @@ mod tests {
         let e = Event { seq: 7, ts: 100, name: "completed".into(), fields: vec![("jobId".into(), "1".into())] };
         let json = serde_json::to_string(&StreamEntry::from(e)).unwrap();
         assert_eq!(json, r#"["100-7",["event","completed","jobId","1"]]"#);
+    }
+
+    #[test]
+    fn lone_surrogate_escapes_become_the_replacement_character() {
+        let fixed = |t: &str| super::without_lone_surrogates(t);
+        assert_eq!(
+            fixed(r#"{"a":"Zo\u00eb \ud83d","b":"\ude00x"}"#).as_deref(),
+            Some(r#"{"a":"Zo\u00eb \ufffd","b":"\ufffdx"}"#)
+        );
+        // A pair, an escaped backslash before `u`, and plain text stay.
+        assert_eq!(fixed(r#"{"a":"\ud83d\ude00","b":"\\ud83d","c":"é\n"}"#), None);
+        let text = fixed(r#"["\ud83d"]"#).unwrap();
+        assert_eq!(serde_json::from_str::<Vec<String>>(&text).unwrap(), ["\u{fffd}"]);
     }
 }

@@ -27,6 +27,9 @@ struct Args {
     /// Concurrent callers in the concurrent phases.
     #[arg(long, default_value_t = 100)]
     concurrency: usize,
+    /// Completions carry an idempotency key, as the BullMQ remote client's do.
+    #[arg(long)]
+    keyed: bool,
 }
 
 type Client = pb::JobsServiceClient<HttpClient>;
@@ -70,13 +73,20 @@ fn job(queue: &str) -> pb::EnqueueRequest {
     }
 }
 
+/// Tells this worker's keys apart from every other's.
+fn rand_suffix() -> String {
+    use std::hash::{BuildHasher, RandomState};
+    format!("{:x}", RandomState::new().hash_one(Instant::now()))
+}
+
 fn success() -> pb::Outcome {
     pb::Outcome { kind: Some(oneof::outcome::Kind::from(pb::outcome::Success::default())), ..Default::default() }
 }
 
 /// Leases one job at a time and completes it, taking the next in the same call.
-async fn worker(c: Arc<Client>, queue: String, until_empty: bool) -> usize {
+async fn worker(c: Arc<Client>, queue: String, until_empty: bool, keyed: bool) -> usize {
     let mut done = 0;
+    let key_prefix = format!("rpc-cost:{}:", rand_suffix());
     let mut next: Option<pb::Leased> = None;
     loop {
         let leased = match next.take() {
@@ -99,6 +109,13 @@ async fn worker(c: Arc<Client>, queue: String, until_empty: bool) -> usize {
             outcome: success().into(),
             options: pb::CompleteOptions {
                 fetch_next: pb::LeaseOptions { max: 1, ..Default::default() }.into(),
+                idempotency: keyed
+                    .then(|| pb::Idempotency {
+                        key: format!("{key_prefix}{done}"),
+                        ttl_ms: Some(95_000),
+                        ..Default::default()
+                    })
+                    .into(),
                 ..Default::default()
             }
             .into(),
@@ -135,7 +152,7 @@ async fn main() {
     })
     .await;
     phase(&args, "Lease + Complete(fetch_next), one caller", n, || async {
-        let done = worker(Arc::clone(&client), format!("{run}-seq"), true).await;
+        let done = worker(Arc::clone(&client), format!("{run}-seq"), true, args.keyed).await;
         assert_eq!(done, n);
     })
     .await;
@@ -149,8 +166,9 @@ async fn main() {
     .await;
     let conc = args.concurrency;
     phase(&args, &format!("processing at concurrency {conc} (jobs)"), (n / 100) * 100, || async {
-        let tasks: Vec<_> =
-            (0..conc).map(|_| tokio::spawn(worker(Arc::clone(&client), format!("{run}-conc"), true))).collect();
+        let tasks: Vec<_> = (0..conc)
+            .map(|_| tokio::spawn(worker(Arc::clone(&client), format!("{run}-conc"), true, args.keyed)))
+            .collect();
         let mut total = 0;
         for t in tasks {
             total += t.await.unwrap();

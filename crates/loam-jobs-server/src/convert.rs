@@ -165,7 +165,7 @@ pub fn job_spec(j: pb::JobSpec) -> Res<EnqueueRequest> {
         opts: j.opts,
         headers: j.headers.into_iter().collect(),
         job_id: j.job_id,
-        idempotency: j.idempotency.into_option().map(|i| Idempotency { key: i.key, ttl_ms: i.ttl_ms }),
+        idempotency: idempotency(j.idempotency.into_option()),
         dedup: j.dedup.into_option().map(dedup_from),
         delay_ms: j.delay_ms,
         priority: j.priority,
@@ -327,6 +327,10 @@ pub fn outcome(o: Option<pb::Outcome>) -> Res<Outcome> {
     })
 }
 
+pub fn idempotency(i: Option<pb::Idempotency>) -> Option<Idempotency> {
+    i.map(|i| Idempotency { key: i.key, ttl_ms: i.ttl_ms })
+}
+
 pub fn complete_options(o: Option<pb::CompleteOptions>) -> Res<CompleteOptions> {
     let Some(o) = o else { return Ok(CompleteOptions::default()) };
     Ok(CompleteOptions {
@@ -334,6 +338,7 @@ pub fn complete_options(o: Option<pb::CompleteOptions>) -> Res<CompleteOptions> 
         remove_on_complete: opt_retention(o.remove_on_complete.into_option())?,
         remove_on_fail: opt_retention(o.remove_on_fail.into_option())?,
         metrics_max_points: o.metrics_max_points,
+        idempotency: idempotency(o.idempotency.into_option()),
     })
 }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use buffa::view::HasMessageView;
 use connectrpc::{ConnectError, InboundStream, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
-use loam_jobs::ops::{admin, enqueue, lease, query, results, schedule};
+use loam_jobs::ops::{admin, idempotency, lease, query, results, schedule};
 use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, Outcome, QueueId};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
@@ -397,6 +397,14 @@ impl JobsSvc {
         })?;
         // A retry with no attempts left failed its job: counted as one.
         let name = if done.state == Some(JobState::Failed) { "fail" } else { name };
+        if done.replayed {
+            // Counted when it was done.
+            return Ok(pb::CompleteResponse {
+                completed: convert::completed(&done).into(),
+                rate_limit_ttl_ms: ttl,
+                ..Default::default()
+            });
+        }
         self.metrics.completed(&c.ns, &req.queue, name);
         if let Some(attempt) = &done.attempt {
             self.metrics.ran(&c.ns, &req.queue, attempt);
@@ -415,13 +423,14 @@ impl JobsSvc {
         use oneof::report_request::Report;
         let fence = convert::fence(req.fence.into_option()).map_err(core_err)?;
         let (ns, queue, id) = (&c.ns, &req.queue, &req.job_id);
-        let result = match req.report {
-            Some(Report::Progress(p)) => c.jobs.update_progress(ns, queue, id, fence, p).await.map(|_| 0),
-            Some(Report::Log(l)) => c.jobs.add_log(ns, queue, id, fence, l.row, l.keep).await,
-            Some(Report::Data(d)) => c.jobs.update_data(ns, queue, id, fence, d).await.map(|_| 0),
+        let report = match req.report {
+            Some(Report::Progress(p)) => loam_jobs::Report::Progress(p),
+            Some(Report::Log(l)) => loam_jobs::Report::Log { row: l.row, keep: l.keep },
+            Some(Report::Data(d)) => loam_jobs::Report::Data(d),
             None => return Err(invalid("a report (progress, log or data) is required")),
         };
-        let log_count = result.map_err(|e| {
+        let idempotency = convert::idempotency(req.idempotency.into_option());
+        let log_count = c.jobs.report(ns, queue, id, fence, report, idempotency).await.map_err(|e| {
             self.count_fenced(ns, queue, &e);
             core_err(e)
         })?;
@@ -1263,10 +1272,8 @@ type Purge = fn(&mut loam_jobs::tx::Tx, usize) -> Result<u64, JobsError>;
 pub async fn purge_expired(jobs: Jobs, stop: Interrupt) {
     const EVERY: Duration = Duration::from_secs(30);
     const PER_WRITE: usize = 10_000;
-    let purges: [(&str, Purge); 2] = [
-        ("expired results", results::purge_expired),
-        ("expired idempotency records", enqueue::purge_expired_idempotency),
-    ];
+    let purges: [(&str, Purge); 2] =
+        [("expired results", results::purge_expired), ("expired idempotency records", idempotency::purge_expired)];
     while !stop.is_fired() {
         for (what, purge) in purges {
             purge_due(&jobs, what, purge, PER_WRITE, &stop).await;
@@ -1349,8 +1356,8 @@ mod tests {
         }
         clock.advance(2_000);
         let stop = Interrupt::new();
-        let purged = purge_due(&jobs, "records", enqueue::purge_expired_idempotency, 3, &stop).await;
+        let purged = purge_due(&jobs, "records", idempotency::purge_expired, 3, &stop).await;
         assert_eq!(purged, 10, "writes of 3 until one found fewer");
-        assert_eq!(purge_due(&jobs, "records", enqueue::purge_expired_idempotency, 3, &stop).await, 0);
+        assert_eq!(purge_due(&jobs, "records", idempotency::purge_expired, 3, &stop).await, 0);
     }
 }

@@ -329,8 +329,13 @@ impl Jobs {
         Self::queue(ns, queue).map(|_| ())
     }
 
+    /// Refuses a namespace the core cannot hold (empty, over 128 bytes).
+    pub fn check_namespace(ns: &str) -> Result<(), JobsError> {
+        validate_name("namespace", ns, 128)
+    }
+
     fn queue(ns: &str, queue: &str) -> Result<QueueId, JobsError> {
-        validate_name("namespace", ns, 128)?;
+        Self::check_namespace(ns)?;
         validate_name("queue name", queue, enqueue::MAX_NAME_BYTES)?;
         Ok(QueueId::new(ns, queue))
     }
@@ -711,27 +716,20 @@ impl Jobs {
 
     // ---- reporting -------------------------------------------------------
 
-    pub fn update_progress(&self, ns: &str, queue: &str, id: &str, fence: Fence, progress: String) -> Pending<()> {
-        let id = id.to_string();
-        self.job_write(ns, queue, true, move |tx, q| admin::update_progress(tx, q, &id, &fence, progress.clone()))
-    }
-
-    pub fn add_log(
+    /// A worker's report on the job it holds (see [`admin::report`]).
+    pub fn report(
         &self,
         ns: &str,
         queue: &str,
         id: &str,
         fence: Fence,
-        row: String,
-        keep: Option<u64>,
+        report: Report,
+        idempotency: Option<Idempotency>,
     ) -> Pending<u64> {
         let id = id.to_string();
-        self.job_write(ns, queue, true, move |tx, q| admin::add_log(tx, q, &id, &fence, row.clone(), keep))
-    }
-
-    pub fn update_data(&self, ns: &str, queue: &str, id: &str, fence: Fence, data: Vec<u8>) -> Pending<()> {
-        let id = id.to_string();
-        self.job_write(ns, queue, true, move |tx, q| admin::update_data(tx, q, &id, &fence, data.clone()))
+        self.job_write(ns, queue, true, move |tx, q| {
+            admin::report(tx, q, &id, &fence, report.clone(), idempotency.as_ref())
+        })
     }
 
     // ---- maintenance -----------------------------------------------------

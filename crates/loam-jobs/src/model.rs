@@ -215,6 +215,10 @@ pub struct Lock {
     pub deadline: u64,
     /// The lease duration it was taken or last extended with.
     pub duration_ms: u64,
+    /// The idempotency key of the completion that took this lease for its
+    /// next job (fetch_next): sent again, that completion finds it by it.
+    #[serde(default)]
+    pub taken_by: Option<String>,
 }
 
 /// The stored job.
@@ -287,6 +291,10 @@ pub struct JobRecord {
     /// its counts in those fields until its next child moves them out.
     #[serde(default)]
     pub children_counted: bool,
+    /// The idempotency key of the completion that ended its last lease, until
+    /// it is leased again: that completion, sent again, is recognized by it.
+    #[serde(default)]
+    pub ended_by: Option<String>,
 }
 
 impl JobRecord {
@@ -599,8 +607,13 @@ pub struct LimiterWindow {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IdempotencyRecord {
     pub request_hash: u64,
+    /// The job the call made (an add) or was about.
     pub job_id: String,
     pub expires_at: u64,
+    /// For a report: the log lines it kept, its answer. None for an add
+    /// (its answer is its job), and in records written before reports were keyed.
+    #[serde(default)]
+    pub log_count: Option<u64>,
 }
 
 /// A job scheduler (BullMQ's `upsertJobScheduler`, design 26 section 8.1).
@@ -696,8 +709,20 @@ pub struct Enqueued {
     pub deduplicated_by: Option<String>,
 }
 
+/// What a worker reports about the job it holds.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Report {
+    /// JSON text; emits `progress`.
+    Progress(String),
+    /// A log line; the newest `keep` are kept (else the job's `keep_logs`,
+    /// else the core's cap).
+    Log { row: String, keep: Option<u64> },
+    /// The job's new payload.
+    Data(Vec<u8>),
+}
+
 /// A fencing proof for a write to a leased job.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Fence {
     /// The lease epoch handed out by `lease`.
     Epoch(u64),
@@ -813,6 +838,9 @@ pub struct CompleteOptions {
     pub remove_on_fail: Option<Retention>,
     /// Keep per-minute metrics with this many data points (BullMQ's `metrics.maxDataPoints`).
     pub metrics_max_points: Option<u64>,
+    /// Sent again under this key, the completion answers what it first did
+    /// (see `complete::complete`); only the key is used, not its ttl.
+    pub idempotency: Option<Idempotency>,
 }
 
 /// BullMQ's per-minute counters of completed or failed jobs.
@@ -833,7 +861,7 @@ pub struct MetricsRecord {
 /// a point for every minute in between.
 pub const MAX_METRICS_POINTS: u64 = 1 << 17;
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Completed {
     pub state: Option<JobState>,
     pub finished_on: Option<u64>,
@@ -844,6 +872,9 @@ pub struct Completed {
     /// The attempt this outcome ended (completed, failed or to be retried):
     /// for run-time metrics by task.
     pub attempt: Option<AttemptRun>,
+    /// The completion was made before under its idempotency key: this is
+    /// that first answer, and nothing was done now.
+    pub replayed: bool,
 }
 
 /// One attempt of a job, from its lease to its outcome.

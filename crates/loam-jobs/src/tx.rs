@@ -229,9 +229,12 @@ impl<'a> Tx<'a> {
 
     /// A numeric field of the meta hash (BullMQ writes some as floats); a
     /// negative one reads as 0.
+    /// A whole number in the queue's meta. Anything else (`-1`, `1.5`, `NaN`)
+    /// reads as unset, so the default holds: read as 0, a `maxLenEvents` of
+    /// -1 trimmed every event as it was written.
     pub fn meta_u64(&mut self, q: &QueueId, field: &str) -> Result<Option<u64>, JobsError> {
         let value = self.loaded_meta(q)?.get(field);
-        Ok(value.and_then(|v| v.trim().parse::<f64>().ok()).map(|f| f.max(0.0) as u64))
+        Ok(value.and_then(|v| v.trim().parse::<f64>().ok()).filter(|f| *f >= 0.0 && f.fract() == 0.0).map(|f| f as u64))
     }
 
     pub fn is_paused(&mut self, q: &QueueId) -> Result<bool, JobsError> {

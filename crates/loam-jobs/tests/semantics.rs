@@ -587,6 +587,22 @@ fn event_log_is_trimmed_to_its_length() {
     assert_eq!(kept.last().map(|e| e.seq), Some(20));
 }
 
+/// A length that is not a whole number (BullMQ's `streams.events.maxLen` of
+/// -1, 1.5) leaves the default, as an unset one does: read as 0, it trimmed
+/// every event as it was written, and no QueueEvents saw any.
+#[test]
+fn an_event_log_length_that_is_not_a_whole_number_keeps_the_default() {
+    for length in ["-1", "1.5", "NaN", "inf"] {
+        let (jobs, _) = core();
+        jobs.set_meta("ns", "q", BTreeMap::from([("opts.maxLenEvents".to_string(), length.to_string())]))
+            .wait()
+            .unwrap();
+        jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+        let kept = jobs.read_events_blocking("ns", "q", Some(0), 100, Duration::ZERO).unwrap();
+        assert_eq!(kept.len(), 2, "{length}: added and waiting");
+    }
+}
+
 #[test]
 fn event_pages_read_in_order_across_trims_and_limits() {
     let (jobs, _) = core();
@@ -711,7 +727,7 @@ fn expired_idempotency_records_are_purged_and_live_ones_kept() {
         idempotency: Some(Idempotency { key: key.into(), ttl_ms: Some(ttl_ms) }),
         ..job("a")
     };
-    let purge = || jobs.write("", true, |tx| loam_jobs::ops::enqueue::purge_expired_idempotency(tx, 100)).wait();
+    let purge = || jobs.write("", true, |tx| loam_jobs::ops::idempotency::purge_expired(tx, 100)).wait();
     jobs.enqueue("ns", "q", keyed("short", 1_000)).wait().unwrap();
     jobs.enqueue("ns", "q", keyed("long", 60_000)).wait().unwrap();
     jobs.enqueue("ns", "q", keyed("reused", 1_000)).wait().unwrap();
@@ -725,6 +741,90 @@ fn expired_idempotency_records_are_purged_and_live_ones_kept() {
     clock.advance(120_000);
     assert_eq!(purge().unwrap(), 2);
     assert_eq!(purge().unwrap(), 0, "each record is purged once");
+}
+
+/// A remote worker whose connection was cut while its completion was on its
+/// way sends it again under the same key: the job is not completed twice,
+/// and the next job the first one leased is handed over again, not left to
+/// stall until its lock lapses. Whether or not retention removed the job.
+#[test]
+fn a_completion_made_again_under_its_key_gives_its_first_answer() {
+    for removed in [false, true] {
+        let (jobs, clock) = core();
+        let retention = removed.then_some(Retention::RemoveImmediately);
+        for name in ["a", "b"] {
+            jobs.enqueue("ns", "q", EnqueueRequest { remove_on_complete: retention, ..job(name) }).wait().unwrap();
+        }
+        let a = lease_one(&jobs, "q").unwrap();
+        let keyed = |key: Option<&str>| CompleteOptions {
+            fetch_next: Some(LeaseRequest { max: 1, token: "w".into(), lock_duration_ms: 5_000, ..Default::default() }),
+            idempotency: key.map(|key| Idempotency { key: key.into(), ttl_ms: None }),
+            ..Default::default()
+        };
+        let complete_a = |key| {
+            jobs.complete("ns", "q", &a.job.id, Fence::Token("w".into()), Outcome::Ok { result: None }, keyed(key))
+                .wait()
+        };
+        let first = complete_a(Some("k1")).unwrap();
+        let b = first.next.as_ref().and_then(|n| n.leases.first()).cloned().unwrap();
+        assert_eq!((b.job.name.as_str(), first.replayed), ("b", false));
+
+        let again = complete_a(Some("k1")).unwrap();
+        assert!(again.replayed && again.attempt.is_none());
+        // The job removed, its state and finish time are gone with it.
+        let first_state = if removed { (None, None) } else { (first.state, first.finished_on) };
+        assert_eq!((again.state, again.finished_on), first_state);
+        let b_again = again.next.and_then(|n| n.leases.into_iter().next()).unwrap();
+        assert_eq!((b_again.job.id, b_again.epoch, b_again.token), (b.job.id.clone(), b.epoch, b.token.clone()));
+        assert_eq!(event_names(&jobs, "q").iter().filter(|n| *n == "completed").count(), 1, "completed once");
+        assert_eq!(jobs.counts("ns", "q", &[JobState::Active]).unwrap(), vec![1]);
+
+        // Another key, or none, is another completion: the lease is gone.
+        for key in [Some("k2"), None] {
+            let refused = complete_a(key).unwrap_err();
+            assert!(matches!(refused, JobsError::Fenced { .. } | JobsError::NotFound(_)), "{refused:?}");
+        }
+        // Once `b`'s lease lapsed and it was reclaimed, the answer leaves it
+        // out; with `a` removed too, nothing is left to recognize it by.
+        clock.advance(10_000);
+        assert_eq!(jobs.sweep_stalled("ns", "q").wait().unwrap(), std::slice::from_ref(&b.job.id));
+        let late = complete_a(Some("k1"));
+        if removed {
+            assert!(matches!(late, Err(JobsError::NotFound(Missing::Job(_)))));
+        } else {
+            assert!(late.unwrap().next.is_some_and(|n| n.leases.is_empty()));
+        }
+        if !removed {
+            // Run again and leased by another worker, `a` no longer answers to the key.
+            jobs.admin("ns", "q", |tx, q| admin::retry_finished(tx, q, "1", JobState::Completed, false, false))
+                .wait()
+                .unwrap();
+            let other = LeaseRequest { max: 2, token: "w2".into(), ..Default::default() };
+            assert!(jobs.lease("ns", "q", other).wait().unwrap().leases.iter().any(|l| l.job.id == "1"));
+            assert!(matches!(complete_a(Some("k1")), Err(JobsError::Fenced { .. })));
+        }
+    }
+}
+
+/// A report sent again under its key is not made again: one log line, one
+/// progress event.
+#[test]
+fn a_report_made_again_under_its_key_is_made_once() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    let key = |k: &str| Some(Idempotency { key: k.into(), ttl_ms: None });
+    let report = |r: Report, k: &str| jobs.report("ns", "q", "1", Fence::Epoch(l.epoch), r, key(k)).wait();
+    let line = || Report::Log { row: "once".into(), keep: None };
+    assert_eq!((report(line(), "log").unwrap(), report(line(), "log").unwrap()), (1, 1));
+    assert_eq!(report(line(), "log 2").unwrap(), 2, "another key is another line");
+    let (lines, _) = jobs.query("ns", "q", |tx, q| query::logs(tx, q, "1", 0, -1, true)).unwrap();
+    assert_eq!(lines, ["once", "once"]);
+    for _ in 0..2 {
+        report(Report::Progress("50".into()), "progress").unwrap();
+    }
+    assert_eq!(event_names(&jobs, "q").iter().filter(|n| *n == "progress").count(), 1);
+    assert!(matches!(report(Report::Progress("60".into()), "progress"), Err(JobsError::IdempotencyConflict { .. })));
 }
 
 #[test]
@@ -939,13 +1039,14 @@ fn logs_are_capped_and_progress_is_an_event() {
     jobs.enqueue("ns", "q", EnqueueRequest { keep_logs: Some(3), ..job("a") }).wait().unwrap();
     let l = lease_one(&jobs, "q").unwrap();
     for i in 0..5 {
-        jobs.add_log("ns", "q", "1", Fence::Epoch(l.epoch), format!("line {i}"), None).wait().unwrap();
+        let line = Report::Log { row: format!("line {i}"), keep: None };
+        jobs.report("ns", "q", "1", Fence::Epoch(l.epoch), line, None).wait().unwrap();
     }
     let (lines, count) = jobs.query("ns", "q", |tx, q| query::logs(tx, q, "1", 0, -1, true)).unwrap();
     assert_eq!((lines, count), (vec!["line 2".to_string(), "line 3".into(), "line 4".into()], 3));
-    jobs.update_progress("ns", "q", "1", Fence::Epoch(l.epoch), "50".into()).wait().unwrap();
+    jobs.report("ns", "q", "1", Fence::Epoch(l.epoch), Report::Progress("50".into()), None).wait().unwrap();
     assert!(events(&jobs, "q").iter().any(|(n, f)| n == "progress" && f.contains(&("data".into(), "50".into()))));
-    let stale = jobs.update_progress("ns", "q", "1", Fence::Epoch(l.epoch + 1), "60".into()).wait();
+    let stale = jobs.report("ns", "q", "1", Fence::Epoch(l.epoch + 1), Report::Progress("60".into()), None).wait();
     assert!(matches!(stale, Err(JobsError::Fenced { .. })));
 }
 
@@ -2160,8 +2261,12 @@ fn stale_leases_are_fenced_on_every_write() {
             assert!(matches!(r, Err(JobsError::Fenced { .. })), "{o:?} {r:?}");
         }
         assert!(jobs.extend("ns", "q", &id, stale.clone(), 1000).wait().is_err());
-        assert!(jobs.update_progress("ns", "q", &id, stale.clone(), "1".into()).wait().is_err());
-        assert!(jobs.add_log("ns", "q", &id, stale.clone(), "x".into(), None).wait().is_err());
+        assert!(jobs.report("ns", "q", &id, stale.clone(), Report::Progress("1".into()), None).wait().is_err());
+        assert!(
+            jobs.report("ns", "q", &id, stale.clone(), Report::Log { row: "x".into(), keep: None }, None)
+                .wait()
+                .is_err()
+        );
         assert_eq!(
             jobs.extend_many("ns", "q", vec![(id.clone(), stale.clone())], 1000).wait().unwrap(),
             std::slice::from_ref(&id)
@@ -2172,7 +2277,7 @@ fn stale_leases_are_fenced_on_every_write() {
         let r = jobs.complete("ns", "q", &id, f.clone(), Outcome::Ok { result: None }, CompleteOptions::default());
         assert!(r.wait().is_err());
         assert!(jobs.extend("ns", "q", &id, f.clone(), 1000).wait().is_err());
-        assert!(jobs.update_progress("ns", "q", &id, f, "1".into()).wait().is_err());
+        assert!(jobs.report("ns", "q", &id, f, Report::Progress("1".into()), None).wait().is_err());
     }
     let j = jobs.get_job("ns", "q", &id).unwrap().unwrap();
     assert_eq!((j.state, j.attempts_made), (JobState::Completed, 1));

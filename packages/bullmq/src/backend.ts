@@ -39,6 +39,7 @@ import {
   INTERRUPTED_WAIT,
   holdName,
   logRowText,
+  keptCount,
   logRowsKept,
   namedClients,
   newJobJson,
@@ -145,7 +146,10 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
         this.isReady = true;
         this.emit('ready');
       },
-      (err) => reportBackgroundError(this, err),
+      // Closed before it was ready, it is not an error that it never was.
+      (err) => {
+        if (!this.closing) reportBackgroundError(this, err);
+      },
     );
   }
 
@@ -375,12 +379,13 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     return this.native.updateProgress(Date.now(), String(jobId), progressText(progress));
   }
 
-  addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
+  async addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
     return this.native.addLog(Date.now(), String(jobId), logRowText(logRow), logRowsKept(keepLogs));
   }
 
-  clearLogs(jobId: string, keepLogs?: number): Promise<void> {
-    return this.native.clearLogs(Date.now(), String(jobId), keepLogs);
+  async clearLogs(jobId: string, keepLogs?: number): Promise<void> {
+    const keep = keepLogs === undefined ? undefined : keptCount(keepLogs, 'keepLogs');
+    return this.native.clearLogs(Date.now(), String(jobId), keep);
   }
 
   // ---- queue admin ---------------------------------------------------------------------
@@ -574,12 +579,12 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     return [[this.toKey('events'), JSON.parse(entries)]] as unknown as StreamReadRaw;
   }
 
-  publishEvent(fields: Record<string, string | number>, maxEvents: number): Promise<string> {
-    return this.native.publishEvent(Date.now(), JSON.stringify(fields), maxEvents);
+  async publishEvent(fields: Record<string, string | number>, maxEvents: number): Promise<string> {
+    return this.native.publishEvent(Date.now(), JSON.stringify(fields), keptCount(maxEvents, 'maxEvents'));
   }
 
-  trimEvents(maxLength: number): Promise<number> {
-    return this.native.trimEvents(Date.now(), maxLength);
+  async trimEvents(maxLength: number): Promise<number> {
+    return this.native.trimEvents(Date.now(), keptCount(maxLength, 'maxLength'));
   }
 
   // ---- job schedulers -----------------------------------------------------------------------------

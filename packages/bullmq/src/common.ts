@@ -4,6 +4,7 @@
  * how the core is reached.
  */
 import type { EventEmitter } from 'node:events';
+import { loamError } from './errors.js';
 import type { DependenciesOpts, IQueueBackend, JobJson, JobsOptions, ParentKeyOpts, RepeatableOptions, RepeatOptions } from 'bullmq';
 
 /** BullMQ's next-job tuple: `[jobJson | null, id (0 without a job), rateLimitDelayMs, delayUntilMs]`. */
@@ -255,6 +256,29 @@ export class Siblings<B extends { closing: Promise<void> | undefined }> {
   }
 }
 
+/** The longest queue name, job id or worker name the core takes, and the longest namespace, in bytes. */
+const MAX_NAME_BYTES = 1024;
+const MAX_NAMESPACE_BYTES = 128;
+
+/**
+ * Refuses, as a Queue or Worker is made, the names the server would refuse
+ * on every call (the in-process addon checks the same as it opens): a Worker
+ * refused by each fetch asks again at once, thousands of times a second. A
+ * FlowProducer has no queue of its own (`''`).
+ */
+export function checkNames(queueName: string, namespace: string | undefined, workerName: string | undefined): void {
+  const bytes = (text: string) => Buffer.byteLength(text);
+  if (bytes(queueName) > MAX_NAME_BYTES) {
+    throw loamError('invalid_argument', `queue name must be 1 to ${MAX_NAME_BYTES} bytes, got ${bytes(queueName)}`);
+  }
+  if (namespace !== undefined && (namespace === '' || bytes(namespace) > MAX_NAMESPACE_BYTES)) {
+    throw loamError('invalid_argument', `namespace must be 1 to ${MAX_NAMESPACE_BYTES} bytes, got ${bytes(namespace)}`);
+  }
+  if (workerName !== undefined && bytes(workerName) > MAX_NAME_BYTES) {
+    throw loamError('invalid_argument', `a worker name must be at most ${MAX_NAME_BYTES} bytes`);
+  }
+}
+
 /**
  * The log rows an `addLog` keeps, in the core's terms. BullMQ's Redis backend
  * trims a job's logs only when it is given a `keepLogs` (`job.log` passes the
@@ -262,7 +286,18 @@ export class Siblings<B extends { closing: Promise<void> | undefined }> {
  * to the job's `keepLogs`, then to a cap of its own.
  */
 export function logRowsKept(keepLogs: number | undefined): number {
-  return keepLogs ? keepLogs : Number.MAX_SAFE_INTEGER;
+  return keepLogs ? keptCount(keepLogs, 'keepLogs') : Number.MAX_SAFE_INTEGER;
+}
+
+/**
+ * How many items (log rows, events) to keep: a whole number of at least 0,
+ * or Infinity for all. Redis refuses anything else; read as 0, `-1`, `0.5`
+ * or `NaN` removed every row or event.
+ */
+export function keptCount(n: number, what: string): number {
+  if (n === Infinity) return Number.MAX_SAFE_INTEGER;
+  if (Number.isSafeInteger(n) && n >= 0) return n;
+  throw loamError('invalid_argument', `${what} must be a whole number of at least 0, or Infinity; got ${n}`);
 }
 
 /**

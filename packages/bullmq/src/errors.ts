@@ -22,7 +22,7 @@ export function fromNative(err: unknown): Error {
   }
   const tag = TAG.exec(err.message);
   if (!tag) {
-    return err;
+    return untaggedNative(err);
   }
   const [whole, family, code] = tag;
   const message = err.message.slice(whole.length);
@@ -31,6 +31,37 @@ export function fromNative(err: unknown): Error {
   }
   return loamError(code, message);
 }
+
+/**
+ * napi-rs's own errors, which the addon's code never saw: an argument of the
+ * wrong type (`'10'` where a number goes), and a panic in an async call
+ * (napi-rs catches it, and keeps only that it was one). Typed as the
+ * addon's own refusals are.
+ */
+function untaggedNative(err: Error): Error {
+  const { code } = err as Error & { code?: unknown };
+  if (typeof code === 'string' && NAPI_WRONG_TYPE.has(code)) {
+    return loamError('invalid_argument', `an argument has the wrong type: ${err.message}`);
+  }
+  if (code === 'GenericFailure' && err.message.startsWith('Panic')) {
+    return loamError('internal', `panic in the Loam addon: ${err.message}`);
+  }
+  return err;
+}
+
+const NAPI_WRONG_TYPE: ReadonlySet<string> = new Set([
+  'InvalidArg',
+  'ObjectExpected',
+  'StringExpected',
+  'NameExpected',
+  'FunctionExpected',
+  'NumberExpected',
+  'BooleanExpected',
+  'ArrayExpected',
+  'BigintExpected',
+  'DateExpected',
+  'ArrayBufferExpected',
+]);
 
 /** BullMQ's error for a numeric code, as its `finishedErrors()` makes it. */
 export function bullmqError(code: number, message: string): Error {

@@ -33,6 +33,7 @@ import {
 } from 'bullmq';
 import { backendOptionsJson, LoamQueueBackend, type FactoryOptions, type LoamBackendSettings } from './backend.js';
 import { RemoteChannel, type RemoteSettings } from './channel.js';
+import { checkNames } from './common.js';
 import { callSync } from './errors.js';
 import { RemoteQueueBackend, workerSettings } from './remote.js';
 
@@ -121,13 +122,14 @@ function remoteBackend(settings: RemoteSettings): BackendFactory<RemoteQueueBack
       token: connection.token ?? settings.token,
       namespace: connection.namespace ?? settings.namespace,
     };
+    const factoryOpts = opts as FactoryOptions;
+    checkNames(name, resolved.namespace, factoryOpts.name);
     const key = JSON.stringify([resolved.url, resolved.token ?? '', resolved.namespace ?? '']);
     let channel = channels.get(key);
     if (!channel) {
       channel = new RemoteChannel(resolved);
       channels.set(key, channel);
     }
-    const factoryOpts = opts as FactoryOptions;
     return new RemoteQueueBackend(channel, name, factoryOpts.prefix ?? 'bull', true, workerSettings(factoryOpts), {
       blocking: options.blocking,
       withBlockingConnection: options.withBlockingConnection,

@@ -48,6 +48,7 @@ import {
   finishedNext,
   INTERRUPTED_WAIT,
   logRowText,
+  keptCount,
   logRowsKept,
   newJobJson,
   paginateTarget,
@@ -98,7 +99,8 @@ import {
 
 type FenceInit = MessageInitShape<typeof FenceSchema>;
 type LeaseOptionsInit = MessageInitShape<typeof LeaseOptionsSchema>;
-type CompleteOptionsInit = MessageInitShape<typeof CompleteOptionsSchema>;
+/** Plain (not a message made with `create`): `complete` adds its key to it. */
+type CompleteOptionsInit = Exclude<MessageInitShape<typeof CompleteOptionsSchema>, { $typeName: string }>;
 type OutcomeInit = MessageInitShape<typeof OutcomeSchema>;
 type QueryInit = NonNullable<MessageInitShape<typeof QueryRequestSchema>['query']>;
 type QueueAdminInit = NonNullable<MessageInitShape<typeof QueueAdminRequestSchema>['op']>;
@@ -247,10 +249,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** Settles once every ordered write issued so far has been answered (see `send`). */
   private orderedWrites: Promise<void> = Promise.resolve();
   private orderedInFlight = 0;
-  /** What this backend's adds are told apart by on the server (see `addJob`): a prefix, then a count. */
-  private readonly addKeyPrefix = `bullmq-add:${randomBytes(12).toString('base64url')}:`;
-  private adds = 0;
-  /** Settles once every resendable write (add) issued so far has been answered (see `send`). */
+  /** What this backend's keyed writes are told apart by on the server (see `keyed`): a prefix, then a count. */
+  private readonly keyPrefix = `bullmq:${randomBytes(12).toString('base64url')}:`;
+  private keyedWrites = 0;
+  /** Settles once every resendable ordered write (add, report) issued so far has been answered (see `send`). */
   private resendsAnswered: Promise<void> = Promise.resolve();
   /** The last ordered write issued: what the next one is sent behind (see `send`). */
   private lastOrdered: OrderedWrite = OrderedWrite.answered();
@@ -301,12 +303,14 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * An ordered write is sent as soon as the one before it was answered or
    * is on the session stream it goes on itself: the server starts a
    * stream's calls in the order they came, so `Promise.all` of adds costs
-   * about one round trip, not one each. If the stream fails, the adds on it
-   * (`resendable`: the server knows one again by its key) are sent again,
-   * each behind the one before; the other writes on it fail with
-   * `ConnectionClosedError` (their callers cannot know whether they were
-   * applied). So any other write also waits for the answers of the adds
-   * before it: one of them sent again could land after it.
+   * about one round trip, not one each. If the stream fails, the adds and
+   * reports on it (`resendable`: the server knows one again by its key, see
+   * `keyed`) are sent again, each behind the one before; the other writes
+   * on it fail with `ConnectionClosedError` (their callers cannot know
+   * whether they were applied). So any other write also waits for the
+   * answers of the resendable ones before it: one of them sent again could
+   * land after it. Calls that are not ordered are sent again when
+   * `resendable` too: completions (keyed) and reads.
    *
    * A call of a Worker that cut its blocking calls (to close or pause) does
    * not wait for a server that is away, unless it records the outcome of the
@@ -332,7 +336,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const start = (hooks: CallHooks = {}) => {
       const stopRetrying = recordsOutcome ? undefined : this.blocking.signal;
       return deadlineMs === undefined || !signal
-        ? this.channel.call(command, rpc, signal, { ...hooks, stopRetrying })
+        ? this.channel.call(command, rpc, signal, { resendable, ...hooks, stopRetrying })
         : this.channel.longPoll(command, rpc, signal, deadlineMs, stopRetrying);
     };
     if (!ordered) return this.orderedInFlight === 0 ? start() : this.orderedWrites.then(() => start());
@@ -360,14 +364,27 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /**
    * One Query call; returns its result oneof. A long-poll (waiting `waitMs`)
    * is given up `LONG_POLL_MARGIN_MS` past its wait (see `RemoteChannel.longPoll`).
+   * A read that does not wait is sent again when its connection is cut:
+   * it changes nothing (ioredis sends a cut command again too).
    */
   private async query(command: BullmqCommand, query: QueryInit, signal?: AbortSignal, waitMs?: number) {
     const deadlineMs = waitMs === undefined ? undefined : waitMs + LONG_POLL_MARGIN_MS;
     const response = await this.send(command, (c, o) => c.query({ queue: this.queueName, query }, o), {
       signal,
       deadlineMs,
+      resendable: waitMs === undefined,
     });
     return response.result;
+  }
+
+  /**
+   * A key for one write, under which the server recognizes it sent again
+   * after its connection was cut on its way (the answer may have been lost
+   * after it was applied): it is not applied twice, and the first answer is
+   * given again. The server keeps it as long as this client may send again.
+   */
+  private keyed() {
+    return { key: `${this.keyPrefix}${++this.keyedWrites}`, ttlMs: BigInt(this.channel.resendWindowMs) };
   }
 
   /** A queue admin call, `ordered` unless it says otherwise (see `send`). */
@@ -396,13 +413,21 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   ) {
     const inFlight: InFlight = {};
     this.completing.add(inFlight);
+    // Keyed: a completion whose answer was lost is sent again, and the
+    // server gives its first answer again, with the next job it leased
+    // (else that job waited out its lock, stalled, and BullMQ reported the
+    // job in hand's lock missing).
+    const keyedOptions = { ...options, idempotency: this.keyed() };
     let r;
     try {
       r = await this.send(
         command,
         (c, o) =>
-          c.complete({ queue: this.queueName, jobId: command.jobId, fence, outcome: { kind: outcome }, options }, o),
-        { recordsOutcome: true },
+          c.complete(
+            { queue: this.queueName, jobId: command.jobId, fence, outcome: { kind: outcome }, options: keyedOptions },
+            o,
+          ),
+        { recordsOutcome: true, resendable: true },
       );
     } finally {
       this.completing.delete(inFlight);
@@ -565,8 +590,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     // fails on the way: the server answers a repeat with the job the first
     // made, so no add is lost or made twice, and adds left un-awaited need
     // not wait for each other's answers (see `send`).
-    const idempotency = { key: `${this.addKeyPrefix}${++this.adds}`, ttlMs: BigInt(this.channel.resendWindowMs) };
-    const spec = { ...jobSpec(entry), idempotency };
+    const spec = { ...jobSpec(entry), idempotency: this.keyed() };
     const r = await this.send(command, (c, o) => c.enqueue({ queue: this.queueName, job: spec }, o), {
       ordered: true,
       resendable: true,
@@ -890,15 +914,21 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   // ---- job data --------------------------------------------------------------------
 
-  /** BullMQ's token-less writes to a job: no lease is checked. */
+  /**
+   * BullMQ's token-less writes to a job: no lease is checked. Keyed, so one
+   * cut on its way is sent again, not failed (a processor's updateProgress
+   * throwing failed its job), and a log line is not added twice.
+   */
   private async report(
     command: BullmqCommand & { jobId: string },
     report: ReportInit,
   ): Promise<number> {
+    const idempotency = this.keyed();
     const r = await this.send(
       command,
-      (c, o) => c.report({ queue: this.queueName, jobId: command.jobId, fence: fence(undefined), report }, o),
-      { ordered: true },
+      (c, o) =>
+        c.report({ queue: this.queueName, jobId: command.jobId, fence: fence(undefined), report, idempotency }, o),
+      { ordered: true, resendable: true },
     );
     return Number(r.logCount);
   }
@@ -911,12 +941,12 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     await this.report({ command: 'updateProgress', jobId }, { case: 'progress', value: progressText(progress) });
   }
 
-  addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
+  async addLog(jobId: string, logRow: string, keepLogs?: number): Promise<number> {
     return this.report({ command: 'addLog', jobId }, { case: 'log', value: { row: logRowText(logRow), keep: u64(logRowsKept(keepLogs)) } });
   }
 
   async clearLogs(jobId: string, keepLogs?: number): Promise<void> {
-    const keep = keepLogs === undefined ? undefined : u64(keepLogs);
+    const keep = keepLogs === undefined ? undefined : u64(keptCount(keepLogs, 'keepLogs'));
     await this.jobAdmin({ command: 'clearLogs', jobId }, { case: 'clearLogs', value: { keep } });
   }
 
@@ -1313,13 +1343,13 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     }
     const r = await this.queueAdmin(
       { command: 'publishEvent' },
-      { case: 'publishEvent', value: { name, fields: rest, maxEvents: u64(maxEvents) } },
+      { case: 'publishEvent', value: { name, fields: rest, maxEvents: u64(keptCount(maxEvents, 'maxEvents')) } },
     );
     return r.eventId;
   }
 
   async trimEvents(maxLength: number): Promise<number> {
-    const r = await this.queueAdmin({ command: 'trimEvents' }, { case: 'trimEvents', value: { maxLength: u64(maxLength) } });
+    const r = await this.queueAdmin({ command: 'trimEvents' }, { case: 'trimEvents', value: { maxLength: u64(keptCount(maxLength, 'maxLength')) } });
     return Number(r.count);
   }
 

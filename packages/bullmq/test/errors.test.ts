@@ -3,7 +3,7 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
 import { UnrecoverableError, withBackend } from 'bullmq';
-import { backendKind, freshLoam, itInProcess } from './helpers.js';
+import { backendKind, freshLoam, itInProcess, until } from './helpers.js';
 import { loamBackend, type LoamQueueBackend } from '../src/index.js';
 import { INTERRUPTED_WAIT } from '../src/common.js';
 
@@ -139,15 +139,70 @@ describe('errors', () => {
     await queue.close();
   });
 
-  it('a closed Queue refuses calls, as a closed Redis connection does', async () => {
+  it('a closed Queue refuses calls, as a closed Redis connection does, while another keeps the store open', async () => {
     const queue = new Queue(loam.queueName(), { connection });
-    await queue.add('a', {});
+    const other = new Queue(queue.name, { connection });
+    await Promise.all([queue.add('a', {}), other.waitUntilReady()]);
     await queue.close();
     await expect(queue.add('b', {})).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE' });
     await expect(queue.count()).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE' });
+    expect(await other.count()).toBe(1);
+    await other.close();
     const reopened = new Queue(queue.name, { connection });
     expect(await reopened.count()).toBe(1);
     await reopened.close();
+  });
+
+  it('closing a Queue as soon as it is made raises no error', async () => {
+    const errors: Error[] = [];
+    // It came from the backend's own readiness check, about once in 40.
+    for (let i = 0; i < 200; i++) {
+      const queue = new Queue(loam.queueName(), { connection });
+      queue.on('error', err => errors.push(err));
+      await queue.close();
+    }
+    await new Promise(resolve => setTimeout(resolve, 100));
+    expect(errors).toEqual([]);
+  });
+
+  it('refuses a queue name, namespace or worker name the core cannot hold as the Queue or Worker is made', () => {
+    // Refused on each fetch instead, a Worker asked again at once, forever:
+    // in-process that starved the event loop for good.
+    const refused = { code: 'LOAM_INVALID_ARGUMENT' };
+    expect(() => new Worker('q'.repeat(1025), async () => 'done', { connection, autorun: false })).toThrow(
+      expect.objectContaining(refused),
+    );
+    expect(() => new Queue('q', { connection: { namespace: '' } })).toThrow(expect.objectContaining(refused));
+    expect(() => new Worker('q', async () => 'done', { connection, name: 'w'.repeat(1025), autorun: false })).toThrow(
+      expect.objectContaining(refused),
+    );
+  });
+
+  it('refuses a count to keep that is not a whole number, and keeps every log row for Infinity', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const job = await queue.add('a', {});
+    const backend = queue.getBackend() as LoamQueueBackend;
+    const refused = { code: 'LOAM_INVALID_ARGUMENT' };
+    // Read as 0, each of these removed every row or event.
+    for (const keep of [-1, 0.5]) await expect(backend.addLog(job.id!, 'row', keep)).rejects.toMatchObject(refused);
+    for (const keep of [-1, 0.5, NaN]) await expect(queue.trimEvents(keep)).rejects.toMatchObject(refused);
+    await expect(backend.addLog(job.id!, 'a', Infinity)).resolves.toBe(1);
+    await expect(backend.addLog(job.id!, 'b', Infinity)).resolves.toBe(2);
+    await expect(backend.clearLogs(job.id!, -1)).rejects.toMatchObject(refused);
+    expect(await queue.getJobLogs(job.id!)).toEqual({ logs: ['a', 'b'], count: 2 });
+    expect(await queue.trimEvents(0)).toBeGreaterThan(0); // the refused trims removed none
+    await queue.close();
+  });
+
+  it("records a failure whose reason holds a lone surrogate, as Redis does, with U+FFFD in its place", async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    // Text cut inside an emoji: JSON.stringify escapes the lone half.
+    const reason = `could not notify ${'Zoë 😀'.slice(0, 5)}`;
+    const worker = new Worker(queue.name, async () => { throw new Error(reason); }, { connection });
+    const job = await queue.add('a', {});
+    await until(async () => (await queue.getJobState(job.id!)) === 'failed');
+    expect((await queue.getJob(job.id!))?.failedReason).toBe('could not notify Zoë \ufffd');
+    await Promise.all([worker.close(), queue.close()]);
   });
 
   it('raises JobHasFailedChildren as an UnrecoverableError', async () => {
@@ -238,6 +293,14 @@ describe('errors', () => {
     await worker.close();
     await Promise.all([inA, inB, inOther, inDefault].map(q => q.close()));
     rmSync(elsewhere, { recursive: true, force: true });
+  });
+
+  itInProcess('an argument of the wrong type is refused as invalid, not with napi-rs\'s own code', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const refused = { code: 'LOAM_INVALID_ARGUMENT' };
+    await expect(queue.getJobs(['waiting'], '0' as unknown as number, 10)).rejects.toMatchObject(refused);
+    await expect(queue.getJobCounts(5 as unknown as 'waiting')).rejects.toMatchObject(refused);
+    await queue.close();
   });
 
   itInProcess('a call the addon refuses before it starts rejects in BullMQ\'s form, as one it refuses later does', async () => {

@@ -312,6 +312,92 @@ describeRemote('remote connection failures', () => {
     await expectAddedOnceInOrder(watcher, await Promise.all([...cut, ...after]));
   });
 
+  it('a read whose answer is lost with its connection is asked again', async () => {
+    const { link, queue } = await addsThroughProxy();
+    // A read goes after the writes before it were answered (the Queue's meta).
+    await queue.getJobCounts();
+    link.holdReplies();
+    const counts = queue.getJobCounts('waiting');
+    const job = queue.getJob('1');
+    // Both reached the server, which answered; the answers are lost.
+    await new Promise(resolve => setTimeout(resolve, 200));
+    link.cut();
+    link.passReplies();
+    expect(await counts).toEqual({ waiting: 1 });
+    expect((await job)?.data).toEqual({ n: -1 });
+  });
+
+  it("a processor's progress and log whose answers are lost are sent again, and made once", async () => {
+    const link = await proxy();
+    const { through, direct } = classes({ url: link.url });
+    const name = `q-${randomUUID()}`;
+    const queue = new direct.Queue(name, { connection: {} });
+    const events = new direct.QueueEvents(name, { connection: {} });
+    await events.waitUntilReady();
+    const progressEvents: unknown[] = [];
+    events.on('progress', ({ data }) => progressEvents.push(data));
+    const worker = new through.Worker(
+      name,
+      async job => {
+        link.holdReplies();
+        const reports = Promise.all([job.updateProgress(50), job.log('once')]);
+        // Applied, and the answers lost with the connection.
+        await vi.waitFor(async () => expect((await queue.getJobLogs(job.id!)).count).toBe(1), { interval: 20 });
+        await vi.waitFor(async () => expect((await queue.getJob(job.id!))?.progress).toBe(50), { interval: 20 });
+        link.cut();
+        link.passReplies();
+        await reports;
+        return 'done';
+      },
+      { connection: {} },
+    );
+    onTestFinished(() => Promise.all([worker.close(), events.close(), queue.close()]));
+    const job = await queue.add('reports', {});
+    await job.waitUntilFinished(events, 10_000);
+    expect(await queue.getJobState(job.id!)).toBe('completed');
+    expect(await queue.getJobLogs(job.id!)).toEqual({ logs: ['once'], count: 1 });
+    await vi.waitFor(() => expect(progressEvents).toEqual([50]), { interval: 20 });
+  });
+
+  it('a completion whose answer is lost is sent again: the next job it leased is handed over, and each job completes once', async () => {
+    const link = await proxy();
+    const { through, direct } = classes({ url: link.url });
+    const name = `q-${randomUUID()}`;
+    const queue = new direct.Queue(name, { connection: {} });
+    const [first, second] = await queue.addBulk([
+      { name: 'first', data: {} },
+      { name: 'second', data: {} },
+    ]);
+    const errors: Error[] = [];
+    const completed: string[] = [];
+    const worker = new through.Worker(
+      name,
+      async job => {
+        // The completion goes with these replies held: the server applies
+        // it and leases the second job to this worker, and the answer is lost.
+        if (job.id === first.id) link.holdReplies();
+        return job.name;
+      },
+      { connection: {}, lockDuration: 30_000, autorun: false },
+    );
+    worker.on('error', err => errors.push(err));
+    worker.on('completed', job => completed.push(job.id!));
+    onTestFinished(() => Promise.all([worker.close(), queue.close()]));
+    worker.run();
+    await vi.waitFor(async () => expect(await queue.getJobState(first.id!)).toBe('completed'), { interval: 20 });
+    expect(await queue.getJobState(second.id!)).toBe('active');
+    link.cut();
+    link.passReplies();
+    // Not after its 30 s lock lapsed and it stalled.
+    await vi.waitFor(async () => expect(await queue.getJobState(second.id!)).toBe('completed'), {
+      timeout: 5_000,
+      interval: 20,
+    });
+    expect(completed).toEqual([first.id, second.id]);
+    expect(errors).toEqual([]);
+    expect((await queue.getJob(second.id!))?.stalledCounter).toBe(0);
+  });
+
   it('an add cut on its way every time it is sent gives up after a few attempts', async () => {
     const link = await proxy();
     // A long window: what ends the add is the count of its attempts.

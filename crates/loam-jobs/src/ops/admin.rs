@@ -4,9 +4,11 @@ use std::collections::BTreeMap;
 
 use crate::error::{JobsError, Precondition};
 use crate::keys::{self, QueueId, QueueKeys};
-use crate::model::{self, DedupRecord, Dependency, DependencyStatus, Fence, JobRecord, JobState, LimiterWindow};
-use crate::ops::enqueue;
+use crate::model::{
+    self, DedupRecord, Dependency, DependencyStatus, Fence, Idempotency, JobRecord, JobState, LimiterWindow, Report,
+};
 use crate::ops::lease::{self, Line};
+use crate::ops::{enqueue, idempotency};
 use crate::tx::Tx;
 
 /// Deletes a job's record, logs and dependency records. The caller has
@@ -584,6 +586,34 @@ pub fn update_data(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, data: Vec<
     lease::check_fence(&job, fence)?;
     job.data = data;
     tx.save_job(q, &job)
+}
+
+/// Applies `report` to job `id`; returns the log lines kept (0 for progress
+/// and data). Sent again under `idem`, it is not applied again and answers
+/// what it first did (see [`idempotency`]).
+pub fn report(
+    tx: &mut Tx,
+    q: &QueueId,
+    id: &str,
+    fence: &Fence,
+    report: Report,
+    idem: Option<&Idempotency>,
+) -> Result<u64, JobsError> {
+    let request_hash = idem.map(|_| idempotency::hash_of(("report", id, fence, &report)));
+    if let (Some(idem), Some(hash)) = (idem, request_hash)
+        && let Some(rec) = idempotency::recall(tx, q, idem, hash)?
+    {
+        return rec.log_count.ok_or_else(|| JobsError::IdempotencyConflict { key: idem.key.clone() });
+    }
+    let log_count = match report {
+        Report::Progress(progress) => update_progress(tx, q, id, fence, progress).map(|()| 0),
+        Report::Log { row, keep } => add_log(tx, q, id, fence, row, keep),
+        Report::Data(data) => update_data(tx, q, id, fence, data).map(|()| 0),
+    }?;
+    if let (Some(idem), Some(hash)) = (idem, request_hash) {
+        idempotency::remember(tx, q, idem, hash, id, Some(log_count))?;
+    }
+    Ok(log_count)
 }
 
 /// Sets a job's progress (JSON text) and emits `progress`.

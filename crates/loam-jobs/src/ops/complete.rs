@@ -7,7 +7,8 @@ use crate::error::{JobsError, Precondition};
 use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
     AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, Fence, JobError, JobRecord,
-    JobState, Keep, LimiterWindow, MAX_METRICS_POINTS, MetricsRecord, OnChildFailure, Outcome, Retention,
+    JobState, Keep, Lease, LeaseInfo, Leased, LimiterWindow, MAX_METRICS_POINTS, MetricsRecord, OnChildFailure,
+    Outcome, Retention, validate_name,
 };
 use crate::ops::enqueue;
 use crate::ops::lease::{self, Line};
@@ -27,6 +28,16 @@ pub fn check_children(job: &JobRecord) -> Result<(), JobsError> {
     Ok(())
 }
 
+/// Ends the lease of job `id` with `outcome`.
+///
+/// With an idempotency key in `opts`, a completion sent again after its
+/// answer was lost answers what it first did: the key stays on the job it
+/// ended (`ended_by`, until the job is leased again) and on the leases it
+/// took for the next jobs (`taken_by`), records written anyway. So the
+/// worker gets its next job back instead of leaving it to stall. A job that
+/// retention removed leaves no mark: the completion is still recognized by
+/// the next job it took, and if it took none, it is answered as any call on
+/// a missing job is (a worker sent on to no job loses nothing).
 pub fn complete(
     tx: &mut Tx,
     q: &QueueId,
@@ -35,7 +46,64 @@ pub fn complete(
     outcome: Outcome,
     opts: &CompleteOptions,
 ) -> Result<Completed, JobsError> {
-    let job = tx.require_job(q, id)?;
+    let job = tx.load_job(q, id)?;
+    let key = opts.idempotency.as_ref().map(|i| i.key.as_str());
+    if let Some(key) = key {
+        validate_name("idempotency key", key, enqueue::MAX_NAME_BYTES)?;
+        if let Some(done) = completed_before(tx, q, job.as_ref(), key)? {
+            return Ok(done);
+        }
+    }
+    let mut job = job.ok_or_else(|| JobsError::job_missing(id))?;
+    job.ended_by = key.map(str::to_string);
+    complete_job(tx, q, job, fence, outcome, opts, key)
+}
+
+/// The first answer of the completion keyed `key`, if it was applied: `job`
+/// (None if removed) ended by it, or a job leased by it.
+fn completed_before(
+    tx: &mut Tx,
+    q: &QueueId,
+    job: Option<&JobRecord>,
+    key: &str,
+) -> Result<Option<Completed>, JobsError> {
+    let ended = job.is_some_and(|j| j.ended_by.as_deref() == Some(key));
+    if job.is_some() && !ended {
+        return Ok(None);
+    }
+    let mut leases = Vec::new();
+    for (_, id) in tx.scan(&QueueKeys::new(q).active_all(), usize::MAX, false)? {
+        let Some(next) = tx.load_job(q, &String::from_utf8_lossy(&id))? else { continue };
+        if let Some(lock) = next.lock.clone().filter(|l| l.taken_by.as_deref() == Some(key)) {
+            leases.push(Lease { epoch: next.epoch, token: lock.token, deadline: lock.deadline, job: next });
+        }
+    }
+    if !ended && leases.is_empty() {
+        return Ok(None);
+    }
+    let next = Some(Leased { leases, info: LeaseInfo::default() });
+    Ok(Some(Completed {
+        state: job.map(|j| j.state),
+        finished_on: job.and_then(|j| j.finished_on),
+        moved: true,
+        next,
+        attempt: None,
+        replayed: true,
+    }))
+}
+
+#[allow(clippy::too_many_arguments, reason = "complete's arguments, the job loaded and its key")]
+fn complete_job(
+    tx: &mut Tx,
+    q: &QueueId,
+    job: JobRecord,
+    fence: &Fence,
+    outcome: Outcome,
+    opts: &CompleteOptions,
+    key: Option<&str>,
+) -> Result<Completed, JobsError> {
+    let id = job.id.clone();
+    let id = id.as_str();
     if matches!(outcome, Outcome::Ok { .. }) {
         check_children(&job)?;
     }
@@ -52,13 +120,7 @@ pub fn complete(
             None => job.pending_children > 0,
         };
         if !waits {
-            return Ok(Completed {
-                state: Some(job.state),
-                finished_on: None,
-                moved: false,
-                next: None,
-                attempt: None,
-            });
+            return Ok(Completed { state: Some(job.state), moved: false, ..Default::default() });
         }
     }
     lease::check_fence(&job, fence)?;
@@ -70,7 +132,7 @@ pub fn complete(
         .processed_on
         .filter(|_| ends_attempt)
         .map(|started| AttemptRun { task: job.name.clone(), ran_ms: tx.now.saturating_sub(started) });
-    let mut done = Completed { state: None, finished_on: None, moved: true, next: None, attempt };
+    let mut done = Completed { moved: true, attempt, ..Default::default() };
     let finishing = matches!(outcome, Outcome::Ok { .. } | Outcome::Fail { .. });
     let fetch = match outcome {
         Outcome::Ok { result } => {
@@ -120,7 +182,7 @@ pub fn complete(
         }
     };
     if fetch && let Some(req) = &opts.fetch_next {
-        done.next = Some(lease::lease(tx, q, req)?);
+        done.next = Some(lease::lease_taken_by(tx, q, req, key)?);
     }
     // Redis's moveToFinished emits `drained` only when it fetched nothing and
     // nothing holds the next fetch back: a delayed job still to come, a rate

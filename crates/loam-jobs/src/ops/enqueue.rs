@@ -1,13 +1,12 @@
 //! Adding jobs: one job, many, or a whole flow tree, each in one transaction.
 
-use std::hash::{Hash, Hasher};
-
 use crate::error::{JobsError, Missing, Precondition};
 use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
-    self, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Enqueued, IdempotencyRecord, JobRecord, JobState,
-    MAX_PRIORITY, ParentRef, validate_name,
+    self, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Enqueued, JobRecord, JobState, MAX_PRIORITY,
+    ParentRef, validate_name,
 };
+use crate::ops::idempotency;
 use crate::tx::Tx;
 
 /// Longest job name, job id, dedup id or idempotency key, in bytes.
@@ -31,9 +30,6 @@ pub fn validate(tx: &Tx, req: &EnqueueRequest) -> Result<(), JobsError> {
     if let Some(d) = &req.dedup {
         validate_name("deduplication id", &d.id, MAX_NAME_BYTES)?;
     }
-    if let Some(i) = &req.idempotency {
-        validate_name("idempotency key", &i.key, MAX_NAME_BYTES)?;
-    }
     if req.parent.is_some() && req.dedup.as_ref().is_some_and(|d| d.keep_last_if_active) {
         return Err(JobsError::invalid("keepLastIfActive cannot be used on a job with a parent"));
     }
@@ -54,13 +50,7 @@ fn is_integer_text(id: &str) -> bool {
 }
 
 fn request_hash(req: &EnqueueRequest) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    req.name.hash(&mut h);
-    req.data.hash(&mut h);
-    req.opts.hash(&mut h);
-    req.delay_ms.hash(&mut h);
-    req.priority.hash(&mut h);
-    h.finish()
+    idempotency::hash_of((&req.name, &req.data, &req.opts, req.delay_ms, req.priority))
 }
 
 /// What the caller wants done with a new job's state.
@@ -114,19 +104,11 @@ pub fn enqueue_kept(tx: &mut Tx, q: &QueueId, kept: EnqueueRequest) -> Result<En
 
 fn add(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
     validate(tx, &req)?;
-    let keys = QueueKeys::new(q);
-
-    if let Some(idem) = &req.idempotency {
-        let key = keys.idempotency(&idem.key);
-        if let Some(rec) = tx.get_record::<IdempotencyRecord>(&key)?
-            && rec.expires_at > tx.now
-        {
-            if rec.request_hash != request_hash(&req) {
-                return Err(JobsError::IdempotencyConflict { key: idem.key.clone() });
-            }
-            let state = tx.load_job(q, &rec.job_id)?.map_or(JobState::Completed, |j| j.state);
-            return Ok(Enqueued { id: rec.job_id, created: false, state, deduplicated_by: None });
-        }
+    if let Some(idem) = &req.idempotency
+        && let Some(rec) = idempotency::recall(tx, q, idem, request_hash(&req))?
+    {
+        let state = tx.load_job(q, &rec.job_id)?.map_or(JobState::Completed, |j| j.state);
+        return Ok(Enqueued { id: rec.job_id, created: false, state, deduplicated_by: None });
     }
 
     if let Some(id) = &req.job_id
@@ -206,6 +188,7 @@ fn add(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> R
         dead_letter: req.dead_letter.clone(),
         headers: req.headers.clone(),
         children_counted: matches!(placement, Placement::WaitChildren),
+        ended_by: None,
     };
     job.seq = tx.next_seq(q, job.queues_lifo())?;
     job.state = match placement {
@@ -229,35 +212,9 @@ fn add(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> R
         _ => {}
     }
     if let Some(idem) = &req.idempotency {
-        let ttl = idem.ttl_ms.unwrap_or(tx.config.idempotency_ttl_ms);
-        let rec = IdempotencyRecord {
-            request_hash: request_hash(&req),
-            job_id: id.clone(),
-            expires_at: tx.now.saturating_add(ttl),
-        };
-        let key = keys.idempotency(&idem.key);
-        tx.put_record(&key, &rec)?;
-        tx.put(&crate::keys::idempotency_expiry(rec.expires_at, &key), Vec::new())?;
+        idempotency::remember(tx, q, idem, request_hash(&req), &id, None)?;
     }
     Ok(Enqueued { id, created: true, state: job.state, deduplicated_by: None })
-}
-
-/// Deletes up to `limit` idempotency records whose ttl has passed: `enqueue`
-/// already ignores them, and this takes back their space. A record written
-/// again under its key since (a later expiry) stays. Returns how many went.
-pub fn purge_expired_idempotency(tx: &mut Tx, limit: usize) -> Result<u64, JobsError> {
-    let due = tx.scan(&crate::keys::idempotency_expiry_due(tx.now), limit, false)?;
-    let mut purged = 0;
-    for (entry, _) in due {
-        tx.delete(&entry)?;
-        let Some(record) = crate::keys::idempotency_record_of(&entry) else { continue };
-        let rec: Option<IdempotencyRecord> = tx.get_record(record)?;
-        if rec.is_some_and(|r| r.expires_at <= tx.now) {
-            tx.delete(record)?;
-            purged += 1;
-        }
-    }
-    Ok(purged)
 }
 
 /// The node key BullMQ gives a child: `<parent prefix>:<queue>:<id>`.

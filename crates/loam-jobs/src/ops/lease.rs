@@ -74,7 +74,19 @@ pub fn check_worker_name(name: &str) -> Result<(), JobsError> {
     Ok(())
 }
 
+/// Takes up to `req.max` ready jobs.
 pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, JobsError> {
+    lease_taken_by(tx, q, req, None)
+}
+
+/// [`lease`], for the completion keyed `taken_by` (its fetch_next): the
+/// leases carry the key (see `complete::complete`).
+pub fn lease_taken_by(
+    tx: &mut Tx,
+    q: &QueueId,
+    req: &LeaseRequest,
+    taken_by: Option<&str>,
+) -> Result<Leased, JobsError> {
     if let Some(w) = &req.worker {
         check_worker_name(w)?;
     }
@@ -151,7 +163,9 @@ pub fn lease(tx: &mut Tx, q: &QueueId, req: &LeaseRequest) -> Result<Leased, Job
                 token: token.clone(),
                 deadline: tx.lease_now.saturating_add(lock_ms),
                 duration_ms: lock_ms,
+                taken_by: taken_by.map(str::to_string),
             });
+            job.ended_by = None;
             // Never before it was due: a job made ready by the core's clock,
             // or by a caller whose clock runs ahead, may be leased by a caller
             // whose clock is behind (a remote worker's, by its message's time

@@ -3,6 +3,7 @@
 pub mod admin;
 pub mod complete;
 pub mod enqueue;
+pub mod idempotency;
 pub mod lease;
 pub mod query;
 pub mod results;

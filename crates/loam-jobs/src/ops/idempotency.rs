@@ -1,0 +1,85 @@
+//! Calls made again under the key they were first made with. A client whose
+//! connection was cut while a write was on its way cannot know whether the
+//! server applied it; it sends the write again under the same key, and what
+//! the first one left answers it: what was done is not done twice (an add,
+//! a log line), and the answer the client lost (the job an add made) is
+//! given again.
+//!
+//! Adds and reports leave a record under their key, which lives for the
+//! key's ttl (the client sets it to the time it may still send again);
+//! [`purge_expired`] takes the space back after. A completion, on the hot
+//! path, leaves its key in the job records it writes anyway instead (see
+//! `complete::complete`): a record of its own was two more B-tree inserts
+//! and, later, two deletes per job.
+
+use std::hash::{Hash, Hasher};
+
+use crate::error::JobsError;
+use crate::keys::{QueueId, QueueKeys};
+use crate::model::{Idempotency, IdempotencyRecord, validate_name};
+use crate::ops::enqueue::MAX_NAME_BYTES;
+use crate::tx::Tx;
+
+/// The live record of `idem`, if the call was made before; an error if that
+/// call was a different one (`request_hash` differs).
+pub fn recall(
+    tx: &mut Tx,
+    q: &QueueId,
+    idem: &Idempotency,
+    request_hash: u64,
+) -> Result<Option<IdempotencyRecord>, JobsError> {
+    validate_name("idempotency key", &idem.key, MAX_NAME_BYTES)?;
+    let Some(rec) = tx.get_record::<IdempotencyRecord>(&QueueKeys::new(q).idempotency(&idem.key))? else {
+        return Ok(None);
+    };
+    if rec.expires_at <= tx.now {
+        return Ok(None);
+    }
+    if rec.request_hash != request_hash {
+        return Err(JobsError::IdempotencyConflict { key: idem.key.clone() });
+    }
+    Ok(Some(rec))
+}
+
+/// Records that the call keyed `idem` (about job `job_id`) was made, and for
+/// a report the log lines it kept.
+pub fn remember(
+    tx: &mut Tx,
+    q: &QueueId,
+    idem: &Idempotency,
+    request_hash: u64,
+    job_id: &str,
+    log_count: Option<u64>,
+) -> Result<(), JobsError> {
+    let ttl = idem.ttl_ms.unwrap_or(tx.config.idempotency_ttl_ms);
+    let expires_at = tx.now.saturating_add(ttl);
+    let rec = IdempotencyRecord { request_hash, job_id: job_id.to_string(), expires_at, log_count };
+    let key = QueueKeys::new(q).idempotency(&idem.key);
+    tx.put_record(&key, &rec)?;
+    tx.put(&crate::keys::idempotency_expiry(rec.expires_at, &key), Vec::new())
+}
+
+/// What tells two calls under one key apart.
+pub fn hash_of(request: impl Hash) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    request.hash(&mut h);
+    h.finish()
+}
+
+/// Deletes up to `limit` idempotency records whose ttl has passed: `recall`
+/// already ignores them, and this takes back their space. A record written
+/// again under its key since (a later expiry) stays. Returns how many went.
+pub fn purge_expired(tx: &mut Tx, limit: usize) -> Result<u64, JobsError> {
+    let due = tx.scan(&crate::keys::idempotency_expiry_due(tx.now), limit, false)?;
+    let mut purged = 0;
+    for (entry, _) in due {
+        tx.delete(&entry)?;
+        let Some(record) = crate::keys::idempotency_record_of(&entry) else { continue };
+        let rec: Option<IdempotencyRecord> = tx.get_record(record)?;
+        if rec.is_some_and(|r| r.expires_at <= tx.now) {
+            tx.delete(record)?;
+            purged += 1;
+        }
+    }
+    Ok(purged)
+}
