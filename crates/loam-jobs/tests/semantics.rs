@@ -1094,7 +1094,7 @@ fn a_flow_child_held_by_another_parent_stays_there_and_the_flow_goes_in() {
     assert_eq!(jobs.get_job("ns", "kids", "a").unwrap().unwrap().parent, Some(parent("parents", "p")));
     let p2 = jobs.get_job("ns", "parents", "p2").unwrap().unwrap();
     assert_eq!((p2.state, p2.pending_children), (JobState::WaitingChildren, 1));
-    assert!(event_names(&jobs, "kids").contains(&"duplicated".to_string()));
+    assert!(!event_names(&jobs, "kids").contains(&"duplicated".to_string()), "as Redis: -7 before the event");
     // Its only child held elsewhere, a parent is not released by the flow.
     jobs.flow("ns", vec![root("p3"), child("b", "p3")]).wait().unwrap();
     assert_eq!(state(&jobs, "parents", "p3"), Some(JobState::WaitingChildren));

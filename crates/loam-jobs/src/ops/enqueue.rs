@@ -476,7 +476,10 @@ pub fn flow(tx: &mut Tx, nodes: Vec<FlowNode>) -> Result<Vec<Enqueued>, JobsErro
             && held_by_another_parent(tx, &existing, parent)?
         {
             held_back.insert((parent.queue.clone(), parent.id.clone()));
-            out.push(duplicated(tx, &q, &existing)?);
+            // It takes a number, and no `duplicated` event: Redis's script
+            // answers -7 before it writes one.
+            tx.stats_mut(&q)?.last_id += 1;
+            out.push(Enqueued { id: existing.id, created: false, state: existing.state, deduplicated_by: None });
             continue;
         }
         let placement = if node.wait_children { Placement::WaitChildren } else { Placement::Normal };
