@@ -171,12 +171,12 @@ pub struct JobParent {
 }
 
 /// Splits a qualified queue name `<prefix>:<queue>` (BullMQ queue names
-/// cannot contain `:`, so the last colon separates them).
+/// cannot contain `:`, so the last colon separates them). A key with no `:`
+/// is all prefix and names no queue, as on Redis, where no BullMQ queue's
+/// keys take that form: a parent given so (`'pq'` for `'bull:pq'`) is
+/// missing (-5), where it was taken for queue `pq`.
 pub fn split_qualified(queue_key: &str) -> (&str, &str) {
-    match queue_key.rsplit_once(':') {
-        Some((prefix, queue)) => (prefix, queue),
-        None => ("", queue_key),
-    }
+    queue_key.rsplit_once(':').unwrap_or((queue_key, ""))
 }
 
 pub fn parent_ref(queue_key: &str, id: &str) -> ParentRef {

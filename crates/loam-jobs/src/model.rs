@@ -205,7 +205,13 @@ impl ParentRef {
 }
 
 pub fn node_key(prefix: &str, queue: &str, id: &str) -> String {
-    if prefix.is_empty() { format!("{queue}:{id}") } else { format!("{prefix}:{queue}:{id}") }
+    match (prefix.is_empty(), queue.is_empty()) {
+        (true, _) => format!("{queue}:{id}"),
+        // A BullMQ queue key with no `:` names no queue (see the BullMQ
+        // backends' `split_qualified`): its job's key is `<key>:<id>`.
+        (false, true) => format!("{prefix}:{id}"),
+        (false, false) => format!("{prefix}:{queue}:{id}"),
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -257,11 +257,11 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   extendLock(jobId: string, token: string, duration: number): Promise<number> {
-    return this.native.extendLock(Date.now(), String(jobId), token, duration);
+    return this.native.extendLock(Date.now(), String(jobId), token, Number(duration));
   }
 
   extendLocks(jobIds: string[], tokens: string[], duration: number): Promise<string[]> {
-    return this.native.extendLocks(Date.now(), jobIds, tokens, duration);
+    return this.native.extendLocks(Date.now(), jobIds, tokens, Number(duration));
   }
 
   moveStalledJobsToWait(): Promise<string[]> {
@@ -443,7 +443,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async getJobLogs(jobId: string, start: number, end: number, asc: boolean): Promise<{ logs: string[]; count: number }> {
-    return JSON.parse(await this.native.getJobLogs(Date.now(), String(jobId), start, end, asc));
+    return JSON.parse(await this.native.getJobLogs(Date.now(), String(jobId), Number(start), Number(end), asc));
   }
 
   getCounts(types: JobType[], delayedTimestamp?: number): Promise<number[]> {
@@ -455,7 +455,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async getRanges(types: JobType[], start = 0, end = 1, asc = false): Promise<[string][]> {
-    return (await this.native.getRanges(Date.now(), types, start, end, asc)) as unknown as [string][];
+    // Numbers given as text (a query string's) read as Redis reads them.
+    return (await this.native.getRanges(Date.now(), types, Number(start), Number(end), asc)) as unknown as [string][];
   }
 
   getDependencyCounts(jobId: string, types: string[]): Promise<number[]> {
@@ -496,7 +497,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async getMetrics(type: 'completed' | 'failed', start = 0, end = -1): Promise<[string[], string[], number]> {
-    return JSON.parse(await this.native.getMetrics(Date.now(), type, start, end));
+    return JSON.parse(await this.native.getMetrics(Date.now(), type, Number(start), Number(end)));
   }
 
   /** One CLIENT LIST text with the names this process's backends of this store and namespace hold. */
@@ -646,7 +647,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   getJobSchedulersRange(start: number, end: number, asc: boolean): Promise<string[]> {
-    return this.native.getJobSchedulersRange(Date.now(), start, end, asc);
+    return this.native.getJobSchedulersRange(Date.now(), Number(start), Number(end), asc);
   }
 
   getJobSchedulersCount(): Promise<number> {

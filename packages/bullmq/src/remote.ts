@@ -693,7 +693,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async extendLock(jobId: string, token: string, duration: number): Promise<number> {
     try {
       await this.send({ command: 'extendLock', jobId }, (c, o) =>
-        c.extend({ queue: this.queueName, items: [{ jobId, fence: holderFence(token) }], durationMs: u64(duration) }, o),
+        c.extend({ queue: this.queueName, items: [{ jobId, fence: holderFence(token) }], durationMs: u64(Number(duration)) }, o),
       );
       return 1;
     } catch (err) {
@@ -711,7 +711,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     }
     const items = jobIds.map((jobId, i) => ({ jobId, fence: holderFence(tokens[i]) }));
     const r = await this.send({ command: 'extendLocks' }, (c, o) =>
-      c.extend({ queue: this.queueName, items, durationMs: u64(duration) }, o),
+      c.extend({ queue: this.queueName, items, durationMs: u64(Number(duration)) }, o),
     );
     return r.failedJobIds;
   }

@@ -96,9 +96,10 @@ function onChildFailure(opts: Record<string, any>): OnChildFailure {
 }
 
 /** `<prefix>:<queue>` → its parts (queue names cannot hold `:`, so the last one splits). */
+/** As the addon's `split_qualified`: a key with no `:` is all prefix, and names no queue. */
 function splitQualified(queueKey: string): { prefix: string; queue: string } {
   const at = queueKey.lastIndexOf(':');
-  return at === -1 ? { prefix: '', queue: queueKey } : { prefix: queueKey.slice(0, at), queue: queueKey.slice(at + 1) };
+  return at === -1 ? { prefix: queueKey, queue: '' } : { prefix: queueKey.slice(0, at), queue: queueKey.slice(at + 1) };
 }
 
 type Check = (value: any) => boolean;

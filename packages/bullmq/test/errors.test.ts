@@ -205,6 +205,21 @@ describe('errors', () => {
     await Promise.all([worker.close(), queue.close()]);
   });
 
+  it("refuses a parent named by its queue without the prefix with BullMQ's -5, as Redis does", async () => {
+    const parents = new Queue(loam.queueName(), { connection });
+    const parent = await parents.add('p', {}, { jobId: 'top' });
+    const children = new Queue(loam.queueName(), { connection });
+    // Redis looks for the key `<queue>:top`, which no BullMQ queue has.
+    await expect(children.add('c', {}, { parent: { id: parent.id!, queue: parents.name } })).rejects.toMatchObject({
+      code: -5,
+      message: `Missing key for parent job ${parents.name}:top. addJob`,
+    });
+    expect(await children.count()).toBe(0);
+    await children.add('c', {}, { parent: { id: parent.id!, queue: parents.qualifiedName } });
+    expect(await parent.getDependenciesCount()).toMatchObject({ unprocessed: 1 });
+    await Promise.all([parents.close(), children.close()]);
+  });
+
   it('raises JobHasFailedChildren as an UnrecoverableError', async () => {
     const { fromNative } = await import('../src/errors.js');
     const err = fromNative(new Error('[bullmq:-9] Cannot complete job 1 because it has at least one failed child. moveToFinished'));
@@ -295,11 +310,19 @@ describe('errors', () => {
     rmSync(elsewhere, { recursive: true, force: true });
   });
 
+  it('reads numbers given as text (a query string\'s) in ranges and lock durations, as Redis does', async () => {
+    const { queue, active, backend } = await activeJob('tok-text');
+    const asText = (n: number) => String(n) as unknown as number;
+    await queue.add('b', {});
+    expect(await queue.getJobs(['waiting'], asText(0), asText(10))).toHaveLength(1);
+    expect((await queue.getJobLogs(active.id!, asText(0), asText(10))).count).toBe(0);
+    expect(await backend.extendLock(active.id!, 'tok-text', asText(60_000))).toBe(1);
+    await queue.close();
+  });
+
   itInProcess('an argument of the wrong type is refused as invalid, not with napi-rs\'s own code', async () => {
     const queue = new Queue(loam.queueName(), { connection });
-    const refused = { code: 'LOAM_INVALID_ARGUMENT' };
-    await expect(queue.getJobs(['waiting'], '0' as unknown as number, 10)).rejects.toMatchObject(refused);
-    await expect(queue.getJobCounts(5 as unknown as 'waiting')).rejects.toMatchObject(refused);
+    await expect(queue.getJobCounts(5 as unknown as 'waiting')).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
     await queue.close();
   });
 
