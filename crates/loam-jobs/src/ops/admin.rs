@@ -599,8 +599,8 @@ pub fn report(
     report: Report,
     idem: Option<&Idempotency>,
 ) -> Result<u64, JobsError> {
-    let request_hash = idem.map(|_| idempotency::hash_of(("report", id, fence, &report)));
-    if let (Some(idem), Some(hash)) = (idem, request_hash)
+    let keyed = idem.map(|idem| (idem, idempotency::hash_of(("report", id, fence, &report))));
+    if let Some((idem, hash)) = keyed
         && let Some(rec) = idempotency::recall(tx, q, idem, hash)?
     {
         return rec.log_count.ok_or_else(|| JobsError::IdempotencyConflict { key: idem.key.clone() });
@@ -610,7 +610,7 @@ pub fn report(
         Report::Log { row, keep } => add_log(tx, q, id, fence, row, keep),
         Report::Data(data) => update_data(tx, q, id, fence, data).map(|()| 0),
     }?;
-    if let (Some(idem), Some(hash)) = (idem, request_hash) {
+    if let Some((idem, hash)) = keyed {
         idempotency::remember(tx, q, idem, hash, id, Some(log_count))?;
     }
     Ok(log_count)

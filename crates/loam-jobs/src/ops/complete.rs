@@ -8,10 +8,10 @@ use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
     AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, Fence, JobError, JobRecord,
     JobState, Keep, Lease, LeaseInfo, Leased, LimiterWindow, MAX_METRICS_POINTS, MetricsRecord, OnChildFailure,
-    Outcome, Retention, validate_name,
+    Outcome, Retention,
 };
-use crate::ops::enqueue;
 use crate::ops::lease::{self, Line};
+use crate::ops::{enqueue, idempotency};
 use crate::tx::Tx;
 
 /// Default for BullMQ's `KeepJobs.limit`: most jobs one completion removes by age.
@@ -49,7 +49,7 @@ pub fn complete(
     let job = tx.load_job(q, id)?;
     let key = opts.idempotency.as_ref().map(|i| i.key.as_str());
     if let Some(key) = key {
-        validate_name("idempotency key", key, enqueue::MAX_NAME_BYTES)?;
+        idempotency::check_key(key)?;
         if let Some(done) = completed_before(tx, q, job.as_ref(), key)? {
             return Ok(done);
         }

@@ -20,6 +20,11 @@ use crate::model::{Idempotency, IdempotencyRecord, validate_name};
 use crate::ops::enqueue::MAX_NAME_BYTES;
 use crate::tx::Tx;
 
+/// Refuses a key the core does not take (empty, or longer than a job id).
+pub fn check_key(key: &str) -> Result<(), JobsError> {
+    validate_name("idempotency key", key, MAX_NAME_BYTES)
+}
+
 /// The live record of `idem`, if the call was made before; an error if that
 /// call was a different one (`request_hash` differs).
 pub fn recall(
@@ -28,7 +33,7 @@ pub fn recall(
     idem: &Idempotency,
     request_hash: u64,
 ) -> Result<Option<IdempotencyRecord>, JobsError> {
-    validate_name("idempotency key", &idem.key, MAX_NAME_BYTES)?;
+    check_key(&idem.key)?;
     let Some(rec) = tx.get_record::<IdempotencyRecord>(&QueueKeys::new(q).idempotency(&idem.key))? else {
         return Ok(None);
     };
