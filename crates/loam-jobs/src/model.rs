@@ -716,7 +716,7 @@ pub struct Enqueued {
 }
 
 /// What a worker reports about the job it holds.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
 pub enum Report {
     /// JSON text; emits `progress`.
     Progress(String),
@@ -724,11 +724,11 @@ pub enum Report {
     /// else the core's cap).
     Log { row: String, keep: Option<u64> },
     /// The job's new payload.
-    Data(Vec<u8>),
+    Data(#[serde(with = "serde_bytes")] Vec<u8>),
 }
 
 /// A fencing proof for a write to a leased job.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
 pub enum Fence {
     /// The lease epoch handed out by `lease`.
     Epoch(u64),

@@ -599,7 +599,7 @@ pub fn report(
     report: Report,
     idem: Option<&Idempotency>,
 ) -> Result<u64, JobsError> {
-    let keyed = idem.map(|idem| (idem, idempotency::hash_of(("report", id, fence, &report))));
+    let keyed = idem.map(|idem| (idem, idempotency::hash_of(&("report", id, fence, &report))));
     if let Some((idem, hash)) = keyed
         && let Some(rec) = idempotency::recall(tx, q, idem, hash)?
     {

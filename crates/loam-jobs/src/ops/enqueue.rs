@@ -50,7 +50,7 @@ fn is_integer_text(id: &str) -> bool {
 }
 
 fn request_hash(req: &EnqueueRequest) -> u64 {
-    idempotency::hash_of((&req.name, &req.data, &req.opts, req.delay_ms, req.priority))
+    idempotency::hash_of(&(&req.name, serde_bytes::Bytes::new(&req.data), &req.opts, req.delay_ms, req.priority))
 }
 
 /// What the caller wants done with a new job's state.

@@ -12,7 +12,10 @@
 //! `complete::complete`): a record of its own was two more B-tree inserts
 //! and, later, two deletes per job.
 
-use std::hash::{Hash, Hasher};
+use std::hash::Hasher;
+
+use serde::Serialize;
+use siphasher::sip::SipHasher13;
 
 use crate::error::JobsError;
 use crate::keys::{QueueId, QueueKeys};
@@ -64,10 +67,15 @@ pub fn remember(
     tx.put(&crate::keys::idempotency_expiry(rec.expires_at, &key), Vec::new())
 }
 
-/// What tells two calls under one key apart.
-pub fn hash_of(request: impl Hash) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    request.hash(&mut h);
+/// What tells two calls under one key apart: a fixed hash (SipHash-1-3 under
+/// zero keys) of the call's MessagePack encoding, both fixed formats, so a
+/// record kept by one build still matches the call sent again to the next.
+/// (std's `DefaultHasher`, and how `Hash` feeds it a `str`, may change between
+/// Rust releases: an upgrade under a client's resends would have refused them
+/// as conflicts.)
+pub fn hash_of(request: &impl Serialize) -> u64 {
+    let mut h = SipHasher13::new();
+    h.write(&crate::model::encode(request));
     h.finish()
 }
 
@@ -87,4 +95,20 @@ pub fn purge_expired(tx: &mut Tx, limit: usize) -> Result<u64, JobsError> {
         }
     }
     Ok(purged)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hash_of;
+    use crate::model::{Fence, Report};
+
+    /// The hashes kept in records must not change from one build to the next:
+    /// these are the values the first build with a fixed hash gave.
+    #[test]
+    fn hashes_stay_what_earlier_builds_kept() {
+        let add = hash_of(&("email", serde_bytes::Bytes::new(b"{\"to\":1}"), "{}", 0u64, 0u32));
+        let report =
+            hash_of(&("report", "7", &Fence::Token("t".into()), &Report::Log { row: "hi".into(), keep: Some(3) }));
+        assert_eq!((add, report), (10024672349652522726, 9076688982668741003));
+    }
 }
