@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import pytest
+from protobuf import Oneof
 
 from loam_jobs import (
     Client,
@@ -29,6 +30,7 @@ from loam_jobs import (
     models,
 )
 from loam_jobs import _ops as ops
+from loam_jobs._gen.loam.jobs.v1.jobs_pb import ReportRequest
 
 from .conftest import MAX_PAYLOAD_BYTES, Server
 
@@ -442,3 +444,56 @@ def test_each_enqueue_of_one_spec_adds_a_job(client: Client, queue: str) -> None
     assert len(ids) == 3
     keyed = job("a", None, idempotency_key=f"{queue}-k")
     assert len({client.enqueue_job(queue, keyed).id for _ in range(3)}) == 1
+
+
+def test_completions_and_reports_retry_an_unknown_outcome_under_one_key() -> None:
+    fence = ops._fence("1", 1, None, False)
+    log = Oneof[Literal["log"], ReportRequest.Log]("log", ReportRequest.Log(row="hi"))
+    for op in (ops.complete("q", "1", fence, Success()), ops.report("q", "1", fence, log)):
+        first = next(op)
+        assert isinstance(first, ops.Call)
+        key = _key_of(first)
+        assert key
+        assert isinstance(op.throw(UnavailableError("connection reset")), ops.Pause)
+        again = op.send(None)
+        assert isinstance(again, ops.Call) and _key_of(again) == key
+        # A refusal is an answer, not an unknown outcome.
+        with pytest.raises(FencedError):
+            op.throw(FencedError("lease lost"))
+
+
+def _key_of(call: ops.Call) -> str:
+    request = call.request
+    keyed = request.options if call.rpc == "complete" else request
+    return str(keyed.idempotency.key)
+
+
+def _sent_twice(call: ops.Call) -> Any:
+    """Sends `call` twice, as a retry after a lost answer does."""
+    first = yield call
+    second = yield call
+    return first, second
+
+
+def test_a_completion_sent_again_is_answered_as_first_made(client: Client, queue: str) -> None:
+    for name in ("a", "b", "c"):
+        client.enqueue(queue, name)
+    leased = client.lease(queue)[0]
+    call = next(ops.complete(queue, leased.id, leased.fence(), Success(), ops.lease_options(1)))
+    first, second = client._run(_sent_twice(call))
+    assert [lease.job.id for lease in first.completed.next.leases] == ["2"]
+    # The same job handed over again, not a third one leased, nor an error
+    # for a lease that is gone.
+    assert second.completed.state == first.completed.state
+    assert [lease.job.id for lease in second.completed.next.leases] == ["2"]
+    assert client.get_job(queue, "3").state == JobState.WAITING
+
+
+def test_a_log_line_sent_again_is_kept_once(client: Client, queue: str) -> None:
+    client.enqueue(queue, "a")
+    leased = client.lease(queue)[0]
+    log = Oneof[Literal["log"], ReportRequest.Log]("log", ReportRequest.Log(row="once"))
+    call = next(ops.report(queue, leased.id, leased.fence(), log))
+    first, second = client._run(_sent_twice(call))
+    assert (first.log_count, second.log_count) == (1, 1)
+    assert client.logs(queue, leased.id).logs == ["once"]

@@ -49,6 +49,7 @@ from ._gen.loam.jobs.v1.types_pb import (
     Enqueued,
     Fence,
     FlowNode,
+    Idempotency,
     Job,
     JobSpec,
     JobState,
@@ -88,6 +89,7 @@ from .models import (
     job,
     lease_options,
     retention,
+    uuid7,
 )
 
 # The server caps one long-poll at 30 s; longer waits are several calls.
@@ -132,7 +134,8 @@ Op = Generator[Call | Pause, Any, T]
 
 # The pauses before each retry of a call whose outcome is unknown (the server
 # was unreachable, or did not answer in time). Only calls that are safe to
-# repeat are retried: an enqueue that carries an idempotency key.
+# repeat are retried: those that carry an idempotency key (an enqueue, a
+# completion, a report).
 RETRY_PAUSES = (0.1, 0.4, 1.6)
 
 
@@ -365,12 +368,17 @@ def complete(
     remove_on_fail: Retention | None = None,
     metrics_max_points: int | None = None,
     rate_limit_ttl_for: RateLimit | None = None,
+    key_ttl_ms: int | None = None,
 ) -> Op[CompleteResult]:
+    # Keyed, the completion is safe to send again: the server answers a
+    # repeat with what it first did (and the jobs it fetched then), where an
+    # unkeyed repeat of a completion that was made finds its lease gone.
     options = CompleteOptions(
         fetch_next=fetch_next,
         remove_on_complete=remove_on_complete,
         remove_on_fail=remove_on_fail,
         metrics_max_points=metrics_max_points,
+        idempotency=Idempotency(key=uuid7(), ttl_ms=key_ttl_ms),
     )
     request = CompleteRequest(
         queue=queue,
@@ -380,7 +388,7 @@ def complete(
         options=options,
         rate_limit_ttl_for=rate_limit_ttl_for,
     )
-    resp = yield Call("complete", request)
+    resp = yield from _retried(Call("complete", request))
     completed = resp.completed
     following = LeaseBatch.from_proto(queue, completed.next if completed else None)
     return CompleteResult(
@@ -403,8 +411,18 @@ def _chosen(field_name: str, value: Any) -> Any:
     return Oneof(field_name, value)
 
 
-def report(queue: str, job_id: str, fence: Fence, report: ReportBody) -> Op[int]:
-    resp = yield Call("report", ReportRequest(queue=queue, job_id=job_id, fence=fence, report=report))
+def report(
+    queue: str, job_id: str, fence: Fence, report: ReportBody, key_ttl_ms: int | None = None
+) -> Op[int]:
+    # Keyed so that a repeat adds no second log line or progress event.
+    request = ReportRequest(
+        queue=queue,
+        job_id=job_id,
+        fence=fence,
+        report=report,
+        idempotency=Idempotency(key=uuid7(), ttl_ms=key_ttl_ms),
+    )
+    resp = yield from _retried(Call("report", request))
     return resp.log_count
 
 
@@ -751,6 +769,7 @@ class Operations(ABC):
                 None if remove_on_fail is None else retention(remove_on_fail),
                 metrics_max_points,
                 rate_limit_ttl_for,
+                own_key_ttl_ms(self._timeout_ms),
             )
         )
 
@@ -782,7 +801,8 @@ class Operations(ABC):
         else:
             body = Oneof[Literal["data"], bytes]("data", encode_data(data))
         queue_name, job_id = _target(target, queue)
-        return self._run(report(queue_name, job_id, _fence(target, epoch, token, unchecked), body))
+        fence = _fence(target, epoch, token, unchecked)
+        return self._run(report(queue_name, job_id, fence, body, own_key_ttl_ms(self._timeout_ms)))
 
     # --- schedules ---------------------------------------------------------
 
