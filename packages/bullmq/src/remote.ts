@@ -252,7 +252,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** What this backend's keyed writes are told apart by on the server (see `keyed`): a prefix, then a count. */
   private readonly keyPrefix = `bullmq:${randomBytes(12).toString('base64url')}:`;
   private keyedWrites = 0;
-  /** Settles once every resendable ordered write (add, report) issued so far has been answered (see `send`). */
+  /** Settles once every resendable ordered write (add, report, queue setting) issued so far has been answered (see `send`). */
   private resendsAnswered: Promise<void> = Promise.resolve();
   /** The last ordered write issued: what the next one is sent behind (see `send`). */
   private lastOrdered: OrderedWrite = OrderedWrite.answered();
@@ -305,7 +305,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * stream's calls in the order they came, so `Promise.all` of adds costs
    * about one round trip, not one each. If the stream fails, the adds and
    * reports on it (`resendable`: the server knows one again by its key, see
-   * `keyed`) are sent again, each behind the one before; the other writes
+   * `keyed`) and the queue settings (`setQueueMeta`, the same again) are
+   * sent again, each behind the one before; the other writes
    * on it fail with `ConnectionClosedError` (their callers cannot know
    * whether they were applied). So any other write also waits for the
    * answers of the resendable ones before it: one of them sent again could
@@ -388,8 +389,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   /** A queue admin call, `ordered` unless it says otherwise (see `send`). */
-  private async queueAdmin(command: BullmqCommand, op: QueueAdminInit, { ordered = true } = {}) {
-    return this.send(command, (c, o) => c.queueAdmin({ queue: this.queueName, op }, o), { ordered });
+  private async queueAdmin(command: BullmqCommand, op: QueueAdminInit, { ordered = true, resendable = false } = {}) {
+    return this.send(command, (c, o) => c.queueAdmin({ queue: this.queueName, op }, o), { ordered, resendable });
   }
 
   private async jobAdmin(
@@ -1216,7 +1217,14 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const strings = Object.fromEntries(
       Object.entries(values).map(([k, v]) => [k, typeof v === 'string' ? v : JSON.stringify(v)]),
     );
-    const r = await this.queueAdmin({ command: 'setQueueMeta' }, { case: 'setMeta', value: { values: strings } });
+    // Setting the same values again changes nothing, so a cut one is sent
+    // again, as ioredis sends a cut command again (only the count of fields
+    // new to the hash may then read 0, and BullMQ does not use it).
+    const r = await this.queueAdmin(
+      { command: 'setQueueMeta' },
+      { case: 'setMeta', value: { values: strings } },
+      { resendable: true },
+    );
     return Number(r.count);
   }
 

@@ -327,6 +327,18 @@ describeRemote('remote connection failures', () => {
     expect((await job)?.data).toEqual({ n: -1 });
   });
 
+  it("a queue setting whose answer is lost is sent again", async () => {
+    const { link, queue, watcher } = await addsThroughProxy();
+    await queue.getJobCounts();
+    link.holdReplies();
+    const set = queue.setGlobalConcurrency(3);
+    await vi.waitFor(async () => expect(await watcher.getGlobalConcurrency()).toBe(3), { timeout: 5_000, interval: 20 });
+    link.cut();
+    link.passReplies();
+    await set;
+    expect(await watcher.getGlobalConcurrency()).toBe(3);
+  });
+
   it("a processor's progress and log whose answers are lost are sent again, and made once", async () => {
     const link = await proxy();
     const { through, direct } = classes({ url: link.url });
