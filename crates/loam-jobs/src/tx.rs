@@ -351,7 +351,7 @@ impl<'a> Tx<'a> {
         self.delete(&key)?;
         // A job leaving active frees a slot of a queue's global concurrency:
         // workers waiting on a maxed queue may take the next job.
-        if job.state == JobState::Active && self.meta_u64(q, "concurrency")?.is_some_and(|c| c > 0) {
+        if job.state == JobState::Active && self.meta_u64(q, "concurrency")?.is_some() {
             self.effects.wake_jobs.insert(q.clone());
         }
         Ok(())

@@ -487,6 +487,44 @@ fn rate_limit_and_global_concurrency_bound_leases() {
     assert!(jobs.lease("ns", "q", LeaseRequest { max: 5, ..Default::default() }).wait().unwrap().info.maxed);
 }
 
+/// As on Redis: a global concurrency of 0 holds every job (the queue reads
+/// as maxed), until it is raised or removed.
+#[test]
+fn a_global_concurrency_of_zero_holds_every_job() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    jobs.set_meta("ns", "q", BTreeMap::from([("concurrency".to_string(), "0".to_string())])).wait().unwrap();
+    let held = jobs.lease("ns", "q", LeaseRequest::default()).wait().unwrap();
+    assert!(held.leases.is_empty() && held.info.maxed);
+    assert!(jobs.query("ns", "q", query::is_maxed).unwrap());
+    jobs.set_meta("ns", "q", BTreeMap::from([("concurrency".to_string(), "1".to_string())])).wait().unwrap();
+    assert_eq!(jobs.lease("ns", "q", LeaseRequest::default()).wait().unwrap().leases.len(), 1);
+}
+
+/// As Redis's moveToActive reads them: the global max, else the worker's;
+/// the worker's window length, else the global one.
+#[test]
+fn a_global_rate_limit_beside_a_workers_limiter_takes_its_max_and_the_workers_window() {
+    let (jobs, clock) = core();
+    for i in 0..8 {
+        jobs.enqueue("ns", "q", job(&format!("j{i}"))).wait().unwrap();
+    }
+    let global = BTreeMap::from([("max".to_string(), "3".to_string()), ("duration".to_string(), "400".to_string())]);
+    jobs.set_meta("ns", "q", global).wait().unwrap();
+    let worker = LeaseRequest { max: 8, limiter: Some(RateLimit { max: 1, duration_ms: 1000 }), ..Default::default() };
+    assert_eq!(jobs.lease("ns", "q", worker.clone()).wait().unwrap().leases.len(), 3, "the global max");
+    clock.advance(400);
+    let held = jobs.lease("ns", "q", worker.clone()).wait().unwrap();
+    assert_eq!((held.leases.len(), held.info.rate_limit_ms), (0, 600), "the worker's window of 1,000 ms");
+    clock.advance(600);
+    assert_eq!(jobs.lease("ns", "q", worker).wait().unwrap().leases.len(), 3);
+    // Without a limiter of its own, a worker gets the global window.
+    let plain = LeaseRequest { max: 8, ..Default::default() };
+    assert!(jobs.lease("ns", "q", plain.clone()).wait().unwrap().leases.is_empty());
+    clock.advance(1000);
+    assert_eq!(jobs.lease("ns", "q", plain.clone()).wait().unwrap().leases.len(), 2, "the 2 jobs left");
+}
+
 /// BullMQ's getRateLimitTtl of a manual rate limit: what is left of it, the
 /// longest an i64 holds for one set "for ever", and -2 with none.
 #[test]

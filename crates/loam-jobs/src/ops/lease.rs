@@ -30,13 +30,23 @@ pub fn check_fence(job: &JobRecord, fence: &Fence) -> Result<(), JobsError> {
     if holds { Ok(()) } else { Err(fenced(FenceFailure::Mismatch)) }
 }
 
-/// The queue's rate limit: the global one in its meta, else the worker's.
+/// The queue's rate limit, as Redis's moveToActive reads it: the global max
+/// in its meta, else the worker's; the worker's window length, else the
+/// global one. So a worker with a limiter of its own beside a global rate
+/// limit lets the global max through per its own window.
 pub fn limiter(tx: &mut Tx, q: &QueueId, worker: Option<&RateLimit>) -> Result<Option<RateLimit>, JobsError> {
-    let max = tx.meta_u64(q, "max")?;
-    let duration = tx.meta_u64(q, "duration")?;
+    let worker = worker.filter(|l| l.max > 0);
+    let max = match tx.meta_u64(q, "max")? {
+        Some(max) => Some(max),
+        None => worker.map(|l| l.max),
+    };
+    let duration = match worker {
+        Some(l) => Some(l.duration_ms),
+        None => tx.meta_u64(q, "duration")?,
+    };
     Ok(match (max, duration) {
         (Some(max), Some(duration_ms)) if max > 0 => Some(RateLimit { max, duration_ms }),
-        _ => worker.filter(|l| l.max > 0).cloned(),
+        _ => None,
     })
 }
 
@@ -101,7 +111,8 @@ pub fn lease_taken_by(
         return Ok(out);
     }
     let mut room = u64::from(req.max.max(1));
-    if let Some(concurrency) = tx.meta_u64(q, "concurrency")?.filter(|c| *c > 0) {
+    // A global concurrency of 0 holds every job, as on Redis.
+    if let Some(concurrency) = tx.meta_u64(q, "concurrency")? {
         let active = tx.stats(q)?.active;
         if active >= concurrency {
             out.info.maxed = true;

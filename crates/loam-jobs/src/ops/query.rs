@@ -266,7 +266,7 @@ pub fn rate_limit_ttl_or_missing(tx: &mut Tx, q: &QueueId, max: Option<u64>) -> 
 
 pub fn is_maxed(tx: &mut Tx, q: &QueueId) -> Result<bool, JobsError> {
     let active = tx.stats(q)?.active;
-    Ok(tx.meta_u64(q, "concurrency")?.is_some_and(|c| c > 0 && active >= c))
+    Ok(tx.meta_u64(q, "concurrency")?.is_some_and(|c| active >= c))
 }
 
 pub fn get_job(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Option<JobRecord>, JobsError> {
