@@ -318,11 +318,17 @@ fn move_to_tick(
         }
     }
     rec.next_millis = next;
-    rec.iteration_count += 1;
     rec.repeat_count = Some(rec.repeat_count() + 1);
     rec.next_job_id = Some(next_id.clone());
+    // The iterations counted are those added, as Redis counts them: a tick
+    // whose job was there already, or past the limit or end date, moves the
+    // scheduler on without one.
+    let adds = !taken && !finished_scheduling(&rec);
+    if adds {
+        rec.iteration_count += 1;
+    }
     save(tx, q, Some(prev), &rec)?;
-    if taken || finished_scheduling(&rec) {
+    if !adds {
         return Ok(None);
     }
     add_iteration(tx, q, &rec, template)?;
