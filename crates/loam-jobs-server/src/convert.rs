@@ -344,7 +344,8 @@ pub fn complete_options(o: Option<pb::CompleteOptions>) -> Res<CompleteOptions> 
 
 pub fn completed(c: &Completed) -> pb::Completed {
     pb::Completed {
-        state: c.state.map(state_to_pb).unwrap_or_default(),
+        // Unspecified when retention removed the job (the proto's contract).
+        state: c.state.filter(|_| !c.removed).map(state_to_pb).unwrap_or_default(),
         finished_on: c.finished_on,
         moved: c.moved,
         next: c.next.as_ref().map(leased).into(),

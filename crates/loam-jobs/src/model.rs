@@ -620,6 +620,10 @@ pub struct IdempotencyRecord {
     /// (its answer is its job), and in records written before reports were keyed.
     #[serde(default)]
     pub log_count: Option<u64>,
+    /// For a completion whose job retention removed (the job's record, which
+    /// keeps a completion's key otherwise, is gone): when the job finished.
+    #[serde(default)]
+    pub finished_on: Option<u64>,
 }
 
 /// A job scheduler (BullMQ's `upsertJobScheduler`, design 26 section 8.1).
@@ -869,7 +873,11 @@ pub const MAX_METRICS_POINTS: u64 = 1 << 17;
 
 #[derive(Clone, Debug, Default)]
 pub struct Completed {
+    /// The state the job ended in (None in a repeat's answer when retention
+    /// removed the job).
     pub state: Option<JobState>,
+    /// Retention removed the job as it finished.
+    pub removed: bool,
     pub finished_on: Option<u64>,
     /// For WaitChildren: whether the job now waits (false = no pending children).
     pub moved: bool,

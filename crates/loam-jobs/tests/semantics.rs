@@ -809,9 +809,11 @@ fn a_completion_made_again_under_its_key_gives_its_first_answer() {
 
         let again = complete_a(Some("k1")).unwrap();
         assert!(again.replayed && again.attempt.is_none());
-        // The job removed, its state and finish time are gone with it.
-        let first_state = if removed { (None, None) } else { (first.state, first.finished_on) };
-        assert_eq!((again.state, again.finished_on), first_state);
+        // The job removed, its state is gone with it; the key's own record
+        // keeps when it finished.
+        assert_eq!(first.removed, removed);
+        let first_state = if removed { None } else { first.state };
+        assert_eq!((again.state, again.finished_on, again.removed), (first_state, first.finished_on, removed));
         let b_again = again.next.and_then(|n| n.leases.into_iter().next()).unwrap();
         assert_eq!((b_again.job.id, b_again.epoch, b_again.token), (b.job.id.clone(), b.epoch, b.token.clone()));
         assert_eq!(event_names(&jobs, "q").iter().filter(|n| *n == "completed").count(), 1, "completed once");
@@ -823,14 +825,16 @@ fn a_completion_made_again_under_its_key_gives_its_first_answer() {
             assert!(matches!(refused, JobsError::Fenced { .. } | JobsError::NotFound(_)), "{refused:?}");
         }
         // Once `b`'s lease lapsed and it was reclaimed, the answer leaves it
-        // out; with `a` removed too, nothing is left to recognize it by.
+        // out; `a`, removed, is still known by its key's record.
         clock.advance(10_000);
         assert_eq!(jobs.sweep_stalled("ns", "q").wait().unwrap(), std::slice::from_ref(&b.job.id));
-        let late = complete_a(Some("k1"));
+        let late = complete_a(Some("k1")).unwrap();
+        assert!(late.replayed && late.removed == removed && late.next.is_some_and(|n| n.leases.is_empty()));
         if removed {
-            assert!(matches!(late, Err(JobsError::NotFound(Missing::Job(_)))));
-        } else {
-            assert!(late.unwrap().next.is_some_and(|n| n.leases.is_empty()));
+            // Past the key's ttl (the core's default, a day), nothing is left
+            // to recognize it by.
+            clock.advance(24 * 3600 * 1000);
+            assert!(matches!(complete_a(Some("k1")), Err(JobsError::NotFound(Missing::Job(_)))));
         }
         if !removed {
             // Run again and leased by another worker, `a` no longer answers to the key.

@@ -497,3 +497,17 @@ def test_a_log_line_sent_again_is_kept_once(client: Client, queue: str) -> None:
     first, second = client._run(_sent_twice(call))
     assert (first.log_count, second.log_count) == (1, 1)
     assert client.logs(queue, leased.id).logs == ["once"]
+
+
+def test_a_completion_sent_again_after_retention_removed_its_job_is_answered_as_first_made(
+    client: Client, queue: str
+) -> None:
+    client.enqueue(queue, "a", remove_on_complete=True)
+    leased = client.lease(queue)[0]
+    call = next(ops.complete(queue, leased.id, leased.fence(), Success()))
+    first, second = client._run(_sent_twice(call))
+    # Removed by retention: no state, as the answer's docs say; the repeat
+    # finds the key's record, not a missing job.
+    assert first.completed.state == second.completed.state == JobState.UNSPECIFIED
+    assert second.completed.finished_on == first.completed.finished_on
+    assert client.get_job(queue, leased.id) is None

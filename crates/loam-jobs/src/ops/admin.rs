@@ -611,7 +611,8 @@ pub fn report(
         Report::Data(data) => update_data(tx, q, id, fence, data).map(|()| 0),
     }?;
     if let Some((idem, hash)) = keyed {
-        idempotency::remember(tx, q, idem, hash, id, Some(log_count))?;
+        let answer = idempotency::Answer { log_count: Some(log_count), ..Default::default() };
+        idempotency::remember(tx, q, idem, hash, id, answer)?;
     }
     Ok(log_count)
 }

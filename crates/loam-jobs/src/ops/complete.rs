@@ -6,9 +6,9 @@ use std::collections::VecDeque;
 use crate::error::{JobsError, Precondition};
 use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
-    AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, Fence, JobError, JobRecord,
-    JobState, Keep, Lease, LeaseInfo, Leased, LimiterWindow, MAX_METRICS_POINTS, MetricsRecord, OnChildFailure,
-    Outcome, Retention,
+    AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, Fence, Idempotency, JobError,
+    JobRecord, JobState, Keep, Lease, LeaseInfo, Leased, LimiterWindow, MAX_METRICS_POINTS, MetricsRecord,
+    OnChildFailure, Outcome, Retention,
 };
 use crate::ops::lease::{self, Line};
 use crate::ops::{enqueue, idempotency};
@@ -35,9 +35,11 @@ pub fn check_children(job: &JobRecord) -> Result<(), JobsError> {
 /// ended (`ended_by`, until the job is leased again) and on the leases it
 /// took for the next jobs (`taken_by`), records written anyway. So the
 /// worker gets its next job back instead of leaving it to stall. A job that
-/// retention removed leaves no mark: the completion is still recognized by
-/// the next job it took, and if it took none, it is answered as any call on
-/// a missing job is (a worker sent on to no job loses nothing).
+/// retention removed at once leaves the key in an idempotency record of its
+/// own (its record is gone), for the key's ttl. (One that a later
+/// completion's retention trimmed before the repeat came is known only by
+/// the next jobs its completion took; if it took none, the repeat is
+/// answered as any call on a missing job is.)
 pub fn complete(
     tx: &mut Tx,
     q: &QueueId,
@@ -47,30 +49,41 @@ pub fn complete(
     opts: &CompleteOptions,
 ) -> Result<Completed, JobsError> {
     let job = tx.load_job(q, id)?;
-    let key = opts.idempotency.as_ref().map(|i| i.key.as_str());
-    if let Some(key) = key {
-        idempotency::check_key(key)?;
-        if let Some(done) = completed_before(tx, q, job.as_ref(), key)? {
+    if let Some(idem) = &opts.idempotency {
+        idempotency::check_key(&idem.key)?;
+        if let Some(done) = completed_before(tx, q, id, job.as_ref(), idem)? {
             return Ok(done);
         }
     }
     let mut job = job.ok_or_else(|| JobsError::job_missing(id))?;
+    let key = opts.idempotency.as_ref().map(|i| i.key.as_str());
     job.ended_by = key.map(str::to_string);
     complete_job(tx, q, job, fence, outcome, opts, key)
 }
 
-/// The first answer of the completion keyed `key`, if it was applied: `job`
-/// (None if removed) ended by it, or a job leased by it.
+/// What tells a completion's key apart from another call's under it.
+fn completion_hash(id: &str) -> u64 {
+    idempotency::hash_of(&("complete", id))
+}
+
+/// The first answer of the completion keyed `idem`, if it was applied: `job`
+/// ended by it (or removed, with its key's record), or a job leased by it.
 fn completed_before(
     tx: &mut Tx,
     q: &QueueId,
+    id: &str,
     job: Option<&JobRecord>,
-    key: &str,
+    idem: &Idempotency,
 ) -> Result<Option<Completed>, JobsError> {
+    let key = idem.key.as_str();
     let ended = job.is_some_and(|j| j.ended_by.as_deref() == Some(key));
     if job.is_some() && !ended {
         return Ok(None);
     }
+    let removed = match job {
+        Some(_) => None,
+        None => idempotency::recall(tx, q, idem, completion_hash(id))?,
+    };
     let mut leases = Vec::new();
     for (_, id) in tx.scan(&QueueKeys::new(q).active_all(), usize::MAX, false)? {
         let Some(next) = tx.load_job(q, &String::from_utf8_lossy(&id))? else { continue };
@@ -78,13 +91,14 @@ fn completed_before(
             leases.push(Lease { epoch: next.epoch, token: lock.token, deadline: lock.deadline, job: next });
         }
     }
-    if !ended && leases.is_empty() {
+    if !ended && removed.is_none() && leases.is_empty() {
         return Ok(None);
     }
     let next = Some(Leased { leases, info: LeaseInfo::default() });
     Ok(Some(Completed {
         state: job.map(|j| j.state),
-        finished_on: job.and_then(|j| j.finished_on),
+        finished_on: job.and_then(|j| j.finished_on).or(removed.as_ref().and_then(|r| r.finished_on)),
+        removed: removed.is_some(),
         moved: true,
         next,
         attempt: None,
@@ -127,6 +141,8 @@ fn complete_job(
     if job.state != JobState::Active {
         return Err(JobsError::not_in_state(id, job.state, "active"));
     }
+    let retention_on_complete = job.remove_on_complete.or(opts.remove_on_complete).unwrap_or_default();
+    let retention_on_fail = job.remove_on_fail.or(opts.remove_on_fail).unwrap_or_default();
     let ends_attempt = matches!(outcome, Outcome::Ok { .. } | Outcome::Fail { .. } | Outcome::Retry { .. });
     let attempt = job
         .processed_on
@@ -181,6 +197,20 @@ fn complete_job(
             false
         }
     };
+    let removed = match done.state {
+        Some(JobState::Completed) => removes_at_once(&retention_on_complete),
+        Some(JobState::Failed) => removes_at_once(&retention_on_fail),
+        _ => false,
+    };
+    if removed {
+        // Retention removed the job: the answer says so, and a keyed
+        // completion keeps its key where a repeat finds it (see `complete`).
+        done.removed = true;
+        if let Some(idem) = &opts.idempotency {
+            let answer = idempotency::Answer { finished_on: done.finished_on, ..Default::default() };
+            idempotency::remember(tx, q, idem, completion_hash(id), id, answer)?;
+        }
+    }
     if fetch && let Some(req) = &opts.fetch_next {
         done.next = Some(lease::lease_taken_by(tx, q, req, key)?);
     }
@@ -371,17 +401,22 @@ fn park_for_children(tx: &mut Tx, q: &QueueId, mut job: JobRecord) -> Result<Job
     Ok(job)
 }
 
+/// Whether `retention` deletes a job as it finishes.
+fn removes_at_once(retention: &Retention) -> bool {
+    matches!(retention, Retention::RemoveImmediately | Retention::Keep(Keep { count: Some(0), .. }))
+}
+
 /// Keeps a finished job in its state's index under `retention`, or deletes it;
 /// then trims older finished jobs of the same state.
 fn keep_or_purge(tx: &mut Tx, q: &QueueId, job: &mut JobRecord, retention: Retention) -> Result<(), JobsError> {
+    if removes_at_once(&retention) {
+        super::admin::detach_from_parent(tx, q, job)?;
+        super::admin::purge_job(tx, q, job)?;
+        return Ok(());
+    }
     let keep = match retention {
-        Retention::KeepAll => Keep::default(),
-        Retention::RemoveImmediately | Retention::Keep(Keep { count: Some(0), .. }) => {
-            super::admin::detach_from_parent(tx, q, job)?;
-            super::admin::purge_job(tx, q, job)?;
-            return Ok(());
-        }
         Retention::Keep(k) => k,
+        _ => Keep::default(),
     };
     tx.index(q, job)?;
     tx.save_job(q, job)?;

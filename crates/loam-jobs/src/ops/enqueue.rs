@@ -212,7 +212,7 @@ fn add(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> R
         _ => {}
     }
     if let Some(idem) = &req.idempotency {
-        idempotency::remember(tx, q, idem, request_hash(&req), &id, None)?;
+        idempotency::remember(tx, q, idem, request_hash(&req), &id, idempotency::Answer::default())?;
     }
     Ok(Enqueued { id, created: true, state: job.state, deduplicated_by: None })
 }

@@ -49,19 +49,29 @@ pub fn recall(
     Ok(Some(rec))
 }
 
-/// Records that the call keyed `idem` (about job `job_id`) was made, and for
-/// a report the log lines it kept.
+/// What a call keyed `idem` answered besides its job, kept for a repeat.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Answer {
+    /// A report's: the log lines it kept.
+    pub log_count: Option<u64>,
+    /// A completion's whose job retention removed: when the job finished.
+    pub finished_on: Option<u64>,
+}
+
+/// Records that the call keyed `idem` (about job `job_id`) was made, and
+/// what it answered.
 pub fn remember(
     tx: &mut Tx,
     q: &QueueId,
     idem: &Idempotency,
     request_hash: u64,
     job_id: &str,
-    log_count: Option<u64>,
+    answer: Answer,
 ) -> Result<(), JobsError> {
     let ttl = idem.ttl_ms.unwrap_or(tx.config.idempotency_ttl_ms);
     let expires_at = tx.now.saturating_add(ttl);
-    let rec = IdempotencyRecord { request_hash, job_id: job_id.to_string(), expires_at, log_count };
+    let Answer { log_count, finished_on } = answer;
+    let rec = IdempotencyRecord { request_hash, job_id: job_id.to_string(), expires_at, log_count, finished_on };
     let key = QueueKeys::new(q).idempotency(&idem.key);
     tx.put_record(&key, &rec)?;
     tx.put(&crate::keys::idempotency_expiry(rec.expires_at, &key), Vec::new())
