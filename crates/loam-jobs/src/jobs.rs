@@ -102,7 +102,7 @@ impl Inner {
         for q in &effects.wake_events {
             self.notifier.notify(q, Channel::Events);
         }
-        if !effects.timers.is_empty() || !effects.new_queues.is_empty() {
+        if !effects.timers.is_empty() || !effects.new_queues.is_empty() || !effects.sweep_now.is_empty() {
             {
                 let mut heap = self.timers.heap.lock();
                 for (q, due) in effects.timers {
@@ -113,6 +113,9 @@ impl Inner {
                 let mut sweeps = self.sweeps.lock();
                 for q in effects.new_queues {
                     sweeps.entry(q).or_insert_with(Instant::now);
+                }
+                for q in effects.sweep_now {
+                    sweeps.insert(q, Instant::now());
                 }
             }
             self.timers.changed.notify_all();

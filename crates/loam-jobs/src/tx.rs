@@ -21,6 +21,9 @@ pub struct Effects {
     pub timers: Vec<(QueueId, u64)>,
     /// Queues seen for the first time.
     pub new_queues: Vec<QueueId>,
+    /// Queues whose stalled-job interval changed: swept at once, and on at
+    /// the new interval (the next sweep was set by the old one).
+    pub sweep_now: Vec<QueueId>,
 }
 
 struct QueueCache {
@@ -185,6 +188,7 @@ impl<'a> Tx<'a> {
         let key = self.cache(q)?.keys.config();
         self.put_record(&key, &config)?;
         self.cache(q)?.config = Some(config);
+        self.effects.sweep_now.push(q.clone());
         Ok(())
     }
 

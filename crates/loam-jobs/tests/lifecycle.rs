@@ -322,3 +322,26 @@ fn a_write_on_the_callers_thread_tells_a_waiting_event_read_there() {
     });
     assert!(told_here, "no add told the waiting read on the adding thread before it was answered");
 }
+
+/// A queue's stalled-job interval made shorter takes effect at once: the
+/// sweep the old interval had set (30 s off) does not hold an expired lease
+/// until then.
+#[test]
+fn a_shorter_stalled_interval_sweeps_at_once() {
+    let store = Box::new(RedbStore::in_memory().unwrap());
+    let jobs = Jobs::with_store(store, Arc::new(SystemClock), Config::default()).unwrap();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    // The queue's first write had it swept at once; the next is 30 s off.
+    std::thread::sleep(Duration::from_millis(200));
+    let leased = jobs.lease("ns", "q", LeaseRequest { max: 1, lock_duration_ms: 100, ..Default::default() });
+    assert_eq!(leased.wait().unwrap().leases.len(), 1);
+    std::thread::sleep(Duration::from_millis(150));
+    let config = QueueConfig { stalled_interval_ms: 200, ..QueueConfig::defaults(&Config::default()) };
+    jobs.set_queue_config("ns", "q", config).wait().unwrap();
+    let started = Instant::now();
+    while jobs.get_job("ns", "q", "1").unwrap().unwrap().state == JobState::Active {
+        assert!(started.elapsed() < Duration::from_secs(5), "the expired lease is still held");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(jobs.get_job("ns", "q", "1").unwrap().unwrap().stalled_counter, 1);
+}

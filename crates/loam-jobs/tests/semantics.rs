@@ -1643,6 +1643,21 @@ fn raising_or_removing_a_maxed_queues_concurrency_wakes_its_waiting_workers() {
     });
 }
 
+#[test]
+fn removing_the_rate_limit_key_wakes_waiting_workers() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    jobs.admin("ns", "q", |tx, q| admin::set_rate_limit(tx, q, 60_000)).wait().unwrap();
+    std::thread::scope(|s| {
+        let waiter = s.spawn(|| jobs.lease_wait_blocking("ns", "q", LeaseRequest::default(), Duration::from_secs(5)));
+        std::thread::sleep(Duration::from_millis(50));
+        let started = std::time::Instant::now();
+        assert_eq!(jobs.admin("ns", "q", admin::remove_rate_limit_key).wait().unwrap(), 1);
+        assert_eq!(waiter.join().unwrap().unwrap().leases.len(), 1);
+        assert!(started.elapsed() < Duration::from_secs(2), "woken by the removal, not the timeout");
+    });
+}
+
 /// Runs `change` while a worker waits up to 5 s for a job of queue "q", and
 /// checks that it woke the worker (within 2 s, not by the timeout).
 fn assert_wakes_a_waiting_worker(jobs: &Jobs, what: &str, change: impl FnOnce()) {

@@ -744,6 +744,10 @@ pub fn remove_rate_limit_key(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError>
     let key = QueueKeys::new(q).limiter();
     let existed = tx.get(&key)?.is_some();
     tx.delete(&key)?;
+    if existed {
+        // Workers waiting out the limit may take jobs now.
+        tx.effects.wake_jobs.insert(q.clone());
+    }
     Ok(u64::from(existed))
 }
 
