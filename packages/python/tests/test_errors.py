@@ -161,3 +161,11 @@ def test_namespaces_without_tokens(client: Client, server: Server, queue: str) -
 def test_every_error_is_a_loam_jobs_error(client: Client) -> None:
     with pytest.raises(LoamJobsError):
         client.enqueue("", "a", None)
+
+
+@pytest.mark.parametrize("make", [loam_jobs.Client, loam_jobs.AsyncClient])
+def test_a_token_or_namespace_no_header_can_carry_is_refused_at_once(make: Callable[..., object]) -> None:
+    bad: list[dict[str, str]] = [{"token": "a\nb"}, {"namespace": "ns\r\nx-evil: 1"}, {"namespace": "naïve"}]
+    for given in bad:
+        with pytest.raises(InvalidArgumentError, match="printable ASCII"):
+            make("http://127.0.0.1:1", **given)

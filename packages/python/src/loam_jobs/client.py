@@ -23,7 +23,13 @@ from pyqwest import SyncClient, SyncHTTPTransport
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
 from ._gen.loam.jobs.v1.jobs_pb import WatchRequest
 from ._ops import Call, Op, Operations, Pause
-from .errors import LoamJobsError, QueuePausedError, UnavailableError, from_connect_error
+from .errors import (
+    InvalidArgumentError,
+    LoamJobsError,
+    QueuePausedError,
+    UnavailableError,
+    from_connect_error,
+)
 from .models import QueueEvent
 
 __all__ = ["AsyncClient", "AsyncWatch", "Client", "Watch", "DEFAULT_URL"]
@@ -40,12 +46,22 @@ T = TypeVar("T")
 S = TypeVar("S", JobsServiceClientSync, JobsServiceClient)
 
 
+def _header_value(name: str, value: str) -> str:
+    """`value`, refused unless a header can carry it as given: printable
+    ASCII (a newline would end the header, and other bytes are sent as
+    whatever the HTTP library makes of them)."""
+    if not all(" " <= c <= "~" for c in value):
+        raise InvalidArgumentError(f"the {name} must be printable ASCII: {value!r}")
+    return value
+
+
 def _headers(token: str | None, namespace: str | None) -> dict[str, str]:
+    """The headers of every call, checked once when the client is made."""
     headers: dict[str, str] = {}
     if token:
-        headers["authorization"] = f"Bearer {token}"
+        headers["authorization"] = f"Bearer {_header_value('token', token)}"
     if namespace:
-        headers[NAMESPACE_HEADER] = namespace
+        headers[NAMESPACE_HEADER] = _header_value("namespace", namespace)
     return headers
 
 
