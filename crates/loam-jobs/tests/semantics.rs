@@ -2377,3 +2377,13 @@ fn remove_unprocessed_children_skips_only_leased_and_failed_jobs() {
     assert_eq!(state(&jobs, "q", "AA"), Some(JobState::Completed));
     assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::Active]).unwrap(), [1, 0]);
 }
+
+/// A parent whose flow gave it no children is released as the flow goes in,
+/// and its answer says so, not the state it waited in for a moment.
+#[test]
+fn a_flow_parent_with_no_children_is_answered_as_released() {
+    let (jobs, _) = core();
+    let added = jobs.flow("ns", vec![flow_node("parents", "p", None, true)]).wait().unwrap();
+    assert_eq!(added[0].state, JobState::Waiting);
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
+}

@@ -486,17 +486,18 @@ pub fn flow(tx: &mut Tx, nodes: Vec<FlowNode>) -> Result<Vec<Enqueued>, JobsErro
         let e = enqueue(tx, &q, node.request, placement)?;
         in_flow.insert((node.queue, e.id.clone()));
         if node.wait_children && e.created {
-            parents.push((q, e.id.clone()));
+            parents.push((q, e.id.clone(), out.len()));
         }
         out.push(e);
     }
-    for (q, id) in parents.into_iter().rev() {
+    for (q, id, answer) in parents.into_iter().rev() {
         if held_back.contains(&(q.name.clone(), id.clone())) {
             continue;
         }
         let job = tx.require_job(&q, &id)?;
         if job.state == JobState::WaitingChildren && job.pending_children == 0 {
-            super::complete::release_parent(tx, &q, job)?;
+            // Its answer gives the state it was released to.
+            out[answer].state = super::complete::release_parent(tx, &q, job)?.state;
         }
     }
     Ok(out)

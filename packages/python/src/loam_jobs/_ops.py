@@ -648,7 +648,8 @@ class Operations(ABC):
         return self._run(enqueue_bulk(queue, jobs, all_or_nothing, own_key_ttl_ms(self._timeout_ms)))
 
     def flow(self, nodes: Sequence[FlowNode]) -> list[Enqueued]:
-        """Adds a tree of jobs across queues, all or nothing (parents first)."""
+        """Adds a tree of jobs across queues, all or nothing (parents first;
+        each child names its parent, see `flow_node`)."""
         return self._run(flow(nodes))
 
     # --- working -----------------------------------------------------------
@@ -1158,7 +1159,10 @@ class Operations(ABC):
         self, queue: str, *, after: int | None = None, limit: int = 100, wait_ms: int = 0
     ) -> list[QueueEvent]:
         """Events after sequence `after` (None: from now on), waiting up to
-        `wait_ms` (at most 30 s) for the first."""
+        `wait_ms` (at most 30 s) for the first. Like Redis's XREAD, a cursor
+        behind the trimmed log gets the oldest events kept, with no word of
+        those trimmed (compare the first one's `seq` with `after + 1`);
+        `watch` raises `EventsTrimmedError` instead."""
         return self._run(events(queue, after, limit, wait_ms))
 
     def wait_for_job(self, queue: str, wait_ms: int) -> bool:

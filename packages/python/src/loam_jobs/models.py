@@ -242,7 +242,11 @@ def idempotent(spec: JobSpec, ttl_ms: int | None = None) -> JobSpec:
 
 
 def flow_node(queue: str, spec: JobSpec, *, wait_children: bool = False) -> FlowNode:
-    """One node of a flow; list parents (wait_children=True) before their children."""
+    """One node of a flow; list parents (wait_children=True) before their
+    children. A child names its parent in its spec: `job(..., parent=
+    ParentRef(queue=..., id=...))` with the parent's `job_id`; a node that
+    names none is a job of its own, and a parent left with no children runs
+    at once."""
     return FlowNode(queue=queue, job=spec, wait_children=wait_children)
 
 
