@@ -1284,6 +1284,8 @@ fn a_hard_timeout_caps_the_lease_and_fails_the_attempt() {
     let (jobs, clock) = core();
     jobs.enqueue("ns", "q", EnqueueRequest { timeout_ms: Some(5_000), attempts: 2, ..job("a") }).wait().unwrap();
     let l = lease_one(&jobs, "q").unwrap();
+    // The lease itself (30 s by default) ends at the timeout, unextended.
+    assert_eq!(l.deadline, l.job.processed_on.unwrap() + 5_000, "the lease never passes the timeout");
     let deadline = jobs.extend("ns", "q", "1", Fence::Epoch(l.epoch), 60_000).wait().unwrap();
     assert_eq!(deadline, l.job.processed_on.unwrap() + 5_000, "extend never passes the timeout");
     clock.advance(5_000);

@@ -168,11 +168,15 @@ pub fn lease_taken_by(
             let epoch = job.epoch.max(tx.generation << 32).max(tx.stats(q)?.epoch_floor) + 1;
             let token = if req.token.is_empty() { format!("loam:{}:{}", job.id, epoch) } else { req.token.clone() };
             let lock_ms = job.lock_duration_ms.unwrap_or(duration);
+            // A lease never outlasts the job's hard timeout, so the sweep
+            // finds it expired and fails the attempt (extensions are capped
+            // the same way).
+            let held_ms = job.timeout_ms.map_or(lock_ms, |t| lock_ms.min(t));
             job.state = JobState::Active;
             job.epoch = epoch;
             job.lock = Some(Lock {
                 token: token.clone(),
-                deadline: tx.lease_now.saturating_add(lock_ms),
+                deadline: tx.lease_now.saturating_add(held_ms),
                 duration_ms: lock_ms,
                 taken_by: taken_by.map(str::to_string),
             });
@@ -190,7 +194,7 @@ pub fn lease_taken_by(
             tx.save_job(q, &job)?;
             tx.event(q, "active", &[("jobId", &job.id), ("prev", prev_name(prev))])?;
             window.count += 1;
-            out.leases.push(Lease { epoch: job.epoch, token, deadline: tx.lease_now.saturating_add(lock_ms), job });
+            out.leases.push(Lease { epoch: job.epoch, token, deadline: tx.lease_now.saturating_add(held_ms), job });
         }
     }
     if limit.is_some() && !out.leases.is_empty() {
