@@ -322,3 +322,24 @@ async fn bullmq_job_schedulers_and_dead_letters() {
     assert_eq!(moved.count, 1);
     assert_eq!(counts(&c, "work", &["wait"]).await, vec![1]);
 }
+
+/// An obliterate asked for "all" takes on at most 10,000 jobs a call and
+/// says there are more: one transaction over every job of a large queue held
+/// every other write of the server behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_obliterate_of_all_goes_in_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let qn = "big";
+    for _ in 0..3 {
+        let jobs = vec![job("x", b"{}"); 4_000];
+        c.enqueue_bulk(pb::EnqueueBulkRequest { queue: qn.into(), jobs, ..Default::default() }).await.unwrap();
+    }
+    qa(&c, qn, oneof::queue_admin_request::Op::Pause(true)).await;
+    let all = pb::queue_admin_request::Obliterate { force: true, count: u64::MAX, ..Default::default() };
+    assert!(qa(&c, qn, all.clone()).await.more, "10,000 of 12,000 in the first call");
+    assert_eq!(counts(&c, qn, &["wait"]).await, vec![2_000]);
+    assert!(!qa(&c, qn, all).await.more);
+    assert_eq!(counts(&c, qn, &["wait"]).await, vec![0]);
+}
