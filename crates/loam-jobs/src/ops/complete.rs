@@ -141,8 +141,8 @@ fn complete_job(
     if job.state != JobState::Active {
         return Err(JobsError::not_in_state(id, job.state, "active"));
     }
-    let retention_on_complete = job.remove_on_complete.or(opts.remove_on_complete).unwrap_or_default();
-    let retention_on_fail = job.remove_on_fail.or(opts.remove_on_fail).unwrap_or_default();
+    let removed_if_completed = removes_at_once(&retention(&job, opts, JobState::Completed));
+    let removed_if_failed = removes_at_once(&retention(&job, opts, JobState::Failed));
     let ends_attempt = matches!(outcome, Outcome::Ok { .. } | Outcome::Fail { .. } | Outcome::Retry { .. });
     let attempt = job
         .processed_on
@@ -198,8 +198,8 @@ fn complete_job(
         }
     };
     let removed = match done.state {
-        Some(JobState::Completed) => removes_at_once(&retention_on_complete),
-        Some(JobState::Failed) => removes_at_once(&retention_on_fail),
+        Some(JobState::Completed) => removed_if_completed,
+        Some(JobState::Failed) => removed_if_failed,
         _ => false,
     };
     if removed {
@@ -246,8 +246,8 @@ fn finish_ok(
     job.finished_on = Some(tx.now);
     job.lock = None;
     job.return_value = Some(value.clone());
-    let retention = job.remove_on_complete.or(opts.remove_on_complete).unwrap_or_default();
-    keep_or_purge(tx, q, &mut job, retention)?;
+    let kept = retention(&job, opts, JobState::Completed);
+    keep_or_purge(tx, q, &mut job, kept)?;
     tx.event(
         q,
         "completed",
@@ -306,8 +306,8 @@ fn fail_with(
     {
         send_to_dead_letter(tx, q, &job, &dlq, &error.message)?;
     }
-    let retention = job.remove_on_fail.or(opts.remove_on_fail).unwrap_or_default();
-    keep_or_purge(tx, q, &mut job, retention)?;
+    let kept = retention(&job, opts, JobState::Failed);
+    keep_or_purge(tx, q, &mut job, kept)?;
     let reason = error.message.clone();
     tx.event(q, "failed", &[("jobId", &job.id), ("failedReason", &reason), ("prev", prev.as_str())])?;
     if exhausted {
@@ -399,6 +399,17 @@ fn park_for_children(tx: &mut Tx, q: &QueueId, mut job: JobRecord) -> Result<Job
     tx.save_job(q, &job)?;
     tx.event(q, "waiting-children", &[("jobId", &job.id), ("prev", "active")])?;
     Ok(job)
+}
+
+/// What becomes of `job` once it ends in `state` (completed, else failed):
+/// its own removeOnComplete / removeOnFail, else the worker's.
+fn retention(job: &JobRecord, opts: &CompleteOptions, state: JobState) -> Retention {
+    let (own, worker) = if state == JobState::Completed {
+        (job.remove_on_complete, opts.remove_on_complete)
+    } else {
+        (job.remove_on_fail, opts.remove_on_fail)
+    };
+    own.or(worker).unwrap_or_default()
 }
 
 /// Whether `retention` deletes a job as it finishes.

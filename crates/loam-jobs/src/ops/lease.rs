@@ -36,10 +36,7 @@ pub fn check_fence(job: &JobRecord, fence: &Fence) -> Result<(), JobsError> {
 /// limit lets the global max through per its own window.
 pub fn limiter(tx: &mut Tx, q: &QueueId, worker: Option<&RateLimit>) -> Result<Option<RateLimit>, JobsError> {
     let worker = worker.filter(|l| l.max > 0);
-    let max = match tx.meta_u64(q, "max")? {
-        Some(max) => Some(max),
-        None => worker.map(|l| l.max),
-    };
+    let max = tx.meta_u64(q, "max")?.or(worker.map(|l| l.max));
     let duration = match worker {
         Some(l) => Some(l.duration_ms),
         None => tx.meta_u64(q, "duration")?,

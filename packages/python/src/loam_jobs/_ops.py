@@ -49,7 +49,6 @@ from ._gen.loam.jobs.v1.types_pb import (
     Enqueued,
     Fence,
     FlowNode,
-    Idempotency,
     Job,
     JobSpec,
     JobState,
@@ -88,8 +87,8 @@ from .models import (
     idempotent,
     job,
     lease_options,
+    own_key,
     retention,
-    uuid7,
 )
 
 # The server caps one long-poll at 30 s; longer waits are several calls.
@@ -378,7 +377,7 @@ def complete(
         remove_on_complete=remove_on_complete,
         remove_on_fail=remove_on_fail,
         metrics_max_points=metrics_max_points,
-        idempotency=Idempotency(key=uuid7(), ttl_ms=key_ttl_ms),
+        idempotency=own_key(key_ttl_ms),
     )
     request = CompleteRequest(
         queue=queue,
@@ -420,7 +419,7 @@ def report(
         job_id=job_id,
         fence=fence,
         report=report,
-        idempotency=Idempotency(key=uuid7(), ttl_ms=key_ttl_ms),
+        idempotency=own_key(key_ttl_ms),
     )
     resp = yield from _retried(Call("report", request))
     return resp.log_count

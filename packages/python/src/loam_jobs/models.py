@@ -227,6 +227,12 @@ def uuid7() -> str:
     return str(uuid.UUID(int=value))
 
 
+def own_key(ttl_ms: int | None = None) -> Idempotency:
+    """A fresh idempotency key (a UUIDv7) for one call, which the server keeps
+    `ttl_ms` (None: its default, a day)."""
+    return Idempotency(key=uuid7(), ttl_ms=ttl_ms)
+
+
 def idempotent(spec: JobSpec, ttl_ms: int | None = None) -> JobSpec:
     """`spec`, or a copy of it with an idempotency key of its own when it has
     none: an enqueue retried after an unknown outcome then returns the first
@@ -237,7 +243,7 @@ def idempotent(spec: JobSpec, ttl_ms: int | None = None) -> JobSpec:
     if spec.has_field("idempotency"):
         return spec
     keyed = copy.copy(spec)
-    keyed.idempotency = Idempotency(key=uuid7(), ttl_ms=ttl_ms)
+    keyed.idempotency = own_key(ttl_ms)
     return keyed
 
 
