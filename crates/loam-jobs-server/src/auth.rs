@@ -52,7 +52,15 @@ impl Auth {
                     "{origin}: a namespace must be 1 to 128 bytes, without quotes, backslashes or newlines"
                 )));
             }
-            tokens.insert(token.to_string(), ns.to_string());
+            // One token for two namespaces would act in whichever came last:
+            // a typo that moves a tenant's calls into another's namespace.
+            if let Some(earlier) = tokens.insert(token.to_string(), ns.to_string())
+                && earlier != ns
+            {
+                return Err(ServerError::Config(format!(
+                    "{origin}: this token was already given for namespace {earlier:?}; a token acts in one namespace"
+                )));
+            }
             Ok(())
         };
         if let Some(path) = file {
@@ -165,6 +173,15 @@ mod tests {
         let bad = headers(&[("authorization", "Bearer cccccccccccccccc")]);
         assert_eq!(auth.namespace(&bad).unwrap_err().code, connectrpc::ErrorCode::Unauthenticated);
         assert!(Auth::load(None, Some("short=alpha")).is_err());
+    }
+
+    #[test]
+    fn a_token_given_for_two_namespaces_is_refused() {
+        let e = Auth::load(None, Some("aaaaaaaaaaaaaaaa=alpha, aaaaaaaaaaaaaaaa=beta")).err().unwrap();
+        assert!(e.to_string().contains("already given for namespace \"alpha\""), "{e}");
+        // The same pair twice is only said twice.
+        let twice = Auth::load(None, Some("aaaaaaaaaaaaaaaa=alpha, aaaaaaaaaaaaaaaa=alpha")).unwrap();
+        assert_eq!(twice.namespace(&headers(&[("authorization", "Bearer aaaaaaaaaaaaaaaa")])).unwrap(), "alpha");
     }
 
     #[test]
