@@ -108,6 +108,25 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 20)]
     pub keepalive_timeout_secs: u64,
 
+    /// Most connections open at once. One more is closed as soon as it is
+    /// accepted. Lowered, with a warning, to what the open-file limit allows
+    /// (the server raises its soft limit to the hard one at start).
+    #[arg(long, default_value_t = 10_000)]
+    pub max_connections: usize,
+
+    /// A new connection must start its first call within this many seconds,
+    /// and an HTTP/1.1 request's head must arrive within it; a connection
+    /// that sends nothing, or half a request, is closed.
+    #[arg(long, default_value_t = 10)]
+    pub first_call_timeout_secs: u64,
+
+    /// A connection with no call in flight for this many seconds is closed
+    /// (HTTP/2 with a GOAWAY; clients open a new connection for their next
+    /// call). A worker's connection always has its long-poll in flight.
+    /// 0 keeps idle connections open.
+    #[arg(long, default_value_t = 300)]
+    pub idle_timeout_secs: u64,
+
     /// When writes are acknowledged.
     #[arg(long, value_enum, default_value_t = DurabilityArg::Immediate)]
     pub durability: DurabilityArg,

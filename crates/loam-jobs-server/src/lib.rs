@@ -171,7 +171,14 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
         idle: Duration::from_secs(args.keepalive_secs),
         timeout: Duration::from_secs(args.keepalive_timeout_secs.max(1)),
     });
-    if !listen::serve(listener, app, args.max_concurrent_streams, probing, stopping, grace).await {
+    let limits = listen::ConnectionLimits {
+        max_streams: args.max_concurrent_streams,
+        max_connections: connections_allowed(args.max_connections),
+        first_call_within: Duration::from_secs(args.first_call_timeout_secs.max(1)),
+        idle: (args.idle_timeout_secs > 0).then(|| Duration::from_secs(args.idle_timeout_secs)),
+        probing,
+    };
+    if !listen::serve(listener, app, limits, stopping, grace).await {
         tracing::warn!(
             grace_secs = args.shutdown_grace_secs,
             "calls still in flight after the grace period; closing anyway"
@@ -186,6 +193,26 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let _ = tokio::task::spawn_blocking(move || closing.close()).await;
     tracing::info!("store closed; bye");
     Ok(())
+}
+
+/// Descriptors kept for the store, the listener and the runtime, beside
+/// one a connection.
+const RESERVED_FILES: u64 = 64;
+
+/// `asked` connections, or fewer if the open-file limit (raised to its hard
+/// limit first) would run out before them.
+fn connections_allowed(asked: usize) -> usize {
+    let Some(files) = listen::raise_open_file_limit() else { return asked };
+    let fit = usize::try_from(files.saturating_sub(RESERVED_FILES)).unwrap_or(usize::MAX).max(1);
+    if fit < asked {
+        tracing::warn!(
+            max_connections = fit,
+            asked,
+            open_file_limit = files,
+            "--max-connections lowered to what the open-file limit allows (raise it with ulimit -n)"
+        );
+    }
+    asked.min(fit)
 }
 
 /// Opens the redb store. With a following clock, job times follow the

@@ -1,0 +1,139 @@
+//! What a connection may hold: one that makes no call, or half of one, is
+//! closed; an idle one is closed; calls in flight keep theirs open; past
+//! --max-connections a new one is closed at once.
+
+// A failed unwrap is a failed test, which is what it should be.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use connectrpc::client::{ClientConfig, HttpClient};
+use support::*;
+
+/// The HTTP/2 connection preface (RFC 9113 3.4) and an empty SETTINGS frame.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+
+/// Reads `conn` until the server closes it, or panics after `within`.
+/// Returns how long that took.
+fn closed_within(conn: &mut TcpStream, within: Duration) -> Duration {
+    let started = Instant::now();
+    conn.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match conn.read(&mut buf) {
+            Ok(0) => return started.elapsed(),
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => return started.elapsed(),
+        }
+        assert!(started.elapsed() < within, "the server kept the connection open for {within:?}");
+    }
+}
+
+fn connect(server: &Server) -> TcpStream {
+    TcpStream::connect(("127.0.0.1", server.port)).unwrap()
+}
+
+#[test]
+fn a_connection_that_sends_nothing_or_half_a_request_is_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--first-call-timeout-secs", "1"], &[]);
+
+    let mut silent = connect(&server);
+    let took = closed_within(&mut silent, Duration::from_secs(5));
+    assert!(took >= Duration::from_millis(800), "closed before its time: {took:?}");
+
+    let mut half_head = connect(&server);
+    half_head.write_all(b"POST /loam.jobs.v1.JobsService/Enqueue HTTP/1.1\r\nHost: x\r\n").unwrap();
+    closed_within(&mut half_head, Duration::from_secs(5));
+
+    // An HTTP/2 preface and nothing more: answered with the server's
+    // SETTINGS, then a GOAWAY, then closed.
+    let mut preface_only = connect(&server);
+    preface_only.write_all(H2_PREFACE).unwrap();
+    closed_within(&mut preface_only, Duration::from_secs(5));
+
+    // The first bytes of the preface only.
+    let mut half_preface = connect(&server);
+    half_preface.write_all(&H2_PREFACE[..10]).unwrap();
+    closed_within(&mut half_preface, Duration::from_secs(5));
+
+    assert!(server.healthy());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_is_closed_and_the_client_goes_on_over_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--idle-timeout-secs", "1"], &[]);
+    let c = pb::JobsServiceClient::new(
+        HttpClient::plaintext_http2_only(),
+        ClientConfig::new(server.url().parse().unwrap()),
+    );
+    c.enqueue(enqueue_req("mail", job("send", b"{}"))).await.unwrap();
+    // Idle past the timeout: the server sends a GOAWAY and closes.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    c.enqueue(enqueue_req("mail", job("send", b"{}"))).await.unwrap();
+    assert_eq!(counts(&c, "mail", &["waiting"]).await, vec![2]);
+
+    // The same over raw HTTP/1.1 keep-alive: closed once idle.
+    let mut conn = connect(&server);
+    conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let took = closed_within(&mut conn, Duration::from_secs(15));
+    assert!(took < Duration::from_secs(12), "an idle HTTP/1.1 connection stayed open {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_in_flight_keep_their_connection_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--idle-timeout-secs", "1", "--first-call-timeout-secs", "1"], &[]);
+    let c = pb::JobsServiceClient::new(
+        HttpClient::plaintext_http2_only(),
+        ClientConfig::new(server.url().parse().unwrap()),
+    );
+    // A long-poll three times the idle timeout: answered, not cut.
+    let started = Instant::now();
+    let waited = c.lease(lease_req("mail", 1, 3_000, 0)).await.unwrap().into_owned();
+    assert!(waited.leased.into_option().unwrap().leases.is_empty());
+    assert!(started.elapsed() >= Duration::from_millis(2_900));
+
+    // A watch that hears nothing but heartbeats for longer than the idle
+    // timeout still brings the next event.
+    let mut watch = c.watch(pb::WatchRequest { queue: "mail".into(), ..Default::default() }).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let other = server.client();
+    other.enqueue(enqueue_req("mail", job("send", b"{}"))).await.unwrap();
+    let event = tokio::time::timeout(Duration::from_secs(10), next_event(&mut watch)).await.unwrap().unwrap();
+    assert!(event.is_some(), "the watch ended");
+}
+
+#[test]
+fn past_max_connections_a_new_connection_is_closed_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    // The server's own readiness probes come and go; two are kept open here.
+    let server = Server::start_in(dir.path(), &["--max-connections", "2"], &[]);
+    let keep = |server: &Server| {
+        let mut conn = connect(server);
+        conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let mut buf = [0u8; 512];
+        assert!(conn.read(&mut buf).unwrap() > 0);
+        conn
+    };
+    let first = keep(&server);
+    let _second = keep(&server);
+    let mut third = connect(&server);
+    let took = closed_within(&mut third, Duration::from_secs(5));
+    assert!(took < Duration::from_secs(1), "the connection over the limit waited {took:?}");
+    assert!(!server.healthy(), "a third connection was served");
+
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !server.healthy() {
+        assert!(Instant::now() < deadline, "a connection closed did not free its place");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(server.log_text().contains("connections refused"), "the refusal is not logged");
+}
