@@ -117,12 +117,15 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
                 None
             };
             async move {
-                match tokio::task::spawn_blocking(move || metrics.render(&jobs)).await {
+                let render = move || {
+                    let text = metrics.render(&jobs, only.as_deref());
+                    match only {
+                        Some(ns) => metrics::only_namespace(&text, &ns),
+                        None => text,
+                    }
+                };
+                match tokio::task::spawn_blocking(render).await {
                     Ok(text) => {
-                        let text = match only {
-                            Some(ns) => metrics::only_namespace(&text, &ns),
-                            None => text,
-                        };
                         ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], text)
                             .into_response()
                     }
