@@ -91,6 +91,18 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 128 << 20)]
     pub max_request_bytes_in_flight: usize,
 
+    /// Largest answer to a read (Query, ResultMGet), in bytes. A read whose
+    /// answer would be larger (many large jobs at once) is refused with
+    /// resource_exhausted: ask for fewer at a time.
+    #[arg(long, default_value_t = 256 << 20)]
+    pub max_response_bytes: usize,
+
+    /// Most bytes of requests read and waiting for --max-request-bytes-in-flight.
+    /// Past it, a call is refused at once as unavailable (clients send it
+    /// again after a pause). Defaults to --max-request-bytes-in-flight.
+    #[arg(long)]
+    pub max_request_bytes_waiting: Option<usize>,
+
     /// Most calls one HTTP/2 connection may have in flight (long-polls and
     /// watches included). A client that opens more has its connection closed.
     #[arg(long, default_value_t = 1000)]

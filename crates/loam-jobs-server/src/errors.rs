@@ -144,6 +144,26 @@ pub fn permission_denied(msg: &str) -> ConnectError {
         .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
 }
 
+/// A call refused for want of memory to hold it: see [`crate::budget`].
+/// `unavailable` with a pause, as a store that cannot take a call now
+/// answers: clients send it again.
+pub fn overloaded(o: &crate::budget::Overloaded) -> ConnectError {
+    let detail =
+        pb::ErrorDetail { reason: "unavailable".into(), retry_after_ms: OVERLOADED_PAUSE_MS, ..Default::default() };
+    ConnectError::new(
+        ErrorCode::Unavailable,
+        format!(
+            "the server is busy: calls holding {} bytes of requests already wait for --max-request-bytes-in-flight; \
+             try again",
+            o.waiting_bytes
+        ),
+    )
+    .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
+}
+
+/// The pause an overloaded server asks for before a call is sent again.
+const OVERLOADED_PAUSE_MS: u64 = 100;
+
 /// A watch cursor older than the oldest event the log still holds: the
 /// events in between are gone, so the client must resynchronise.
 pub fn events_trimmed(cursor: u64, oldest: u64) -> ConnectError {

@@ -84,7 +84,8 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     let local = listener.local_addr().map_err(ServerError::Serve)?;
 
     let metrics = Arc::new(metrics::Metrics::new());
-    let budget = metrics.request_budget(args.max_request_bytes_in_flight);
+    let waiting_room = args.max_request_bytes_waiting.unwrap_or(args.max_request_bytes_in_flight);
+    let budget = metrics.request_budget(args.max_request_bytes_in_flight, waiting_room);
     let shutdown = Interrupt::new();
     let index = Arc::new(schedules::Index::default());
     let found = index.load(&jobs)?;
@@ -96,7 +97,8 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
         Arc::clone(&index),
         budget,
     )
-    .following(following);
+    .following(following)
+    .max_response_bytes(args.max_response_bytes);
     let router = Arc::new(svc).register(connectrpc::Router::new());
     let limits = Limits::default()
         .with_max_request_body_size(args.max_request_bytes)

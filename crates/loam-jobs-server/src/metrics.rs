@@ -103,6 +103,7 @@ pub struct Metrics {
     dlq_depth: Family<Labels, Gauge>,
     request_bytes: Gauge,
     request_waits: Counter,
+    request_refusals: Counter,
 }
 
 fn run_histogram() -> Histogram {
@@ -145,6 +146,7 @@ impl Metrics {
             dlq_depth: Family::default(),
             request_bytes: Gauge::default(),
             request_waits: Counter::default(),
+            request_refusals: Counter::default(),
         };
         if let Ok(mut r) = m.registry.lock() {
             r.register(
@@ -201,6 +203,11 @@ impl Metrics {
                 m.request_waits.clone(),
             );
             r.register(
+                "loam_jobs_request_budget_refusals",
+                "Calls refused as unavailable: the --max-request-bytes-in-flight budget was taken, and calls holding as many bytes again waited for it",
+                m.request_refusals.clone(),
+            );
+            r.register(
                 "loam_jobs_oldest_waiting_seconds",
                 "Age of the job that runs next (FIFO band)",
                 m.oldest_waiting.clone(),
@@ -209,9 +216,16 @@ impl Metrics {
         m
     }
 
-    /// The server's budget of request bytes, `bytes` in all, shown here.
-    pub fn request_budget(&self, bytes: usize) -> crate::budget::Budget {
-        crate::budget::Budget::new(bytes, self.request_bytes.clone(), self.request_waits.clone())
+    /// The server's budget of request bytes, `bytes` in all with `waiting`
+    /// more allowed to wait for it, shown here.
+    pub fn request_budget(&self, bytes: usize, waiting: usize) -> crate::budget::Budget {
+        crate::budget::Budget::new(
+            bytes,
+            waiting,
+            self.request_bytes.clone(),
+            self.request_waits.clone(),
+            self.request_refusals.clone(),
+        )
     }
 
     pub fn enqueued(&self, ns: &str, queue: &str, n: u64) {

@@ -17,7 +17,7 @@ use pb::__buffa::oneof;
 
 use crate::budget::Budget;
 use crate::convert::{self, SERVER_OWNED};
-use crate::errors::{code_name, cursor_ahead, detail, events_trimmed, invalid, to_connect};
+use crate::errors::{code_name, cursor_ahead, detail, events_trimmed, invalid, overloaded, to_connect};
 use crate::metrics::Metrics;
 use crate::schedules;
 
@@ -104,6 +104,8 @@ pub struct JobsSvc {
     following: Option<Arc<loam_jobs::FollowingClock>>,
     /// Bytes of requests held at once; a Session counts its calls here.
     budget: Budget,
+    /// The largest answer a read builds (`--max-response-bytes`).
+    max_response_bytes: u64,
 }
 
 impl JobsSvc {
@@ -115,7 +117,26 @@ impl JobsSvc {
         schedules: Arc<schedules::Index>,
         budget: Budget,
     ) -> Self {
-        Self { jobs, auth, metrics, shutdown, schedules, workers: Arc::default(), following: None, budget }
+        Self {
+            jobs,
+            auth,
+            metrics,
+            shutdown,
+            schedules,
+            workers: Arc::default(),
+            following: None,
+            budget,
+            max_response_bytes: u64::MAX,
+        }
+    }
+
+    /// Reads whose answer would be larger than `bytes` are refused.
+    pub fn max_response_bytes(self, bytes: usize) -> Self {
+        Self { max_response_bytes: u64::try_from(bytes).unwrap_or(u64::MAX), ..self }
+    }
+
+    fn answer_size(&self) -> AnswerSize {
+        AnswerSize { used: 0, cap: self.max_response_bytes }
     }
 
     pub(crate) fn budget(&self) -> &Budget {
@@ -187,12 +208,13 @@ impl JobsSvc {
             let size = r.bytes().len();
             let (r, _held) = match long_poll {
                 None => {
-                    let held = self.budget.take(size).await;
+                    let held = self.budget.take(size).await.map_err(|o| overloaded(&o))?;
                     (r.to_owned_message(), Some(held))
                 }
                 Some(waits) => {
                     let r = r.to_owned_message();
-                    let held = if waits(&r) { None } else { Some(self.budget.take(size).await) };
+                    let held =
+                        if waits(&r) { None } else { Some(self.budget.take(size).await.map_err(|o| overloaded(&o))?) };
                     (r, held)
                 }
             };
@@ -719,19 +741,22 @@ impl JobsSvc {
         use oneof::query_response::Result as R;
         let (ns, queue, jobs) = (c.ns.as_str(), req.queue.as_str(), &c.jobs);
         let q = req.query.ok_or_else(|| invalid("a query is required"))?;
+        // Reads that gather jobs stop at the cap; every answer is checked against it.
+        let mut size = self.answer_size();
         let result: Result<R, JobsError> = async {
             Ok(match q {
                 Query::Jobs(j) => {
                     let slots = jobs.query(ns, queue, |tx, q| {
-                        j.ids
-                            .iter()
-                            .map(|id| {
-                                Ok(pb::JobSlot {
-                                    job: query::get_job(tx, q, id)?.as_ref().map(convert::job).into(),
-                                    ..Default::default()
-                                })
-                            })
-                            .collect::<Result<Vec<_>, JobsError>>()
+                        let mut slots = Vec::with_capacity(j.ids.len().min(1024));
+                        for id in &j.ids {
+                            let job = query::get_job(tx, q, id)?;
+                            let slot = pb::JobSlot { job: job.as_ref().map(convert::job).into(), ..Default::default() };
+                            if !size.fits(&slot) {
+                                break;
+                            }
+                            slots.push(slot);
+                        }
+                        Ok(slots)
                     })?;
                     R::from(pb::JobSlots { slots, ..Default::default() })
                 }
@@ -780,10 +805,12 @@ impl JobsSvc {
                         for (_, dep) in &deps {
                             let child_q = QueueId::new(ns, dep.child_queue.clone());
                             let child = query::get_job(tx, &child_q, &dep.child_id)?;
-                            slots.push(pb::JobSlot {
-                                job: child.as_ref().map(convert::job).into(),
-                                ..Default::default()
-                            });
+                            let slot =
+                                pb::JobSlot { job: child.as_ref().map(convert::job).into(), ..Default::default() };
+                            if !size.fits(&slot) {
+                                break;
+                            }
+                            slots.push(slot);
                         }
                     }
                     let dependencies = deps.iter().map(|(k, d)| convert::dependency(k, d)).collect();
@@ -864,7 +891,9 @@ impl JobsSvc {
             })
         }
         .await;
-        Ok(pb::QueryResponse { result: Some(result.map_err(core_err)?), ..Default::default() })
+        let answer = pb::QueryResponse { result: Some(result.map_err(core_err)?), ..Default::default() };
+        size.whole(&answer)?;
+        Ok(answer)
     }
 
     // ---- the result store ------------------------------------------------------------
@@ -879,9 +908,24 @@ impl JobsSvc {
         c: Caller,
         req: pb::ResultMGetRequest,
     ) -> Result<pb::ResultMGetResponse, ConnectError> {
-        let values = c.jobs.read(&c.ns, |tx| results::mget(tx, &req.keys)).map_err(core_err)?;
-        let values = values.into_iter().map(|value| pb::ResultValue { value, ..Default::default() }).collect();
-        Ok(pb::ResultMGetResponse { values, ..Default::default() })
+        let mut size = self.answer_size();
+        let values = c
+            .jobs
+            .read(&c.ns, |tx| {
+                let mut values = Vec::with_capacity(req.keys.len().min(1024));
+                for key in &req.keys {
+                    let value = pb::ResultValue { value: results::get(tx, key)?, ..Default::default() };
+                    if !size.fits(&value) {
+                        break;
+                    }
+                    values.push(value);
+                }
+                Ok(values)
+            })
+            .map_err(core_err)?;
+        let answer = pb::ResultMGetResponse { values, ..Default::default() };
+        size.whole(&answer)?;
+        Ok(answer)
     }
 
     async fn do_result_set(&self, c: Caller, req: pb::ResultSetRequest) -> Result<pb::ResultSetResponse, ConnectError> {
@@ -1244,6 +1288,41 @@ impl pb::JobsService for JobsSvc {
     ) -> ServiceResult<ServiceStream<pb::SessionResponse>> {
         let ns = self.caller(&ctx).map(|c| c.ns).unwrap_or_default();
         self.observe(&ns, "Session", crate::session::open(self.clone(), ctx, requests)).await
+    }
+}
+
+/// An answer's size as a read builds it, against `--max-response-bytes`.
+/// Without a cap, a Query for one 10 MB job's id a hundred times built a
+/// 1 GB answer (3 GB at its peak).
+struct AnswerSize {
+    used: u64,
+    cap: u64,
+}
+
+impl AnswerSize {
+    /// Counts `part` of the answer; false once the answer is over the cap,
+    /// when the read should stop gathering.
+    fn fits(&mut self, part: &impl buffa::Message) -> bool {
+        self.used = self.used.saturating_add(u64::from(part.encoded_len()));
+        self.used <= self.cap
+    }
+
+    /// The whole answer, refused if it, or the parts counted on the way, is
+    /// over the cap.
+    fn whole(&self, answer: &impl buffa::Message) -> Result<(), ConnectError> {
+        let used = self.used.max(u64::from(answer.encoded_len()));
+        if used <= self.cap {
+            return Ok(());
+        }
+        let detail = pb::ErrorDetail { reason: "response_too_large".into(), ..Default::default() };
+        Err(ConnectError::new(
+            connectrpc::ErrorCode::ResourceExhausted,
+            format!(
+                "the answer is over --max-response-bytes ({} bytes, {} so far): ask for fewer jobs or keys at a time",
+                self.cap, used
+            ),
+        )
+        .with_detail(connectrpc::ErrorDetail::from_message(crate::errors::DETAIL_TYPE, &detail)))
     }
 }
 

@@ -34,8 +34,8 @@ use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 use tokio::sync::mpsc;
 
-use crate::budget::Held;
-use crate::errors::{DETAIL_TYPE, invalid};
+use crate::budget::{Held, Overloaded};
+use crate::errors::{DETAIL_TYPE, invalid, overloaded};
 use crate::service::{Caller, JobsSvc};
 
 type Answers = mpsc::Sender<Result<pb::SessionResponse, ConnectError>>;
@@ -120,7 +120,11 @@ async fn read(
                 }
             }, if waiting.is_some() => {
                 if let Some(Waiting { id, call, .. }) = waiting.take() {
-                    calls.push(start(&svc, &mut stops, id, call, Some(held)));
+                    match held {
+                        Ok(held) => calls.push(start(&svc, &mut stops, id, call, Some(held))),
+                        Err(o) if room => answer(&answers, id, Err(overloaded(&o))),
+                        Err(o) => unsent.push_back((id, Err(overloaded(&o)))),
+                    }
                 }
             }
             next = requests.next(), if reading && waiting.is_none() && room && calls.len() < MAX_CALLS => match next {
@@ -173,7 +177,7 @@ async fn read(
 /// A call read, waiting for its bytes of the budget.
 struct Waiting {
     id: u64,
-    taking: Pin<Box<dyn Future<Output = Held> + Send>>,
+    taking: Pin<Box<dyn Future<Output = Result<Held, Overloaded>> + Send>>,
     call: Call,
 }
 

@@ -516,3 +516,30 @@ async fn sigterm_ends_long_polls_and_closes_the_store() {
     server.restart();
     assert_eq!(counts(&server.client(), "q", &["wait"]).await, vec![1]);
 }
+
+/// A read whose answer would be over --max-response-bytes is refused, and
+/// stops gathering once it is: the same large job asked for a hundred times
+/// answered a gigabyte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_over_max_response_bytes_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--max-response-bytes", "1048576"], &[]);
+    let c = server.client();
+    let data = format!("\"{}\"", "x".repeat(300 << 10));
+    let added = c.enqueue(enqueue_req("q", job("big", data.as_bytes()))).await.unwrap().into_owned();
+    let id = added.enqueued.into_option().unwrap().id;
+    let jobs = |n: usize| {
+        let ids = pb::query_request::Jobs { ids: vec![id.clone(); n], ..Default::default() };
+        query_req("q", oneof::query_request::Query::from(ids))
+    };
+    c.query(jobs(3)).await.unwrap();
+    let refused = assert_code(c.query(jobs(100)).await, ErrorCode::ResourceExhausted, Some("response_too_large"));
+    assert!(refused.message.as_deref().unwrap_or("").contains("--max-response-bytes"), "{refused:?}");
+
+    let value = vec![b'v'; 300 << 10];
+    c.result_set(pb::ResultSetRequest { key: "r".into(), value, ..Default::default() }).await.unwrap();
+    let mget = |n: usize| pb::ResultMGetRequest { keys: vec!["r".into(); n], ..Default::default() };
+    assert_eq!(c.result_m_get(mget(3)).await.unwrap().into_owned().values.len(), 3);
+    assert_code(c.result_m_get(mget(100)).await, ErrorCode::ResourceExhausted, Some("response_too_large"));
+    assert!(server.healthy());
+}

@@ -1,5 +1,6 @@
 //! `--max-request-bytes-in-flight`: requests past the budget wait to be read
-//! and then run; none is refused or lost for it, and the bytes come back.
+//! and then run, and the bytes come back. Past `--max-request-bytes-waiting`
+//! more are refused as unavailable, and run when sent again.
 
 // A failed unwrap is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -17,8 +18,14 @@ const BUDGET: usize = 1 << 20;
 /// Two of these do not fit the budget at once.
 const PAYLOAD: usize = 600 << 10;
 
+/// A server whose waiting room holds every request these tests send at once.
 fn start(dir: &std::path::Path) -> Server {
-    Server::start_in(dir, &["--max-request-bytes-in-flight", &BUDGET.to_string()], &[])
+    let room = (64 * BUDGET).to_string();
+    Server::start_in(
+        dir,
+        &["--max-request-bytes-in-flight", &BUDGET.to_string(), "--max-request-bytes-waiting", &room],
+        &[],
+    )
 }
 
 fn big_job(i: usize) -> pb::JobSpec {
@@ -74,6 +81,42 @@ async fn unary_requests_past_the_budget_wait_and_all_run() {
     huge.data = vec![b'1'; 3 * BUDGET];
     c.enqueue(enqueue_req("big", huge)).await.unwrap();
     assert_eq!(counts(&c, "big", &["wait"]).await, vec![9]);
+    assert_budget_returned(&server).await;
+}
+
+/// With the waiting room full, a call is refused at once as unavailable,
+/// with a pause to wait, and nothing of it is kept; sent again, it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_waiting_room_calls_are_refused_as_unavailable_and_run_when_sent_again() {
+    let dir = tempfile::tempdir().unwrap();
+    // The default room: as many bytes as the budget.
+    let server = Server::start_in(dir.path(), &["--max-request-bytes-in-flight", &BUDGET.to_string()], &[]);
+    let c = server.client();
+    let calls: Vec<_> = (0..12)
+        .map(|i| {
+            let c = c.clone();
+            tokio::spawn(async move { (i, c.enqueue(enqueue_req("big", big_job(i))).await.map(|_| ())) })
+        })
+        .collect();
+    let mut refused = Vec::new();
+    for call in calls {
+        let (i, result) = call.await.unwrap();
+        if let Err(e) = result {
+            assert_eq!(e.code, ErrorCode::Unavailable, "{e:?}");
+            let d = detail(&e);
+            assert_eq!((d.reason.as_str(), d.retry_after_ms), ("unavailable", 100));
+            refused.push(i);
+        }
+    }
+    // One runs, one waits: at least one of the twelve found the room full.
+    assert!(!refused.is_empty(), "none was refused");
+    assert_eq!(counts(&c, "big", &["wait"]).await, vec![12 - refused.len() as u64]);
+    let text = server.metrics();
+    assert_eq!(metric(&text, "loam_jobs_request_budget_refusals_total"), refused.len() as f64, "{text}");
+    for i in refused {
+        c.enqueue(enqueue_req("big", big_job(i))).await.unwrap();
+    }
+    assert_eq!(counts(&c, "big", &["wait"]).await, vec![12]);
     assert_budget_returned(&server).await;
 }
 
