@@ -164,6 +164,15 @@ pub fn overloaded(o: &crate::budget::Overloaded) -> ConnectError {
 /// The pause an overloaded server asks for before a call is sent again.
 const OVERLOADED_PAUSE_MS: u64 = 100;
 
+/// A watch ended by the server's shutdown, as `unavailable`: a watch never
+/// ends of itself, so a clean end would read as the queue's events being
+/// over. `cursor` is where the client resumes.
+pub fn shutting_down(cursor: u64) -> ConnectError {
+    let detail = pb::ErrorDetail { reason: "unavailable".into(), ..Default::default() };
+    ConnectError::new(ErrorCode::Unavailable, format!("the server is shutting down; resume after event {cursor}"))
+        .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
+}
+
 /// A watch cursor older than the oldest event the log still holds: the
 /// events in between are gone, so the client must resynchronise.
 pub fn events_trimmed(cursor: u64, oldest: u64) -> ConnectError {

@@ -417,6 +417,19 @@ mod tests {
         assert_eq!(only, "# HELP x\nx_total{ns=\"a\",queue=\"q\"} 1\nz 4\n# EOF\n");
     }
 
+    /// Names holding a quote, a backslash or a newline stay inside their
+    /// label (prometheus-client escapes them): each series is one line, as
+    /// `only_namespace`, which filters by line, needs.
+    #[test]
+    fn label_values_are_escaped() {
+        let m = Metrics::new();
+        m.enqueued("ns1", "a\"b\\c\nd_total 99", 1);
+        let text = exposition(&m);
+        let line = r#"loam_jobs_enqueued_total{ns="ns1",queue="a\"b\\c\nd_total 99"} 1"#;
+        assert!(text.lines().any(|l| l == line), "{text}");
+        assert!(!text.lines().any(|l| l.starts_with("d_total")), "{text}");
+    }
+
     /// A tenant's scrape reads the depths of its own queues only.
     #[tokio::test]
     async fn a_namespaces_scrape_reads_only_its_queues() {

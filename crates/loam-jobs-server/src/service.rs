@@ -17,7 +17,7 @@ use pb::__buffa::oneof;
 
 use crate::budget::Budget;
 use crate::convert::{self, SERVER_OWNED};
-use crate::errors::{code_name, cursor_ahead, detail, events_trimmed, invalid, overloaded, to_connect};
+use crate::errors::{code_name, cursor_ahead, detail, events_trimmed, invalid, overloaded, shutting_down, to_connect};
 use crate::metrics::Metrics;
 use crate::schedules;
 
@@ -996,8 +996,14 @@ impl JobsSvc {
                         pb::WatchResponse { event: convert::event(&e).into(), cursor: e.seq, ..Default::default() };
                     return Some((Ok(msg), st));
                 }
-                if st.failed || st.stop.is_fired() || st.jobs.is_closed() {
+                if st.failed {
                     return None;
+                }
+                if st.stop.is_fired() || st.jobs.is_closed() {
+                    // Not a clean end: the client should resume elsewhere or
+                    // once the server is back, from the cursor it last heard.
+                    st.failed = true;
+                    return Some((Err(shutting_down(st.cursor)), st));
                 }
                 let bounds = st.jobs.query(&st.ns, &st.queue, |tx, q| {
                     let stats = tx.stats(q)?;
