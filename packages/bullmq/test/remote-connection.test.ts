@@ -405,7 +405,8 @@ describeRemote('remote connection failures', () => {
       timeout: 5_000,
       interval: 20,
     });
-    expect(completed).toEqual([first.id, second.id]);
+    // The worker hears the second completion's answer after the store has it.
+    await vi.waitFor(() => expect(completed).toEqual([first.id, second.id]), { interval: 20 });
     expect(errors).toEqual([]);
     expect((await queue.getJob(second.id!))?.stalledCounter).toBe(0);
   });
