@@ -6,9 +6,15 @@
 //! it. Its pending tick is a delayed job `repeat:<id>:<tick ms>`: the tick
 //! time is in the job id, so a tick is enqueued at most once however often it
 //! is processed. When a tick falls due, the ticker advances the schedule to
-//! the tick after it (not after now) in one transaction that also enqueues
-//! that tick's job, so ticks missed while the server was down are each
-//! enqueued once on restart, and none is enqueued twice.
+//! the tick after it in one transaction that also enqueues that tick's job,
+//! so no tick is enqueued twice. Ticks that came by up to [`MISSED_AFTER`]
+//! ago are each enqueued in turn (the ticker's passes come every 200 ms, so
+//! a schedule of every 50 ms is always a few ticks behind). Ticks missed for
+//! longer, while the server was down or the ticker far behind, are not made
+//! up one by one: the pending tick, whose job is already enqueued, runs late
+//! once and the schedule goes on from the first tick after now, as a Celery
+//! beat entry or a BullMQ job scheduler does. Made up one by one, a schedule
+//! of every second down for a day enqueued 86,400 jobs at restart.
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
@@ -67,6 +73,28 @@ fn tick_after(rec: &SchedulerRecord, prev: u64) -> Result<u64, JobsError> {
     match (&rec.pattern, rec.every_ms) {
         (_, Some(every)) => Ok(prev.saturating_add(every.max(1))),
         (Some(p), None) => cron_next(p, rec.tz.as_deref(), prev, false),
+        (None, None) => Err(JobsError::invalid("a schedule needs cron or every")),
+    }
+}
+
+/// How long ago a tick must have come to count as missed (see the module's doc).
+pub const MISSED_AFTER: Duration = Duration::from_secs(60);
+
+/// The tick to follow `prev`: the tick after it, or, when that one came by
+/// more than [`MISSED_AFTER`] before `now`, the first tick after `now`.
+fn next_tick(rec: &SchedulerRecord, prev: u64, now: u64) -> Result<u64, JobsError> {
+    let next = tick_after(rec, prev)?;
+    if next.saturating_add(MISSED_AFTER.as_millis() as u64) > now {
+        return Ok(next);
+    }
+    match (&rec.pattern, rec.every_ms) {
+        (_, Some(every)) => {
+            let every = every.max(1);
+            // On the schedule's own grid, so its ticks keep their times.
+            let steps = (now - prev) / every + 1;
+            Ok(prev.saturating_add(steps.saturating_mul(every)))
+        }
+        (Some(p), None) => cron_next(p, rec.tz.as_deref(), now, false),
         (None, None) => Err(JobsError::invalid("a schedule needs cron or every")),
     }
 }
@@ -257,7 +285,7 @@ async fn tick(jobs: &Jobs, q: &QueueId, id: &str) -> Result<Tick, JobsError> {
         return Ok(Tick::Idle(rec.next_millis));
     }
     // Worked out here, off the store's writer, which only applies it.
-    let step = Step::after(&rec)?;
+    let step = Step::after(&rec, jobs.now_ms())?;
     let id = id.to_string();
     let advanced = jobs.admin(&q.ns, &q.name, move |tx, q| step.apply(tx, q, &id)).await?;
     // Not advanced: another caller moved it first; read it again next pass.
@@ -270,7 +298,8 @@ fn ticking(rec: &SchedulerRecord) -> bool {
 }
 
 /// A schedule's move past its pending tick, whose time has come: the tick
-/// after it, and the job it enqueues (see [`schedule::advance_to`]).
+/// to follow it ([`next_tick`]), and the job it enqueues (see
+/// [`schedule::advance_to`]).
 struct Step {
     next: u64,
     pending: String,
@@ -278,13 +307,14 @@ struct Step {
 }
 
 impl Step {
-    fn after(rec: &SchedulerRecord) -> Result<Self, JobsError> {
+    fn after(rec: &SchedulerRecord, now: u64) -> Result<Self, JobsError> {
         let template = rec
             .extra
             .get(TEMPLATE)
             .and_then(|t| serde_json::from_str(t).ok())
             .unwrap_or_else(|| EnqueueRequest { attempts: 1, ..Default::default() });
-        Ok(Self { next: tick_after(rec, rec.next_millis)?, pending: schedule::pending_iteration_id(rec), template })
+        let next = next_tick(rec, rec.next_millis, now)?;
+        Ok(Self { next, pending: schedule::pending_iteration_id(rec), template })
     }
 
     fn apply(&self, tx: &mut loam_jobs::tx::Tx, q: &QueueId, id: &str) -> Result<Option<String>, JobsError> {
@@ -304,7 +334,7 @@ const CATCH_UP_ON_UPSERT: usize = 1_000;
 pub fn catch_up(tx: &mut loam_jobs::tx::Tx, q: &QueueId, id: &str, now: u64) -> Result<(), JobsError> {
     for _ in 0..CATCH_UP_ON_UPSERT {
         let Some(rec) = schedule::get(tx, q, id)? else { return Ok(()) };
-        if !ticking(&rec) || rec.next_millis > now || Step::after(&rec)?.apply(tx, q, id)?.is_none() {
+        if !ticking(&rec) || rec.next_millis > now || Step::after(&rec, now)?.apply(tx, q, id)?.is_none() {
             return Ok(());
         }
     }
@@ -325,6 +355,22 @@ mod tests {
         assert_eq!(utc, t0 + 9 * 3_600_000);
         assert!(cron_next("61 * * * *", None, t0, true).is_err());
         assert!(cron_next("0 9 * * *", Some("Mars/Olympus"), t0, true).is_err());
+    }
+
+    #[test]
+    fn ticks_missed_are_not_made_up_one_by_one() {
+        let missed = MISSED_AFTER.as_millis() as u64;
+        let rec = SchedulerRecord { every_ms: Some(1000), ..Default::default() };
+        // Ticks behind by less than MISSED_AFTER are each made.
+        assert_eq!(next_tick(&rec, 5000, 5500).unwrap(), 6000);
+        assert_eq!(next_tick(&rec, 5000, 9500).unwrap(), 6000);
+        // 6000 came by MISSED_AFTER ago: on from the first tick after now, on the grid.
+        assert_eq!(next_tick(&rec, 5000, 6000 + missed).unwrap(), 7000 + missed);
+        assert_eq!(next_tick(&rec, 5000, 6500 + missed).unwrap(), 7000 + missed);
+        let rec = SchedulerRecord { pattern: Some("*/10 * * * * *".into()), ..Default::default() };
+        let t0 = 1_767_225_600_000;
+        assert_eq!(next_tick(&rec, t0, t0 + 35_000).unwrap(), t0 + 10_000);
+        assert_eq!(next_tick(&rec, t0, t0 + 10_000 + missed + 5_000).unwrap(), t0 + 20_000 + missed);
     }
 
     #[test]

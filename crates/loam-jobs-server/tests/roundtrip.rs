@@ -217,7 +217,8 @@ async fn a_server_schedule_enqueues_each_tick_once_across_a_crash() {
     }
     tokio::time::sleep(Duration::from_millis(700)).await;
     server.kill();
-    // Down for several ticks; the restart catches up on each of them.
+    // Down for several ticks (for less than the server's MISSED_AFTER); the
+    // restart catches up on each of them.
     tokio::time::sleep(Duration::from_millis(900)).await;
     server.restart();
     let c = server.client();

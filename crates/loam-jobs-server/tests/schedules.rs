@@ -184,3 +184,25 @@ async fn an_upsert_just_after_a_tick_fell_due_keeps_that_tick() {
     let_it_tick().await;
     assert_eq!(ticks(&server.client(), "q", "h").await, vec![tick.to_string(), (tick + 3_600_000).to_string()]);
 }
+
+/// Ticks missed for longer than a minute (a server down, here a clock moved
+/// on a day) are not made up one by one: the pending tick runs late once and
+/// the schedule goes on from the first tick after now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ticks_missed_for_a_day_are_not_made_up_one_by_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--follow-client-clock"], &[]);
+    let every = pb::ServerSchedule { id: "s".into(), every_ms: Some(1_000), ..Default::default() };
+    let first = client_at(&server, T).schedule(schedule_req("q", every)).await.unwrap().into_owned();
+    let first: u64 = first.job_id.unwrap().rsplit(':').next().unwrap().parse().unwrap();
+    let day = T + 86_400_000;
+    client_at(&server, day)
+        .query(query_req("q", oneof::query_request::Query::from(pb::query_request::Counts::default())))
+        .await
+        .unwrap();
+    let_it_tick().await;
+    let seen = ticks(&client_at(&server, day), "q", "s").await;
+    // The first tick, and the first tick after the day (on the schedule's grid).
+    let after_the_day = first + ((day - first) / 1_000 + 1) * 1_000;
+    assert_eq!(seen, vec![first.to_string(), after_the_day.to_string()], "{} ticks", seen.len());
+}
