@@ -224,3 +224,29 @@ def test_a_watch_that_reconnected_counts_its_failures_afresh(tmp_path: Path) -> 
             assert [e.name for e in seen] == ["added"]  # type: ignore[attr-defined]
     finally:
         stop_server(server)
+
+
+def test_a_long_lease_cut_short_by_a_server_shutdown_returns_empty(tmp_path: Path) -> None:
+    # A wait past the server's 30 s goes in slices; the shutdown ends the
+    # first early, and the lease answers empty, as a wait of one slice does,
+    # instead of sending the next slice into a server going away.
+    server = start_server(tmp_path / "data")
+    with Client(server.url) as client:
+        results: list[object] = []
+        waiting = threading.Thread(target=lambda: results.append(_lease_or_error(client, 60_000)))
+        waiting.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        stop_server(server)
+        waiting.join(timeout=15)
+        assert not waiting.is_alive()
+        assert time.monotonic() - started < 10
+        assert len(results) == 1 and not isinstance(results[0], Exception), results
+        assert results[0].jobs == []  # type: ignore[attr-defined]
+
+
+def _lease_or_error(client: Client, wait_ms: int) -> object:
+    try:
+        return client.lease("slices", wait_ms=wait_ms)
+    except Exception as err:  # noqa: BLE001 - the test reports what came back
+        return err

@@ -308,12 +308,22 @@ def lease(queue: str, options: LeaseOptions, wait_ms: int) -> Op[LeaseBatch]:
     while True:
         remaining = max(0, int((deadline - time.monotonic()) * 1000))
         slice_ms = min(remaining, SERVER_MAX_WAIT_MS)
+        started = time.monotonic()
         resp = yield Call(
             "lease", LeaseRequest(queue=queue, options=options, wait_ms=slice_ms), wait_ms=slice_ms
         )
         batch = yield from _without_deferred_failures(LeaseBatch.from_proto(queue, resp.leased))
         if batch.jobs or remaining <= SERVER_MAX_WAIT_MS:
             return batch
+        if (time.monotonic() - started) * 1000 < slice_ms - _EARLY_END_MS:
+            # The server ended the wait early with nothing (it is shutting
+            # down): answered as a wait of one slice is, not sent again into
+            # a server that is going away.
+            return batch
+
+
+# How much sooner than asked an empty lease must end to have been cut short.
+_EARLY_END_MS = 1_000
 
 
 def _without_deferred_failures(batch: LeaseBatch) -> Op[LeaseBatch]:
