@@ -27,6 +27,11 @@ const MAX_WAIT: Duration = Duration::from_secs(30);
 const EVENT_BATCH: usize = 256;
 /// The longest a watch goes without a message (see `WatchResponse`).
 const WATCH_HEARTBEAT: Duration = Duration::from_secs(5);
+/// Most bytes of events a watch reads ahead of its client (at least one
+/// event). A watch reads the log only when the connection takes its next
+/// message, so this is what a client that stops reading holds here per
+/// watch; 256 events whatever their size held 256 MB of 1 MB payloads.
+const WATCH_READ_AHEAD: usize = 4 << 20;
 /// Most events one `Query.events` returns.
 const MAX_EVENTS_PER_READ: usize = 10_000;
 /// How long a worker name stays listed after it was last seen.
@@ -988,6 +993,7 @@ impl JobsSvc {
             stop: self.shutdown.clone(),
             buffered: std::collections::VecDeque::new(),
             failed: false,
+            limit: 1,
         };
         let stream = futures::stream::unfold(state, |mut st| async move {
             loop {
@@ -1026,15 +1032,29 @@ impl JobsSvc {
                 }
                 let read = st
                     .jobs
-                    .read_events(&st.ns, &st.queue, Some(st.cursor), EVENT_BATCH, WATCH_HEARTBEAT, Some(&st.stop), None)
+                    .read_events(&st.ns, &st.queue, Some(st.cursor), st.limit, WATCH_HEARTBEAT, Some(&st.stop), None)
                     .await;
                 match read {
                     Ok(events) => {
+                        // Keep WATCH_READ_AHEAD bytes of what was read; the
+                        // rest is read again when the client has taken these.
+                        let (mut kept, mut bytes) = (0, 0);
                         for e in events {
+                            let size = event_bytes(&e);
+                            if kept > 0 && bytes + size > WATCH_READ_AHEAD {
+                                break;
+                            }
+                            (kept, bytes) = (kept + 1, bytes + size);
                             st.cursor = e.seq;
                             if st.wanted(&e) {
                                 st.buffered.push_back(e);
                             }
+                        }
+                        // Next, as many events of this size as the bound
+                        // holds, growing at most twofold a read.
+                        if let Some(each) = bytes.checked_div(kept) {
+                            let fit = WATCH_READ_AHEAD / each.max(1);
+                            st.limit = fit.clamp(1, (st.limit * 2).min(EVENT_BATCH));
                         }
                         if st.buffered.is_empty() && !st.stop.is_fired() {
                             // Nothing for this watch: a heartbeat with how far the
@@ -1064,6 +1084,13 @@ struct WatchState {
     stop: Interrupt,
     buffered: std::collections::VecDeque<Event>,
     failed: bool,
+    /// Events the next read takes (see `WATCH_READ_AHEAD`).
+    limit: usize,
+}
+
+/// About what an event holds in memory.
+fn event_bytes(e: &Event) -> usize {
+    64 + e.name.len() + e.fields.iter().map(|(k, v)| 48 + k.len() + v.len()).sum::<usize>()
 }
 
 impl WatchState {

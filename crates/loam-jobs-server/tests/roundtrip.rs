@@ -676,3 +676,36 @@ async fn metrics_count_the_background_sweeps_reclaims() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A watch reads ahead of its client by a few megabytes, not 256 events: over
+/// a backlog of large and small events, read from the oldest, it brings
+/// every one once and in order, whatever the sizes do from one to the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_over_a_backlog_of_mixed_sizes_brings_every_event_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let mut published = Vec::new();
+    for i in 0..36u32 {
+        // Runs of small events, then of 600 KB ones: the read-ahead (4 MB)
+        // shrinks and grows.
+        let size = if (i / 6) % 2 == 1 { 600 << 10 } else { 100 };
+        let ev = pb::queue_admin_request::PublishEvent {
+            name: format!("e{i}"),
+            fields: vec![pb::EventField { key: "pad".into(), value: "x".repeat(size), ..Default::default() }],
+            max_events: 10_000,
+            ..Default::default()
+        };
+        let answer = c.queue_admin(queue_admin_req("big", ev)).await.unwrap().into_owned();
+        published.push(answer.event_id);
+    }
+    let mut watch =
+        c.watch(pb::WatchRequest { queue: "big".into(), after: Some(0), ..Default::default() }).await.unwrap();
+    let mut names = Vec::new();
+    while names.len() < published.len() {
+        let event = tokio::time::timeout(Duration::from_secs(20), next_event(&mut watch)).await.unwrap().unwrap();
+        names.push(event.expect("the watch ended").name);
+    }
+    let expected: Vec<String> = (0..36).map(|i| format!("e{i}")).collect();
+    assert_eq!(names, expected);
+}

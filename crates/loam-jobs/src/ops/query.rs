@@ -132,7 +132,11 @@ pub fn dependencies(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(String, D
 pub fn events_after(tx: &mut Tx, q: &QueueId, after: u64, limit: usize) -> Result<Vec<Event>, JobsError> {
     // Trimmed events may linger in the oldest page: start past them.
     let after = after.max(tx.stats(q)?.first_event.saturating_sub(1));
-    let pages = limit.div_ceil(keys::EVENTS_PER_PAGE as usize).saturating_add(1);
+    // The pages from the one holding the next event to the one holding the
+    // `limit`th (sequences have no gaps): a page of large events is big.
+    let (first, last) = (after.saturating_add(1), after.saturating_add(limit as u64));
+    let pages = (last / keys::EVENTS_PER_PAGE).saturating_sub(first / keys::EVENTS_PER_PAGE).saturating_add(1);
+    let pages = usize::try_from(pages).unwrap_or(usize::MAX);
     let mut out = Vec::new();
     for (_, page) in tx.scan(&QueueKeys::new(q).event_pages_after(after), pages, false)? {
         for record in model::page_records(&page) {
