@@ -58,6 +58,13 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     if args.max_request_bytes < 1024 {
         return Err(ServerError::Config("--max-request-bytes must be at least 1024".into()));
     }
+    if args.max_response_bytes < args.max_payload_bytes {
+        return Err(ServerError::Config(
+            "--max-response-bytes must be at least --max-payload-bytes: a job or event it could not answer would \
+             be refused for ever"
+                .into(),
+        ));
+    }
     if args.max_request_bytes_in_flight < 1024 {
         return Err(ServerError::Config("--max-request-bytes-in-flight must be at least 1024".into()));
     }

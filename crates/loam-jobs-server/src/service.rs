@@ -860,7 +860,18 @@ impl JobsSvc {
                     if let Some(cursor) = cursor {
                         events = cursor.keep(events);
                     }
-                    R::from(pb::EventList { events: events.iter().map(convert::event).collect(), ..Default::default() })
+                    // Fewer events rather than a refusal, which the reader
+                    // would meet again each time it asked: it reads on from
+                    // the last event it got.
+                    let mut list = Vec::with_capacity(events.len());
+                    for e in &events {
+                        let event = convert::event(e);
+                        if !size.room_for(&event) && !list.is_empty() {
+                            break;
+                        }
+                        list.push(event);
+                    }
+                    R::from(pb::EventList { events: list, ..Default::default() })
                 }
                 Query::WaitForJob(w) => R::Flag(
                     jobs.wait_for_job(ns, queue, wait_of(w.wait_ms), Some(&self.shutdown), None).await?.is_some(),
@@ -1338,6 +1349,17 @@ impl AnswerSize {
     fn fits(&mut self, part: &impl buffa::Message) -> bool {
         self.used = self.used.saturating_add(u64::from(part.encoded_len()));
         self.used <= self.cap
+    }
+
+    /// Counts `part` if the answer has room for it; false, counting
+    /// nothing, if not: for reads whose answer may be cut short.
+    fn room_for(&mut self, part: &impl buffa::Message) -> bool {
+        let used = self.used.saturating_add(u64::from(part.encoded_len()));
+        let room = used <= self.cap;
+        if room {
+            self.used = used;
+        }
+        room
     }
 
     /// The whole answer, refused if it, or the parts counted on the way, is

@@ -524,7 +524,8 @@ async fn sigterm_ends_long_polls_and_closes_the_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_over_max_response_bytes_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start_in(dir.path(), &["--max-response-bytes", "1048576"], &[]);
+    let one_mb = "1048576";
+    let server = Server::start_in(dir.path(), &["--max-response-bytes", one_mb, "--max-payload-bytes", one_mb], &[]);
     let c = server.client();
     let data = format!("\"{}\"", "x".repeat(300 << 10));
     let added = c.enqueue(enqueue_req("q", job("big", data.as_bytes()))).await.unwrap().into_owned();
@@ -542,5 +543,37 @@ async fn an_answer_over_max_response_bytes_is_refused() {
     let mget = |n: usize| pb::ResultMGetRequest { keys: vec!["r".into(); n], ..Default::default() };
     assert_eq!(c.result_m_get(mget(3)).await.unwrap().into_owned().values.len(), 3);
     assert_code(c.result_m_get(mget(100)).await, ErrorCode::ResourceExhausted, Some("response_too_large"));
+
+    // An event read is cut short instead: refused, its reader would ask again
+    // for ever. It reads on from the last event it got.
+    for i in 0..10 {
+        let ev = pb::queue_admin_request::PublishEvent {
+            name: format!("e{i}"),
+            fields: vec![pb::EventField { key: "pad".into(), value: "x".repeat(300 << 10), ..Default::default() }],
+            max_events: 1_000,
+            ..Default::default()
+        };
+        c.queue_admin(queue_admin_req("ev", ev)).await.unwrap();
+    }
+    let (mut after, mut names, mut reads) = (0, Vec::new(), 0);
+    while names.len() < 10 {
+        let q = pb::query_request::Events { after: Some(after), limit: 100, ..Default::default() };
+        let r = c.query(query_req("ev", oneof::query_request::Query::from(q))).await.unwrap().into_owned();
+        let Some(oneof::query_response::Result::Events(list)) = r.result else { panic!("events") };
+        assert!((1..=3).contains(&list.events.len()), "{} events of 300 KB in a 1 MB answer", list.events.len());
+        after = list.events.last().unwrap().seq;
+        names.extend(list.events.into_iter().map(|e| e.name));
+        reads += 1;
+    }
+    assert_eq!(names, (0..10).map(|i| format!("e{i}")).collect::<Vec<_>>());
+    assert!(reads >= 4, "{reads}");
+    // A response cap below the largest payload could never answer some reads.
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_loam-jobs"))
+        .args(["serve", "--max-response-bytes", "1000", "--data-dir"])
+        .arg(dir.path().join("other"))
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--max-response-bytes must be at least"));
     assert!(server.healthy());
 }
