@@ -39,6 +39,8 @@ const WAITING_CHILDREN: u8 = b'p';
 const COMPLETED: u8 = b'c';
 const FAILED: u8 = b'f';
 const EVENT: u8 = b'e';
+/// The fields of an event too large for its page (see `Tx::event`).
+const EVENT_BODY: u8 = b'b';
 const META: u8 = b'm';
 const STATS: u8 = b's';
 const LOG: u8 = b'l';
@@ -286,6 +288,16 @@ impl QueueKeys {
     }
     pub fn events(&self) -> KeyRange {
         self.range(EVENT)
+    }
+    /// Where event `seq` keeps its fields when they are too large for its page.
+    pub fn event_body(&self, seq: u64) -> Key {
+        let mut k = self.with(EVENT_BODY);
+        k.extend_from_slice(&seq.to_be_bytes());
+        k
+    }
+    /// The bodies of the events `from..to`.
+    pub fn event_bodies(&self, from: u64, to: u64) -> KeyRange {
+        KeyRange::new(self.event_body(from), self.event_body(to))
     }
     /// The pages that may hold events with a sequence number above `after`.
     pub fn event_pages_after(&self, after: u64) -> KeyRange {

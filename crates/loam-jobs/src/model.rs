@@ -490,13 +490,43 @@ pub struct Event {
     pub fields: Vec<(String, String)>,
 }
 
-/// An event as it is written: the same encoding as [`Event`], from borrowed fields.
+/// An event as it is written: the same encoding as [`Event`], from borrowed
+/// fields. In its page, an event whose fields are larger than
+/// [`INLINE_EVENT_BYTES`] is this record without them and with `body` set;
+/// its fields, the whole record, are kept under their own key
+/// (`QueueKeys::event_body`). A page is written whole at each append, so
+/// pages of large events (a completed job's return value, a progress report
+/// with data) made each event copy up to 64 of them.
 #[derive(Serialize)]
 pub(crate) struct EventRef<'a> {
     pub seq: u64,
     pub ts: u64,
     pub name: &'a str,
     pub fields: &'a [(&'a str, &'a str)],
+    /// Only the last field may be skipped: the record is an array.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub body: bool,
+}
+
+/// Most bytes of fields an event keeps in its page (see [`EventRef`]).
+pub(crate) const INLINE_EVENT_BYTES: usize = 2048;
+
+/// An event's record as its page holds it (see [`EventRef`]); records
+/// written before `body` existed read as inline.
+#[derive(Deserialize)]
+pub(crate) struct PagedEvent {
+    pub seq: u64,
+    pub ts: u64,
+    pub name: String,
+    pub fields: Vec<(String, String)>,
+    #[serde(default)]
+    pub body: bool,
+}
+
+impl From<PagedEvent> for Event {
+    fn from(e: PagedEvent) -> Self {
+        Event { seq: e.seq, ts: e.ts, name: e.name, fields: e.fields }
+    }
 }
 
 /// Appends one record to a page of records (a length, then its encoding),
@@ -911,6 +941,24 @@ pub(crate) fn validate_name(kind: &str, value: &str, max: usize) -> Result<(), J
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An event kept in its page is written as before `body` existed, and
+    /// records written then read as such.
+    #[test]
+    fn inline_events_keep_the_encoding_from_before_bodies() {
+        #[derive(Serialize)]
+        struct Before<'a>(u64, u64, &'a str, &'a [(&'a str, &'a str)]);
+        let fields = [("jobId", "7")];
+        let now = EventRef { seq: 3, ts: 9, name: "added", fields: &fields, body: false };
+        let before = encode(&Before(3, 9, "added", &fields));
+        assert_eq!(encode(&now), before);
+        let read: PagedEvent = decode(&before).unwrap_or_else(|e| panic!("old record: {e}"));
+        assert!(!read.body);
+        assert_eq!(Event::from(read).fields, vec![("jobId".to_string(), "7".to_string())]);
+        let stub: PagedEvent =
+            decode(&encode(&EventRef { fields: &[], body: true, ..now })).unwrap_or_else(|e| panic!("{e}"));
+        assert!(stub.body && stub.fields.is_empty());
+    }
 
     /// Counters written before `epoch_floor` existed (an array one field
     /// shorter) still read, with a floor of zero.

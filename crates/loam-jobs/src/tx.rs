@@ -424,9 +424,16 @@ impl<'a> Tx<'a> {
         }
         let seq = stats.last_event;
         let over = stats.events_over(max) > 0;
-        let key = c.keys.event_page(seq);
-        let event = EventRef { seq, ts: now, name, fields };
-        self.kv.append(&key, &mut |page| model::append_to_page(page, &event))?;
+        let (key, body) = (c.keys.event_page(seq), c.keys.event_body(seq));
+        let event = EventRef { seq, ts: now, name, fields, body: false };
+        let size: usize = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+        if size > model::INLINE_EVENT_BYTES {
+            self.kv.put(&body, model::encode(&event))?;
+            let stub = EventRef { fields: &[], body: true, ..event };
+            self.kv.append(&key, &mut |page| model::append_to_page(page, &stub))?;
+        } else {
+            self.kv.append(&key, &mut |page| model::append_to_page(page, &event))?;
+        }
         if over {
             self.trim_events(q, max)?;
         }
@@ -448,8 +455,15 @@ impl<'a> Tx<'a> {
         let first = first_event + excess;
         let (old_page, new_page) = (first_event / EVENTS_PER_PAGE, first / EVENTS_PER_PAGE);
         for page in old_page..new_page {
-            let key = self.cache(q)?.keys.event_page(page * EVENTS_PER_PAGE);
+            let keys = &self.cache(q)?.keys;
+            let (key, bodies) = (
+                keys.event_page(page * EVENTS_PER_PAGE),
+                keys.event_bodies(page * EVENTS_PER_PAGE, (page + 1) * EVENTS_PER_PAGE),
+            );
             self.delete(&key)?;
+            // With their page, not one by one as events drop: readers skip
+            // the dropped events of a page still in use, bodies or not.
+            self.delete_range(&bodies)?;
         }
         self.stats_mut(q)?.first_event = first;
         Ok(excess)

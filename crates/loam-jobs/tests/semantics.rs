@@ -691,6 +691,51 @@ fn one_operation_writing_many_events_keeps_them_in_order_and_trimmed() {
     assert_eq!(kept.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![200]);
 }
 
+/// An event whose fields are large keeps them under a key of its own, not
+/// in its page (which every append writes whole): it reads back whole and in
+/// order among small ones, across pages and limits, and its fields go with
+/// its page when the log is trimmed.
+#[test]
+fn large_events_read_back_whole_and_go_with_their_page() {
+    let (jobs, _) = core();
+    jobs.set_meta("ns", "q", BTreeMap::from([("opts.maxLenEvents".to_string(), "100".to_string())])).wait().unwrap();
+    let publish = |i: usize| {
+        // Every third event is large.
+        let value = if i.is_multiple_of(3) { format!("{i}:{}", "x".repeat(10_000)) } else { i.to_string() };
+        let fields = vec![("value".to_string(), value)];
+        jobs.admin("ns", "q", move |tx, q| admin::publish_event(tx, q, "mine", &fields, 100)).wait().unwrap();
+    };
+    for i in 0..300 {
+        publish(i);
+    }
+    let bodies = |jobs: &Jobs| {
+        let range = keys::QueueKeys::new(&QueueId::new("ns", "q")).event_bodies(0, u64::MAX);
+        jobs.read("ns", |tx| tx.scan(&range, 10_000, false)).unwrap().len()
+    };
+    let kept = jobs.read_events_blocking("ns", "q", Some(0), 10_000, Duration::ZERO).unwrap();
+    assert_eq!(kept.iter().map(|e| e.seq).collect::<Vec<_>>(), (201..=300).collect::<Vec<_>>());
+    for e in &kept {
+        let i = e.seq as usize - 1;
+        let value = &e.fields[0].1;
+        assert!(value == &i.to_string() || value.starts_with(&format!("{i}:")) && value.len() > 10_000, "{}", e.seq);
+    }
+    // Paged through by small limits, the same events.
+    let (mut cursor, mut paged) = (200, Vec::new());
+    while let Some(last) = jobs.read_events_blocking("ns", "q", Some(cursor), 7, Duration::ZERO).unwrap().last() {
+        paged.push(last.seq);
+        cursor = last.seq;
+    }
+    assert_eq!(paged.last(), Some(&300));
+    // The trimmed pages (events 1 to 191, three pages) took their bodies with
+    // them: what is left are those of the pages still read (192 to 300).
+    let left = bodies(&jobs);
+    assert_eq!(left, (192..=300).filter(|s: &usize| (s - 1).is_multiple_of(3)).count(), "bodies of trimmed pages kept");
+    // Obliterate takes the rest.
+    jobs.admin("ns", "q", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
+    jobs.admin("ns", "q", |tx, q| admin::obliterate(tx, q, true, u64::MAX)).wait().unwrap();
+    assert_eq!(bodies(&jobs), 0);
+}
+
 #[test]
 fn read_events_waits_for_the_next_event() {
     let (jobs, _) = core();

@@ -140,8 +140,17 @@ pub fn events_after(tx: &mut Tx, q: &QueueId, after: u64, limit: usize) -> Resul
     let mut out = Vec::new();
     for (_, page) in tx.scan(&QueueKeys::new(q).event_pages_after(after), pages, false)? {
         for record in model::page_records(&page) {
-            let event: Event = model::decode(record?)?;
+            let event: model::PagedEvent = model::decode(record?)?;
             if event.seq > after {
+                let event = if event.body {
+                    let key = QueueKeys::new(q).event_body(event.seq);
+                    let body = tx.get(&key)?.ok_or_else(|| {
+                        JobsError::Internal(format!("event {} of queue {} has lost its fields", event.seq, q.name))
+                    })?;
+                    model::decode::<model::PagedEvent>(&body)?.into()
+                } else {
+                    event.into()
+                };
                 out.push(event);
                 if out.len() == limit {
                     return Ok(out);
