@@ -25,6 +25,7 @@ use loam_jobs::{
     CompleteOptions, Config, EnqueueRequest, Fence, JobError, JobState, Jobs, JobsError, LeaseRequest, Outcome,
     QueueConfig, SystemClock,
 };
+use loam_jobs_stress::result_of;
 use parking_lot::Mutex;
 use rand::Rng;
 
@@ -205,7 +206,7 @@ fn worker(shared: &Shared, thread: usize) {
                 }
             }
             let outcome = match rng.random_range(0..100u32) {
-                0..70 => Outcome::Ok { result: Some(id.clone().into_bytes()) },
+                0..70 => Outcome::Ok { result: Some(result_of(&id)) },
                 70..80 => Outcome::Retry { error: Some(JobError::new("stress retry")), after_ms: None },
                 80..85 => Outcome::Retry {
                     error: Some(JobError::new("stress retry later")),

@@ -32,6 +32,7 @@ use loam_jobs::ops::query::state_range;
 use loam_jobs::store::redb::{RedbOptions, RedbStore};
 use loam_jobs::tx::Tx;
 use loam_jobs::*;
+use loam_jobs_stress::result_of;
 use rand::Rng;
 
 const NS: &str = "stress";
@@ -154,7 +155,7 @@ fn check(jobs: &Jobs, logs: &Logs, when: &str) -> Snapshot {
             _ => assert!(job.lock.is_none(), "{when}: {} job {id} holds a lock", job.state),
         }
         if job.state == JobState::Completed {
-            assert_eq!(job.return_value.as_deref(), Some(id.as_bytes()), "{when}: job {id} return value");
+            assert_eq!(job.return_value, Some(result_of(id)), "{when}: job {id} return value");
         }
     }
 
@@ -181,8 +182,14 @@ fn check(jobs: &Jobs, logs: &Logs, when: &str) -> Snapshot {
     let mut terminal: HashMap<&str, Vec<&str>> = HashMap::new();
     for e in &snap.events {
         if e.name == "completed" || e.name == "failed" {
-            let id = e.fields.iter().find(|(k, _)| k == "jobId").map(|(_, v)| v.as_str()).expect("jobId");
+            let field = |name: &str| e.fields.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str());
+            let id = field("jobId").expect("jobId");
             terminal.entry(id).or_default().push(e.name.as_str());
+            // A large one comes back whole from its own key.
+            if e.name == "completed" {
+                let expected = String::from_utf8(result_of(id)).unwrap();
+                assert_eq!(field("returnvalue"), Some(expected.as_str()), "{when}: completed event of {id}");
+            }
         }
     }
     for (id, job) in &snap.jobs {
@@ -313,7 +320,7 @@ fn acknowledged_writes_survive_sigkill() {
             .leases
             .iter()
             .map(|l| {
-                let outcome = Outcome::Ok { result: Some(l.job.id.clone().into_bytes()) };
+                let outcome = Outcome::Ok { result: Some(result_of(&l.job.id)) };
                 (
                     l.job.id.clone(),
                     l.epoch,
