@@ -307,6 +307,7 @@ impl LoamQueue {
             lock_duration_ms: self.settings.lock_duration_ms,
             names: None,
             limiter: self.settings.limiter.clone(),
+            max_bytes: None,
         }
     }
 

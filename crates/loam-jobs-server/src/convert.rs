@@ -262,6 +262,8 @@ pub fn lease_options(o: pb::LeaseOptions) -> LeaseRequest {
         lock_duration_ms: o.lock_duration_ms,
         names: if o.names.is_empty() { None } else { Some(o.names) },
         limiter: o.limiter.into_option().map(rate_limit),
+        // Set by the service, from --max-response-bytes.
+        max_bytes: None,
     }
 }
 

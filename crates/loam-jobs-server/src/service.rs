@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use buffa::view::HasMessageView;
 use connectrpc::{ConnectError, InboundStream, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
 use loam_jobs::ops::{admin, idempotency, lease, query, results, schedule};
-use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, Outcome, QueueId};
+use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, LeaseRequest, Outcome, QueueId};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 
@@ -138,6 +138,13 @@ impl JobsSvc {
     /// Reads whose answer would be larger than `bytes` are refused.
     pub fn max_response_bytes(self, bytes: usize) -> Self {
         Self { max_response_bytes: u64::try_from(bytes).unwrap_or(u64::MAX), ..self }
+    }
+
+    /// `lease` taking no more jobs than fit in an answer: a batch of large
+    /// jobs stops at --max-response-bytes of their data (the first is always
+    /// taken), where 1,000 jobs of 64 MB each asked for 64 GB.
+    fn bounded(&self, lease: LeaseRequest) -> LeaseRequest {
+        LeaseRequest { max_bytes: Some(self.max_response_bytes), ..lease }
     }
 
     fn answer_size(&self) -> AnswerSize {
@@ -362,7 +369,7 @@ impl JobsSvc {
 
     async fn do_lease(&self, c: Caller, req: pb::LeaseRequest) -> Result<pb::LeaseResponse, ConnectError> {
         let started = Instant::now();
-        let options = convert::lease_options(req.options.into_option().unwrap_or_default());
+        let options = self.bounded(convert::lease_options(req.options.into_option().unwrap_or_default()));
         if options.max == 0 {
             // Zero would wait out the whole long-poll for nothing.
             return Err(invalid("lease options.max must be at least 1"));
@@ -406,7 +413,8 @@ impl JobsSvc {
     async fn do_complete(&self, c: Caller, req: pb::CompleteRequest) -> Result<pb::CompleteResponse, ConnectError> {
         let fence = convert::fence(req.fence.into_option()).map_err(core_err)?;
         let outcome = convert::outcome(req.outcome.into_option()).map_err(core_err)?;
-        let opts = convert::complete_options(req.options.into_option()).map_err(core_err)?;
+        let mut opts = convert::complete_options(req.options.into_option()).map_err(core_err)?;
+        opts.fetch_next = opts.fetch_next.map(|next| self.bounded(next));
         let name = outcome_name(&outcome);
         let ttl_for = req.rate_limit_ttl_for.into_option().map(convert::rate_limit);
         let id = req.job_id.clone();

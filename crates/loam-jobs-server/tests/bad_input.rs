@@ -544,6 +544,13 @@ async fn an_answer_over_max_response_bytes_is_refused() {
     assert_eq!(c.result_m_get(mget(3)).await.unwrap().into_owned().values.len(), 3);
     assert_code(c.result_m_get(mget(100)).await, ErrorCode::ResourceExhausted, Some("response_too_large"));
 
+    // A lease takes no more jobs than fit (and one at least).
+    for i in 0..4 {
+        c.enqueue(enqueue_req("work", job(&format!("w{i}"), data.as_bytes()))).await.unwrap();
+    }
+    let leased = c.lease(lease_req("work", 10, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
+    assert_eq!(leased.leases.len(), 3, "of four jobs of 300 KB, those that fit a 1 MB answer");
+
     // An event read is cut short instead: refused, its reader would ask again
     // for ever. It reads on from the last event it got.
     for i in 0..10 {

@@ -789,6 +789,9 @@ pub struct LeaseRequest {
     pub names: Option<Vec<String>>,
     /// The worker's limiter, used when the queue has no global one.
     pub limiter: Option<RateLimit>,
+    /// Most bytes of job data the leases may carry together (the first job is
+    /// always taken): a server bounds its answer with it. None = no bound.
+    pub max_bytes: Option<u64>,
 }
 
 /// A job handed to a worker.

@@ -691,6 +691,23 @@ fn one_operation_writing_many_events_keeps_them_in_order_and_trimmed() {
     assert_eq!(kept.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![200]);
 }
 
+/// A lease with a byte bound stops taking jobs once their data would pass it,
+/// but always takes one: a server bounds its answer so.
+#[test]
+fn a_lease_stops_at_its_byte_bound_and_takes_one_job_at_least() {
+    let (jobs, _) = core();
+    for i in 0..5 {
+        let data = format!("\"{}\"", "x".repeat(98)).into_bytes();
+        jobs.enqueue("ns", "q", EnqueueRequest { name: format!("j{i}"), data, ..job("x") }).wait().unwrap();
+    }
+    let req = |max_bytes| LeaseRequest { max: 10, max_bytes: Some(max_bytes), ..Default::default() };
+    let names = |leased: Leased| leased.leases.into_iter().map(|l| l.job.name).collect::<Vec<_>>();
+    assert_eq!(names(jobs.lease("ns", "q", req(250)).wait().unwrap()), ["j0", "j1"]);
+    assert_eq!(names(jobs.lease("ns", "q", req(10)).wait().unwrap()), ["j2"], "one job at least");
+    let unbounded = LeaseRequest { max: 10, ..Default::default() };
+    assert_eq!(names(jobs.lease("ns", "q", unbounded).wait().unwrap()), ["j3", "j4"]);
+}
+
 /// An event whose fields are large keeps them under a key of its own, not
 /// in its page (which every append writes whole): it reads back whole and in
 /// order among small ones, across pages and limits, and its fields go with

@@ -133,7 +133,8 @@ pub fn lease_taken_by(
 
     let duration = if req.lock_duration_ms > 0 { req.lock_duration_ms } else { tx.config.default_lock_ms };
     let mut cursor = keys.waiting_all();
-    while (out.leases.len() as u64) < room {
+    let mut taken_bytes = 0u64;
+    'scan: while (out.leases.len() as u64) < room {
         let want = (room as usize - out.leases.len()).max(if req.names.is_some() { 64 } else { 1 });
         let batch = tx.scan(&cursor, want, false)?;
         if batch.is_empty() {
@@ -157,6 +158,11 @@ pub fn lease_taken_by(
                 super::complete::fail(tx, q, job, &JobError::new("job expired before it started"), false)?;
                 continue;
             }
+            let size = job.data.len() as u64;
+            if !out.leases.is_empty() && req.max_bytes.is_some_and(|max| taken_bytes.saturating_add(size) > max) {
+                break 'scan;
+            }
+            taken_bytes = taken_bytes.saturating_add(size);
             let prev = job.state;
             tx.unindex(q, &job)?;
             // Above every epoch handed out before: this record's, a lost
