@@ -93,7 +93,9 @@ pub struct ServeArgs {
 
     /// Largest answer to a read (Query, ResultMGet), in bytes. A read whose
     /// answer would be larger (many large jobs at once) is refused with
-    /// resource_exhausted: ask for fewer at a time.
+    /// resource_exhausted: ask for fewer at a time; an event read or a lease
+    /// is cut short instead. At least twice --max-payload-bytes and 64 KiB,
+    /// so that any one job can be answered.
     #[arg(long, default_value_t = 256 << 20)]
     pub max_response_bytes: usize,
 
@@ -126,16 +128,16 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 10_000)]
     pub max_connections: usize,
 
-    /// A new connection must start its first call within this many seconds,
-    /// and an HTTP/1.1 request's head must arrive within it; a connection
-    /// that sends nothing, or half a request, is closed.
+    /// A new connection must start its first call within this many seconds;
+    /// a connection that sends nothing, or half a request, is closed.
     #[arg(long, default_value_t = 10)]
     pub first_call_timeout_secs: u64,
 
     /// A connection with no call in flight for this many seconds is closed
     /// (HTTP/2 with a GOAWAY; clients open a new connection for their next
-    /// call). A worker's connection always has its long-poll in flight.
-    /// 0 keeps idle connections open.
+    /// call), and an HTTP/1.1 request's head must arrive within it. A
+    /// worker's connection always has its long-poll in flight. 0 keeps idle
+    /// connections open.
     #[arg(long, default_value_t = 300)]
     pub idle_timeout_secs: u64,
 

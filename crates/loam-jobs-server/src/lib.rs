@@ -58,12 +58,14 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     if args.max_request_bytes < 1024 {
         return Err(ServerError::Config("--max-request-bytes must be at least 1024".into()));
     }
-    if args.max_response_bytes < args.max_payload_bytes {
-        return Err(ServerError::Config(
-            "--max-response-bytes must be at least --max-payload-bytes: a job or event it could not answer would \
-             be refused for ever"
-                .into(),
-        ));
+    // A job carries its data and its return value, each up to the payload
+    // limit, and the encoding adds its framing.
+    let fits_a_job = args.max_payload_bytes.saturating_mul(2).saturating_add(RESPONSE_FRAMING_BYTES);
+    if args.max_response_bytes < fits_a_job {
+        return Err(ServerError::Config(format!(
+            "--max-response-bytes must be at least twice --max-payload-bytes and 64 KiB more ({fits_a_job}): a job \
+             it could not answer would be refused for ever"
+        )));
     }
     if args.max_request_bytes_in_flight < 1024 {
         return Err(ServerError::Config("--max-request-bytes-in-flight must be at least 1024".into()));
@@ -206,6 +208,10 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     tracing::info!("store closed; bye");
     Ok(())
 }
+
+/// Room for the rest of a job's record and the answer's framing, beside its
+/// data and return value (see `--max-response-bytes`).
+const RESPONSE_FRAMING_BYTES: usize = 64 << 10;
 
 /// Descriptors kept for the store, the listener and the runtime, beside
 /// one a connection.

@@ -53,8 +53,7 @@ pub struct ConnectionLimits {
     pub max_streams: u32,
     /// Connections open at once; one more is closed as soon as it is accepted.
     pub max_connections: usize,
-    /// A new connection's first call must start within this (an HTTP/1.1
-    /// request's head must also arrive within it).
+    /// A new connection's first call must start within this.
     pub first_call_within: Duration,
     /// A connection with no call in flight for this long is closed (HTTP/2
     /// with a GOAWAY, which clients answer by opening a new one).
@@ -73,7 +72,11 @@ pub async fn serve(
     grace: Duration,
 ) -> bool {
     let mut builder = Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(limits.first_call_within);
+    // hyper times every request head with this, the wait for the next one on
+    // a kept-alive connection too: the idle timeout's length, not the first
+    // call's (which `Activity::idle` enforces, for both protocols).
+    let head_within = limits.idle.map(|idle| idle.max(limits.first_call_within));
+    builder.http1().timer(TokioTimer::new()).header_read_timeout(head_within);
     builder.http2().max_concurrent_streams(limits.max_streams);
     if let Some(p) = limits.probing {
         builder.http2().timer(TokioTimer::new()).keep_alive_interval(p.idle).keep_alive_timeout(p.timeout);
@@ -133,8 +136,8 @@ type Connection = hyper_util::server::conn::auto::UpgradeableConnection<
 
 /// Serves one connection to its end. It is asked to finish (a GOAWAY for
 /// HTTP/2; HTTP/1.1 closes after the call under way) when the server stops or
-/// when it has been idle too long, and then ends once its calls have. An idle
-/// one that has not ended `first_call_within` later is dropped once it has no
+/// when it has been idle too long, and then ends once its calls have. One
+/// that has not ended `first_call_within` later is dropped once it has no
 /// call in flight: HTTP/2's graceful close waits for the client to answer
 /// a PING, which a client that sends nothing never does.
 async fn drive(conn: Connection, activity: &Activity, limits: ConnectionLimits, mut stop: watch::Receiver<bool>) {
@@ -158,6 +161,7 @@ async fn drive(conn: Connection, activity: &Activity, limits: ConnectionLimits, 
             _ = stop.changed(), if !finishing => {
                 conn.as_mut().graceful_shutdown();
                 finishing = true;
+                drop_at = Some(tokio::time::Instant::now() + limits.first_call_within);
             }
             () = activity.idle(limits.first_call_within, limits.idle), if !finishing => {
                 tracing::debug!("closing an idle connection");

@@ -524,8 +524,9 @@ async fn sigterm_ends_long_polls_and_closes_the_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_over_max_response_bytes_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let one_mb = "1048576";
-    let server = Server::start_in(dir.path(), &["--max-response-bytes", one_mb, "--max-payload-bytes", one_mb], &[]);
+    // The largest payload that a 1 MiB answer still fits twice, with room.
+    let server =
+        Server::start_in(dir.path(), &["--max-response-bytes", "1048576", "--max-payload-bytes", "409600"], &[]);
     let c = server.client();
     let data = format!("\"{}\"", "x".repeat(300 << 10));
     let added = c.enqueue(enqueue_req("q", job("big", data.as_bytes()))).await.unwrap().into_owned();
@@ -574,13 +575,14 @@ async fn an_answer_over_max_response_bytes_is_refused() {
     }
     assert_eq!(names, (0..10).map(|i| format!("e{i}")).collect::<Vec<_>>());
     assert!(reads >= 4, "{reads}");
-    // A response cap below the largest payload could never answer some reads.
+    // A response cap that could not hold one job of the largest payloads
+    // (data and return value) could never answer some reads.
     let refused = std::process::Command::new(env!("CARGO_BIN_EXE_loam-jobs"))
-        .args(["serve", "--max-response-bytes", "1000", "--data-dir"])
+        .args(["serve", "--max-payload-bytes", "1048576", "--max-response-bytes", "2097152", "--data-dir"])
         .arg(dir.path().join("other"))
         .output()
         .unwrap();
     assert!(!refused.status.success());
-    assert!(String::from_utf8_lossy(&refused.stderr).contains("--max-response-bytes must be at least"));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--max-response-bytes must be at least twice"));
     assert!(server.healthy());
 }

@@ -86,6 +86,24 @@ async fn an_idle_connection_is_closed_and_the_client_goes_on_over_a_new_one() {
     assert!(took < Duration::from_secs(12), "an idle HTTP/1.1 connection stayed open {took:?}");
 }
 
+/// An HTTP/1.1 connection kept alive between requests waits for the idle
+/// timeout, not the first call's: hyper's header-read timeout, which also
+/// times the wait for the next request, had cut it at the first call's.
+#[test]
+fn a_kept_alive_http1_connection_outlives_the_first_call_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--first-call-timeout-secs", "1", "--idle-timeout-secs", "30"], &[]);
+    let mut conn = connect(&server);
+    conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 512];
+    for _ in 0..2 {
+        conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let n = conn.read(&mut buf).unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"), "{:?}", &buf[..n]);
+        std::thread::sleep(Duration::from_millis(2_500));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_in_flight_keep_their_connection_open() {
     let dir = tempfile::tempdir().unwrap();

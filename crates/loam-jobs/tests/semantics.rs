@@ -753,6 +753,26 @@ fn large_events_read_back_whole_and_go_with_their_page() {
     assert_eq!(bodies(&jobs), 0);
 }
 
+/// A read of the log takes about 8 MiB of events at most, one at least,
+/// however many it may take: readers go on from the last one they got.
+#[test]
+fn a_read_of_large_events_stops_at_its_byte_bound() {
+    let (jobs, _) = core();
+    for (i, size) in [3 << 20, 3 << 20, 3 << 20, 9 << 20, 100].into_iter().enumerate() {
+        let fields = vec![("pad".to_string(), "x".repeat(size))];
+        jobs.admin("ns", "q", move |tx, q| admin::publish_event(tx, q, &format!("e{i}"), &fields, 100)).wait().unwrap();
+    }
+    let read = |after| {
+        let events = jobs.read_events_blocking("ns", "q", Some(after), 100, Duration::ZERO).unwrap();
+        events.into_iter().map(|e| e.seq).collect::<Vec<_>>()
+    };
+    assert_eq!(read(0), [1, 2], "two of 3 MiB fit in 8 MiB, three do not");
+    assert_eq!(read(2), [3], "the next is 9 MiB");
+    assert_eq!(read(3), [4], "one at least, even past the bound");
+    assert_eq!(read(4), [5]);
+    assert_eq!(query::MAX_EVENT_BYTES_PER_READ, 8 << 20);
+}
+
 #[test]
 fn read_events_waits_for_the_next_event() {
     let (jobs, _) = core();

@@ -128,7 +128,14 @@ pub fn dependencies(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(String, D
         .collect()
 }
 
-/// Events with a sequence above `after`, oldest first.
+/// Most bytes of events one read of the log takes; it takes one event at
+/// least. Readers ask for up to thousands of events, and with large ones
+/// (return values, progress data) a read held gigabytes before anything
+/// could bound it: a watch's read-ahead, an events query's answer.
+pub const MAX_EVENT_BYTES_PER_READ: usize = 8 << 20;
+
+/// Events with a sequence above `after`, oldest first: at most `limit` of
+/// them and about [`MAX_EVENT_BYTES_PER_READ`] of their records.
 pub fn events_after(tx: &mut Tx, q: &QueueId, after: u64, limit: usize) -> Result<Vec<Event>, JobsError> {
     // Trimmed events may linger in the oldest page: start past them.
     let after = after.max(tx.stats(q)?.first_event.saturating_sub(1));
@@ -137,20 +144,29 @@ pub fn events_after(tx: &mut Tx, q: &QueueId, after: u64, limit: usize) -> Resul
     let (first, last) = (after.saturating_add(1), after.saturating_add(limit as u64));
     let pages = (last / keys::EVENTS_PER_PAGE).saturating_sub(first / keys::EVENTS_PER_PAGE).saturating_add(1);
     let pages = usize::try_from(pages).unwrap_or(usize::MAX);
-    let mut out = Vec::new();
+    let (mut out, mut bytes) = (Vec::new(), 0usize);
     for (_, page) in tx.scan(&QueueKeys::new(q).event_pages_after(after), pages, false)? {
         for record in model::page_records(&page) {
-            let event: model::PagedEvent = model::decode(record?)?;
+            let record = record?;
+            let event: model::PagedEvent = model::decode(record)?;
             if event.seq > after {
-                let event = if event.body {
+                let (event, size) = if event.body {
                     let key = QueueKeys::new(q).event_body(event.seq);
                     let body = tx.get(&key)?.ok_or_else(|| {
                         JobsError::Internal(format!("event {} of queue {} has lost its fields", event.seq, q.name))
                     })?;
-                    model::decode::<model::PagedEvent>(&body)?.into()
+                    // Sized before it is decoded: a body past the bound stays unread.
+                    if !out.is_empty() && bytes.saturating_add(body.len()) > MAX_EVENT_BYTES_PER_READ {
+                        return Ok(out);
+                    }
+                    (model::decode::<model::PagedEvent>(&body)?.into(), body.len())
                 } else {
-                    event.into()
+                    (event.into(), record.len())
                 };
+                if !out.is_empty() && bytes.saturating_add(size) > MAX_EVENT_BYTES_PER_READ {
+                    return Ok(out);
+                }
+                bytes = bytes.saturating_add(size);
                 out.push(event);
                 if out.len() == limit {
                     return Ok(out);
