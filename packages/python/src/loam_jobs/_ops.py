@@ -312,10 +312,12 @@ def lease(queue: str, options: LeaseOptions, wait_ms: int) -> Op[LeaseBatch]:
         resp = yield Call(
             "lease", LeaseRequest(queue=queue, options=options, wait_ms=slice_ms), wait_ms=slice_ms
         )
-        batch = yield from _without_deferred_failures(LeaseBatch.from_proto(queue, resp.leased))
+        leased = LeaseBatch.from_proto(queue, resp.leased)
+        batch = yield from _without_deferred_failures(leased)
         if batch.jobs or remaining <= SERVER_MAX_WAIT_MS:
             return batch
-        if (time.monotonic() - started) * 1000 < slice_ms - _EARLY_END_MS:
+        # Jobs came, all of them failed for stalling too often: not an early end.
+        if not leased.jobs and (time.monotonic() - started) * 1000 < slice_ms - _EARLY_END_MS:
             # The server ended the wait early with nothing (it is shutting
             # down): answered as a wait of one slice is, not sent again into
             # a server that is going away.
