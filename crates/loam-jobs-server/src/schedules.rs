@@ -24,7 +24,7 @@ use std::time::Duration;
 use chrono::TimeZone;
 use chrono_tz::Tz;
 use croner::Cron;
-use croner::parser::{CronParser, Seconds};
+use croner::parser::{CronParser, Seconds, Year};
 use loam_jobs::ops::schedule;
 use loam_jobs::{EnqueueRequest, Interrupt, Jobs, JobsError, QueueId, SchedulerRecord, SchedulerSpec};
 use loam_jobs_proto::loam::jobs::v1 as pb;
@@ -37,9 +37,13 @@ const TEMPLATE: &str = "loam.job";
 /// schedule cannot hold up the others.
 const CATCH_UP_PER_PASS: usize = 100;
 
+/// A cron expression of 5 fields, or 6 with seconds first, as BullMQ's
+/// cron-parser and Celery's crontab read them. croner's default also took a
+/// seventh, a year, which neither of them knows.
 fn parse_cron(pattern: &str) -> Result<Cron, JobsError> {
     CronParser::builder()
         .seconds(Seconds::Optional)
+        .year(Year::Disallowed)
         .build()
         .parse(pattern)
         .map_err(|e| JobsError::invalid(format!("bad cron expression {pattern:?}: {e}")))
@@ -354,6 +358,9 @@ mod tests {
         let utc = cron_next("0 9 * * *", None, t0, true).unwrap();
         assert_eq!(utc, t0 + 9 * 3_600_000);
         assert!(cron_next("61 * * * *", None, t0, true).is_err());
+        // Seconds first are read; a year is not.
+        assert_eq!(cron_next("30 0 9 * * *", None, t0, true).unwrap(), t0 + 9 * 3_600_000 + 30_000);
+        assert!(cron_next("0 0 9 * * * 2027", None, t0, true).is_err());
         assert!(cron_next("0 9 * * *", Some("Mars/Olympus"), t0, true).is_err());
     }
 
