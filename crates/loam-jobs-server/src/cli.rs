@@ -72,7 +72,9 @@ pub struct ServeArgs {
     #[arg(long, env = "LOAM_JOBS_TOKENS_FILE")]
     pub tokens: Option<PathBuf>,
 
-    /// Largest job payload, result or result-store value, in bytes.
+    /// Largest job payload (data, options and headers together), result,
+    /// result-store value, published event or queue-meta write, in bytes. A
+    /// failure's message and stack trace are cut to it.
     #[arg(long, default_value_t = 64 << 20)]
     pub max_payload_bytes: usize,
 

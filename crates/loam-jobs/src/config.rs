@@ -7,7 +7,9 @@ use crate::store::Durability;
 /// Settings of one open core.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// Largest payload (job data, return value) accepted, in bytes.
+    /// Largest payload accepted, in bytes: a job's data, options and headers
+    /// together, a return value, a result-store value, a published event, a
+    /// queue-meta write. A failure's message and stack trace are cut to it.
     pub max_payload_bytes: usize,
     /// Default length of a queue's event log (BullMQ's 10,000).
     pub max_events: u64,

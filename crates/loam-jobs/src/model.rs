@@ -869,6 +869,31 @@ impl JobError {
     pub fn new(message: impl Into<String>) -> Self {
         Self { message: message.into(), ..Default::default() }
     }
+
+    /// The error with its message and stack trace cut to `max` bytes each.
+    /// Cut rather than refused: refusing a worker's failure would leave its
+    /// job active until its lock ran out, and then failed as stalled.
+    pub fn bounded(mut self, max: usize) -> Self {
+        cut(&mut self.message, max);
+        if let Some(stack) = &mut self.stacktrace {
+            cut(stack, max);
+        }
+        self
+    }
+}
+
+/// Cuts `text` to at most `max` bytes, at a character boundary, saying so.
+fn cut(text: &mut String, max: usize) {
+    const MARK: &str = " [cut]";
+    if text.len() <= max {
+        return;
+    }
+    let mut at = max.saturating_sub(MARK.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    text.truncate(at);
+    text.push_str(MARK);
 }
 
 /// What a completion needs besides the outcome: the worker's settings.

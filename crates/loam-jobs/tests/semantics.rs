@@ -987,6 +987,37 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
     }
 }
 
+/// `max_payload_bytes` bounds what a caller stores beside a job's data:
+/// headers, a published event and queue meta are refused past it; a
+/// failure's message and stack trace are cut to it (refused, the worker's
+/// job would stay active until its lock ran out, then fail as stalled).
+#[test]
+fn the_payload_limit_covers_headers_events_meta_and_failures() {
+    let clock = ManualClock::new(1_000_000);
+    let config = Config { background: false, max_payload_bytes: 1024, ..Config::default() };
+    let jobs = Jobs::with_store(Box::new(RedbStore::in_memory().unwrap()), Arc::new(clock), config).unwrap();
+    let large = || "x".repeat(2048);
+    let headers = BTreeMap::from([("h".to_string(), large())]);
+    let added = jobs.enqueue("ns", "q", EnqueueRequest { headers, ..job("a") }).wait();
+    assert!(matches!(added, Err(JobsError::PayloadTooLarge { limit: 1024, .. })), "{added:?}");
+    let fields = vec![("pad".to_string(), large())];
+    let published = jobs.admin("ns", "q", move |tx, q| admin::publish_event(tx, q, "mine", &fields, 100)).wait();
+    assert!(matches!(published, Err(JobsError::PayloadTooLarge { .. })), "{published:?}");
+    let meta = jobs.set_meta("ns", "q", BTreeMap::from([("k".to_string(), large())])).wait();
+    assert!(matches!(meta, Err(JobsError::PayloadTooLarge { .. })), "{meta:?}");
+
+    jobs.enqueue("ns", "q", job("f")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    // Two-byte characters, so the cut falls inside one unless it minds them.
+    let error = JobError { message: "é".repeat(1000), stacktrace: Some("s".repeat(5000)), ..Default::default() };
+    finish(&jobs, "q", &l, Outcome::Fail { error, dead_letter: false }).unwrap();
+    let failed = jobs.get_job("ns", "q", &l.job.id).unwrap().unwrap();
+    let reason = failed.failed_reason.unwrap();
+    assert!(reason.len() <= 1024 && reason.ends_with(" [cut]") && reason.starts_with("éé"), "{}", reason.len());
+    let stack = &failed.stacktrace[0];
+    assert!(stack.len() <= 1024 && stack.ends_with(" [cut]"), "{}", stack.len());
+}
+
 #[test]
 fn dead_lettered_jobs_can_be_redriven() {
     let (jobs, _) = core();

@@ -701,6 +701,10 @@ pub fn remove_child_dependency(tx: &mut Tx, q: &QueueId, id: &str, parent_key: &
 /// Sets meta fields; returns how many were new.
 pub fn set_meta(tx: &mut Tx, q: &QueueId, values: &BTreeMap<String, String>) -> Result<u64, JobsError> {
     let keys = QueueKeys::new(q);
+    let size = values.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
+    if size > tx.config.max_payload_bytes {
+        return Err(JobsError::PayloadTooLarge { size, limit: tx.config.max_payload_bytes });
+    }
     let mut new = 0;
     for (field, value) in values {
         let key = keys.meta(field);
@@ -776,6 +780,10 @@ pub fn publish_event(
     fields: &[(String, String)],
     max: u64,
 ) -> Result<String, JobsError> {
+    let size = name.len() + fields.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
+    if size > tx.config.max_payload_bytes {
+        return Err(JobsError::PayloadTooLarge { size, limit: tx.config.max_payload_bytes });
+    }
     let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let seq = tx.event(q, name, &fields)?;
     tx.trim_events(q, max)?;

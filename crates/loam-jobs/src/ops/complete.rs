@@ -48,6 +48,12 @@ pub fn complete(
     outcome: Outcome,
     opts: &CompleteOptions,
 ) -> Result<Completed, JobsError> {
+    let limit = tx.config.max_payload_bytes;
+    let outcome = match outcome {
+        Outcome::Fail { error, dead_letter } => Outcome::Fail { error: error.bounded(limit), dead_letter },
+        Outcome::Retry { error, after_ms } => Outcome::Retry { error: error.map(|e| e.bounded(limit)), after_ms },
+        other => other,
+    };
     let job = tx.load_job(q, id)?;
     if let Some(idem) = &opts.idempotency {
         idempotency::check_key(&idem.key)?;

@@ -20,7 +20,8 @@ pub fn validate(tx: &Tx, req: &EnqueueRequest) -> Result<(), JobsError> {
         validate_name("job id", id, MAX_NAME_BYTES)?;
     }
     let limit = tx.config.max_payload_bytes;
-    let size = req.data.len() + req.opts.len();
+    let headers: usize = req.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
+    let size = req.data.len() + req.opts.len() + headers;
     if size > limit {
         return Err(JobsError::PayloadTooLarge { size, limit });
     }
