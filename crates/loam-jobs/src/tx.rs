@@ -106,6 +106,13 @@ impl<'a> Tx<'a> {
             None => Ok(None),
         }
     }
+    /// Refuses a value of `size` bytes past `Config::max_payload_bytes`, the
+    /// most a caller may store in one value (a job's data, a result, ...).
+    pub fn check_payload(&self, size: usize) -> Result<(), JobsError> {
+        let limit = self.config.max_payload_bytes;
+        if size > limit { Err(JobsError::PayloadTooLarge { size, limit }) } else { Ok(()) }
+    }
+
     pub fn put_record<T: serde::Serialize>(&mut self, key: &[u8], value: &T) -> Result<(), JobsError> {
         self.put(key, model::encode(value))
     }

@@ -579,9 +579,7 @@ pub fn change_priority(tx: &mut Tx, q: &QueueId, id: &str, priority: u32, lifo: 
 }
 
 pub fn update_data(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, data: Vec<u8>) -> Result<(), JobsError> {
-    if data.len() > tx.config.max_payload_bytes {
-        return Err(JobsError::PayloadTooLarge { size: data.len(), limit: tx.config.max_payload_bytes });
-    }
+    tx.check_payload(data.len())?;
     let mut job = tx.require_job(q, id)?;
     lease::check_fence(&job, fence)?;
     job.data = data;
@@ -619,9 +617,7 @@ pub fn report(
 
 /// Sets a job's progress (JSON text) and emits `progress`.
 pub fn update_progress(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, progress: String) -> Result<(), JobsError> {
-    if progress.len() > tx.config.max_payload_bytes {
-        return Err(JobsError::PayloadTooLarge { size: progress.len(), limit: tx.config.max_payload_bytes });
-    }
+    tx.check_payload(progress.len())?;
     let mut job = tx.require_job(q, id)?;
     lease::check_fence(&job, fence)?;
     tx.event(q, "progress", &[("jobId", id), ("data", &progress)])?;
@@ -639,9 +635,7 @@ pub fn add_log(
     row: String,
     keep: Option<u64>,
 ) -> Result<u64, JobsError> {
-    if row.len() > tx.config.max_payload_bytes {
-        return Err(JobsError::PayloadTooLarge { size: row.len(), limit: tx.config.max_payload_bytes });
-    }
+    tx.check_payload(row.len())?;
     let mut job = tx.require_job(q, id)?;
     lease::check_fence(&job, fence)?;
     let keys = QueueKeys::new(q);
@@ -701,10 +695,7 @@ pub fn remove_child_dependency(tx: &mut Tx, q: &QueueId, id: &str, parent_key: &
 /// Sets meta fields; returns how many were new.
 pub fn set_meta(tx: &mut Tx, q: &QueueId, values: &BTreeMap<String, String>) -> Result<u64, JobsError> {
     let keys = QueueKeys::new(q);
-    let size = values.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
-    if size > tx.config.max_payload_bytes {
-        return Err(JobsError::PayloadTooLarge { size, limit: tx.config.max_payload_bytes });
-    }
+    tx.check_payload(values.iter().map(|(k, v)| k.len() + v.len()).sum())?;
     let mut new = 0;
     for (field, value) in values {
         let key = keys.meta(field);
@@ -780,10 +771,7 @@ pub fn publish_event(
     fields: &[(String, String)],
     max: u64,
 ) -> Result<String, JobsError> {
-    let size = name.len() + fields.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
-    if size > tx.config.max_payload_bytes {
-        return Err(JobsError::PayloadTooLarge { size, limit: tx.config.max_payload_bytes });
-    }
+    tx.check_payload(name.len() + fields.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>())?;
     let fields: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let seq = tx.event(q, name, &fields)?;
     tx.trim_events(q, max)?;

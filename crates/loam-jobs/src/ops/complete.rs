@@ -158,11 +158,7 @@ fn complete_job(
     let finishing = matches!(outcome, Outcome::Ok { .. } | Outcome::Fail { .. });
     let fetch = match outcome {
         Outcome::Ok { result } => {
-            if let Some(r) = &result
-                && r.len() > tx.config.max_payload_bytes
-            {
-                return Err(JobsError::PayloadTooLarge { size: r.len(), limit: tx.config.max_payload_bytes });
-            }
+            tx.check_payload(result.as_ref().map_or(0, Vec::len))?;
             let job = finish_ok(tx, q, job, result, opts)?;
             done.state = Some(job.state);
             done.finished_on = job.finished_on;

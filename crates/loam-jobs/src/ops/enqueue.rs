@@ -19,12 +19,8 @@ pub fn validate(tx: &Tx, req: &EnqueueRequest) -> Result<(), JobsError> {
     if let Some(id) = &req.job_id {
         validate_name("job id", id, MAX_NAME_BYTES)?;
     }
-    let limit = tx.config.max_payload_bytes;
     let headers: usize = req.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
-    let size = req.data.len() + req.opts.len() + headers;
-    if size > limit {
-        return Err(JobsError::PayloadTooLarge { size, limit });
-    }
+    tx.check_payload(req.data.len() + req.opts.len() + headers)?;
     if req.priority > MAX_PRIORITY {
         return Err(JobsError::invalid(format!("priority must be between 0 and {MAX_PRIORITY}")));
     }

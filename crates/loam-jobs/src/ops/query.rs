@@ -150,24 +150,24 @@ pub fn events_after(tx: &mut Tx, q: &QueueId, after: u64, limit: usize) -> Resul
             let record = record?;
             let event: model::PagedEvent = model::decode(record)?;
             if event.seq > after {
-                let (event, size) = if event.body {
+                let body = if event.body {
                     let key = QueueKeys::new(q).event_body(event.seq);
-                    let body = tx.get(&key)?.ok_or_else(|| {
+                    Some(tx.get(&key)?.ok_or_else(|| {
                         JobsError::Internal(format!("event {} of queue {} has lost its fields", event.seq, q.name))
-                    })?;
-                    // Sized before it is decoded: a body past the bound stays unread.
-                    if !out.is_empty() && bytes.saturating_add(body.len()) > MAX_EVENT_BYTES_PER_READ {
-                        return Ok(out);
-                    }
-                    (model::decode::<model::PagedEvent>(&body)?.into(), body.len())
+                    })?)
                 } else {
-                    (event.into(), record.len())
+                    None
                 };
+                // Sized before a body is decoded: one past the bound stays unread.
+                let size = body.as_ref().map_or(record.len(), Vec::len);
                 if !out.is_empty() && bytes.saturating_add(size) > MAX_EVENT_BYTES_PER_READ {
                     return Ok(out);
                 }
                 bytes = bytes.saturating_add(size);
-                out.push(event);
+                out.push(match body {
+                    Some(body) => model::decode::<model::PagedEvent>(&body)?.into(),
+                    None => event.into(),
+                });
                 if out.len() == limit {
                     return Ok(out);
                 }

@@ -94,10 +94,7 @@ pub fn mget(tx: &mut Tx, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, JobsEr
 /// Stores a value; `ttl_ms` None keeps it until deleted.
 pub fn set(tx: &mut Tx, key: &str, value: Vec<u8>, ttl_ms: Option<u64>) -> Result<(), JobsError> {
     check_key(tx, key)?;
-    let limit = tx.config.max_payload_bytes;
-    if value.len() > limit {
-        return Err(JobsError::PayloadTooLarge { size: value.len(), limit });
-    }
+    tx.check_payload(value.len())?;
     let old = stored_expiry(tx, key)?;
     let rec = ResultRecord { value, members: None, expires_at: expiry(tx, ttl_ms) };
     store(tx, key, old, &rec)
