@@ -16,10 +16,10 @@
 //!
 //! The calls waiting are bounded too: their bytes, read and held while they
 //! wait, may add up to `--max-request-bytes-waiting` (by default the budget
-//! again). Past that a call is refused at once
-//! as `unavailable`, which clients send again after a pause. Without this
-//! bound, thirty gzipped requests of 61 KB, each inflating to 60 MB, waited
-//! with 1.8 GB read and took the server to 3.8 GB.
+//! again). Past that a call is refused at once as `unavailable`, which
+//! clients send again after a pause. Without this bound, thirty gzipped
+//! requests of 61 KB, each inflating to 60 MB, waited with 1.8 GB read and
+//! took the server to 3.6 GB.
 //!
 //! A call never waits once it holds bytes (it waits before it starts, and a
 //! started call never waits on the budget again), so calls cannot wait for
@@ -52,7 +52,7 @@ pub struct Budget {
     waiting: Arc<AtomicU64>,
     /// The most `waiting` may reach.
     room: u64,
-    /// Times a request was refused, the calls waiting holding as much as the budget (for `/metrics`).
+    /// Times a request was refused, the calls waiting holding `room` (for `/metrics`).
     refusals: Counter,
 }
 

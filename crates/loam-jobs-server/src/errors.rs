@@ -164,6 +164,18 @@ pub fn overloaded(o: &crate::budget::Overloaded) -> ConnectError {
 /// The pause an overloaded server asks for before a call is sent again.
 const OVERLOADED_PAUSE_MS: u64 = 100;
 
+/// A read whose answer, `used` bytes so far, is over `--max-response-bytes`.
+pub fn response_too_large(cap: u64, used: u64) -> ConnectError {
+    let detail = pb::ErrorDetail { reason: "response_too_large".into(), ..Default::default() };
+    ConnectError::new(
+        ErrorCode::ResourceExhausted,
+        format!(
+            "the answer is over --max-response-bytes ({cap} bytes, {used} so far): ask for fewer jobs or keys at a time"
+        ),
+    )
+    .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
+}
+
 /// A watch ended by the server's shutdown, as `unavailable`: a watch never
 /// ends of itself, so a clean end would read as the queue's events being
 /// over. `cursor` is where the client resumes.

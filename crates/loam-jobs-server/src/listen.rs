@@ -142,7 +142,7 @@ type Connection = hyper_util::server::conn::auto::UpgradeableConnection<
 /// a PING, which a client that sends nothing never does.
 async fn drive(conn: Connection, activity: &Activity, limits: ConnectionLimits, mut stop: watch::Receiver<bool>) {
     tokio::pin!(conn);
-    let mut finishing = false;
+    // Set once the connection was asked to finish.
     let mut drop_at: Option<tokio::time::Instant> = None;
     loop {
         let dropping = async {
@@ -158,15 +158,13 @@ async fn drive(conn: Connection, activity: &Activity, limits: ConnectionLimits, 
                 }
                 return;
             }
-            _ = stop.changed(), if !finishing => {
+            _ = stop.changed(), if drop_at.is_none() => {
                 conn.as_mut().graceful_shutdown();
-                finishing = true;
                 drop_at = Some(tokio::time::Instant::now() + limits.first_call_within);
             }
-            () = activity.idle(limits.first_call_within, limits.idle), if !finishing => {
+            () = activity.idle(limits.first_call_within, limits.idle), if drop_at.is_none() => {
                 tracing::debug!("closing an idle connection");
                 conn.as_mut().graceful_shutdown();
-                finishing = true;
                 drop_at = Some(tokio::time::Instant::now() + limits.first_call_within);
             }
             () = dropping => {

@@ -204,7 +204,7 @@ impl Metrics {
             );
             r.register(
                 "loam_jobs_request_budget_refusals",
-                "Calls refused as unavailable: the --max-request-bytes-in-flight budget was taken, and calls holding as many bytes again waited for it",
+                "Calls refused as unavailable: the --max-request-bytes-in-flight budget was taken, and calls holding --max-request-bytes-waiting waited for it",
                 m.request_refusals.clone(),
             );
             r.register(

@@ -72,11 +72,17 @@ fn cron_next(pattern: &str, tz: Option<&str>, at: u64, inclusive: bool) -> Resul
     u64::try_from(next.timestamp_millis()).map_err(|_| JobsError::invalid("time out of range"))
 }
 
-/// The tick after `prev`.
-fn tick_after(rec: &SchedulerRecord, prev: u64) -> Result<u64, JobsError> {
+/// The first tick after `at` (no earlier than `prev`) of the schedule whose
+/// tick `prev` was: an `every` schedule's on its own grid from `prev`, so its
+/// ticks keep their times.
+fn tick_after(rec: &SchedulerRecord, prev: u64, at: u64) -> Result<u64, JobsError> {
     match (&rec.pattern, rec.every_ms) {
-        (_, Some(every)) => Ok(prev.saturating_add(every.max(1))),
-        (Some(p), None) => cron_next(p, rec.tz.as_deref(), prev, false),
+        (_, Some(every)) => {
+            let every = every.max(1);
+            let steps = at.saturating_sub(prev) / every + 1;
+            Ok(prev.saturating_add(steps.saturating_mul(every)))
+        }
+        (Some(p), None) => cron_next(p, rec.tz.as_deref(), at.max(prev), false),
         (None, None) => Err(JobsError::invalid("a schedule needs cron or every")),
     }
 }
@@ -87,20 +93,8 @@ pub const MISSED_AFTER: Duration = Duration::from_secs(60);
 /// The tick to follow `prev`: the tick after it, or, when that one came by
 /// more than [`MISSED_AFTER`] before `now`, the first tick after `now`.
 fn next_tick(rec: &SchedulerRecord, prev: u64, now: u64) -> Result<u64, JobsError> {
-    let next = tick_after(rec, prev)?;
-    if next.saturating_add(MISSED_AFTER.as_millis() as u64) > now {
-        return Ok(next);
-    }
-    match (&rec.pattern, rec.every_ms) {
-        (_, Some(every)) => {
-            let every = every.max(1);
-            // On the schedule's own grid, so its ticks keep their times.
-            let steps = (now - prev) / every + 1;
-            Ok(prev.saturating_add(steps.saturating_mul(every)))
-        }
-        (Some(p), None) => cron_next(p, rec.tz.as_deref(), now, false),
-        (None, None) => Err(JobsError::invalid("a schedule needs cron or every")),
-    }
+    let next = tick_after(rec, prev, prev)?;
+    if next.saturating_add(MISSED_AFTER.as_millis() as u64) > now { Ok(next) } else { tick_after(rec, prev, now) }
 }
 
 /// A ServerSchedule as the core's scheduler spec and the server's
@@ -383,8 +377,8 @@ mod tests {
     #[test]
     fn ticks_follow_the_previous_tick_not_now() {
         let rec = SchedulerRecord { every_ms: Some(1000), ..Default::default() };
-        assert_eq!(tick_after(&rec, 5000).unwrap(), 6000);
+        assert_eq!(tick_after(&rec, 5000, 5000).unwrap(), 6000);
         let rec = SchedulerRecord { pattern: Some("*/10 * * * * *".into()), ..Default::default() };
-        assert_eq!(tick_after(&rec, 1_767_225_600_000).unwrap(), 1_767_225_610_000);
+        assert_eq!(tick_after(&rec, 1_767_225_600_000, 1_767_225_600_000).unwrap(), 1_767_225_610_000);
     }
 }

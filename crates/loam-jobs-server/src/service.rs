@@ -17,7 +17,9 @@ use pb::__buffa::oneof;
 
 use crate::budget::Budget;
 use crate::convert::{self, SERVER_OWNED};
-use crate::errors::{code_name, cursor_ahead, detail, events_trimmed, invalid, overloaded, shutting_down, to_connect};
+use crate::errors::{
+    code_name, cursor_ahead, detail, events_trimmed, invalid, overloaded, response_too_large, shutting_down, to_connect,
+};
 use crate::metrics::Metrics;
 use crate::schedules;
 
@@ -1378,18 +1380,7 @@ impl AnswerSize {
     /// over the cap.
     fn whole(&self, answer: &impl buffa::Message) -> Result<(), ConnectError> {
         let used = self.used.max(u64::from(answer.encoded_len()));
-        if used <= self.cap {
-            return Ok(());
-        }
-        let detail = pb::ErrorDetail { reason: "response_too_large".into(), ..Default::default() };
-        Err(ConnectError::new(
-            connectrpc::ErrorCode::ResourceExhausted,
-            format!(
-                "the answer is over --max-response-bytes ({} bytes, {} so far): ask for fewer jobs or keys at a time",
-                self.cap, used
-            ),
-        )
-        .with_detail(connectrpc::ErrorDetail::from_message(crate::errors::DETAIL_TYPE, &detail)))
+        if used <= self.cap { Ok(()) } else { Err(response_too_large(self.cap, used)) }
     }
 }
 
