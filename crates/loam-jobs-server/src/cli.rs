@@ -143,6 +143,14 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 300)]
     pub idle_timeout_secs: u64,
 
+    /// A request whose body sends nothing for this many seconds, while the
+    /// server waits for the rest of it, fails and what was read of it is
+    /// dropped; the clock starts again at each piece that arrives. A
+    /// Session's stream may pause between its messages, not inside one.
+    /// 0 waits for ever.
+    #[arg(long, default_value_t = 30)]
+    pub request_body_timeout_secs: u64,
+
     /// When writes are acknowledged.
     #[arg(long, value_enum, default_value_t = DurabilityArg::Immediate)]
     pub durability: DurabilityArg,

@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod schedules;
 pub mod service;
 pub mod session;
+pub mod stall;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -190,6 +191,8 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
         max_connections: connections_allowed(args.max_connections),
         first_call_within: Duration::from_secs(args.first_call_timeout_secs.max(1)),
         idle: (args.idle_timeout_secs > 0).then(|| Duration::from_secs(args.idle_timeout_secs)),
+        request_body_within: (args.request_body_timeout_secs > 0)
+            .then(|| Duration::from_secs(args.request_body_timeout_secs)),
         probing,
     };
     if !listen::serve(listener, app, limits, stopping, grace).await {

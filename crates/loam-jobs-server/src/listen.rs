@@ -27,6 +27,8 @@ use socket2::{SockRef, TcpKeepalive};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
+use crate::stall::TimedBody;
+
 /// How silent connections are probed: after `idle` without a frame, an HTTP/2
 /// connection gets a PING that must be answered within `timeout`, and an
 /// HTTP/1.1 one TCP keepalive probes that give up after about as long.
@@ -58,6 +60,9 @@ pub struct ConnectionLimits {
     /// A connection with no call in flight for this long is closed (HTTP/2
     /// with a GOAWAY, which clients answer by opening a new one).
     pub idle: Option<Duration>,
+    /// A request whose body sends nothing for this long, while the server
+    /// waits for the rest of it, fails (`stall`).
+    pub request_body_within: Option<Duration>,
     pub probing: Option<Probing>,
 }
 
@@ -108,7 +113,11 @@ pub async fn serve(
                 let activity = Arc::new(Activity::new());
                 // The connection's address, for calls that record who made them (`RequestContext::peer_addr`).
                 let app = app.clone().layer(axum::Extension(connectrpc::PeerAddr(peer)));
-                let service = Counted { inner: TowerToHyperService::new(app), activity: Arc::clone(&activity) };
+                let service = Counted {
+                    inner: TowerToHyperService::new(app),
+                    activity: Arc::clone(&activity),
+                    body_within: limits.request_body_within,
+                };
                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
                 let stop_seen = stop_seen.clone();
                 tokio::spawn(async move {
@@ -244,16 +253,18 @@ impl Drop for Call {
     }
 }
 
-/// The connection's service, counting its calls into `activity`.
+/// The connection's service, counting its calls into `activity` and timing
+/// their request bodies.
 #[derive(Clone)]
 struct Counted<S> {
     inner: S,
     activity: Arc<Activity>,
+    body_within: Option<Duration>,
 }
 
 impl<S, B> hyper::service::Service<http::Request<Incoming>> for Counted<S>
 where
-    S: hyper::service::Service<http::Request<Incoming>, Response = http::Response<B>>,
+    S: hyper::service::Service<http::Request<TimedBody<Incoming>>, Response = http::Response<B>>,
 {
     type Response = http::Response<CountedBody<B>>;
     type Error = S::Error;
@@ -261,7 +272,9 @@ where
 
     fn call(&self, req: http::Request<Incoming>) -> Self::Future {
         let call = Some(self.activity.begin());
-        CountedFuture { inner: self.inner.call(req), call }
+        let (parts, body) = req.into_parts();
+        let body = TimedBody::new(body, parts.uri.path(), self.body_within);
+        CountedFuture { inner: self.inner.call(http::Request::from_parts(parts, body)), call }
     }
 }
 

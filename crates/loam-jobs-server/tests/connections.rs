@@ -1,6 +1,7 @@
 //! What a connection may hold: one that makes no call, or half of one, is
-//! closed; an idle one is closed; calls in flight keep theirs open; past
-//! --max-connections a new one is closed at once.
+//! closed; an idle one is closed; calls in flight keep theirs open; a request
+//! whose body stops half way fails; past --max-connections a new one is
+//! closed at once.
 
 // A failed unwrap is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -161,4 +162,106 @@ fn past_max_connections_a_new_connection_is_closed_at_once() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(server.log_text().contains("connections refused"), "the refusal is not logged");
+}
+
+/// The Connect envelope of `message`: a flags byte, its length, itself.
+fn envelope(message: &[u8]) -> Vec<u8> {
+    let mut framed = vec![0];
+    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    framed.extend_from_slice(message);
+    framed
+}
+
+/// A request whose body stops half way held its stream, and with it its
+/// connection (a call in flight is not idle), for ever.
+#[test]
+fn a_request_whose_body_stops_half_way_fails() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--request-body-timeout-secs", "1"], &[]);
+    let message = buffa::Message::encode_to_vec(&enqueue_req("half", job("x", b"{}")));
+    let head = format!(
+        "POST /loam.jobs.v1.JobsService/Enqueue HTTP/1.1\r\nHost: x\r\nContent-Type: application/proto\r\n\
+         Content-Length: {}\r\n\r\n",
+        message.len()
+    );
+
+    let mut half = connect(&server);
+    half.write_all(head.as_bytes()).unwrap();
+    half.write_all(&message[..message.len() / 2]).unwrap();
+    let started = Instant::now();
+    half.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut answer = Vec::new();
+    let _ = half.read_to_end(&mut answer);
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(800) && took < Duration::from_secs(5), "answered after {took:?}");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.contains("--request-body-timeout-secs"), "{text}");
+
+    // One that keeps sending, each piece within the timeout, is not cut.
+    let mut slow = connect(&server);
+    slow.write_all(head.as_bytes()).unwrap();
+    for piece in message.chunks(message.len().div_ceil(3)) {
+        std::thread::sleep(Duration::from_millis(600));
+        slow.write_all(piece).unwrap();
+    }
+    slow.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 512];
+    let n = slow.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"), "{:?}", String::from_utf8_lossy(&buf[..n]));
+    assert!(server.healthy());
+}
+
+/// A Session's client may have nothing to ask for a long time: only a
+/// message begun and not finished is timed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_may_pause_between_its_messages_but_not_inside_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--request-body-timeout-secs", "1"], &[]);
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", server.port)).await.unwrap();
+    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(format!("{}/loam.jobs.v1.JobsService/Session", server.url()))
+        .header("content-type", "application/connect+proto")
+        .body(())
+        .unwrap();
+    let (response, mut sending) = h2.send_request(request, false).unwrap();
+    let call = |id: u64| {
+        let call = oneof::session_request::Call::from(enqueue_req("paused", job("x", b"{}")));
+        envelope(&buffa::Message::encode_to_vec(&pb::SessionRequest { id, call: Some(call), ..Default::default() }))
+    };
+    sending.send_data(call(1).into(), false).unwrap();
+    let mut answers = response.await.unwrap().into_body();
+    // The next message: an answer's id, or the end message's text.
+    let mut received = Vec::new();
+    let mut next = async || loop {
+        if received.len() >= 5 {
+            let len = u32::from_be_bytes(received[1..5].try_into().unwrap()) as usize;
+            if received.len() >= 5 + len {
+                let flags = received[0];
+                let message: Vec<u8> = received.drain(..5 + len).skip(5).collect();
+                if flags & 0b10 != 0 {
+                    return Err(String::from_utf8_lossy(&message).into_owned());
+                }
+                let answer: pb::SessionResponse = buffa::Message::decode_from_slice(&message).unwrap();
+                return Ok(answer.id);
+            }
+        }
+        let Some(chunk) = answers.data().await else { return Err("no end message".into()) };
+        let chunk = chunk.unwrap();
+        let _ = answers.flow_control().release_capacity(chunk.len());
+        received.extend_from_slice(&chunk);
+    };
+    assert_eq!(next().await, Ok(1));
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    sending.send_data(call(2).into(), false).unwrap();
+    assert_eq!(next().await, Ok(2), "the session was cut while it sent nothing between messages");
+
+    // Half a message, then nothing: the session ends, and says why.
+    let started = Instant::now();
+    sending.send_data(call(3)[..3].to_vec().into(), false).unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(5), next()).await.unwrap();
+    let took = started.elapsed();
+    assert!(ended.as_ref().is_err_and(|end| end.contains("--request-body-timeout-secs")), "{ended:?}");
+    assert!(took >= Duration::from_millis(800), "ended after {took:?}");
+    assert!(server.healthy());
 }
