@@ -1,0 +1,205 @@
+// The package as npm installs it: `pnpm pack`ed, unpacked into a fresh
+// project's node_modules beside only its runtime dependencies and peer, and
+// imported by name from there. The other tests import src/ or go through the
+// workspace link, where a file missing from `files`, a broken `exports` map, a
+// binary the loader does not find in the package, or a runtime import of a
+// devDependency would all still work.
+import { execFileSync } from 'node:child_process';
+import {
+  existsSync,
+  mkdirSync,
+  mkdtempSync,
+  readdirSync,
+  readFileSync,
+  realpathSync,
+  rmSync,
+  symlinkSync,
+  writeFileSync,
+} from 'node:fs';
+import { createRequire } from 'node:module';
+import { tmpdir } from 'node:os';
+import * as path from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+
+// Packaging does not depend on the backend: checked once, in the in-process run.
+const describeOnce = process.env.LOAM_TEST_BACKEND === 'remote' ? describe.skip : describe;
+
+type Manifest = {
+  name: string;
+  main: string;
+  types: string;
+  exports: Record<string, Record<string, string>>;
+  dependencies: Record<string, string>;
+  peerDependencies: Record<string, string>;
+};
+
+const packageDir = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '..');
+const fromPackage = createRequire(path.join(packageDir, 'package.json'));
+const tsc = fromPackage.resolve('typescript/bin/tsc');
+
+/** The directory of a package as this package's own node_modules resolves it (pnpm's store, symlinks followed). */
+function installedRoot(name: string): string {
+  let file: string;
+  try {
+    file = fromPackage.resolve(`${name}/package.json`);
+  } catch {
+    file = fromPackage.resolve(name); // its exports map does not expose package.json
+  }
+  for (let dir = path.dirname(file); dir !== path.dirname(dir); dir = path.dirname(dir)) {
+    const candidate = path.join(dir, 'package.json');
+    if (existsSync(candidate) && JSON.parse(readFileSync(candidate, 'utf8')).name === name) return realpathSync(dir);
+  }
+  throw new Error(`no package root above ${file}`);
+}
+
+let root = '';
+let app = '';
+let files: string[] = [];
+let installed = '';
+/** The package.json in the tarball, as npm reads it. */
+let manifest: Manifest;
+
+/** Runs an ES module in the test project, with nothing of this process's Loam or Node settings; returns its stdout. */
+function runInApp(file: string, code: string, env: Record<string, string> = {}): string {
+  writeFileSync(path.join(app, file), code);
+  return execFileSync(process.execPath, [file], { cwd: app, env: { PATH: process.env.PATH ?? '', ...env }, encoding: 'utf8' });
+}
+
+describeOnce('the packed package', () => {
+  beforeAll(() => {
+    // Real path: the addon's path that Node reports is one.
+    root = realpathSync(mkdtempSync(path.join(tmpdir(), 'loam-pack-')));
+    app = path.join(root, 'app');
+    // Node looks for packages in every ancestor's node_modules: one there would
+    // resolve what the installed package failed to bring.
+    for (let dir = root; dir !== path.dirname(dir); dir = path.dirname(dir)) {
+      if (existsSync(path.join(dir, 'node_modules'))) throw new Error(`${dir}/node_modules would leak into the test project`);
+    }
+    execFileSync('pnpm', ['pack', '--pack-destination', root], { cwd: packageDir, stdio: 'pipe' });
+    const [tarball] = readdirSync(root).filter(f => f.endsWith('.tgz'));
+    files = execFileSync('tar', ['tzf', path.join(root, tarball)], { encoding: 'utf8' })
+      .split('\n')
+      .filter(Boolean)
+      .map(f => f.replace(/^package\//, ''));
+
+    installed = path.join(app, 'node_modules', '@loam', 'bullmq');
+    mkdirSync(installed, { recursive: true });
+    execFileSync('tar', ['xzf', path.join(root, tarball), '-C', installed, '--strip-components=1']);
+    manifest = JSON.parse(readFileSync(path.join(installed, 'package.json'), 'utf8'));
+    writeFileSync(path.join(app, 'package.json'), JSON.stringify({ name: 'app', private: true, type: 'module' }));
+    // What npm would install beside it, taken from pnpm's store instead of the
+    // network; their own dependencies resolve from their real paths there.
+    // @types/node is the TypeScript user's own: the declarations name Node's types.
+    const beside = [...Object.keys(manifest.dependencies), ...Object.keys(manifest.peerDependencies), '@types/node'];
+    for (const name of beside) {
+      const link = path.join(app, 'node_modules', name);
+      mkdirSync(path.dirname(link), { recursive: true });
+      symlinkSync(installedRoot(name), link, 'dir');
+    }
+  }, 60_000);
+
+  afterAll(() => {
+    if (root) rmSync(root, { recursive: true, force: true });
+  });
+
+  it('holds the built code, its declarations and the native addon with its loader, and no tests or sources', () => {
+    // Source maps ship too: they point at src/, which does not, but still give
+    // a stack trace its TypeScript line numbers.
+    const shipped = /^(package\.json|README\.md|dist\/.+\.(js|d\.ts|js\.map)|native\/(index\.js|index\.d\.ts|[^/]+\.node))$/;
+    expect(files.filter(f => !shipped.test(f))).toEqual([]);
+    expect(files).toEqual(expect.arrayContaining(['dist/index.js', 'dist/factory.js', 'native/index.js', 'native/index.d.ts']));
+    expect(files.filter(f => /^native\/[^/]+\.node$/.test(f)).length).toBeGreaterThan(0);
+    // Every entry point that package.json names is in the tarball.
+    const entries = [manifest.main, manifest.types, ...Object.values(manifest.exports).flatMap(e => Object.values(e))];
+    expect(entries.map(e => e.replace(/^\.\//, '')).filter(e => !files.includes(e))).toEqual([]);
+  });
+
+  it("a job goes through the package's bound Queue and Worker, on the addon inside the installed package", () => {
+    const out = runInApp(
+      'bound.mjs',
+      `
+      import { createRequire } from 'node:module';
+      import { Queue as PlainQueue } from 'bullmq';
+      import { Queue, Worker, loamBackend } from '@loam/bullmq';
+      const queue = new Queue('packed');
+      const worker = new Worker('packed', async job => job.data.n * 2);
+      const done = new Promise(resolve => worker.on('completed', (_job, value) => resolve(value)));
+      await queue.add('double', { n: 21 });
+      const result = await done;
+      const plain = new PlainQueue('packed', {}, loamBackend());
+      const counts = await plain.getJobCounts('completed', 'waiting');
+      await Promise.all([worker.close(), queue.close(), plain.close()]);
+      const addons = Object.keys(createRequire(import.meta.url).cache).filter(f => /loam-jobs[^/]*\\.node$/.test(f));
+      console.log(JSON.stringify({ result, counts, addons }));
+      `,
+    );
+    const { result, counts, addons } = JSON.parse(out);
+    expect(result).toBe(42);
+    expect(counts).toEqual({ completed: 1, waiting: 0 });
+    expect(addons).toHaveLength(1);
+    expect(path.dirname(addons[0])).toBe(path.join(installed, 'native'));
+    // The default store, ./.loam of the process's working directory.
+    expect(existsSync(path.join(app, '.loam'))).toBe(true);
+  });
+
+  it('the factory subpath is the backend of a plain bullmq Queue and Worker, in $LOAM_DATA_DIR', () => {
+    const dataDir = path.join(root, 'factory-data');
+    const out = runInApp(
+      'factory.mjs',
+      `
+      import { Queue, Worker, setDefaultBackendFactory } from 'bullmq';
+      import factory from '@loam/bullmq/factory';
+      setDefaultBackendFactory(factory);
+      const queue = new Queue('via-factory');
+      // BullMQ's own Worker asks for a connection whatever the backend (README).
+      const worker = new Worker('via-factory', async job => job.data.to.toUpperCase(), { connection: {} });
+      const done = new Promise(resolve => worker.on('completed', (_job, value) => resolve(value)));
+      const job = await queue.add('shout', { to: 'ada' });
+      const result = await done;
+      const stored = await queue.getJob(job.id);
+      await Promise.all([worker.close(), queue.close()]);
+      console.log(JSON.stringify({ result, returnvalue: stored.returnvalue, qualifiedName: queue.qualifiedName }));
+      `,
+      { LOAM_DATA_DIR: dataDir },
+    );
+    expect(JSON.parse(out)).toEqual({ result: 'ADA', returnvalue: 'ADA', qualifiedName: 'bull:via-factory' });
+    expect(readdirSync(dataDir)).toContain('jobs.redb');
+  });
+
+  it("a TypeScript user's code type-checks against the installed declarations, themselves checked too", () => {
+    writeFileSync(
+      path.join(app, 'usage.ts'),
+      `
+      import { setDefaultBackendFactory } from 'bullmq';
+      import factory from '@loam/bullmq/factory';
+      import { Queue, Worker, loamBackend, type LoamConnectionOptions } from '@loam/bullmq';
+      setDefaultBackendFactory(factory);
+      const connection: LoamConnectionOptions = { dataDir: './.loam' };
+      setDefaultBackendFactory(loamBackend(connection));
+      const queue = new Queue<{ n: number }>('typed');
+      const worker = new Worker<{ n: number }, number>('typed', async job => job.data.n * 2);
+      export const closed: Promise<void[]> = Promise.all([worker.close(), queue.close()]);
+      `,
+    );
+    // skipLibCheck off: with it on, a declaration importing a file left out of
+    // the package silently becomes \`any\`.
+    const compilerOptions = {
+      module: 'NodeNext',
+      moduleResolution: 'NodeNext',
+      target: 'ES2022',
+      strict: true,
+      skipLibCheck: false,
+      noEmit: true,
+      types: ['node'],
+    };
+    writeFileSync(path.join(app, 'tsconfig.json'), JSON.stringify({ compilerOptions, files: ['usage.ts'] }));
+    let output = '';
+    try {
+      execFileSync(process.execPath, [tsc, '-p', app], { encoding: 'utf8' });
+    } catch (err) {
+      output = String((err as { stdout?: string }).stdout ?? err);
+    }
+    expect(output).toBe('');
+  }, 60_000);
+});
