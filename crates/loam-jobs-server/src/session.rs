@@ -15,12 +15,18 @@
 //! client reads), so a client that never reads makes the server keep no more
 //! than the answers of the calls it had in flight, at most [`MAX_CALLS`].
 //!
+//! Writes reach the core in the order they were sent, and a read waits until
+//! every write sent before it on the session has been answered (long-polls
+//! excepted), so a session reads its own writes, as one Redis connection
+//! does: reads run on the latest snapshot at once, and one sent right behind
+//! an add missed the job about half the time.
+//!
 //! Each call holds its request's bytes of the server's request budget
 //! ([`crate::budget`]) until it has finished. While a call waits for them,
 //! the session reads no further request and starts no later call, so calls
 //! still start in the order they were sent.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -32,7 +38,7 @@ use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use crate::budget::{Held, Overloaded};
 use crate::errors::{DETAIL_TYPE, invalid, overloaded};
@@ -70,8 +76,9 @@ async fn read(
     // the core, and FuturesUnordered polls new futures in the order they were
     // pushed; the next request is read only once both sets below were polled
     // and had nothing ready, so every call read was first polled before it.
-    // So the core applies the calls of a session in the order they were sent,
-    // as Redis does the commands of one connection; answers then go out as the
+    // So the core applies the writes of a session in the order they were
+    // sent, and a read waits for the writes sent before it (`Writes`), as
+    // Redis runs the commands of one connection; answers then go out as the
     // calls finish.
     let mut calls = FuturesUnordered::new();
     // Long-polls (a Lease, an event read or a wait for a job that may wait):
@@ -92,6 +99,7 @@ async fn read(
     // and its caller must learn of it. Calls not answered when the session
     // ends were not applied (a long-poll's lease goes back when it is dropped).
     let mut unreadable = None;
+    let mut writes = Writes::new();
     while reading || !calls.is_empty() || !polls.is_empty() || waiting.is_some() || !unsent.is_empty() {
         // Each turn below sends at most one answer: a finished call's, or a
         // refusal or cancel of the request read. Nothing goes on without a
@@ -107,10 +115,12 @@ async fn read(
                     place.send(Ok(response(id, result)));
                 }
             }
-            Some((id, result)) = calls.next(), if !calls.is_empty() => {
+            Some((id, write, result)) = calls.next(), if !calls.is_empty() => {
+                writes.finish(write);
                 finish(&answers, &mut stops, &mut unsent, room, id, result);
             }
-            Some((id, result)) = polls.next(), if room && !polls.is_empty() => {
+            Some((id, write, result)) = polls.next(), if room && !polls.is_empty() => {
+                writes.finish(write);
                 finish(&answers, &mut stops, &mut unsent, room, id, result);
             }
             held = async {
@@ -121,7 +131,7 @@ async fn read(
             }, if waiting.is_some() => {
                 if let Some(Waiting { id, call, .. }) = waiting.take() {
                     match held {
-                        Ok(held) => calls.push(start(&svc, &mut stops, id, call, Some(held))),
+                        Ok(held) => calls.push(start(&svc, &mut stops, &mut writes, id, call, Some(held))),
                         Err(o) if room => answer(&answers, id, Err(overloaded(&o))),
                         Err(o) => unsent.push_back((id, Err(overloaded(&o)))),
                     }
@@ -155,9 +165,9 @@ async fn read(
                             let long_poll = is_long_poll(&call);
                             let call = Call { caller: svc.session_caller(&ns, request.now_ms, peer), call };
                             if long_poll {
-                                polls.push(start(&svc, &mut stops, id, call, None));
+                                polls.push(start(&svc, &mut stops, &mut writes, id, call, None));
                             } else if let Some(held) = svc.budget().try_take(size) {
-                                calls.push(start(&svc, &mut stops, id, call, Some(held)));
+                                calls.push(start(&svc, &mut stops, &mut writes, id, call, Some(held)));
                             } else {
                                 waiting = Some(Waiting { id, taking: Box::pin(svc.budget().take(size)), call });
                             }
@@ -220,20 +230,76 @@ fn is_long_poll(call: &oneof::session_request::Call) -> bool {
     }
 }
 
+/// A call that reads what the writes before it left (a Query, ResultGet or
+/// ResultMGet); every other call goes through the core's writer in order.
+fn is_read(call: &oneof::session_request::Call) -> bool {
+    use oneof::session_request::Call as C;
+    matches!(call, C::Query(_) | C::ResultGet(_) | C::ResultMGet(_))
+}
+
+/// The session's writes in flight, numbered as they started, so that a read
+/// can wait for those started before it. Long-polls are left out: a read
+/// behind a Lease waiting 30 s for a job would wait as long.
+struct Writes {
+    started: u64,
+    unfinished: BTreeSet<u64>,
+    /// Every write numbered up to this one has finished.
+    done: watch::Sender<u64>,
+}
+
+impl Writes {
+    fn new() -> Self {
+        Self { started: 0, unfinished: BTreeSet::new(), done: watch::Sender::new(0) }
+    }
+
+    /// Numbers a write starting now.
+    fn start(&mut self) -> u64 {
+        self.started += 1;
+        self.unfinished.insert(self.started);
+        self.started
+    }
+
+    fn finish(&mut self, write: Option<u64>) {
+        let Some(write) = write else { return };
+        self.unfinished.remove(&write);
+        let through = self.unfinished.first().map_or(self.started, |first| first - 1);
+        self.done.send_if_modified(|done| std::mem::replace(done, through) != through);
+    }
+
+    /// What a read starting now must wait for: the writes started before it.
+    fn before_read(&self) -> Option<(watch::Receiver<u64>, u64)> {
+        let after = self.started;
+        (*self.done.borrow() < after).then(|| (self.done.subscribe(), after))
+    }
+}
+
 /// `call` made ready to run: it holds `held` of the budget until it has
-/// answered, and stops when its handle in `stops` is aborted.
+/// answered, and stops when its handle in `stops` is aborted. A write is
+/// numbered in `writes` (returned with its answer, to be finished there); a
+/// read waits for the writes started before it.
 fn start<'a>(
     svc: &'a JobsSvc,
     stops: &mut HashMap<u64, AbortHandle>,
+    writes: &mut Writes,
     id: u64,
     call: Call,
     held: Option<Held>,
-) -> impl Future<Output = (u64, Result<CallResult, Aborted>)> + 'a {
-    let (run, stop) = futures::future::abortable(svc.dispatch(call.caller, call.call));
+) -> impl Future<Output = (u64, Option<u64>, Result<CallResult, Aborted>)> + 'a {
+    let read = is_read(&call.call);
+    let write = (!read && !is_long_poll(&call.call)).then(|| writes.start());
+    let before = if read { writes.before_read() } else { None };
+    let run = async move {
+        if let Some((mut done, after)) = before {
+            // Its sender goes only with the session, whose calls go with it.
+            let _ = done.wait_for(|done| *done >= after).await;
+        }
+        svc.dispatch(call.caller, call.call).await
+    };
+    let (run, stop) = futures::future::abortable(run);
     stops.insert(id, stop);
     run.map(move |result| {
         drop(held);
-        (id, result)
+        (id, write, result)
     })
 }
 
