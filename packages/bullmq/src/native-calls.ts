@@ -15,6 +15,13 @@
  * earlier one's, which Redis, answering one connection's commands in order,
  * never shows. So the promises of one store's writes resolve here in the
  * order the writes were submitted (which is the order the core applied them).
+ *
+ * And a read starts only once every write its backend made before it has
+ * settled, as a command queued behind others on one Redis connection runs
+ * after them: reads run on the store's latest snapshot at once, and
+ * `getJob` called right behind an un-awaited `add` missed the job 198 times
+ * in 200. The blocking waits (`waitForJob`, `readEvents`) wait for something
+ * to happen instead, and do not wait for writes.
  */
 import type { Activity } from './common.js';
 import { callSync, fromNative } from './errors.js';
@@ -38,7 +45,39 @@ export const WRITE_METHODS: ReadonlySet<string> = new Set([
   'trimEvents', 'addJobScheduler', 'updateJobSchedulerNextMillis', 'removeJobScheduler',
 ]);
 
+/** The native methods that wait for something to happen (not ordered behind writes). */
+const WAITS: ReadonlySet<string> = new Set(['waitForJob', 'readEvents']);
+
 type Method = (...args: unknown[]) => unknown;
+
+/**
+ * One backend's writes, counted as they are made and as they settle, and the
+ * reads waiting for those made before them. Writes settle in the order they
+ * were made (`WriteOrder`), so a read waits for a count, not for each write:
+ * under a steady stream of writes (a worker at concurrency 100) it waits for
+ * those before it only, never for the stream to stop.
+ */
+class ReadsAfterWrites {
+  private made = 0;
+  private settled = 0;
+  /** Reads waiting, each for `settled` to reach its count, in the order they were made. */
+  private readonly waiting: { until: number; start: () => void }[] = [];
+
+  made1(): void {
+    this.made++;
+  }
+
+  settled1(): void {
+    this.settled++;
+    while (this.waiting.length > 0 && this.waiting[0]!.until <= this.settled) this.waiting.shift()!.start();
+  }
+
+  /** Runs `read` now, or once every write made before it has settled. */
+  after<T>(read: () => Promise<T>): Promise<T> {
+    if (this.settled === this.made) return read();
+    return new Promise<void>(start => this.waiting.push({ until: this.made, start })).then(read);
+  }
+}
 
 /** The writes whose answer may hand a worker a job (see `WriteOrder`). */
 const HANDS_OUT_JOBS: ReadonlySet<string> = new Set(['moveToActive', 'moveToCompleted', 'moveToFailed']);
@@ -84,13 +123,28 @@ class WriteOrder {
 
   constructor(private readonly store: string) {}
 
-  /** `write` (a native promise), in BullMQ's error form, in order. */
-  add<T>(write: Promise<T>, handsOutJob: boolean): Promise<T> {
+  /** `write` (a native promise), in BullMQ's error form, in order; told to `reads` once settled. */
+  add<T>(write: Promise<T>, handsOutJob: boolean, reads: ReadsAfterWrites): Promise<T> {
     const number = this.submitted++;
+    reads.made1();
     return new Promise<T>((resolve, reject) => {
       write.then(
-        value => this.settle(number, { settle: () => resolve(value), handsOutJob }),
-        (err: unknown) => this.settle(number, { settle: () => reject(fromNative(err)), handsOutJob }),
+        value =>
+          this.settle(number, {
+            settle: () => {
+              resolve(value);
+              reads.settled1();
+            },
+            handsOutJob,
+          }),
+        (err: unknown) =>
+          this.settle(number, {
+            settle: () => {
+              reject(fromNative(err));
+              reads.settled1();
+            },
+            handsOutJob,
+          }),
       );
     });
   }
@@ -145,10 +199,10 @@ const inBullmqForm = (err: unknown): never => {
 };
 
 /** `write`, resolving (or rejecting) only after every earlier write of `store`. */
-function inOrder<T>(store: string, write: Promise<T>, handsOutJob: boolean): Promise<T> {
+function inOrder<T>(store: string, write: Promise<T>, handsOutJob: boolean, reads: ReadsAfterWrites): Promise<T> {
   let order = orders.get(store);
   if (!order) orders.set(store, (order = new WriteOrder(store)));
-  return order.add(write, handsOutJob);
+  return order.add(write, handsOutJob, reads);
 }
 
 /**
@@ -159,6 +213,7 @@ function inOrder<T>(store: string, write: Promise<T>, handsOutJob: boolean): Pro
 export function nativeCalls<N extends object>(native: N, store: string, activity: Activity = { at: 0 }): N {
   const methods = native as unknown as Record<string, Method>;
   const prototype = Object.getPrototypeOf(native) as object;
+  const reads = new ReadsAfterWrites();
   for (const name of WRITE_METHODS) {
     if (typeof methods[name] !== 'function') throw new Error(`the native addon has no write method ${name}`);
   }
@@ -174,16 +229,29 @@ export function nativeCalls<N extends object>(native: N, store: string, activity
     }
     const write = WRITE_METHODS.has(name);
     const handsOutJob = HANDS_OUT_JOBS.has(name);
-    methods[name] = (...args) => {
-      activity.at = Date.now();
-      let answer: Promise<unknown>;
+    const call = (args: unknown[]): Promise<unknown> => {
       try {
-        answer = method.apply(native, args) as Promise<unknown>;
+        return method.apply(native, args) as Promise<unknown>;
       } catch (err) {
-        answer = Promise.reject(err);
+        return Promise.reject(err);
       }
-      return write ? inOrder(store, answer, handsOutJob) : answer.catch(inBullmqForm);
     };
+    if (write) {
+      methods[name] = (...args) => {
+        activity.at = Date.now();
+        return inOrder(store, call(args), handsOutJob, reads);
+      };
+    } else if (WAITS.has(name)) {
+      methods[name] = (...args) => {
+        activity.at = Date.now();
+        return call(args).catch(inBullmqForm);
+      };
+    } else {
+      methods[name] = (...args) => {
+        activity.at = Date.now();
+        return reads.after(() => call(args)).catch(inBullmqForm);
+      };
+    }
   }
   return native;
 }

@@ -95,6 +95,23 @@ describe('Queue and Worker on Loam', () => {
     await queue.close();
   });
 
+  it('answers a read with the writes made before it, awaited or not (like one Redis connection)', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    for (let n = 0; n < 50; n++) {
+      const added = queue.add('x', { n }, { jobId: `j${n}` });
+      const [job, state, counts] = await Promise.all([
+        queue.getJob(`j${n}`),
+        queue.getJobState(`j${n}`),
+        queue.getJobCounts('waiting'),
+      ]);
+      expect(job?.data).toEqual({ n });
+      expect(state).toBe('waiting');
+      expect(counts.waiting).toBe(n + 1);
+      await added;
+    }
+    await queue.close();
+  });
+
   it('processes jobs with concurrency and fires QueueEvents completed', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });

@@ -20,7 +20,8 @@ function settleable(): Settleable {
 
 /**
  * A stand-in for a native queue: every write method hands out a promise the
- * test settles (in `calls`, in call order); `getState` is a read; a write
+ * test settles (in `calls`, in call order); `getState` is a read and
+ * `waitForJob` a blocking wait; a write
  * called with `'refuse'` throws at once, as the addon does with arguments it
  * cannot read.
  */
@@ -28,7 +29,7 @@ function fakeNative(): { native: Record<string, (...args: unknown[]) => Promise<
   const calls: Settleable[] = [];
   class FakeQueue {}
   const prototype = FakeQueue.prototype as Record<string, unknown>;
-  for (const name of [...WRITE_METHODS, 'getState']) {
+  for (const name of [...WRITE_METHODS, 'getState', 'waitForJob']) {
     prototype[name] = (...args: unknown[]) => {
       if (args[0] === 'refuse') throw new Error('[bullmq:-1] Missing key for job 1. addJob');
       const call = settleable();
@@ -69,7 +70,7 @@ describe("native calls' writes", () => {
     expect(order).toEqual(['0:a', '1:b', '2:c', '3:d', '4:error -3']);
   });
 
-  it('keep a refused write in its place, and leave reads and other stores out of the order', async () => {
+  it('keep a refused write in its place, and leave other stores out of the order', async () => {
     const { native, calls } = fakeNative();
     const queue = nativeCalls(native, 'store-b');
     const otherStore = fakeNative();
@@ -77,15 +78,49 @@ describe("native calls' writes", () => {
     const order: string[] = [];
     const first = queue.addJob!().then(() => order.push('first write'));
     const refused = queue.addJob!('refuse').catch((err: Error & { code?: number }) => order.push(`refused ${err.code}`));
-    const read = queue.getState!().then(() => order.push('read'));
     const elsewhere = other.addJob!().then(() => order.push("other store's write"));
-    calls[1]!.resolve('state');
     otherStore.calls[0]!.resolve(undefined);
-    await Promise.all([read, elsewhere]);
-    expect(order).toEqual(['read', "other store's write"]);
+    await elsewhere;
+    expect(order).toEqual(["other store's write"]);
     calls[0]!.resolve(undefined);
     await Promise.all([first, refused]);
-    expect(order).toEqual(['read', "other store's write", 'first write', 'refused -1']);
+    expect(order).toEqual(["other store's write", 'first write', 'refused -1']);
+  });
+
+  it('start a read once every write its backend made before it has settled, and no later', async () => {
+    const { native, calls } = fakeNative();
+    const queue = nativeCalls(native, 'store-h');
+    const order: string[] = [];
+    const first = queue.addJob!().then(() => order.push('first write'));
+    const read = queue.getState!().then(value => order.push(`read ${String(value)}`));
+    const second = queue.addJob!().then(() => order.push('second write'));
+    await drain();
+    // Not asked yet: the write before it is in flight.
+    expect(calls).toHaveLength(2);
+    // A blocking wait does not wait for writes.
+    void queue.waitForJob!();
+    expect(calls).toHaveLength(3);
+    calls[0]!.resolve(undefined);
+    await drain();
+    // Asked now, while the write made after it is still in flight.
+    expect(calls).toHaveLength(4);
+    calls[3]!.resolve('waiting');
+    await read;
+    expect(order).toEqual(['first write', 'read waiting']);
+    calls[1]!.resolve(undefined);
+    await second;
+    // With nothing in flight, a read is asked at once.
+    void queue.getState!();
+    expect(calls).toHaveLength(5);
+    // A refused write counts as settled.
+    const refused = queue.addJob!('refuse').catch(() => order.push('refused'));
+    const after = queue.getState!();
+    await refused;
+    await drain();
+    expect(calls).toHaveLength(6);
+    calls[5]!.resolve('done');
+    expect(await after).toBe('done');
+    await first;
   });
 
   it("hand a worker a job no earlier than the turn after a producer's write resolved", async () => {
