@@ -113,27 +113,46 @@ impl Auth {
             }
             return Ok(ns.to_string());
         };
-        let presented = headers
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split_once(' '))
-            // The scheme's name is case-insensitive (RFC 9110 section 11.1).
-            .and_then(|(scheme, token)| scheme.eq_ignore_ascii_case("bearer").then(|| token.trim_start()))
-            .ok_or_else(|| unauthenticated("a bearer token is required"))?;
-        // Every token is compared in full, so the time taken says nothing
-        // about which one, or how much of one, matched.
-        let mut found: Option<&String> = None;
-        for (token, ns) in tokens {
-            if constant_time_eq(token.as_bytes(), presented.as_bytes()) {
-                found = Some(ns);
-            }
-        }
-        let ns = found.ok_or_else(|| unauthenticated("unknown token"))?;
+        let presented = bearer(headers).ok_or_else(|| unauthenticated("a bearer token is required"))?;
+        let ns = granted(tokens, presented).ok_or_else(|| unauthenticated("unknown token"))?;
         match named {
             Some(other) if other != ns => Err(permission_denied("the token does not grant that namespace")),
             _ => Ok(ns.clone()),
         }
     }
+
+    /// Whether a request carries a token this server knows (always, with
+    /// authentication off). One that does not is refused by its handler, and
+    /// its body is not read (`request_body`).
+    pub fn knows_caller(&self, headers: &HeaderMap) -> bool {
+        match &self.tokens {
+            None => true,
+            Some(tokens) => bearer(headers).is_some_and(|presented| granted(tokens, presented).is_some()),
+        }
+    }
+}
+
+/// The token of an `Authorization: Bearer` header.
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        // The scheme's name is case-insensitive (RFC 9110 section 11.1).
+        .and_then(|(scheme, token)| scheme.eq_ignore_ascii_case("bearer").then(|| token.trim_start()))
+}
+
+/// The namespace `presented` grants, if it is a known token.
+fn granted<'a>(tokens: &'a HashMap<String, String>, presented: &str) -> Option<&'a String> {
+    // Every token is compared in full, so the time taken says nothing
+    // about which one, or how much of one, matched.
+    let mut found = None;
+    for (token, ns) in tokens {
+        if constant_time_eq(token.as_bytes(), presented.as_bytes()) {
+            found = Some(ns);
+        }
+    }
+    found
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

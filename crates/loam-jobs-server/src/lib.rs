@@ -14,10 +14,10 @@ pub mod convert;
 pub mod errors;
 pub mod listen;
 pub mod metrics;
+pub mod request_body;
 pub mod schedules;
 pub mod service;
 pub mod session;
-pub mod stall;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -195,7 +195,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
             .then(|| Duration::from_secs(args.request_body_timeout_secs)),
         probing,
     };
-    if !listen::serve(listener, app, limits, stopping, grace).await {
+    if !listen::serve(listener, app, auth, limits, stopping, grace).await {
         tracing::warn!(
             grace_secs = args.shutdown_grace_secs,
             "calls still in flight after the grace period; closing anyway"

@@ -27,7 +27,8 @@ use socket2::{SockRef, TcpKeepalive};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
-use crate::stall::TimedBody;
+use crate::auth::Auth;
+use crate::request_body::{self, RequestBody, TimedBody};
 
 /// How silent connections are probed: after `idle` without a frame, an HTTP/2
 /// connection gets a PING that must be answered within `timeout`, and an
@@ -61,7 +62,7 @@ pub struct ConnectionLimits {
     /// with a GOAWAY, which clients answer by opening a new one).
     pub idle: Option<Duration>,
     /// A request whose body sends nothing for this long, while the server
-    /// waits for the rest of it, fails (`stall`).
+    /// waits for the rest of it, fails (`request_body`).
     pub request_body_within: Option<Duration>,
     pub probing: Option<Probing>,
 }
@@ -72,10 +73,12 @@ pub struct ConnectionLimits {
 pub async fn serve(
     listener: TcpListener,
     app: axum::Router,
+    auth: Auth,
     limits: ConnectionLimits,
     stop: impl Future<Output = ()>,
     grace: Duration,
 ) -> bool {
+    let auth = Arc::new(auth);
     let mut builder = Builder::new(TokioExecutor::new());
     // hyper times every request head with this, the wait for the next one on
     // a kept-alive connection too: the idle timeout's length, not the first
@@ -117,6 +120,7 @@ pub async fn serve(
                     inner: TowerToHyperService::new(app),
                     activity: Arc::clone(&activity),
                     body_within: limits.request_body_within,
+                    auth: Arc::clone(&auth),
                 };
                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
                 let stop_seen = stop_seen.clone();
@@ -253,18 +257,23 @@ impl Drop for Call {
     }
 }
 
-/// The connection's service, counting its calls into `activity` and timing
-/// their request bodies.
+/// The connection's service, counting its calls into `activity`, timing
+/// their request bodies, and reading none of a request without a known token
+/// (`request_body`).
 #[derive(Clone)]
 struct Counted<S> {
     inner: S,
     activity: Arc<Activity>,
     body_within: Option<Duration>,
+    auth: Arc<Auth>,
 }
+
+/// The path prefix of the RPCs (the rest, `/metrics` and `/healthz`, have no body).
+const RPC_PATHS: &str = "/loam.jobs.v1.";
 
 impl<S, B> hyper::service::Service<http::Request<Incoming>> for Counted<S>
 where
-    S: hyper::service::Service<http::Request<TimedBody<Incoming>>, Response = http::Response<B>>,
+    S: hyper::service::Service<http::Request<RequestBody<Incoming>>, Response = http::Response<B>>,
 {
     type Response = http::Response<CountedBody<B>>;
     type Error = S::Error;
@@ -272,8 +281,12 @@ where
 
     fn call(&self, req: http::Request<Incoming>) -> Self::Future {
         let call = Some(self.activity.begin());
-        let (parts, body) = req.into_parts();
-        let body = TimedBody::new(body, parts.uri.path(), self.body_within);
+        let (mut parts, body) = req.into_parts();
+        let body = if parts.uri.path().starts_with(RPC_PATHS) && !self.auth.knows_caller(&parts.headers) {
+            RequestBody::Stub { message: Some(request_body::stub(&mut parts.headers)) }
+        } else {
+            RequestBody::Read { body: TimedBody::new(body, parts.uri.path(), self.body_within) }
+        };
         CountedFuture { inner: self.inner.call(http::Request::from_parts(parts, body)), call }
     }
 }

@@ -1,7 +1,7 @@
 //! What a connection may hold: one that makes no call, or half of one, is
 //! closed; an idle one is closed; calls in flight keep theirs open; a request
-//! whose body stops half way fails; past --max-connections a new one is
-//! closed at once.
+//! whose body stops half way fails, and one without a known token has its body
+//! left unread; past --max-connections a new one is closed at once.
 
 // A failed unwrap is a failed test, which is what it should be.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -264,4 +264,62 @@ async fn a_session_may_pause_between_its_messages_but_not_inside_one() {
     assert!(ended.as_ref().is_err_and(|end| end.contains("--request-body-timeout-secs")), "{ended:?}");
     assert!(took >= Duration::from_millis(800), "ended after {took:?}");
     assert!(server.healthy());
+}
+
+/// A request without a known token is refused before its body is read: the
+/// server read whole bodies (up to --max-request-bytes each) before its
+/// handler looked at the caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_a_known_token_is_refused_before_its_body_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[("LOAM_JOBS_TOKENS", "alpha-token-0123456789=alpha")]);
+    let declared = 50_000_000;
+
+    // Connect over HTTP/1.1: 1 KB of a 50 MB body, then nothing.
+    for auth in ["", "Authorization: Bearer not-a-known-token-at-all\r\n"] {
+        let mut conn = connect(&server);
+        let head = format!(
+            "POST /loam.jobs.v1.JobsService/Enqueue HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             {auth}Content-Length: {declared}\r\n\r\n"
+        );
+        conn.write_all(head.as_bytes()).unwrap();
+        conn.write_all(&[b' '; 1024]).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut buf = [0u8; 2048];
+        let n = conn.read(&mut buf).unwrap();
+        let answer = String::from_utf8_lossy(&buf[..n]);
+        assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+        assert!(answer.contains("\"unauthenticated\""), "{answer}");
+    }
+
+    // gRPC over HTTP/2: the first piece of a large message, the stream left open.
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", server.port)).await.unwrap();
+    let (mut h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(format!("{}/loam.jobs.v1.JobsService/Enqueue", server.url()))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (response, mut sending) = h2.send_request(request, false).unwrap();
+    let mut first = vec![0u8];
+    first.extend_from_slice(&u32::try_from(declared).unwrap().to_be_bytes());
+    first.extend_from_slice(&[0u8; 1024]);
+    sending.send_data(first.into(), false).unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(5), response).await.unwrap().unwrap();
+    let status = |headers: &http::HeaderMap| headers.get("grpc-status").map(|v| v.to_str().unwrap().to_owned());
+    let mut status_seen = status(response.headers());
+    let mut body = response.into_body();
+    while status_seen.is_none() {
+        if tokio::time::timeout(Duration::from_secs(5), body.data()).await.unwrap().is_none() {
+            status_seen =
+                status(&tokio::time::timeout(Duration::from_secs(5), body.trailers()).await.unwrap().unwrap().unwrap());
+        }
+    }
+    // 16: UNAUTHENTICATED.
+    assert_eq!(status_seen.as_deref(), Some("16"));
+
+    // A known token's request is read as before.
+    let c = server.client_with(&[("authorization", "Bearer alpha-token-0123456789")]);
+    c.enqueue(enqueue_req("mail", job("send", b"{}"))).await.unwrap();
 }

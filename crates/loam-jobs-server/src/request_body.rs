@@ -1,20 +1,28 @@
-//! Request bodies that stop arriving.
+//! How the server reads request bodies: timed, so that one that stops half
+//! way fails, and not at all for a request refused on its headers.
 //!
-//! A call is in flight from its request until its answer has gone, so a
-//! connection with a call whose body stopped half way was never idle
-//! (`listen`): a client could send part of a request and nothing more, and
-//! the server held the stream, and what it had read of the body, for ever.
-//! The server gives up on a request whose body sends nothing for
-//! `--request-body-timeout-secs` while the server waits for the rest of it,
-//! as nginx's `client_body_timeout` does: the call fails, and what was read
-//! is dropped. The clock runs only while the server is reading (it does not
-//! while the call waits for the request budget: HTTP/2 flow control then
+//! **Bodies that stop arriving.** A call is in flight from its request until
+//! its answer has gone, so a connection with a call whose body stopped half
+//! way was never idle (`listen`): a client could send part of a request and
+//! nothing more, and the server held the stream, and what it had read of the
+//! body, for ever. The server gives up on a request whose body sends nothing
+//! for `--request-body-timeout-secs` while the server waits for the rest of
+//! it, as nginx's `client_body_timeout` does: the call fails, and what was
+//! read is dropped. The clock runs only while the server is reading (it does
+//! not while the call waits for the request budget: HTTP/2 flow control then
 //! holds the client back) and starts again at each piece that arrives, so a
-//! slow link that keeps sending is never cut.
+//! slow link that keeps sending is never cut. A Session's request stream is
+//! many messages, and a client with nothing to ask sends nothing between
+//! them: there only a message begun and not finished is timed.
 //!
-//! A Session's request stream is many messages, and a client with nothing to
-//! ask sends nothing between them: there only a message begun and not
-//! finished is timed.
+//! **Requests without a known token.** connectrpc reads a request's whole
+//! body before any code of ours runs (its interceptors too), and the handler
+//! checks the caller only then: a client with no token could make the server
+//! read and hold bodies of up to `--max-request-bytes` each. A request that
+//! carries no token the server knows has its body replaced, unread, by an
+//! empty message in the request's own format (`stub`); connectrpc decodes
+//! that, and the handler refuses the caller exactly as it would have, in the
+//! protocol the client spoke.
 
 use std::fmt;
 use std::future::Future;
@@ -22,7 +30,8 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use hyper::body::{Body, Buf, Frame, SizeHint};
+use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
+use hyper::body::{Body, Buf, Bytes, Frame, SizeHint};
 
 /// The request path of the `Session` call, whose stream is many messages.
 const SESSION_PATH: &str = "/loam.jobs.v1.JobsService/Session";
@@ -176,6 +185,68 @@ where
     }
 }
 
+pin_project_lite::pin_project! {
+    /// A request's body as the RPC service reads it: from the connection,
+    /// timed, or a stand-in for a request refused on its headers.
+    #[project = RequestBodyProj]
+    pub enum RequestBody<B> {
+        Read { #[pin] body: TimedBody<B> },
+        Stub { message: Option<Bytes> },
+    }
+}
+
+impl<B> Body for RequestBody<B>
+where
+    B: Body<Data = Bytes, Error = hyper::Error>,
+{
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        match self.project() {
+            RequestBodyProj::Read { body } => body.poll_frame(cx),
+            RequestBodyProj::Stub { message } => Poll::Ready(message.take().map(|m| Ok(Frame::data(m)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Read { body } => body.is_end_stream(),
+            RequestBody::Stub { message } => message.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RequestBody::Read { body } => body.size_hint(),
+            RequestBody::Stub { message } => SizeHint::with_exact(message.as_ref().map_or(0, |m| m.len() as u64)),
+        }
+    }
+}
+
+/// The stand-in body of a request refused on its headers: an empty message
+/// in the request's format (`{}` for JSON; inside one message envelope for
+/// gRPC, gRPC-Web and Connect's streams), its length and compression headers
+/// dropped to match. The body the client sends is never read.
+pub fn stub(headers: &mut http::HeaderMap) -> Bytes {
+    for name in [CONTENT_LENGTH, CONTENT_ENCODING] {
+        headers.remove(name);
+    }
+    headers.remove("connect-content-encoding");
+    headers.remove("grpc-encoding");
+    let content_type = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let message: &[u8] = if content_type.contains("json") { b"{}" } else { b"" };
+    let enveloped = content_type.starts_with("application/grpc") || content_type.starts_with("application/connect+");
+    if !enveloped {
+        return Bytes::from_static(message);
+    }
+    let mut framed = Vec::with_capacity(HEADER_BYTES + message.len());
+    framed.push(0);
+    framed.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    framed.extend_from_slice(message);
+    Bytes::from(framed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,6 +281,24 @@ mod tests {
         f.advance(&[0, 0x01]);
         f.advance(&[0x02, 0x03, 0x04]);
         assert_eq!(f, Framing::Messages { header: 0, length: 0, payload: 0x0102_0304 });
+    }
+
+    #[test]
+    fn a_stub_is_an_empty_message_in_the_request_s_format() {
+        let stub_for = |content_type: &str| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert(CONTENT_TYPE, content_type.parse().unwrap());
+            headers.insert(CONTENT_LENGTH, "80000000".parse().unwrap());
+            headers.insert("grpc-encoding", "gzip".parse().unwrap());
+            let body = stub(&mut headers);
+            assert!(!headers.contains_key(CONTENT_LENGTH) && !headers.contains_key("grpc-encoding"));
+            body
+        };
+        assert_eq!(&stub_for("application/json")[..], b"{}");
+        assert_eq!(&stub_for("application/proto")[..], b"");
+        assert_eq!(&stub_for("application/grpc")[..], &[0, 0, 0, 0, 0]);
+        assert_eq!(&stub_for("application/grpc-web+proto")[..], &[0, 0, 0, 0, 0]);
+        assert_eq!(&stub_for("application/connect+json")[..], &[0, 0, 0, 0, 2, b'{', b'}']);
     }
 
     #[test]
