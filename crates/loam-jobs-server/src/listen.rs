@@ -39,6 +39,17 @@ pub struct Probing {
     pub timeout: Duration,
 }
 
+/// What a client may send on one HTTP/2 stream before the server reads it
+/// (hyper's default).
+const STREAM_WINDOW: u32 = 1 << 20;
+/// What it may send on all of a connection's streams together: room for a few
+/// streams the server is not reading. With hyper's default, the stream
+/// window's size, one stream the server stopped reading (a Session waiting
+/// for request budget, or one whose client reads no answers) took the whole
+/// connection's window, and every other call on it could send nothing more,
+/// until `--request-body-timeout-secs` cut it.
+const CONNECTION_WINDOW: u32 = 4 * STREAM_WINDOW;
+
 /// TCP keepalive probes a silent connection gets before the kernel drops it.
 const TCP_PROBES: u32 = 3;
 
@@ -85,7 +96,11 @@ pub async fn serve(
     // call's (which `Activity::idle` enforces, for both protocols).
     let head_within = limits.idle.map(|idle| idle.max(limits.first_call_within));
     builder.http1().timer(TokioTimer::new()).header_read_timeout(head_within);
-    builder.http2().max_concurrent_streams(limits.max_streams);
+    builder
+        .http2()
+        .max_concurrent_streams(limits.max_streams)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW);
     if let Some(p) = limits.probing {
         builder.http2().timer(TokioTimer::new()).keep_alive_interval(p.idle).keep_alive_timeout(p.timeout);
     }

@@ -234,9 +234,17 @@ pub fn stub(headers: &mut http::HeaderMap) -> Bytes {
     }
     headers.remove("connect-content-encoding");
     headers.remove("grpc-encoding");
-    let content_type = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
-    let message: &[u8] = if content_type.contains("json") { b"{}" } else { b"" };
-    let enveloped = content_type.starts_with("application/grpc") || content_type.starts_with("application/connect+");
+    // The media type without its parameters, as connectrpc picks its codec by.
+    let media_type = headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let json = media_type == "application/json" || media_type.ends_with("+json");
+    let message: &[u8] = if json { b"{}" } else { b"" };
+    let enveloped = media_type.starts_with("application/grpc") || media_type.starts_with("application/connect+");
     if !enveloped {
         return Bytes::from_static(message);
     }
@@ -299,6 +307,10 @@ mod tests {
         assert_eq!(&stub_for("application/grpc")[..], &[0, 0, 0, 0, 0]);
         assert_eq!(&stub_for("application/grpc-web+proto")[..], &[0, 0, 0, 0, 0]);
         assert_eq!(&stub_for("application/connect+json")[..], &[0, 0, 0, 0, 2, b'{', b'}']);
+        // The format is the media type's, not its parameters'.
+        assert_eq!(&stub_for("application/json; charset=utf-8")[..], b"{}");
+        assert_eq!(&stub_for("application/proto; x=json")[..], b"");
+        assert_eq!(&stub_for("application/grpc+json")[..], &[0, 0, 0, 0, 2, b'{', b'}']);
     }
 
     #[test]

@@ -323,3 +323,42 @@ async fn a_request_without_a_known_token_is_refused_before_its_body_is_read() {
     let c = server.client_with(&[("authorization", "Bearer alpha-token-0123456789")]);
     c.enqueue(enqueue_req("mail", job("send", b"{}"))).await.unwrap();
 }
+
+/// A stream the server stops reading (a Session whose client reads no
+/// answers) must not take its connection's whole flow-control window: it did
+/// (both were hyper's 1 MiB), and every other call on the connection could
+/// send nothing more, until the request-body timeout cut it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_server_stops_reading_leaves_room_for_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--request-body-timeout-secs", "1"], &[]);
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", server.port)).await.unwrap();
+    let (h2, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut h2 = h2.ready().await.unwrap();
+    let post = |method: &str, content_type: &str| {
+        http::Request::post(format!("{}/loam.jobs.v1.JobsService/{method}", server.url()))
+            .header("content-type", content_type)
+            .body(())
+            .unwrap()
+    };
+    // Calls of 1 KB each, 6 MiB in all, on a session whose answers are never read: the
+    // server stops reading them once its answers fill the client's window.
+    let (_unread, mut session) = h2.send_request(post("Session", "application/connect+proto"), false).unwrap();
+    for id in 1..=6_000u64 {
+        let call = oneof::session_request::Call::from(enqueue_req("stalled", job("x", &[b'1'; 1024])));
+        let message = buffa::Message::encode_to_vec(&pb::SessionRequest { id, call: Some(call), ..Default::default() });
+        session.send_data(envelope(&message).into(), false).unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+
+    // Another call on the same connection still gets its body through.
+    let mut h2 = h2.ready().await.unwrap();
+    let (response, mut sending) = h2.send_request(post("Enqueue", "application/proto"), false).unwrap();
+    let message = buffa::Message::encode_to_vec(&enqueue_req("other", job("y", b"{}")));
+    sending.send_data(message.into(), true).unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(10), response).await.unwrap().unwrap();
+    assert_eq!(response.status(), 200);
+    let c = server.client();
+    assert_eq!(counts(&c, "other", &["waiting"]).await, vec![1]);
+}
