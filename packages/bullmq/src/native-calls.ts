@@ -21,7 +21,7 @@
  * after them: reads run on the store's latest snapshot at once, and
  * `getJob` called right behind an un-awaited `add` missed the job 198 times
  * in 200. The blocking waits (`waitForJob`, `readEvents`) wait for something
- * to happen instead, and do not wait for writes.
+ * to happen instead, and neither they nor `ready` and `close` wait for writes.
  */
 import type { Activity } from './common.js';
 import { callSync, fromNative } from './errors.js';
@@ -45,8 +45,12 @@ export const WRITE_METHODS: ReadonlySet<string> = new Set([
   'trimEvents', 'addJobScheduler', 'updateJobSchedulerNextMillis', 'removeJobScheduler',
 ]);
 
-/** The native methods that wait for something to happen (not ordered behind writes). */
-const WAITS: ReadonlySet<string> = new Set(['waitForJob', 'readEvents']);
+/**
+ * The native methods not ordered behind writes: the blocking waits, which
+ * wait for something to happen, and the lifecycle calls (`ready`, `close`),
+ * which read nothing the writes leave.
+ */
+const UNORDERED: ReadonlySet<string> = new Set(['waitForJob', 'readEvents', 'ready', 'close']);
 
 type Method = (...args: unknown[]) => unknown;
 
@@ -241,7 +245,7 @@ export function nativeCalls<N extends object>(native: N, store: string, activity
         activity.at = Date.now();
         return inOrder(store, call(args), handsOutJob, reads);
       };
-    } else if (WAITS.has(name)) {
+    } else if (UNORDERED.has(name)) {
       methods[name] = (...args) => {
         activity.at = Date.now();
         return call(args).catch(inBullmqForm);

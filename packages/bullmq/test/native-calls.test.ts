@@ -20,8 +20,8 @@ function settleable(): Settleable {
 
 /**
  * A stand-in for a native queue: every write method hands out a promise the
- * test settles (in `calls`, in call order); `getState` is a read and
- * `waitForJob` a blocking wait; a write
+ * test settles (in `calls`, in call order); `getState` is a read,
+ * `waitForJob` a blocking wait and `close` a lifecycle call; a write
  * called with `'refuse'` throws at once, as the addon does with arguments it
  * cannot read.
  */
@@ -29,7 +29,7 @@ function fakeNative(): { native: Record<string, (...args: unknown[]) => Promise<
   const calls: Settleable[] = [];
   class FakeQueue {}
   const prototype = FakeQueue.prototype as Record<string, unknown>;
-  for (const name of [...WRITE_METHODS, 'getState', 'waitForJob']) {
+  for (const name of [...WRITE_METHODS, 'getState', 'waitForJob', 'close']) {
     prototype[name] = (...args: unknown[]) => {
       if (args[0] === 'refuse') throw new Error('[bullmq:-1] Missing key for job 1. addJob');
       const call = settleable();
@@ -97,28 +97,29 @@ describe("native calls' writes", () => {
     await drain();
     // Not asked yet: the write before it is in flight.
     expect(calls).toHaveLength(2);
-    // A blocking wait does not wait for writes.
+    // A blocking wait and a lifecycle call do not wait for writes.
     void queue.waitForJob!();
-    expect(calls).toHaveLength(3);
+    void queue.close!();
+    expect(calls).toHaveLength(4);
     calls[0]!.resolve(undefined);
     await drain();
     // Asked now, while the write made after it is still in flight.
-    expect(calls).toHaveLength(4);
-    calls[3]!.resolve('waiting');
+    expect(calls).toHaveLength(5);
+    calls[4]!.resolve('waiting');
     await read;
     expect(order).toEqual(['first write', 'read waiting']);
     calls[1]!.resolve(undefined);
     await second;
     // With nothing in flight, a read is asked at once.
     void queue.getState!();
-    expect(calls).toHaveLength(5);
+    expect(calls).toHaveLength(6);
     // A refused write counts as settled.
     const refused = queue.addJob!('refuse').catch(() => order.push('refused'));
     const after = queue.getState!();
     await refused;
     await drain();
-    expect(calls).toHaveLength(6);
-    calls[5]!.resolve('done');
+    expect(calls).toHaveLength(7);
+    calls[6]!.resolve('done');
     expect(await after).toBe('done');
     await first;
   });
