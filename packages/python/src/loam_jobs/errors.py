@@ -2,7 +2,9 @@
 
 The server answers every failed call with a Connect error code and an
 `loam.jobs.v1.ErrorDetail` (a stable `reason` such as `fenced.no_lease`,
-BullMQ's error code, the subject and a retry-after). `from_connect_error`
+BullMQ's error code, the subject and a retry-after); a request its RPC
+framework refuses before the call runs (a body it cannot decode, say) has
+the code alone, and an empty `reason`. `from_connect_error`
 turns that into one exception class per code, with the few reasons a caller
 acts on (fencing, payload size, rate limits, paused queues) as subclasses.
 It is the only place where Connect errors become client errors.
