@@ -31,7 +31,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
-use hyper::body::{Body, Buf, Bytes, Frame, SizeHint};
+use hyper::body::{Body, Bytes, Frame, SizeHint};
 
 /// The request path of the `Session` call, whose stream is many messages.
 const SESSION_PATH: &str = "/loam.jobs.v1.JobsService/Session";
@@ -143,9 +143,9 @@ impl<B> TimedBody<B> {
 
 impl<B> Body for TimedBody<B>
 where
-    B: Body<Error = hyper::Error>,
+    B: Body<Data = Bytes, Error = hyper::Error>,
 {
-    type Data = B::Data;
+    type Data = Bytes;
     type Error = BodyError;
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
@@ -156,7 +156,7 @@ where
                 if let Some(Ok(frame)) = &frame
                     && let Some(data) = frame.data_ref()
                 {
-                    me.framing.advance(data.chunk());
+                    me.framing.advance(data);
                 }
                 Poll::Ready(frame.map(|r| r.map_err(BodyError::Read)))
             }

@@ -163,7 +163,7 @@ async fn read(
                         Some(call) => {
                             // A bad clock fails this call only, counted like any failed call.
                             let long_poll = is_long_poll(&call);
-                            let call = Call { caller: svc.session_caller(&ns, request.now_ms, peer), call };
+                            let call = Call { caller: svc.session_caller(&ns, request.now_ms, peer), call, long_poll };
                             if long_poll {
                                 polls.push(start(&svc, &mut stops, &mut writes, id, call, None));
                             } else if let Some(held) = svc.budget().try_take(size) {
@@ -195,6 +195,8 @@ struct Waiting {
 struct Call {
     caller: Result<Caller, ConnectError>,
     call: oneof::session_request::Call,
+    /// It may wait long (`is_long_poll`): it holds no budget and is no write a read waits for.
+    long_poll: bool,
 }
 
 /// A call's answer, to send now or to keep until the client reads; none for
@@ -286,7 +288,7 @@ fn start<'a>(
     held: Option<Held>,
 ) -> impl Future<Output = (u64, Option<u64>, Result<CallResult, Aborted>)> + 'a {
     let read = is_read(&call.call);
-    let write = (!read && !is_long_poll(&call.call)).then(|| writes.start());
+    let write = (!read && !call.long_poll).then(|| writes.start());
     let before = if read { writes.before_read() } else { None };
     let run = async move {
         if let Some((mut done, after)) = before {
