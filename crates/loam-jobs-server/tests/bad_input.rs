@@ -347,9 +347,7 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     for id in 1..=5u64 {
         let call = pb::__buffa::oneof::session_request::Call::from(enqueue_req("before-garbage", job("x", b"{}")));
         let message = buffa::Message::encode_to_vec(&pb::SessionRequest { id, call: Some(call), ..Default::default() });
-        stream.push(0);
-        stream.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
-        stream.extend_from_slice(&message);
+        stream.extend_from_slice(&envelope(&message));
     }
     stream.extend_from_slice(&garbage);
     let (_, body) =

@@ -164,14 +164,6 @@ fn past_max_connections_a_new_connection_is_closed_at_once() {
     assert!(server.log_text().contains("connections refused"), "the refusal is not logged");
 }
 
-/// The Connect envelope of `message`: a flags byte, its length, itself.
-fn envelope(message: &[u8]) -> Vec<u8> {
-    let mut framed = vec![0];
-    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
-    framed.extend_from_slice(message);
-    framed
-}
-
 /// A request whose body stops half way held its stream, and with it its
 /// connection (a call in flight is not idle), for ever.
 #[test]

@@ -221,6 +221,15 @@ pub fn assert_code<T>(r: Result<T, ConnectError>, code: ErrorCode, reason: Optio
     e
 }
 
+/// The Connect envelope of `message`, as a stream carries it: a flags byte,
+/// its length, itself.
+pub fn envelope(message: &[u8]) -> Vec<u8> {
+    let mut framed = vec![0];
+    framed.extend_from_slice(&u32::try_from(message.len()).unwrap().to_be_bytes());
+    framed.extend_from_slice(message);
+    framed
+}
+
 pub fn job(name: &str, data: &[u8]) -> pb::JobSpec {
     pb::JobSpec { name: name.into(), data: data.to_vec(), attempts: 1, ..Default::default() }
 }
