@@ -86,10 +86,11 @@ class ReadsAfterWrites {
 /** The writes whose answer may hand a worker a job (see `WriteOrder`). */
 const HANDS_OUT_JOBS: ReadonlySet<string> = new Set(['moveToActive', 'moveToCompleted', 'moveToFailed']);
 
-/** A write's settlement, kept until its turn. */
+/** A write's settlement, kept until its turn, and the backend told once it is released. */
 interface Held {
   settle(): void;
   handsOutJob: boolean;
+  reads: ReadsAfterWrites;
 }
 
 /**
@@ -133,22 +134,8 @@ class WriteOrder {
     reads.made1();
     return new Promise<T>((resolve, reject) => {
       write.then(
-        value =>
-          this.settle(number, {
-            settle: () => {
-              resolve(value);
-              reads.settled1();
-            },
-            handsOutJob,
-          }),
-        (err: unknown) =>
-          this.settle(number, {
-            settle: () => {
-              reject(fromNative(err));
-              reads.settled1();
-            },
-            handsOutJob,
-          }),
+        value => this.settle(number, { settle: () => resolve(value), handsOutJob, reads }),
+        (err: unknown) => this.settle(number, { settle: () => reject(fromNative(err)), handsOutJob, reads }),
       );
     });
   }
@@ -184,6 +171,7 @@ class WriteOrder {
         }
       }
       next.settle();
+      next.reads.settled1();
     }
     this.forgetIfIdle();
   }
