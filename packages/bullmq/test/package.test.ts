@@ -104,8 +104,8 @@ describeOnce('the packed package', () => {
   });
 
   it('holds the built code, its declarations and the native addon with its loader, and no tests or sources', () => {
-    // Source maps ship too: they point at src/, which does not, but still give
-    // a stack trace its TypeScript line numbers.
+    // Source maps ship too, each with the TypeScript it maps to inside it:
+    // src/ itself does not ship.
     const shipped = /^(package\.json|README\.md|dist\/.+\.(js|d\.ts|js\.map)|native\/(index\.js|index\.d\.ts|[^/]+\.node))$/;
     expect(files.filter(f => !shipped.test(f))).toEqual([]);
     expect(files).toEqual(expect.arrayContaining(['dist/index.js', 'dist/factory.js', 'native/index.js', 'native/index.d.ts']));
@@ -113,6 +113,13 @@ describeOnce('the packed package', () => {
     // Every entry point that package.json names is in the tarball.
     const entries = [manifest.main, manifest.types, ...Object.values(manifest.exports).flatMap(e => Object.values(e))];
     expect(entries.map(e => e.replace(/^\.\//, '')).filter(e => !files.includes(e))).toEqual([]);
+    const maps = files.filter(f => f.endsWith('.js.map'));
+    expect(maps.length).toBeGreaterThan(0);
+    const withoutSources = maps.filter(f => {
+      const map = JSON.parse(readFileSync(path.join(installed, f), 'utf8'));
+      return map.sourcesContent?.length !== map.sources.length || map.sourcesContent.some((s: unknown) => typeof s !== 'string');
+    });
+    expect(withoutSources).toEqual([]);
   });
 
   it("a job goes through the package's bound Queue and Worker, on the addon inside the installed package", () => {
