@@ -353,6 +353,31 @@ fn a_flow_is_all_or_nothing() {
     assert_eq!(state(&jobs, "q", "p"), None);
 }
 
+/// Queue `a:b` id `c` and queue `a` id `b:c` share a node key (`bull:a:b:c`):
+/// the second child is refused, with its flow, rather than left uncounted,
+/// which let the parent run before it ended.
+#[test]
+fn a_child_whose_key_is_another_childs_is_refused() {
+    let (jobs, _) = core();
+    let tree = |second: FlowNode| {
+        vec![flow_node("parents", "p", None, true), flow_node("a:b", "c", Some(parent("parents", "p")), false), second]
+    };
+    let e = jobs.flow("ns", tree(flow_node("a", "b:c", Some(parent("parents", "p")), false))).wait();
+    match e {
+        Err(JobsError::InvalidArgument(m)) => assert!(m.contains("already that of its child c of queue a:b"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(state(&jobs, "parents", "p"), None);
+    // The same tree without the clash goes in; adding its child again changes nothing.
+    jobs.flow("ns", tree(flow_node("a", "d", Some(parent("parents", "p")), false))).wait().unwrap();
+    let again = EnqueueRequest { job_id: Some("c".into()), parent: Some(parent("parents", "p")), ..job("c") };
+    jobs.enqueue("ns", "a:b", again).wait().unwrap();
+    assert_eq!(child_counts(&jobs, "p"), (2, 0));
+    let clash = EnqueueRequest { job_id: Some("b:c".into()), parent: Some(parent("parents", "p")), ..job("b:c") };
+    assert!(matches!(jobs.enqueue("ns", "a", clash).wait(), Err(JobsError::InvalidArgument(_))));
+    assert_eq!(state(&jobs, "a", "b:c"), None);
+}
+
 fn dedup(id: &str, ttl: Option<u64>) -> Dedup {
     Dedup { id: id.into(), ttl_ms: ttl, ..Default::default() }
 }

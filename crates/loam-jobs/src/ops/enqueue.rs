@@ -233,12 +233,28 @@ fn link_parent(tx: &mut Tx, parent: &ParentRef, child: (&QueueId, &str), child_k
 
 /// Puts `dep` under `parent` (which must exist) unless the child is there
 /// already, and counts it among the parent's pending children when it is
-/// pending.
+/// pending. Refuses a child whose key is another child's: a node key joins
+/// queue and id with `:`, which a queue name or job id may hold (queue `a:b`
+/// id `c`, and queue `a` id `b:c`), and linked under one key the second child
+/// went uncounted, so the parent ran before it ended.
 fn record_child(tx: &mut Tx, parent: &ParentRef, child_key: &str, dep: Dependency) -> Result<(), JobsError> {
     let pq = parent_queue(tx, parent);
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, child_key);
-    if tx.get(&dep_key)?.is_some() {
-        return Ok(());
+    if let Some(linked) = tx.get_record::<Dependency>(&dep_key)? {
+        // Records from before children's queues and ids were kept name nobody.
+        let unnamed = linked.child_queue.is_empty() && linked.child_id.is_empty();
+        if unnamed || (linked.child_queue == dep.child_queue && linked.child_id == dep.child_id) {
+            return Ok(());
+        }
+        return Err(JobsError::invalid(format!(
+            "job {} of queue {} cannot be a child of {}: its key {child_key} is already that of its child {} of queue \
+             {} (a ':' in a queue name or job id can make two keys one)",
+            dep.child_id,
+            dep.child_queue,
+            parent.node_key(),
+            linked.child_id,
+            linked.child_queue,
+        )));
     }
     if dep.status == DependencyStatus::Pending {
         tx.count_children(&pq, &parent.id, |c| c.pending += 1)?.ok_or_else(|| missing_parent(parent))?;
