@@ -300,7 +300,9 @@ pub fn fence(f: Option<pb::Fence>) -> Res<Fence> {
     match f.and_then(|f| f.kind) {
         Some(oneof::fence::Kind::Epoch(e)) => Ok(Fence::Epoch(e)),
         Some(oneof::fence::Kind::Token(t)) => Ok(Fence::Token(t)),
-        Some(oneof::fence::Kind::Unchecked(_)) => Ok(Fence::Unchecked),
+        Some(oneof::fence::Kind::Unchecked(true)) => Ok(Fence::Unchecked),
+        // Taken as unchecked, `false` let a stale holder's write through.
+        Some(oneof::fence::Kind::Unchecked(false)) => Err(JobsError::invalid("an unchecked fence takes true")),
         None => Err(JobsError::invalid("a fence (epoch, token or unchecked) is required")),
     }
 }

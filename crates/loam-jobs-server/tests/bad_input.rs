@@ -181,6 +181,10 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
         ..Default::default()
     };
     assert_code(c.complete(no_outcome).await, InvalidArgument, inv);
+    // An unchecked fence of false is no fence: it once let any caller's completion through.
+    let not_unchecked = pb::Fence { kind: Some(oneof::fence::Kind::Unchecked(false)), ..Default::default() };
+    assert_code(c.complete(complete_req("q", &id, not_unchecked.clone(), success(b"1"))).await, InvalidArgument, inv);
+    assert_code(c.extend(extend(Some(not_unchecked))).await, InvalidArgument, inv);
     let report = |fence: Option<pb::Fence>| pb::ReportRequest {
         queue: "q".into(),
         job_id: id.clone(),
