@@ -43,14 +43,7 @@ pub(crate) const NOW_HEADER: &str = "loam-now-ms";
 
 /// Every queue of every namespace.
 pub fn all_queues(jobs: &Jobs) -> Result<Vec<QueueId>, JobsError> {
-    jobs.read("", |tx| {
-        let all = loam_jobs::keys::prefix_range(loam_jobs::keys::registry_prefix());
-        Ok(tx
-            .scan(&all, usize::MAX, false)?
-            .into_iter()
-            .filter_map(|(k, _)| loam_jobs::keys::parse_registry(&k))
-            .collect())
-    })
+    jobs.read("", loam_jobs::ops::query::all_queues)
 }
 
 fn core_err(e: JobsError) -> ConnectError {

@@ -191,12 +191,7 @@ impl Jobs {
     /// Arms the delayed-job timers and the stalled sweep for every stored queue.
     fn load_timers(&self) -> Result<(), JobsError> {
         let queues = self.read("", |tx| {
-            let all = crate::keys::prefix_range(crate::keys::registry_prefix());
-            let qs: Vec<QueueId> = tx
-                .scan(&all, usize::MAX, false)?
-                .into_iter()
-                .filter_map(|(k, _)| crate::keys::parse_registry(&k))
-                .collect();
+            let qs = query::all_queues(tx)?;
             let mut out = Vec::new();
             for q in qs {
                 let due = lease::next_due(tx, &q)?;

@@ -144,9 +144,15 @@ pub fn registry_prefix() -> Key {
     vec![REGISTRY]
 }
 
-pub fn registry(q: &QueueId) -> Key {
+/// The registry's keys of namespace `ns`'s queues.
+pub fn registry_of(ns: &str) -> Key {
     let mut k = vec![REGISTRY];
-    push_str(&mut k, &q.ns);
+    push_str(&mut k, ns);
+    k
+}
+
+pub fn registry(q: &QueueId) -> Key {
+    let mut k = registry_of(&q.ns);
     push_str(&mut k, &q.name);
     k
 }

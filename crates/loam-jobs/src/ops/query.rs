@@ -304,11 +304,15 @@ pub fn get_job(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Option<JobRecord>, 
 
 /// Every queue of a namespace.
 pub fn queues(tx: &mut Tx, ns: &str) -> Result<Vec<QueueId>, JobsError> {
-    let all = keys::prefix_range(keys::registry_prefix());
-    Ok(tx
-        .scan(&all, usize::MAX, false)?
-        .into_iter()
-        .filter_map(|(k, _)| keys::parse_registry(&k))
-        .filter(|q| q.ns == ns)
-        .collect())
+    registered(tx, keys::registry_of(ns))
+}
+
+/// Every queue of every namespace.
+pub fn all_queues(tx: &mut Tx) -> Result<Vec<QueueId>, JobsError> {
+    registered(tx, keys::registry_prefix())
+}
+
+fn registered(tx: &mut Tx, prefix: crate::kv::Key) -> Result<Vec<QueueId>, JobsError> {
+    let range = keys::prefix_range(prefix);
+    Ok(tx.scan(&range, usize::MAX, false)?.into_iter().filter_map(|(k, _)| keys::parse_registry(&k)).collect())
 }
