@@ -353,6 +353,29 @@ fn a_flow_is_all_or_nothing() {
     assert_eq!(state(&jobs, "q", "p"), None);
 }
 
+/// A parent released by its last child runs next when it has no priority
+/// (Redis RPUSHes it), and behind the jobs of its priority when it has one
+/// (Redis adds it to its band with a new counter).
+#[test]
+fn a_released_parent_runs_next_or_behind_its_priority() {
+    for priority in [0, 1] {
+        let (jobs, _) = core();
+        let add = |name: &str| jobs.enqueue("ns", "a", EnqueueRequest { priority, ..job(name) }).wait().unwrap();
+        add("early");
+        let parent_node = FlowNode {
+            queue: "a".into(),
+            request: EnqueueRequest { job_id: Some("P".into()), priority, ..job("P") },
+            wait_children: true,
+        };
+        jobs.flow("ns", vec![parent_node, flow_node("kids", "c", Some(parent("a", "P")), false)]).wait().unwrap();
+        add("late");
+        let c = lease_one(&jobs, "kids").unwrap();
+        ok(&jobs, "kids", &c, "1");
+        let expected = if priority == 0 { ["P", "early", "late"] } else { ["early", "late", "P"] };
+        assert_eq!(leased_names(&jobs, "a", 3), expected, "priority {priority}");
+    }
+}
+
 /// Queue `a:b` id `c` and queue `a` id `b:c` share a node key (`bull:a:b:c`):
 /// the second child is refused, with its flow, rather than left uncounted,
 /// which let the parent run before it ended.
@@ -2412,6 +2435,36 @@ fn fail_parent_on_failure_keeps_a_waiting_parents_own_delay() {
     clock.advance(5_001);
     let l = lease_one(&jobs, "parents").expect("due after its delay");
     assert_eq!(l.job.id, "p");
+}
+
+/// A delayed parent that a second failing child releases at once goes, with a
+/// priority, behind the jobs of its priority, as Redis's moveParentToWait puts it.
+#[test]
+fn a_delayed_prioritized_parent_released_by_a_failing_child_goes_behind_its_priority() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "parents", EnqueueRequest { priority: 1, ..job("other") }).wait().unwrap();
+    let child = |id: &str| FlowNode {
+        queue: "kids".into(),
+        request: EnqueueRequest {
+            on_child_failure: OnChildFailure::FailParent,
+            ..flow_node("kids", id, Some(parent("parents", "p")), false).request
+        },
+        wait_children: false,
+    };
+    let nodes = vec![
+        FlowNode {
+            queue: "parents".into(),
+            request: EnqueueRequest { job_id: Some("p".into()), delay_ms: 5_000, priority: 1, ..job("p") },
+            wait_children: true,
+        },
+        child("c1"),
+        child("c2"),
+    ];
+    jobs.flow("ns", nodes).wait().unwrap();
+    fail(&jobs, "kids", &lease_one(&jobs, "kids").unwrap());
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Delayed));
+    fail(&jobs, "kids", &lease_one(&jobs, "kids").unwrap());
+    assert_eq!(leased_names(&jobs, "parents", 2), ["other", "p"]);
 }
 
 /// removeOnComplete {count: 1}: two jobs finishing in the same millisecond,

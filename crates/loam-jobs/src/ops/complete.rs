@@ -562,7 +562,8 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd) ->
             JobState::Delayed => {
                 pjob.delay = 0;
                 pjob.deferred_failure = Some(reason);
-                lease::make_ready(tx, &pq, pjob, Some("delayed"), Line::Front)?;
+                let line = released_line(&pjob);
+                lease::make_ready(tx, &pq, pjob, Some("delayed"), line)?;
             }
             JobState::Failed | JobState::Completed => {}
             _ => {
@@ -581,13 +582,23 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd) ->
     Ok(())
 }
 
-/// A parent whose children are done runs next, or after its own delay.
+/// A parent whose children are done runs next (Redis's `moveParentToWait`
+/// RPUSHes it), or after its own delay. One with a priority goes behind the
+/// jobs of its priority: Redis adds it to its band with a new counter. A
+/// delayed parent whose child fails it is released the same way.
 pub fn release_parent(tx: &mut Tx, q: &QueueId, job: JobRecord) -> Result<JobRecord, JobsError> {
     if job.delay > 0 {
         let due = tx.now.saturating_add(job.delay);
         return park_delayed(tx, q, job, due);
     }
-    lease::make_ready(tx, q, job, Some("waiting-children"), Line::Front)
+    let line = released_line(&job);
+    lease::make_ready(tx, q, job, Some("waiting-children"), line)
+}
+
+/// Where Redis's `moveParentToWait` puts a parent: next to run, or with a
+/// priority behind the jobs of its priority.
+fn released_line(parent: &JobRecord) -> Line {
+    if parent.is_prioritized() { Line::Back } else { Line::Front }
 }
 
 fn send_to_dead_letter(tx: &mut Tx, q: &QueueId, job: &JobRecord, dlq: &str, reason: &str) -> Result<(), JobsError> {
