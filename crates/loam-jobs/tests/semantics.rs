@@ -186,6 +186,24 @@ fn a_retried_child_is_pending_for_its_parent_again() {
     assert_eq!(child_counts(&jobs, "p"), (2, 0));
 }
 
+/// A child whose dependency its failure removed (removeDependencyOnFailure)
+/// is not its parent's when retried: the parent is not held for it again.
+#[test]
+fn a_retried_child_whose_dependency_was_removed_stays_off_its_parent() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::Remove);
+    let a = lease_one(&jobs, "kids").unwrap();
+    assert_eq!(a.job.id, "a");
+    fail(&jobs, "kids", &a);
+    assert_eq!(child_counts(&jobs, "p"), (1, 0));
+    jobs.admin("ns", "kids", |tx, q| admin::retry_finished(tx, q, "a", JobState::Failed, false, false)).wait().unwrap();
+    assert_eq!(child_counts(&jobs, "p"), (1, 0));
+    let b = lease_one(&jobs, "kids").unwrap();
+    assert_eq!(b.job.id, "b");
+    ok(&jobs, "kids", &b, "1");
+    assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
+}
+
 /// Removing a parent's pending children releases it once none is left.
 #[test]
 fn removing_the_last_pending_child_releases_its_parent() {

@@ -466,18 +466,23 @@ fn forget_finish(job: &mut JobRecord, state: JobState) {
     }
 }
 
-/// A child that runs again is pending for its parent again.
+/// A child that runs again is pending for its parent again, if its parent
+/// still lists it: one whose dependency was removed (removeDependencyOnFailure,
+/// removeChildDependency) is not its parent's any more, and Redis's
+/// `moveChildBackToParentDependencies` leaves it out too (the parent was
+/// held for it again).
 fn reattach_to_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
     let Some(parent) = &job.parent else { return Ok(()) };
     let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
     let child_key = model::node_key(&parent.prefix, &q.name, &job.id);
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
-    let previous = tx.get_record::<Dependency>(&dep_key)?.map(|d| d.status);
-    if previous == Some(DependencyStatus::Pending) {
-        return Ok(());
-    }
+    let previous = match tx.get_record::<Dependency>(&dep_key)? {
+        None => return Ok(()),
+        Some(d) if d.status == DependencyStatus::Pending => return Ok(()),
+        Some(d) => d.status,
+    };
     let counted = tx.count_children(&pq, &parent.id, |c| {
-        if previous == Some(DependencyStatus::Failed) {
+        if previous == DependencyStatus::Failed {
             c.failed = c.failed.saturating_sub(1);
         }
         c.pending += 1;
