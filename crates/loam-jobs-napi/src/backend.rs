@@ -796,7 +796,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         let op = Op::new("changePriority").job(&job_id);
-        let priority = ms(priority).min(u64::from(u32::MAX)) as u32;
+        let priority = convert::priority(priority).map_err(invalid)?;
         self.write(env, op, move |tx, q| admin::change_priority(tx, q, &job_id, priority, lifo))
     }
 

@@ -222,6 +222,9 @@ impl NewJob {
             (None, Some(p)) => Some(parent_ref(&p.queue, &p.id)),
             (None, None) => None,
         };
+        if let Some(p) = opts.priority {
+            priority(p)?;
+        }
         let base = opts.to_request();
         Ok(EnqueueRequest {
             name: self.name.clone(),
@@ -229,7 +232,7 @@ impl NewJob {
             opts: opts_text.to_string(),
             job_id,
             delay_ms: self.delay.map_or(base.delay_ms, whole),
-            priority: self.priority.map_or(base.priority, small),
+            priority: self.priority.map(priority).transpose()?.unwrap_or(base.priority),
             parent,
             timestamp: self.timestamp.map(whole).or(base.timestamp),
             scheduler_id: self.repeat_job_key.clone(),
@@ -248,6 +251,19 @@ impl NewJob {
 
 fn small(n: f64) -> u32 {
     whole(n).min(u64::from(u32::MAX)) as u32
+}
+
+/// A priority a caller gives now (an add, a change of priority). BullMQ's
+/// own check stops only those above its limit (which the core refuses too);
+/// one below 0 is refused here rather than taken as 0, which Redis takes as
+/// a priority above every other. Options stored earlier (a scheduler's
+/// template) are read as before, below 0 as 0: refusing them would stop the
+/// scheduler at its next iteration.
+pub fn priority(n: f64) -> Result<u32, String> {
+    if n < 0.0 {
+        return Err(format!("priority must be between 0 and {}, got {n}", loam_jobs::MAX_PRIORITY));
+    }
+    Ok(small(n))
 }
 
 impl JobOpts {

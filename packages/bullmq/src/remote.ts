@@ -94,6 +94,7 @@ import {
   streamEntry,
   text,
   u32,
+  priority as wirePriority,
   u64,
 } from './wire.js';
 
@@ -888,7 +889,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async changePriority(jobId: string, priority = 0, lifo = false): Promise<void> {
     await this.jobAdmin(
       { command: 'changePriority', jobId },
-      { case: 'changePriority', value: { priority: u32(priority), lifo } },
+      { case: 'changePriority', value: { priority: wirePriority(priority), lifo } },
     );
   }
 

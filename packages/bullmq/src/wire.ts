@@ -166,6 +166,23 @@ function checkOptionTypes(opts: Record<string, any>): void {
   }
 }
 
+/** Whole priorities, BullMQ's PRIORITY_LIMIT at most: the core refuses more. */
+const MAX_PRIORITY = 2 ** 21 - 1;
+
+/**
+ * A priority a caller gives now (an add, a change of priority), as the server
+ * takes it. BullMQ's own check stops only those above its limit; one below 0
+ * is refused here, as in-process, rather than sent as 0. Options stored
+ * earlier (a scheduler's template, `optionsSpec`) are read as before, below 0
+ * as 0: refusing them would stop the scheduler at its next iteration.
+ */
+export function priority(n: number | undefined | null): number {
+  if (typeof n === 'number' && n < 0) {
+    throw loamError('invalid_argument', `priority must be between 0 and ${MAX_PRIORITY}, got ${n}`);
+  }
+  return u32(n);
+}
+
 /** Everything BullMQ's job options alone decide (a scheduler's template too). */
 export function optionsSpec(opts: Record<string, any>): JobSpecInit & { delayMs: bigint; priority: number } {
   checkOptionTypes(opts);
@@ -199,6 +216,7 @@ export function optionsSpec(opts: Record<string, any>): JobSpecInit & { delayMs:
 /** A new job as the server's Enqueue takes it. */
 export function jobSpec(job: NewJobJson): JobSpecInit {
   const opts = job.opts ?? {};
+  priority(opts.priority);
   const base = optionsSpec(opts);
   // An empty custom id means "no custom id" (the core makes one).
   const jobId = job.jobId || (typeof opts.jobId === 'string' ? opts.jobId : '') || undefined;
@@ -213,7 +231,7 @@ export function jobSpec(job: NewJobJson): JobSpecInit {
     data: bytes(job.data ?? '{}'),
     jobId,
     delayMs: job.delay !== undefined && job.delay !== null ? u64(job.delay) : base.delayMs,
-    priority: job.priority !== undefined && job.priority !== null ? u32(job.priority) : base.priority,
+    priority: job.priority !== undefined && job.priority !== null ? priority(job.priority) : base.priority,
     timestamp: job.timestamp !== undefined && job.timestamp !== null ? u64(job.timestamp) : base.timestamp,
     parent: parentOf,
     schedulerId: job.repeatJobKey || undefined,

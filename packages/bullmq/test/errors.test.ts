@@ -109,6 +109,34 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it('refuses a priority below 0, which BullMQ lets through, rather than take it as 0', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const FlowProducer = loam.FlowProducer;
+    const refused = { code: 'LOAM_INVALID_ARGUMENT', message: expect.stringContaining('priority must be between 0 and 2097151') };
+    await expect(queue.add('a', {}, { priority: -1 })).rejects.toMatchObject(refused);
+    await expect(queue.addBulk([{ name: 'b', data: {}, opts: { priority: -2 } }])).rejects.toMatchObject(refused);
+    const flows = new FlowProducer({ connection });
+    await expect(flows.add({ name: 'p', queueName: queue.name, opts: { priority: -1 } })).rejects.toMatchObject(refused);
+    await flows.close();
+    expect(await queue.count()).toBe(0);
+    const job = await queue.add('c', {}, { priority: 3 });
+    await expect(job.changePriority({ priority: -1 })).rejects.toMatchObject(refused);
+    expect(await queue.getCountsPerPriority([3])).toEqual({ 3: 1 });
+    await queue.close();
+  });
+
+  it("runs a job scheduler whose template's priority is below 0, as before: its iterations read it as 0", async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    await queue.upsertJobScheduler('below-zero', { every: 100 }, { name: 'tick', opts: { priority: -1 } });
+    let done = 0;
+    const worker = new Worker(name, async () => 'ok', { connection });
+    worker.on('completed', () => done++);
+    await until(() => done >= 3);
+    await worker.close();
+    await queue.close();
+  });
+
   it("refuses a completion or lock extension without a token on another worker's job, as Redis does", async () => {
     const { queue, backend, active } = await activeJob('tok-4');
     const noToken = undefined as unknown as string;
