@@ -1447,6 +1447,33 @@ fn retention_by_age_removes_old_finished_jobs() {
     assert_eq!(kept, ["2", "3"]);
 }
 
+/// An age of 0 keeps no finished job, the one finishing included, as Redis
+/// removes every job finished at or before now; a limit of 0 removes none.
+#[test]
+fn retention_by_an_age_of_0_removes_the_job_as_it_finishes_and_those_before() {
+    let (jobs, clock) = core();
+    for state in [JobState::Completed, JobState::Failed] {
+        let end = |l: &Lease| if state == JobState::Completed { ok(&jobs, "q", l, "1") } else { fail(&jobs, "q", l) };
+        let kept_before = jobs.enqueue("ns", "q", job("kept")).wait().unwrap().id;
+        end(&lease_one(&jobs, "q").unwrap());
+        clock.advance(10);
+        let keep = |limit| Retention::Keep(Keep { age_ms: Some(0), limit, ..Default::default() });
+        let none =
+            EnqueueRequest { remove_on_complete: Some(keep(Some(0))), remove_on_fail: Some(keep(Some(0))), ..job("j") };
+        let id = jobs.enqueue("ns", "q", none).wait().unwrap().id;
+        end(&lease_one(&jobs, "q").unwrap());
+        assert_eq!(jobs.counts("ns", "q", &[state]).unwrap(), vec![2], "{state:?}: a limit of 0 removes none");
+        clock.advance(10);
+        let all = EnqueueRequest { remove_on_complete: Some(keep(None)), remove_on_fail: Some(keep(None)), ..job("j") };
+        let last = jobs.enqueue("ns", "q", all).wait().unwrap().id;
+        end(&lease_one(&jobs, "q").unwrap());
+        for gone in [&kept_before, &id, &last] {
+            assert!(jobs.get_job("ns", "q", gone).unwrap().is_none(), "{state:?} {gone}");
+        }
+        assert_eq!(jobs.counts("ns", "q", &[state]).unwrap(), vec![0], "{state:?}");
+    }
+}
+
 #[test]
 fn an_expired_job_is_failed_instead_of_leased() {
     let (jobs, clock) = core();

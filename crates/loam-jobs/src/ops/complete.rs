@@ -464,10 +464,10 @@ fn keep_or_purge(tx: &mut Tx, q: &QueueId, job: &mut JobRecord, retention: Reten
             }
         }
     }
+    // The removal by age takes this job too when it finished at or before the
+    // cutoff (an age of 0), as Redis's does; the one by count never does.
     for id in old {
-        if id != job.id
-            && let Some(stale) = tx.load_job(q, &id)?
-        {
+        if let Some(stale) = tx.load_job(q, &id)? {
             tx.unindex(q, &stale)?;
             super::admin::detach_from_parent(tx, q, &stale)?;
             super::admin::purge_job(tx, q, &stale)?;
