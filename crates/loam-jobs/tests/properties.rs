@@ -573,7 +573,8 @@ impl Harness {
                 if *delay_ms > 0 {
                     let t = self.model.next_tick();
                     let job = &mut self.model.jobs[j];
-                    job.pos = if *lifo && *priority == 0 { -t } else { t };
+                    // LIFO or not: delayed jobs due together keep the order they were added in.
+                    job.pos = t;
                     job.state = MState::Delayed;
                 } else {
                     self.model.make_ready(j, false);

@@ -1474,6 +1474,20 @@ fn retention_by_an_age_of_0_removes_the_job_as_it_finishes_and_those_before() {
     }
 }
 
+/// Delayed jobs due in the same millisecond run in the order they were
+/// added, a LIFO one among them too, as Redis's delayed set orders them.
+#[test]
+fn delayed_jobs_due_together_keep_their_order_lifo_or_not() {
+    let (jobs, clock) = core();
+    for (name, lifo) in [("d1", false), ("d2", true), ("d3", false)] {
+        jobs.enqueue("ns", "q", EnqueueRequest { delay_ms: 1000, lifo, ..job(name) }).wait().unwrap();
+    }
+    let delayed = jobs.query("ns", "q", |tx, q| query::range(tx, q, JobState::Delayed, 0, -1, true)).unwrap();
+    assert_eq!(delayed, ["1", "2", "3"]);
+    clock.advance(1000);
+    assert_eq!(leased_names(&jobs, "q", 3), ["d1", "d2", "d3"]);
+}
+
 #[test]
 fn an_expired_job_is_failed_instead_of_leased() {
     let (jobs, clock) = core();

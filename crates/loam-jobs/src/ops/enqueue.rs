@@ -187,12 +187,16 @@ fn add(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> R
         children_counted: matches!(placement, Placement::WaitChildren),
         ended_by: None,
     };
-    job.seq = tx.next_seq(q, job.queues_lifo())?;
     job.state = match placement {
         Placement::WaitChildren => JobState::WaitingChildren,
         Placement::Normal if req.delay_ms > 0 => JobState::Delayed,
         Placement::Normal => Tx::ready_state(&job),
     };
+    // Only a job ready at once goes in front: delayed jobs due in the same
+    // millisecond keep the order they were added in, LIFO or not, as in
+    // Redis's delayed set (each gets a new place when it becomes ready).
+    let waits = matches!(job.state, JobState::Delayed | JobState::WaitingChildren);
+    job.seq = tx.next_seq(q, job.queues_lifo() && !waits)?;
     tx.save_job(q, &job)?;
     tx.index(q, &job)?;
     tx.event(q, "added", &[("jobId", &id), ("name", &job.name)])?;
