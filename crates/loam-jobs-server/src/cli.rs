@@ -107,6 +107,13 @@ pub struct ServeArgs {
     #[arg(long)]
     pub max_request_bytes_waiting: Option<usize>,
 
+    /// Most long-polls (leases, event reads, waits for a job that wait) and
+    /// Watch streams one namespace may have open at once, across every
+    /// connection. Past it one is refused as unavailable. Each long-poll holds
+    /// a few KB while it waits, up to 30 s.
+    #[arg(long, default_value_t = crate::waits::DEFAULT_MAX_PER_NAMESPACE)]
+    pub max_waiting_calls_per_namespace: usize,
+
     /// Most calls one HTTP/2 connection may have in flight (long-polls and
     /// watches included). A client that opens more has its connection closed.
     #[arg(long, default_value_t = 1000)]

@@ -148,17 +148,22 @@ pub fn permission_denied(msg: &str) -> ConnectError {
 /// `unavailable` with a pause, as a store that cannot take a call now
 /// answers: clients send it again.
 pub fn overloaded(o: &crate::budget::Overloaded) -> ConnectError {
-    let detail =
-        pb::ErrorDetail { reason: "unavailable".into(), retry_after_ms: OVERLOADED_PAUSE_MS, ..Default::default() };
-    ConnectError::new(
-        ErrorCode::Unavailable,
+    busy(
         format!(
             "the server is busy: calls holding {} bytes of requests already wait for --max-request-bytes-in-flight; \
              try again",
             o.waiting_bytes
         ),
+        OVERLOADED_PAUSE_MS,
     )
-    .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
+}
+
+/// A call refused for now: `unavailable`, asking for a pause of `pause_ms`
+/// before it is sent again.
+pub fn busy(message: String, pause_ms: u64) -> ConnectError {
+    let detail = pb::ErrorDetail { reason: "unavailable".into(), retry_after_ms: pause_ms, ..Default::default() };
+    ConnectError::new(ErrorCode::Unavailable, message)
+        .with_detail(connectrpc::ErrorDetail::from_message(DETAIL_TYPE, &detail))
 }
 
 /// The pause an overloaded server asks for before a call is sent again.

@@ -18,6 +18,7 @@ pub mod request_body;
 pub mod schedules;
 pub mod service;
 pub mod session;
+pub mod waits;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -108,7 +109,8 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
         budget,
     )
     .following(following)
-    .max_response_bytes(args.max_response_bytes);
+    .max_response_bytes(args.max_response_bytes)
+    .max_waiting_calls_per_namespace(args.max_waiting_calls_per_namespace);
     let router = Arc::new(svc).register(connectrpc::Router::new());
     let limits = Limits::default()
         .with_max_request_body_size(args.max_request_bytes)

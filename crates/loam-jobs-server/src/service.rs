@@ -106,6 +106,8 @@ pub struct JobsSvc {
     budget: Budget,
     /// The largest answer a read builds (`--max-response-bytes`).
     max_response_bytes: u64,
+    /// Long-polls waiting, by namespace (`--max-waiting-calls-per-namespace`).
+    waiting: Arc<crate::waits::WaitingCalls>,
 }
 
 impl JobsSvc {
@@ -127,7 +129,13 @@ impl JobsSvc {
             following: None,
             budget,
             max_response_bytes: u64::MAX,
+            waiting: crate::waits::WaitingCalls::new(crate::waits::DEFAULT_MAX_PER_NAMESPACE),
         }
+    }
+
+    /// Long-polls past `n` waiting in one namespace are refused.
+    pub fn max_waiting_calls_per_namespace(self, n: usize) -> Self {
+        Self { waiting: crate::waits::WaitingCalls::new(n), ..self }
     }
 
     /// Reads whose answer would be larger than `bytes` are refused.
@@ -376,6 +384,7 @@ impl JobsSvc {
         let leased = if wait.is_zero() {
             c.jobs.lease(&c.ns, &req.queue, options).await
         } else {
+            let _waiting = self.waiting.take(&c.ns)?;
             c.jobs.lease_wait(&c.ns, &req.queue, options, wait, Some(&self.shutdown)).await
         }
         .map_err(core_err)?;
@@ -747,6 +756,7 @@ impl JobsSvc {
     async fn do_query(&self, c: Caller, req: pb::QueryRequest) -> Result<pb::QueryResponse, ConnectError> {
         use oneof::query_request::Query;
         use oneof::query_response::Result as R;
+        let _waiting = if query_waits(&req) { Some(self.waiting.take(&c.ns)?) } else { None };
         let (ns, queue, jobs) = (c.ns.as_str(), req.queue.as_str(), &c.jobs);
         let q = req.query.ok_or_else(|| invalid("a query is required"))?;
         // Reads that gather jobs stop at the cap; every answer is checked
@@ -995,6 +1005,7 @@ impl JobsSvc {
         c: Caller,
         req: pb::WatchRequest,
     ) -> Result<ServiceStream<pb::WatchResponse>, ConnectError> {
+        let waiting = self.waiting.take(&c.ns)?;
         let (ns, queue) = (c.ns, req.queue);
         // "From now" is pinned before the stream starts, so nothing written
         // after this call returns can be missed.
@@ -1012,6 +1023,7 @@ impl JobsSvc {
             buffered: std::collections::VecDeque::new(),
             failed: false,
             limit: 1,
+            _waiting: waiting,
         };
         let stream = futures::stream::unfold(state, |mut st| async move {
             loop {
@@ -1104,6 +1116,8 @@ struct WatchState {
     failed: bool,
     /// Events the next read takes (see `WATCH_READ_AHEAD`).
     limit: usize,
+    /// The stream's place among its namespace's waiting calls, for as long as it is open.
+    _waiting: crate::waits::Waiting,
 }
 
 /// About what an event holds in memory.

@@ -34,17 +34,6 @@ const METHODS: [&str; 20] = [
     "Session",
 ];
 
-/// Opens a watch and reads its first message: a refused watch fails there
-/// (the stream's headers are sent before the handler runs).
-async fn watch_first(c: &Client, req: pb::WatchRequest) -> Result<(), connectrpc::ConnectError> {
-    let mut stream = c.watch(req).await?;
-    let first = tokio::time::timeout(Duration::from_secs(5), stream.message::<pb::WatchResponse>()).await;
-    match first {
-        Ok(r) => r.map(|_| ()),
-        Err(_) => Ok(()),
-    }
-}
-
 fn job_admin(queue: &str, id: &str, op: impl Into<oneof::job_admin_request::Op>) -> pb::JobAdminRequest {
     pb::JobAdminRequest { queue: queue.into(), job_id: id.into(), op: Some(op.into()), ..Default::default() }
 }

@@ -252,3 +252,60 @@ async fn a_long_poll_holds_no_budget_while_it_waits() {
     assert!(session.message().await.unwrap().is_none());
     assert_budget_returned(&server).await;
 }
+
+/// Each namespace may have `--max-waiting-calls-per-namespace` long-polls
+/// waiting at once: past that a long-poll is refused as unavailable, while
+/// another namespace's wait as before, and a place given back is taken again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_past_its_waiting_calls_is_refused_and_no_other_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--max-waiting-calls-per-namespace", "2"], &[]);
+    let a = server.client_with(&[("loam-namespace", "a")]);
+    let b = server.client_with(&[("loam-namespace", "b")]);
+    let wait = || {
+        let a = a.clone();
+        tokio::spawn(async move { a.lease(lease_req("q", 1, 20_000, 0)).await.map(|r| r.into_owned()) })
+    };
+    // Two long waits, and a short one beside them, until it is refused: only
+    // the two can hold the places then. A long one may be refused itself,
+    // when the short one held a place as it came; it is sent again.
+    let mut waits = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let refused = loop {
+        assert!(std::time::Instant::now() < deadline, "no long-poll was refused");
+        waits.retain(|w: &tokio::task::JoinHandle<_>| !w.is_finished());
+        while waits.len() < 2 {
+            waits.push(wait());
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        if let Err(e) = a.lease(lease_req("q", 1, 50, 0)).await {
+            break e;
+        }
+    };
+    assert_eq!(refused.code, ErrorCode::Unavailable, "{refused:?}");
+    assert!(refused.message.as_deref().unwrap_or("").contains("--max-waiting-calls-per-namespace"), "{refused:?}");
+    assert!(detail(&refused).retry_after_ms > 0);
+    // The same count holds the namespace's other waits, and a call that does not wait runs.
+    let wait_for_job = oneof::query_request::Query::WaitForJob(Box::new(pb::query_request::WaitForJob {
+        wait_ms: 50,
+        ..Default::default()
+    }));
+    assert_code(a.query(query_req("q", wait_for_job.clone())).await, ErrorCode::Unavailable, Some("unavailable"));
+    let watch = || pb::WatchRequest { queue: "q".into(), ..Default::default() };
+    assert_code(watch_first(&a, watch()).await, ErrorCode::Unavailable, Some("unavailable"));
+    watch_first(&b, watch()).await.unwrap();
+    a.lease(lease_req("q", 1, 0, 0)).await.unwrap();
+    b.query(query_req("q", wait_for_job)).await.unwrap();
+    // A job ends one of the two waits; its place is taken again.
+    a.enqueue(enqueue_req("q", job("x", b"{}"))).await.unwrap();
+    let mut ended = 0;
+    while ended == 0 {
+        assert!(std::time::Instant::now() < deadline, "the job ended no wait");
+        ended = waits.iter().filter(|w| w.is_finished()).count();
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    a.lease(lease_req("q", 1, 50, 0)).await.unwrap();
+    for w in waits {
+        w.abort();
+    }
+}

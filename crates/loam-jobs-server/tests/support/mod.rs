@@ -339,3 +339,14 @@ where
     }
     Ok(None)
 }
+
+/// Opens a watch and reads its first message: a refused watch fails there
+/// (the stream's headers are sent before the handler runs).
+pub async fn watch_first(c: &Client, req: pb::WatchRequest) -> Result<(), connectrpc::ConnectError> {
+    let mut stream = c.watch(req).await?;
+    let first = tokio::time::timeout(std::time::Duration::from_secs(5), stream.message::<pb::WatchResponse>()).await;
+    match first {
+        Ok(r) => r.map(|_| ()),
+        Err(_) => Ok(()),
+    }
+}
