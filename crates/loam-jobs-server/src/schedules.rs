@@ -25,6 +25,7 @@ use chrono::TimeZone;
 use chrono_tz::Tz;
 use croner::Cron;
 use croner::parser::{CronParser, Seconds, Year};
+use futures::StreamExt;
 use loam_jobs::ops::schedule;
 use loam_jobs::{EnqueueRequest, Interrupt, Jobs, JobsError, QueueId, SchedulerRecord, SchedulerSpec};
 use loam_jobs_proto::loam::jobs::v1 as pb;
@@ -36,6 +37,9 @@ const TEMPLATE: &str = "loam.job";
 /// Most ticks one schedule catches up per pass, so one long-stopped
 /// schedule cannot hold up the others.
 const CATCH_UP_PER_PASS: usize = 100;
+
+/// Most schedules that tick at once.
+const TICKING: usize = 64;
 
 /// A cron expression of 5 fields, or 6 with seconds first, as BullMQ's
 /// cron-parser and Celery's crontab read them. croner's default also took a
@@ -232,36 +236,46 @@ impl Index {
 pub async fn run(jobs: Jobs, index: Arc<Index>, metrics: Arc<crate::metrics::Metrics>, stop: Interrupt) {
     const PASS: Duration = Duration::from_millis(200);
     while !stop.is_fired() {
-        for key in index.due(jobs.now_ms()) {
-            let (ns, queue, id) = &key;
-            let q = QueueId::new(ns.clone(), queue.clone());
-            for _ in 0..CATCH_UP_PER_PASS {
-                match tick(&jobs, &q, id).await {
-                    Ok(Tick::Advanced) => metrics.enqueued(ns, queue, 1),
-                    Ok(Tick::Idle(due)) => {
-                        index.set_due(&key, due);
-                        break;
-                    }
-                    Ok(Tick::Gone) => {
-                        index.remove(ns, queue, id);
-                        break;
-                    }
-                    // A schedule stored before its pattern was checked can never
-                    // tick: said once, and left stored (Unschedule or a new
-                    // Schedule replaces it), instead of failing every pass.
-                    Err(e @ JobsError::InvalidArgument(_)) => {
-                        tracing::error!(ns, queue, schedule = id, error = %e, "schedule cannot tick; not run until replaced");
-                        index.remove(ns, queue, id);
-                        break;
-                    }
-                    Err(e) => {
-                        tracing::warn!(ns, queue, schedule = id, error = %e, "schedule tick failed");
-                        break;
-                    }
-                }
+        // The schedules due tick side by side, their writes sharing commits.
+        // Ticked one after another, each write waiting for the last, a
+        // tenant's hundred schedules of every_ms 1 made another tenant's
+        // ticks up to 4 s late. At most TICKING at a time: after a restart
+        // every schedule is due, and all of them at once would queue their
+        // writes ahead of every caller's.
+        let due = index.due(jobs.now_ms());
+        futures::stream::iter(&due).for_each_concurrent(TICKING, |key| tick_due(&jobs, &index, &metrics, key)).await;
+        tokio::time::sleep(PASS).await;
+    }
+}
+
+/// Makes the ticks of one schedule that are due, up to [`CATCH_UP_PER_PASS`].
+async fn tick_due(jobs: &Jobs, index: &Index, metrics: &crate::metrics::Metrics, key: &Key) {
+    let (ns, queue, id) = key;
+    let q = QueueId::new(ns.clone(), queue.clone());
+    for _ in 0..CATCH_UP_PER_PASS {
+        match tick(jobs, &q, id).await {
+            Ok(Tick::Advanced) => metrics.enqueued(ns, queue, 1),
+            Ok(Tick::Idle(due)) => {
+                index.set_due(key, due);
+                break;
+            }
+            Ok(Tick::Gone) => {
+                index.remove(ns, queue, id);
+                break;
+            }
+            // A schedule stored before its pattern was checked can never
+            // tick: said once, and left stored (Unschedule or a new
+            // Schedule replaces it), instead of failing every pass.
+            Err(e @ JobsError::InvalidArgument(_)) => {
+                tracing::error!(ns, queue, schedule = id, error = %e, "schedule cannot tick; not run until replaced");
+                index.remove(ns, queue, id);
+                break;
+            }
+            Err(e) => {
+                tracing::warn!(ns, queue, schedule = id, error = %e, "schedule tick failed");
+                break;
             }
         }
-        tokio::time::sleep(PASS).await;
     }
 }
 
