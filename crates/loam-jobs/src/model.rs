@@ -604,6 +604,17 @@ pub struct Dependency {
     pub value: Option<String>,
 }
 
+impl Dependency {
+    /// Whether this is the record of child `id` of queue `queue`. A node key
+    /// joins queue and id with `:`, which both may hold, so a store written
+    /// before such clashes were refused (`enqueue::record_child`) may hold
+    /// another child's record under this child's key. Records from before
+    /// children's queues and ids were kept name nobody, and are anyone's.
+    pub fn is_of(&self, queue: &str, id: &str) -> bool {
+        (self.child_queue.is_empty() && self.child_id.is_empty()) || (self.child_queue == queue && self.child_id == id)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum DependencyStatus {
@@ -969,6 +980,20 @@ pub(crate) fn validate_name(kind: &str, value: &str, max: usize) -> Result<(), J
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A dependency record names its child; one from before names nobody and is taken as anyone's.
+    #[test]
+    fn a_dependency_is_its_named_childs_only() {
+        let dep = |queue: &str, id: &str| Dependency {
+            status: DependencyStatus::Pending,
+            child_queue: queue.into(),
+            child_id: id.into(),
+            value: None,
+        };
+        assert!(dep("a:b", "c").is_of("a:b", "c"));
+        assert!(!dep("a:b", "c").is_of("a", "b:c"));
+        assert!(dep("", "").is_of("a", "b:c"));
+    }
 
     /// An event kept in its page is written as before `body` existed, and
     /// records written then read as such.

@@ -94,7 +94,10 @@ fn unlink_pending_child(
     let Some(parent) = &job.parent else { return Ok((false, None)) };
     let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &model::node_key(&parent.prefix, &q.name, &job.id));
-    if tx.get_record::<Dependency>(&dep_key)?.is_none_or(|d| d.status != DependencyStatus::Pending) {
+    if tx
+        .get_record::<Dependency>(&dep_key)?
+        .is_none_or(|d| d.status != DependencyStatus::Pending || !d.is_of(&q.name, &job.id))
+    {
         return Ok((false, None));
     }
     tx.delete(&dep_key)?;
@@ -478,7 +481,7 @@ fn reattach_to_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), J
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
     let previous = match tx.get_record::<Dependency>(&dep_key)? {
         None => return Ok(()),
-        Some(d) if d.status == DependencyStatus::Pending => return Ok(()),
+        Some(d) if d.status == DependencyStatus::Pending || !d.is_of(&q.name, &job.id) => return Ok(()),
         Some(d) => d.status,
     };
     let counted = tx.count_children(&pq, &parent.id, |c| {

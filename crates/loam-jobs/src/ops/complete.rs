@@ -509,7 +509,7 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd) ->
     let child_key = crate::model::node_key(&parent.prefix, &q.name, &child.id);
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
     let Some(dep) = tx.get_record::<Dependency>(&dep_key)? else { return Ok(()) };
-    if dep.status != DependencyStatus::Pending {
+    if dep.status != DependencyStatus::Pending || !dep.is_of(&q.name, &child.id) {
         return Ok(());
     }
     let (status, value, release_now) = match end {

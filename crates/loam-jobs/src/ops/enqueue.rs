@@ -245,9 +245,7 @@ fn record_child(tx: &mut Tx, parent: &ParentRef, child_key: &str, dep: Dependenc
     let pq = parent_queue(tx, parent);
     let dep_key = QueueKeys::new(&pq).dependency(&parent.id, child_key);
     if let Some(linked) = tx.get_record::<Dependency>(&dep_key)? {
-        // Records from before children's queues and ids were kept name nobody.
-        let unnamed = linked.child_queue.is_empty() && linked.child_id.is_empty();
-        if unnamed || (linked.child_queue == dep.child_queue && linked.child_id == dep.child_id) {
+        if linked.is_of(&dep.child_queue, &dep.child_id) {
             return Ok(());
         }
         return Err(JobsError::invalid(format!(
