@@ -271,6 +271,23 @@ fn drain_removes_a_same_queue_parent_with_its_last_child() {
     assert_eq!(state(&jobs, "q", "p"), None, "the parent went with its last child");
 }
 
+/// Parents in another queue that a drain releases run in the order Redis
+/// gives them: it walks its wait list from the job to run last, and puts each
+/// released parent in front.
+#[test]
+fn parents_a_drain_releases_run_in_the_order_of_their_children() {
+    let (jobs, _) = core();
+    for i in 1..=3 {
+        let nodes = vec![
+            flow_node("parents", &format!("P{i}"), None, true),
+            flow_node("kids", &format!("c{i}"), Some(parent("parents", &format!("P{i}"))), false),
+        ];
+        jobs.flow("ns", nodes).wait().unwrap();
+    }
+    assert_eq!(jobs.admin("ns", "kids", |tx, q| admin::drain(tx, q, false)).wait().unwrap(), 3);
+    assert_eq!(leased_names(&jobs, "parents", 3), ["P1", "P2", "P3"]);
+}
+
 #[test]
 fn continue_parent_on_failure_releases_the_parent_at_once() {
     let (jobs, _) = core();

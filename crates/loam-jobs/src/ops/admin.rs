@@ -316,13 +316,20 @@ fn ids_in(tx: &mut Tx, range: &crate::kv::KeyRange, limit: usize) -> Result<Vec<
 /// iterations stay.
 pub fn drain(tx: &mut Tx, q: &QueueId, delayed: bool) -> Result<u64, JobsError> {
     let keys = QueueKeys::new(q);
-    let mut ranges = vec![keys.waiting_all()];
+    // In Redis's order, which decides where the parents they release in other
+    // queues go (each to the front of its queue, so the last released runs
+    // first): its wait list from the job to run last, then its sets in order.
+    let mut ranges = vec![(keys.waiting_band(false), true), (keys.waiting_band(true), false)];
     if delayed {
-        ranges.push(keys.delayed_all());
+        ranges.push((keys.delayed_all(), false));
     }
     let mut n = 0;
-    for range in ranges {
-        for id in ids_in(tx, &range, usize::MAX)? {
+    for (range, last_first) in ranges {
+        let mut ids = ids_in(tx, &range, usize::MAX)?;
+        if last_first {
+            ids.reverse();
+        }
+        for id in ids {
             // A parent removed with its last child earlier in this loop.
             let Some(job) = tx.load_job(q, &id)? else { continue };
             if !is_scheduler_iteration(tx, q, &job)? {
