@@ -280,6 +280,24 @@ export function checkNames(queueName: string, namespace: string | undefined, wor
 }
 
 /**
+ * Refuses a namespace or token that cannot travel in an HTTP header (visible
+ * ASCII only). Sent as it was, each call failed: refused as "not text", or
+ * lost in Node's HTTP/2 with a Worker retrying for ever.
+ */
+export function checkHeaderValues(namespace: string | undefined, token: string | undefined): void {
+  const visibleAscii = /^[\x21-\x7e]+$/;
+  if (namespace !== undefined && !visibleAscii.test(namespace)) {
+    throw loamError(
+      'invalid_argument',
+      `namespace ${JSON.stringify(namespace)} cannot be sent to the server: it travels in an HTTP header, which takes letters, digits and punctuation of ASCII only`,
+    );
+  }
+  if (token !== undefined && !visibleAscii.test(token)) {
+    throw loamError('invalid_argument', 'the token cannot be sent to the server: an HTTP header takes visible ASCII only');
+  }
+}
+
+/**
  * The log rows an `addLog` keeps, in the core's terms. BullMQ's Redis backend
  * trims a job's logs only when it is given a `keepLogs` (`job.log` passes the
  * job's own); 0 or none keeps every row. Given none, the core would fall back
@@ -318,9 +336,9 @@ export function progressText(progress: unknown): string {
   return JSON.stringify(progress) ?? '';
 }
 
-/** A log row as Redis keeps it: ioredis sends whatever it is given as its string. */
+/** A log row as Redis keeps it: ioredis sends whatever it is given as its string, and nothing (null, undefined) as empty. */
 export function logRowText(row: unknown): string {
-  return String(row);
+  return row === undefined || row === null ? '' : String(row);
 }
 
 /**

@@ -33,7 +33,7 @@ import {
 } from 'bullmq';
 import { backendOptionsJson, LoamQueueBackend, type FactoryOptions, type LoamBackendSettings } from './backend.js';
 import { RemoteChannel, type RemoteSettings } from './channel.js';
-import { checkNames } from './common.js';
+import { checkHeaderValues, checkNames } from './common.js';
 import { callSync } from './errors.js';
 import { RemoteQueueBackend, workerSettings } from './remote.js';
 
@@ -124,6 +124,7 @@ function remoteBackend(settings: RemoteSettings): BackendFactory<RemoteQueueBack
     };
     const factoryOpts = opts as FactoryOptions;
     checkNames(name, resolved.namespace, factoryOpts.name);
+    checkHeaderValues(resolved.namespace, resolved.token);
     const key = JSON.stringify([resolved.url, resolved.token ?? '', resolved.namespace ?? '']);
     let channel = channels.get(key);
     if (!channel) {

@@ -206,6 +206,30 @@ describe('errors', () => {
     );
   });
 
+  it('takes any namespace in-process; over the network refuses one an HTTP header cannot carry, as the Queue is made', async () => {
+    for (const namespace of ['équipe', '世界', 'a b']) {
+      if (backendKind === 'remote') {
+        expect(() => new Queue('q', { connection: { namespace } })).toThrow(
+          expect.objectContaining({ code: 'LOAM_INVALID_ARGUMENT', message: expect.stringContaining('HTTP header') }),
+        );
+      } else {
+        const queue = new Queue(loam.queueName(), { connection: { namespace } });
+        await queue.add('a', {});
+        expect(await queue.count()).toBe(1);
+        await queue.close();
+      }
+    }
+  });
+
+  it('keeps a log row of undefined or null as an empty row, as Redis does', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const job = await queue.add('a', {});
+    await job.log(undefined as never);
+    await job.log(null as never);
+    expect((await queue.getJobLogs(job.id!)).logs).toEqual(['', '']);
+    await queue.close();
+  });
+
   it('refuses a count to keep that is not a whole number, and keeps every log row for Infinity', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const job = await queue.add('a', {});
