@@ -196,12 +196,7 @@ fn json<T: serde::Serialize>(value: &T) -> String {
 }
 
 fn parse<T: serde::de::DeserializeOwned>(what: &str, text: &str) -> Result<T> {
-    serde_json::from_str(text)
-        .or_else(|e| match convert::without_lone_surrogates(text) {
-            Some(fixed) => serde_json::from_str(&fixed),
-            None => Err(e),
-        })
-        .map_err(|e| invalid(format!("{what} is not valid JSON of the expected shape: {e}")))
+    convert::from_json(text).map_err(|e| invalid(format!("{what} is not valid JSON of the expected shape: {e}")))
 }
 
 /// A lease expiring, a job gone or not active: `extendLock` reports these as

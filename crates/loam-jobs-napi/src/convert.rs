@@ -81,7 +81,7 @@ impl KeepOpt {
     /// empty or malformed text means "not set".
     pub fn parse(json: Option<&str>) -> Option<Retention> {
         let json = json?;
-        serde_json::from_str::<Option<KeepOpt>>(json).ok().flatten().map(KeepOpt::to_core)
+        from_json::<Option<KeepOpt>>(json).ok().flatten().map(KeepOpt::to_core)
     }
 }
 
@@ -214,7 +214,7 @@ impl NewJob {
     pub fn to_request(&self) -> Result<EnqueueRequest, String> {
         let opts_text = self.opts.as_ref().map_or("{}", |o| o.get());
         let opts: JobOpts =
-            serde_json::from_str(opts_text).map_err(|e| format!("job options are not valid BullMQ options: {e}"))?;
+            from_json(opts_text).map_err(|e| format!("job options are not valid BullMQ options: {e}"))?;
         // An empty custom id means "no custom id" (BullMQ generates one).
         let job_id = self.job_id.clone().or_else(|| opts.job_id.clone()).filter(|s| !s.is_empty());
         let parent = match (&self.parent, &opts.parent) {
@@ -244,7 +244,7 @@ impl NewJob {
     /// options (`JobsOptions` JSON); the core fills in the rest per iteration.
     pub fn template(opts: &str) -> Result<EnqueueRequest, String> {
         let opts: JobOpts =
-            serde_json::from_str(opts).map_err(|e| format!("job scheduler template options are not valid: {e}"))?;
+            from_json(opts).map_err(|e| format!("job scheduler template options are not valid: {e}"))?;
         Ok(opts.to_request())
     }
 }
@@ -342,7 +342,7 @@ impl FailureFields {
         let traces: Vec<String> = self
             .stacktrace
             .as_deref()
-            .and_then(|s| serde_json::from_str::<Vec<Option<String>>>(s).ok())
+            .and_then(|s| from_json::<Vec<Option<String>>>(s).ok())
             .map(|v| v.into_iter().flatten().collect())
             .unwrap_or_default();
         JobError {
@@ -513,13 +513,24 @@ impl From<Event> for StreamEntry {
     }
 }
 
+/// JSON `text` read as a `T`, with any escaped lone UTF-16 surrogate taken as
+/// U+FFFD (see [`without_lone_surrogates`]): every JSON text BullMQ hands the
+/// addon is read so. A stack trace read otherwise was dropped whole, and a
+/// deduplication id refused.
+pub fn from_json<T: serde::de::DeserializeOwned>(text: &str) -> serde_json::Result<T> {
+    serde_json::from_str(text).or_else(|e| match without_lone_surrogates(text) {
+        Some(fixed) => serde_json::from_str(&fixed),
+        None => Err(e),
+    })
+}
+
 /// `text` (JSON) with each escaped lone UTF-16 surrogate replaced by U+FFFD,
 /// or None if it has none. `JSON.stringify` writes a string cut inside a
 /// surrogate pair (an emoji cut short) with such an escape, which serde
 /// refuses; Redis stores that text with U+FFFD in its place, and so does
 /// this (a processor's error message cut so was refused, and its job's
 /// failure lost).
-pub fn without_lone_surrogates(text: &str) -> Option<String> {
+fn without_lone_surrogates(text: &str) -> Option<String> {
     let unit = |at: usize| {
         let hex = text.get(at..at + 6)?.strip_prefix("\\u")?;
         u16::from_str_radix(hex, 16).ok()

@@ -251,9 +251,14 @@ describe('errors', () => {
     // Text cut inside an emoji: JSON.stringify escapes the lone half.
     const reason = `could not notify ${'Zoë 😀'.slice(0, 5)}`;
     const worker = new Worker(queue.name, async () => { throw new Error(reason); }, { connection });
-    const job = await queue.add('a', {});
+    // Its stack trace, which holds the reason too, is kept (it was dropped whole
+    // in-process), and so is a deduplication id cut the same way (it was refused).
+    const job = await queue.add('a', {}, { attempts: 2, deduplication: { id: reason } });
     await until(async () => (await queue.getJobState(job.id!)) === 'failed');
-    expect((await queue.getJob(job.id!))?.failedReason).toBe('could not notify Zoë \ufffd');
+    const failed = await queue.getJob(job.id!);
+    expect(failed?.failedReason).toBe('could not notify Zoë \ufffd');
+    expect(failed?.stacktrace).toHaveLength(2);
+    expect(failed?.stacktrace[1]).toContain('could not notify Zoë \ufffd');
     await Promise.all([worker.close(), queue.close()]);
   });
 
