@@ -215,6 +215,11 @@ export function optionsSpec(opts: Record<string, any>): JobSpecInit & { delayMs:
 
 /** A new job as the server's Enqueue takes it. */
 export function jobSpec(job: NewJobJson): JobSpecInit {
+  // As in-process: BullMQ's JavaScript passes on any value, and the name of
+  // `add(undefined)` would travel as "".
+  if (typeof job.name !== 'string') {
+    throw loamError('invalid_argument', `a job name must be a string, got ${job.name === null ? 'null' : typeof job.name}`);
+  }
   const opts = job.opts ?? {};
   priority(opts.priority);
   const base = optionsSpec(opts);

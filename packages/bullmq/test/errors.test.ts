@@ -221,6 +221,17 @@ describe('errors', () => {
     }
   });
 
+  it('refuses a job name that is not a string alike in both backends, and answers getMetrics of an unknown type with none', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    for (const name of [undefined, null, 42]) {
+      await expect(queue.add(name as never, {})).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
+    }
+    expect(await queue.count()).toBe(0);
+    const none = await queue.getMetrics('Completed' as never);
+    expect(none).toMatchObject({ meta: { count: 0, prevTS: 0, prevCount: 0 }, data: [], count: 0 });
+    await queue.close();
+  });
+
   it('keeps a log row of undefined or null as an empty row, as Redis does', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const job = await queue.add('a', {});
