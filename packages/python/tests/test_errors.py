@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -169,3 +172,36 @@ def test_a_token_or_namespace_no_header_can_carry_is_refused_at_once(make: Calla
     for given in bad:
         with pytest.raises(InvalidArgumentError, match="printable ASCII"):
             make("http://127.0.0.1:1", **given)
+
+
+def test_a_process_forked_after_a_client_was_made_is_refused_not_hung(client: Client) -> None:
+    # Every call in such a child hung before, with no error: the HTTP runtime
+    # under the clients does not survive fork.
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            Client(client.url).queues()
+        except loam_jobs.ForkedProcessError:
+            code = 0
+        except BaseException:
+            code = 2
+        os._exit(code)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    client.queues()  # the parent's client is unaffected
+
+
+def test_job_data_that_is_not_json_raises_invalid_json_about_the_job(client: Client, queue: str) -> None:
+    client.enqueue(queue, "raw", b"\xff not json")
+    leased = client.lease(queue)
+    assert leased
+    with pytest.raises(loam_jobs.InvalidJsonError) as refused:
+        leased[0].json()
+    assert refused.value.subject == leased[0].job.id

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
@@ -24,6 +25,7 @@ from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClient
 from ._gen.loam.jobs.v1.jobs_pb import WatchRequest
 from ._ops import Call, Op, Operations, Pause
 from .errors import (
+    ForkedProcessError,
     InvalidArgumentError,
     LoamJobsError,
     QueuePausedError,
@@ -63,6 +65,37 @@ def _headers(token: str | None, namespace: str | None) -> dict[str, str]:
     if namespace:
         headers[NAMESPACE_HEADER] = _header_value("namespace", namespace)
     return headers
+
+
+# Whether a client was made in this process, and whether the process was
+# forked after one was: the HTTP runtime under the clients does not survive
+# fork, and every call in the child hung, nothing raised (gunicorn --preload,
+# multiprocessing's default start method on Linux).
+_client_made = False
+_forked_after_client = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_client
+    _forked_after_client = _forked_after_client or _client_made
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _usable() -> None:
+    """Refuses a client this process cannot use."""
+    global _client_made
+    _not_forked()
+    _client_made = True
+
+
+def _not_forked() -> None:
+    if _forked_after_client:
+        raise ForkedProcessError(
+            "this process was forked after a loam_jobs client was made: the HTTP runtime under the clients "
+            "does not survive fork, and every call would hang. Make clients only after forking"
+        )
 
 
 def _timeout(client_timeout_ms: int | None, call: Call) -> int | None:
@@ -159,6 +192,7 @@ class Client(Operations):
         timeout_ms: int | None = 30_000,
         compress_requests: bool = False,
     ) -> None:
+        _usable()
         self.url = url.rstrip("/")
         self.namespace = namespace
         self._headers = _headers(token, namespace)
@@ -167,6 +201,7 @@ class Client(Operations):
         self.stub = _stub(JobsServiceClientSync, self.url, compress_requests)
 
     def _call(self, call: Call) -> Any:
+        _not_forked()
         method = getattr(self.stub, call.rpc)
         try:
             return method(call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call))
@@ -270,6 +305,7 @@ class Watch(Iterator[QueueEvent]):
 
     def _open(self) -> Iterator[Any]:
         request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
+        _not_forked()
         return self._stub.watch(request, headers=self._client._headers, timeout_ms=None)
 
     def __next__(self) -> QueueEvent:
@@ -379,6 +415,7 @@ class AsyncClient(AsyncOperations):
         timeout_ms: int | None = 30_000,
         compress_requests: bool = False,
     ) -> None:
+        _usable()
         self.url = url.rstrip("/")
         self.namespace = namespace
         self._headers = _headers(token, namespace)
@@ -386,6 +423,7 @@ class AsyncClient(AsyncOperations):
         self.stub = _stub(JobsServiceClient, self.url, compress_requests)
 
     async def _call(self, call: Call) -> Any:
+        _not_forked()
         method = getattr(self.stub, call.rpc)
         try:
             return await method(
@@ -474,6 +512,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
 
     def _open(self) -> AsyncIterator[Any]:
         request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
+        _not_forked()
         return self._client.stub.watch(request, headers=self._client._headers, timeout_ms=None)
 
     async def _next_message(self, stream: AsyncIterator[Any]) -> Any:

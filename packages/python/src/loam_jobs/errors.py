@@ -23,6 +23,7 @@ __all__ = [
     "NotFoundError",
     "AlreadyExistsError",
     "FailedPreconditionError",
+    "ForkedProcessError",
     "FencedError",
     "IdempotencyConflictError",
     "ResourceExhaustedError",
@@ -114,6 +115,14 @@ class FailedPreconditionError(LoamJobsError):
     pending children, queue not paused, ...)."""
 
     code = "failed_precondition"
+
+
+class ForkedProcessError(FailedPreconditionError):
+    """A call in a process forked after a client was made. The HTTP runtime
+    under every client does not survive `fork`: each call, in a client made
+    before the fork or after it, would hang. Make clients only after forking
+    (multiprocessing's `spawn` or `forkserver` start method, gunicorn without
+    `--preload`)."""
 
 
 class FencedError(FailedPreconditionError):

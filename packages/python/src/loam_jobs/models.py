@@ -403,8 +403,9 @@ class LeasedJob:
     def json(self) -> Any:
         """The job's data decoded as JSON: None for null, and for empty data
         (no data at all: the wire's default, and what this client sent for
-        None before it sent null)."""
-        return json.loads(self.job.data) if self.job.data else None
+        None before it sent null). Data that is not JSON (sent as bytes)
+        raises InvalidJsonError about the job's id."""
+        return decode_json(self.job.data, self.job.id) if self.job.data else None
 
     def fence(self) -> Fence:
         return Fence(kind=Oneof[Literal["epoch"], int]("epoch", self.epoch))
