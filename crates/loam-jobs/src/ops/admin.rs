@@ -4,8 +4,10 @@ use std::collections::BTreeMap;
 
 use crate::error::{JobsError, Precondition};
 use crate::keys::{self, QueueId, QueueKeys};
+use crate::kv::Key;
 use crate::model::{
-    self, DedupRecord, Dependency, DependencyStatus, Fence, Idempotency, JobRecord, JobState, LimiterWindow, Report,
+    self, DedupRecord, Dependency, DependencyStatus, Fence, Idempotency, JobRecord, JobState, LimiterWindow, ParentRef,
+    Report,
 };
 use crate::ops::lease::{self, Line};
 use crate::ops::{enqueue, idempotency};
@@ -91,13 +93,10 @@ fn unlink_pending_child(
     q: &QueueId,
     job: &JobRecord,
 ) -> Result<(bool, Option<(QueueId, JobRecord)>), JobsError> {
-    let Some(parent) = &job.parent else { return Ok((false, None)) };
-    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
-    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &model::node_key(&parent.prefix, &q.name, &job.id));
-    if tx
-        .get_record::<Dependency>(&dep_key)?
-        .is_none_or(|d| d.status != DependencyStatus::Pending || !d.is_of(&q.name, &job.id))
-    {
+    let Some(ChildLink { parent, parent_queue: pq, dep_key, dep, .. }) = child_link(tx, q, job)? else {
+        return Ok((false, None));
+    };
+    if dep.is_none_or(|d| d.status != DependencyStatus::Pending) {
         return Ok((false, None));
     }
     tx.delete(&dep_key)?;
@@ -108,6 +107,31 @@ fn unlink_pending_child(
     let pjob = tx.require_job(&pq, &parent.id)?;
     let idle = pjob.state == JobState::WaitingChildren;
     Ok((true, idle.then_some((pq, pjob))))
+}
+
+/// Where a child's dependency record lies under its parent, and the record,
+/// when it is that child's (see [`Dependency::is_of`]).
+pub(crate) struct ChildLink<'a> {
+    pub parent: &'a ParentRef,
+    pub parent_queue: QueueId,
+    /// The child's node key, `<prefix>:<queue>:<id>`.
+    pub child_key: String,
+    pub dep_key: Key,
+    pub dep: Option<Dependency>,
+}
+
+/// `child`'s link to its parent (see [`ChildLink`]); None for a job with no parent.
+pub(crate) fn child_link<'a>(
+    tx: &mut Tx,
+    q: &QueueId,
+    child: &'a JobRecord,
+) -> Result<Option<ChildLink<'a>>, JobsError> {
+    let Some(parent) = &child.parent else { return Ok(None) };
+    let parent_queue = QueueId::new(tx.ns.clone(), parent.queue.clone());
+    let child_key = model::node_key(&parent.prefix, &q.name, &child.id);
+    let dep_key = QueueKeys::new(&parent_queue).dependency(&parent.id, &child_key);
+    let dep = tx.get_record::<Dependency>(&dep_key)?.filter(|d| d.is_of(&q.name, &child.id));
+    Ok(Some(ChildLink { parent, parent_queue, child_key, dep_key, dep }))
 }
 
 fn release_dedup_key(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
@@ -482,14 +506,12 @@ fn forget_finish(job: &mut JobRecord, state: JobState) {
 /// `moveChildBackToParentDependencies` leaves it out too (the parent was
 /// held for it again).
 fn reattach_to_parent(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
-    let Some(parent) = &job.parent else { return Ok(()) };
-    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
-    let child_key = model::node_key(&parent.prefix, &q.name, &job.id);
-    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
-    let previous = match tx.get_record::<Dependency>(&dep_key)? {
-        None => return Ok(()),
-        Some(d) if d.status == DependencyStatus::Pending || !d.is_of(&q.name, &job.id) => return Ok(()),
-        Some(d) => d.status,
+    let Some(ChildLink { parent, parent_queue: pq, dep_key, dep, .. }) = child_link(tx, q, job)? else {
+        return Ok(());
+    };
+    let previous = match dep {
+        Some(d) if d.status != DependencyStatus::Pending => d.status,
+        _ => return Ok(()),
     };
     let counted = tx.count_children(&pq, &parent.id, |c| {
         if previous == DependencyStatus::Failed {

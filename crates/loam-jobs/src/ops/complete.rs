@@ -504,14 +504,12 @@ enum ChildEnd {
 /// Updates the parent of a child that finished, by the child's failure policy,
 /// and releases (or fails) the parent when that is due.
 fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd) -> Result<(), JobsError> {
-    let Some(parent) = &child.parent else { return Ok(()) };
-    let pq = QueueId::new(tx.ns.clone(), parent.queue.clone());
-    let child_key = crate::model::node_key(&parent.prefix, &q.name, &child.id);
-    let dep_key = QueueKeys::new(&pq).dependency(&parent.id, &child_key);
-    let Some(dep) = tx.get_record::<Dependency>(&dep_key)? else { return Ok(()) };
-    if dep.status != DependencyStatus::Pending || !dep.is_of(&q.name, &child.id) {
+    let Some(super::admin::ChildLink { parent, parent_queue: pq, child_key, dep_key, dep }) =
+        super::admin::child_link(tx, q, child)?
+    else {
         return Ok(());
-    }
+    };
+    let Some(dep) = dep.filter(|d| d.status == DependencyStatus::Pending) else { return Ok(()) };
     let (status, value, release_now) = match end {
         ChildEnd::Completed(v) => (Some(DependencyStatus::Processed), Some(v), false),
         ChildEnd::Failed(reason) => match child.on_child_failure {
