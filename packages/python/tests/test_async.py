@@ -11,6 +11,7 @@ import pytest
 
 from loam_jobs import (
     AsyncClient,
+    ClientClosedError,
     FencedError,
     InvalidArgumentError,
     InvalidJsonError,
@@ -165,3 +166,14 @@ async def test_an_async_watch_takes_a_silent_stream_for_dead(tmp_path: Path) -> 
             await watch.close()
     finally:
         stop_server(server)
+
+
+async def test_a_closed_async_client_refuses_every_later_call(server: Server, queue: str) -> None:
+    async with AsyncClient(server.url) as closed:
+        await closed.enqueue(queue, "before", None)
+    with pytest.raises(ClientClosedError, match="closed"):
+        await closed.enqueue(queue, "after", None)
+    with pytest.raises(ClientClosedError):
+        await anext(closed.watch(queue, after=0))
+    async with AsyncClient(server.url) as open_client:
+        assert await open_client.counts(queue, "wait") == {"wait": 1}

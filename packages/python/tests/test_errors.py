@@ -205,3 +205,18 @@ def test_job_data_that_is_not_json_raises_invalid_json_about_the_job(client: Cli
     with pytest.raises(loam_jobs.InvalidJsonError) as refused:
         leased[0].json()
     assert refused.value.subject == leased[0].job.id
+
+
+def test_a_closed_client_refuses_every_later_call_and_sends_nothing(server: Server, queue: str) -> None:
+    # A call after close() was sent as if the client were open: pyqwest opened
+    # new connections for it.
+    with Client(server.url) as closed:
+        closed.enqueue(queue, "before", None)
+    with pytest.raises(loam_jobs.ClientClosedError, match="closed"):
+        closed.enqueue(queue, "after", None)
+    with pytest.raises(loam_jobs.ClientClosedError):
+        closed.watch(queue)
+    with pytest.raises(loam_jobs.ClientClosedError):
+        next(closed.watch(queue, after=0))
+    with Client(server.url) as open_client:
+        assert open_client.counts(queue, "wait") == {"wait": 1}

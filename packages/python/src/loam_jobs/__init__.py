@@ -13,6 +13,7 @@ from .client import DEFAULT_URL, AsyncClient, AsyncWatch, Client, Watch
 from .errors import (
     AlreadyExistsError,
     CanceledError,
+    ClientClosedError,
     DeadlineExceededError,
     EventsTrimmedError,
     FailedPreconditionError,
@@ -94,6 +95,7 @@ __all__ = [
     "Fail",
     "FailedPreconditionError",
     "ForkedProcessError",
+    "ClientClosedError",
     "FencedError",
     "FlowNode",
     "IdempotencyConflictError",

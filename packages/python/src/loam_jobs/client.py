@@ -25,6 +25,7 @@ from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClient
 from ._gen.loam.jobs.v1.jobs_pb import WatchRequest
 from ._ops import Call, Op, Operations, Pause
 from .errors import (
+    ClientClosedError,
     ForkedProcessError,
     InvalidArgumentError,
     LoamJobsError,
@@ -88,6 +89,13 @@ def _usable() -> None:
     global _client_made
     _not_forked()
     _client_made = True
+
+
+def _callable(client: Client | AsyncClient) -> None:
+    """Refuses a call on a client that was closed, or in a forked process."""
+    _not_forked()
+    if client._closed:
+        raise ClientClosedError("this loam_jobs client was closed; make a new one for further calls")
 
 
 def _not_forked() -> None:
@@ -198,10 +206,11 @@ class Client(Operations):
         self._headers = _headers(token, namespace)
         self._timeout_ms = timeout_ms
         self._compress_requests = compress_requests
+        self._closed = False
         self.stub = _stub(JobsServiceClientSync, self.url, compress_requests)
 
     def _call(self, call: Call) -> Any:
-        _not_forked()
+        _callable(self)
         method = getattr(self.stub, call.rpc)
         try:
             return method(call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call))
@@ -258,6 +267,10 @@ class Client(Operations):
         return Watch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     def close(self) -> None:
+        """Releases the client's connections. A call under way ends as it
+        would have; a later call, or a watch's reconnect, raises
+        `ClientClosedError`."""
+        self._closed = True
         self.stub.close()
 
     def __enter__(self) -> Self:
@@ -305,7 +318,7 @@ class Watch(Iterator[QueueEvent]):
 
     def _open(self) -> Iterator[Any]:
         request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
-        _not_forked()
+        _callable(self._client)
         return self._stub.watch(request, headers=self._client._headers, timeout_ms=None)
 
     def __next__(self) -> QueueEvent:
@@ -420,10 +433,11 @@ class AsyncClient(AsyncOperations):
         self.namespace = namespace
         self._headers = _headers(token, namespace)
         self._timeout_ms = timeout_ms
+        self._closed = False
         self.stub = _stub(JobsServiceClient, self.url, compress_requests)
 
     async def _call(self, call: Call) -> Any:
-        _not_forked()
+        _callable(self)
         method = getattr(self.stub, call.rpc)
         try:
             return await method(
@@ -473,6 +487,8 @@ class AsyncClient(AsyncOperations):
         return AsyncWatch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     async def close(self) -> None:
+        """Like `Client.close`."""
+        self._closed = True
         await self.stub.close()
 
     async def __aenter__(self) -> Self:
@@ -512,7 +528,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
 
     def _open(self) -> AsyncIterator[Any]:
         request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
-        _not_forked()
+        _callable(self._client)
         return self._client.stub.watch(request, headers=self._client._headers, timeout_ms=None)
 
     async def _next_message(self, stream: AsyncIterator[Any]) -> Any:

@@ -24,6 +24,7 @@ __all__ = [
     "AlreadyExistsError",
     "FailedPreconditionError",
     "ForkedProcessError",
+    "ClientClosedError",
     "FencedError",
     "IdempotencyConflictError",
     "ResourceExhaustedError",
@@ -123,6 +124,11 @@ class ForkedProcessError(FailedPreconditionError):
     before the fork or after it, would hang. Make clients only after forking
     (multiprocessing's `spawn` or `forkserver` start method, gunicorn without
     `--preload`)."""
+
+
+class ClientClosedError(FailedPreconditionError):
+    """A call on a client after its `close()` (or after its `with` block):
+    nothing was sent. Make a new client."""
 
 
 class FencedError(FailedPreconditionError):
