@@ -142,6 +142,17 @@ describe('queue and job admin', () => {
     await queue.close();
   });
 
+  it("keeps a job's delay through queue.promoteJobs, and zeroes it through job.promote, as Redis does", async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    await queue.add('bulk', {}, { delay: 60_000 });
+    const own = await queue.add('own', {}, { delay: 60_000 });
+    await own.promote();
+    await queue.promoteJobs();
+    const delays = Object.fromEntries((await queue.getWaiting()).map(job => [job.name, job.delay]));
+    expect(delays).toEqual({ bulk: 60_000, own: 0 });
+    await queue.close();
+  });
+
   it('retries a failed job and bulk-retries', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });

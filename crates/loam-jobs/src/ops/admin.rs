@@ -578,7 +578,14 @@ pub fn promote_jobs(tx: &mut Tx, q: &QueueId, count: u64) -> Result<bool, JobsEr
     let moved = ids.len() as u64;
     for id in ids {
         let job = tx.require_job(q, &id)?;
-        lease::make_ready(tx, q, job, Some("delayed"), Line::Promoted)?;
+        let delay = job.delay;
+        let mut job = lease::make_ready(tx, q, job, Some("delayed"), Line::Promoted)?;
+        // Redis's moveJobsToWait leaves a job's `delay` as it was, where a
+        // job's own promotion and a due one set it to 0.
+        if job.delay != delay {
+            job.delay = delay;
+            tx.save_job(q, &job)?;
+        }
     }
     Ok(moved == count.max(1))
 }
