@@ -289,6 +289,27 @@ fn parents_a_drain_releases_run_in_the_order_of_their_children() {
 }
 
 #[test]
+fn parents_a_clean_of_waiting_jobs_releases_run_in_the_order_of_their_children() {
+    // Redis's clean walks its wait list newest first, within the `limit`
+    // oldest jobs; each parent released goes to the front of its queue.
+    for (limit, cleaned, runs) in [(0, 3, vec!["P1", "P2", "P3"]), (2, 2, vec!["P1", "P2"])] {
+        let (jobs, _) = core();
+        for i in 1..=3 {
+            let nodes = vec![
+                flow_node("parents", &format!("P{i}"), None, true),
+                flow_node("kids", &format!("c{i}"), Some(parent("parents", &format!("P{i}"))), false),
+            ];
+            jobs.flow("ns", nodes).wait().unwrap();
+        }
+        let removed =
+            jobs.admin("ns", "kids", move |tx, q| admin::clean(tx, q, "wait", u64::MAX, limit)).wait().unwrap();
+        let expected: Vec<String> = (1..=cleaned).rev().map(|i| format!("c{i}")).collect();
+        assert_eq!(removed, expected, "clean answers newest first, as Redis's list order");
+        assert_eq!(leased_names(&jobs, "parents", runs.len()), runs);
+    }
+}
+
+#[test]
 fn continue_parent_on_failure_releases_the_parent_at_once() {
     let (jobs, _) = core();
     family(&jobs, OnChildFailure::ContinueParent);

@@ -386,14 +386,21 @@ pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> 
         }
         other => return Err(JobsError::invalid(format!("cannot clean unknown state {other:?}"))),
     };
+    // Redis keeps these two as lists, newest first: it removes in list order
+    // (which decides where the parents the removals release in other queues
+    // go: each to the front of its queue) and answers in it. The scan below
+    // goes oldest first, as `limit` counts from the oldest, so their jobs are
+    // picked first and removed after it, newest first.
+    let newest_first = matches!(state, "wait" | "waiting" | "active");
     let mut removed = Vec::new();
+    let mut picked = Vec::new();
     let mut cursor = range.clone();
     'scan: loop {
         let chunk = tx.scan(&cursor, 512, false)?;
         let Some((last, _)) = chunk.last() else { break };
         cursor.start = keys::prefix_end(last);
         for (_, id) in chunk {
-            if removed.len() >= limit {
+            if removed.len() + picked.len() >= limit {
                 break 'scan;
             }
             let id = String::from_utf8_lossy(&id).into_owned();
@@ -414,13 +421,19 @@ pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> 
             if leased || is_scheduler_iteration(tx, q, &job)? {
                 continue;
             }
+            if newest_first {
+                picked.push(id);
+                continue;
+            }
             drop_job_hard(tx, q, &job)?;
             removed.push(id);
         }
     }
-    // Redis keeps these two as lists, newest first, and answers in list order.
-    if matches!(state, "wait" | "waiting" | "active") {
-        removed.reverse();
+    for id in picked.into_iter().rev() {
+        // A job removed with another one picked before it stays removed.
+        let Some(job) = tx.load_job(q, &id)? else { continue };
+        drop_job_hard(tx, q, &job)?;
+        removed.push(id);
     }
     tx.event(q, "cleaned", &[("count", &removed.len().to_string())])?;
     Ok(removed)
