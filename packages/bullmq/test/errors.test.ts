@@ -125,6 +125,28 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it('refuses a global concurrency or rate limit that is not a whole number, 0 or more, and keeps the one set', async () => {
+    // Redis stores anything: -1 then holds every job back for ever, 1.5 lets two run. Loam applied no limit.
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    await queue.setGlobalConcurrency(1);
+    for (const bad of [-1, 1.5, Number.NaN, Infinity]) {
+      await expect(queue.setGlobalConcurrency(bad)).rejects.toMatchObject({
+        code: 'LOAM_INVALID_ARGUMENT',
+        message: expect.stringContaining('concurrency (setGlobalConcurrency) must be a whole number, 0 or more'),
+      });
+    }
+    await expect(queue.setGlobalRateLimit(2, -5)).rejects.toMatchObject({
+      code: 'LOAM_INVALID_ARGUMENT',
+      message: expect.stringContaining('duration (setGlobalRateLimit)'),
+    });
+    expect(await queue.getGlobalConcurrency()).toBe(1);
+    expect(await queue.getGlobalRateLimit()).toBeNull();
+    await queue.setGlobalConcurrency(0);
+    expect(await queue.getGlobalConcurrency()).toBe(0);
+    await queue.close();
+  });
+
   it("runs a job scheduler whose template's priority is below 0, as before: its iterations read it as 0", async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });

@@ -749,10 +749,29 @@ pub fn remove_child_dependency(tx: &mut Tx, q: &QueueId, id: &str, parent_key: &
     Ok(true)
 }
 
-/// Sets meta fields; returns how many were new.
+/// The meta fields the store reads as limits (global concurrency and rate
+/// limit), and the call that sets each. (The events log's length is not
+/// refused: BullMQ sets it with the queue's version as each `Queue` starts,
+/// and swallows a refusal; one that is not a count keeps the default.)
+const LIMIT_FIELDS: [(&str, &str); 3] =
+    [("concurrency", "setGlobalConcurrency"), ("max", "setGlobalRateLimit"), ("duration", "setGlobalRateLimit")];
+
+/// Sets meta fields; returns how many were new. A limit must be a
+/// whole number, 0 or more: Redis stores anything, and then a global
+/// concurrency of -1 holds every job back for ever, and one of 1.5 lets two
+/// run.
 pub fn set_meta(tx: &mut Tx, q: &QueueId, values: &BTreeMap<String, String>) -> Result<u64, JobsError> {
     let keys = QueueKeys::new(q);
     tx.check_payload(values.iter().map(|(k, v)| k.len() + v.len()).sum())?;
+    for (field, setter) in LIMIT_FIELDS {
+        if let Some(value) = values.get(field)
+            && !value.trim().parse::<f64>().is_ok_and(|n| n >= 0.0 && n.fract() == 0.0)
+        {
+            return Err(JobsError::invalid(format!(
+                "{field} ({setter}) must be a whole number, 0 or more; got {value:?}"
+            )));
+        }
+    }
     let mut new = 0;
     for (field, value) in values {
         let key = keys.meta(field);
