@@ -76,13 +76,24 @@ def test_not_found_and_preconditions(client: Client, queue: str) -> None:
 def test_values_the_wire_cannot_carry_are_refused_before_sending() -> None:
     # No server: a request the client cannot encode must not be taken for one
     # that could not reach it (retried, then reported as unavailable).
+    # The message names the request's field: the runtime's own names only the value.
     with Client(f"http://127.0.0.1:{free_port()}") as nowhere:
-        for options in ({"delay_ms": -1}, {"delay_ms": 1.5}, {"attempts": 2**40}):
+        for options, field in (
+            ({"delay_ms": -1}, "job.delay_ms"),
+            ({"delay_ms": 1.5}, "job.delay_ms"),
+            ({"attempts": 2**40}, "job.attempts"),
+        ):
             with pytest.raises(InvalidArgumentError) as refused:
                 nowhere.enqueue("q", "a", None, **options)  # type: ignore[arg-type]
-            assert "request not sent" in refused.value.message
-        with pytest.raises(InvalidArgumentError):
+            assert refused.value.message.startswith(f"request not sent: EnqueueRequest.{field}: ")
+        with pytest.raises(
+            InvalidArgumentError, match=r"request not sent: JobAdminRequest\.change_priority\.priority: "
+        ):
             nowhere.change_priority("q", "j", -1)
+        with pytest.raises(InvalidArgumentError, match=r"request not sent: LeaseRequest\.options\.max: "):
+            nowhere.lease("q", max_jobs=-1)
+        with pytest.raises(InvalidArgumentError, match=r"request not sent: QueryRequest\.counts\.types: "):
+            nowhere.counts("q", 5)  # type: ignore[arg-type]
 
 
 def test_values_json_cannot_carry_are_refused_before_sending() -> None:

@@ -215,7 +215,7 @@ class Client(Operations):
         try:
             return method(call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call))
         except ConnectError as err:
-            raise from_connect_error(err) from None
+            raise from_connect_error(err, call.request) from None
 
     def _run(self, op: Op[T]) -> T:
         try:
@@ -446,7 +446,7 @@ class AsyncClient(AsyncOperations):
         except ConnectError as err:
             if cancelled := _cancellation(err):
                 raise cancelled from None
-            raise from_connect_error(err) from None
+            raise from_connect_error(err, call.request) from None
 
     async def _drive(self, op: Op[T]) -> T:
         try:

@@ -12,8 +12,11 @@ It is the only place where Connect errors become client errors.
 
 from __future__ import annotations
 
+from typing import Any
+
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
+from protobuf import DescOneof, Message
 
 from ._gen.loam.jobs.v1.jobs_pb import BulkError, ErrorDetail
 
@@ -257,8 +260,9 @@ def _build(code: str, message: str, detail: ErrorDetail | None) -> LoamJobsError
     )
 
 
-def from_connect_error(err: ConnectError) -> LoamJobsError:
-    """The client error for a Connect error raised by the generated stubs."""
+def from_connect_error(err: ConnectError, request: Message[Any] | None = None) -> LoamJobsError:
+    """The client error for a Connect error raised by the generated stubs
+    (for `request`, whose field it names when the stub could not encode it)."""
     detail = None
     for attached in err.details:
         if attached.type_name == _DETAIL_TYPE:
@@ -269,13 +273,52 @@ def from_connect_error(err: ConnectError) -> LoamJobsError:
         # The stubs report every failure of a call as `unavailable`, their own
         # refusal to encode a value (a negative or float count, a bool) too:
         # that request never left, and sending it again would fail the same.
-        return InvalidArgumentError(f"request not sent: {err.message}")
+        field = None if request is None else _unsendable_field(request)
+        at = "" if field is None else f"{type(request).__name__}.{field}: "
+        return InvalidArgumentError(f"request not sent: {at}{err.message}")
     return _build(code, err.message, detail)
+
+
+_UNENCODABLE = (TypeError, ValueError, ArithmeticError)
 
 
 def _refused_before_sending(err: ConnectError) -> bool:
     cause = err.__cause__
-    return isinstance(cause, (TypeError, ValueError, ArithmeticError)) and not isinstance(cause, OSError)
+    return isinstance(cause, _UNENCODABLE) and not isinstance(cause, OSError)
+
+
+def _unsendable_field(message: Message[Any]) -> str | None:
+    """The path of the first field of `message` that cannot be encoded
+    (`options.max`, `nodes[2].job.priority`, `counts.types`): the runtime's
+    own error names only the value."""
+    for member in message.desc().members:
+        if isinstance(member, DescOneof):
+            chosen = getattr(message, member.local_name)
+            if chosen is None:
+                continue
+            name, value, alone = chosen.field, chosen.value, {member.local_name: chosen}
+        else:
+            name = member.local_name
+            if not message.has_field(name):
+                continue
+            value = getattr(message, name)
+            alone = {name: value}
+        if isinstance(value, Message):
+            inner = _unsendable_field(value)
+            if inner is not None:
+                return f"{name}.{inner}"
+            continue
+        if isinstance(value, list) and value and isinstance(value[0], Message):
+            for index, item in enumerate(value):
+                inner = _unsendable_field(item)
+                if inner is not None:
+                    return f"{name}[{index}].{inner}"
+            continue
+        try:
+            type(message)(**alone).to_binary()
+        except _UNENCODABLE:
+            return name
+    return None
 
 
 def from_bulk_error(err: BulkError) -> LoamJobsError:
