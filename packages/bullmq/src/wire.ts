@@ -31,17 +31,31 @@ import { loamError } from './errors.js';
 export type JobSpecInit = Exclude<MessageInitShape<typeof JobSpecSchema>, JobSpec>;
 type RetentionInit = MessageInitShape<typeof RetentionSchema>;
 
-/** A number BullMQ passes (maybe a float, negative or NaN) as a uint64; those become 0. */
-export function u64(n: number | undefined | null): bigint {
-  return n !== undefined && n !== null && Number.isFinite(n) && n > 0 ? BigInt(Math.floor(n)) : 0n;
+/**
+ * A number BullMQ passes as a uint64: a float is floored, and one that is
+ * negative, NaN or infinite becomes 0 (none: 0). Anything else, a string of
+ * digits too, is refused, as the in-process addon refuses it: taken as 0 it
+ * dropped a worker's limiter or a job's delay without a word.
+ */
+export function u64(n: unknown): bigint {
+  return BigInt(wholeOrZero(n));
 }
 
 /** As [`u64`], for uint32 fields. */
-export function u32(n: number | undefined | null): number {
-  return n !== undefined && n !== null && Number.isFinite(n) && n > 0 ? Math.min(Math.floor(n), 0xffff_ffff) : 0;
+export function u32(n: unknown): number {
+  return Math.min(wholeOrZero(n), 0xffff_ffff);
 }
 
-function optU64(n: number | undefined | null): bigint | undefined {
+function wholeOrZero(n: unknown): number {
+  if (n === undefined || n === null) return 0;
+  if (typeof n !== 'number') {
+    const given = typeof n === 'string' ? `the string ${JSON.stringify(n)}` : `a value of type ${typeof n}`;
+    throw loamError('invalid_argument', `expected a number, got ${given}`);
+  }
+  return Number.isFinite(n) && n > 0 ? Math.floor(n) : 0;
+}
+
+function optU64(n: unknown): bigint | undefined {
   return n === undefined || n === null ? undefined : u64(n);
 }
 

@@ -125,6 +125,25 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it('refuses a number given as a string, on both backends, rather than take it as 0', async () => {
+    // Through the server such a number travelled as 0: a worker's limiter or a delay was dropped without a word.
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const job = await queue.add('d', {}, { delay: 60_000, priority: 2 });
+    const refused = { code: 'LOAM_INVALID_ARGUMENT' };
+    await expect(job.changeDelay('200000' as unknown as number)).rejects.toMatchObject(refused);
+    await expect(queue.rateLimit('100000' as unknown as number)).rejects.toMatchObject(refused);
+    await expect(queue.getCountsPerPriority(['2' as unknown as number])).rejects.toMatchObject(refused);
+    await expect(queue.promoteJobs({ count: '2' as unknown as number })).rejects.toMatchObject(refused);
+    expect((await queue.getJob(job.id!))!.delay).toBe(60_000);
+    expect(await queue.getRateLimitTtl()).toBeLessThanOrEqual(0);
+    const limiter = { max: '1', duration: '1000' } as unknown as { max: number; duration: number };
+    expect(() => new Worker(name, async () => 'ok', { connection, limiter, autorun: false })).toThrow(
+      expect.objectContaining(refused),
+    );
+    await queue.close();
+  });
+
   it('refuses a global concurrency or rate limit that is not a whole number, 0 or more, and keeps the one set', async () => {
     // Redis stores anything: -1 then holds every job back for ever, 1.5 lets two run. Loam applied no limit.
     const name = loam.queueName();
