@@ -128,16 +128,21 @@ fn fence(token: Option<&str>) -> loam_jobs::Fence {
     }
 }
 
-/// The fence of a call made as the lease's holder (moveToFinished,
-/// extendLock): only `"0"` acts without a lock, as Redis's scripts skip the
-/// check for it; no token is Redis's `""` (ioredis sends `undefined` so),
-/// which holds no lock, so another worker's lock is refused (-6), not taken
-/// over.
+/// The fence of a move made as the lease's holder (moveToFinished): only
+/// `"0"` acts without a lock, as Redis's scripts skip the check for it; no
+/// token is Redis's `""` (ioredis sends `undefined` so), which holds no
+/// lock, so another worker's lock is refused (-6), not taken over.
 fn holder_fence(token: &str) -> loam_jobs::Fence {
     match token {
         "0" => loam_jobs::Fence::Unchecked,
-        t => loam_jobs::Fence::Token(t.to_string()),
+        t => lock_fence(t),
     }
+}
+
+/// The fence of a lock extension: Redis's extendLock compares the token as
+/// it is, `"0"` too, so only the lock's holder extends it.
+fn lock_fence(token: &str) -> loam_jobs::Fence {
+    loam_jobs::Fence::Token(token.to_string())
 }
 
 fn now_ms() -> u64 {
@@ -538,7 +543,7 @@ impl LoamQueue {
         duration: f64,
     ) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
-        let pending = self.jobs()?.extend(&self.ns, &self.queue, &job_id, holder_fence(&token), ms(duration));
+        let pending = self.jobs()?.extend(&self.ns, &self.queue, &job_id, lock_fence(&token), ms(duration));
         settle_with(env, pending, move |extended| match extended {
             Ok(_) => Ok(1),
             Err(e) if is_lock_refusal(&e) => Ok(0),
@@ -557,7 +562,7 @@ impl LoamQueue {
         duration: f64,
     ) -> Result<PromiseRaw<'env, Vec<String>>> {
         self.store.observe(host_now);
-        let items = job_ids.into_iter().zip(tokens).map(|(id, t)| (id, holder_fence(&t))).collect();
+        let items = job_ids.into_iter().zip(tokens).map(|(id, t)| (id, lock_fence(&t))).collect();
         let pending = self.jobs()?.extend_many(&self.ns, &self.queue, items, ms(duration));
         settle(env, Op::new("extendLocks"), pending, |failed| failed)
     }

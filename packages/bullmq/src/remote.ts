@@ -186,14 +186,23 @@ function fence(token: string | undefined): FenceInit {
 }
 
 /**
- * The fence of a call made as the lease's holder (moveToFinished,
- * extendLock): only `"0"` acts without a lock, as Redis's scripts skip the
- * check for it; no token is Redis's `""` (ioredis sends `undefined` so),
- * which holds no lock, so another worker's lock is refused (-6), not taken
- * over. The addon's `holder_fence` is the same.
+ * The fence of a move made as the lease's holder (moveToFinished): only
+ * `"0"` acts without a lock, as Redis's scripts skip the check for it; no
+ * token is Redis's `""` (ioredis sends `undefined` so), which holds no
+ * lock, so another worker's lock is refused (-6), not taken over. The
+ * addon's `holder_fence` is the same.
  */
 function holderFence(token: string | undefined): FenceInit {
-  return token === '0' ? fence(token) : { kind: { case: 'token', value: token ?? '' } };
+  return token === '0' ? fence(token) : lockFence(token);
+}
+
+/**
+ * The fence of a lock extension: Redis's extendLock compares the token as
+ * it is, `"0"` too, so only the lock's holder extends it (the addon's
+ * `lock_fence`).
+ */
+function lockFence(token: string | undefined): FenceInit {
+  return { kind: { case: 'token', value: token ?? '' } };
 }
 
 function hasCode(err: unknown): err is Error & { code: LoamErrorCode } {
@@ -695,7 +704,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async extendLock(jobId: string, token: string, duration: number): Promise<number> {
     try {
       await this.send({ command: 'extendLock', jobId }, (c, o) =>
-        c.extend({ queue: this.queueName, items: [{ jobId, fence: holderFence(token) }], durationMs: u64(Number(duration)) }, o),
+        c.extend({ queue: this.queueName, items: [{ jobId, fence: lockFence(token) }], durationMs: u64(Number(duration)) }, o),
       );
       return 1;
     } catch (err) {
@@ -711,7 +720,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       // With one item the server answers with that item's error, not a list.
       return (await this.extendLock(jobIds[0], tokens[0], duration)) ? [] : [jobIds[0]];
     }
-    const items = jobIds.map((jobId, i) => ({ jobId, fence: holderFence(tokens[i]) }));
+    const items = jobIds.map((jobId, i) => ({ jobId, fence: lockFence(tokens[i]) }));
     const r = await this.send({ command: 'extendLocks' }, (c, o) =>
       c.extend({ queue: this.queueName, items, durationMs: u64(Number(duration)) }, o),
     );
