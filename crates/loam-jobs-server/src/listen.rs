@@ -235,7 +235,8 @@ impl Activity {
     /// only, so a call costs two atomic updates and a clock read.
     async fn idle(&self, first_call: Duration, idle: Option<Duration>) {
         loop {
-            let limit = if self.called.load(Ordering::Acquire) {
+            let called = self.called.load(Ordering::Acquire);
+            let limit = if called {
                 match idle {
                     Some(limit) => limit,
                     None => return std::future::pending().await,
@@ -253,7 +254,12 @@ impl Activity {
             } else {
                 now + limit
             };
-            tokio::time::sleep_until((self.opened + due).into()).await;
+            // Before the first call, also look again within the idle limit: a
+            // first call made meanwhile switches to it, and a check only at
+            // the first call's deadline closed a connection whose first call
+            // had ended long before that at the later of the two.
+            let look_again = if called { due } else { due.min(now + idle.unwrap_or(first_call)) };
+            tokio::time::sleep_until((self.opened + look_again).into()).await;
         }
     }
 }

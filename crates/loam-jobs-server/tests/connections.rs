@@ -87,6 +87,21 @@ async fn an_idle_connection_is_closed_and_the_client_goes_on_over_a_new_one() {
     assert!(took < Duration::from_secs(12), "an idle HTTP/1.1 connection stayed open {took:?}");
 }
 
+/// A connection whose first call came before it was first checked is closed
+/// once idle for the idle timeout, not at the (later) first call's deadline:
+/// it was, in most runs.
+#[test]
+fn a_connection_idle_after_its_first_call_is_closed_at_the_idle_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--idle-timeout-secs", "1", "--first-call-timeout-secs", "10"], &[]);
+    for _ in 0..3 {
+        let mut conn = connect(&server);
+        conn.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        let took = closed_within(&mut conn, Duration::from_secs(15));
+        assert!(took < Duration::from_secs(4), "closed after {took:?}, not about 1 s");
+    }
+}
+
 /// An HTTP/1.1 connection kept alive between requests waits for the idle
 /// timeout, not the first call's: hyper's header-read timeout, which also
 /// times the wait for the next request, had cut it at the first call's.
