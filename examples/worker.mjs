@@ -1,6 +1,7 @@
-// Processes the "emails" queue until interrupted (Ctrl-C). Run it beside or
-// after the producer, in the same directory: one process at a time owns the
-// data directory (use `loam-jobs serve` to share queues between processes).
+// Processes the "emails" queue until interrupted (Ctrl-C). Run it after the
+// producer has exited, in the same directory: one process at a time owns the
+// data directory, and a second one fails at once with LOAM_STORE_LOCKED (use
+// `loam-jobs serve` to share queues between processes).
 //
 //   node examples/worker.mjs
 import { Worker } from '@loam/bullmq';

@@ -96,8 +96,9 @@ pub struct ServeArgs {
     /// Largest answer to a read (Query, ResultMGet), in bytes. A read whose
     /// answer would be larger (many large jobs at once) is refused with
     /// resource_exhausted: ask for fewer at a time; an event read or a lease
-    /// is cut short instead. At least twice --max-payload-bytes and 64 KiB,
-    /// so that any one job can be answered.
+    /// is cut short instead. At least twice --max-payload-bytes plus 64 KiB
+    /// (2 x 64 MiB + 64 KiB with the default --max-payload-bytes), so that
+    /// any one job can be answered.
     #[arg(long, default_value_t = 256 << 20)]
     pub max_response_bytes: usize,
 
