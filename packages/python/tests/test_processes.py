@@ -1,10 +1,13 @@
-"""Several producer and worker processes on one queue: every job completes exactly once."""
+"""Several producer and worker processes on one queue: every job completes exactly once. A blocking
+lease interrupted by Ctrl-C."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from loam_jobs import Client, JobState
@@ -60,3 +63,50 @@ def test_many_producers_and_workers_complete_each_job_once(
     assert inputs == {(f"p{p}", i) for p in range(PRODUCERS) for i in range(JOBS_PER_PRODUCER)}
     # More than one worker took part.
     assert sum(1 for ids in completed_by.values() if ids) > 1
+
+
+_INTERRUPTED_LEASE = """
+import sys, threading, time
+import loam_jobs
+
+url, queue = sys.argv[1:3]
+client = loam_jobs.Client(url)
+print("waiting", flush=True)
+try:
+    client.lease(queue, wait_ms=20_000)
+    print("returned", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+# The lease given up still waits at the server: it takes this job, and gives
+# it back as it returns.
+client.enqueue(queue, "after", None)
+for thread in threading.enumerate():
+    if thread.name.startswith("loam-jobs"):
+        thread.join(10)
+print("done", flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_a_waiting_lease_at_once_and_its_job_is_given_back(
+    client: Client, server: Server, queue: str
+) -> None:
+    # The HTTP runtime's blocking call held Ctrl-C off until the long-poll
+    # returned, 20 s here.
+    child = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_LEASE, server.url, queue], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == "waiting\n"
+        time.sleep(0.5)  # into the long-poll
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        assert child.stdout.readline() == "interrupted\n"
+        assert time.monotonic() - sent < 3
+        assert child.stdout.readline() == "done\n"
+        assert child.wait(timeout=20) == 0
+    finally:
+        child.kill()
+    # Given back, not held until its lock expires (30 s).
+    leased = client.lease(queue, wait_ms=2_000)
+    assert [job.name for job in leased] == ["after"]

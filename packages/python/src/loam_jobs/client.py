@@ -12,18 +12,19 @@ import asyncio
 import contextlib
 import functools
 import os
+import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from pyqwest import SyncClient, SyncHTTPTransport
 
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
-from ._gen.loam.jobs.v1.jobs_pb import WatchRequest
-from ._ops import Call, Op, Operations, Pause
+from ._gen.loam.jobs.v1.jobs_pb import LeaseRequest, WatchRequest
+from ._ops import Call, Op, Operations, Pause, complete
 from .errors import (
     ClientClosedError,
     ForkedProcessError,
@@ -33,7 +34,7 @@ from .errors import (
     UnavailableError,
     from_connect_error,
 )
-from .models import QueueEvent
+from .models import LeaseBatch, QueueEvent, Release
 
 __all__ = ["AsyncClient", "AsyncWatch", "Client", "Watch", "DEFAULT_URL"]
 
@@ -212,10 +213,64 @@ class Client(Operations):
     def _call(self, call: Call) -> Any:
         _callable(self)
         method = getattr(self.stub, call.rpc)
+        timeout_ms = _timeout(self._timeout_ms, call)
         try:
-            return method(call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call))
+            if call.wait_ms > 0:
+                return self._wait_interruptibly(
+                    call, lambda: method(call.request, headers=self._headers, timeout_ms=timeout_ms)
+                )
+            return method(call.request, headers=self._headers, timeout_ms=timeout_ms)
         except ConnectError as err:
             raise from_connect_error(err, call.request) from None
+
+    def _wait_interruptibly(self, call: Call, send: Callable[[], Any]) -> Any:
+        """Sends a long-poll from a thread of its own and waits for it where
+        Ctrl-C reaches the caller at once: the HTTP runtime's blocking call
+        holds off signals until it returns (up to 30 s). A lease given up so
+        is let run on, and the jobs it takes are given back (`Release`) as
+        it returns, if the process lives on; else they run again once their
+        locks expire."""
+        done = threading.Event()
+        lock = threading.Lock()
+        outcome: list[tuple[bool, Any]] = []
+        given_up = False
+
+        def poll() -> None:
+            try:
+                answer = (True, send())
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                answer = (False, err)
+            with lock:
+                outcome.append(answer)
+                abandoned = given_up
+            done.set()
+            if abandoned:
+                self._give_back(call, answer)
+
+        threading.Thread(target=poll, name=f"loam-jobs {call.rpc}", daemon=True).start()
+        try:
+            done.wait()
+        except BaseException:
+            with lock:
+                given_up = True
+                answered = outcome[0] if outcome else None
+            if answered is not None:
+                threading.Thread(target=self._give_back, args=(call, answered), daemon=True).start()
+            raise
+        ok, value = outcome[0]
+        if ok:
+            return value
+        raise value
+
+    def _give_back(self, call: Call, answer: tuple[bool, Any]) -> None:
+        """Releases the jobs of a lease whose caller gave up waiting for it."""
+        ok, response = answer
+        if not ok or call.rpc != "lease":
+            return
+        request = cast(LeaseRequest, call.request)
+        for leased in LeaseBatch.from_proto(request.queue, response.leased).jobs:
+            with contextlib.suppress(LoamJobsError):
+                self._run(complete(leased.queue, leased.id, leased.fence(), Release()))
 
     def _run(self, op: Op[T]) -> T:
         try:
