@@ -271,11 +271,9 @@ fn drain_removes_a_same_queue_parent_with_its_last_child() {
     assert_eq!(state(&jobs, "q", "p"), None, "the parent went with its last child");
 }
 
-/// Parents in another queue that a drain releases run in the order Redis
-/// gives them: it walks its wait list from the job to run last, and puts each
-/// released parent in front.
-#[test]
-fn parents_a_drain_releases_run_in_the_order_of_their_children() {
+/// Flows P1 <- c1, P2 <- c2, P3 <- c3, added in that order: parents in
+/// queue `parents`, children waiting in queue `kids`.
+fn three_parents_of_a_child_each() -> Jobs {
     let (jobs, _) = core();
     for i in 1..=3 {
         let nodes = vec![
@@ -284,6 +282,15 @@ fn parents_a_drain_releases_run_in_the_order_of_their_children() {
         ];
         jobs.flow("ns", nodes).wait().unwrap();
     }
+    jobs
+}
+
+/// Parents in another queue that a drain releases run in the order Redis
+/// gives them: it walks its wait list from the job to run last, and puts each
+/// released parent in front.
+#[test]
+fn parents_a_drain_releases_run_in_the_order_of_their_children() {
+    let jobs = three_parents_of_a_child_each();
     assert_eq!(jobs.admin("ns", "kids", |tx, q| admin::drain(tx, q, false)).wait().unwrap(), 3);
     assert_eq!(leased_names(&jobs, "parents", 3), ["P1", "P2", "P3"]);
 }
@@ -293,14 +300,7 @@ fn parents_a_clean_of_waiting_jobs_releases_run_in_the_order_of_their_children()
     // Redis's clean walks its wait list newest first, within the `limit`
     // oldest jobs; each parent released goes to the front of its queue.
     for (limit, cleaned, runs) in [(0, 3, vec!["P1", "P2", "P3"]), (2, 2, vec!["P1", "P2"])] {
-        let (jobs, _) = core();
-        for i in 1..=3 {
-            let nodes = vec![
-                flow_node("parents", &format!("P{i}"), None, true),
-                flow_node("kids", &format!("c{i}"), Some(parent("parents", &format!("P{i}"))), false),
-            ];
-            jobs.flow("ns", nodes).wait().unwrap();
-        }
+        let jobs = three_parents_of_a_child_each();
         let removed =
             jobs.admin("ns", "kids", move |tx, q| admin::clean(tx, q, "wait", u64::MAX, limit)).wait().unwrap();
         let expected: Vec<String> = (1..=cleaned).rev().map(|i| format!("c{i}")).collect();
