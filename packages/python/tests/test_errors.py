@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,6 +95,8 @@ def test_values_the_wire_cannot_carry_are_refused_before_sending() -> None:
             nowhere.lease("q", max_jobs=-1)
         with pytest.raises(InvalidArgumentError, match=r"request not sent: QueryRequest\.counts\.types: "):
             nowhere.counts("q", 5)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match=r"request not sent: WatchRequest\.after: "):
+            next(nowhere.watch("q", after=-1))
 
 
 def test_values_json_cannot_carry_are_refused_before_sending() -> None:
@@ -231,3 +234,27 @@ def test_a_closed_client_refuses_every_later_call_and_sends_nothing(server: Serv
         next(closed.watch(queue, after=0))
     with Client(server.url) as open_client:
         assert open_client.counts(queue, "wait") == {"wait": 1}
+
+
+def test_an_operation_under_way_when_its_client_closes_ends_as_it_would_have(
+    client: Client, queue: str
+) -> None:
+    # A paged operation, one call a job: closed from another thread while it
+    # runs, it goes on to its end rather than stop half done.
+    client.enqueue_bulk(queue, [loam_jobs.job("d", None, delay_ms=600_000) for _ in range(300)])
+    closing = Client(client.url)
+    failed: list[BaseException] = []
+
+    def promote() -> None:
+        try:
+            closing.promote_jobs(queue, chunk=1)
+        except BaseException as err:
+            failed.append(err)
+
+    runner = threading.Thread(target=promote)
+    runner.start()
+    time.sleep(0.05)
+    closing.close()
+    runner.join(60)
+    assert failed == []
+    assert client.counts(queue, "delayed", "wait") == {"delayed": 0, "wait": 300}

@@ -70,16 +70,16 @@ import sys, threading, time
 import loam_jobs
 
 url, queue = sys.argv[1:3]
-client = loam_jobs.Client(url)
 print("waiting", flush=True)
 try:
-    client.lease(queue, wait_ms=20_000)
+    with loam_jobs.Client(url) as client:
+        client.lease(queue, wait_ms=20_000)
     print("returned", flush=True)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
 # The lease given up still waits at the server: it takes this job, and gives
-# it back as it returns.
-client.enqueue(queue, "after", None)
+# it back as it returns, though the `with` block closed its client.
+loam_jobs.Client(url).enqueue(queue, "after", None)
 for thread in threading.enumerate():
     if thread.name.startswith("loam-jobs"):
         thread.join(10)

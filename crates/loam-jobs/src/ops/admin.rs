@@ -390,7 +390,8 @@ pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> 
     // (which decides where the parents the removals release in other queues
     // go: each to the front of its queue) and answers in it. The scan below
     // goes oldest first, as `limit` counts from the oldest, so their jobs are
-    // picked first and removed after it, newest first.
+    // picked first and removed after it, newest first. (Active jobs are
+    // ordered by lock deadline here, by start on Redis.)
     let newest_first = matches!(state, "wait" | "waiting" | "active");
     let mut removed = Vec::new();
     let mut picked = Vec::new();

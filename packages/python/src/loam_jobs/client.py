@@ -211,7 +211,7 @@ class Client(Operations):
         self.stub = _stub(JobsServiceClientSync, self.url, compress_requests)
 
     def _call(self, call: Call) -> Any:
-        _callable(self)
+        _not_forked()
         method = getattr(self.stub, call.rpc)
         timeout_ms = _timeout(self._timeout_ms, call)
         try:
@@ -269,10 +269,18 @@ class Client(Operations):
             return
         request = cast(LeaseRequest, call.request)
         for leased in LeaseBatch.from_proto(request.queue, response.leased).jobs:
+            # Also once the client was closed (a `with` block left by the
+            # KeyboardInterrupt): its connections open again for this.
             with contextlib.suppress(LoamJobsError):
-                self._run(complete(leased.queue, leased.id, leased.fence(), Release()))
+                self._drive(complete(leased.queue, leased.id, leased.fence(), Release()))
 
     def _run(self, op: Op[T]) -> T:
+        # Checked as an operation starts: one under way (its retries, its
+        # further pages) ends as it would have.
+        _callable(self)
+        return self._drive(op)
+
+    def _drive(self, op: Op[T]) -> T:
         try:
             step = next(op)
             while True:
@@ -366,13 +374,15 @@ class Watch(Iterator[QueueEvent]):
             self._stub = _stub(JobsServiceClientSync, client.url, client._compress_requests, http_client)
         self._reconnect = reconnect
         self._stream: Iterator[Any] | None = None
+        # The request of the stream opened last, for the error a refusal to encode it raises.
+        self._request: WatchRequest | None = None
         self._closed = False
         # Whether a thread is inside `next(self._stream)`: a generator cannot
         # be closed from another thread while it runs.
         self._reading = False
 
     def _open(self) -> Iterator[Any]:
-        request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
+        request = self._request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
         _callable(self._client)
         return self._stub.watch(request, headers=self._client._headers, timeout_ms=None)
 
@@ -401,7 +411,7 @@ class Watch(Iterator[QueueEvent]):
                     if err.code == Code.DEADLINE_EXCEEDED and self._idle_timeout is not None:
                         # The stream has no deadline: a read ran past the idle timeout.
                         err = _silent_stream(self._idle_timeout)
-                    time.sleep(self._reconnect.pause_after(from_connect_error(err)))
+                    time.sleep(self._reconnect.pause_after(from_connect_error(err, self._request)))
                     continue
                 if event := _receive(self, response):
                     return event
@@ -492,7 +502,7 @@ class AsyncClient(AsyncOperations):
         self.stub = _stub(JobsServiceClient, self.url, compress_requests)
 
     async def _call(self, call: Call) -> Any:
-        _callable(self)
+        _not_forked()
         method = getattr(self.stub, call.rpc)
         try:
             return await method(
@@ -521,6 +531,7 @@ class AsyncClient(AsyncOperations):
             return done.value
 
     def _run(self, op: Op[T]) -> Any:
+        _callable(self)  # as `Client._run`
         return self._drive(op)
 
     def watch(
@@ -575,6 +586,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         self._reconnect = reconnect
         self._idle_timeout = idle_timeout
         self._stream: AsyncIterator[Any] | None = None
+        self._request: WatchRequest | None = None  # as `Watch._request`
         self._closed = False
         # The read under way, in a task of its own so that `close()` from
         # another task can cancel it (an async generator that is running
@@ -582,7 +594,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         self._read: asyncio.Future[Any] | None = None
 
     def _open(self) -> AsyncIterator[Any]:
-        request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
+        request = self._request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
         _callable(self._client)
         return self._client.stub.watch(request, headers=self._client._headers, timeout_ms=None)
 
@@ -627,7 +639,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
                     raise cancelled from None
                 if self._closed:
                     break
-                await asyncio.sleep(self._reconnect.pause_after(from_connect_error(err)))
+                await asyncio.sleep(self._reconnect.pause_after(from_connect_error(err, self._request)))
                 continue
             except LoamJobsError as err:
                 # From pinning the cursor (last_event_seq), before the stream opens.

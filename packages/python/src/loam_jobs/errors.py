@@ -130,8 +130,9 @@ class ForkedProcessError(FailedPreconditionError):
 
 
 class ClientClosedError(FailedPreconditionError):
-    """A call on a client after its `close()` (or after its `with` block):
-    nothing was sent. Make a new client."""
+    """An operation started on a client after its `close()` (or after its
+    `with` block): nothing was sent. Make a new client. (An operation already
+    under way when the client closed ends as it would have.)"""
 
 
 class FencedError(FailedPreconditionError):
