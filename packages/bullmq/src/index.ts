@@ -34,7 +34,7 @@ import {
 import { backendOptionsJson, LoamQueueBackend, type FactoryOptions, type LoamBackendSettings } from './backend.js';
 import { RemoteChannel, type RemoteSettings } from './channel.js';
 import { checkHeaderValues, checkNames } from './common.js';
-import { callSync } from './errors.js';
+import { callSync, loamError } from './errors.js';
 import { RemoteQueueBackend, workerSettings } from './remote.js';
 
 /**
@@ -70,17 +70,23 @@ export const DEFAULT_DATA_DIR = '.loam';
 /**
  * A BullMQ `BackendFactory`: over a `loam-jobs serve` when `settings.url` is
  * given, else over the embedded store (relative directories are resolved
- * against the working directory when `loamBackend()` is called).
+ * against the working directory when `loamBackend()` is called). A queue's
+ * `connection: { url }` makes its backend a client of that server either
+ * way: the ready-made classes, bound to `loamBackend()`, took it in-process
+ * without a word.
  */
 export function loamBackend(settings: RemoteSettings): BackendFactory<RemoteQueueBackend, LoamConnectionOptions>;
 export function loamBackend(
   settings?: Partial<LoamBackendSettings>,
-): BackendFactory<LoamQueueBackend, LoamConnectionOptions>;
+): BackendFactory<LoamQueueBackend | RemoteQueueBackend, LoamConnectionOptions>;
 export function loamBackend(
   settings: LoamConnectionOptions = {},
 ): BackendFactory<LoamQueueBackend | RemoteQueueBackend, LoamConnectionOptions> {
-  if (settings.url) return remoteBackend({ ...settings, url: settings.url });
-  return embeddedBackend(settings);
+  const remote = remoteBackend(settings);
+  if (settings.url) return remote;
+  const embedded = embeddedBackend(settings);
+  return (name, opts: QueueBaseOptions<LoamConnectionOptions>, options) =>
+    connectionOf(opts).url ? remote(name, opts, options) : embedded(name, opts, options);
 }
 
 function embeddedBackend(settings: Partial<LoamBackendSettings>): BackendFactory<LoamQueueBackend, LoamConnectionOptions> {
@@ -89,7 +95,7 @@ function embeddedBackend(settings: Partial<LoamBackendSettings>): BackendFactory
     dataDir: path.resolve(settings.dataDir ?? process.env.LOAM_DATA_DIR ?? DEFAULT_DATA_DIR),
   };
   return (name, opts: QueueBaseOptions<LoamConnectionOptions>, options = {}) => {
-    const connection = isSettings(opts.connection) ? opts.connection : {};
+    const connection = connectionOf(opts);
     const resolved: LoamBackendSettings = {
       ...base,
       ...connection,
@@ -112,13 +118,15 @@ function embeddedBackend(settings: Partial<LoamBackendSettings>): BackendFactory
  * and namespace share a channel (its HTTP/2 connections), which closes when
  * the last of them does.
  */
-function remoteBackend(settings: RemoteSettings): BackendFactory<RemoteQueueBackend, LoamConnectionOptions> {
+function remoteBackend(settings: LoamConnectionOptions): BackendFactory<RemoteQueueBackend, LoamConnectionOptions> {
   const channels = new Map<string, RemoteChannel>();
   return (name, opts: QueueBaseOptions<LoamConnectionOptions>, options = {}) => {
-    const connection = isSettings(opts.connection) ? opts.connection : {};
+    const connection = connectionOf(opts);
+    const url = connection.url ?? settings.url;
+    if (!url) throw loamError('invalid_argument', 'a remote backend needs a url');
     const resolved: RemoteSettings = {
       ...settings,
-      url: connection.url ?? settings.url,
+      url,
       token: connection.token ?? settings.token,
       namespace: connection.namespace ?? settings.namespace,
     };
@@ -139,8 +147,10 @@ function remoteBackend(settings: RemoteSettings): BackendFactory<RemoteQueueBack
   };
 }
 
-function isSettings(value: unknown): value is LoamConnectionOptions {
-  return typeof value === 'object' && value !== null && !Array.isArray(value);
+/** A queue's `connection` option, when it is Loam's settings (anything else is ignored). */
+function connectionOf(opts: QueueBaseOptions<LoamConnectionOptions>): LoamConnectionOptions {
+  const connection: unknown = opts.connection;
+  return typeof connection === 'object' && connection !== null && !Array.isArray(connection) ? connection : {};
 }
 
 const bound = withBackend(loamBackend());

@@ -57,3 +57,25 @@ describeInProcess('factory entry points', () => {
     await queue.close();
   });
 });
+
+const describeRemote = process.env.LOAM_TEST_BACKEND === 'remote' ? describe : describe.skip;
+
+describeRemote('a queue connection naming a server', () => {
+  it("takes the ready-made classes' queue to that server, not in-process", async () => {
+    // They are bound to loamBackend(), which took a `connection: { url }` in-process without a word.
+    const { inject } = await import('vitest');
+    const { Queue: LoamQueue, Worker: LoamWorker, RemoteQueueBackend, loamBackend } = await import('../src/index.js');
+    const connection = { url: inject('loamServerUrl'), namespace: `t-${process.pid}-url` };
+    const queue = new LoamQueue('named-server', { connection });
+    expect(queue.getBackend()).toBeInstanceOf(RemoteQueueBackend);
+    await queue.add('over-the-network', { n: 1 });
+    const sameServer = new Queue('named-server', { connection }, loamBackend({ url: connection.url }));
+    expect(await sameServer.getJobCounts('waiting')).toEqual({ waiting: 1 });
+    const worker = new LoamWorker('named-server', async job => job.data.n + 1, { connection });
+    const done = new Promise(resolve => worker.on('completed', (_job, value) => resolve(value)));
+    expect(await done).toBe(2);
+    await worker.close();
+    await sameServer.close();
+    await queue.close();
+  });
+});
