@@ -80,7 +80,71 @@ afterAll(async () => {
   await server?.stop();
 });
 
+/** Jobs a Python producer describes with the client's own fields, and bytes that are not JSON. */
+const PYTHON_JOBS = `
+import sys
+from loam_jobs import Client, Success
+url, queue, done_queue = sys.argv[1:4]
+jobs = Client(url)
+jobs.enqueue(queue, "retried", {"n": 1}, job_id="retried", attempts=3, backoff=50, keep_logs=2)
+jobs.enqueue(queue, "bytes", b"raw \\x00 bytes", job_id="bytes")
+jobs.enqueue(done_queue, "c", None, job_id="c")
+leased = jobs.lease(done_queue)
+jobs.complete(leased[0], Success(b"raw \\x00 result"))
+print("ready", flush=True)
+`;
+
 describe('Node and Python on one queue of loam-jobs serve', () => {
+  it("runs a Python job under BullMQ's Worker with the job's attempts, backoff and kept logs, and reads bytes that are not JSON as text", async () => {
+    // BullMQ read none of those fields (it reads job.opts, which Python leaves
+    // empty), so the job failed at its first error; data or a return value that
+    // is not JSON failed the Worker's fetch, every getter listing the job, and
+    // stopped QueueEvents for good.
+    const queue = `py-opts-${Date.now()}`;
+    const doneQueue = `${queue}-done`;
+    const producer = run(python, ['-c', PYTHON_JOBS, server.url, queue, doneQueue]);
+    expect(await producer.exited).toBe(0);
+    expect(producer.lines).toEqual(['ready']);
+
+    const { Queue, Worker, QueueEvents } = withBackend(loamBackend({ url: server.url }));
+    const events = new QueueEvents(doneQueue, { connection: {}, lastEventId: '0-0' });
+    const completions: [string, unknown][] = [];
+    events.on('completed', ({ jobId, returnvalue }) => completions.push([jobId, returnvalue]));
+    const runs: string[] = [];
+    const worker = new Worker(
+      queue,
+      async job => {
+        runs.push(job.name);
+        if (job.name === 'bytes') return job.data;
+        for (const row of ['l1', 'l2', 'l3', 'l4']) await job.log(row);
+        if (job.attemptsMade < 2) throw new Error(`attempt ${job.attemptsMade + 1}`);
+        return 'third time';
+      },
+      { connection: {} },
+    );
+    const q = new Queue(queue, { connection: {} });
+    await until('both jobs to complete', () => runs.length >= 4, 20_000);
+    await new Promise(r => setTimeout(r, 200));
+    expect(runs.sort()).toEqual(['bytes', 'retried', 'retried', 'retried']);
+    const retried = (await q.getJob('retried'))!;
+    expect([retried.attemptsMade, retried.returnvalue, retried.opts.attempts]).toEqual([3, 'third time', 3]);
+    expect(retried.opts.backoff).toEqual({ type: 'fixed', delay: 50 });
+    expect(await q.getJobLogs('retried')).toEqual({ logs: ['l3', 'l4'], count: 2 });
+    expect((await q.getJob('bytes'))!.returnvalue).toBe('raw \x00 bytes');
+    expect((await q.getCompleted()).map(j => j.id).sort()).toEqual(['bytes', 'retried']);
+
+    // QueueEvents read the bytes result, and goes on to the next completion.
+    const d = new Queue(doneQueue, { connection: {} });
+    const after = new Worker(doneQueue, async () => 'next', { connection: {} });
+    await d.add('next', {});
+    await until('both completions', () => completions.length >= 2, 20_000);
+    expect(completions[0]).toEqual(['c', 'raw \x00 result']);
+    expect(completions[1][1]).toBe('next');
+    expect((await d.getJob('c'))!.returnvalue).toBe('raw \x00 result');
+    await Promise.all([after.close(), worker.close(), events.close()]);
+    await Promise.all([q.close(), d.close()]);
+  });
+
   it('completes every job of both producers exactly once, across both kinds of worker', async () => {
     const queue = `mixed-${Date.now()}`;
     const perProducer = 60;

@@ -80,6 +80,7 @@ import {
   type RetentionSchema,
 } from './gen/loam/jobs/v1/types_pb.js';
 import {
+  asJsonText,
   bytes,
   childrenByCategory,
   jobError,
@@ -1029,7 +1030,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       value = `Missing key for job ${this.qualifiedName}:${jobId}. isFinished`;
     } else if (job.state === JobState.COMPLETED) {
       code = 1;
-      value = job.returnValue !== undefined ? text(job.returnValue) : 'null';
+      value = job.returnValue !== undefined ? asJsonText(text(job.returnValue)) : 'null';
     } else if (job.state === JobState.FAILED) {
       code = 2;
       value = job.failedReason ?? '';

@@ -352,13 +352,49 @@ function nodeKey(p: { prefix: string; queue: string; id: string }): string {
   return p.prefix ? `${p.prefix}:${p.queue}:${p.id}` : `${p.queue}:${p.id}`;
 }
 
+/**
+ * Stored text as JSON text: as it is when it is JSON, else as a JSON string
+ * of it. A producer other than BullMQ (the Python client) may store bytes
+ * that are not JSON, and BullMQ parses a job's data and return value as
+ * JSON: a Worker failed such a job's every fetch, and one such job failed
+ * every getter listing it.
+ */
+export function asJsonText(stored: string): string {
+  try {
+    JSON.parse(stored);
+    return stored;
+  } catch {
+    return JSON.stringify(stored);
+  }
+}
+
+/**
+ * A job's BullMQ options: its stored options document, with the settings a
+ * producer other than BullMQ (the Python client, a schedule the server
+ * runs) gave only as the job's own fields filled in, since BullMQ's Worker
+ * reads retries, backoff and kept logs from `job.opts`.
+ */
+function bullmqOpts(job: Job): unknown {
+  const opts = jsonOr(job.opts, {});
+  if (typeof opts !== 'object' || opts === null || Array.isArray(opts)) return opts;
+  const o = opts as Record<string, unknown>;
+  if (o.attempts === undefined && job.attempts > 0) o.attempts = job.attempts;
+  const b = job.backoff;
+  if (o.backoff === undefined && b && b.kind !== BackoffKind.UNSPECIFIED) {
+    const type = b.kind === BackoffKind.FIXED ? 'fixed' : 'exponential';
+    o.backoff = { type, delay: Number(b.delayMs), ...(b.jitter > 0 && { jitter: b.jitter }) };
+  }
+  if (o.keepLogs === undefined && job.keepLogs !== undefined) o.keepLogs = Number(job.keepLogs);
+  return o;
+}
+
 /** BullMQ's `JobJson` of a stored job (what `getJobData` and next-job tuples carry). */
 export function jobJson(job: Job): JobJson {
   const out: Record<string, unknown> = {
     id: job.id,
     name: job.name,
-    data: text(job.data),
-    opts: jsonOr(job.opts, {}),
+    data: job.data.length === 0 ? '' : asJsonText(text(job.data)),
+    opts: bullmqOpts(job),
     progress: jsonOr(job.progress, 0),
     delay: Number(job.delay),
     priority: job.priority,
@@ -372,7 +408,7 @@ export function jobJson(job: Job): JobJson {
   if (job.processedOn !== undefined) out.processedOn = Number(job.processedOn);
   if (job.processedBy !== undefined) out.processedBy = job.processedBy;
   if (job.failedReason !== undefined) out.failedReason = job.failedReason;
-  if (job.returnValue !== undefined) out.returnvalue = text(job.returnValue);
+  if (job.returnValue !== undefined) out.returnvalue = asJsonText(text(job.returnValue));
   if (job.parent) {
     const policy = job.onChildFailure;
     out.parentKey = nodeKey(job.parent);
@@ -425,6 +461,8 @@ export function childrenByCategory(deps: Dependency[]): ChildrenByCategory {
 /** One event as Redis XREAD shapes a stream entry: `[id, [k1, v1, ...]]`, `event` first. */
 export function streamEntry(e: Event): [string, string[]] {
   const fields = ['event', e.name];
-  for (const f of e.fields) fields.push(f.key, f.value);
+  // QueueEvents parses a completion's return value, and stops for good on one that is not JSON.
+  const completed = e.name === 'completed';
+  for (const f of e.fields) fields.push(f.key, completed && f.key === 'returnvalue' ? asJsonText(f.value) : f.value);
   return [`${e.ts}-${e.seq}`, fields];
 }
