@@ -83,7 +83,7 @@ afterAll(async () => {
 /** Jobs a Python producer describes with the client's own fields, and bytes that are not JSON. */
 const PYTHON_JOBS = `
 import sys
-from loam_jobs import Client, Success
+from loam_jobs import Client, ParentRef, Success, flow_node, job
 url, queue, done_queue = sys.argv[1:4]
 jobs = Client(url)
 jobs.enqueue(queue, "retried", {"n": 1}, job_id="retried", attempts=3, backoff=50, keep_logs=2)
@@ -91,6 +91,14 @@ jobs.enqueue(queue, "bytes", b"raw \\x00 bytes", job_id="bytes")
 jobs.enqueue(done_queue, "c", None, job_id="c")
 leased = jobs.lease(done_queue)
 jobs.complete(leased[0], Success(b"raw \\x00 result"))
+parent = ParentRef(queue=queue + "-parents", id="P")
+jobs.flow([
+    flow_node(queue + "-parents", job("parent", None, job_id="P"), wait_children=True),
+    flow_node(queue + "-kids", job("kid", 1, job_id="K1", parent=parent)),
+    flow_node(queue + "-kids", job("kid", 2, job_id="K2", parent=parent)),
+])
+for kid in jobs.lease(queue + "-kids", max_jobs=2):
+    jobs.complete(kid, Success(kid.json() * 10))
 print("ready", flush=True)
 `;
 
@@ -106,7 +114,7 @@ describe('Node and Python on one queue of loam-jobs serve', () => {
     expect(await producer.exited).toBe(0);
     expect(producer.lines).toEqual(['ready']);
 
-    const { Queue, Worker, QueueEvents } = withBackend(loamBackend({ url: server.url }));
+    const { Queue, Worker, QueueEvents, FlowProducer } = withBackend(loamBackend({ url: server.url }));
     const events = new QueueEvents(doneQueue, { connection: {}, lastEventId: '0-0' });
     const completions: [string, unknown][] = [];
     events.on('completed', ({ jobId, returnvalue }) => completions.push([jobId, returnvalue]));
@@ -143,6 +151,13 @@ describe('Node and Python on one queue of loam-jobs serve', () => {
     expect((await d.getJob('c'))!.returnvalue).toBe('raw \x00 result');
     await Promise.all([after.close(), worker.close(), events.close()]);
     await Promise.all([q.close(), d.close()]);
+
+    // A Python flow's keys are BullMQ's (`bull:<queue>:<id>`): getFlow found no children.
+    const flows = new FlowProducer({ connection: {} });
+    const tree = await flows.getFlow({ id: 'P', queueName: `${queue}-parents` });
+    expect(tree.children?.map(child => child?.job.id).sort()).toEqual(['K1', 'K2']);
+    expect(await tree.job.getChildrenValues()).toEqual({ [`bull:${queue}-kids:K1`]: 10, [`bull:${queue}-kids:K2`]: 20 });
+    await flows.close();
   });
 
   it('completes every job of both producers exactly once, across both kinds of worker', async () => {

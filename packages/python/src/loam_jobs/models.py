@@ -202,7 +202,7 @@ def job(
         lock_duration_ms=lock_duration_ms,
         timeout_ms=timeout_ms,
         expires=expires,
-        parent=parent,
+        parent=_bullmq_keyed(parent),
         on_child_failure=on_child_failure,
         remove_on_complete=None if remove_on_complete is None else retention(remove_on_complete),
         remove_on_fail=None if remove_on_fail is None else retention(remove_on_fail),
@@ -211,6 +211,19 @@ def job(
         timestamp=timestamp,
         scheduler_id=scheduler_id,
     )
+
+
+# BullMQ's default key prefix.
+BULLMQ_PREFIX = "bull"
+
+
+def _bullmq_keyed(parent: ParentRef | None) -> ParentRef | None:
+    """`parent`, with BullMQ's default prefix when it names none: BullMQ keys a
+    flow's jobs `<prefix>:<queue>:<id>`, and without one a flow made here had
+    keys BullMQ's `getFlow` and `getChildrenValues` did not match."""
+    if parent is None or parent.prefix:
+        return parent
+    return ParentRef(queue=parent.queue, id=parent.id, prefix=BULLMQ_PREFIX)
 
 
 def uuid7() -> str:
