@@ -646,8 +646,15 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- worker: fetch, locks, stalled ------------------------------------------
 
   async moveToActive(token: string, name?: string): Promise<any[]> {
-    const r = await this.send({ command: 'moveToActive' }, (c, o) =>
-      c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
+    // Sent again when its connection is cut, as ioredis sends a cut command
+    // again: failed, it made BullMQ's Worker wait out its runRetryDelay (15 s)
+    // after every restart of the server. A job a lost answer took stays
+    // active until its lock lapses and it is found stalled, as it would if
+    // this call failed.
+    const r = await this.send(
+      { command: 'moveToActive' },
+      (c, o) => c.lease({ queue: this.queueName, options: this.leaseOptions(token, name), waitMs: 0 }, o),
+      { resendable: true },
     );
     if (r.leased?.leases.length) await this.channel.writesAnswered();
     else if (r.leased?.info && r.leased.info.rateLimitMs > 0n) await this.completionsAnswered();

@@ -411,6 +411,30 @@ describeRemote('remote connection failures', () => {
     expect((await queue.getJob(second.id!))?.stalledCounter).toBe(0);
   });
 
+  it("a lease whose connection is cut is sent again, not failed (BullMQ's Worker then waited 15 s)", async () => {
+    const link = await proxy();
+    const { through, direct } = classes({ url: link.url });
+    const name = `q-${randomUUID()}`;
+    const queue = new direct.Queue(name, { connection: {} });
+    const [first, second] = await queue.addBulk([
+      { name: 'first', data: {} },
+      { name: 'second', data: {} },
+    ]);
+    const worker = new through.Worker(name, null, { connection: {}, autorun: false });
+    onTestFinished(() => Promise.all([worker.close(), queue.close()]));
+    await worker.waitUntilReady();
+    link.holdReplies();
+    const fetching = worker.getNextJob('manual-token', { block: false });
+    // The server leases the first job; the answer is lost with the connection.
+    await vi.waitFor(async () => expect(await queue.getJobState(first.id!)).toBe('active'), { interval: 20 });
+    link.cut();
+    link.passReplies();
+    const job = await fetching;
+    expect(job?.id).toBe(second.id);
+    // The first stays active under its lock, to be found stalled once it lapses, as if the call had failed.
+    expect(await queue.getJobState(first.id!)).toBe('active');
+  });
+
   it('an add cut on its way every time it is sent gives up after a few attempts', async () => {
     const link = await proxy();
     // A long window: what ends the add is the count of its attempts.
