@@ -371,7 +371,8 @@ describeRemote('remote connection failures', () => {
     await vi.waitFor(() => expect(progressEvents).toEqual([50]), { interval: 20 });
   });
 
-  it('a completion whose answer is lost is sent again: the next job it leased is handed over, and each job completes once', async () => {
+  /** A queue holding jobs `first` and `second` (added straight to the server), and classes that reach it through a proxy. */
+  async function twoJobsBehindProxy() {
     const link = await proxy();
     const { through, direct } = classes({ url: link.url });
     const name = `q-${randomUUID()}`;
@@ -380,6 +381,11 @@ describeRemote('remote connection failures', () => {
       { name: 'first', data: {} },
       { name: 'second', data: {} },
     ]);
+    return { link, through, name, queue, first, second };
+  }
+
+  it('a completion whose answer is lost is sent again: the next job it leased is handed over, and each job completes once', async () => {
+    const { link, through, name, queue, first, second } = await twoJobsBehindProxy();
     const errors: Error[] = [];
     const completed: string[] = [];
     const worker = new through.Worker(
@@ -412,14 +418,7 @@ describeRemote('remote connection failures', () => {
   });
 
   it("a lease whose connection is cut is sent again, not failed (BullMQ's Worker then waited 15 s)", async () => {
-    const link = await proxy();
-    const { through, direct } = classes({ url: link.url });
-    const name = `q-${randomUUID()}`;
-    const queue = new direct.Queue(name, { connection: {} });
-    const [first, second] = await queue.addBulk([
-      { name: 'first', data: {} },
-      { name: 'second', data: {} },
-    ]);
+    const { link, through, name, queue, first, second } = await twoJobsBehindProxy();
     const worker = new through.Worker(name, null, { connection: {}, autorun: false });
     onTestFinished(() => Promise.all([worker.close(), queue.close()]));
     await worker.waitUntilReady();
