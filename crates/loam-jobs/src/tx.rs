@@ -12,6 +12,13 @@ use crate::keys::{self, QueueId, QueueKeys};
 use crate::kv::{Key, KeyRange, KvTxn, Value};
 use crate::model::{self, ChildCounts, EventRef, JobRecord, JobState, QueueRemains, QueueStats};
 
+/// A meta field's text as a count: a whole number, 0 or more (BullMQ writes
+/// some as floats, `5.0`); None for anything else. What the store reads a
+/// limit as, and what `set_meta` lets a limit be.
+pub(crate) fn meta_count(text: &str) -> Option<u64> {
+    text.trim().parse::<f64>().ok().filter(|n| *n >= 0.0 && n.fract() == 0.0).map(|n| n as u64)
+}
+
 /// What to do once the transaction has committed.
 #[derive(Default, Debug)]
 pub struct Effects {
@@ -238,14 +245,11 @@ impl<'a> Tx<'a> {
         Ok(self.loaded_meta(q)?.clone())
     }
 
-    /// A numeric field of the meta hash (BullMQ writes some as floats); a
-    /// negative one reads as 0.
-    /// A whole number in the queue's meta. Anything else (`-1`, `1.5`, `NaN`)
-    /// reads as unset, so the default holds: read as 0, a `maxLenEvents` of
-    /// -1 trimmed every event as it was written.
+    /// A whole number in the queue's meta ([`meta_count`]). Anything else
+    /// (`-1`, `1.5`, `NaN`) reads as unset, so the default holds: read as 0,
+    /// a `maxLenEvents` of -1 trimmed every event as it was written.
     pub fn meta_u64(&mut self, q: &QueueId, field: &str) -> Result<Option<u64>, JobsError> {
-        let value = self.loaded_meta(q)?.get(field);
-        Ok(value.and_then(|v| v.trim().parse::<f64>().ok()).filter(|f| *f >= 0.0 && f.fract() == 0.0).map(|f| f as u64))
+        Ok(self.loaded_meta(q)?.get(field).and_then(|v| meta_count(v)))
     }
 
     pub fn is_paused(&mut self, q: &QueueId) -> Result<bool, JobsError> {

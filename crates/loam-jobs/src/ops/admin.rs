@@ -766,7 +766,7 @@ pub fn set_meta(tx: &mut Tx, q: &QueueId, values: &BTreeMap<String, String>) -> 
     tx.check_payload(values.iter().map(|(k, v)| k.len() + v.len()).sum())?;
     for (field, setter) in LIMIT_FIELDS {
         if let Some(value) = values.get(field)
-            && !value.trim().parse::<f64>().is_ok_and(|n| n >= 0.0 && n.fract() == 0.0)
+            && crate::tx::meta_count(value).is_none()
         {
             return Err(JobsError::invalid(format!(
                 "{field} ({setter}) must be a whole number, 0 or more; got {value:?}"
