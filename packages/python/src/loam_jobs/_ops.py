@@ -63,6 +63,7 @@ from ._gen.loam.jobs.v1.types_pb import (
     ServerSchedule,
 )
 from .errors import (
+    UNENCODABLE,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -234,8 +235,9 @@ def enqueue(queue: str, spec: JobSpec, key_ttl_ms: int | None = None) -> Op[Enqu
 
 
 # What building or encoding a request raises for a value the wire cannot
-# carry (a wrong type, a number out of range, NaN).
-_UNSENDABLE = (TypeError, ValueError, ArithmeticError, InvalidArgumentError)
+# carry (a wrong type, a number out of range; NaN in JSON is our own
+# InvalidArgumentError).
+_UNSENDABLE = (*UNENCODABLE, InvalidArgumentError)
 
 # The keys of a job given to enqueue_bulk as a mapping: enqueue's parameters,
 # which are job()'s.

@@ -330,8 +330,8 @@ class Client(Operations):
         return Watch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     def close(self) -> None:
-        """Releases the client's connections. A call under way ends as it
-        would have; a later call, or a watch's reconnect, raises
+        """Releases the client's connections. An operation under way ends as
+        it would have; one started later, or a watch's reconnect, raises
         `ClientClosedError`."""
         self._closed = True
         self.stub.close()

@@ -280,12 +280,14 @@ def from_connect_error(err: ConnectError, request: Message[Any] | None = None) -
     return _build(code, err.message, detail)
 
 
-_UNENCODABLE = (TypeError, ValueError, ArithmeticError)
+# What the protobuf runtime raises for a value it cannot encode (a wrong
+# type, a number out of range).
+UNENCODABLE = (TypeError, ValueError, ArithmeticError)
 
 
 def _refused_before_sending(err: ConnectError) -> bool:
     cause = err.__cause__
-    return isinstance(cause, _UNENCODABLE) and not isinstance(cause, OSError)
+    return isinstance(cause, UNENCODABLE) and not isinstance(cause, OSError)
 
 
 def _unsendable_field(message: Message[Any]) -> str | None:
@@ -317,7 +319,7 @@ def _unsendable_field(message: Message[Any]) -> str | None:
             continue
         try:
             type(message)(**alone).to_binary()
-        except _UNENCODABLE:
+        except UNENCODABLE:
             return name
     return None
 
