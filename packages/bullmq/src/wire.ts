@@ -378,7 +378,8 @@ function bullmqOpts(job: Job): unknown {
   const opts = jsonOr(job.opts, {});
   if (typeof opts !== 'object' || opts === null || Array.isArray(opts)) return opts;
   const o = opts as Record<string, unknown>;
-  if (o.attempts === undefined && job.attempts > 0) o.attempts = job.attempts;
+  // One attempt is what a job without `attempts` gets, and BullMQ reads it as 0.
+  if (o.attempts === undefined && job.attempts > 1) o.attempts = job.attempts;
   const b = job.backoff;
   if (o.backoff === undefined && b && b.kind !== BackoffKind.UNSPECIFIED) {
     const type = b.kind === BackoffKind.FIXED ? 'fixed' : 'exponential';

@@ -153,6 +153,17 @@ describe('queue and job admin', () => {
     await queue.close();
   });
 
+
+  it('leaves a job that is not active where it is on moveToWait without a token, as Redis does', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const waiting = await queue.add('waiting', {});
+    const delayed = await queue.add('delayed', {}, { delay: 60_000 });
+    expect([await waiting.moveToWait(), await delayed.moveToWait('0')]).toEqual([0, 0]);
+    expect([await waiting.getState(), await delayed.getState()]).toEqual(['waiting', 'delayed']);
+    // A worker's token still needs the job's lock.
+    await expect(waiting.moveToWait('a-token')).rejects.toThrow(/Missing lock/);
+    await queue.close();
+  });
   it('retries a failed job and bulk-retries', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });
@@ -260,6 +271,15 @@ describe('queue and job admin', () => {
     expect(await queue.removeJobScheduler('tick')).toBe(true);
     expect(await queue.getJobSchedulersCount()).toBe(0);
     await worker.close();
+    await queue.close();
+  });
+
+  it("gives a scheduler's job the attempts of its template, 0 when it has none, as Redis does", async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const plain = await queue.upsertJobScheduler('plain', { every: 60_000 }, { name: 'plain' });
+    const retried = await queue.upsertJobScheduler('retried', { every: 60_000 }, { name: 'r', opts: { attempts: 3 } });
+    const read = async (id: string) => (await queue.getJob(id))?.opts.attempts;
+    expect([await read(plain!.id!), await read(retried!.id!)]).toEqual([0, 3]);
     await queue.close();
   });
 

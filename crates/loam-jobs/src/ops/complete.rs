@@ -145,6 +145,12 @@ fn complete_job(
     }
     lease::check_fence(&job, fence)?;
     if job.state != JobState::Active {
+        // BullMQ's `moveJobFromActiveToWait` with no lock token leaves a job
+        // that is not active where it is, as Redis's script finds nothing to
+        // take off its active list.
+        if matches!(fence, Fence::Unchecked) && matches!(outcome, Outcome::Release { after_ms: None }) {
+            return Ok(Completed { state: Some(job.state), moved: false, ..Default::default() });
+        }
         return Err(JobsError::not_in_state(id, job.state, "active"));
     }
     let removed_if_completed = removes_at_once(&retention(&job, opts, JobState::Completed));
