@@ -447,7 +447,9 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   getCounts(types: JobType[], delayedTimestamp?: number): Promise<number[]> {
-    return this.native.getCounts(Date.now(), types, delayedTimestamp);
+    // A type passed as an array (`getJobCounts(['waiting'])`) reads as its
+    // text, as the remote backend's protobuf strings read it.
+    return this.native.getCounts(Date.now(), types.map(String) as JobType[], delayedTimestamp);
   }
 
   getCountsPerPriority(priorities: number[]): Promise<number[]> {
@@ -456,7 +458,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   async getRanges(types: JobType[], start = 0, end = 1, asc = false): Promise<[string][]> {
     // Numbers given as text (a query string's) read as Redis reads them.
-    return (await this.native.getRanges(Date.now(), types, Number(start), Number(end), asc)) as unknown as [string][];
+    const names = types.map(String) as JobType[];
+    return (await this.native.getRanges(Date.now(), names, Number(start), Number(end), asc)) as unknown as [string][];
   }
 
   getDependencyCounts(jobId: string, types: string[]): Promise<number[]> {

@@ -61,6 +61,9 @@ describe('Queue and Worker on Loam', () => {
     expect((await queue.getJob(job.id!))?.progress).toBe(0);
     expect(await job.log(42 as never)).toBe(2);
     expect((await queue.getJobLogs(job.id!)).logs).toEqual(['by number', '42']);
+    // Type names passed as one array: ioredis sends the array's text, a type no job is in.
+    const asArray = ['waiting', 'delayed'] as never;
+    expect(await queue.getJobCounts(asArray)).toEqual({ 'waiting,delayed': 0 });
     expect(await queue.remove(byNumber)).toBe(1);
     expect(await queue.getJob('1')).toBeUndefined();
     await queue.close();

@@ -434,7 +434,7 @@ describe('errors', () => {
 
   itInProcess('an argument of the wrong type is refused as invalid, not with napi-rs\'s own code', async () => {
     const queue = new Queue(loam.queueName(), { connection });
-    await expect(queue.getJobCounts(5 as unknown as 'waiting')).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
+    await expect(queue.getCountsPerPriority([{} as unknown as number])).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
     await queue.close();
   });
 
