@@ -1538,11 +1538,11 @@ impl LoamQueue {
 
     // ---- for tests and diagnostics ---------------------------------------------------------
 
-    /// Panics inside the addon; used by the tests to check that a Rust panic
-    /// rejects the promise instead of crashing the process.
+    /// Panics inside a read of the core; used by the tests to check that a
+    /// Rust panic rejects the promise, with its message, instead of crashing
+    /// the process.
     #[napi]
     pub async fn panic_for_test(&self, message: String) -> Result<()> {
-        let crash = || -> Result<()> { std::panic::panic_any(message) };
-        crash()
+        self.read(Op::new("panicForTest"), |_, _| std::panic::panic_any(message))
     }
 }

@@ -275,7 +275,7 @@ fn settle_now<T: ToNapiValue>(env: sys::napi_env, deferred: Deferred, result: Re
         // SAFETY: on the JavaScript thread of `env`.
         result.and_then(|value| unsafe { T::to_napi_value(env, value) })
     }))
-    .unwrap_or_else(|_| Err(Error::new(Status::GenericFailure, "converting the result panicked".to_string())));
+    .unwrap_or_else(|panic| Err(crate::error::panicked(panic)));
     // SAFETY: on the JavaScript thread of `env`, which made `deferred`; each
     // deferred is settled once (its resolver is consumed). A failed
     // conversion may leave a JavaScript exception pending, which would fail

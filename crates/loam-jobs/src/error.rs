@@ -134,6 +134,12 @@ impl JobsError {
         JobsError::InvalidArgument(msg.into())
     }
 
+    /// An operation that panicked (a bug): it fails with the panic's
+    /// message, and the store and its host go on.
+    pub fn panicked(payload: Box<dyn std::any::Any + Send>) -> Self {
+        JobsError::Internal(format!("operation panicked: {}", panic_text(payload.as_ref())))
+    }
+
     pub fn job_missing(id: &str) -> Self {
         JobsError::NotFound(Missing::Job(id.to_string()))
     }

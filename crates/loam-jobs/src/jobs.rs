@@ -319,7 +319,11 @@ impl Jobs {
         let mut tx = Tx::new(&mut snapshot, ns, self.now_ms(), &self.inner.config);
         tx.lease_now = self.inner.lease_clock.now_ms();
         tx.core_now = self.inner.clock.now_ms();
-        f(&mut tx)
+        // A read runs on its caller's thread (a server task, the addon's
+        // async runtime): its panic fails it with the panic's message, as a
+        // write's does, where the runtime would report only that it panicked.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut tx)))
+            .unwrap_or_else(|p| Err(JobsError::panicked(p)))
     }
 
     /// Refuses a namespace or queue name no call would take.

@@ -342,7 +342,7 @@ describe('errors', () => {
   itInProcess('turns a Rust panic into a rejected promise', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const native = (queue.getBackend() as unknown as { native: { panicForTest(m: string): Promise<void> } }).native;
-    await expect(native.panicForTest('deliberate')).rejects.toThrow();
+    await expect(native.panicForTest('deliberate')).rejects.toThrow(/operation panicked: deliberate/);
     // The process and the store are still fine.
     const job = await queue.add('after-panic', {});
     expect(await job.getState()).toBe('waiting');

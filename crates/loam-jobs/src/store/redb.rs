@@ -773,8 +773,8 @@ fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead, memo: &mut Memo) -> (Writes
         let WriteOp { mut body, done, sync, .. } = op;
         // A bug in an operation must fail that operation, not the writer
         // thread and with it every caller (and a Node host).
-        let result = catch_unwind(AssertUnwindSafe(|| body(&mut batch)))
-            .unwrap_or_else(|panic| Err(JobsError::Internal(panic_message(panic))));
+        let result =
+            catch_unwind(AssertUnwindSafe(|| body(&mut batch))).unwrap_or_else(|panic| Err(JobsError::panicked(panic)));
         let wrote = batch.end_operation(result.is_ok());
         if !sync && !wrote {
             unchanged.push((done, result));
@@ -1297,10 +1297,6 @@ impl FileWriter {
         }
         txn.commit().map_err(io)
     }
-}
-
-fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
-    format!("operation panicked: {}", crate::error::panic_text(panic.as_ref()))
 }
 
 #[cfg(test)]
