@@ -103,10 +103,11 @@ describeOnce('the packed package', () => {
     if (root) rmSync(root, { recursive: true, force: true });
   });
 
-  it('holds the built code, its declarations and the native addon with its loader, and no tests or sources', () => {
+  it('holds the built code, its declarations, the native addon with its loader and the license, and no tests or sources', () => {
     // Source maps ship too, each with the TypeScript it maps to inside it:
-    // src/ itself does not ship.
-    const shipped = /^(package\.json|README\.md|dist\/.+\.(js|d\.ts|js\.map)|native\/(index\.js|index\.d\.ts|[^/]+\.node))$/;
+    // src/ itself does not ship. pnpm packs the workspace's LICENSE.
+    expect(files).toContain('LICENSE');
+    const shipped = /^(package\.json|README\.md|LICENSE|dist\/.+\.(js|d\.ts|js\.map)|native\/(index\.js|index\.d\.ts|[^/]+\.node))$/;
     expect(files.filter(f => !shipped.test(f))).toEqual([]);
     expect(files).toEqual(expect.arrayContaining(['dist/index.js', 'dist/factory.js', 'native/index.js', 'native/index.d.ts']));
     expect(files.filter(f => /^native\/[^/]+\.node$/.test(f)).length).toBeGreaterThan(0);
