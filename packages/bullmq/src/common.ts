@@ -154,7 +154,8 @@ export function newJobJson(
   queueName?: string,
 ): NewJobJson {
   return {
-    name: job.name,
+    // A name given as a number (plain JavaScript) is sent as its digits, as ioredis sends it.
+    name: typeof job.name === 'number' ? String(job.name) : job.name,
     data: job.data,
     opts: job.opts ?? {},
     jobId: jobId || job.id || undefined,

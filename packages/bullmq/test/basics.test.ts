@@ -56,6 +56,9 @@ describe('Queue and Worker on Loam', () => {
     expect((await queue.getJob(byNumber))?.name).toBe('a');
     expect(await queue.getJobState(byNumber)).toBe('waiting');
     expect(await queue.addJobLog(byNumber, 'by number')).toBe(1);
+    const namedByNumber = await queue.add(7 as unknown as string, {});
+    expect((await queue.getJob(namedByNumber.id!))?.name).toBe('7');
+    await namedByNumber.remove();
     // JSON.stringify(undefined) is undefined: Redis keeps '', read back as 0.
     await job.updateProgress(undefined as never);
     expect((await queue.getJob(job.id!))?.progress).toBe(0);
