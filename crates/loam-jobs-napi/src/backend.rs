@@ -102,6 +102,17 @@ struct WorkerSettings {
     name: Option<String>,
 }
 
+/// `flushIntervalMs`, 100 by default: a whole number of milliseconds, as
+/// `loam-jobs serve --flush-interval-ms` takes it. Read leniently, like a
+/// BullMQ setting, -1 meant flushing at every commit and 1.5 one millisecond.
+fn flush_interval_ms(given: Option<f64>) -> Result<u64> {
+    match given {
+        None => Ok(100),
+        Some(n) if n >= 0.0 && n.fract() == 0.0 && n <= u64::MAX as f64 => Ok(n as u64),
+        Some(n) => Err(invalid(format!("flushIntervalMs must be a whole number of milliseconds, 0 or more; got {n}"))),
+    }
+}
+
 fn ms(n: f64) -> u64 {
     if n.is_finite() && n > 0.0 { n as u64 } else { 0 }
 }
@@ -346,7 +357,7 @@ impl LoamQueue {
         let o: BackendOptions = parse("backend options", &options)?;
         let durability = match o.durability.as_deref() {
             None | Some("immediate") => Durability::Immediate,
-            Some("relaxed") => Durability::Relaxed { flush_interval_ms: o.flush_interval_ms.map_or(100, ms) },
+            Some("relaxed") => Durability::Relaxed { flush_interval_ms: flush_interval_ms(o.flush_interval_ms)? },
             Some(other) => {
                 return Err(invalid(format!("unknown durability {other:?}: use \"immediate\" or \"relaxed\"")));
             }

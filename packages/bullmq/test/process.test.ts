@@ -47,6 +47,20 @@ describe('processes', () => {
     await queue.close();
   });
 
+  itInProcess('refuses a flushIntervalMs that is not a whole number of milliseconds, 0 or more, as the server does', () => {
+    const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-durability-'));
+    try {
+      for (const flushIntervalMs of [-1, 1.5]) {
+        const relaxed = withBackend(loamBackend({ dataDir, durability: 'relaxed', flushIntervalMs }));
+        expect(() => new relaxed.Queue('d', { connection })).toThrow(
+          expect.objectContaining({ code: 'LOAM_INVALID_ARGUMENT', message: expect.stringContaining('flushIntervalMs') }),
+        );
+      }
+    } finally {
+      rmSync(dataDir, { recursive: true, force: true });
+    }
+  });
+
   itInProcess('a backend asking for another durability than its open store is refused, naming both', async () => {
     const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-durability-'));
     try {
