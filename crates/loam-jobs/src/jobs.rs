@@ -20,7 +20,7 @@ use crate::model::*;
 use crate::notify::{Channel, Notifier, Tell, Telling};
 use crate::ops::{admin, complete, enqueue, lease, query, schedule};
 use crate::store::redb::{RedbOptions, RedbStore};
-use crate::store::{BRIEF_JOBS, Store, WriteOp};
+use crate::store::{BRIEF_JOBS, Durable, Store, WriteOp};
 use crate::tx::{Effects, Tx};
 
 pub use crate::pending::Pending;
@@ -167,8 +167,10 @@ impl Jobs {
             generation: AtomicU64::new(0),
         });
         let jobs = Self { inner, maintenance: Arc::new(Mutex::new(None)), at: None };
+        // Durable even under relaxed durability: lost in a crash, it would let
+        // the next open hand out the epochs of this one's leases again.
         let generation = jobs
-            .write("", true, |tx| {
+            .submit_write("", Durable::Always, false, |tx| {
                 let key = crate::keys::generation();
                 let g = tx.get_record::<u64>(&key)?.unwrap_or(0) + 1;
                 tx.put_record(&key, &g)?;
@@ -252,11 +254,11 @@ impl Jobs {
         T: Send + 'static,
         F: FnMut(&mut Tx) -> Result<T, JobsError> + Send + 'static,
     {
-        self.submit_write(ns, sync, false, body)
+        self.submit_write(ns, Durable::needed(sync), false, body)
     }
 
     /// [`Self::write`]; `brief` marks a write of a few jobs (see [`WriteOp::brief`]).
-    fn submit_write<T, F>(&self, ns: &str, sync: bool, brief: bool, mut body: F) -> Pending<T>
+    fn submit_write<T, F>(&self, ns: &str, durable: Durable, brief: bool, mut body: F) -> Pending<T>
     where
         T: Send + 'static,
         F: FnMut(&mut Tx) -> Result<T, JobsError> + Send + 'static,
@@ -274,7 +276,7 @@ impl Jobs {
         let generation = self.inner.generation.load(Ordering::SeqCst);
         let early = Arc::clone(&self.inner);
         let op = WriteOp {
-            sync,
+            durable,
             brief,
             body: Box::new(move |kv| {
                 let core_now = now_clock.now_ms();
@@ -365,7 +367,7 @@ impl Jobs {
         F: FnMut(&mut Tx, &QueueId) -> Result<T, JobsError> + Send + 'static,
     {
         match Self::queue(ns, queue) {
-            Ok(q) => self.submit_write(ns, sync, brief, move |tx| body(tx, &q)),
+            Ok(q) => self.submit_write(ns, Durable::needed(sync), brief, move |tx| body(tx, &q)),
             Err(e) => Pending::settled(Err(e)),
         }
     }
@@ -416,7 +418,7 @@ impl Jobs {
     }
 
     fn flow_write(&self, ns: &str, nodes: Vec<enqueue::FlowNode>, brief: bool) -> Pending<Vec<Enqueued>> {
-        self.submit_write(ns, true, brief, move |tx| enqueue::flow(tx, nodes.clone()))
+        self.submit_write(ns, Durable::UnlessRelaxed, brief, move |tx| enqueue::flow(tx, nodes.clone()))
     }
 
     /// Inserts several flows, each tree atomically on its own: one tree's

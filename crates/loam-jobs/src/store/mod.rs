@@ -28,9 +28,7 @@ pub const BRIEF_JOBS: usize = 16;
 /// wait for the commit to reach disk, and what to do once it is settled.
 pub struct WriteOp {
     pub body: OpBody,
-    /// False for writes whose loss after a crash breaks no guarantee (a lost
-    /// lease is the same as a stalled one), so they need not wait for fsync.
-    pub sync: bool,
+    pub durable: Durable,
     /// A write of at most [`BRIEF_JOBS`] jobs (an add, a lease, a completion,
     /// a lock extension, a small flow or bulk add), whose cost is bounded: it
     /// may run on its caller's thread (see
@@ -39,6 +37,27 @@ pub struct WriteOp {
     /// whatever the caller, so a host's event loop never runs it.
     pub brief: bool,
     pub done: OpDone,
+}
+
+/// Whether a write's acknowledgement waits for its commit to reach disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Durable {
+    /// No: its loss after a crash breaks no guarantee (a lost lease is the
+    /// same as a stalled one).
+    No,
+    /// Under [`Durability::Immediate`]: an add, a completion, an admin write.
+    UnlessRelaxed,
+    /// Under either durability: a write whose loss would break a guarantee
+    /// that relaxed durability keeps too (the store's open count, which keeps
+    /// a lease epoch lost in a crash from being handed out again).
+    Always,
+}
+
+impl Durable {
+    /// [`Durable::UnlessRelaxed`] for a write that needs its fsync, else [`Durable::No`].
+    pub fn needed(sync: bool) -> Self {
+        if sync { Durable::UnlessRelaxed } else { Durable::No }
+    }
 }
 
 /// How commits reach disk.

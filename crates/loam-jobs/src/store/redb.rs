@@ -35,7 +35,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 use super::placement::{CallerWaits, Placement};
 use super::wal::Wal;
-use super::{Durability, OpDone, OpOutput, Store, WriteOp};
+use super::{Durability, Durable, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
 use crate::kv::{Key, KeyRange, KvRead, Memo, Overlay, PendingBatches, ReadAhead, Stacked, Value, Writes, net_writes};
 
@@ -625,8 +625,8 @@ impl Executor {
         let (snapshot, snapshot_batch, failed) = view;
         let read_through = uncommitted.batches.newest().unwrap_or(snapshot_batch);
         let sync = match self.durability {
-            Durability::Immediate => ops.iter().any(|op| op.sync),
-            Durability::Relaxed { .. } => false,
+            Durability::Immediate => ops.iter().any(|op| op.durable != Durable::No),
+            Durability::Relaxed { .. } => ops.iter().any(|op| op.durable == Durable::Always),
         };
         let (writes, acks, mut unchanged) = {
             // A batch's leases scan the waiting index one after another:
@@ -651,7 +651,7 @@ impl Executor {
         // A store that lost acknowledged writes acknowledges no more
         // early: the committer refuses these, as it refuses every commit.
         let (early, late) = match self.durability {
-            Durability::Relaxed { .. } if !failed => (acks, Vec::new()),
+            Durability::Relaxed { .. } if !failed && !sync => (acks, Vec::new()),
             _ => (Vec::new(), acks),
         };
         let writes = Arc::new(writes);
@@ -770,13 +770,13 @@ fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead, memo: &mut Memo) -> (Writes
     let mut unchanged = Vec::new();
     let mut batch = Overlay::caching(base).remembering(memo);
     for op in ops {
-        let WriteOp { mut body, done, sync, .. } = op;
+        let WriteOp { mut body, done, durable, .. } = op;
         // A bug in an operation must fail that operation, not the writer
         // thread and with it every caller (and a Node host).
         let result =
             catch_unwind(AssertUnwindSafe(|| body(&mut batch))).unwrap_or_else(|panic| Err(JobsError::panicked(panic)));
         let wrote = batch.end_operation(result.is_ok());
-        if !sync && !wrote {
+        if durable == Durable::No && !wrote {
             unchanged.push((done, result));
             continue;
         }
@@ -1439,7 +1439,7 @@ mod tests {
             let done: OpDone = Box::new(move |result| {
                 let _ = sender.send((name, result.is_ok()));
             });
-            store.submit(WriteOp { body, sync, brief: true, done });
+            store.submit(WriteOp { body, durable: Durable::needed(sync), brief: true, done });
         };
         submit("write", true, true);
         submit("lease that found nothing", false, false);
@@ -1520,7 +1520,7 @@ mod tests {
             let done: OpDone = Box::new(move |result| {
                 let _ = sender.send((i, result.map(|out| *out.downcast::<u64>().unwrap()).ok()));
             });
-            store.submit(WriteOp { body, sync: true, brief: true, done });
+            store.submit(WriteOp { body, durable: Durable::UnlessRelaxed, brief: true, done });
         }
         drop(sender);
         settled.extend(outcomes.iter());
@@ -1570,7 +1570,7 @@ mod log_tests {
         let done: OpDone = Box::new(move |result| {
             let _ = sender.send(result.is_ok());
         });
-        store.submit(WriteOp { body, sync, brief: true, done });
+        store.submit(WriteOp { body, durable: Durable::needed(sync), brief: true, done });
         receiver
     }
 
@@ -1716,7 +1716,7 @@ mod log_tests {
                         let done: OpDone = Box::new(move |result| {
                             let _ = sender.send(result.is_ok());
                         });
-                        store.submit(WriteOp { body, sync: true, brief: true, done });
+                        store.submit(WriteOp { body, durable: Durable::UnlessRelaxed, brief: true, done });
                     }
                     assert!(answers.iter().take(unanswered).all(|ok| ok), "every write is acknowledged");
                 })
@@ -1752,7 +1752,7 @@ mod log_tests {
             let done: OpDone = Box::new(move |result| {
                 let _ = sender.send(*result.unwrap().downcast::<bool>().unwrap());
             });
-            store.submit(WriteOp { body, sync: true, brief, done });
+            store.submit(WriteOp { body, durable: Durable::UnlessRelaxed, brief, done });
             receiver.recv().unwrap()
         };
         for _ in 0..50 {
@@ -1857,7 +1857,7 @@ mod log_tests {
             let _ = panicking.send(());
             panic!("a bug in the caller's callback");
         });
-        store.submit(WriteOp { body, sync: true, brief: true, done });
+        store.submit(WriteOp { body, durable: Durable::UnlessRelaxed, brief: true, done });
         panicked.recv().unwrap();
         let (sender, read) = mpsc::channel();
         let reader = Arc::clone(&store);
@@ -1890,7 +1890,7 @@ mod log_tests {
         let done: OpDone = Box::new(move |_| {
             let _ = sender.send(reader.snapshot().map(|mut s| s.get(b"k").unwrap().is_some()));
         });
-        store.submit(WriteOp { body, sync: true, brief: true, done });
+        store.submit(WriteOp { body, durable: Durable::UnlessRelaxed, brief: true, done });
         let outcome = answer.recv_timeout(Duration::from_secs(5));
         if outcome.is_err() {
             std::mem::forget(store); // its threads are stuck; dropping it would join them
@@ -1982,7 +1982,7 @@ mod log_tests {
             let done: OpDone = Box::new(move |result| {
                 let _ = sender.send(result.ok().and_then(|seen| seen.downcast::<u64>().ok()).map(|seen| *seen));
             });
-            store.submit(WriteOp { body, sync: true, brief: true, done });
+            store.submit(WriteOp { body, durable: Durable::UnlessRelaxed, brief: true, done });
         }
         let mut seen: Vec<u64> = (0..INCREMENTS).map(|_| receiver.recv().unwrap().expect("acknowledged")).collect();
         seen.sort_unstable();
@@ -2121,6 +2121,34 @@ mod checkpoint_tests {
     #[test]
     fn relaxed_ack_is_fsynced_within_the_flush_interval_during_a_slow_checkpoint() {
         slow_checkpoint(false);
+    }
+
+    /// Under relaxed durability a write that must be durable whatever the
+    /// durability (the store's open count) is answered after its fsync, so
+    /// an fsync that fails fails it; the others are answered before theirs.
+    #[test]
+    fn a_write_durable_always_waits_for_its_fsync_under_relaxed_durability() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("jobs.redb");
+        let db = Database::builder().create(&path).unwrap();
+        let mut wal = recover(&db, &log_path(&path)).unwrap();
+        let failing = Arc::new(AtomicBool::new(true));
+        wal.fail_syncs_while(Arc::clone(&failing));
+        let options =
+            RedbOptions { durability: Durability::Relaxed { flush_interval_ms: 60_000 }, ..Default::default() };
+        let store = RedbStore::start(db, &options, Some(wal)).unwrap();
+        assert!(submit(&store, "relaxed", b"1".to_vec(), true).recv().unwrap(), "answered before its fsync");
+        let (sender, answer) = mpsc::channel();
+        let body: super::super::OpBody = Box::new(|txn: &mut dyn crate::kv::KvTxn| {
+            txn.put(b"always", b"2".to_vec())?;
+            Ok(Box::new(()) as OpOutput)
+        });
+        let done: OpDone = Box::new(move |result| {
+            let _ = sender.send(result.is_ok());
+        });
+        store.submit(WriteOp { body, durable: Durable::Always, brief: true, done });
+        assert!(!answer.recv().unwrap(), "answered only after its fsync, which failed");
+        failing.store(false, Ordering::SeqCst);
     }
 
     /// A group too large for the log is committed durably to redb as a

@@ -46,9 +46,9 @@ pub(crate) struct Wal {
     unsynced: bool,
     generation: u64,
     next_seq: u64,
-    /// Tests: appends and fsyncs fail while this is set.
+    /// Tests: appends and fsyncs (or fsyncs only, when true) fail while this is set.
     #[cfg(test)]
-    failing: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    failing: Option<(std::sync::Arc<std::sync::atomic::AtomicBool>, bool)>,
 }
 
 impl Wal {
@@ -133,7 +133,7 @@ impl Wal {
         record[12..20].copy_from_slice(&seq.to_le_bytes());
         let crc = checksum(self.generation, seq, &record[HEADER..]);
         record[20..24].copy_from_slice(&crc.to_le_bytes());
-        self.check()?;
+        self.check(false)?;
         self.file.write_all_at(&record, region_start(self.generation, self.region) + self.end)?;
         self.end += record.len() as u64;
         self.next_seq += 1;
@@ -143,7 +143,7 @@ impl Wal {
 
     /// Makes every record appended so far durable.
     pub(crate) fn sync(&mut self) -> io::Result<()> {
-        self.check()?;
+        self.check(true)?;
         self.file.sync_data()?;
         self.unsynced = false;
         Ok(())
@@ -152,19 +152,27 @@ impl Wal {
     /// Makes appends and fsyncs fail while `failing` is set.
     #[cfg(test)]
     pub(crate) fn fail_while(&mut self, failing: std::sync::Arc<std::sync::atomic::AtomicBool>) {
-        self.failing = Some(failing);
+        self.failing = Some((failing, false));
+    }
+
+    /// Makes fsyncs fail while `failing` is set; appends go on.
+    #[cfg(test)]
+    pub(crate) fn fail_syncs_while(&mut self, failing: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+        self.failing = Some((failing, true));
     }
 
     #[cfg(test)]
-    fn check(&self) -> io::Result<()> {
+    fn check(&self, sync: bool) -> io::Result<()> {
         match &self.failing {
-            Some(f) if f.load(std::sync::atomic::Ordering::SeqCst) => Err(io::Error::other("disk failed")),
+            Some((f, syncs_only)) if f.load(std::sync::atomic::Ordering::SeqCst) && (sync || !syncs_only) => {
+                Err(io::Error::other("disk failed"))
+            }
             _ => Ok(()),
         }
     }
 
     #[cfg(not(test))]
-    fn check(&self) -> io::Result<()> {
+    fn check(&self, _sync: bool) -> io::Result<()> {
         Ok(())
     }
 
