@@ -724,7 +724,7 @@ impl LoamQueue {
         let limiter = self.settings.limiter.clone();
         let id = job_id.clone();
         let release = move |tx: &mut Tx, q: &QueueId| {
-            complete::complete(tx, q, &id, &fence, Outcome::Release { after_ms: None }, &CompleteOptions::default())?;
+            complete::move_active_to_wait(tx, q, &id, &fence)?;
             let limit = lease::limiter(tx, q, limiter.as_ref())?;
             lease::rate_limit_ttl(tx, q, limit.as_ref())
         };

@@ -2677,3 +2677,24 @@ fn a_flow_parent_with_no_children_is_answered_as_released() {
     assert_eq!(added[0].state, JobState::Waiting);
     assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
 }
+
+/// BullMQ's `moveJobFromActiveToWait` without a lock token leaves a job that
+/// is not active where it is, as Redis's script does; a plain release of that
+/// job, unchecked or not, is still refused, and so is the move with a token.
+#[test]
+fn only_bullmqs_unchecked_move_to_wait_leaves_a_job_that_is_not_active_alone() {
+    use loam_jobs::ops::complete::move_active_to_wait;
+    let (jobs, _clock) = core();
+    let id = jobs.enqueue("ns", "q", job("w")).wait().unwrap().id;
+    let move_to_wait = |fence: Fence| {
+        let id = id.clone();
+        jobs.admin("ns", "q", move |tx, q| move_active_to_wait(tx, q, &id, &fence)).wait()
+    };
+    move_to_wait(Fence::Unchecked).unwrap();
+    assert_eq!(state(&jobs, "q", &id), Some(JobState::Waiting));
+    let with_token = move_to_wait(Fence::Token("w".into()));
+    assert!(matches!(with_token, Err(JobsError::Fenced { .. })), "{with_token:?}");
+    let release = Outcome::Release { after_ms: None };
+    let refused = jobs.complete("ns", "q", &id, Fence::Unchecked, release, CompleteOptions::default()).wait();
+    assert!(matches!(refused, Err(JobsError::Precondition(Precondition::NotInState { .. }))), "{refused:?}");
+}

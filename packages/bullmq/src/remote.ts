@@ -38,6 +38,7 @@ import type {
   RetryOptions,
   StreamReadRaw,
 } from 'bullmq';
+import { ErrorCode } from 'bullmq';
 import type { MessageInitShape } from '@bufbuild/protobuf';
 import type { FactoryOptions } from './backend.js';
 import type { CallOptions } from '@connectrpc/connect';
@@ -180,8 +181,13 @@ function untaggedName(name: string): string {
 }
 
 /** BullMQ's token `"0"` (and no token) is an admin write with no lease check. */
+/** BullMQ's way of acting without a lock: no token, or `"0"`. */
+function isUnchecked(token: string | undefined): token is undefined | '' | '0' {
+  return !token || token === '0';
+}
+
 function fence(token: string | undefined): FenceInit {
-  return !token || token === '0'
+  return isUnchecked(token)
     ? { kind: { case: 'unchecked', value: true } }
     : { kind: { case: 'token', value: token } };
 }
@@ -848,20 +854,30 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   /** A processor's RateLimitError: the job goes back; returns the queue's rate-limit ttl. */
   async moveJobFromActiveToWait(jobId: string, token?: string): Promise<number> {
-    const r = await this.send({ command: 'moveJobFromActiveToWait', jobId, state: 'active' }, (c, o) =>
-      c.complete(
-        {
-          queue: this.queueName,
-          jobId,
-          fence: fence(token),
-          outcome: { kind: { case: 'release', value: {} } },
-          // A limiter with max 0 is "none": only a global or manual limit counts.
-          rateLimitTtlFor: this.settings.limiter ?? { max: 0n, durationMs: 0n },
-        },
-        o,
-      ),
-    );
-    return Number(r.rateLimitTtlMs ?? 0n);
+    // A limiter with max 0 is "none": only a global or manual limit counts.
+    const limiter = this.settings.limiter ?? { max: 0n, durationMs: 0n };
+    try {
+      const r = await this.send({ command: 'moveJobFromActiveToWait', jobId, state: 'active' }, (c, o) =>
+        c.complete(
+          {
+            queue: this.queueName,
+            jobId,
+            fence: fence(token),
+            outcome: { kind: { case: 'release', value: {} } },
+            rateLimitTtlFor: limiter,
+          },
+          o,
+        ),
+      );
+      return Number(r.rateLimitTtlMs ?? 0n);
+    } catch (err) {
+      // Without a lock token a job that is not active is left where it is,
+      // as Redis's script finds nothing to take off its active list, and
+      // answers the rate limit's ttl (the in-process backend does the same).
+      if ((err as { code?: unknown }).code !== ErrorCode.JobNotInState || !isUnchecked(token)) throw err;
+      const max = Number(limiter.max ?? 0n);
+      return Math.max(0, await this.getRateLimitTtl(max > 0 ? max : undefined));
+    }
   }
 
   /** An immediate retry (an attempt is spent). */

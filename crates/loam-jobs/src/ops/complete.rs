@@ -67,6 +67,17 @@ pub fn complete(
     complete_job(tx, q, job, fence, outcome, opts, key)
 }
 
+/// BullMQ's `moveJobFromActiveToWait` (a processor's RateLimitError): the job
+/// goes back to the front of its band. Unchecked (BullMQ's token "0"), a job
+/// that is not active is left where it is, as Redis's script finds nothing to
+/// take off its active list; every other release of such a job is refused.
+pub fn move_active_to_wait(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence) -> Result<(), JobsError> {
+    if matches!(fence, Fence::Unchecked) && tx.load_job(q, id)?.is_some_and(|job| job.state != JobState::Active) {
+        return Ok(());
+    }
+    complete(tx, q, id, fence, Outcome::Release { after_ms: None }, &CompleteOptions::default()).map(|_| ())
+}
+
 /// What tells a completion's key apart from another call's under it.
 fn completion_hash(id: &str) -> u64 {
     idempotency::hash_of(&("complete", id))
@@ -145,12 +156,6 @@ fn complete_job(
     }
     lease::check_fence(&job, fence)?;
     if job.state != JobState::Active {
-        // BullMQ's `moveJobFromActiveToWait` with no lock token leaves a job
-        // that is not active where it is, as Redis's script finds nothing to
-        // take off its active list.
-        if matches!(fence, Fence::Unchecked) && matches!(outcome, Outcome::Release { after_ms: None }) {
-            return Ok(Completed { state: Some(job.state), moved: false, ..Default::default() });
-        }
         return Err(JobsError::not_in_state(id, job.state, "active"));
     }
     let removed_if_completed = removes_at_once(&retention(&job, opts, JobState::Completed));
