@@ -70,9 +70,18 @@ pub enum Durability {
     Relaxed { flush_interval_ms: u64 },
 }
 
+impl Durability {
+    /// Relaxed durability flushing every `flush_interval_ms`, counted as at
+    /// least 1 ms, as every host (the server's flag, the Node binding) takes it.
+    pub fn relaxed(flush_interval_ms: u64) -> Self {
+        Durability::Relaxed { flush_interval_ms: flush_interval_ms.max(1) }
+    }
+}
+
 pub trait Store: Send + Sync + 'static {
     /// Runs `op` in a transaction and calls its `done` once the transaction is
-    /// committed (and, for a `sync` op under immediate durability, durable).
+    /// committed (and durable, as its [`Durable`] asks under the store's
+    /// [`Durability`]).
     fn submit(&self, op: WriteOp);
 
     /// A consistent snapshot of everything committed so far.

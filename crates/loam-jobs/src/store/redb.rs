@@ -615,8 +615,8 @@ impl Executor {
 
     /// Runs `ops` as the next batch over `view` (see [`Uncommitted::view`]) and
     /// hands it to the committer. Returns the answers to deliver now: under
-    /// relaxed durability all of them, else those that wrote nothing and need
-    /// no fsync.
+    /// relaxed durability all of them unless an operation is
+    /// [`Durable::Always`], else those that wrote nothing and need no fsync.
     fn run_batch(&self, state: &mut ExecutorState, ops: Vec<WriteOp>, view: View) -> Handed {
         let ExecutorState { uncommitted, number, to_committer } = state;
         let Some(to_committer) = to_committer.as_ref() else { return Handed::refused(ops) };
@@ -656,7 +656,12 @@ impl Executor {
         };
         let writes = Arc::new(writes);
         uncommitted.batches.push(number, Arc::clone(&writes));
-        let published = (!early.is_empty()).then(|| Arc::clone(&writes));
+        // Under relaxed durability a batch whose answers wait for its fsync
+        // (`Durable::Always`) is published as it runs too, in order: a later
+        // batch, answered early, moves the published mark past it, and the
+        // committer publishes only batches above the mark.
+        let waits_in_order = sync && matches!(self.durability, Durability::Relaxed { .. }) && !failed;
+        let published = (waits_in_order || !early.is_empty()).then(|| Arc::clone(&writes));
         // The batch goes on, and is published to readers, before anyone is
         // answered: an answer's callback may read the store.
         if let Err(mpsc::SendError(batch)) = to_committer.send(Batch { number, read_through, writes, sync, acks: late })
@@ -762,7 +767,7 @@ fn with_waiting<T>(receiver: &Receiver<T>, first: T, max: usize) -> Vec<T> {
 /// Runs a batch's operations one after another in the batch's overlay (a
 /// failed one is taken back whole). Returns the batch's writes, the
 /// acknowledgements that must wait for its commit, and those that need not:
-/// an operation that needs no fsync (a lease, a lock extension) and wrote
+/// an operation that needs no fsync ([`Durable::No`]: a lease, a lock extension) and wrote
 /// nothing (a lease that found no job) told its caller nothing a crash could
 /// take back.
 fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead, memo: &mut Memo) -> (Writes, Vec<Ack>, Vec<Ack>) {
@@ -2121,6 +2126,34 @@ mod checkpoint_tests {
     #[test]
     fn relaxed_ack_is_fsynced_within_the_flush_interval_during_a_slow_checkpoint() {
         slow_checkpoint(false);
+    }
+
+    /// Under relaxed durability a write that waits for its fsync, followed by
+    /// one answered at once, is readable once it is answered: published in
+    /// the order the batches ran, not left behind the later one's mark.
+    #[test]
+    fn a_write_durable_always_is_readable_once_answered_after_a_later_relaxed_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = RedbOptions { durability: Durability::Relaxed { flush_interval_ms: 100 }, ..Default::default() };
+        let store = RedbStore::open(&dir.path().join("jobs.redb"), options).unwrap();
+        // The file writer waits: reads see only what was published.
+        let gate = store.progress.file_gate.lock();
+        let (sender, always) = mpsc::channel();
+        let body: super::super::OpBody = Box::new(|txn: &mut dyn crate::kv::KvTxn| {
+            txn.put(b"always", b"1".to_vec())?;
+            Ok(Box::new(()) as OpOutput)
+        });
+        let done: OpDone = Box::new(move |result| {
+            let _ = sender.send(result.is_ok());
+        });
+        store.submit(WriteOp { body, durable: Durable::Always, brief: true, done });
+        // Long enough for it to run as a batch of its own.
+        std::thread::sleep(Duration::from_millis(1));
+        assert!(submit(&store, "relaxed", b"2".to_vec(), true).recv().unwrap());
+        assert!(always.recv().unwrap());
+        let seen = store.snapshot().unwrap().get(b"always").unwrap();
+        drop(gate);
+        assert!(seen.is_some(), "an answered Durable::Always write is not readable");
     }
 
     /// Under relaxed durability a write that must be durable whatever the
