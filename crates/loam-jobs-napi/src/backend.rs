@@ -357,7 +357,7 @@ impl LoamQueue {
         let o: BackendOptions = parse("backend options", &options)?;
         let durability = match o.durability.as_deref() {
             None | Some("immediate") => Durability::Immediate,
-            Some("relaxed") => Durability::Relaxed { flush_interval_ms: flush_interval_ms(o.flush_interval_ms)? },
+            Some("relaxed") => Durability::relaxed(flush_interval_ms(o.flush_interval_ms)?),
             Some(other) => {
                 return Err(invalid(format!("unknown durability {other:?}: use \"immediate\" or \"relaxed\"")));
             }

@@ -74,7 +74,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     }
     let durability = match args.durability {
         DurabilityArg::Immediate => Durability::Immediate,
-        DurabilityArg::Relaxed => Durability::Relaxed { flush_interval_ms: args.flush_interval_ms.max(1) },
+        DurabilityArg::Relaxed => Durability::relaxed(args.flush_interval_ms),
     };
     let config = Config { max_payload_bytes: args.max_payload_bytes, durability, ..Config::default() };
     std::fs::create_dir_all(&args.data_dir)
