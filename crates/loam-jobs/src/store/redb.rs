@@ -2184,6 +2184,22 @@ mod checkpoint_tests {
         failing.store(false, Ordering::SeqCst);
     }
 
+    /// The queue core's open count is such a write: under relaxed durability
+    /// an open whose count cannot be made durable fails.
+    #[test]
+    fn a_relaxed_open_waits_for_its_open_count_to_be_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("jobs.redb");
+        let db = Database::builder().create(&path).unwrap();
+        let mut wal = recover(&db, &log_path(&path)).unwrap();
+        wal.fail_syncs_while(Arc::new(AtomicBool::new(true)));
+        let durability = Durability::relaxed(60_000);
+        let store = RedbStore::start(db, &RedbOptions { durability, ..Default::default() }, Some(wal)).unwrap();
+        let config = crate::Config { durability, background: false, ..Default::default() };
+        let opened = crate::Jobs::with_store(Box::new(store), Arc::new(crate::SystemClock), config);
+        assert!(opened.is_err(), "opened with its open count not durable");
+    }
+
     /// A group too large for the log is committed durably to redb as a
     /// checkpoint: once that succeeded its operations succeeded, whatever the
     /// log's restart after it does (its fsync of records the checkpoint made
