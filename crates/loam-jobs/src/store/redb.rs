@@ -1567,6 +1567,16 @@ mod log_tests {
 
     /// Submits a write of `key`; the receiver tells whether it was acknowledged.
     pub(super) fn submit_put(store: &RedbStore, key: String, value: Vec<u8>, sync: bool) -> mpsc::Receiver<bool> {
+        submit_put_durable(store, key, value, Durable::needed(sync))
+    }
+
+    /// [`submit_put`] of a write as durable as `durable` asks.
+    pub(super) fn submit_put_durable(
+        store: &RedbStore,
+        key: String,
+        value: Vec<u8>,
+        durable: Durable,
+    ) -> mpsc::Receiver<bool> {
         let (sender, receiver) = mpsc::channel();
         let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
             txn.put(key.as_bytes(), value.clone())?;
@@ -1575,7 +1585,7 @@ mod log_tests {
         let done: OpDone = Box::new(move |result| {
             let _ = sender.send(result.is_ok());
         });
-        store.submit(WriteOp { body, durable: Durable::needed(sync), brief: true, done });
+        store.submit(WriteOp { body, durable, brief: true, done });
         receiver
     }
 
@@ -2063,7 +2073,7 @@ mod checkpoint_tests {
 
     use redb::backends::InMemoryBackend;
 
-    use super::log_tests::submit_put;
+    use super::log_tests::{submit_put, submit_put_durable};
     use super::tests::{Gate, GatedDisk};
     use super::*;
 
@@ -2138,15 +2148,7 @@ mod checkpoint_tests {
         let store = RedbStore::open(&dir.path().join("jobs.redb"), options).unwrap();
         // The file writer waits: reads see only what was published.
         let gate = store.progress.file_gate.lock();
-        let (sender, always) = mpsc::channel();
-        let body: super::super::OpBody = Box::new(|txn: &mut dyn crate::kv::KvTxn| {
-            txn.put(b"always", b"1".to_vec())?;
-            Ok(Box::new(()) as OpOutput)
-        });
-        let done: OpDone = Box::new(move |result| {
-            let _ = sender.send(result.is_ok());
-        });
-        store.submit(WriteOp { body, durable: Durable::Always, brief: true, done });
+        let always = submit_put_durable(&store, "always".into(), b"1".to_vec(), Durable::Always);
         // Long enough for it to run as a batch of its own.
         std::thread::sleep(Duration::from_millis(1));
         assert!(submit(&store, "relaxed", b"2".to_vec(), true).recv().unwrap());
@@ -2156,30 +2158,26 @@ mod checkpoint_tests {
         assert!(seen.is_some(), "an answered Durable::Always write is not readable");
     }
 
+    /// A store under relaxed durability (a flush a minute) over a log whose
+    /// fsyncs fail, appends not, until the flag is cleared.
+    fn relaxed_with_failing_fsyncs(path: &Path) -> (RedbStore, Arc<AtomicBool>) {
+        let db = Database::builder().create(path).unwrap();
+        let mut wal = recover(&db, &log_path(path)).unwrap();
+        let failing = Arc::new(AtomicBool::new(true));
+        wal.fail_syncs_while(Arc::clone(&failing));
+        let options = RedbOptions { durability: Durability::relaxed(60_000), ..Default::default() };
+        (RedbStore::start(db, &options, Some(wal)).unwrap(), failing)
+    }
+
     /// Under relaxed durability a write that must be durable whatever the
     /// durability (the store's open count) is answered after its fsync, so
     /// an fsync that fails fails it; the others are answered before theirs.
     #[test]
     fn a_write_durable_always_waits_for_its_fsync_under_relaxed_durability() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("jobs.redb");
-        let db = Database::builder().create(&path).unwrap();
-        let mut wal = recover(&db, &log_path(&path)).unwrap();
-        let failing = Arc::new(AtomicBool::new(true));
-        wal.fail_syncs_while(Arc::clone(&failing));
-        let options =
-            RedbOptions { durability: Durability::Relaxed { flush_interval_ms: 60_000 }, ..Default::default() };
-        let store = RedbStore::start(db, &options, Some(wal)).unwrap();
+        let (store, failing) = relaxed_with_failing_fsyncs(&dir.path().join("jobs.redb"));
         assert!(submit(&store, "relaxed", b"1".to_vec(), true).recv().unwrap(), "answered before its fsync");
-        let (sender, answer) = mpsc::channel();
-        let body: super::super::OpBody = Box::new(|txn: &mut dyn crate::kv::KvTxn| {
-            txn.put(b"always", b"2".to_vec())?;
-            Ok(Box::new(()) as OpOutput)
-        });
-        let done: OpDone = Box::new(move |result| {
-            let _ = sender.send(result.is_ok());
-        });
-        store.submit(WriteOp { body, durable: Durable::Always, brief: true, done });
+        let answer = submit_put_durable(&store, "always".into(), b"2".to_vec(), Durable::Always);
         assert!(!answer.recv().unwrap(), "answered only after its fsync, which failed");
         failing.store(false, Ordering::SeqCst);
     }
@@ -2189,13 +2187,8 @@ mod checkpoint_tests {
     #[test]
     fn a_relaxed_open_waits_for_its_open_count_to_be_durable() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("jobs.redb");
-        let db = Database::builder().create(&path).unwrap();
-        let mut wal = recover(&db, &log_path(&path)).unwrap();
-        wal.fail_syncs_while(Arc::new(AtomicBool::new(true)));
-        let durability = Durability::relaxed(60_000);
-        let store = RedbStore::start(db, &RedbOptions { durability, ..Default::default() }, Some(wal)).unwrap();
-        let config = crate::Config { durability, background: false, ..Default::default() };
+        let (store, _failing) = relaxed_with_failing_fsyncs(&dir.path().join("jobs.redb"));
+        let config = crate::Config { durability: Durability::relaxed(60_000), background: false, ..Default::default() };
         let opened = crate::Jobs::with_store(Box::new(store), Arc::new(crate::SystemClock), config);
         assert!(opened.is_err(), "opened with its open count not durable");
     }
