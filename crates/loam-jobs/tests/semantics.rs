@@ -529,6 +529,71 @@ fn keep_last_if_active_enqueues_the_newest_add_after_the_active_job() {
 }
 
 #[test]
+fn removing_a_dedup_key_leaves_the_add_keep_last_if_active_kept() {
+    let (jobs, _) = core();
+    let d = Dedup { keep_last_if_active: true, ..dedup("d", None) };
+    let add = |data: &[u8]| {
+        jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), data: data.to_vec(), ..job("a") })
+            .wait()
+            .unwrap()
+    };
+    let owner = || jobs.query("ns", "q", |tx, q| query::dedup_job_id(tx, q, "d")).unwrap();
+    let remove = || jobs.admin("ns", "q", |tx, q| admin::remove_dedup_key(tx, q, "d", None)).wait().unwrap();
+    let holder = add(b"1");
+    let l = lease_one(&jobs, "q").unwrap();
+    let kept = add(b"2");
+    assert_eq!((kept.created, kept.id.as_str()), (false, holder.id.as_str()));
+    assert_eq!(remove(), 1);
+    assert_eq!(owner(), None, "the key is gone");
+    assert_eq!(remove(), 0, "and cannot be removed twice");
+    // With the key gone the next add takes it; the kept add waits on.
+    let after = add(b"3");
+    assert!(after.created);
+    assert_eq!(owner(), Some(after.id.clone()));
+    ok(&jobs, "q", &l, "1");
+    // The first job's end makes the kept add, which takes the key (Redis's
+    // requeueDeduplicatedJob sets it to the new job).
+    let mut made: Vec<_> = std::iter::from_fn(|| lease_one(&jobs, "q")).map(|l| l.job.data).collect();
+    made.sort();
+    assert_eq!(made, [b"2".to_vec(), b"3".to_vec()]);
+    assert_ne!(owner(), Some(after.id));
+    assert!(owner().is_some());
+}
+
+#[test]
+fn a_kept_add_is_stamped_and_delayed_from_when_it_is_made() {
+    let (jobs, clock) = core();
+    let d = Dedup { keep_last_if_active: true, ..dedup("d", None) };
+    jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), ..job("a") }).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    let added_at = clock.now_ms();
+    // BullMQ stamps each add itself.
+    let kept = EnqueueRequest { dedup: Some(d), delay_ms: 1000, timestamp: Some(added_at), ..job("b") };
+    jobs.enqueue("ns", "q", kept).wait().unwrap();
+    clock.advance(1500);
+    ok(&jobs, "q", &l, "1");
+    let made = jobs.get_job("ns", "q", &(l.job.id.parse::<u64>().unwrap() + 1).to_string()).unwrap().unwrap();
+    assert_eq!((made.name.as_str(), made.timestamp, made.due), ("b", added_at + 1500, added_at + 2500));
+    clock.advance(700);
+    assert!(lease_one(&jobs, "q").is_none(), "its delay runs from when it was made");
+    clock.advance(300);
+    assert_eq!(lease_one(&jobs, "q").map(|l| l.job.name), Some("b".into()));
+}
+
+#[test]
+fn a_rescheduling_add_counts_its_delay_from_its_own_timestamp() {
+    let (jobs, clock) = core();
+    let now = clock.now_ms();
+    let d = Dedup { reschedule: true, ..dedup("d", None) };
+    let held = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), delay_ms: 60_000, ..job("a") });
+    let held = held.wait().unwrap();
+    let incoming = EnqueueRequest { dedup: Some(d), delay_ms: 30_000, timestamp: Some(now - 25_000), ..job("a") };
+    let absorbed = jobs.enqueue("ns", "q", incoming).wait().unwrap();
+    assert_eq!(absorbed.id, held.id);
+    assert_eq!(jobs.get_job("ns", "q", &held.id).unwrap().unwrap().due, now + 5_000);
+}
+
+#[test]
 fn retention_keeps_the_newest_finished_jobs() {
     let (jobs, clock) = core();
     for i in 0..5 {

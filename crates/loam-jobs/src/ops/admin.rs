@@ -137,7 +137,7 @@ pub(crate) fn child_link<'a>(
 fn release_dedup_key(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
     let Some(d) = &job.dedup else { return Ok(()) };
     let key = QueueKeys::new(q).dedup(&d.id);
-    if tx.get_record::<DedupRecord>(&key)?.is_some_and(|r| r.job_id == job.id) {
+    if tx.get_record::<DedupRecord>(&key)?.is_some_and(|r| r.holder() == Some(job.id.as_str())) {
         tx.delete(&key)?;
     }
     Ok(())
@@ -824,10 +824,12 @@ pub fn remove_rate_limit_key(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError>
 }
 
 /// Deletes a dedup key if it still points at `job_id` (or unconditionally
-/// when `job_id` is None). Returns 1 if a key was deleted.
+/// when `job_id` is None). Returns 1 if a key was deleted. An add kept by
+/// `keepLastIfActive` stays, to be made when a job of the id finishes: Redis
+/// deletes the key alone.
 pub fn remove_dedup_key(tx: &mut Tx, q: &QueueId, dedup_id: &str, job_id: Option<&str>) -> Result<u64, JobsError> {
     let key = QueueKeys::new(q).dedup(dedup_id);
-    let Some(rec) = tx.get_record::<DedupRecord>(&key)? else { return Ok(0) };
+    let Some(mut rec) = tx.get_record::<DedupRecord>(&key)?.filter(|r| !r.key_removed) else { return Ok(0) };
     let live = match tx.load_job(q, &rec.job_id)? {
         Some(job) => rec.is_live(&job, tx.now),
         None => rec.expires_at.is_none_or(|e| e > tx.now),
@@ -836,7 +838,12 @@ pub fn remove_dedup_key(tx: &mut Tx, q: &QueueId, dedup_id: &str, job_id: Option
     if !live || job_id.is_some_and(|j| j != rec.job_id) {
         return Ok(0);
     }
-    tx.delete(&key)?;
+    if rec.next.is_some() {
+        rec.key_removed = true;
+        tx.put_record(&key, &rec)?;
+    } else {
+        tx.delete(&key)?;
+    }
     Ok(1)
 }
 

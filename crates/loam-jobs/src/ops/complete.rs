@@ -488,16 +488,16 @@ fn keep_or_purge(tx: &mut Tx, q: &QueueId, job: &mut JobRecord, retention: Reten
 }
 
 /// Frees a finished job's dedup key when the key is held until the job
-/// finishes, and enqueues the add kept by `keepLastIfActive`.
+/// finishes, and enqueues the add kept by `keepLastIfActive`. As Redis's
+/// moveToFinished makes the add under `dn:<id>`, the kept add is made when
+/// any job of the id finishes, whether or not it holds the key (it may no
+/// longer: the key was removed, and maybe taken by a later add).
 fn release_dedup_on_finish(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
     let Some(d) = &job.dedup else { return Ok(()) };
     let key = QueueKeys::new(q).dedup(&d.id);
     let Some(rec) = tx.get_record::<DedupRecord>(&key)? else { return Ok(()) };
-    if rec.job_id != job.id {
-        return Ok(());
-    }
     let expired = rec.expires_at.is_some_and(|e| e <= tx.now);
-    if rec.expires_at.is_none() || expired {
+    if rec.holder() == Some(job.id.as_str()) && (rec.expires_at.is_none() || expired) {
         tx.delete(&key)?;
     }
     if let Some(next) = rec.next {

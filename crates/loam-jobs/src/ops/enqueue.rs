@@ -95,7 +95,10 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
 }
 
 /// The add `keepLastIfActive` kept, made now under the number it took then.
-pub fn enqueue_kept(tx: &mut Tx, q: &QueueId, kept: EnqueueRequest) -> Result<Enqueued, JobsError> {
+/// Its job is stamped now, and a delay counts from now, as Redis makes it
+/// when the job before it finishes.
+pub fn enqueue_kept(tx: &mut Tx, q: &QueueId, mut kept: EnqueueRequest) -> Result<Enqueued, JobsError> {
+    kept.timestamp = None;
     add(tx, q, kept, Placement::Normal)
 }
 
@@ -366,7 +369,14 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     let keys = QueueKeys::new(q);
     let dkey = keys.dedup(&d.id);
     let now = tx.now;
-    let held = match tx.get_record::<DedupRecord>(&dkey)? {
+    // A key removed while an add was kept: no job holds the id, and the kept
+    // add waits on for a job of the id to finish (Redis deletes `de:<id>`
+    // and leaves `dn:<id>`).
+    let (record, kept) = match tx.get_record::<DedupRecord>(&dkey)? {
+        Some(rec) if rec.key_removed => (None, rec.next),
+        other => (other, None),
+    };
+    let held = match record {
         Some(rec) => match tx.load_job(q, &rec.job_id)? {
             Some(job) => rec.is_live(&job, now).then_some((rec, Some(job))),
             // A key with an expiry outlives a job removed before it (on
@@ -379,13 +389,13 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     };
     let ttl_expiry = d.ttl_ms.filter(|t| *t > 0).map(|t| now.saturating_add(t));
     let Some((mut rec, mut job)) = held else {
-        tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at: ttl_expiry, next: None })?;
+        tx.put_record(&dkey, &DedupRecord::held_by(new_id, ttl_expiry, kept))?;
         return Ok(None);
     };
     let state = job.as_ref().map(|j| j.state);
     // A finished job holds a simple (ttl-less) dedup key no longer.
     if state.is_some_and(JobState::is_finished) && rec.expires_at.is_none() {
-        tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at: None, next: None })?;
+        tx.put_record(&dkey, &DedupRecord::held_by(new_id, None, None))?;
         return Ok(None);
     }
 
@@ -400,7 +410,7 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
             &[("jobId", new_id), ("deduplicationId", &d.id), ("deduplicatedJobId", &replaced.id)],
         )?;
         let expires_at = if d.extend { ttl_expiry } else { rec.expires_at.or(ttl_expiry) };
-        tx.put_record(&dkey, &DedupRecord { job_id: new_id.to_string(), expires_at, next: None })?;
+        tx.put_record(&dkey, &DedupRecord::held_by(new_id, expires_at, None))?;
         return Ok(None);
     }
 
@@ -418,7 +428,8 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     if let Some(job) = job.as_mut().filter(|j| d.reschedule && j.state == JobState::Delayed) {
         tx.unindex(q, job)?;
         job.delay = req.delay_ms;
-        job.due = now.saturating_add(req.delay_ms);
+        // From the incoming add's timestamp, as a delayed add counts its delay.
+        job.due = req.timestamp.unwrap_or(now).saturating_add(req.delay_ms);
         tx.index(q, job)?;
         tx.save_job(q, job)?;
         rescheduled_to = Some(job.due);

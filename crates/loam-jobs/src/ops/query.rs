@@ -264,7 +264,7 @@ pub fn dedup_job_id(tx: &mut Tx, q: &QueueId, dedup_id: &str) -> Result<Option<S
     let now = tx.now;
     Ok(tx
         .get_record::<model::DedupRecord>(&QueueKeys::new(q).dedup(dedup_id))?
-        .filter(|r| r.expires_at.is_none_or(|e| e > now))
+        .filter(|r| !r.key_removed && r.expires_at.is_none_or(|e| e > now))
         .map(|r| r.job_id))
 }
 
