@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,29 @@ async def test_cancelling_a_call_cancels_it_rather_than_failing_it(server: Serve
         with pytest.raises(asyncio.CancelledError):
             await task
         assert polls == 1
+
+
+async def test_a_cancelled_lease_gives_back_the_job_it_took(server: Server, queue: str) -> None:
+    async with AsyncClient(server.url) as client:
+        await client.enqueue(queue, "only", attempts=5)
+        task = asyncio.create_task(client.lease(queue, max_jobs=1))
+        for _ in range(3):
+            await asyncio.sleep(0)  # the request goes out
+        # The event loop is held while the server answers: the answer is in
+        # when the task is cancelled, and the caller never sees it.
+        time.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        counts: dict[str, int] = {}
+        for _ in range(40):
+            counts = await client.counts(queue, "wait", "active")
+            if counts["active"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert counts == {"wait": 1, "active": 0}, "the job was given back, not left to its lock"
+        leased = (await client.lease(queue, wait_ms=1_000))[0]
+        assert leased.job.attempts_made == 0, "giving back spends no attempt"
 
 
 async def test_an_async_watch_closed_from_another_task_stops_waiting(server: Server, queue: str) -> None:

@@ -23,7 +23,7 @@ from connectrpc.errors import ConnectError
 from pyqwest import SyncClient, SyncHTTPTransport
 
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
-from ._gen.loam.jobs.v1.jobs_pb import LeaseRequest, WatchRequest
+from ._gen.loam.jobs.v1.jobs_pb import CompleteRequest, LeaseRequest, WatchRequest
 from ._ops import Call, Op, Operations, Pause, complete
 from .errors import (
     ClientClosedError,
@@ -34,7 +34,7 @@ from .errors import (
     UnavailableError,
     from_connect_error,
 )
-from .models import LeaseBatch, QueueEvent, Release
+from .models import LeaseBatch, LeasedJob, QueueEvent, Release
 
 __all__ = ["AsyncClient", "AsyncWatch", "Client", "Watch", "DEFAULT_URL"]
 
@@ -121,6 +121,33 @@ def _stub(kind: type[S], url: str, compress_requests: bool, http_client: Any = N
     # Most requests are a few hundred bytes, where gzip costs more CPU than
     # it saves; responses are still compressed when the server chooses to.
     return kind(url, send_compression=None, http_client=http_client)
+
+
+def _takes_jobs(call: Call) -> bool:
+    """Whether `call` may lease jobs: a lease, or a completion that fetches
+    the next ones."""
+    if call.rpc == "lease":
+        return True
+    if call.rpc != "complete":
+        return False
+    options = cast(CompleteRequest, call.request).options
+    return options is not None and options.has_field("fetch_next")
+
+
+def _taken(call: Call, response: Any) -> list[LeasedJob]:
+    """The jobs `call` leased, by its `response`."""
+    if call.rpc == "lease":
+        return LeaseBatch.from_proto(cast(LeaseRequest, call.request).queue, response.leased).jobs
+    if call.rpc == "complete" and response.has_field("completed"):
+        return LeaseBatch.from_proto(cast(CompleteRequest, call.request).queue, response.completed.next).jobs
+    return []
+
+
+def _release(leased: LeasedJob) -> Op[Any]:
+    """Gives back a job its caller gave up on: it runs again at once, no
+    attempt spent. Also once the client was closed (a `with` block left by
+    the interruption): its connections open again for this."""
+    return complete(leased.queue, leased.id, leased.fence(), Release())
 
 
 def _take_outcome(done: asyncio.Future[Any]) -> None:
@@ -265,14 +292,11 @@ class Client(Operations):
     def _give_back(self, call: Call, answer: tuple[bool, Any]) -> None:
         """Releases the jobs of a lease whose caller gave up waiting for it."""
         ok, response = answer
-        if not ok or call.rpc != "lease":
+        if not ok:
             return
-        request = cast(LeaseRequest, call.request)
-        for leased in LeaseBatch.from_proto(request.queue, response.leased).jobs:
-            # Also once the client was closed (a `with` block left by the
-            # KeyboardInterrupt): its connections open again for this.
+        for leased in _taken(call, response):
             with contextlib.suppress(LoamJobsError):
-                self._drive(complete(leased.queue, leased.id, leased.fence(), Release()))
+                self._drive(_release(leased))
 
     def _run(self, op: Op[T]) -> T:
         # Checked as an operation starts: one under way (its retries, its
@@ -500,18 +524,54 @@ class AsyncClient(AsyncOperations):
         self._timeout_ms = timeout_ms
         self._closed = False
         self.stub = _stub(JobsServiceClient, self.url, compress_requests)
+        # Calls given up on that run on to give back what they take, and the
+        # give-backs: held here, as asyncio holds tasks only weakly.
+        self._abandoned: set[asyncio.Future[Any]] = set()
+        self._giving_back: set[asyncio.Future[Any]] = set()
 
     async def _call(self, call: Call) -> Any:
         _not_forked()
         method = getattr(self.stub, call.rpc)
+        # The request runs as a task of its own, so that a cancellation
+        # reaches the caller at once, as itself: on Python 3.11 connectrpc's
+        # `asyncio.wait_for` could swallow one that came with the answer, and
+        # the caller went on as if never cancelled.
+        sent = asyncio.ensure_future(
+            method(call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call))
+        )
         try:
-            return await method(
-                call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call)
-            )
+            return await asyncio.shield(sent)
+        except asyncio.CancelledError:
+            if _takes_jobs(call):
+                # Its answer may be on its way, and a job leased to nobody
+                # would wait for its lock to expire (and count a stall): let
+                # it end, and give back what it took (`Release`).
+                self._give_back_once_answered(call, sent)
+            else:
+                sent.cancel()
+                sent.add_done_callback(_take_outcome)
+            raise
         except ConnectError as err:
             if cancelled := _cancellation(err):
                 raise cancelled from None
             raise from_connect_error(err, call.request) from None
+
+    def _give_back_once_answered(self, call: Call, sent: asyncio.Future[Any]) -> None:
+        def answered(done: asyncio.Future[Any]) -> None:
+            self._abandoned.discard(done)
+            if done.cancelled() or done.exception() is not None:
+                return
+            for leased in _taken(call, done.result()):
+                release = asyncio.ensure_future(self._give_back(leased))
+                self._giving_back.add(release)
+                release.add_done_callback(self._giving_back.discard)
+
+        self._abandoned.add(sent)
+        sent.add_done_callback(answered)
+
+    async def _give_back(self, leased: LeasedJob) -> None:
+        with contextlib.suppress(LoamJobsError):
+            await self._drive(_release(leased))
 
     async def _drive(self, op: Op[T]) -> T:
         try:
@@ -553,8 +613,12 @@ class AsyncClient(AsyncOperations):
         return AsyncWatch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     async def close(self) -> None:
-        """Like `Client.close`."""
+        """Like `Client.close`; also cancels the long-polls that cancelled
+        calls left running to give back what they take (a job one took at
+        that moment waits for its lock to expire)."""
         self._closed = True
+        for abandoned in list(self._abandoned):
+            abandoned.cancel()
         await self.stub.close()
 
     async def __aenter__(self) -> Self:
