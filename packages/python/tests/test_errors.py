@@ -99,6 +99,38 @@ def test_values_the_wire_cannot_carry_are_refused_before_sending() -> None:
             next(nowhere.watch("q", after=-1))
 
 
+def test_arguments_of_the_wrong_kind_are_refused_before_sending() -> None:
+    # Each was a TypeError or AttributeError from inside the client, or, for
+    # one string where a list of them goes, a call about its characters.
+    lease = LeasedJob(queue="q", job=Job(id="1"), epoch=1, token="t", deadline=0)
+    with Client(f"http://127.0.0.1:{free_port()}") as nowhere:
+        one_string: list[Callable[[], object]] = [
+            lambda: nowhere.ranges("q", "wait"),
+            lambda: nowhere.get_jobs("q", "abc"),
+            lambda: nowhere.result_mget("abc"),
+            lambda: nowhere.result_mget_json("abc"),
+            lambda: nowhere.get_meta("q", "abc"),
+            lambda: nowhere.remove_meta_fields("q", "abc"),
+            lambda: nowhere.lease("q", names="abc"),  # type: ignore[arg-type]
+        ]
+        for call in one_string:
+            with pytest.raises(
+                InvalidArgumentError, match="request not sent: .* takes a list of strings, not one"
+            ):
+                call()
+        for wait in (None, "100", 1.5, True):
+            with pytest.raises(
+                InvalidArgumentError, match="request not sent: wait_ms must be a whole number"
+            ):
+                nowhere.lease("q", wait_ms=wait)  # type: ignore[arg-type]
+        for outcome in (Success, "ok", Exception("boom")):
+            with pytest.raises(InvalidArgumentError, match="request not sent: the outcome must be"):
+                nowhere.complete(lease, outcome)  # type: ignore[arg-type]
+    for timeout in (-1, "5", 1.5):
+        with pytest.raises(InvalidArgumentError, match="timeout_ms must be None or a whole number"):
+            Client("http://127.0.0.1:1", timeout_ms=timeout)  # type: ignore[arg-type]
+
+
 def test_values_json_cannot_carry_are_refused_before_sending() -> None:
     # NaN and the infinities would be written as `NaN` and `Infinity`, which
     # JSON.parse (a BullMQ worker) cannot read. No server: a request sent

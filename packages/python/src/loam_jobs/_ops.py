@@ -90,6 +90,7 @@ from .models import (
     lease_options,
     own_key,
     retention,
+    text_list,
 )
 
 # The server caps one long-poll at 30 s; longer waits are several calls.
@@ -680,6 +681,8 @@ class Operations(ABC):
         limiter: RateLimit | None = None,
     ) -> LeaseBatch:
         """Takes up to `max_jobs` ready jobs, waiting up to `wait_ms` for the first."""
+        if isinstance(wait_ms, bool) or not isinstance(wait_ms, int):
+            raise InvalidArgumentError(f"request not sent: wait_ms must be a whole number of ms: {wait_ms!r}")
         options = lease_options(
             max_jobs,
             token=token,
@@ -758,6 +761,11 @@ class Operations(ABC):
         longer lock, wants the same for the jobs it fetches here), or
         `fetch_next_options` whole; they are in the result's `next`.
         """
+        if outcome is not None and not isinstance(outcome, OutcomeSpec):
+            raise InvalidArgumentError(
+                f"request not sent: the outcome must be Success(...), Retry(...), Fail(...), Release(), "
+                f"Delay(...), WaitChildren() or RateLimited(...): {outcome!r}"
+            )
         queue_name, job_id = _target(target, queue)
         fence = _fence(target, epoch, token, unchecked)
         next_options = fetch_next_options or (
@@ -952,12 +960,12 @@ class Operations(ABC):
         )
 
     def remove_meta_fields(self, queue: str, fields: Sequence[str]) -> int:
-        value = QueueAdminRequest.RemoveMetaFields(fields=list(fields))
+        value = QueueAdminRequest.RemoveMetaFields(fields=text_list(fields, "fields"))
         return self._run(_then(queue_admin(queue, "remove_meta_fields", value), _count))
 
     def get_meta(self, queue: str, fields: Sequence[str] = ()) -> dict[str, str]:
         """The queue's meta fields asked for (all with none); absent fields are left out."""
-        op = query(queue, "meta", QueryRequest.Meta(fields=list(fields)))
+        op = query(queue, "meta", QueryRequest.Meta(fields=text_list(fields, "fields")))
         return self._run(_then(op, lambda result: dict(result.values) if result else {}))
 
     def set_rate_limit(self, queue: str, ms: int) -> None:
@@ -1053,7 +1061,7 @@ class Operations(ABC):
         return self._run(_then(get_jobs(queue, [job_id]), lambda jobs: jobs[0]))
 
     def get_jobs(self, queue: str, job_ids: Sequence[str]) -> list[Job | None]:
-        return self._run(get_jobs(queue, job_ids))
+        return self._run(get_jobs(queue, text_list(job_ids, "job_ids")))
 
     def remove(self, queue: str, job_id: str, *, remove_children: bool = False) -> bool:
         """Removes a job; False when it or a descendant is locked (nothing removed)."""
@@ -1130,7 +1138,8 @@ class Operations(ABC):
         self, queue: str, types: Sequence[str], start: int = 0, end: int = -1, *, asc: bool = False
     ) -> dict[str, list[str]]:
         """Job ids per BullMQ type, from `start` to `end` (negative counts from the end)."""
-        value = QueryRequest.Ranges(types=list(types), start=start, end=end, asc=asc)
+        types = text_list(types, "types")
+        value = QueryRequest.Ranges(types=types, start=start, end=end, asc=asc)
 
         def by_type(result: Any) -> dict[str, list[str]]:
             lists = [list(r.ids) for r in result.ranges] if result else []
@@ -1193,7 +1202,7 @@ class Operations(ABC):
 
     def result_mget(self, keys: Sequence[str]) -> list[bytes | None]:
         """`result_get` of each key, in one call."""
-        return self._run(result_mget(keys))
+        return self._run(result_mget(text_list(keys, "keys")))
 
     def result_get_json(self, key: str, default: Any = None) -> Any:
         """The value at `key` decoded as JSON, which gives back any value but
@@ -1205,7 +1214,7 @@ class Operations(ABC):
 
     def result_mget_json(self, keys: Sequence[str], default: Any = None) -> list[Any]:
         """`result_get_json` of each key, in one call."""
-        names = list(keys)
+        names = text_list(keys, "keys")
         return self._run(
             _then(
                 result_mget(names),

@@ -107,6 +107,17 @@ def _not_forked() -> None:
         )
 
 
+def _client_timeout(timeout_ms: int | None) -> int | None:
+    """`timeout_ms` as a client takes it: None, or a whole number of ms."""
+    if timeout_ms is not None and (
+        isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 0
+    ):
+        raise InvalidArgumentError(
+            f"timeout_ms must be None or a whole number of ms, 0 or more: {timeout_ms!r}"
+        )
+    return timeout_ms
+
+
 def _timeout(client_timeout_ms: int | None, call: Call) -> int | None:
     # A long-poll is held by the server on purpose: the client's timeout
     # counts from when the server may answer, not from the request.
@@ -232,7 +243,7 @@ class Client(Operations):
         self.url = url.rstrip("/")
         self.namespace = namespace
         self._headers = _headers(token, namespace)
-        self._timeout_ms = timeout_ms
+        self._timeout_ms = _client_timeout(timeout_ms)
         self._compress_requests = compress_requests
         self._closed = False
         self.stub = _stub(JobsServiceClientSync, self.url, compress_requests)
@@ -521,7 +532,7 @@ class AsyncClient(AsyncOperations):
         self.url = url.rstrip("/")
         self.namespace = namespace
         self._headers = _headers(token, namespace)
-        self._timeout_ms = timeout_ms
+        self._timeout_ms = _client_timeout(timeout_ms)
         self._closed = False
         self.stub = _stub(JobsServiceClient, self.url, compress_requests)
         # Calls given up on that run on to give back what they take, and the

@@ -19,7 +19,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -110,6 +110,15 @@ def encode_json(value: Any) -> str:
         return json.dumps(value, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as err:
         raise InvalidArgumentError(f"request not sent: {err}") from err
+
+
+def text_list(values: Iterable[str], what: str) -> list[str]:
+    """`values` as a list; one string where a list of them goes (which would
+    be taken as its characters) raises InvalidArgumentError("request not
+    sent: ...")."""
+    if isinstance(values, str | bytes):
+        raise InvalidArgumentError(f"request not sent: {what} takes a list of strings, not one: {values!r}")
+    return list(values)
 
 
 def encode_data(value: Any) -> bytes:
@@ -510,6 +519,6 @@ def lease_options(
         token=token,
         worker=worker,
         lock_duration_ms=lock_duration_ms,
-        names=list(names or []),
+        names=text_list(names or [], "names"),
         limiter=limiter,
     )
