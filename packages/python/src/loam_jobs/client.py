@@ -365,9 +365,10 @@ class Client(Operations):
         return Watch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     def close(self) -> None:
-        """Releases the client's connections. An operation under way ends as
-        it would have; one started later, or a watch's reconnect, raises
-        `ClientClosedError`."""
+        """Ends the client. An operation under way ends as it would have;
+        one started later, or a watch's reconnect, raises `ClientClosedError`.
+        Its connections are the process's pool, shared by every client (see
+        the README's "Processes, signals and closing")."""
         self._closed = True
         self.stub.close()
 
