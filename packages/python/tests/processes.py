@@ -2,6 +2,7 @@
 
     python processes.py produce URL QUEUE PRODUCER_ID COUNT
     python processes.py work URL QUEUE WORKER_ID TOTAL
+    python processes.py async-then-exit URL QUEUE - COUNT
 
 A worker prints, as JSON, the ids of the jobs whose completion the server
 accepted from it, once the queue has TOTAL completed jobs.
@@ -9,11 +10,12 @@ accepted from it, once the queue has TOTAL completed jobs.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
 
-from loam_jobs import Client, Success, job
+from loam_jobs import AsyncClient, Client, Success, job
 
 
 def produce(url: str, queue: str, producer: str, count: int) -> None:
@@ -42,9 +44,24 @@ def work(url: str, queue: str, worker: str, total: int) -> None:
     print(json.dumps(done))
 
 
+async def async_then_exit(url: str, queue: str, count: int) -> None:
+    """Adds and works `count` jobs through two AsyncClients, rests, reads,
+    and returns: the process exits right after its last call."""
+    async with AsyncClient(url) as producer, AsyncClient(url) as worker:
+        for _ in range(count):
+            await producer.enqueue(queue, "work")
+            for leased in await worker.lease(queue):
+                await worker.complete(leased)
+        await asyncio.sleep(0.2)
+        await producer.counts(queue, "wait")
+        await producer.ranges(queue, ["active"])
+
+
 if __name__ == "__main__":
     mode, url, queue, name, number = sys.argv[1:6]
     if mode == "produce":
         produce(url, queue, name, int(number))
-    else:
+    elif mode == "work":
         work(url, queue, name, int(number))
+    else:
+        asyncio.run(async_then_exit(url, queue, int(number)))

@@ -9,6 +9,7 @@ operation (`_ops.Operations`); they differ only in how a call is performed.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import functools
 import os
@@ -83,6 +84,27 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# When an AsyncClient call last ended. The HTTP runtime's threads still call
+# into Python for a few ms after an asyncio call returns (they settle its
+# futures through the event loop); one that does as the interpreter finalizes
+# aborts the process (SIGABRT: pyqwest over PyO3 on Python before 3.14,
+# PyO3 issue 6084). So the process waits out that moment before it finalizes.
+_async_call_ended = 0.0
+_SETTLE_SECONDS = 0.1
+
+
+def _async_call_settled(_: asyncio.Future[Any]) -> None:
+    global _async_call_ended
+    _async_call_ended = time.monotonic()
+
+
+@atexit.register
+def _let_async_calls_settle() -> None:
+    remaining = _SETTLE_SECONDS - (time.monotonic() - _async_call_ended)
+    if _async_call_ended and remaining > 0:
+        time.sleep(remaining)
 
 
 def _usable() -> None:
@@ -551,6 +573,7 @@ class AsyncClient(AsyncOperations):
         sent = asyncio.ensure_future(
             method(call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call))
         )
+        sent.add_done_callback(_async_call_settled)
         try:
             return await asyncio.shield(sent)
         except asyncio.CancelledError:
@@ -631,6 +654,12 @@ class AsyncClient(AsyncOperations):
         self._closed = True
         for abandoned in list(self._abandoned):
             abandoned.cancel()
+        # What is under way ends before the client does: a request still in
+        # flight when the interpreter exits lets the HTTP runtime's thread
+        # call into it as it finalizes, which aborts the process.
+        if self._abandoned or self._giving_back:
+            bound = None if self._timeout_ms is None else self._timeout_ms / 1000
+            await asyncio.wait([*self._abandoned, *self._giving_back], timeout=bound)
         await self.stub.close()
 
     async def __aenter__(self) -> Self:
@@ -676,6 +705,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
 
     async def _next_message(self, stream: AsyncIterator[Any]) -> Any:
         read = self._read = asyncio.ensure_future(anext(stream))
+        read.add_done_callback(_async_call_settled)
         # A read given up (cancelled, or past the idle timeout) ends with an
         # error nobody awaits: take it here, or asyncio logs it as lost.
         read.add_done_callback(_take_outcome)
