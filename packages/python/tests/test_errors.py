@@ -83,6 +83,7 @@ def test_values_the_wire_cannot_carry_are_refused_before_sending() -> None:
             ({"delay_ms": -1}, "job.delay_ms"),
             ({"delay_ms": 1.5}, "job.delay_ms"),
             ({"attempts": 2**40}, "job.attempts"),
+            ({"remove_on_complete": 1.7}, "job.remove_on_complete.keep.count"),
         ):
             with pytest.raises(InvalidArgumentError) as refused:
                 nowhere.enqueue("q", "a", None, **options)  # type: ignore[arg-type]
@@ -123,6 +124,10 @@ def test_arguments_of_the_wrong_kind_are_refused_before_sending() -> None:
                 InvalidArgumentError, match="request not sent: wait_ms must be a whole number"
             ):
                 nowhere.lease("q", wait_ms=wait)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="request not sent: a job's name is a string"):
+            nowhere.enqueue("q", None)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="request not sent: idempotency_key is empty"):
+            nowhere.enqueue("q", "a", idempotency_key="")
         for outcome in (Success, "ok", Exception("boom")):
             with pytest.raises(InvalidArgumentError, match="request not sent: the outcome must be"):
                 nowhere.complete(lease, outcome)  # type: ignore[arg-type]

@@ -157,7 +157,9 @@ def retention(policy: bool | int | Keep | Retention) -> Retention:
         return Retention(policy=Oneof[Literal["remove_immediately"], bool]("remove_immediately", True))
     if policy is False:
         return Retention(policy=Oneof[Literal["keep_all"], bool]("keep_all", True))
-    return Retention(policy=Oneof[Literal["keep"], Keep]("keep", Keep(count=int(policy))))
+    # As given: the encoder refuses what is not a whole number (a float
+    # was truncated here once, where every other count refuses one).
+    return Retention(policy=Oneof[Literal["keep"], Keep]("keep", Keep(count=policy)))
 
 
 def job(
@@ -195,6 +197,11 @@ def job(
     own options document (BullMQ's job options), kept verbatim by the server.
     `scheduler_id` names the job scheduler the job is an iteration of.
     """
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"request not sent: a job's name is a string: {name!r}")
+    if idempotency_key == "":
+        # Taken for no key, it left the job to an automatic key of its own.
+        raise InvalidArgumentError("request not sent: idempotency_key is empty (None for no key of your own)")
     return JobSpec(
         name=name,
         data=encode_data(data),
