@@ -8,7 +8,7 @@ import ast
 import inspect
 import textwrap
 
-from loam_jobs import AsyncClient, Client
+from loam_jobs import AsyncClient, Client, JobOptions, TickJobOptions, job
 from loam_jobs._ops import Operations
 
 
@@ -69,3 +69,12 @@ def test_the_async_stub_names_only_what_it_imports() -> None:
     }
     assert len(methods) > 50
     assert named - known == set()
+
+
+def test_the_typed_job_options_are_those_job_takes() -> None:
+    # `enqueue` and `schedule` pass their keyword arguments on to `job()`:
+    # the TypedDicts that type them must name its options.
+    taken = set(inspect.signature(job).parameters) - {"name", "data"}
+    assert JobOptions.__optional_keys__ == taken and not JobOptions.__required_keys__
+    keyed = {"job_id", "idempotency_key", "idempotency_ttl_ms", "scheduler_id"}
+    assert TickJobOptions.__optional_keys__ == taken - keyed

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, Unpack, overload
 
 from protobuf import Message, Oneof
 
@@ -76,11 +76,13 @@ from .errors import (
 from .models import (
     CompleteResult,
     Fail,
+    JobOptions,
     LeaseBatch,
     LeasedJob,
     OutcomeSpec,
     QueueEvent,
     Success,
+    TickJobOptions,
     WorkerSeen,
     decode_json,
     encode_data,
@@ -634,7 +636,7 @@ class Operations(ABC):
 
     # --- producing ---------------------------------------------------------
 
-    def enqueue(self, queue: str, name: str, data: Any = None, **options: Any) -> Enqueued:
+    def enqueue(self, queue: str, name: str, data: Any = None, **options: Unpack[JobOptions]) -> Enqueued:
         """Adds one job; `options` are those of `loam_jobs.job()`."""
         return self._run(enqueue(queue, job(name, data, **options), own_key_ttl_ms(self._timeout_ms)))
 
@@ -842,7 +844,7 @@ class Operations(ABC):
         end_ms: int | None = None,
         limit: int | None = None,
         immediately: bool = False,
-        **job_options: Any,
+        **job_options: Unpack[TickJobOptions],
     ) -> ScheduleResult:
         """Creates or replaces a schedule the server ticks itself: a `cron`
         expression (5 or 6 fields) in time zone `tz` (IANA, default UTC), or

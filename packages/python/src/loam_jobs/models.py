@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from protobuf import Oneof
 
@@ -160,6 +160,41 @@ def retention(policy: bool | int | Keep | Retention) -> Retention:
     # As given: the encoder refuses what is not a whole number (a float
     # was truncated here once, where every other count refuses one).
     return Retention(policy=Oneof[Literal["keep"], Keep]("keep", Keep(count=policy)))
+
+
+class TickJobOptions(TypedDict, total=False):
+    """The options of `job` that `schedule` takes for each tick's job, by
+    keyword (a type checker then checks them by name and type): all but
+    those of `JobOptions` that name or key a job, which a tick does itself."""
+
+    delay_ms: int
+    priority: int
+    lifo: bool
+    attempts: int
+    backoff: int | Backoff | None
+    headers: Mapping[str, str] | None
+    dedup: str | Dedup | None
+    lock_duration_ms: int | None
+    timeout_ms: int | None
+    expires: int | None
+    parent: ParentRef | None
+    on_child_failure: OnChildFailure
+    remove_on_complete: bool | int | Keep | Retention | None
+    remove_on_fail: bool | int | Keep | Retention | None
+    keep_logs: int | None
+    dead_letter: str | None
+    timestamp: int | None
+    opts: str | Mapping[str, Any]
+
+
+class JobOptions(TickJobOptions, total=False):
+    """The options of `job` after its name and data: `enqueue`'s keyword
+    arguments."""
+
+    job_id: str | None
+    idempotency_key: str | None
+    idempotency_ttl_ms: int | None
+    scheduler_id: str | None
 
 
 def job(
