@@ -553,11 +553,46 @@ fn removing_a_dedup_key_leaves_the_add_keep_last_if_active_kept() {
     ok(&jobs, "q", &l, "1");
     // The first job's end makes the kept add, which takes the key (Redis's
     // requeueDeduplicatedJob sets it to the new job).
-    let mut made: Vec<_> = std::iter::from_fn(|| lease_one(&jobs, "q")).map(|l| l.job.data).collect();
+    let mut made: Vec<_> = std::iter::from_fn(|| lease_one(&jobs, "q")).map(|l| (l.job.data, l.job.id)).collect();
     made.sort();
-    assert_eq!(made, [b"2".to_vec(), b"3".to_vec()]);
-    assert_ne!(owner(), Some(after.id));
-    assert!(owner().is_some());
+    assert_eq!(made.iter().map(|(data, _)| data.clone()).collect::<Vec<_>>(), [b"2".to_vec(), b"3".to_vec()]);
+    assert_eq!(owner(), Some(made[0].1.clone()));
+}
+
+#[test]
+fn a_kept_add_outlives_the_keys_that_expire_while_it_waits() {
+    let (jobs, clock) = core();
+    let add =
+        |name: &str, d: Dedup| jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d), ..job(name) }).wait().unwrap();
+    let keep_last = Dedup { keep_last_if_active: true, ..dedup("d", Some(1000)) };
+    add("A", keep_last.clone());
+    let l = lease_one(&jobs, "q").unwrap();
+    assert!(!add("X", keep_last).created);
+    jobs.admin("ns", "q", |tx, q| admin::remove_dedup_key(tx, q, "d", None)).wait().unwrap();
+    // A throttle takes the key, and another once that one's ttl ran out:
+    // the add kept for later waits on through both (Redis's `dn:<id>` has
+    // no ttl of its own).
+    assert!(add("B", dedup("d", Some(1000))).created);
+    clock.advance(1300);
+    assert!(add("E", dedup("d", Some(1000))).created);
+    ok(&jobs, "q", &l, "1");
+    let mut made = leased_names(&jobs, "q", 3);
+    made.sort();
+    assert_eq!(made, ["B", "E", "X"]);
+}
+
+#[test]
+fn a_keep_last_if_active_key_lasts_until_its_job_finishes_whatever_its_ttl() {
+    let (jobs, clock) = core();
+    let d = Dedup { keep_last_if_active: true, ..dedup("d", Some(100)) };
+    let add = || jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), ..job("a") }).wait().unwrap();
+    let first = add();
+    clock.advance(500);
+    let waiting = add();
+    assert_eq!((waiting.created, waiting.id), (false, first.id.clone()), "its job has not run yet");
+    let l = lease_one(&jobs, "q").unwrap();
+    ok(&jobs, "q", &l, "1");
+    assert!(add().created, "its job finished, well within the ttl of the add after it");
 }
 
 #[test]

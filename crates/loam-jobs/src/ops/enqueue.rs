@@ -369,25 +369,29 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     let keys = QueueKeys::new(q);
     let dkey = keys.dedup(&d.id);
     let now = tx.now;
-    // A key removed while an add was kept: no job holds the id, and the kept
-    // add waits on for a job of the id to finish (Redis deletes `de:<id>`
-    // and leaves `dn:<id>`).
-    let (record, kept) = match tx.get_record::<DedupRecord>(&dkey)? {
+    // The key, if a job still holds the id, and else the add kept for later,
+    // which waits on for a job of the id to finish: Redis keeps it apart
+    // (`dn:<id>`), and it outlives a key removed or expired (`de:<id>`).
+    let (held, kept) = match tx.get_record::<DedupRecord>(&dkey)? {
+        None => (None, None),
         Some(rec) if rec.key_removed => (None, rec.next),
-        other => (other, None),
-    };
-    let held = match record {
         Some(rec) => match tx.load_job(q, &rec.job_id)? {
-            Some(job) => rec.is_live(&job, now).then_some((rec, Some(job))),
+            Some(job) if rec.is_live(&job, now) => (Some((rec, Some(job))), None),
+            Some(_) => (None, rec.next),
             // A key with an expiry outlives a job removed before it (on
             // completion, or by retention), as a Redis key lives out its TTL
-            // whatever becomes of its job: a throttle holds for its ttl. One
-            // without an expiry goes with its job; left behind, it is stale.
-            None => rec.expires_at.is_some_and(|e| e > now).then_some((rec, None)),
+            // whatever becomes of its job: a throttle holds for its ttl.
+            None if rec.expires_at.is_some_and(|e| e > now) => (Some((rec, None)), None),
+            None if rec.expires_at.is_some() => (None, rec.next),
+            // One without an expiry goes with its job; left behind, it is
+            // stale, and the add kept with it goes too (Redis's
+            // recoverStaleDeduplicationKey deletes both).
+            None => (None, None),
         },
-        None => None,
     };
-    let ttl_expiry = d.ttl_ms.filter(|t| *t > 0).map(|t| now.saturating_add(t));
+    // A keepLastIfActive key has no expiry, its ttl notwithstanding: it lasts
+    // until its job finishes, as Redis sets it without one.
+    let ttl_expiry = d.ttl_ms.filter(|t| *t > 0 && !d.keep_last_if_active).map(|t| now.saturating_add(t));
     let Some((mut rec, mut job)) = held else {
         tx.put_record(&dkey, &DedupRecord::held_by(new_id, ttl_expiry, kept))?;
         return Ok(None);
@@ -395,7 +399,7 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     let state = job.as_ref().map(|j| j.state);
     // A finished job holds a simple (ttl-less) dedup key no longer.
     if state.is_some_and(JobState::is_finished) && rec.expires_at.is_none() {
-        tx.put_record(&dkey, &DedupRecord::held_by(new_id, None, None))?;
+        tx.put_record(&dkey, &DedupRecord::held_by(new_id, None, rec.next))?;
         return Ok(None);
     }
 
