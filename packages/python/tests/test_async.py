@@ -141,6 +141,20 @@ async def test_a_cancelled_lease_gives_back_the_job_it_took(server: Server, queu
         assert leased.job.attempts_made == 0, "giving back spends no attempt"
 
 
+async def test_a_cancelled_long_poll_that_caught_nothing_stops_waiting(server: Server, queue: str) -> None:
+    async with AsyncClient(server.url) as client:
+        for _ in range(3):
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(client.lease(queue, wait_ms=10_000), timeout=0.1)
+        await asyncio.sleep(0.5)  # past the grace a cancelled long-poll gets to answer
+        added = await client.enqueue(queue, "later")
+        await asyncio.sleep(0.3)
+        job = await client.get_job(queue, added.id)
+        assert job is not None
+        # Left to wait on, the polls took it and gave it back, a lease each.
+        assert (job.state, job.attempts_started) == (JobState.WAITING, 0)
+
+
 async def test_an_async_watch_closed_from_another_task_stops_waiting(server: Server, queue: str) -> None:
     async with AsyncClient(server.url) as client:
         watch = client.watch(queue)

@@ -93,6 +93,7 @@ from .models import (
     own_key,
     retention,
     text_list,
+    whole_ms,
 )
 
 # The server caps one long-poll at 30 s; longer waits are several calls.
@@ -683,8 +684,7 @@ class Operations(ABC):
         limiter: RateLimit | None = None,
     ) -> LeaseBatch:
         """Takes up to `max_jobs` ready jobs, waiting up to `wait_ms` for the first."""
-        if isinstance(wait_ms, bool) or not isinstance(wait_ms, int):
-            raise InvalidArgumentError(f"request not sent: wait_ms must be a whole number of ms: {wait_ms!r}")
+        wait_ms = whole_ms(wait_ms, "wait_ms")
         options = lease_options(
             max_jobs,
             token=token,

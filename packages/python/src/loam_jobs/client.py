@@ -35,7 +35,7 @@ from .errors import (
     UnavailableError,
     from_connect_error,
 )
-from .models import LeaseBatch, LeasedJob, QueueEvent, Release
+from .models import LeaseBatch, LeasedJob, QueueEvent, Release, whole_ms
 
 __all__ = ["AsyncClient", "AsyncWatch", "Client", "Watch", "DEFAULT_URL"]
 
@@ -131,13 +131,7 @@ def _not_forked() -> None:
 
 def _client_timeout(timeout_ms: int | None) -> int | None:
     """`timeout_ms` as a client takes it: None, or a whole number of ms."""
-    if timeout_ms is not None and (
-        isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int) or timeout_ms < 0
-    ):
-        raise InvalidArgumentError(
-            f"timeout_ms must be None or a whole number of ms, 0 or more: {timeout_ms!r}"
-        )
-    return timeout_ms
+    return None if timeout_ms is None else whole_ms(timeout_ms, "timeout_ms")
 
 
 def _timeout(client_timeout_ms: int | None, call: Call) -> int | None:
@@ -154,6 +148,11 @@ def _stub(kind: type[S], url: str, compress_requests: bool, http_client: Any = N
     # Most requests are a few hundred bytes, where gzip costs more CPU than
     # it saves; responses are still compressed when the server chooses to.
     return kind(url, send_compression=None, http_client=http_client)
+
+
+# How long a cancelled long-poll lease may go on to answer (it does at once
+# when jobs are ready) before it is cancelled too.
+LONG_POLL_GRACE_SECONDS = 0.25
 
 
 def _takes_jobs(call: Call) -> bool:
@@ -592,6 +591,13 @@ class AsyncClient(AsyncOperations):
             raise from_connect_error(err, call.request) from None
 
     def _give_back_once_answered(self, call: Call, sent: asyncio.Future[Any]) -> None:
+        if call.wait_ms > 0:
+            # A long-poll answers at once when jobs are ready; else the
+            # server waits, and a wait cancelled catches nothing. Left to run
+            # for its whole wait, it would take jobs only to give them back
+            # (each a lease started, and rate-limit budget spent).
+            asyncio.get_running_loop().call_later(LONG_POLL_GRACE_SECONDS, sent.cancel)
+
         def answered(done: asyncio.Future[Any]) -> None:
             self._abandoned.discard(done)
             if done.cancelled() or done.exception() is not None:
@@ -649,17 +655,22 @@ class AsyncClient(AsyncOperations):
 
     async def close(self) -> None:
         """Like `Client.close`; also cancels the long-polls that cancelled
-        calls left running to give back what they take (a job one took at
-        that moment waits for its lock to expire)."""
+        calls left to answer (a job one took at that moment waits for its
+        lock to expire), and waits for the give-backs of what they took."""
         self._closed = True
         for abandoned in list(self._abandoned):
             abandoned.cancel()
         # What is under way ends before the client does: a request still in
         # flight when the interpreter exits lets the HTTP runtime's thread
-        # call into it as it finalizes, which aborts the process.
-        if self._abandoned or self._giving_back:
-            bound = None if self._timeout_ms is None else self._timeout_ms / 1000
-            await asyncio.wait([*self._abandoned, *self._giving_back], timeout=bound)
+        # call into it as it finalizes, which aborts the process. A call that
+        # ends may start give-backs, hence the loop.
+        loop = asyncio.get_running_loop()
+        deadline = None if self._timeout_ms is None else loop.time() + self._timeout_ms / 1000
+        while self._abandoned or self._giving_back:
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                break
+            await asyncio.wait([*self._abandoned, *self._giving_back], timeout=remaining)
         await self.stub.close()
 
     async def __aenter__(self) -> Self:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 import os
 import time
 import uuid
@@ -110,6 +111,23 @@ def encode_json(value: Any) -> str:
         return json.dumps(value, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as err:
         raise InvalidArgumentError(f"request not sent: {err}") from err
+
+
+def whole_ms(value: int, what: str) -> int:
+    """`value` as a number of milliseconds: a whole number (any integer type,
+    not a bool or a float), 0 or more, or InvalidArgumentError("request not
+    sent: ...")."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        ms = operator.index(value)
+    except TypeError:
+        ms = -1
+    if ms < 0:
+        raise InvalidArgumentError(
+            f"request not sent: {what} must be a whole number of ms, 0 or more: {value!r}"
+        )
+    return ms
 
 
 def text_list(values: Iterable[str], what: str) -> list[str]:
