@@ -1029,6 +1029,19 @@ mod tests {
         assert!(stub.body && stub.fields.is_empty());
     }
 
+    /// A dedup record written before `key_removed` existed reads as a key
+    /// that was not removed.
+    #[test]
+    fn dedup_records_from_before_removed_keys_still_read() {
+        #[derive(Serialize)]
+        struct Before<'a>(&'a str, Option<u64>, Option<Box<EnqueueRequest>>);
+        let kept = Box::new(EnqueueRequest { name: "next".into(), ..Default::default() });
+        let old = encode(&Before("7", None, Some(kept.clone())));
+        let read: DedupRecord = decode(&old).unwrap_or_else(|e| panic!("old record: {e}"));
+        assert_eq!(read, DedupRecord::held_by("7", None, Some(kept)));
+        assert_eq!(read.holder(), Some("7"));
+    }
+
     /// Counters written before `epoch_floor` existed (an array one field
     /// shorter) still read, with a floor of zero.
     #[test]
