@@ -461,6 +461,17 @@ fn dedup(id: &str, ttl: Option<u64>) -> Dedup {
     Dedup { id: id.into(), ttl_ms: ttl, ..Default::default() }
 }
 
+/// BullMQ's `keepLastIfActive` dedup of id "d".
+fn keep_last(ttl: Option<u64>) -> Dedup {
+    Dedup { keep_last_if_active: true, ..dedup("d", ttl) }
+}
+
+/// Adds a job under `d` and leases it: the job holding the dedup id, active.
+fn active_holder(jobs: &Jobs, d: &Dedup) -> Lease {
+    jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), ..job("a") }).wait().unwrap();
+    lease_one(jobs, "q").unwrap()
+}
+
 #[test]
 fn simple_dedup_holds_until_the_job_finishes() {
     let (jobs, _) = core();
@@ -512,9 +523,8 @@ fn debounce_replace_swaps_the_delayed_job() {
 #[test]
 fn keep_last_if_active_enqueues_the_newest_add_after_the_active_job() {
     let (jobs, _) = core();
-    let d = Dedup { keep_last_if_active: true, ..dedup("d", None) };
-    jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), ..job("a") }).wait().unwrap();
-    let l = lease_one(&jobs, "q").unwrap();
+    let d = keep_last(None);
+    let l = active_holder(&jobs, &d);
     for data in [b"2", b"3"] {
         let e = jobs
             .enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), data: data.to_vec(), ..job("a") })
@@ -531,7 +541,7 @@ fn keep_last_if_active_enqueues_the_newest_add_after_the_active_job() {
 #[test]
 fn removing_a_dedup_key_leaves_the_add_keep_last_if_active_kept() {
     let (jobs, _) = core();
-    let d = Dedup { keep_last_if_active: true, ..dedup("d", None) };
+    let d = keep_last(None);
     let add = |data: &[u8]| {
         jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), data: data.to_vec(), ..job("a") })
             .wait()
@@ -564,7 +574,7 @@ fn a_kept_add_outlives_the_keys_that_expire_while_it_waits() {
     let (jobs, clock) = core();
     let add =
         |name: &str, d: Dedup| jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d), ..job(name) }).wait().unwrap();
-    let keep_last = Dedup { keep_last_if_active: true, ..dedup("d", Some(1000)) };
+    let keep_last = keep_last(Some(1000));
     add("A", keep_last.clone());
     let l = lease_one(&jobs, "q").unwrap();
     assert!(!add("X", keep_last).created);
@@ -584,7 +594,7 @@ fn a_kept_add_outlives_the_keys_that_expire_while_it_waits() {
 #[test]
 fn a_keep_last_if_active_key_lasts_until_its_job_finishes_whatever_its_ttl() {
     let (jobs, clock) = core();
-    let d = Dedup { keep_last_if_active: true, ..dedup("d", Some(100)) };
+    let d = keep_last(Some(100));
     let add = || jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), ..job("a") }).wait().unwrap();
     let first = add();
     clock.advance(500);
@@ -598,9 +608,8 @@ fn a_keep_last_if_active_key_lasts_until_its_job_finishes_whatever_its_ttl() {
 #[test]
 fn a_kept_add_is_stamped_and_delayed_from_when_it_is_made() {
     let (jobs, clock) = core();
-    let d = Dedup { keep_last_if_active: true, ..dedup("d", None) };
-    jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), ..job("a") }).wait().unwrap();
-    let l = lease_one(&jobs, "q").unwrap();
+    let d = keep_last(None);
+    let l = active_holder(&jobs, &d);
     let added_at = clock.now_ms();
     // BullMQ stamps each add itself.
     let kept = EnqueueRequest { dedup: Some(d), delay_ms: 1000, timestamp: Some(added_at), ..job("b") };
@@ -1833,7 +1842,7 @@ fn an_expired_dedup_key_is_not_removed_and_no_longer_deduplicates() {
 #[test]
 fn keep_last_if_active_holds_the_key_past_its_ttl_while_the_job_runs() {
     let (jobs, clock) = core();
-    let d = Dedup { keep_last_if_active: true, ..dedup("d", Some(200)) };
+    let d = keep_last(Some(200));
     let first = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(d.clone()), ..job("a") }).wait().unwrap();
     let l = lease_one(&jobs, "q").unwrap();
     clock.advance(300);
