@@ -3,6 +3,7 @@
     python processes.py produce URL QUEUE PRODUCER_ID COUNT
     python processes.py work URL QUEUE WORKER_ID TOTAL
     python processes.py async-then-exit URL QUEUE - COUNT
+    python processes.py watch-cancelled URL QUEUE - -
 
 A worker prints, as JSON, the ids of the jobs whose completion the server
 accepted from it, once the queue has TOTAL completed jobs.
@@ -57,11 +58,27 @@ async def async_then_exit(url: str, queue: str, count: int) -> None:
         await producer.ranges(queue, ["active"])
 
 
+async def watch_cancelled(url: str, queue: str) -> None:
+    """Iterates a watch in a task, cancels the task, and returns."""
+    async with AsyncClient(url) as client:
+
+        async def iterate() -> None:
+            async for _ in client.watch(queue):
+                pass
+
+        task = asyncio.create_task(iterate())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 if __name__ == "__main__":
     mode, url, queue, name, number = sys.argv[1:6]
     if mode == "produce":
         produce(url, queue, name, int(number))
     elif mode == "work":
         work(url, queue, name, int(number))
-    else:
+    elif mode == "async-then-exit":
         asyncio.run(async_then_exit(url, queue, int(number)))
+    else:
+        asyncio.run(watch_cancelled(url, queue))

@@ -150,6 +150,8 @@ def _stub(kind: type[S], url: str, compress_requests: bool, http_client: Any = N
     return kind(url, send_compression=None, http_client=http_client)
 
 
+# How long a watch's cancelled read may take to end.
+_READ_CANCEL_SECONDS = 1.0
 # How long a cancelled long-poll lease may go on to answer (it does at once
 # when jobs are ready) before it is cancelled too.
 LONG_POLL_GRACE_SECONDS = 0.25
@@ -660,10 +662,11 @@ class AsyncClient(AsyncOperations):
         self._closed = True
         for abandoned in list(self._abandoned):
             abandoned.cancel()
-        # What is under way ends before the client does: a request still in
+        # The give-backs end before the client does: a request still in
         # flight when the interpreter exits lets the HTTP runtime's thread
         # call into it as it finalizes, which aborts the process. A call that
-        # ends may start give-backs, hence the loop.
+        # ends may start give-backs, hence the loop. (A watch goes on until
+        # its own close().)
         loop = asyncio.get_running_loop()
         deadline = None if self._timeout_ms is None else loop.time() + self._timeout_ms / 1000
         while self._abandoned or self._giving_back:
@@ -728,9 +731,12 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
                 raise _silent_stream(self._idle_timeout or 0)
             return read.result()
         except asyncio.CancelledError:
-            # This task is cancelled: so is its read. (A read that `close()`
-            # cancelled fails as connectrpc's `canceled` error instead.)
+            # This task is cancelled: so is its read, which ends before this
+            # task does (left pending, `asyncio.run` reports it at shutdown as
+            # an unhandled error). A read that `close()` cancelled fails as
+            # connectrpc's `canceled` error instead.
             read.cancel()
+            await asyncio.wait([read], timeout=_READ_CANCEL_SECONDS)
             raise
         finally:
             self._read = None
