@@ -604,19 +604,28 @@ class AsyncClient(AsyncOperations):
             self._abandoned.discard(done)
             if done.cancelled() or done.exception() is not None:
                 return
-            for leased in _taken(call, done.result()):
-                release = asyncio.ensure_future(self._give_back(leased))
-                self._giving_back.add(release)
-                release.add_done_callback(self._giving_back.discard)
+            self._give_back(_taken(call, done.result()))
 
         self._abandoned.add(sent)
         sent.add_done_callback(answered)
 
-    async def _give_back(self, leased: LeasedJob) -> None:
+    def _give_back(self, jobs: list[LeasedJob]) -> None:
+        """Releases `jobs`, which their caller gave up on, each in a task of
+        its own that `close()` waits for."""
+        for leased in jobs:
+            release = asyncio.ensure_future(self._release_quietly(leased))
+            self._giving_back.add(release)
+            release.add_done_callback(self._giving_back.discard)
+
+    async def _release_quietly(self, leased: LeasedJob) -> None:
         with contextlib.suppress(LoamJobsError):
             await self._drive(_release(leased))
 
     async def _drive(self, op: Op[T]) -> T:
+        # The calls of this operation that leased jobs, with their answers:
+        # cancelled before it returns them (while it fails those that
+        # stalled too often), it gives them back.
+        leased: list[tuple[Call, Any]] = []
         try:
             step = next(op)
             while True:
@@ -629,9 +638,15 @@ class AsyncClient(AsyncOperations):
                 except LoamJobsError as err:
                     step = op.throw(err)
                 else:
+                    if _takes_jobs(step):
+                        leased.append((step, response))
                     step = op.send(response)
         except StopIteration as done:
             return done.value
+        except asyncio.CancelledError:
+            for call, response in leased:
+                self._give_back(_taken(call, response))
+            raise
 
     def _run(self, op: Op[T]) -> Any:
         _callable(self)  # as `Client._run`
