@@ -680,7 +680,7 @@ class Operations(ABC):
         token: str = "",
         worker: str | None = None,
         lock_duration_ms: int = 0,
-        names: list[str] | None = None,
+        names: Iterable[str] | None = None,
         limiter: RateLimit | None = None,
     ) -> LeaseBatch:
         """Takes up to `max_jobs` ready jobs, waiting up to `wait_ms` for the first."""
@@ -746,7 +746,7 @@ class Operations(ABC):
         fetch_next_token: str = "",
         fetch_next_worker: str | None = None,
         fetch_next_lock_duration_ms: int = 0,
-        fetch_next_names: list[str] | None = None,
+        fetch_next_names: Iterable[str] | None = None,
         fetch_next_limiter: RateLimit | None = None,
         remove_on_complete: bool | int | Keep | Retention | None = None,
         remove_on_fail: bool | int | Keep | Retention | None = None,

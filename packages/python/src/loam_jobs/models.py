@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, overload
 
 from protobuf import Oneof
 
@@ -518,7 +518,13 @@ class LeaseBatch:
     def __len__(self) -> int:
         return len(self.jobs)
 
-    def __getitem__(self, index: int) -> LeasedJob:
+    @overload
+    def __getitem__(self, index: int) -> LeasedJob: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[LeasedJob]: ...
+
+    def __getitem__(self, index: int | slice) -> LeasedJob | list[LeasedJob]:
         return self.jobs[index]
 
     @classmethod
@@ -571,7 +577,7 @@ def lease_options(
     token: str = "",
     worker: str | None = None,
     lock_duration_ms: int = 0,
-    names: list[str] | None = None,
+    names: Iterable[str] | None = None,
     limiter: RateLimit | None = None,
 ) -> LeaseOptions:
     return LeaseOptions(
