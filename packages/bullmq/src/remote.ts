@@ -180,12 +180,12 @@ function untaggedName(name: string): string {
   return name.replace(INSTANCE_TAG, '');
 }
 
-/** BullMQ's token `"0"` (and no token) is an admin write with no lease check. */
 /** BullMQ's way of acting without a lock: no token, or `"0"`. */
 function isUnchecked(token: string | undefined): token is undefined | '' | '0' {
   return !token || token === '0';
 }
 
+/** BullMQ's token `"0"` (and no token) is an admin write with no lease check. */
 function fence(token: string | undefined): FenceInit {
   return isUnchecked(token)
     ? { kind: { case: 'unchecked', value: true } }
