@@ -154,7 +154,7 @@ def _stub(kind: type[S], url: str, compress_requests: bool, http_client: Any = N
 _READ_CANCEL_SECONDS = 1.0
 # How long a cancelled long-poll lease may go on to answer (it does at once
 # when jobs are ready) before it is cancelled too.
-LONG_POLL_GRACE_SECONDS = 0.25
+_LONG_POLL_GRACE_SECONDS = 0.25
 
 
 def _takes_jobs(call: Call) -> bool:
@@ -598,7 +598,7 @@ class AsyncClient(AsyncOperations):
             # server waits, and a wait cancelled catches nothing. Left to run
             # for its whole wait, it would take jobs only to give them back
             # (each a lease started, and rate-limit budget spent).
-            asyncio.get_running_loop().call_later(LONG_POLL_GRACE_SECONDS, sent.cancel)
+            asyncio.get_running_loop().call_later(_LONG_POLL_GRACE_SECONDS, sent.cancel)
 
         def answered(done: asyncio.Future[Any]) -> None:
             self._abandoned.discard(done)
