@@ -2,7 +2,7 @@
 // run, with the ratios printed. Not a test: figures vary with machine load.
 //
 //   node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
-//                  [--scale 0.5] [--remote 'name,...'] [--json out.json] [--help]
+//                  [--scale 0.5] [--remote 'name;...'] [--json out.json] [--help]
 //
 // Each round runs every scenario on every backend back to back; the tables
 // give each backend's median and the median (and range) of the ratios of
@@ -34,12 +34,12 @@ import { FlowProducer, Queue, Worker, setDefaultBackendFactory } from 'bullmq';
 import { loamBackend } from '@loam/bullmq';
 
 const usage = `usage: node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
-                      [--scale 1] [--remote 'name,...'] [--json out.json] [--help]
+                      [--scale 1] [--remote 'name;...'] [--json out.json] [--help]
   --only       the backends to run (default: all; remote when target/release/loam-jobs exists)
   --scenarios  the scenarios to run, by their printed names, separated by ';' (default: all)
   --rounds     counted rounds (default 3); --warmup: rounds before them, printed, not counted (default 1)
   --scale      multiplies every scenario's job count (default 1)
-  --remote     the scenarios that also run through loamBackend({ url }) (default: process at concurrency 100)
+  --remote     the scenarios that also run through loamBackend({ url }), separated by ';' (default: process at concurrency 100)
   --json       writes every run and the medians to this file
 LOAM_DURABILITY=relaxed runs Loam relaxed, in-process and in the server; LOAM_JOBS_BIN names the server binary.`;
 let options;
@@ -57,8 +57,7 @@ try {
     },
   }));
 } catch (e) {
-  console.error(`${e.message}\n${usage}`);
-  process.exit(2);
+  refuse(e.message);
 }
 if (options.help) {
   console.log(usage);
@@ -69,7 +68,7 @@ const only = options.only;
 /** The backends to run: all by default, or those --only lists. */
 const wants = (backend) => only === '' || only.split(',').includes(backend);
 const jsonOut = options.json;
-const remoteScenarios = options.remote.split(',');
+const remoteScenarios = options.remote.split(';');
 /** The scenarios to run (their names as printed), all by default. */
 const chosen = options.scenarios;
 const serverBin =
@@ -399,10 +398,27 @@ function printComparison(title, ours, redis) {
   }
 }
 
+function refuse(message) {
+  console.error(`${message}\n${usage}`);
+  process.exit(2);
+}
+
+function refuseUnknown(flag, given, known) {
+  const unknown = given.filter((name) => !known.includes(name));
+  if (unknown.length > 0) refuse(`${flag}: unknown ${unknown.map((u) => `'${u}'`).join(', ')}; known: ${known.join('; ')}`);
+}
+
 async function main() {
   const rounds = Math.max(1, Number(options.rounds));
   const warmup = Math.max(0, Number(options.warmup));
   const names = chosen === '' ? Object.keys(scenarios) : chosen.split(';');
+  // A misspelt name would otherwise run nothing and print an empty table.
+  refuseUnknown('--scenarios', names, Object.keys(scenarios));
+  refuseUnknown('--remote', remoteScenarios, Object.keys(scenarios));
+  if (only !== '') refuseUnknown('--only', only.split(','), ['loam', 'remote', 'redis']);
+  for (const [flag, value] of [['--rounds', rounds], ['--warmup', warmup], ['--scale', scale]]) {
+    if (!Number.isFinite(value)) refuse(`${flag}: not a number`);
+  }
   console.log(
     `bullmq bench: ${cpus().length} CPUs, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}, scale ${scale}, ` +
       `${rounds} rounds after ${warmup} warm-up round${warmup === 1 ? '' : 's'}, Loam durability ${durability}`,
@@ -454,7 +470,7 @@ async function main() {
     // ratio of runs made minutes apart measured the drift as much as the code.
     for (let round = 0; round < warmup + rounds; round++) {
       const counted = round >= warmup;
-      for (const name of names.filter((name) => name in scenarios)) {
+      for (const name of names) {
         for (let k = 0; k < backends.length; k++) {
           const backend = backends[(k + round) % backends.length];
           if (!backend.names.includes(name)) continue;
