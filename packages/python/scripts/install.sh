@@ -13,7 +13,16 @@ package_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${LOAM_PY_VENV:-$package_dir/.venv}"
 
 if [[ ! -x "$venv/bin/python" ]]; then
-  "${PYTHON:-python3}" -m venv "$venv"
+  python="${PYTHON:-python3}"
+  # Debian ships `venv` without ensurepip, in a package of its own.
+  if ! "$python" -c 'import ensurepip' 2>/dev/null && command -v apt-get >/dev/null; then
+    echo "install: python3-venv"
+    sudo=""
+    if [[ "$(id -u)" != "0" ]]; then sudo="sudo"; fi
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3-venv >/dev/null
+  fi
+  "$python" -m venv "$venv"
 fi
 py="$venv/bin/python"
 
