@@ -71,11 +71,12 @@ fn free_variant(tx: &mut Tx, q: &QueueId, taken: &str, scheduler: &str) -> Resul
     Err(JobsError::Precondition(Precondition::SchedulerSlotsBusy { scheduler: scheduler.to_string() }))
 }
 
-/// BullMQ's rule for the next `every` tick.
+/// BullMQ's rule for the next `every` tick. Past the largest time it stays
+/// at the largest (never due), where wrapping put it in 1970, due at once.
 fn every_next(now: u64, every: u64, offset: u64, prev: Option<u64>, start: Option<u64>) -> u64 {
     let aligned = || {
-        let t = (now / every) * every + offset;
-        if t <= now { t + every } else { t }
+        let t = (now / every * every).saturating_add(offset);
+        if t <= now { t.saturating_add(every) } else { t }
     };
     match prev {
         None if start.is_some() => start.unwrap_or(now).max(now),
@@ -214,7 +215,7 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
                     if tries > MAX_SLOT_ADVANCE {
                         return Err(JobsError::Precondition(Precondition::SchedulerSlotsBusy { scheduler: spec.id }));
                     }
-                    next += every;
+                    next = next.saturating_add(every);
                     job_id = iteration_id(&spec.id, next);
                 }
             }
@@ -416,4 +417,22 @@ pub fn set_extra(
 /// Whether a scheduler has run out (its limit or end date passed).
 pub fn has_finished(rec: &SchedulerRecord) -> bool {
     finished_scheduling(rec)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::every_next;
+
+    #[test]
+    fn an_every_tick_past_the_largest_time_is_never_due() {
+        let now = 1_700_000_000_000;
+        // Aligned with an offset, and the next slot after one passed.
+        assert_eq!(every_next(now, u64::MAX, 5, None, None), u64::MAX);
+        assert_eq!(every_next(now, u64::MAX - 100, now - 1, None, None), u64::MAX);
+        assert_eq!(every_next(now, u64::MAX / 2, 0, Some(now), None), u64::MAX / 2 + now);
+        assert_eq!(every_next(now, u64::MAX - now / 2, 0, Some(now), None), u64::MAX);
+        // Ordinary ones are BullMQ's.
+        assert_eq!(every_next(now, 1_000, 0, Some(now - 1_000), None), now);
+        assert_eq!(every_next(now + 10, 1_000, 5, None, None), now + 1_005);
+    }
 }
