@@ -1049,8 +1049,22 @@ fn idempotency_key_returns_the_first_result() {
     let a = jobs.enqueue("ns", "q", EnqueueRequest { idempotency: idem.clone(), ..job("a") }).wait().unwrap();
     let b = jobs.enqueue("ns", "q", EnqueueRequest { idempotency: idem.clone(), ..job("a") }).wait().unwrap();
     assert_eq!((a.id.as_str(), a.created, b.id.as_str(), b.created), ("1", true, "1", false));
-    let c = jobs.enqueue("ns", "q", EnqueueRequest { idempotency: idem, ..job("other") }).wait();
+    let c = jobs.enqueue("ns", "q", EnqueueRequest { idempotency: idem.clone(), ..job("other") }).wait();
     assert!(matches!(c, Err(JobsError::IdempotencyConflict { .. })));
+    // Any other field differing is another request too: a job id, a parent,
+    // attempts. The key's own ttl is not part of the request.
+    let others = [
+        EnqueueRequest { job_id: Some("b".into()), ..job("a") },
+        EnqueueRequest { parent: Some(parent("p", "p1")), ..job("a") },
+        EnqueueRequest { attempts: 9, ..job("a") },
+    ];
+    for other in others {
+        let d = jobs.enqueue("ns", "q", EnqueueRequest { idempotency: idem.clone(), ..other.clone() }).wait();
+        assert!(matches!(d, Err(JobsError::IdempotencyConflict { .. })), "{other:?}: {d:?}");
+    }
+    let longer = Some(Idempotency { key: "k".into(), ttl_ms: Some(5_000) });
+    let e = jobs.enqueue("ns", "q", EnqueueRequest { idempotency: longer, ..job("a") }).wait().unwrap();
+    assert_eq!((e.id.as_str(), e.created), ("1", false));
 }
 
 #[test]

@@ -46,8 +46,16 @@ fn is_integer_text(id: &str) -> bool {
     !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) && (!digits.starts_with('0') || id == "0")
 }
 
-fn request_hash(req: &EnqueueRequest) -> u64 {
-    idempotency::hash_of(&(&req.name, serde_bytes::Bytes::new(&req.data), &req.opts, req.delay_ms, req.priority))
+/// What an idempotency key's repeats must agree on: the whole request but
+/// the key itself. (It once covered the name, payload, options, delay and
+/// priority only, so a key reused for another job id, parent or attempts
+/// answered the first job instead of a conflict, and a parent never got the
+/// child its caller was told was added.)
+fn request_hash(req: &mut EnqueueRequest) -> u64 {
+    let key = req.idempotency.take();
+    let hash = idempotency::hash_of(&*req);
+    req.idempotency = key;
+    hash
 }
 
 /// What the caller wants done with a new job's state.
@@ -102,10 +110,11 @@ pub fn enqueue_kept(tx: &mut Tx, q: &QueueId, mut kept: EnqueueRequest) -> Resul
     add(tx, q, kept, Placement::Normal)
 }
 
-fn add(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
+fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
     validate(tx, &req)?;
+    let hash = if req.idempotency.is_some() { request_hash(&mut req) } else { 0 };
     if let Some(idem) = &req.idempotency
-        && let Some(rec) = idempotency::recall(tx, q, idem, request_hash(&req))?
+        && let Some(rec) = idempotency::recall(tx, q, idem, hash)?
     {
         let state = tx.load_job(q, &rec.job_id)?.map_or(JobState::Completed, |j| j.state);
         return Ok(Enqueued { id: rec.job_id, created: false, state, deduplicated_by: None });
@@ -216,7 +225,7 @@ fn add(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placement) -> R
         _ => {}
     }
     if let Some(idem) = &req.idempotency {
-        idempotency::remember(tx, q, idem, request_hash(&req), &id, idempotency::Answer::default())?;
+        idempotency::remember(tx, q, idem, hash, &id, idempotency::Answer::default())?;
     }
     Ok(Enqueued { id, created: true, state: job.state, deduplicated_by: None })
 }
