@@ -157,12 +157,25 @@ fn parent_to(p: &ParentRef) -> pb::ParentRef {
     pb::ParentRef { queue: p.queue.clone(), id: p.id.clone(), prefix: p.prefix.clone(), ..Default::default() }
 }
 
+/// A job's `opts`: empty, or BullMQ's job options as a JSON object. Other
+/// JSON (`null`, a number) made BullMQ's `Job` throw on every read of the
+/// job, and a Worker fail on it at each lease, for ever. Only the start is
+/// looked at: JavaScript writes a lone surrogate as an escape a strict JSON
+/// parser refuses, and BullMQ reads an object it cannot parse as no options.
+fn job_opts(opts: String) -> Res<String> {
+    if opts.is_empty() || opts.trim_start().starts_with('{') {
+        Ok(opts)
+    } else {
+        Err(JobsError::invalid("opts must be empty or a JSON object (BullMQ's job options)"))
+    }
+}
+
 /// A producer's job description as the core's request.
 pub fn job_spec(j: pb::JobSpec) -> Res<EnqueueRequest> {
     Ok(EnqueueRequest {
         name: j.name,
         data: j.data,
-        opts: j.opts,
+        opts: job_opts(j.opts)?,
         headers: j.headers.into_iter().collect(),
         job_id: j.job_id,
         idempotency: idempotency(j.idempotency.into_option()),

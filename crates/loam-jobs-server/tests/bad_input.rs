@@ -69,6 +69,13 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     let mut numbered = job("x", b"{}");
     numbered.job_id = Some("42".into());
     assert_code(c.enqueue(enqueue_req("q", numbered)).await, InvalidArgument, inv);
+    // Options that are not a JSON object: BullMQ could read no such job back.
+    for opts in ["null", "5", "[1]", "\"s\"", " true", "not json"] {
+        let odd = pb::JobSpec { opts: opts.into(), ..job("x", b"{}") };
+        assert_code(c.enqueue(enqueue_req("q", odd)).await, InvalidArgument, inv);
+    }
+    let kept = pb::JobSpec { opts: r#"{"attempts":2}"#.into(), ..job("x", b"{}") };
+    c.enqueue(enqueue_req("opts", kept)).await.unwrap();
 
     // EnqueueBulk: each job has its own result.
     // One that does not convert (a backoff with no kind) is refused alone too.
