@@ -25,7 +25,7 @@ use loam_jobs::{
     LeaseRequest, Outcome, Pending, QueueConfig, RateLimit, Retention, SchedulerSpec,
 };
 
-use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, StreamEntry};
+use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, StreamEntry, whole};
 use crate::error::{BullmqCode, Op, invalid};
 use crate::promise::FirstSettles;
 use crate::store::{self, OpenOptions, SharedStore};
@@ -113,17 +113,16 @@ fn flush_interval_ms(given: Option<f64>) -> Result<u64> {
     }
 }
 
-fn ms(n: f64) -> u64 {
-    if n.is_finite() && n > 0.0 { n as u64 } else { 0 }
-}
-
 impl WorkerSettings {
     fn from_options(o: &BackendOptions) -> Self {
         Self {
-            lock_duration_ms: o.lock_duration.map_or(30_000, ms),
-            limiter: o.limiter.map(|l| RateLimit { max: ms(l.max), duration_ms: ms(l.duration) }).filter(|l| l.max > 0),
-            max_stalled: o.max_stalled_count.map_or(1, |n| ms(n).min(u64::from(u32::MAX)) as u32),
-            metrics_max_points: o.metrics.and_then(|m| m.max_data_points).map(ms).filter(|n| *n > 0),
+            lock_duration_ms: o.lock_duration.map_or(30_000, whole),
+            limiter: o
+                .limiter
+                .map(|l| RateLimit { max: whole(l.max), duration_ms: whole(l.duration) })
+                .filter(|l| l.max > 0),
+            max_stalled: o.max_stalled_count.map_or(1, |n| whole(n).min(u64::from(u32::MAX)) as u32),
+            metrics_max_points: o.metrics.and_then(|m| m.max_data_points).map(whole).filter(|n| *n > 0),
             remove_on_complete: o.remove_on_complete.map(KeepOpt::to_core),
             remove_on_fail: o.remove_on_fail.map(KeepOpt::to_core),
             name: o.name.clone(),
@@ -554,7 +553,7 @@ impl LoamQueue {
         duration: f64,
     ) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
-        let pending = self.jobs()?.extend(&self.ns, &self.queue, &job_id, lock_fence(&token), ms(duration));
+        let pending = self.jobs()?.extend(&self.ns, &self.queue, &job_id, lock_fence(&token), whole(duration));
         settle_with(env, pending, move |extended| match extended {
             Ok(_) => Ok(1),
             Err(e) if is_lock_refusal(&e) => Ok(0),
@@ -574,7 +573,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, Vec<String>>> {
         self.store.observe(host_now);
         let items = job_ids.into_iter().zip(tokens).map(|(id, t)| (id, lock_fence(&t))).collect();
-        let pending = self.jobs()?.extend_many(&self.ns, &self.queue, items, ms(duration));
+        let pending = self.jobs()?.extend_many(&self.ns, &self.queue, items, whole(duration));
         settle(env, Op::new("extendLocks"), pending, |failed| failed)
     }
 
@@ -680,9 +679,9 @@ impl LoamQueue {
         let op = Op::new("moveToDelayed").job(&job_id).state("active");
         let token = token.unwrap_or_default();
         let outcome = if o.skip_attempt {
-            Outcome::Delay { until: ms(timestamp).saturating_add(ms(delay)) }
+            Outcome::Delay { until: whole(timestamp).saturating_add(whole(delay)) }
         } else {
-            Outcome::Retry { error: o.fields_to_update.map(|f| f.to_error(None)), after_ms: Some(ms(delay)) }
+            Outcome::Retry { error: o.fields_to_update.map(|f| f.to_error(None)), after_ms: Some(whole(delay)) }
         };
         let opts = self.complete_options(&token, o.fetch_next);
         self.complete(env, op, fence(Some(&token)), outcome, opts, |done| {
@@ -793,7 +792,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         let op = Op::new("changeDelay").job(&job_id).state("delayed");
-        self.write(env, op, move |tx, q| admin::change_delay(tx, q, &job_id, ms(delay)))
+        self.write(env, op, move |tx, q| admin::change_delay(tx, q, &job_id, whole(delay)))
     }
 
     #[napi]
@@ -893,7 +892,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, f64>> {
         self.store.observe(host_now);
         let op = Op::new("addLog").job(&job_id);
-        let keep = keep_logs.map(ms);
+        let keep = keep_logs.map(whole);
         let append = move |tx: &mut Tx, q: &QueueId| {
             admin::add_log(tx, q, &job_id, &loam_jobs::Fence::Unchecked, row.clone(), keep)
         };
@@ -910,7 +909,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         let op = Op::new("clearLogs").job(&job_id);
-        let keep = keep_logs.map(ms);
+        let keep = keep_logs.map(whole);
         self.write(env, op, move |tx, q| admin::clear_logs(tx, q, &job_id, keep))
     }
 
@@ -938,8 +937,8 @@ impl LoamQueue {
         limit: Option<f64>,
     ) -> Result<PromiseRaw<'env, Vec<String>>> {
         self.store.observe(host_now);
-        let limit = limit.map_or(0, ms);
-        self.write(env, Op::new("cleanJobsByState"), move |tx, q| admin::clean(tx, q, &state, ms(timestamp), limit))
+        let limit = limit.map_or(0, whole);
+        self.write(env, Op::new("cleanJobsByState"), move |tx, q| admin::clean(tx, q, &state, whole(timestamp), limit))
     }
 
     /// `obliterate`: 1 while jobs remain (call again), 0 once the queue is gone.
@@ -952,7 +951,7 @@ impl LoamQueue {
         count: f64,
     ) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
-        let count = ms(count);
+        let count = whole(count);
         self.write_map(env, Op::new("obliterate"), move |tx, q| admin::obliterate(tx, q, force, count), u32::from)
     }
 
@@ -967,7 +966,7 @@ impl LoamQueue {
     ) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
         let from = if state == "completed" { JobState::Completed } else { JobState::Failed };
-        let (count, before) = (ms(count), ms(timestamp));
+        let (count, before) = (whole(count), whole(timestamp));
         let retry = move |tx: &mut Tx, q: &QueueId| admin::retry_finished_jobs(tx, q, from, count, before);
         self.write_map(env, Op::new("retryJobs"), retry, u32::from)
     }
@@ -975,7 +974,7 @@ impl LoamQueue {
     #[napi]
     pub fn promote_jobs<'env>(&self, env: &'env Env, host_now: f64, count: f64) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
-        let count = ms(count);
+        let count = whole(count);
         self.write_map(env, Op::new("promoteJobs"), move |tx, q| admin::promote_jobs(tx, q, count), u32::from)
     }
 
@@ -1037,7 +1036,7 @@ impl LoamQueue {
         delayed_timestamp: Option<f64>,
     ) -> Result<Vec<i64>> {
         self.store.observe(host_now);
-        let before = delayed_timestamp.map(ms);
+        let before = delayed_timestamp.map(whole);
         self.read(Op::new("getCounts"), |tx, q| {
             let mut out = Vec::with_capacity(types.len());
             for t in &types {
@@ -1056,7 +1055,10 @@ impl LoamQueue {
     #[napi]
     pub async fn get_counts_per_priority(&self, host_now: f64, priorities: Vec<f64>) -> Result<Vec<i64>> {
         self.store.observe(host_now);
-        let priorities: Vec<u32> = priorities.into_iter().map(|p| ms(p).min(u64::from(u32::MAX)) as u32).collect();
+        // A priority no job can have (below 0, not whole) counts none, as on
+        // Redis; read as 0, it counted the waiting jobs.
+        let priorities: Vec<u32> =
+            priorities.into_iter().map(|p| if p >= 0.0 && p.fract() == 0.0 { p as u32 } else { u32::MAX }).collect();
         let counts =
             self.read(Op::new("getCountsPerPriority"), |tx, q| query::counts_per_priority(tx, q, &priorities))?;
         Ok(counts.into_iter().map(|n| n as i64).collect())
@@ -1116,7 +1118,7 @@ impl LoamQueue {
     pub async fn get_rate_limit_ttl(&self, host_now: f64, max_jobs: Option<f64>) -> Result<f64> {
         self.store.observe(host_now);
         self.read(Op::new("getRateLimitTtl"), |tx, q| {
-            query::rate_limit_ttl_or_missing(tx, q, max_jobs.map(ms)).map(|ttl| ttl as f64)
+            query::rate_limit_ttl_or_missing(tx, q, max_jobs.map(whole)).map(|ttl| ttl as f64)
         })
     }
 
@@ -1304,7 +1306,7 @@ impl LoamQueue {
         expire_time_ms: f64,
     ) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
-        self.write(env, Op::new("setRateLimit"), move |tx, q| admin::set_rate_limit(tx, q, ms(expire_time_ms)))
+        self.write(env, Op::new("setRateLimit"), move |tx, q| admin::set_rate_limit(tx, q, whole(expire_time_ms)))
     }
 
     #[napi]
@@ -1363,7 +1365,7 @@ impl LoamQueue {
         // Resolved now (a read never waits): the write's thread reads after it.
         let cursor = self.read(Op::new("readEvents"), |tx, q| query::event_cursor(tx, q, &id))?;
         let after = cursor.after;
-        let wait = Duration::from_millis(ms(block_ms));
+        let wait = Duration::from_millis(whole(block_ms));
         let (resolver, promise) = crate::promise::promise(env, crate::promise::Kind::Wait)?;
         // Settled by whichever comes first with events: the write's thread,
         // or the wait itself (which also answers none at its end).
@@ -1411,14 +1413,14 @@ impl LoamQueue {
             };
             if k == "event" { name = v } else { rest.push((k, v)) }
         }
-        let max = ms(max_events);
+        let max = whole(max_events);
         self.write(env, Op::new("publishEvent"), move |tx, q| admin::publish_event(tx, q, &name, &rest, max))
     }
 
     #[napi]
     pub fn trim_events<'env>(&self, env: &'env Env, host_now: f64, max_length: f64) -> Result<PromiseRaw<'env, f64>> {
         self.store.observe(host_now);
-        let max = ms(max_length);
+        let max = whole(max_length);
         self.write_map(env, Op::new("trimEvents"), move |tx, q| tx.trim_events(q, max), |n| n as f64)
     }
 
@@ -1463,19 +1465,19 @@ impl LoamQueue {
             id: scheduler_id.clone(),
             name: r.name.unwrap_or_default(),
             pattern: r.pattern,
-            every_ms: r.every.map(ms),
-            offset_ms: r.offset.map(ms),
+            every_ms: r.every.map(whole),
+            offset_ms: r.offset.map(whole),
             tz: r.tz,
-            start_date: r.start_date.map(ms),
-            end_date: r.end_date.map(ms),
-            limit: r.limit.map(ms),
-            next_millis: next_millis.map(ms),
+            start_date: r.start_date.map(whole),
+            end_date: r.end_date.map(whole),
+            limit: r.limit.map(whole),
+            next_millis: next_millis.map(whole),
             template_data,
             template_opts,
             job: template,
             // BullMQ's rule: a replaced `every` scheduler keeps its phase.
             start_resets: false,
-            count: r.count.map(ms),
+            count: r.count.map(whole),
         };
         let op = Op::new("addJobScheduler").job(&scheduler_id);
         let upsert = move |tx: &mut Tx, q: &QueueId| schedule::upsert(tx, q, spec.clone());
@@ -1496,7 +1498,7 @@ impl LoamQueue {
         self.store.observe(host_now);
         let template = NewJob::template(&delayed_job_opts).map_err(invalid)?;
         let producer = producer_id.unwrap_or_default();
-        let next = next_millis.map(ms);
+        let next = next_millis.map(whole);
         let op = Op::new("updateJobScheduler").job(&scheduler_id);
         self.write(env, op, move |tx, q| schedule::advance(tx, q, &scheduler_id, next, &producer, &template))
     }

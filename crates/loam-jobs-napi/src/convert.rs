@@ -13,10 +13,13 @@ use loam_jobs::{
     Retention,
 };
 
-/// A number BullMQ passes, which JavaScript may hand over as a float or a
-/// negative; negatives and NaN become 0.
-fn whole(n: f64) -> u64 {
-    if n.is_finite() && n > 0.0 { n.min(u64::MAX as f64) as u64 } else { 0 }
+/// A count or a length of time BullMQ passes, which JavaScript may hand over
+/// as a float, a negative or a non-finite number. Rust's cast saturates:
+/// negatives and NaN become 0, `Infinity` and anything past `u64::MAX` become
+/// `u64::MAX`, so "for ever" or "keep all" stays that (read as 0, `Infinity`
+/// turned a delay into none, and a retention age into "remove all").
+pub fn whole(n: f64) -> u64 {
+    n as u64
 }
 
 /// BullMQ's `backoff`: a number (fixed delay) or `{type, delay, jitter}`.
@@ -260,7 +263,8 @@ fn small(n: f64) -> u32 {
 /// template) are read as before, below 0 as 0: refusing them would stop the
 /// scheduler at its next iteration.
 pub fn priority(n: f64) -> Result<u32, String> {
-    if n < 0.0 {
+    // NaN too: Redis refuses it, and read as 0 it dropped the priority.
+    if !(n >= 0.0) {
         return Err(format!("priority must be between 0 and {}, got {n}", loam_jobs::MAX_PRIORITY));
     }
     Ok(small(n))

@@ -43,6 +43,7 @@ import {
   logRowsKept,
   namedClients,
   newJobJson,
+  rateLimitMs,
   paginateTarget,
   progressText,
   parseJob,
@@ -555,7 +556,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- rate limit, dedup ---------------------------------------------------------------------
 
   setRateLimit(expireTimeMs: number): Promise<void> {
-    return this.native.setRateLimit(Date.now(), expireTimeMs);
+    return this.native.setRateLimit(Date.now(), rateLimitMs(expireTimeMs));
   }
 
   removeRateLimitKey(): Promise<number> {

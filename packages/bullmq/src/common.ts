@@ -153,11 +153,13 @@ export function newJobJson(
   parentKeyOpts?: ParentKeyOpts,
   queueName?: string,
 ): NewJobJson {
+  const opts = job.opts ?? {};
+  refuseNonFinite(opts);
   return {
     // A name given as a number (plain JavaScript) is sent as its digits, as ioredis sends it.
     name: typeof job.name === 'number' ? String(job.name) : job.name,
     data: job.data,
-    opts: job.opts ?? {},
+    opts,
     jobId: jobId || job.id || undefined,
     timestamp: job.timestamp,
     delay: (job as { delay?: number }).delay,
@@ -168,6 +170,45 @@ export function newJobJson(
     addToWaitingChildren: parentKeyOpts?.addToWaitingChildren ?? false,
     queueName,
   };
+}
+
+/**
+ * The time a queue is rate-limited for (`queue.rateLimit`, a processor's
+ * `worker.rateLimit`): refused unless a finite number, as Redis refuses it;
+ * `Infinity` would stop the queue for ever.
+ */
+export function rateLimitMs(ms: number): number {
+  if (typeof ms === 'number' && !Number.isFinite(ms)) {
+    throw loamError('invalid_argument', `a rate limit must be a finite number of milliseconds, got ${ms}`);
+  }
+  return ms;
+}
+
+/**
+ * Refuses job options that hold NaN or an infinite number (a top-level
+ * option, or a field of one: `backoff.delay`, `removeOnComplete.age`), as
+ * Redis refuses them (BullMQ packs options with msgpack there, which cannot
+ * hold them). JSON would carry one as null, "not set": `delay: Infinity` ran
+ * the job at once. The job's `delay`, `priority` and `timestamp` come from
+ * these options.
+ */
+function refuseNonFinite(opts: object): void {
+  for (const name in opts) {
+    const value = (opts as Record<string, unknown>)[name];
+    if (typeof value === 'number') {
+      // NaN and the infinities are the numbers whose difference with themselves is not 0.
+      if (value - value !== 0) refuseOption(name, value);
+    } else if (typeof value === 'object' && value !== null) {
+      for (const field in value) {
+        const inner = (value as Record<string, unknown>)[field];
+        if (typeof inner === 'number' && inner - inner !== 0) refuseOption(`${name}.${field}`, inner);
+      }
+    }
+  }
+}
+
+function refuseOption(name: string, value: number): never {
+  throw loamError('invalid_argument', `job options are not valid: ${name} must be a finite number, got ${value}`);
 }
 
 /** Splits a flow node key `<prefix>:<queue>:<id>` (the prefix may hold colons). */

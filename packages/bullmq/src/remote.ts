@@ -52,6 +52,7 @@ import {
   keptCount,
   logRowsKept,
   newJobJson,
+  rateLimitMs,
   paginateTarget,
   progressText,
   parseNodeKey,
@@ -97,7 +98,9 @@ import {
   text,
   u32,
   priority as wirePriority,
+  priorityBand,
   u64,
+  i64,
 } from './wire.js';
 
 type FenceInit = MessageInitShape<typeof FenceSchema>;
@@ -1081,7 +1084,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async getJobLogs(jobId: string, start: number, end: number, asc: boolean): Promise<{ logs: string[]; count: number }> {
     const r = await this.query(
       { command: 'getJobLogs', jobId },
-      { case: 'logs', value: { jobId, start: BigInt(Math.trunc(start)), end: BigInt(Math.trunc(end)), asc } },
+      { case: 'logs', value: { jobId, start: i64(start), end: i64(end), asc } },
     );
     return r.case === 'logs' ? { logs: r.value.logs, count: Number(r.value.count) } : { logs: [], count: 0 };
   }
@@ -1095,7 +1098,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async getCountsPerPriority(priorities: number[]): Promise<number[]> {
     const r = await this.query(
       { command: 'getCountsPerPriority' },
-      { case: 'countsPerPriority', value: { priorities: priorities.map(u32) } },
+      // A priority no job can have (below 0, not whole) counts none, as on Redis.
+      { case: 'countsPerPriority', value: { priorities: priorities.map(priorityBand) } },
     );
     return r.case === 'counts' ? r.value.counts.map(Number) : priorities.map(() => 0);
   }
@@ -1108,7 +1112,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async getRanges(types: JobType[], start = 0, end = 1, asc = false): Promise<[string][]> {
     const r = await this.query(
       { command: 'getRanges' },
-      { case: 'ranges', value: { types, start: BigInt(Math.trunc(start)), end: BigInt(Math.trunc(end)), asc } },
+      { case: 'ranges', value: { types, start: i64(start), end: i64(end), asc } },
     );
     const lists = r.case === 'ranges' ? r.value.ranges : [];
     return types.map((type, i) => {
@@ -1297,7 +1301,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- rate limit, dedup ---------------------------------------------------------------------
 
   async setRateLimit(expireTimeMs: number): Promise<void> {
-    await this.queueAdmin({ command: 'setRateLimit' }, { case: 'setRateLimit', value: { ms: u64(expireTimeMs) } });
+    await this.queueAdmin({ command: 'setRateLimit' }, { case: 'setRateLimit', value: { ms: u64(rateLimitMs(expireTimeMs)) } });
   }
 
   async removeRateLimitKey(): Promise<number> {
@@ -1492,7 +1496,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async getJobSchedulersRange(start: number, end: number, asc: boolean): Promise<string[]> {
     const r = await this.query(
       { command: 'getJobSchedulersRange' },
-      { case: 'schedulers', value: { start: BigInt(Math.trunc(start)), end: BigInt(Math.trunc(end)), asc } },
+      { case: 'schedulers', value: { start: i64(start), end: i64(end), asc } },
     );
     const list = r.case === 'schedulers' ? r.value.schedulers : [];
     return list.flatMap(s => [s.id, String(s.nextMillis)]);

@@ -32,13 +32,18 @@ export type JobSpecInit = Exclude<MessageInitShape<typeof JobSpecSchema>, JobSpe
 type RetentionInit = MessageInitShape<typeof RetentionSchema>;
 
 /**
- * A number BullMQ passes as a uint64: a float is floored, and one that is
- * negative, NaN or infinite becomes 0 (none: 0). Anything else, a string of
- * digits too, is refused, as the in-process addon refuses it: taken as 0 it
- * dropped a worker's limiter or a job's delay without a word.
+ * A number BullMQ passes as a uint64, read as the in-process addon reads it:
+ * a float is floored, one that is negative or NaN becomes 0 (none: 0), and
+ * `Infinity` or one past the largest uint64 becomes the largest, so "for
+ * ever" or "keep all" stays that (read as 0, `Infinity` turned a retention
+ * into "remove at once"; past the largest, the call failed with no code).
+ * Anything else, a string of digits too, is refused, as the in-process addon
+ * refuses it: taken as 0 it dropped a worker's limiter or a job's delay
+ * without a word.
  */
 export function u64(n: unknown): bigint {
-  return BigInt(wholeOrZero(n));
+  const whole = wholeOrZero(n);
+  return whole >= 2 ** 64 ? U64_MAX : BigInt(whole);
 }
 
 /** As [`u64`], for uint32 fields. */
@@ -46,13 +51,28 @@ export function u32(n: unknown): number {
   return Math.min(wholeOrZero(n), 0xffff_ffff);
 }
 
+/**
+ * A position in a range as an int64, as the in-process addon reads it: NaN
+ * is 0, a float is truncated, and one past either end of the int64s is that
+ * end (`BigInt` threw on NaN, and the encoder on one past the end, with no code).
+ */
+export function i64(n: number): bigint {
+  if (Number.isNaN(n)) return 0n;
+  if (n >= 2 ** 63) return I64_MAX;
+  if (n < -(2 ** 63)) return -I64_MAX - 1n;
+  return BigInt(Math.trunc(n));
+}
+
+const U64_MAX = 2n ** 64n - 1n;
+const I64_MAX = 2n ** 63n - 1n;
+
 function wholeOrZero(n: unknown): number {
   if (n === undefined || n === null) return 0;
   if (typeof n !== 'number') {
     const given = typeof n === 'string' ? `the string ${JSON.stringify(n)}` : `a value of type ${typeof n}`;
     throw loamError('invalid_argument', `expected a number, got ${given}`);
   }
-  return Number.isFinite(n) && n > 0 ? Math.floor(n) : 0;
+  return n > 0 ? Math.floor(n) : 0;
 }
 
 function optU64(n: unknown): bigint | undefined {
@@ -191,10 +211,17 @@ const MAX_PRIORITY = 2 ** 21 - 1;
  * as 0: refusing them would stop the scheduler at its next iteration.
  */
 export function priority(n: number | undefined | null): number {
-  if (typeof n === 'number' && n < 0) {
+  // NaN too: Redis refuses it, and read as 0 it dropped the priority.
+  if (typeof n === 'number' && !(n >= 0)) {
     throw loamError('invalid_argument', `priority must be between 0 and ${MAX_PRIORITY}, got ${n}`);
   }
   return u32(n);
+}
+
+/** The band `getCountsPerPriority` counts for `p`: one no job is in for a priority no job can have (below 0, not whole). */
+export function priorityBand(p: number): number {
+  const band = u32(p);
+  return Number.isInteger(p) && p >= 0 ? band : 0xffff_ffff;
 }
 
 /** Everything BullMQ's job options alone decide (a scheduler's template too). */
@@ -375,8 +402,10 @@ export function asJsonText(stored: string): string {
  * reads retries, backoff and kept logs from `job.opts`.
  */
 function bullmqOpts(job: Job): unknown {
+  // BullMQ's Job reads fields of its options: anything but an object (from a
+  // server older than the check on Enqueue) reads as none.
   const opts = jsonOr(job.opts, {});
-  if (typeof opts !== 'object' || opts === null || Array.isArray(opts)) return opts;
+  if (typeof opts !== 'object' || opts === null || Array.isArray(opts)) return {};
   const o = opts as Record<string, unknown>;
   // One attempt is what a job without `attempts` gets, and BullMQ reads it as 0.
   if (o.attempts === undefined && job.attempts > 1) o.attempts = job.attempts;
@@ -462,8 +491,10 @@ export function childrenByCategory(deps: Dependency[]): ChildrenByCategory {
 /** One event as Redis XREAD shapes a stream entry: `[id, [k1, v1, ...]]`, `event` first. */
 export function streamEntry(e: Event): [string, string[]] {
   const fields = ['event', e.name];
-  // QueueEvents parses a completion's return value, and stops for good on one that is not JSON.
-  const completed = e.name === 'completed';
-  for (const f of e.fields) fields.push(f.key, completed && f.key === 'returnvalue' ? asJsonText(f.value) : f.value);
+  // QueueEvents parses a completion's return value and a progress, and stops
+  // for good on one that is not JSON (a progress stored before the core
+  // refused such; a return value from another client).
+  const parsed = e.name === 'completed' ? 'returnvalue' : e.name === 'progress' ? 'data' : undefined;
+  for (const f of e.fields) fields.push(f.key, f.key === parsed ? asJsonText(f.value) : f.value);
   return [`${e.ts}-${e.seq}`, fields];
 }

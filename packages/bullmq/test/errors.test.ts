@@ -460,4 +460,48 @@ describe('errors', () => {
     });
     await open.close();
   });
+
+  it('refuses NaN and infinite numbers in job options, as Redis does; elsewhere Infinity means for ever', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const refused = { code: 'LOAM_INVALID_ARGUMENT', message: expect.stringContaining('must be a finite number') };
+    for (const opts of [
+      { delay: Infinity },
+      { attempts: NaN },
+      { backoff: { type: 'fixed', delay: Infinity } },
+      { removeOnComplete: { age: Infinity } },
+      { deduplication: { id: 'd', ttl: -Infinity } },
+    ]) {
+      await expect(queue.add('bad', {}, opts as never), JSON.stringify(opts)).rejects.toMatchObject(refused);
+    }
+    await expect(queue.addBulk([{ name: 'ok', data: {} }, { name: 'bad', data: {}, opts: { delay: NaN } }])).rejects.toMatchObject(refused);
+    const flows = new loam.FlowProducer({ connection });
+    const child = { name: 'c', queueName: queue.name, opts: { delay: Infinity } };
+    await expect(flows.add({ name: 'p', queueName: queue.name, children: [child] })).rejects.toMatchObject(refused);
+    await flows.close();
+    expect(await queue.count()).toBe(0);
+
+    // A rate limit or a priority that is not a number of milliseconds or a band is refused, as on Redis.
+    await expect(queue.rateLimit(Infinity)).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
+    await expect(queue.rateLimit(NaN)).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
+    expect(await queue.getRateLimitTtl()).toBeLessThanOrEqual(0);
+
+    // Infinity as an argument, or a finite age that is infinite in milliseconds, is "for ever".
+    const delayed = await queue.add('later', {}, { delay: 60_000 });
+    await expect(delayed.changePriority({ priority: NaN })).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
+    await delayed.changeDelay(Infinity);
+    expect(await delayed.getState()).toBe('delayed');
+    await queue.add('kept', {}, { removeOnComplete: false });
+    await queue.add('aged', {}, { removeOnComplete: { age: Number.MAX_VALUE } });
+    const worker = new Worker(queue.name, async () => 'ok', { connection });
+    await until(async () => (await queue.getCompletedCount()) === 2);
+    await worker.close();
+    expect((await queue.getCompleted()).map(j => j.name).sort()).toEqual(['aged', 'kept']);
+
+    // A priority no job can have counts none; ranges take any number.
+    await queue.add('waiting', {});
+    expect(await queue.getCountsPerPriority([0, -1, 1.5, NaN])).toEqual({ 0: 1, '-1': 0, 1.5: 0, NaN: 0 });
+    expect((await queue.getJobs(['completed'], 0, 1e300)).length).toBe(2);
+    expect((await queue.getJobs(['completed'], NaN, Infinity)).length).toBe(2);
+    await queue.close();
+  });
 });

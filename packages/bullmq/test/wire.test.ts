@@ -4,11 +4,29 @@ import { UnrecoverableError } from 'bullmq';
 import { newJobJson } from '../src/common.js';
 import { fromServer } from '../src/errors.js';
 import { JobSchema, JobState, OnChildFailure, BackoffKind } from '../src/gen/loam/jobs/v1/types_pb.js';
-import { jobError, jobJson, jobSpec, nextJob, retention, streamEntry } from '../src/wire.js';
+import { i64, jobError, jobJson, jobSpec, nextJob, priorityBand, retention, streamEntry, u32, u64 } from '../src/wire.js';
 import { EventSchema } from '../src/gen/loam/jobs/v1/events_pb.js';
 
 /** The conversions of the remote backend, which follow the addon's convert.rs. */
 describe('wire conversions', () => {
+  it('reads numbers as the addon does: saturating, NaN as 0, Infinity as the largest', () => {
+    const U64_MAX = 2n ** 64n - 1n;
+    expect([u64(-5), u64(NaN), u64(1.9), u64(2 ** 53), u64(2 ** 64), u64(1e300), u64(Infinity)]).toEqual([
+      0n, 0n, 1n, 2n ** 53n, U64_MAX, U64_MAX, U64_MAX,
+    ]);
+    expect([u32(-1), u32(2 ** 40), u32(Infinity)]).toEqual([0, 0xffff_ffff, 0xffff_ffff]);
+    expect([i64(NaN), i64(-3.7), i64(2 ** 63), i64(-Infinity), i64(Infinity)]).toEqual([
+      0n, -3n, 2n ** 63n - 1n, -(2n ** 63n), 2n ** 63n - 1n,
+    ]);
+    expect(() => u64('5')).toThrow(/expected a number/);
+    expect([0, 3, -1, 1.5, NaN].map(priorityBand)).toEqual([0, 3, 0xffff_ffff, 0xffff_ffff, 0xffff_ffff]);
+  });
+
+  it('maps a stored progress that is not JSON to JSON text, as QueueEvents parses it', () => {
+    const e = create(EventSchema, { seq: 3n, ts: 7n, name: 'progress', fields: [{ key: 'jobId', value: '1' }, { key: 'data', value: '50%' }] });
+    expect(streamEntry(e)).toEqual(['7-3', ['event', 'progress', 'jobId', '1', 'data', '"50%"']]);
+  });
+
   it('maps BullMQ job options onto a JobSpec', () => {
     const opts = {
       jobId: 'j',
