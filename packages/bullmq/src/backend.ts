@@ -42,6 +42,7 @@ import {
   keptCount,
   logRowsKept,
   namedClients,
+  cleanBefore,
   newJobJson,
   rateLimitMs,
   paginateTarget,
@@ -400,7 +401,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   cleanJobsByState(state: string, timestamp: number, limit?: number): Promise<string[]> {
-    return this.native.cleanJobsByState(Date.now(), state, timestamp, limit);
+    return this.native.cleanJobsByState(Date.now(), state, cleanBefore(timestamp), limit);
   }
 
   obliterate(opts: { force: boolean; count: number }): Promise<number> {

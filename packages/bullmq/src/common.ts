@@ -185,6 +185,19 @@ export function rateLimitMs(ms: number): number {
 }
 
 /**
+ * The time `clean` removes jobs finished before: BullMQ passes `Date.now()`
+ * less the grace, so a grace left out is NaN. Refused, where it read as 0
+ * and cleaned nothing without a word (Redis refuses it for the sorted sets,
+ * and removes every job of the lists).
+ */
+export function cleanBefore(timestamp: number): number {
+  if (Number.isNaN(timestamp)) {
+    throw loamError('invalid_argument', 'clean needs a grace period in milliseconds (a number), got none');
+  }
+  return timestamp;
+}
+
+/**
  * Refuses job options that hold NaN or an infinite number (a top-level
  * option, or a field of one: `backoff.delay`, `removeOnComplete.age`), as
  * Redis refuses them (BullMQ packs options with msgpack there, which cannot

@@ -51,6 +51,7 @@ import {
   logRowText,
   keptCount,
   logRowsKept,
+  cleanBefore,
   newJobJson,
   rateLimitMs,
   paginateTarget,
@@ -1001,7 +1002,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async cleanJobsByState(state: string, timestamp: number, limit?: number): Promise<string[]> {
     const r = await this.queueAdmin(
       { command: 'cleanJobsByState' },
-      { case: 'clean', value: { state, before: u64(timestamp), limit: u64(limit) } },
+      { case: 'clean', value: { state, before: u64(cleanBefore(timestamp)), limit: u64(limit) } },
     );
     return r.jobIds;
   }

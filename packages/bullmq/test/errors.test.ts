@@ -502,6 +502,9 @@ describe('errors', () => {
     expect(await queue.getCountsPerPriority([0, -1, 1.5, NaN])).toEqual({ 0: 1, '-1': 0, 1.5: 0, NaN: 0 });
     expect((await queue.getJobs(['completed'], 0, 1e300)).length).toBe(2);
     expect((await queue.getJobs(['completed'], NaN, Infinity)).length).toBe(2);
+    // A clean with no grace is refused, where it cleaned nothing without a word.
+    await expect(queue.clean(undefined as never, 10, 'completed')).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
+    expect(await queue.getCompletedCount()).toBe(2);
     await queue.close();
   });
 });
