@@ -205,23 +205,23 @@ export function cleanBefore(timestamp: number): number {
  * the job at once. The job's `delay`, `priority` and `timestamp` come from
  * these options.
  */
-function refuseNonFinite(opts: object): void {
+function refuseNonFinite(opts: object, what = 'job options'): void {
   for (const name in opts) {
     const value = (opts as Record<string, unknown>)[name];
     if (typeof value === 'number') {
       // NaN and the infinities are the numbers whose difference with themselves is not 0.
-      if (value - value !== 0) refuseOption(name, value);
+      if (value - value !== 0) refuseOption(what, name, value);
     } else if (typeof value === 'object' && value !== null) {
       for (const field in value) {
         const inner = (value as Record<string, unknown>)[field];
-        if (typeof inner === 'number' && inner - inner !== 0) refuseOption(`${name}.${field}`, inner);
+        if (typeof inner === 'number' && inner - inner !== 0) refuseOption(what, `${name}.${field}`, inner);
       }
     }
   }
 }
 
-function refuseOption(name: string, value: number): never {
-  throw loamError('invalid_argument', `job options are not valid: ${name} must be a finite number, got ${value}`);
+function refuseOption(what: string, name: string, value: number): never {
+  throw loamError('invalid_argument', `${what} are not valid: ${name} must be a finite number, got ${value}`);
 }
 
 /** Splits a flow node key `<prefix>:<queue>:<id>` (the prefix may hold colons). */
@@ -404,5 +404,9 @@ export function logRowText(row: unknown): string {
 export function schedulerRepeat(opts: RepeatableOptions | undefined, delayedJobOpts: JobsOptions | undefined) {
   // BullMQ types the iteration's options as JobsOptions; they carry `repeat`.
   const repeat = (delayedJobOpts as { repeat?: RepeatOptions } | undefined)?.repeat;
-  return { ...(opts ?? {}), count: repeat?.count };
+  // As a job's options (`refuseNonFinite`): a `limit: NaN` read as 0 made a
+  // scheduler that never fired, and Redis refuses it.
+  const given = { ...(opts ?? {}), count: repeat?.count };
+  refuseNonFinite(given, 'scheduler options');
+  return given;
 }

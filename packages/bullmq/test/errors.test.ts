@@ -478,6 +478,13 @@ describe('errors', () => {
     const child = { name: 'c', queueName: queue.name, opts: { delay: Infinity } };
     await expect(flows.add({ name: 'p', queueName: queue.name, children: [child] })).rejects.toMatchObject(refused);
     await flows.close();
+    for (const repeat of [{ every: 1000, limit: NaN }, { every: Infinity }]) {
+      await expect(queue.upsertJobScheduler('s', repeat), JSON.stringify(repeat)).rejects.toMatchObject({
+        code: 'LOAM_INVALID_ARGUMENT',
+        message: expect.stringContaining('scheduler options are not valid'),
+      });
+    }
+    expect(await queue.getJobSchedulersCount()).toBe(0);
     expect(await queue.count()).toBe(0);
 
     // A rate limit or a priority that is not a number of milliseconds or a band is refused, as on Redis.
