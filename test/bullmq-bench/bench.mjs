@@ -39,7 +39,7 @@ const usage = `usage: node bench.mjs [--only loam|remote|redis[,...]] [--scenari
   --scenarios  the scenarios to run, by their printed names, separated by ';' (default: all)
   --rounds     counted rounds (default 3); --warmup: rounds before them, printed, not counted (default 1)
   --scale      multiplies every scenario's job count (default 1)
-  --remote     the scenarios that also run through loamBackend({ url }), separated by ';' (default: process at concurrency 100)
+  --remote     the scenarios that also run through loamBackend({ url }), separated by ';', '' for none (default: process at concurrency 100)
   --json       writes every run and the medians to this file
 LOAM_DURABILITY=relaxed runs Loam relaxed, in-process and in the server; LOAM_JOBS_BIN names the server binary.`;
 let options;
@@ -68,7 +68,7 @@ const only = options.only;
 /** The backends to run: all by default, or those --only lists. */
 const wants = (backend) => only === '' || only.split(',').includes(backend);
 const jsonOut = options.json;
-const remoteScenarios = options.remote.split(';');
+const remoteScenarios = options.remote === '' ? [] : options.remote.split(';');
 /** The scenarios to run (their names as printed), all by default. */
 const chosen = options.scenarios;
 const serverBin =

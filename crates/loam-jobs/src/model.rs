@@ -667,7 +667,7 @@ pub struct LimiterWindow {
     pub window_end: u64,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IdempotencyRecord {
     pub request_hash: u64,
     /// The job the call made (an add) or was about.
@@ -681,6 +681,10 @@ pub struct IdempotencyRecord {
     /// keeps a completion's key otherwise, is gone): when the job finished.
     #[serde(default)]
     pub finished_on: Option<u64>,
+    /// How `request_hash` was made (`idempotency::CallHash`): 0 in records
+    /// written before an add's hash covered its whole request.
+    #[serde(default)]
+    pub hash_version: u8,
 }
 
 /// A job scheduler (BullMQ's `upsertJobScheduler`, design 26 section 8.1).
@@ -1027,6 +1031,23 @@ mod tests {
         let stub: PagedEvent =
             decode(&encode(&EventRef { fields: &[], body: true, ..now })).unwrap_or_else(|e| panic!("{e}"));
         assert!(stub.body && stub.fields.is_empty());
+    }
+
+    /// An idempotency record written before `hash_version` existed reads as
+    /// one of version 0, whose add hash covered less of the request.
+    #[test]
+    fn idempotency_records_from_before_hash_versions_still_read() {
+        #[derive(Serialize)]
+        struct Before<'a>(u64, &'a str, u64, Option<u64>, Option<u64>);
+        let read: IdempotencyRecord = decode(&encode(&Before(5, "7", 9, None, Some(3)))).unwrap();
+        let want = IdempotencyRecord {
+            request_hash: 5,
+            job_id: "7".into(),
+            expires_at: 9,
+            finished_on: Some(3),
+            ..Default::default()
+        };
+        assert_eq!((read, want.hash_version), (want.clone(), 0));
     }
 
     /// A dedup record written before `key_removed` existed reads as a key

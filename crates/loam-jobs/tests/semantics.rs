@@ -1067,6 +1067,38 @@ fn idempotency_key_returns_the_first_result() {
     assert_eq!((e.id.as_str(), e.created), ("1", false));
 }
 
+/// A keyed add that a deduplication id absorbed answers the same when sent
+/// again: the job that held the id, even after that job is gone, and with
+/// `keepLastIfActive` after the add kept for later was made.
+#[test]
+fn a_deduplicated_keyed_add_sent_again_answers_the_same() {
+    let (jobs, _) = core();
+    let keyed = |key: &str, d: &Dedup, data: &[u8]| EnqueueRequest {
+        idempotency: Some(Idempotency { key: key.into(), ttl_ms: None }),
+        dedup: Some(d.clone()),
+        data: data.to_vec(),
+        ..job("a")
+    };
+    let simple = dedup("s", None);
+    let first = jobs.enqueue("ns", "q", EnqueueRequest { dedup: Some(simple.clone()), ..job("a") }).wait().unwrap();
+    let absorbed = jobs.enqueue("ns", "q", keyed("k1", &simple, b"x")).wait().unwrap();
+    assert_eq!((absorbed.id.as_str(), absorbed.created), (first.id.as_str(), false));
+    let l = lease_one(&jobs, "q").unwrap();
+    ok(&jobs, "q", &l, &first.id);
+    let again = jobs.enqueue("ns", "q", keyed("k1", &simple, b"x")).wait().unwrap();
+    assert_eq!((again.id.as_str(), again.created), (first.id.as_str(), false), "not a new job once the holder is gone");
+
+    let d = keep_last(None);
+    let holder = active_holder(&jobs, &d);
+    let kept = jobs.enqueue("ns", "q", keyed("k2", &d, b"later")).wait().unwrap();
+    assert!(!kept.created);
+    ok(&jobs, "q", &holder, &holder.job.id);
+    let made = lease_one(&jobs, "q").unwrap();
+    assert_eq!(made.job.data, b"later");
+    let resent = jobs.enqueue("ns", "q", keyed("k2", &d, b"later")).wait().unwrap();
+    assert_eq!((resent.id.as_str(), resent.created), (kept.id.as_str(), false), "the kept add's first answer");
+}
+
 #[test]
 fn expired_idempotency_records_are_purged_and_live_ones_kept() {
     let (jobs, clock) = core();

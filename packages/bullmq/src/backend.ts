@@ -42,9 +42,11 @@ import {
   keptCount,
   logRowsKept,
   namedClients,
+  checkWorkerNumbers,
   cleanBefore,
   newJobJson,
   rateLimitMs,
+  refuseNonFinite,
   paginateTarget,
   progressText,
   parseJob,
@@ -604,6 +606,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     delayedJobOpts: JobsOptions,
     _producerId?: string,
   ): Promise<[string, number]> {
+    refuseNonFinite(templateOpts ?? {}, 'scheduler template options');
     const added = await this.native.addJobScheduler(
       Date.now(),
       jobSchedulerId,
@@ -666,6 +669,10 @@ export function backendOptionsJson(
   queue: string,
   opts: FactoryOptions,
 ): string {
+  checkWorkerNumbers(opts);
+  // JSON has no Infinity (it writes null, "not set"): the largest number
+  // reads as the largest count or time, as the remote backend reads Infinity.
+  const finite = (_key: string, v: unknown) => (v === Infinity ? Number.MAX_VALUE : v);
   return JSON.stringify({
     ...settings,
     queue,
@@ -677,7 +684,7 @@ export function backendOptionsJson(
     metrics: opts.metrics,
     removeOnComplete: opts.removeOnComplete,
     removeOnFail: opts.removeOnFail,
-  });
+  }, finite);
 }
 
 export type { FactoryOptions };

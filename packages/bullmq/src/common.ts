@@ -178,10 +178,39 @@ export function newJobJson(
  * `Infinity` would stop the queue for ever.
  */
 export function rateLimitMs(ms: number): number {
-  if (typeof ms === 'number' && !Number.isFinite(ms)) {
+  if (typeof ms === 'number' && !(Math.abs(ms) <= Number.MAX_SAFE_INTEGER)) {
     throw loamError('invalid_argument', `a rate limit must be a finite number of milliseconds, got ${ms}`);
   }
   return ms;
+}
+
+/** The Worker settings a backend reads (BullMQ's `WorkerOptions`, a Queue's have none of them). */
+export interface WorkerNumbers {
+  lockDuration?: number;
+  limiter?: { max: number; duration: number };
+  maxStalledCount?: number;
+  metrics?: { maxDataPoints?: number };
+}
+
+/**
+ * Refuses Worker settings that are NaN, and a lock duration that is not
+ * finite, as Redis refuses them: a lock held for ever would keep a dead
+ * worker's job active for ever. The others may be `Infinity` (no limit),
+ * which both backends read as the largest number.
+ */
+export function checkWorkerNumbers(opts: WorkerNumbers): void {
+  const given: [string, unknown][] = [
+    ['lockDuration', opts.lockDuration],
+    ['maxStalledCount', opts.maxStalledCount],
+    ['limiter.max', opts.limiter?.max],
+    ['limiter.duration', opts.limiter?.duration],
+    ['metrics.maxDataPoints', opts.metrics?.maxDataPoints],
+  ];
+  for (const [name, n] of given) {
+    if (typeof n === 'number' && (Number.isNaN(n) || (name === 'lockDuration' && !Number.isFinite(n)))) {
+      throw loamError('invalid_argument', `worker options are not valid: ${name} must be a finite number, got ${n}`);
+    }
+  }
 }
 
 /**
@@ -205,7 +234,7 @@ export function cleanBefore(timestamp: number): number {
  * the job at once. The job's `delay`, `priority` and `timestamp` come from
  * these options.
  */
-function refuseNonFinite(opts: object, what = 'job options'): void {
+export function refuseNonFinite(opts: object, what = 'job options'): void {
   for (const name in opts) {
     const value = (opts as Record<string, unknown>)[name];
     if (typeof value === 'number') {

@@ -133,13 +133,15 @@ function remoteBackend(settings: LoamConnectionOptions): BackendFactory<RemoteQu
     const factoryOpts = opts as FactoryOptions;
     checkNames(name, resolved.namespace, factoryOpts.name);
     checkHeaderValues(resolved.namespace, resolved.token);
+    // Read (and refused) before a channel is opened that nothing would close.
+    const worker = workerSettings(factoryOpts);
     const key = JSON.stringify([resolved.url, resolved.token ?? '', resolved.namespace ?? '']);
     let channel = channels.get(key);
     if (!channel) {
       channel = new RemoteChannel(resolved);
       channels.set(key, channel);
     }
-    return new RemoteQueueBackend(channel, name, factoryOpts.prefix ?? 'bull', true, workerSettings(factoryOpts), {
+    return new RemoteQueueBackend(channel, name, factoryOpts.prefix ?? 'bull', true, worker, {
       blocking: options.blocking,
       withBlockingConnection: options.withBlockingConnection,
       workerName: factoryOpts.name,

@@ -51,9 +51,11 @@ import {
   logRowText,
   keptCount,
   logRowsKept,
+  checkWorkerNumbers,
   cleanBefore,
   newJobJson,
   rateLimitMs,
+  refuseNonFinite,
   paginateTarget,
   progressText,
   parseNodeKey,
@@ -101,6 +103,7 @@ import {
   priority as wirePriority,
   priorityBand,
   u64,
+  u64Sum,
   i64,
 } from './wire.js';
 
@@ -153,6 +156,7 @@ interface WorkerSettings {
 }
 
 export function workerSettings(opts: FactoryOptions): WorkerSettings {
+  checkWorkerNumbers(opts);
   const maxPoints = u64(opts.metrics?.maxDataPoints);
   return {
     lockDurationMs: opts.lockDuration === undefined ? 30_000n : u64(opts.lockDuration),
@@ -828,7 +832,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     opts: MoveToDelayedOpts = {},
   ): Promise<void | any[]> {
     const outcome: OutcomeInit['kind'] = opts.skipAttempt
-      ? { case: 'delay', value: { until: u64(timestamp) + u64(delay) } }
+      ? { case: 'delay', value: { until: u64Sum(u64(timestamp), u64(delay)) } }
       : {
           case: 'retry',
           value: {
@@ -1415,6 +1419,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     delayedJobOpts: JobsOptions,
     _producerId?: string,
   ): Promise<[string, number]> {
+    refuseNonFinite(templateOpts ?? {}, 'scheduler template options');
     const spec = schedulerSpec(
       jobSchedulerId,
       nextMillis ?? undefined,

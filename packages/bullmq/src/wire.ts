@@ -46,6 +46,12 @@ export function u64(n: unknown): bigint {
   return whole >= 2 ** 64 ? U64_MAX : BigInt(whole);
 }
 
+/** `a + b` as a uint64, at most the largest (a time plus an infinite delay is "for ever"). */
+export function u64Sum(a: bigint, b: bigint): bigint {
+  const sum = a + b;
+  return sum > U64_MAX ? U64_MAX : sum;
+}
+
 /** As [`u64`], for uint32 fields. */
 export function u32(n: unknown): number {
   return Math.min(wholeOrZero(n), 0xffff_ffff);

@@ -497,12 +497,28 @@ describe('errors', () => {
     await expect(delayed.changePriority({ priority: NaN })).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
     await delayed.changeDelay(Infinity);
     expect(await delayed.getState()).toBe('delayed');
+    const { backend, active } = await activeJob('tok-delayed');
+    await backend.moveToDelayed(active.id!, Date.now(), Infinity, 'tok-delayed', { skipAttempt: true });
+    expect(await active.getState()).toBe('delayed');
     await queue.add('kept', {}, { removeOnComplete: false });
     await queue.add('aged', {}, { removeOnComplete: { age: Number.MAX_VALUE } });
     const worker = new Worker(queue.name, async () => 'ok', { connection });
     await until(async () => (await queue.getCompletedCount()) === 2);
     await worker.close();
     expect((await queue.getCompleted()).map(j => j.name).sort()).toEqual(['aged', 'kept']);
+
+    // A worker's lock held for ever, or a setting that is NaN, is refused; an infinite count is no limit.
+    for (const bad of [{ lockDuration: Infinity }, { maxStalledCount: NaN }, { limiter: { max: 1, duration: NaN } }]) {
+      expect(() => loam.factory(queue.name, { connection, ...bad } as never), JSON.stringify(bad)).toThrow(
+        expect.objectContaining({ code: 'LOAM_INVALID_ARGUMENT' }),
+      );
+    }
+    await expect(queue.rateLimit(1e300)).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
+    await expect(queue.upsertJobScheduler('t', { every: 1000 }, { opts: { attempts: NaN } })).rejects.toMatchObject({
+      code: 'LOAM_INVALID_ARGUMENT',
+    });
+    const stalls = new Worker(queue.name, async () => 'ok', { connection, autorun: false, maxStalledCount: Infinity });
+    await stalls.close();
 
     // A priority no job can have counts none; ranges take any number.
     await queue.add('waiting', {});

@@ -15,10 +15,13 @@ venv="${LOAM_PY_VENV:-$package_dir/.venv}"
 if [[ ! -x "$venv/bin/python" ]]; then
   python="${PYTHON:-python3}"
   # Debian ships `venv` without ensurepip, in a package of its own.
-  if ! "$python" -c 'import ensurepip' 2>/dev/null && command -v apt-get >/dev/null; then
+  # (Only for the system's python3, as root or through sudo; elsewhere venv
+  # says itself what is missing.)
+  sudo=""
+  if [[ "$(id -u)" != "0" ]]; then sudo="sudo"; fi
+  if [[ "$(command -v "$python")" == /usr/bin/python3* ]] && ! "$python" -c 'import ensurepip' 2>/dev/null \
+    && command -v apt-get >/dev/null && { [[ -z "$sudo" ]] || command -v sudo >/dev/null; }; then
     echo "install: python3-venv"
-    sudo=""
-    if [[ "$(id -u)" != "0" ]]; then sudo="sudo"; fi
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3-venv >/dev/null
   fi

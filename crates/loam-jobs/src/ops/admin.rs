@@ -9,6 +9,7 @@ use crate::model::{
     self, DedupRecord, Dependency, DependencyStatus, Fence, Idempotency, JobRecord, JobState, LimiterWindow, ParentRef,
     Report,
 };
+use crate::ops::idempotency::CallHash;
 use crate::ops::lease::{self, Line};
 use crate::ops::{enqueue, idempotency};
 use crate::tx::Tx;
@@ -655,7 +656,7 @@ pub fn report(
     report: Report,
     idem: Option<&Idempotency>,
 ) -> Result<u64, JobsError> {
-    let keyed = idem.map(|idem| (idem, idempotency::hash_of(&("report", id, fence, &report))));
+    let keyed = idem.map(|idem| (idem, CallHash::of(idempotency::hash_of(&("report", id, fence, &report)))));
     if let Some((idem, hash)) = keyed
         && let Some(rec) = idempotency::recall(tx, q, idem, hash)?
     {

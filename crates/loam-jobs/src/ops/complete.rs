@@ -10,6 +10,7 @@ use crate::model::{
     JobRecord, JobState, Keep, Lease, LeaseInfo, Leased, LimiterWindow, MAX_METRICS_POINTS, MetricsRecord,
     OnChildFailure, Outcome, Retention,
 };
+use crate::ops::idempotency::CallHash;
 use crate::ops::lease::{self, Line};
 use crate::ops::{enqueue, idempotency};
 use crate::tx::Tx;
@@ -99,7 +100,7 @@ fn completed_before(
     }
     let removed = match job {
         Some(_) => None,
-        None => idempotency::recall(tx, q, idem, completion_hash(id))?,
+        None => idempotency::recall(tx, q, idem, CallHash::of(completion_hash(id)))?,
     };
     let mut leases = Vec::new();
     for (_, id) in tx.scan(&QueueKeys::new(q).active_all(), usize::MAX, false)? {
@@ -221,7 +222,7 @@ fn complete_job(
         done.removed = true;
         if let Some(idem) = &opts.idempotency {
             let answer = idempotency::Answer { finished_on: done.finished_on, ..Default::default() };
-            idempotency::remember(tx, q, idem, completion_hash(id), id, answer)?;
+            idempotency::remember(tx, q, idem, CallHash::of(completion_hash(id)), id, answer)?;
         }
     }
     if fetch && let Some(req) = &opts.fetch_next {

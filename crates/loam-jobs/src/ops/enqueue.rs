@@ -6,7 +6,7 @@ use crate::model::{
     self, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Enqueued, JobRecord, JobState, MAX_PRIORITY,
     ParentRef, validate_name,
 };
-use crate::ops::idempotency;
+use crate::ops::idempotency::{self, CallHash};
 use crate::tx::Tx;
 
 /// Longest job name, job id, dedup id or idempotency key, in bytes.
@@ -47,15 +47,17 @@ fn is_integer_text(id: &str) -> bool {
 }
 
 /// What an idempotency key's repeats must agree on: the whole request but
-/// the key itself. (It once covered the name, payload, options, delay and
-/// priority only, so a key reused for another job id, parent or attempts
-/// answered the first job instead of a conflict, and a parent never got the
-/// child its caller was told was added.)
-fn request_hash(req: &mut EnqueueRequest) -> u64 {
+/// the key itself (version 1). Version 0 covered the name, payload, options,
+/// delay and priority only, so a key reused for another job id, parent or
+/// attempts answered the first job instead of a conflict, and a parent never
+/// got the child its caller was told was added.
+fn request_hash(req: &mut EnqueueRequest) -> CallHash {
     let key = req.idempotency.take();
     let hash = idempotency::hash_of(&*req);
     req.idempotency = key;
-    hash
+    let version_0 =
+        idempotency::hash_of(&(&req.name, serde_bytes::Bytes::new(&req.data), &req.opts, req.delay_ms, req.priority));
+    CallHash { hash, version: 1, version_0: Some(version_0) }
 }
 
 /// What the caller wants done with a new job's state.
@@ -107,12 +109,15 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
 /// when the job before it finishes.
 pub fn enqueue_kept(tx: &mut Tx, q: &QueueId, mut kept: EnqueueRequest) -> Result<Enqueued, JobsError> {
     kept.timestamp = None;
+    // Its key, if it had one, answers the job that held the id: the add
+    // was answered so when it was kept.
+    kept.idempotency = None;
     add(tx, q, kept, Placement::Normal)
 }
 
 fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
     validate(tx, &req)?;
-    let hash = if req.idempotency.is_some() { request_hash(&mut req) } else { 0 };
+    let hash = if req.idempotency.is_some() { request_hash(&mut req) } else { CallHash::of(0) };
     if let Some(idem) = &req.idempotency
         && let Some(rec) = idempotency::recall(tx, q, idem, hash)?
     {
@@ -144,6 +149,11 @@ fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) 
     };
 
     if let Some(existing) = deduplicate(tx, q, &req, &id)? {
+        // Sent again, the add answers the same job, where it would be
+        // deduplicated anew (or, its job gone meanwhile, added).
+        if let Some(idem) = &req.idempotency {
+            idempotency::remember(tx, q, idem, hash, &existing.id, idempotency::Answer::default())?;
+        }
         return Ok(existing);
     }
 

@@ -28,13 +28,40 @@ pub fn check_key(key: &str) -> Result<(), JobsError> {
     validate_name("idempotency key", key, MAX_NAME_BYTES)
 }
 
+/// What a call sent again under its key is compared by: its hash, made the
+/// way `version` says. A record a build before that version kept holds the
+/// hash made the old way, and a call sent again across the upgrade (a client
+/// resending while the server restarts) is compared with that one instead.
+#[derive(Clone, Copy, Debug)]
+pub struct CallHash {
+    pub hash: u64,
+    pub version: u8,
+    /// The call's hash as version 0 made it, for a call whose hash changed since.
+    pub version_0: Option<u64>,
+}
+
+impl CallHash {
+    /// A call whose hash has been made one way only.
+    pub fn of(hash: u64) -> Self {
+        Self { hash, version: 0, version_0: None }
+    }
+
+    fn matches(&self, rec: &IdempotencyRecord) -> bool {
+        match rec.hash_version {
+            v if v == self.version => rec.request_hash == self.hash,
+            0 => self.version_0 == Some(rec.request_hash),
+            _ => false,
+        }
+    }
+}
+
 /// The live record of `idem`, if the call was made before; an error if that
-/// call was a different one (`request_hash` differs).
+/// call was a different one (its hash differs).
 pub fn recall(
     tx: &mut Tx,
     q: &QueueId,
     idem: &Idempotency,
-    request_hash: u64,
+    call: CallHash,
 ) -> Result<Option<IdempotencyRecord>, JobsError> {
     check_key(&idem.key)?;
     let Some(rec) = tx.get_record::<IdempotencyRecord>(&QueueKeys::new(q).idempotency(&idem.key))? else {
@@ -43,7 +70,7 @@ pub fn recall(
     if rec.expires_at <= tx.now {
         return Ok(None);
     }
-    if rec.request_hash != request_hash {
+    if !call.matches(&rec) {
         return Err(JobsError::IdempotencyConflict { key: idem.key.clone() });
     }
     Ok(Some(rec))
@@ -64,14 +91,21 @@ pub fn remember(
     tx: &mut Tx,
     q: &QueueId,
     idem: &Idempotency,
-    request_hash: u64,
+    call: CallHash,
     job_id: &str,
     answer: Answer,
 ) -> Result<(), JobsError> {
     let ttl = idem.ttl_ms.unwrap_or(tx.config.idempotency_ttl_ms);
     let expires_at = tx.now.saturating_add(ttl);
     let Answer { log_count, finished_on } = answer;
-    let rec = IdempotencyRecord { request_hash, job_id: job_id.to_string(), expires_at, log_count, finished_on };
+    let rec = IdempotencyRecord {
+        request_hash: call.hash,
+        job_id: job_id.to_string(),
+        expires_at,
+        log_count,
+        finished_on,
+        hash_version: call.version,
+    };
     let key = QueueKeys::new(q).idempotency(&idem.key);
     tx.put_record(&key, &rec)?;
     tx.put(&crate::keys::idempotency_expiry(rec.expires_at, &key), Vec::new())
@@ -109,16 +143,40 @@ pub fn purge_expired(tx: &mut Tx, limit: usize) -> Result<u64, JobsError> {
 
 #[cfg(test)]
 mod tests {
-    use super::hash_of;
-    use crate::model::{Fence, Report};
+    use super::{CallHash, hash_of};
+    use crate::model::{EnqueueRequest, Fence, IdempotencyRecord, Report};
 
     /// The hashes kept in records must not change from one build to the next:
-    /// these are the values the first build with a fixed hash gave.
+    /// these are the values the first build with a fixed hash gave, and for
+    /// an add's whole request (version 1) the first build that hashed it. A
+    /// field added to `EnqueueRequest` changes version 1's hashes: that takes
+    /// a new version, with this one kept for the records made before it.
     #[test]
     fn hashes_stay_what_earlier_builds_kept() {
         let add = hash_of(&("email", serde_bytes::Bytes::new(b"{\"to\":1}"), "{}", 0u64, 0u32));
         let report =
             hash_of(&("report", "7", &Fence::Token("t".into()), &Report::Log { row: "hi".into(), keep: Some(3) }));
-        assert_eq!((add, report), (10024672349652522726, 9076688982668741003));
+        let whole = hash_of(&EnqueueRequest {
+            name: "email".into(),
+            data: b"{\"to\":1}".to_vec(),
+            opts: "{}".into(),
+            job_id: Some("j".into()),
+            attempts: 3,
+            ..Default::default()
+        });
+        assert_eq!((add, report, whole), (10024672349652522726, 9076688982668741003, 8672131837815774137));
+    }
+
+    /// A record is compared the way it was made: one written before an add's
+    /// hash covered its whole request, by the hash made then.
+    #[test]
+    fn a_call_is_compared_with_a_record_the_way_it_was_made() {
+        let call = CallHash { hash: 11, version: 1, version_0: Some(22) };
+        let record =
+            |request_hash, hash_version| IdempotencyRecord { request_hash, hash_version, ..Default::default() };
+        assert!(call.matches(&record(11, 1)));
+        assert!(call.matches(&record(22, 0)));
+        assert!(!call.matches(&record(22, 1)) && !call.matches(&record(11, 0)) && !call.matches(&record(11, 2)));
+        assert!(CallHash::of(33).matches(&record(33, 0)) && !CallHash::of(33).matches(&record(44, 0)));
     }
 }
