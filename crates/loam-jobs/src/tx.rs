@@ -397,6 +397,16 @@ impl<'a> Tx<'a> {
         self.now.max(self.core_now)
     }
 
+    /// The time what Redis keeps as a key TTL runs out by (a rate-limit
+    /// window, a deduplication ttl): the leases' clock, which runs in real
+    /// time however a caller's `now` jumps. In the caller's time, a worker
+    /// that ran a job with its clock faked a day ahead (sinon) left the queue
+    /// limited, or the deduplication id held, for that day once the clock was
+    /// put back; on Redis the key expires in its own time.
+    pub fn ttl_now(&self) -> u64 {
+        self.lease_now
+    }
+
     /// Moves a job to the ready state that fits it: waiting or prioritized.
     pub fn ready_state(job: &JobRecord) -> JobState {
         if job.is_prioritized() { JobState::Prioritized } else { JobState::Waiting }

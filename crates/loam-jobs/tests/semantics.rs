@@ -1771,6 +1771,31 @@ fn operations_can_run_at_the_callers_time() {
     assert_eq!(l.deadline, jobs.now_ms() + 1000, "lease deadlines follow the core's lease clock, like a Redis TTL");
 }
 
+/// A rate-limit window and a deduplication ttl, Redis key TTLs, run in the
+/// core's own time whatever the caller's time: a caller whose clock was faked
+/// a day ahead and then put back is not limited, or deduplicated, for that day.
+#[test]
+fn rate_limit_windows_and_dedup_ttls_run_in_the_cores_time() {
+    let (jobs, clock) = core();
+    let ahead = jobs.at(clock.now_ms() + 86_400_000);
+    let limited = LeaseRequest { limiter: Some(RateLimit { max: 1, duration_ms: 1000 }), ..Default::default() };
+    for name in ["a", "b"] {
+        jobs.enqueue("ns", "q", job(name)).wait().unwrap();
+    }
+    let first = ahead.lease("ns", "q", limited.clone()).wait().unwrap();
+    assert_eq!(first.leases.len(), 1);
+    let held = jobs.lease("ns", "q", limited.clone()).wait().unwrap();
+    assert!(held.leases.is_empty() && held.info.rate_limit_ms <= 1000, "{:?}", held.info);
+    clock.advance(1001);
+    assert_eq!(jobs.lease("ns", "q", limited).wait().unwrap().leases.len(), 1, "the window ended in the core's time");
+
+    let d = Some(dedup("d", Some(500)));
+    let one = ahead.enqueue("ns", "q", EnqueueRequest { dedup: d.clone(), ..job("c") }).wait().unwrap();
+    clock.advance(501);
+    let two = jobs.enqueue("ns", "q", EnqueueRequest { dedup: d, ..job("c") }).wait().unwrap();
+    assert!(two.created && two.id != one.id, "the ttl ended in the core's time");
+}
+
 #[test]
 fn a_removed_child_keeps_its_result_on_the_parent() {
     let (jobs, _) = core();

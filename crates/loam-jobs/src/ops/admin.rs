@@ -809,7 +809,7 @@ pub fn remove_meta_fields(tx: &mut Tx, q: &QueueId, fields: &[String]) -> Result
 
 /// `queue.rateLimit(ms)`: the limiter refuses every job for `ms`.
 pub fn set_rate_limit(tx: &mut Tx, q: &QueueId, ms: u64) -> Result<(), JobsError> {
-    let window = LimiterWindow { count: u64::MAX, window_end: tx.now.saturating_add(ms) };
+    let window = LimiterWindow { count: u64::MAX, window_end: tx.ttl_now().saturating_add(ms) };
     tx.put_record(&QueueKeys::new(q).limiter(), &window)
 }
 
@@ -832,8 +832,8 @@ pub fn remove_dedup_key(tx: &mut Tx, q: &QueueId, dedup_id: &str, job_id: Option
     let key = QueueKeys::new(q).dedup(dedup_id);
     let Some(mut rec) = tx.get_record::<DedupRecord>(&key)?.filter(|r| !r.key_removed) else { return Ok(0) };
     let live = match tx.load_job(q, &rec.job_id)? {
-        Some(job) => rec.is_live(&job, tx.now),
-        None => rec.expires_at.is_none_or(|e| e > tx.now),
+        Some(job) => rec.is_live(&job, tx.ttl_now()),
+        None => rec.expires_at.is_none_or(|e| e > tx.ttl_now()),
     };
     // An expired key is gone already (a Redis key past its TTL): nothing to remove.
     if !live || job_id.is_some_and(|j| j != rec.job_id) {

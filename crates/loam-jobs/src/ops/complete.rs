@@ -204,7 +204,7 @@ fn complete_job(
             false
         }
         Outcome::RateLimited { for_ms } => {
-            let window = LimiterWindow { count: u64::MAX, window_end: tx.now.saturating_add(for_ms) };
+            let window = LimiterWindow { count: u64::MAX, window_end: tx.ttl_now().saturating_add(for_ms) };
             tx.put_record(&QueueKeys::new(q).limiter(), &window)?;
             let job = release(tx, q, job, None)?;
             done.state = Some(job.state);
@@ -497,7 +497,7 @@ fn release_dedup_on_finish(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<
     let Some(d) = &job.dedup else { return Ok(()) };
     let key = QueueKeys::new(q).dedup(&d.id);
     let Some(rec) = tx.get_record::<DedupRecord>(&key)? else { return Ok(()) };
-    let expired = rec.expires_at.is_some_and(|e| e <= tx.now);
+    let expired = rec.expires_at.is_some_and(|e| e <= tx.ttl_now());
     if rec.holder() == Some(job.id.as_str()) && (rec.expires_at.is_none() || expired) {
         tx.delete(&key)?;
     }

@@ -387,7 +387,8 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     let Some(d) = &req.dedup else { return Ok(None) };
     let keys = QueueKeys::new(q);
     let dkey = keys.dedup(&d.id);
-    let now = tx.now;
+    // The key's ttl runs in the store's time, as a Redis key's does.
+    let now = tx.ttl_now();
     // The key, if a job still holds the id, and else the add kept for later,
     // which waits on for a job of the id to finish: Redis keeps it apart
     // (`dn:<id>`), and it outlives a key removed or expired (`de:<id>`).
@@ -452,7 +453,7 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
         tx.unindex(q, job)?;
         job.delay = req.delay_ms;
         // From the incoming add's timestamp, as a delayed add counts its delay.
-        job.due = req.timestamp.unwrap_or(now).saturating_add(req.delay_ms);
+        job.due = req.timestamp.unwrap_or(tx.now).saturating_add(req.delay_ms);
         tx.index(q, job)?;
         tx.save_job(q, job)?;
         rescheduled_to = Some(job.due);

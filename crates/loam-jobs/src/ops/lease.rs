@@ -50,13 +50,13 @@ pub fn limiter(tx: &mut Tx, q: &QueueId, worker: Option<&RateLimit>) -> Result<O
 /// The current window of the queue's rate limiter.
 pub fn limiter_window(tx: &mut Tx, q: &QueueId) -> Result<LimiterWindow, JobsError> {
     let w: LimiterWindow = tx.get_record(&QueueKeys::new(q).limiter())?.unwrap_or_default();
-    Ok(if w.window_end <= tx.now { LimiterWindow::default() } else { w })
+    Ok(if w.window_end <= tx.ttl_now() { LimiterWindow::default() } else { w })
 }
 
 /// Milliseconds until the limiter lets a job through (0 = now).
 pub fn rate_limit_ttl(tx: &mut Tx, q: &QueueId, limit: Option<&RateLimit>) -> Result<u64, JobsError> {
     let w = limiter_window(tx, q)?;
-    Ok(window_ttl(&w, limit, tx.now))
+    Ok(window_ttl(&w, limit, tx.ttl_now()))
 }
 
 /// [`rate_limit_ttl`] of the window `w` at `now`.
@@ -119,14 +119,14 @@ pub fn lease_taken_by(
     }
     let limit = limiter(tx, q, req.limiter.as_ref())?;
     let mut window = limiter_window(tx, q)?;
-    let ttl = window_ttl(&window, limit.as_ref(), tx.now);
+    let ttl = window_ttl(&window, limit.as_ref(), tx.ttl_now());
     if ttl > 0 {
         out.info.rate_limit_ms = ttl;
         return Ok(out);
     }
     if let Some(l) = &limit {
-        if window.window_end <= tx.now {
-            window = LimiterWindow { count: 0, window_end: tx.now.saturating_add(l.duration_ms) };
+        if window.window_end <= tx.ttl_now() {
+            window = LimiterWindow { count: 0, window_end: tx.ttl_now().saturating_add(l.duration_ms) };
         }
         room = room.min(l.max - window.count);
     }

@@ -261,7 +261,7 @@ pub fn meta(tx: &mut Tx, q: &QueueId) -> Result<BTreeMap<String, String>, JobsEr
 }
 
 pub fn dedup_job_id(tx: &mut Tx, q: &QueueId, dedup_id: &str) -> Result<Option<String>, JobsError> {
-    let now = tx.now;
+    let now = tx.ttl_now();
     Ok(tx
         .get_record::<model::DedupRecord>(&QueueKeys::new(q).dedup(dedup_id))?
         .filter(|r| !r.key_removed && r.expires_at.is_none_or(|e| e > now))
@@ -288,7 +288,7 @@ pub fn rate_limit_ttl_or_missing(tx: &mut Tx, q: &QueueId, max: Option<u64>) -> 
     let signed = |ms: u64| i64::try_from(ms).unwrap_or(i64::MAX);
     if max.is_none() && lease::limiter(tx, q, None)?.is_none() {
         let window = lease::limiter_window(tx, q)?;
-        return Ok(if window.window_end == 0 { -2 } else { signed(window.window_end.saturating_sub(tx.now)) });
+        return Ok(if window.window_end == 0 { -2 } else { signed(window.window_end.saturating_sub(tx.ttl_now())) });
     }
     Ok(signed(rate_limit_ttl(tx, q, max)?))
 }
