@@ -685,6 +685,9 @@ pub struct IdempotencyRecord {
     /// written before an add's hash covered its whole request.
     #[serde(default)]
     pub hash_version: u8,
+    /// For an add a deduplication id absorbed: `job_id` held the id.
+    #[serde(default)]
+    pub deduplicated: bool,
 }
 
 /// A job scheduler (BullMQ's `upsertJobScheduler`, design 26 section 8.1).

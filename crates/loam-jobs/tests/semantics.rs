@@ -1087,6 +1087,10 @@ fn a_deduplicated_keyed_add_sent_again_answers_the_same() {
     ok(&jobs, "q", &l, &first.id);
     let again = jobs.enqueue("ns", "q", keyed("k1", &simple, b"x")).wait().unwrap();
     assert_eq!((again.id.as_str(), again.created), (first.id.as_str(), false), "not a new job once the holder is gone");
+    assert_eq!(
+        (absorbed.deduplicated_by.as_deref(), again.deduplicated_by),
+        (Some(first.id.as_str()), absorbed.deduplicated_by.clone())
+    );
 
     let d = keep_last(None);
     let holder = active_holder(&jobs, &d);

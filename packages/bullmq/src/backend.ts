@@ -671,8 +671,9 @@ export function backendOptionsJson(
 ): string {
   checkWorkerNumbers(opts);
   // JSON has no Infinity (it writes null, "not set"): the largest number
-  // reads as the largest count or time, as the remote backend reads Infinity.
-  const finite = (_key: string, v: unknown) => (v === Infinity ? Number.MAX_VALUE : v);
+  // reads as the largest count or time, and its negative as 0, as the remote
+  // backend reads them.
+  const finite = (_key: string, v: unknown) => (v === Infinity ? Number.MAX_VALUE : v === -Infinity ? -Number.MAX_VALUE : v);
   return JSON.stringify({
     ...settings,
     queue,

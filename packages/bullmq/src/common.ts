@@ -178,8 +178,8 @@ export function newJobJson(
  * `Infinity` would stop the queue for ever.
  */
 export function rateLimitMs(ms: number): number {
-  if (typeof ms === 'number' && !(Math.abs(ms) <= Number.MAX_SAFE_INTEGER)) {
-    throw loamError('invalid_argument', `a rate limit must be a finite number of milliseconds, got ${ms}`);
+  if (typeof ms === 'number' && !(ms >= 0 && ms <= Number.MAX_SAFE_INTEGER)) {
+    throw loamError('invalid_argument', `a rate limit must be 0 to 2^53 milliseconds, got ${ms}`);
   }
   return ms;
 }
@@ -193,10 +193,10 @@ export interface WorkerNumbers {
 }
 
 /**
- * Refuses Worker settings that are NaN, and a lock duration that is not
- * finite, as Redis refuses them: a lock held for ever would keep a dead
- * worker's job active for ever. The others may be `Infinity` (no limit),
- * which both backends read as the largest number.
+ * Refuses Worker settings that are NaN, and a lock duration past 2^53 ms,
+ * as Redis refuses them: a lock held for ever would keep a dead worker's
+ * job active for ever. The others may be `Infinity` (no limit), which both
+ * backends read as the largest number, and `-Infinity`, read as 0.
  */
 export function checkWorkerNumbers(opts: WorkerNumbers): void {
   const given: [string, unknown][] = [
@@ -207,8 +207,8 @@ export function checkWorkerNumbers(opts: WorkerNumbers): void {
     ['metrics.maxDataPoints', opts.metrics?.maxDataPoints],
   ];
   for (const [name, n] of given) {
-    if (typeof n === 'number' && (Number.isNaN(n) || (name === 'lockDuration' && !Number.isFinite(n)))) {
-      throw loamError('invalid_argument', `worker options are not valid: ${name} must be a finite number, got ${n}`);
+    if (typeof n === 'number' && (Number.isNaN(n) || (name === 'lockDuration' && !(n <= Number.MAX_SAFE_INTEGER)))) {
+      throw loamError('invalid_argument', `worker options are not valid: ${name} cannot be ${n}`);
     }
   }
 }

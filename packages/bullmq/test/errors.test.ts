@@ -508,12 +508,15 @@ describe('errors', () => {
     expect((await queue.getCompleted()).map(j => j.name).sort()).toEqual(['aged', 'kept']);
 
     // A worker's lock held for ever, or a setting that is NaN, is refused; an infinite count is no limit.
-    for (const bad of [{ lockDuration: Infinity }, { maxStalledCount: NaN }, { limiter: { max: 1, duration: NaN } }]) {
+    for (const bad of [{ lockDuration: Infinity }, { lockDuration: 2 ** 64 }, { maxStalledCount: NaN }, { limiter: { max: 1, duration: NaN } }]) {
       expect(() => loam.factory(queue.name, { connection, ...bad } as never), JSON.stringify(bad)).toThrow(
         expect.objectContaining({ code: 'LOAM_INVALID_ARGUMENT' }),
       );
     }
     await expect(queue.rateLimit(1e300)).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
+    await expect(queue.rateLimit(-1)).rejects.toMatchObject({ code: 'LOAM_INVALID_ARGUMENT' });
+    const negative = loam.factory(queue.name, { connection, limiter: { max: 1, duration: -Infinity } } as never);
+    await negative.close();
     await expect(queue.upsertJobScheduler('t', { every: 1000 }, { opts: { attempts: NaN } })).rejects.toMatchObject({
       code: 'LOAM_INVALID_ARGUMENT',
     });

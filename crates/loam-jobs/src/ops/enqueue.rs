@@ -122,7 +122,8 @@ fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) 
         && let Some(rec) = idempotency::recall(tx, q, idem, hash)?
     {
         let state = tx.load_job(q, &rec.job_id)?.map_or(JobState::Completed, |j| j.state);
-        return Ok(Enqueued { id: rec.job_id, created: false, state, deduplicated_by: None });
+        let deduplicated_by = rec.deduplicated.then(|| rec.job_id.clone());
+        return Ok(Enqueued { id: rec.job_id, created: false, state, deduplicated_by });
     }
 
     if let Some(id) = &req.job_id
@@ -152,7 +153,8 @@ fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) 
         // Sent again, the add answers the same job, where it would be
         // deduplicated anew (or, its job gone meanwhile, added).
         if let Some(idem) = &req.idempotency {
-            idempotency::remember(tx, q, idem, hash, &existing.id, idempotency::Answer::default())?;
+            let answer = idempotency::Answer { deduplicated: existing.deduplicated_by.is_some(), ..Default::default() };
+            idempotency::remember(tx, q, idem, hash, &existing.id, answer)?;
         }
         return Ok(existing);
     }

@@ -49,7 +49,9 @@ impl CallHash {
     fn matches(&self, rec: &IdempotencyRecord) -> bool {
         match rec.hash_version {
             v if v == self.version => rec.request_hash == self.hash,
-            0 => self.version_0 == Some(rec.request_hash),
+            // Records without a version were written by builds that hashed an
+            // add the old way, and by a few that already hashed it whole.
+            0 => self.version_0 == Some(rec.request_hash) || rec.request_hash == self.hash,
             _ => false,
         }
     }
@@ -83,6 +85,8 @@ pub struct Answer {
     pub log_count: Option<u64>,
     /// A completion's whose job retention removed: when the job finished.
     pub finished_on: Option<u64>,
+    /// An add's that a deduplication id absorbed: its job is the one that held the id.
+    pub deduplicated: bool,
 }
 
 /// Records that the call keyed `idem` (about job `job_id`) was made, and
@@ -97,7 +101,7 @@ pub fn remember(
 ) -> Result<(), JobsError> {
     let ttl = idem.ttl_ms.unwrap_or(tx.config.idempotency_ttl_ms);
     let expires_at = tx.now.saturating_add(ttl);
-    let Answer { log_count, finished_on } = answer;
+    let Answer { log_count, finished_on, deduplicated } = answer;
     let rec = IdempotencyRecord {
         request_hash: call.hash,
         job_id: job_id.to_string(),
@@ -105,6 +109,7 @@ pub fn remember(
         log_count,
         finished_on,
         hash_version: call.version,
+        deduplicated,
     };
     let key = QueueKeys::new(q).idempotency(&idem.key);
     tx.put_record(&key, &rec)?;
@@ -175,8 +180,8 @@ mod tests {
         let record =
             |request_hash, hash_version| IdempotencyRecord { request_hash, hash_version, ..Default::default() };
         assert!(call.matches(&record(11, 1)));
-        assert!(call.matches(&record(22, 0)));
-        assert!(!call.matches(&record(22, 1)) && !call.matches(&record(11, 0)) && !call.matches(&record(11, 2)));
+        assert!(call.matches(&record(22, 0)) && call.matches(&record(11, 0)));
+        assert!(!call.matches(&record(22, 1)) && !call.matches(&record(33, 0)) && !call.matches(&record(11, 2)));
         assert!(CallHash::of(33).matches(&record(33, 0)) && !CallHash::of(33).matches(&record(44, 0)));
     }
 }
