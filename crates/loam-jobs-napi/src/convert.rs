@@ -264,7 +264,7 @@ fn small(n: f64) -> u32 {
 /// scheduler at its next iteration.
 pub fn priority(n: f64) -> Result<u32, String> {
     // NaN too: Redis refuses it, and read as 0 it dropped the priority.
-    if !(n >= 0.0) {
+    if n.is_nan() || n < 0.0 {
         return Err(format!("priority must be between 0 and {}, got {n}", loam_jobs::MAX_PRIORITY));
     }
     Ok(small(n))
