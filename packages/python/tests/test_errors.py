@@ -128,6 +128,10 @@ def test_arguments_of_the_wrong_kind_are_refused_before_sending() -> None:
             nowhere.enqueue("q", None)  # type: ignore[arg-type]
         with pytest.raises(InvalidArgumentError, match="request not sent: idempotency_key is empty"):
             nowhere.enqueue("q", "a", idempotency_key="")
+        # BullMQ reads a job's options as an object: the server refuses others.
+        for opts in ("null", "5", "[1]", ["a"]):
+            with pytest.raises(InvalidArgumentError, match="request not sent: opts is a mapping"):
+                nowhere.enqueue("q", "a", opts=opts)  # type: ignore[arg-type]
         for outcome in (Success, "ok", Exception("boom")):
             with pytest.raises(InvalidArgumentError, match="request not sent: the outcome must be"):
                 nowhere.complete(lease, outcome)  # type: ignore[arg-type]

@@ -247,7 +247,8 @@ def job(
     `data` is encoded with `encode_data` (None is JSON null). `backoff` as a
     number is a fixed delay in ms. `dedup` as a string is the dedup id with
     BullMQ's default mode (until the job finishes). `opts` is the caller's
-    own options document (BullMQ's job options), kept verbatim by the server.
+    own options document (BullMQ's job options: a mapping, or JSON object
+    text), kept verbatim by the server.
     `scheduler_id` names the job scheduler the job is an iteration of.
     """
     if not isinstance(name, str):
@@ -255,6 +256,10 @@ def job(
     if idempotency_key == "":
         # Taken for no key, it left the job to an automatic key of its own.
         raise InvalidArgumentError("request not sent: idempotency_key is empty (None for no key of your own)")
+    object_text = isinstance(opts, str) and (not opts or opts.lstrip().startswith("{"))
+    if not (object_text or isinstance(opts, Mapping)):
+        # As the server refuses it: BullMQ reads a job's options as an object.
+        raise InvalidArgumentError(f"request not sent: opts is a mapping or JSON object text: {opts!r}")
     return JobSpec(
         name=name,
         data=encode_data(data),
