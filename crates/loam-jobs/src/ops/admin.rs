@@ -658,7 +658,7 @@ pub fn report(
 ) -> Result<u64, JobsError> {
     let keyed = idem.map(|idem| (idem, CallHash::of(idempotency::hash_of(&("report", id, fence, &report)))));
     if let Some((idem, hash)) = keyed
-        && let Some(rec) = idempotency::recall(tx, q, idem, hash)?
+        && let Some(rec) = idempotency::recall(tx, q, idem, hash, None)?
     {
         return rec.log_count.ok_or_else(|| JobsError::IdempotencyConflict { key: idem.key.clone() });
     }

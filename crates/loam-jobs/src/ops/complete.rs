@@ -100,7 +100,7 @@ fn completed_before(
     }
     let removed = match job {
         Some(_) => None,
-        None => idempotency::recall(tx, q, idem, CallHash::of(completion_hash(id)))?,
+        None => idempotency::recall(tx, q, idem, CallHash::of(completion_hash(id)), None)?,
     };
     let mut leases = Vec::new();
     for (_, id) in tx.scan(&QueueKeys::new(q).active_all(), usize::MAX, false)? {

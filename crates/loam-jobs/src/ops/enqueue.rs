@@ -47,17 +47,20 @@ fn is_integer_text(id: &str) -> bool {
 }
 
 /// What an idempotency key's repeats must agree on: the whole request but
-/// the key itself (version 1). Version 0 covered the name, payload, options,
-/// delay and priority only, so a key reused for another job id, parent or
-/// attempts answered the first job instead of a conflict, and a parent never
-/// got the child its caller was told was added.
+/// the key itself (version 1). Version 0 ([`request_hash_0`]) covered the
+/// name, payload, options, delay and priority only, so a key reused for
+/// another job id, parent or attempts answered the first job instead of a
+/// conflict, and a parent never got the child its caller was told was added.
 fn request_hash(req: &mut EnqueueRequest) -> CallHash {
     let key = req.idempotency.take();
     let hash = idempotency::hash_of(&*req);
     req.idempotency = key;
-    let version_0 =
-        idempotency::hash_of(&(&req.name, serde_bytes::Bytes::new(&req.data), &req.opts, req.delay_ms, req.priority));
-    CallHash { hash, version: 1, version_0: Some(version_0) }
+    CallHash { hash, version: 1 }
+}
+
+/// An add's hash as version 0 made it, for its records from before version 1.
+fn request_hash_0(req: &EnqueueRequest) -> u64 {
+    idempotency::hash_of(&(&req.name, serde_bytes::Bytes::new(&req.data), &req.opts, req.delay_ms, req.priority))
 }
 
 /// What the caller wants done with a new job's state.
@@ -119,7 +122,7 @@ fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) 
     validate(tx, &req)?;
     let hash = if req.idempotency.is_some() { request_hash(&mut req) } else { CallHash::of(0) };
     if let Some(idem) = &req.idempotency
-        && let Some(rec) = idempotency::recall(tx, q, idem, hash)?
+        && let Some(rec) = idempotency::recall(tx, q, idem, hash, Some(&|| request_hash_0(&req)))?
     {
         let state = tx.load_job(q, &rec.job_id)?.map_or(JobState::Completed, |j| j.state);
         let deduplicated_by = rec.deduplicated.then(|| rec.job_id.clone());

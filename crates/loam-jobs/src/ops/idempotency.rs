@@ -36,22 +36,24 @@ pub fn check_key(key: &str) -> Result<(), JobsError> {
 pub struct CallHash {
     pub hash: u64,
     pub version: u8,
-    /// The call's hash as version 0 made it, for a call whose hash changed since.
-    pub version_0: Option<u64>,
 }
+
+/// The call's hash as version 0 made it, for a call whose hash changed
+/// since: made only when a record of version 0 is found.
+pub type Version0<'a> = Option<&'a dyn Fn() -> u64>;
 
 impl CallHash {
     /// A call whose hash has been made one way only.
     pub fn of(hash: u64) -> Self {
-        Self { hash, version: 0, version_0: None }
+        Self { hash, version: 0 }
     }
 
-    fn matches(&self, rec: &IdempotencyRecord) -> bool {
+    fn matches(&self, rec: &IdempotencyRecord, version_0: Version0) -> bool {
         match rec.hash_version {
             v if v == self.version => rec.request_hash == self.hash,
             // Records without a version were written by builds that hashed an
             // add the old way, and by a few that already hashed it whole.
-            0 => self.version_0 == Some(rec.request_hash) || rec.request_hash == self.hash,
+            0 => rec.request_hash == self.hash || version_0.is_some_and(|old| old() == rec.request_hash),
             _ => false,
         }
     }
@@ -64,6 +66,7 @@ pub fn recall(
     q: &QueueId,
     idem: &Idempotency,
     call: CallHash,
+    version_0: Version0,
 ) -> Result<Option<IdempotencyRecord>, JobsError> {
     check_key(&idem.key)?;
     let Some(rec) = tx.get_record::<IdempotencyRecord>(&QueueKeys::new(q).idempotency(&idem.key))? else {
@@ -72,7 +75,7 @@ pub fn recall(
     if rec.expires_at <= tx.now {
         return Ok(None);
     }
-    if !call.matches(&rec) {
+    if !call.matches(&rec, version_0) {
         return Err(JobsError::IdempotencyConflict { key: idem.key.clone() });
     }
     Ok(Some(rec))
@@ -176,12 +179,15 @@ mod tests {
     /// hash covered its whole request, by the hash made then.
     #[test]
     fn a_call_is_compared_with_a_record_the_way_it_was_made() {
-        let call = CallHash { hash: 11, version: 1, version_0: Some(22) };
-        let record =
-            |request_hash, hash_version| IdempotencyRecord { request_hash, hash_version, ..Default::default() };
-        assert!(call.matches(&record(11, 1)));
-        assert!(call.matches(&record(22, 0)) && call.matches(&record(11, 0)));
-        assert!(!call.matches(&record(22, 1)) && !call.matches(&record(33, 0)) && !call.matches(&record(11, 2)));
-        assert!(CallHash::of(33).matches(&record(33, 0)) && !CallHash::of(33).matches(&record(44, 0)));
+        let call = CallHash { hash: 11, version: 1 };
+        let old: &dyn Fn() -> u64 = &|| 22;
+        let matches = |request_hash, hash_version| {
+            call.matches(&IdempotencyRecord { request_hash, hash_version, ..Default::default() }, Some(old))
+        };
+        assert!(matches(11, 1));
+        assert!(matches(22, 0) && matches(11, 0));
+        assert!(!matches(22, 1) && !matches(33, 0) && !matches(11, 2));
+        let record = |request_hash| IdempotencyRecord { request_hash, ..Default::default() };
+        assert!(CallHash::of(33).matches(&record(33), None) && !CallHash::of(33).matches(&record(44), None));
     }
 }
