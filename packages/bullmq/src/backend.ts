@@ -46,7 +46,6 @@ import {
   cleanBefore,
   newJobJson,
   rateLimitMs,
-  refuseNonFinite,
   paginateTarget,
   progressText,
   parseJob,
@@ -606,14 +605,13 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     delayedJobOpts: JobsOptions,
     _producerId?: string,
   ): Promise<[string, number]> {
-    refuseNonFinite(templateOpts ?? {}, 'scheduler template options');
     const added = await this.native.addJobScheduler(
       Date.now(),
       jobSchedulerId,
       nextMillis ?? undefined,
       templateData,
       JSON.stringify(templateOpts ?? {}),
-      JSON.stringify(schedulerRepeat(opts, delayedJobOpts)),
+      JSON.stringify(schedulerRepeat(opts, delayedJobOpts, templateOpts)),
     );
     return added ? JSON.parse(added) : [undefined as unknown as string, 0];
   }

@@ -4,6 +4,7 @@
  * how the core is reached.
  */
 import type { EventEmitter } from 'node:events';
+import type { FactoryOptions } from './backend.js';
 import { loamError } from './errors.js';
 import type { DependenciesOpts, IQueueBackend, JobJson, JobsOptions, ParentKeyOpts, RepeatableOptions, RepeatOptions } from 'bullmq';
 
@@ -184,21 +185,15 @@ export function rateLimitMs(ms: number): number {
   return ms;
 }
 
-/** The Worker settings a backend reads (BullMQ's `WorkerOptions`, a Queue's have none of them). */
-export interface WorkerNumbers {
-  lockDuration?: number;
-  limiter?: { max: number; duration: number };
-  maxStalledCount?: number;
-  metrics?: { maxDataPoints?: number };
-}
-
 /**
  * Refuses Worker settings that are NaN, and a lock duration past 2^53 ms,
  * as Redis refuses them: a lock held for ever would keep a dead worker's
  * job active for ever. The others may be `Infinity` (no limit), which both
  * backends read as the largest number, and `-Infinity`, read as 0.
  */
-export function checkWorkerNumbers(opts: WorkerNumbers): void {
+export function checkWorkerNumbers(
+  opts: Pick<FactoryOptions, 'lockDuration' | 'limiter' | 'maxStalledCount' | 'metrics'>,
+): void {
   const given: [string, unknown][] = [
     ['lockDuration', opts.lockDuration],
     ['maxStalledCount', opts.maxStalledCount],
@@ -234,7 +229,7 @@ export function cleanBefore(timestamp: number): number {
  * the job at once. The job's `delay`, `priority` and `timestamp` come from
  * these options.
  */
-export function refuseNonFinite(opts: object, what = 'job options'): void {
+function refuseNonFinite(opts: object, what = 'job options'): void {
   for (const name in opts) {
     const value = (opts as Record<string, unknown>)[name];
     if (typeof value === 'number') {
@@ -429,12 +424,19 @@ export function logRowText(row: unknown): string {
  * A scheduler's repeat options as the core takes them: BullMQ's own, plus the
  * `repeat.count` it gave the first iteration. BullMQ counts iterations in
  * JavaScript, from 1 at each upsert, so an upsert restarts its `limit`.
+ * Refused, as a job's options are (`refuseNonFinite`), when they or the
+ * scheduler's job template hold NaN or an infinite number: a `limit: NaN`
+ * read as 0 made a scheduler that never fired, and Redis refuses it. (The
+ * iteration's own options are not looked at: BullMQ puts `delay: NaN` there.)
  */
-export function schedulerRepeat(opts: RepeatableOptions | undefined, delayedJobOpts: JobsOptions | undefined) {
+export function schedulerRepeat(
+  opts: RepeatableOptions | undefined,
+  delayedJobOpts: JobsOptions | undefined,
+  templateOpts: JobsOptions | undefined,
+) {
+  refuseNonFinite(templateOpts ?? {}, 'scheduler template options');
   // BullMQ types the iteration's options as JobsOptions; they carry `repeat`.
   const repeat = (delayedJobOpts as { repeat?: RepeatOptions } | undefined)?.repeat;
-  // As a job's options (`refuseNonFinite`): a `limit: NaN` read as 0 made a
-  // scheduler that never fired, and Redis refuses it.
   const given = { ...(opts ?? {}), count: repeat?.count };
   refuseNonFinite(given, 'scheduler options');
   return given;

@@ -55,7 +55,6 @@ import {
   cleanBefore,
   newJobJson,
   rateLimitMs,
-  refuseNonFinite,
   paginateTarget,
   progressText,
   parseNodeKey,
@@ -1419,13 +1418,12 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     delayedJobOpts: JobsOptions,
     _producerId?: string,
   ): Promise<[string, number]> {
-    refuseNonFinite(templateOpts ?? {}, 'scheduler template options');
     const spec = schedulerSpec(
       jobSchedulerId,
       nextMillis ?? undefined,
       templateData,
       (templateOpts ?? {}) as Record<string, any>,
-      schedulerRepeat(opts, delayedJobOpts),
+      schedulerRepeat(opts, delayedJobOpts, templateOpts),
     );
     const r = await this.send(
       { command: 'addJobScheduler', jobId: jobSchedulerId },
