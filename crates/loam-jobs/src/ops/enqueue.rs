@@ -393,7 +393,7 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     let keys = QueueKeys::new(q);
     let dkey = keys.dedup(&d.id);
     // The key's ttl runs in the store's time, as a Redis key's does.
-    let now = tx.ttl_now();
+    let ttl_now = tx.ttl_now();
     // The key, if a job still holds the id, and else the add kept for later,
     // which waits on for a job of the id to finish: Redis keeps it apart
     // (`dn:<id>`), and it outlives a key removed or expired (`de:<id>`).
@@ -401,12 +401,12 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
         None => (None, None),
         Some(rec) if rec.key_removed => (None, rec.next),
         Some(rec) => match tx.load_job(q, &rec.job_id)? {
-            Some(job) if rec.is_live(&job, now) => (Some((rec, Some(job))), None),
+            Some(job) if rec.is_live(&job, ttl_now) => (Some((rec, Some(job))), None),
             Some(_) => (None, rec.next),
             // A key with an expiry outlives a job removed before it (on
             // completion, or by retention), as a Redis key lives out its TTL
             // whatever becomes of its job: a throttle holds for its ttl.
-            None if rec.expires_at.is_some_and(|e| e > now) => (Some((rec, None)), None),
+            None if rec.expires_at.is_some_and(|e| e > ttl_now) => (Some((rec, None)), None),
             None if rec.expires_at.is_some() => (None, rec.next),
             // One without an expiry goes with its job; left behind, it is
             // stale, and the add kept with it goes too (Redis's
@@ -416,7 +416,7 @@ fn deduplicate(tx: &mut Tx, q: &QueueId, req: &EnqueueRequest, new_id: &str) -> 
     };
     // A keepLastIfActive key has no expiry, its ttl notwithstanding: it lasts
     // until its job finishes, as Redis sets it without one.
-    let ttl_expiry = d.ttl_ms.filter(|t| *t > 0 && !d.keep_last_if_active).map(|t| now.saturating_add(t));
+    let ttl_expiry = d.ttl_ms.filter(|t| *t > 0 && !d.keep_last_if_active).map(|t| ttl_now.saturating_add(t));
     let Some((mut rec, mut job)) = held else {
         tx.put_record(&dkey, &DedupRecord::held_by(new_id, ttl_expiry, kept))?;
         return Ok(None);
