@@ -1,6 +1,5 @@
-//! The one place where the core's errors become Connect errors (design 26,
-//! section 5.3), each with an [`ErrorDetail`] that names the reason and,
-//! where one applies, BullMQ's error code, so a client can rebuild BullMQ's
+//! The one place where the core's errors become Connect errors, each
+//! with an [`ErrorDetail`] that names the reason and, where one applies, BullMQ's error code, so a client can rebuild BullMQ's
 //! own errors without parsing messages.
 
 use connectrpc::{ConnectError, ErrorCode};

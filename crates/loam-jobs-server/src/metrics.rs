@@ -1,4 +1,4 @@
-//! `/metrics`: the counters and gauges of design 26 section 6.11, in the
+//! `/metrics`: the server's counters and gauges, in the
 //! OpenMetrics text format (which Prometheus reads). Counters move as calls
 //! succeed; the gauges of queue depth are read from the store's counters when
 //! scraped, so they cannot drift from the truth.

@@ -1,4 +1,4 @@
-//! Schedules the server owns (design 26 section 8.1): cron with time zones
+//! Schedules the server owns: cron with time zones
 //! or `every`, start and end dates, a limit, `immediately`.
 //!
 //! A schedule is stored as the core's job scheduler, marked as the server's

@@ -623,7 +623,7 @@ async fn metrics_hold_every_gauge_under_concurrent_scrapes_and_no_series_for_nam
 }
 
 /// `/metrics` has each task's run times (lease to outcome) and the depth of
-/// each dead-letter queue (design 26 section 6.11).
+/// each dead-letter queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_give_run_times_by_task_and_dead_letter_depth() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,4 +1,4 @@
-//! Server-owned schedules (design 26 section 8.1): one job per tick, on the
+//! Server-owned schedules: one job per tick, on the
 //! server's clock.
 
 // A failed unwrap is a failed test, which is what it should be.
@@ -164,11 +164,11 @@ async fn a_tick_whose_id_a_job_holds_is_that_jobs_and_the_schedule_goes_on() {
     assert_eq!(ticks(&server.client(), "q", "h").await, expected);
 }
 
-/// Celery beat upserts every entry each time it starts (design 26 section
-/// 7.1.6: "running beat twice ... cannot duplicate or miss a tick"). An
-/// unchanged upsert just after a tick fell due, before the ticker's pass,
-/// keeps that tick's job: the schedule is moved past it first, as the
-/// ticker would. It used to be dropped as a replaced iteration.
+/// Celery beat upserts every entry each time it starts, and running it
+/// twice must neither duplicate nor miss a tick. An unchanged upsert just
+/// after a tick fell due, before the ticker's pass, keeps that tick's job:
+/// the schedule is moved past it first, as the ticker would. It used to be
+/// dropped as a replaced iteration.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upsert_just_after_a_tick_fell_due_keeps_that_tick() {
     let dir = tempfile::tempdir().unwrap();

@@ -1,5 +1,5 @@
 //! Time, injectable so tests can move it. Deadlines are judged by the store's
-//! clock (this one), never by a worker's (design 26, section 6.3).
+//! clock (this one), never by a worker's (docs/design.md, "Leases and fencing").
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1,7 +1,7 @@
 //! Errors. [`StoreError`] is what an engine can report; [`JobsError`] is what a
-//! caller of the core sees (design 26, section 5.3), one variant per Connect code
-//! family, with enough detail that the BullMQ binding can map each to BullMQ's
-//! own error codes without parsing messages.
+//! caller of the core sees, one variant per Connect code family, with enough
+//! detail that the BullMQ binding can map each to BullMQ's own error codes
+//! without parsing messages.
 
 use std::fmt;
 
@@ -148,7 +148,7 @@ impl JobsError {
         JobsError::Precondition(Precondition::NotInState { job: job.to_string(), state: state.to_string(), expected })
     }
 
-    /// The Connect code this error travels as (design 26, section 5.3).
+    /// The Connect code this error travels as.
     pub fn connect_code(&self) -> &'static str {
         match self {
             JobsError::InvalidArgument(_) => "invalid_argument",

@@ -19,7 +19,7 @@ const QUEUE: u8 = b'Q';
 const REGISTRY: u8 = b'R';
 /// `G`: how many times the store has been opened (see `Tx::generation`).
 const GENERATION: u8 = b'G';
-/// `V ns key`: a result-store entry (design 26 section 7.1.4), per namespace.
+/// `V ns key`: a result-store entry, per namespace.
 const RESULT_ENTRY: u8 = b'V';
 /// `X expires-at ns key`: result-store entries by expiry, for the purge.
 const RESULT_EXPIRY: u8 = b'X';

@@ -690,7 +690,7 @@ pub struct IdempotencyRecord {
     pub deduplicated: bool,
 }
 
-/// A job scheduler (BullMQ's `upsertJobScheduler`, design 26 section 8.1).
+/// A job scheduler (BullMQ's `upsertJobScheduler`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SchedulerRecord {
     pub id: String,
@@ -855,7 +855,7 @@ pub struct Leased {
     pub info: LeaseInfo,
 }
 
-/// How a leased job ends (design 26, section 5.2).
+/// How a leased job ends.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outcome {
     Ok {

@@ -1,4 +1,4 @@
-//! Property tests of design 26 §6 through the public API: random interleavings
+//! Property tests of the delivery guarantees through the public API: random interleavings
 //! of enqueue, lease, extend, complete (every outcome), the stalled sweep, the
 //! delayed promoter, clock moves and crashes (close and reopen the same redb
 //! file), checked after every step against a model of the queue.
@@ -1059,7 +1059,7 @@ proptest! {
     }
 
     /// The same, with hard crashes too: a lease is acknowledged before it is
-    /// durable (a lost lease is a stalled one, design 26 §6.3), so a crash may
+    /// durable (a lost lease is a stalled one), so a crash may
     /// lose it. The worker that got it still holds its epoch, which must
     /// never be handed out again nor pass the fence.
     #[test]

@@ -2136,7 +2136,7 @@ fn lease_default_token(jobs: &Jobs, q: &str, lock_ms: u64) -> Lease {
 }
 
 /// A worker may still complete after its lease expired, until the sweep
-/// (design 26 section 6.3). If the job was deleted meanwhile and another
+/// (docs/design.md, "Leases and fencing"). If the job was deleted meanwhile and another
 /// added under its id, that worker's epoch and token must not fit the new
 /// job's lease: ids come back by name (removal) and by counter (obliterate).
 #[test]

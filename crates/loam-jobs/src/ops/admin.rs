@@ -1,4 +1,4 @@
-//! Admin writes on queues and single jobs (design 26, section 5.4).
+//! Admin writes on queues and single jobs.
 
 use std::collections::BTreeMap;
 

@@ -1,4 +1,4 @@
-//! The result store (design 26 section 7.1.4): Celery's key-value result
+//! The result store: Celery's key-value result
 //! backend, per namespace, each entry with an optional expiry.
 //!
 //! An entry holds either a value or a counter. A counter is the set of

@@ -1,4 +1,4 @@
-//! Job schedulers (BullMQ's `upsertJobScheduler`, design 26 section 8.1).
+//! Job schedulers (BullMQ's `upsertJobScheduler`).
 //!
 //! A scheduler keeps one pending iteration job, `repeat:<id>:<millis>`; the
 //! tick time is in the job id, so a tick is enqueued once however often it is
@@ -39,8 +39,8 @@ pub struct SchedulerSpec {
     pub job: EnqueueRequest,
     /// An `every` scheduler given a start date still ahead starts over at
     /// it, as a new one would. BullMQ keeps a replaced `every` scheduler's
-    /// phase and ignores a new start date; a server schedule (design 26
-    /// section 8.1) honours it.
+    /// phase and ignores a new start date; a server schedule
+    /// (`Schedule{server}`) honours it.
     pub start_resets: bool,
     /// The pending iteration's `repeat.count` (BullMQ counts iterations in
     /// JavaScript, from 1 at each upsert unless the options give a start).
