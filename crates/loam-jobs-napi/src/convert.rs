@@ -339,20 +339,15 @@ pub struct FailureFields {
 }
 
 impl FailureFields {
-    /// The core keeps stack traces by appending one and trimming to a limit;
-    /// BullMQ sends the resulting array. Appending its newest entry with the
-    /// array's length as the limit yields the same array.
+    /// BullMQ's array replaces the job's stack traces whole, as on Redis.
     pub fn to_error(&self, reason: Option<&str>) -> JobError {
-        let traces: Vec<String> = self
-            .stacktrace
-            .as_deref()
-            .and_then(|s| from_json::<Vec<Option<String>>>(s).ok())
-            .map(|v| v.into_iter().flatten().collect())
-            .unwrap_or_default();
+        let traces = self.stacktrace.as_deref().map(|s| {
+            from_json::<Vec<Option<String>>>(s).map(|v| v.into_iter().flatten().collect()).unwrap_or_default()
+        });
         JobError {
             message: reason.or(self.failed_reason.as_deref()).unwrap_or_default().to_string(),
-            stacktrace_limit: self.stacktrace.as_ref().map(|_| traces.len()),
-            stacktrace: traces.last().cloned(),
+            stacktraces: traces,
+            ..JobError::default()
         }
     }
 }
@@ -619,9 +614,11 @@ mod tests {
     fn failure_fields_rebuild_the_stack_array() {
         let f = FailureFields { failed_reason: Some("boom".into()), stacktrace: Some(r#"["a","b"]"#.into()) };
         let e = f.to_error(None);
-        assert_eq!((e.message.as_str(), e.stacktrace.as_deref(), e.stacktrace_limit), ("boom", Some("b"), Some(2)));
+        assert_eq!((e.message.as_str(), e.stacktraces), ("boom", Some(vec!["a".into(), "b".into()])));
         let empty = FailureFields { failed_reason: None, stacktrace: Some("[]".into()) }.to_error(Some("r"));
-        assert_eq!((empty.stacktrace, empty.stacktrace_limit), (None, Some(0)));
+        assert_eq!((empty.message.as_str(), empty.stacktraces), ("r", Some(vec![])));
+        let none = FailureFields { failed_reason: Some("x".into()), stacktrace: None }.to_error(None);
+        assert_eq!(none.stacktraces, None);
     }
 
     #[test]

@@ -325,6 +325,7 @@ fn job_error(e: Option<pb::JobError>) -> Option<JobError> {
         message: e.message,
         stacktrace: e.stacktrace,
         stacktrace_limit: e.stacktrace_limit.map(|n| n as usize),
+        stacktraces: e.stacktraces.into_option().map(|s| s.traces),
     })
 }
 

@@ -897,6 +897,12 @@ pub struct JobError {
     pub stacktrace: Option<String>,
     /// Keep at most this many stack traces (BullMQ's `stackTraceLimit`).
     pub stacktrace_limit: Option<usize>,
+    /// The job's whole list of stack traces, replacing the stored one; the
+    /// two fields above are then unused. BullMQ's Job keeps its list itself
+    /// and saves it whole: an error without a stack adds nothing to it, and
+    /// a failure the store refused stays in it, so appending its newest
+    /// entry would not give its list.
+    pub stacktraces: Option<Vec<String>>,
 }
 
 impl JobError {
@@ -909,7 +915,7 @@ impl JobError {
     /// job active until its lock ran out, and then failed as stalled.
     pub fn bounded(mut self, max: usize) -> Self {
         cut(&mut self.message, max);
-        if let Some(stack) = &mut self.stacktrace {
+        for stack in self.stacktrace.iter_mut().chain(self.stacktraces.iter_mut().flatten()) {
             cut(stack, max);
         }
         self

@@ -1281,6 +1281,31 @@ fn the_payload_limit_covers_headers_events_meta_and_failures() {
     assert!(stack.len() <= 1024 && stack.ends_with(" [cut]"), "{}", stack.len());
 }
 
+/// A failure may carry the job's whole list of stack traces (BullMQ keeps it
+/// in its Job), which replaces the stored list, each trace cut as one
+/// appended is; one appended goes after the stored ones and trims to its limit.
+#[test]
+fn a_failure_sets_the_stack_traces_whole_or_appends_one() {
+    let clock = ManualClock::new(1_000_000);
+    let config = Config { background: false, max_payload_bytes: 1024, ..Config::default() };
+    let jobs = Jobs::with_store(Box::new(RedbStore::in_memory().unwrap()), Arc::new(clock), config).unwrap();
+    jobs.enqueue("ns", "q", EnqueueRequest { attempts: 3, ..job("a") }).wait().unwrap();
+    let trace = |s: &str| JobError { message: "m".into(), stacktrace: Some(s.into()), ..Default::default() };
+    for (stack, limit) in [("one", None), ("two", Some(1))] {
+        let l = lease_one(&jobs, "q").unwrap();
+        let error = JobError { stacktrace_limit: limit, ..trace(stack) };
+        finish(&jobs, "q", &l, Outcome::Retry { error: Some(error), after_ms: Some(0) }).unwrap();
+    }
+    assert_eq!(jobs.get_job("ns", "q", "1").unwrap().unwrap().stacktrace, ["two"]);
+    let l = lease_one(&jobs, "q").unwrap();
+    let whole = vec!["x".to_string(), "y".repeat(5000)];
+    let error = JobError { stacktraces: Some(whole), ..trace("ignored") };
+    finish(&jobs, "q", &l, Outcome::Fail { error, dead_letter: false }).unwrap();
+    let stored = jobs.get_job("ns", "q", "1").unwrap().unwrap().stacktrace;
+    assert_eq!((stored.len(), stored[0].as_str()), (2, "x"));
+    assert!(stored[1].len() <= 1024 && stored[1].ends_with(" [cut]"), "{}", stored[1].len());
+}
+
 #[test]
 fn dead_lettered_jobs_can_be_redriven() {
     let (jobs, _) = core();

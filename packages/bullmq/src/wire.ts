@@ -322,9 +322,8 @@ export function schedulerSpec(
 export function jobError(
   reason: string | undefined,
   fields: Record<string, any> | undefined,
-): { message: string; stacktrace?: string; stacktraceLimit?: number } {
-  // The core appends one trace and trims to a limit; appending the newest of
-  // BullMQ's array with the array's length as the limit yields that array.
+): { message: string; stacktraces?: { traces: string[] } } {
+  // BullMQ's array replaces the job's stack traces whole, as on Redis.
   let traces: string[] | undefined;
   if (typeof fields?.stacktrace === 'string') {
     try {
@@ -336,8 +335,7 @@ export function jobError(
   }
   return {
     message: reason ?? (typeof fields?.failedReason === 'string' ? fields.failedReason : ''),
-    stacktrace: traces?.[traces.length - 1],
-    stacktraceLimit: traces?.length,
+    stacktraces: traces && { traces },
   };
 }
 

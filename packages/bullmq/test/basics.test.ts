@@ -183,6 +183,37 @@ describe('Queue and Worker on Loam', () => {
     await queue.close();
   });
 
+  it("stores the Job's own list of stack traces, as Redis does", async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const firstLine = (traces: string[] | undefined) => traces?.map((t) => t.split('\n')[0]);
+    // An error without a stack adds no trace to the Job's list.
+    const worker = new Worker(
+      name,
+      async (job: Job) => {
+        const error = new Error(`fail ${job.attemptsMade + 1}`);
+        if (job.attemptsMade === 2) error.stack = undefined;
+        throw error;
+      },
+      { connection },
+    );
+    const retried = await queue.add('thrice', {}, { attempts: 3 });
+    await until(async () => (await retried.getState()) === 'failed');
+    await worker.close();
+    expect(firstLine((await queue.getJob(retried.id!))?.stacktrace)).toEqual(['Error: fail 1', 'Error: fail 2']);
+    // A failure refused for its token stays in the Job's list, and the next one
+    // saves both.
+    const manual = new Worker(name, null, { connection });
+    const added = await queue.add('manual', {});
+    const job = (await manual.getNextJob('tok'))!;
+    expect(job.id).toBe(added.id);
+    await expect(job.moveToFailed(new Error('first'), 'wrong', false)).rejects.toThrow();
+    await job.moveToFailed(new Error('second'), 'tok', false);
+    expect(firstLine((await queue.getJob(job.id!))?.stacktrace)).toEqual(['Error: first', 'Error: second']);
+    await manual.close();
+    await queue.close();
+  });
+
   it('runs delayed jobs once they are due', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });

@@ -69,10 +69,10 @@ describe('wire conversions', () => {
   it('rebuilds the stack array and reason of a failure', () => {
     expect(jobError(undefined, { failedReason: 'boom', stacktrace: '["a","b"]' })).toEqual({
       message: 'boom',
-      stacktrace: 'b',
-      stacktraceLimit: 2,
+      stacktraces: { traces: ['a', 'b'] },
     });
-    expect(jobError('r', { stacktrace: '[]' })).toEqual({ message: 'r', stacktrace: undefined, stacktraceLimit: 0 });
+    expect(jobError('r', { stacktrace: '[]' })).toEqual({ message: 'r', stacktraces: { traces: [] } });
+    expect(jobError('r', {})).toEqual({ message: 'r', stacktraces: undefined });
   });
 
   it('shapes a stored job as BullMQ JobJson and next-job tuple', () => {

@@ -285,6 +285,10 @@ pub fn fail(
 
 fn record_error(job: &mut JobRecord, error: &JobError) {
     job.failed_reason = Some(error.message.clone());
+    if let Some(all) = &error.stacktraces {
+        job.stacktrace.clone_from(all);
+        return;
+    }
     if let Some(stack) = &error.stacktrace {
         job.stacktrace.push(stack.clone());
     }
