@@ -46,16 +46,14 @@ fn is_integer_text(id: &str) -> bool {
     !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) && (!digits.starts_with('0') || id == "0")
 }
 
-/// What an idempotency key's repeats must agree on: the whole request but
-/// the key itself (version 1). Version 0 ([`request_hash_0`]) covered the
+/// What an idempotency key's repeats must agree on: the whole request, its
+/// key taken out (version 1). Version 0 ([`request_hash_0`]) covered the
 /// name, payload, options, delay and priority only, so a key reused for
 /// another job id, parent or attempts answered the first job instead of a
 /// conflict, and a parent never got the child its caller was told was added.
-fn request_hash(req: &mut EnqueueRequest) -> CallHash {
-    let key = req.idempotency.take();
-    let hash = idempotency::hash_of(&*req);
-    req.idempotency = key;
-    CallHash { hash, version: 1 }
+fn request_hash(req: &EnqueueRequest) -> CallHash {
+    debug_assert!(req.idempotency.is_none(), "the key is not part of the request");
+    CallHash { hash: idempotency::hash_of(req), version: 1 }
 }
 
 /// An add's hash as version 0 made it, for its records from before version 1.
@@ -112,17 +110,18 @@ pub fn enqueue(tx: &mut Tx, q: &QueueId, req: EnqueueRequest, placement: Placeme
 /// when the job before it finishes.
 pub fn enqueue_kept(tx: &mut Tx, q: &QueueId, mut kept: EnqueueRequest) -> Result<Enqueued, JobsError> {
     kept.timestamp = None;
-    // Its key, if it had one, answers the job that held the id: the add
-    // was answered so when it was kept.
+    // Its key answers the job that held the id: the add was answered so when
+    // it was kept. (Kept adds are stored without their key; those stored by
+    // earlier builds still hold it.)
     kept.idempotency = None;
     add(tx, q, kept, Placement::Normal)
 }
 
 fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
     validate(tx, &req)?;
-    let hash = if req.idempotency.is_some() { request_hash(&mut req) } else { CallHash::of(0) };
-    if let Some(idem) = &req.idempotency
-        && let Some(rec) = idempotency::recall(tx, q, idem, hash, Some(&|| request_hash_0(&req)))?
+    let keyed = req.idempotency.take().map(|idem| (idem, request_hash(&req)));
+    if let Some((idem, hash)) = &keyed
+        && let Some(rec) = idempotency::recall(tx, q, idem, *hash, Some(&|| request_hash_0(&req)))?
     {
         let state = tx.load_job(q, &rec.job_id)?.map_or(JobState::Completed, |j| j.state);
         let deduplicated_by = rec.deduplicated.then(|| rec.job_id.clone());
@@ -155,9 +154,9 @@ fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) 
     if let Some(existing) = deduplicate(tx, q, &req, &id)? {
         // Sent again, the add answers the same job, where it would be
         // deduplicated anew (or, its job gone meanwhile, added).
-        if let Some(idem) = &req.idempotency {
+        if let Some((idem, hash)) = &keyed {
             let answer = idempotency::Answer { deduplicated: existing.deduplicated_by.is_some(), ..Default::default() };
-            idempotency::remember(tx, q, idem, hash, &existing.id, answer)?;
+            idempotency::remember(tx, q, idem, *hash, &existing.id, answer)?;
         }
         return Ok(existing);
     }
@@ -239,8 +238,8 @@ fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) 
         }
         _ => {}
     }
-    if let Some(idem) = &req.idempotency {
-        idempotency::remember(tx, q, idem, hash, &id, idempotency::Answer::default())?;
+    if let Some((idem, hash)) = &keyed {
+        idempotency::remember(tx, q, idem, *hash, &id, idempotency::Answer::default())?;
     }
     Ok(Enqueued { id, created: true, state: job.state, deduplicated_by: None })
 }
