@@ -1,6 +1,7 @@
-//! The one place where the core's errors become Connect errors, each
-//! with an [`ErrorDetail`] that names the reason and, where one applies, BullMQ's error code, so a client can rebuild BullMQ's
-//! own errors without parsing messages.
+//! The one place where the core's errors become Connect errors, each with an
+//! [`ErrorDetail`] that names the reason and, where one applies, BullMQ's
+//! error code, so a client can rebuild BullMQ's own errors without parsing
+//! messages.
 
 use connectrpc::{ConnectError, ErrorCode};
 use loam_jobs::{FenceFailure, JobsError, Missing, Precondition};

@@ -1,7 +1,7 @@
-//! `/metrics`: the server's counters and gauges, in the
-//! OpenMetrics text format (which Prometheus reads). Counters move as calls
-//! succeed; the gauges of queue depth are read from the store's counters when
-//! scraped, so they cannot drift from the truth.
+//! `/metrics`: the server's counters and gauges, in the OpenMetrics text
+//! format (which Prometheus reads). Counters move as calls succeed; the
+//! gauges of queue depth are read from the store's counters when scraped, so
+//! they cannot drift from the truth.
 
 use std::time::Duration;
 

@@ -233,12 +233,11 @@ function refuseNonFinite(opts: object, what = 'job options'): void {
   for (const name in opts) {
     const value = (opts as Record<string, unknown>)[name];
     if (typeof value === 'number') {
-      // NaN and the infinities are the numbers whose difference with themselves is not 0.
-      if (value - value !== 0) refuseOption(what, name, value);
+      if (!Number.isFinite(value)) refuseOption(what, name, value);
     } else if (typeof value === 'object' && value !== null) {
       for (const field in value) {
         const inner = (value as Record<string, unknown>)[field];
-        if (typeof inner === 'number' && inner - inner !== 0) refuseOption(what, `${name}.${field}`, inner);
+        if (typeof inner === 'number' && !Number.isFinite(inner)) refuseOption(what, `${name}.${field}`, inner);
       }
     }
   }

@@ -1,5 +1,5 @@
-//! The result store: Celery's key-value result
-//! backend, per namespace, each entry with an optional expiry.
+//! The result store: Celery's key-value result backend, per namespace, each
+//! entry with an optional expiry.
 //!
 //! An entry holds either a value or a counter. A counter is the set of
 //! members that counted (Celery's chord counter: one member per header task),
