@@ -392,7 +392,7 @@ impl LoamQueue {
     }
 
     /// The canonical data dir this backend's store lives in.
-    #[napi(getter)]
+    #[napi(getter, catch_unwind)]
     pub fn data_dir(&self) -> String {
         self.store.dir.display().to_string()
     }
@@ -416,17 +416,17 @@ impl LoamQueue {
         Ok(())
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn interrupt_blocking(&self) {
         self.blocking.fire();
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn reset_blocking(&self) {
         self.blocking.reset();
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn interrupt_events(&self) {
         self.events.fire();
     }
@@ -434,7 +434,7 @@ impl LoamQueue {
     // ---- adding ------------------------------------------------------------
 
     /// `addJob`: `job` is BullMQ's JobJson plus `jobId`/`parentKey`/`addToWaitingChildren`.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn add_job<'env>(&self, env: &'env Env, host_now: f64, job: String) -> Result<PromiseRaw<'env, String>> {
         self.store.observe(host_now);
         let job: NewJob = parse("job", &job)?;
@@ -448,7 +448,7 @@ impl LoamQueue {
     }
 
     /// `addJobs`: every job or none; the first job refused fails the call.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn add_jobs<'env>(&self, env: &'env Env, host_now: f64, jobs: String) -> Result<PromiseRaw<'env, Vec<String>>> {
         self.store.observe(host_now);
         let jobs: Vec<NewJob> = parse("jobs", &jobs)?;
@@ -460,7 +460,7 @@ impl LoamQueue {
     /// `addFlow`: the whole tree in one transaction. Returns BullMQ's
     /// `[error, idOrCode][]` as JSON; a refusal BullMQ has a code for is
     /// reported as that code on every entry (nothing was inserted).
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn add_flow<'env>(&self, env: &'env Env, host_now: f64, entries: String) -> Result<PromiseRaw<'env, String>> {
         self.store.observe(host_now);
         let entries: Vec<NewJob> = parse("flow", &entries)?;
@@ -492,7 +492,7 @@ impl LoamQueue {
     // ---- worker: fetch, locks, stalled ---------------------------------------
 
     /// `moveToActive`: the next-job tuple as JSON.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn move_to_active<'env>(
         &self,
         env: &'env Env,
@@ -515,7 +515,7 @@ impl LoamQueue {
     /// an add run on the JavaScript thread starts the worker's next call in
     /// the same turn of the event loop, where the runtime's wake-up and the
     /// hop back took two thread wake-ups (add-to-start latency).
-    #[napi(ts_return_type = "Promise<number | null>")]
+    #[napi(ts_return_type = "Promise<number | null>", catch_unwind)]
     pub fn wait_for_job<'env>(
         &self,
         env: &'env Env,
@@ -543,7 +543,7 @@ impl LoamQueue {
         Ok(promise)
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn extend_lock<'env>(
         &self,
         env: &'env Env,
@@ -562,7 +562,7 @@ impl LoamQueue {
     }
 
     /// `extendLocks`: the ids whose lock could not be extended.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn extend_locks<'env>(
         &self,
         env: &'env Env,
@@ -582,7 +582,7 @@ impl LoamQueue {
     /// emits its local `stalled` events for them). The queue's own background
     /// sweep keeps its slower interval, as a fallback for workers that skip
     /// the check, so it rarely takes these jobs first.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn move_stalled_jobs_to_wait<'env>(
         &self,
         env: &'env Env,
@@ -608,7 +608,7 @@ impl LoamQueue {
     // ---- finishing -----------------------------------------------------------
 
     /// `moveToCompleted`: `{result?, finishedOn}` as JSON.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn move_to_completed<'env>(
         &self,
         env: &'env Env,
@@ -624,7 +624,7 @@ impl LoamQueue {
     }
 
     /// `moveToFailed`: the final failure (BullMQ decided not to retry).
-    #[napi]
+    #[napi(catch_unwind)]
     #[allow(
         clippy::too_many_arguments,
         reason = "mirrors IQueueBackend's positional arguments, plus env and the host time"
@@ -649,7 +649,7 @@ impl LoamQueue {
     /// `moveToDelayed`: a retry after a backoff (an attempt is spent) or, with
     /// `skipAttempt`, a manual delay. Returns the next-job tuple when
     /// `fetchNext` claimed one, else `[]` (what the Redis adapter returns).
-    #[napi]
+    #[napi(catch_unwind)]
     #[allow(
         clippy::too_many_arguments,
         reason = "mirrors IQueueBackend's positional arguments, plus env and the host time"
@@ -690,7 +690,7 @@ impl LoamQueue {
     }
 
     /// `retryJob`: an immediate retry (an attempt is spent).
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn retry_job<'env>(
         &self,
         env: &'env Env,
@@ -709,7 +709,7 @@ impl LoamQueue {
 
     /// `moveJobFromActiveToWait` (a processor's RateLimitError): the job goes
     /// back to the front of its band; returns the queue's rate-limit ttl.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn move_job_from_active_to_wait<'env>(
         &self,
         env: &'env Env,
@@ -733,7 +733,7 @@ impl LoamQueue {
     /// `moveToWaitingChildren`: true when the job now waits for children.
     /// With `child_key` (BullMQ's `opts.child` as `<queue qualified name>:<id>`)
     /// only that child still pending counts, checked in the same transaction.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn move_to_waiting_children<'env>(
         &self,
         env: &'env Env,
@@ -754,7 +754,7 @@ impl LoamQueue {
 
     // ---- single-job admin ------------------------------------------------------
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn retry_finished_job<'env>(
         &self,
         env: &'env Env,
@@ -775,14 +775,14 @@ impl LoamQueue {
         })
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn promote<'env>(&self, env: &'env Env, host_now: f64, job_id: String) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         let op = Op::new("promote").job(&job_id).state("delayed");
         self.write(env, op, move |tx, q| admin::promote(tx, q, &job_id))
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn change_delay<'env>(
         &self,
         env: &'env Env,
@@ -795,7 +795,7 @@ impl LoamQueue {
         self.write(env, op, move |tx, q| admin::change_delay(tx, q, &job_id, whole(delay)))
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn change_priority<'env>(
         &self,
         env: &'env Env,
@@ -811,7 +811,7 @@ impl LoamQueue {
     }
 
     /// `remove`: 1 when removed (or already gone), 0 when it or a child is locked.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn remove<'env>(
         &self,
         env: &'env Env,
@@ -824,7 +824,7 @@ impl LoamQueue {
         self.write_map(env, op, move |tx, q| admin::remove_job(tx, q, &job_id, remove_children), u32::from)
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn remove_unprocessed_children<'env>(
         &self,
         env: &'env Env,
@@ -836,7 +836,7 @@ impl LoamQueue {
         self.write(env, op, move |tx, q| admin::remove_unprocessed_children(tx, q, &job_id))
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn remove_child_dependency<'env>(
         &self,
         env: &'env Env,
@@ -851,7 +851,7 @@ impl LoamQueue {
     }
 
     /// `updateData`: `data` is the payload's JSON text.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn update_data<'env>(
         &self,
         env: &'env Env,
@@ -866,7 +866,7 @@ impl LoamQueue {
     }
 
     /// `updateProgress`: `progress` is its JSON text.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn update_progress<'env>(
         &self,
         env: &'env Env,
@@ -881,7 +881,7 @@ impl LoamQueue {
         })
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn add_log<'env>(
         &self,
         env: &'env Env,
@@ -899,7 +899,7 @@ impl LoamQueue {
         self.write_map(env, op, append, |count| count as f64)
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn clear_logs<'env>(
         &self,
         env: &'env Env,
@@ -915,19 +915,19 @@ impl LoamQueue {
 
     // ---- queue admin -------------------------------------------------------------
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn pause<'env>(&self, env: &'env Env, host_now: f64, paused: bool) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         self.write(env, Op::new("pause"), move |tx, q| admin::set_paused(tx, q, paused))
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn drain<'env>(&self, env: &'env Env, host_now: f64, delayed: bool) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
         self.write(env, Op::new("drain"), move |tx, q| admin::drain(tx, q, delayed).map(|_| ()))
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn clean_jobs_by_state<'env>(
         &self,
         env: &'env Env,
@@ -942,7 +942,7 @@ impl LoamQueue {
     }
 
     /// `obliterate`: 1 while jobs remain (call again), 0 once the queue is gone.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn obliterate<'env>(
         &self,
         env: &'env Env,
@@ -955,7 +955,7 @@ impl LoamQueue {
         self.write_map(env, Op::new("obliterate"), move |tx, q| admin::obliterate(tx, q, force, count), u32::from)
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn retry_finished_jobs<'env>(
         &self,
         env: &'env Env,
@@ -971,7 +971,7 @@ impl LoamQueue {
         self.write_map(env, Op::new("retryJobs"), retry, u32::from)
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn promote_jobs<'env>(&self, env: &'env Env, host_now: f64, count: f64) -> Result<PromiseRaw<'env, u32>> {
         self.store.observe(host_now);
         let count = whole(count);
@@ -1254,7 +1254,7 @@ impl LoamQueue {
     // ---- meta, rate limit, dedup ---------------------------------------------------------
 
     /// `setQueueMeta`: `values` is a JSON object; returns how many fields were new.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn set_queue_meta<'env>(&self, env: &'env Env, host_now: f64, values: String) -> Result<PromiseRaw<'env, f64>> {
         self.store.observe(host_now);
         let raw: BTreeMap<String, serde_json::Value> = parse("queue meta", &values)?;
@@ -1286,7 +1286,7 @@ impl LoamQueue {
         self.read(Op::new("getQueueMetaFields"), |tx, q| fields.iter().map(|f| tx.meta(q, f)).collect())
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn remove_queue_meta_fields<'env>(
         &self,
         env: &'env Env,
@@ -1298,7 +1298,7 @@ impl LoamQueue {
         self.write_map(env, Op::new("removeQueueMetaFields"), remove, |n| n as f64)
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn set_rate_limit<'env>(
         &self,
         env: &'env Env,
@@ -1309,7 +1309,7 @@ impl LoamQueue {
         self.write(env, Op::new("setRateLimit"), move |tx, q| admin::set_rate_limit(tx, q, whole(expire_time_ms)))
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn remove_rate_limit_key<'env>(&self, env: &'env Env, host_now: f64) -> Result<PromiseRaw<'env, f64>> {
         self.store.observe(host_now);
         self.write_map(env, Op::new("removeRateLimitKey"), admin::remove_rate_limit_key, |n| n as f64)
@@ -1317,7 +1317,7 @@ impl LoamQueue {
 
     /// `removeDeduplicationKey` (only while it still names `jobId`) and, with
     /// no job id, `deleteDeduplicationKey`.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn remove_deduplication_key<'env>(
         &self,
         env: &'env Env,
@@ -1352,7 +1352,7 @@ impl LoamQueue {
     /// its next jobs (its completions could then come before the events that
     /// led to them). The read moves from napi's runtime to that thread; it
     /// happens once per answer, since a QueueEvents asks again only after.
-    #[napi(ts_return_type = "Promise<string | null>")]
+    #[napi(ts_return_type = "Promise<string | null>", catch_unwind)]
     pub fn read_events<'env>(
         &self,
         env: &'env Env,
@@ -1394,7 +1394,7 @@ impl LoamQueue {
     }
 
     /// `publishEvent`: `fields` is a JSON object with `event` and the rest.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn publish_event<'env>(
         &self,
         env: &'env Env,
@@ -1417,7 +1417,7 @@ impl LoamQueue {
         self.write(env, Op::new("publishEvent"), move |tx, q| admin::publish_event(tx, q, &name, &rest, max))
     }
 
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn trim_events<'env>(&self, env: &'env Env, host_now: f64, max_length: f64) -> Result<PromiseRaw<'env, f64>> {
         self.store.observe(host_now);
         let max = whole(max_length);
@@ -1428,7 +1428,7 @@ impl LoamQueue {
 
     /// `addJobScheduler`: `[jobId, delay]` as JSON, or null when the scheduler
     /// has run out (limit or end date).
-    #[napi]
+    #[napi(catch_unwind)]
     #[allow(
         clippy::too_many_arguments,
         reason = "mirrors IQueueBackend's positional arguments, plus env and the host time"
@@ -1485,7 +1485,7 @@ impl LoamQueue {
     }
 
     /// `updateJobSchedulerNextMillis`: the next iteration's id, or null.
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn update_job_scheduler_next_millis<'env>(
         &self,
         env: &'env Env,
@@ -1505,7 +1505,7 @@ impl LoamQueue {
 
     /// `removeJobScheduler`: 0 when the scheduler existed, 1 when it did not
     /// (the Lua script's convention, which `Queue.removeJobScheduler` inverts).
-    #[napi]
+    #[napi(catch_unwind)]
     pub fn remove_job_scheduler<'env>(
         &self,
         env: &'env Env,
@@ -1557,5 +1557,14 @@ impl LoamQueue {
     #[napi]
     pub async fn panic_for_test(&self, message: String) -> Result<()> {
         self.read(Op::new("panicForTest"), |_, _| std::panic::panic_any(message))
+    }
+
+    /// Panics in the method itself, on the JavaScript thread; used by the tests
+    /// to check that a synchronous method's panic is thrown as an error. Left
+    /// to unwind out of the method, it would cross napi's `extern "C"` frame,
+    /// where Rust aborts the process.
+    #[napi(catch_unwind)]
+    pub fn panic_in_call_for_test(&self, message: String) {
+        std::panic::panic_any(message)
     }
 }

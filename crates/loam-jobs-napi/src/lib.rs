@@ -17,3 +17,34 @@ pub mod store;
 // Cargo.toml for why.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[cfg(test)]
+mod tests {
+    /// A panic that unwinds out of a synchronous `#[napi]` method crosses
+    /// napi's `extern "C"` frame, where Rust aborts the process: each one needs
+    /// `catch_unwind`, which napi-rs turns into a thrown error. (napi-rs catches
+    /// async methods' panics itself, and the core's closures are caught where
+    /// they run.) `panicInCallForTest` shows the attribute working, in
+    /// `test/errors.test.ts`; this shows no synchronous method lacks it.
+    #[test]
+    fn every_synchronous_method_catches_panics() {
+        let source = include_str!("backend.rs");
+        let lines: Vec<&str> = source.lines().map(str::trim).collect();
+        let mut synchronous = 0;
+        for (at, line) in lines.iter().enumerate() {
+            if !line.starts_with("#[napi") {
+                continue;
+            }
+            // The item the attribute is on: past other attributes, which may
+            // span lines.
+            let Some(item) = lines[at + 1..].iter().find(|l| l.starts_with("pub ") || l.starts_with("impl ")) else {
+                continue;
+            };
+            if item.starts_with("pub fn ") {
+                synchronous += 1;
+                assert!(line.contains("catch_unwind"), "backend.rs:{}: {item} lacks `catch_unwind` ({line})", at + 1);
+            }
+        }
+        assert!(synchronous >= 40, "found {synchronous} synchronous methods; has backend.rs's layout changed?");
+    }
+}

@@ -34,17 +34,19 @@ export function fromNative(err: unknown): Error {
 
 /**
  * napi-rs's own errors, which the addon's code never saw: an argument of the
- * wrong type (`'10'` where a number goes), and a panic in an async call
- * (napi-rs catches it, and keeps only that it was one). Typed as the
- * addon's own refusals are.
+ * wrong type (`'10'` where a number goes), and a `GenericFailure`: a panic
+ * napi-rs caught (in an async call it keeps only that it was one; in a
+ * synchronous call, the panic's message) or a failure of N-API itself. Every
+ * error of the addon's own carries a tag, so an untagged `GenericFailure` is
+ * internal. Typed as the addon's own refusals are.
  */
 function untaggedNative(err: Error): Error {
   const { code } = err as Error & { code?: unknown };
   if (typeof code === 'string' && NAPI_WRONG_TYPE.has(code)) {
     return loamError('invalid_argument', `an argument has the wrong type: ${err.message}`);
   }
-  if (code === 'GenericFailure' && err.message.startsWith('Panic')) {
-    return loamError('internal', `panic in the Loam addon: ${err.message}`);
+  if (code === 'GenericFailure') {
+    return loamError('internal', `panic or N-API failure in the Loam addon: ${err.message}`);
   }
   return err;
 }

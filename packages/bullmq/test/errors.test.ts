@@ -340,6 +340,22 @@ describe('errors', () => {
     expect((err as Error & { code: number }).code).toBe(-9);
   });
 
+  itInProcess('turns a Rust panic in a synchronous call into an internal error', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    // The backend's wrapper of the addon turns a synchronous throw into a
+    // rejection; without `catch_unwind` the panic would abort the process.
+    const native = (queue.getBackend() as unknown as { native: { panicInCallForTest(m: string): Promise<void> } })
+      .native;
+    const err = await native.panicInCallForTest('deliberate').catch((e: unknown) => e as Error & { code?: unknown });
+    expect(err).toBeInstanceOf(Error);
+    expect((err as Error).message).toMatch(/panic or N-API failure in the Loam addon: deliberate/);
+    expect((err as Error & { code?: unknown }).code).toBe('LOAM_INTERNAL');
+    // The process and the store are still fine.
+    const job = await queue.add('after-panic', {});
+    expect(await job.getState()).toBe('waiting');
+    await queue.close();
+  });
+
   itInProcess('turns a Rust panic into a rejected promise', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const native = (queue.getBackend() as unknown as { native: { panicForTest(m: string): Promise<void> } }).native;
