@@ -561,7 +561,9 @@ impl LoamQueue {
         })
     }
 
-    /// `extendLocks`: the ids whose lock could not be extended.
+    /// `extendLocks`: the ids whose lock could not be extended. An id past the
+    /// end of `tokens` is compared with an empty token, so it is not extended
+    /// and is listed (Redis's script compares it with nil).
     #[napi(catch_unwind)]
     pub fn extend_locks<'env>(
         &self,
@@ -572,6 +574,7 @@ impl LoamQueue {
         duration: f64,
     ) -> Result<PromiseRaw<'env, Vec<String>>> {
         self.store.observe(host_now);
+        let tokens = tokens.into_iter().chain(std::iter::repeat(String::new()));
         let items = job_ids.into_iter().zip(tokens).map(|(id, t)| (id, lock_fence(&t))).collect();
         let pending = self.jobs()?.extend_many(&self.ns, &self.queue, items, whole(duration));
         settle(env, Op::new("extendLocks"), pending, |failed| failed)

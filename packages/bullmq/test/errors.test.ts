@@ -197,6 +197,21 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it('lists as not extended an id that extendLocks got no token for, as Redis does', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const backend = queue.getBackend() as LoamQueueBackend;
+    const [a, b] = await queue.addBulk([
+      { name: 'a', data: {} },
+      { name: 'b', data: {} },
+    ]);
+    await backend.moveToActive('tok-a');
+    await backend.moveToActive('tok-b');
+    // Before: in-process paired the lists, so b was neither extended nor listed.
+    expect(await backend.extendLocks([a.id!, b.id!], ['tok-a'], 60_000)).toEqual([b.id]);
+    expect(await backend.extendLocks([a.id!, b.id!], ['tok-a', 'tok-b'], 60_000)).toEqual([]);
+    await queue.close();
+  });
+
   it('refuses to extend a lock by 0 ms or less, keeping it, as Redis refuses the expire time', async () => {
     const { queue, backend, active } = await activeJob('tok-5');
     for (const duration of [0, -1_000]) {
