@@ -768,11 +768,8 @@ impl LoamQueue {
         reset_attempts_started: bool,
     ) -> Result<PromiseRaw<'env, ()>> {
         self.store.observe(host_now);
-        let (from, state_name) = match state.as_str() {
-            "completed" => (JobState::Completed, "completed"),
-            _ => (JobState::Failed, "failed"),
-        };
-        let op = Op::new("reprocessJob").job(&job_id).state(state_name);
+        let from = JobState::parse(&state).ok_or_else(|| invalid(format!("unknown job state {state:?}")))?;
+        let op = Op::new("reprocessJob").job(&job_id).state(from.as_str());
         self.write(env, op, move |tx, q| {
             admin::retry_finished(tx, q, &job_id, from, reset_attempts_made, reset_attempts_started)
         })

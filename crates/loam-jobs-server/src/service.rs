@@ -727,9 +727,6 @@ impl JobsSvc {
             }
             Op::RetryFinished(r) => {
                 let from = convert::state_from_pb(&r.state).map_err(core_err)?;
-                if !from.is_finished() {
-                    return Err(invalid("only completed or failed jobs can be retried"));
-                }
                 let (made, started) = (r.reset_attempts_made, r.reset_attempts_started);
                 jobs.admin(ns, queue, move |tx, q| admin::retry_finished(tx, q, &id, from, made, started).map(|_| true))
                     .await

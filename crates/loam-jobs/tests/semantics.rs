@@ -2491,6 +2491,26 @@ fn a_retried_completed_job_keeps_the_reason_an_earlier_attempt_failed_with() {
     }
 }
 
+/// A job is retried from completed or failed only: from active, the state
+/// given matching, it would be requeued while its worker still holds it.
+#[test]
+fn a_job_is_retried_only_from_a_finished_state() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", job("q")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    for from in [JobState::Active, JobState::Waiting] {
+        let err = jobs
+            .admin("ns", "q", move |tx, q| admin::retry_finished(tx, q, "1", from, false, false))
+            .wait()
+            .unwrap_err();
+        assert!(matches!(err, JobsError::InvalidArgument(_)), "{err:?}");
+    }
+    assert_eq!(jobs.get_job("ns", "q", "1").unwrap().unwrap().state, JobState::Active);
+    ok(&jobs, "q", &l, "done");
+    jobs.admin("ns", "q", |tx, q| admin::retry_finished(tx, q, "1", JobState::Completed, false, false)).wait().unwrap();
+    assert_eq!(jobs.get_job("ns", "q", "1").unwrap().unwrap().state, JobState::Waiting);
+}
+
 /// Redis's moveToFinished emits `drained` only when the fetch of the next job
 /// found nothing and nothing to wait for: a delayed job still to come answers
 /// the fetch instead (its due time), and a completion that fetches nothing

@@ -901,9 +901,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     state: 'failed' | 'completed',
     opts: RetryOptions = {},
   ): Promise<void> {
-    const from = state === 'completed' ? JobState.COMPLETED : JobState.FAILED;
+    // Any other state is sent as it is, for the core to refuse, as the addon does.
+    const from = stateOf(state) ?? JobState.UNSPECIFIED;
     await this.jobAdmin(
-      { command: 'reprocessJob', jobId: job.id!, state: state === 'completed' ? 'completed' : 'failed' },
+      { command: 'reprocessJob', jobId: job.id!, state },
       {
         case: 'retryFinished',
         value: {

@@ -476,7 +476,9 @@ pub fn obliterate(tx: &mut Tx, q: &QueueId, force: bool, count: u64) -> Result<b
     Ok(false)
 }
 
-/// `job.retry()`: a finished job runs again.
+/// `job.retry()`: a finished job runs again. `from` is the state it finished
+/// in, completed or failed; any other is refused, since a job in it is still
+/// on its way (an active one is a worker's).
 pub fn retry_finished(
     tx: &mut Tx,
     q: &QueueId,
@@ -485,6 +487,9 @@ pub fn retry_finished(
     reset_attempts_made: bool,
     reset_attempts_started: bool,
 ) -> Result<(), JobsError> {
+    if !from.is_finished() {
+        return Err(JobsError::invalid(format!("only completed or failed jobs can be retried, not {from}")));
+    }
     let mut job = tx.require_job(q, id)?;
     if job.state != from {
         return Err(JobsError::not_in_state(id, job.state, from.as_str()));
