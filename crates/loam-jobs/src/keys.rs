@@ -347,9 +347,6 @@ impl QueueKeys {
     pub fn dedup(&self, id: &str) -> Key {
         self.tagged_str(DEDUP, id)
     }
-    pub fn dedups(&self) -> KeyRange {
-        self.range(DEDUP)
-    }
     pub fn idempotency(&self, key: &str) -> Key {
         self.tagged_str(IDEMPOTENCY, key)
     }
@@ -446,12 +443,6 @@ pub fn idempotency_expiry_due(now: u64) -> KeyRange {
 /// The record key an idempotency expiry entry points at.
 pub fn idempotency_record_of(entry: &[u8]) -> Option<&[u8]> {
     entry.strip_prefix(&[IDEMPOTENCY_EXPIRY])?.get(8..)
-}
-
-/// The trailing big-endian u64 of an index key (its sequence or tiebreak).
-pub fn trailing_u64(key: &[u8]) -> Option<u64> {
-    let tail: [u8; 8] = key.get(key.len().checked_sub(8)?..)?.try_into().ok()?;
-    Some(u64::from_be_bytes(tail))
 }
 
 #[cfg(test)]

@@ -23,8 +23,6 @@ pub enum Channel {
 #[derive(Default)]
 pub struct Notifier {
     events: Mutex<HashMap<(QueueId, Channel), Arc<Event>>>,
-    /// Woken by every channel of every queue, and by close.
-    any: Event,
 }
 
 impl Notifier {
@@ -42,7 +40,6 @@ impl Notifier {
         if let Some(event) = event {
             event.notify(usize::MAX);
         }
-        self.any.notify(usize::MAX);
     }
 
     /// Wakes every waiter of every queue (close, interrupt).
@@ -51,11 +48,6 @@ impl Notifier {
         for e in events {
             e.notify(usize::MAX);
         }
-        self.any.notify(usize::MAX);
-    }
-
-    pub fn listen_any(&self) -> EventListener {
-        self.any.listen()
     }
 }
 

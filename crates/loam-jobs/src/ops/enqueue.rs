@@ -299,8 +299,10 @@ fn require_parent(tx: &mut Tx, parent: &ParentRef) -> Result<(), JobsError> {
     tx.get_for_update(&key)?.map(|_| ()).ok_or_else(|| missing_parent(parent))
 }
 
+/// The queue a parent reference names: in the namespace of the operation,
+/// since a flow never crosses namespaces.
 fn parent_queue(tx: &Tx, parent: &ParentRef) -> QueueId {
-    QueueId::new(tx_ns_of(tx, parent), parent.queue.clone())
+    QueueId::new(tx.ns.clone(), parent.queue.clone())
 }
 
 fn missing_parent(parent: &ParentRef) -> JobsError {
@@ -377,12 +379,6 @@ fn adopt(
     job.parent = Some(parent.clone());
     job.on_child_failure = policy;
     tx.save_job(q, &job)
-}
-
-/// The namespace a parent reference lives in: parents are always in the
-/// namespace of the operation (a flow never crosses namespaces).
-fn tx_ns_of(tx: &Tx, _parent: &ParentRef) -> String {
-    tx.ns.clone()
 }
 
 /// Applies BullMQ's deduplication; returns the existing job when the add is
