@@ -9,6 +9,8 @@ trap 'rm -f "$log"' EXIT
 pnpm lint:proto
 # One format for the Rust code (rustfmt.toml); a diff fails the run before the build.
 cargo fmt --all --check
+# The workspace's lint policy (Cargo.toml, [workspace.lints]), warnings as errors.
+cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace 2>&1 | tee -a "$log"
 # The remote tests of @loam/bullmq and the Python client run against the server
 # that `cargo test` built for its own integration tests (a separate

@@ -22,9 +22,11 @@
 //! and the process's CPU time (user + system, every thread, the store's writer
 //! included) per 1,000 operations.
 
-// A benchmark binary: a failure to set up (temp dir, store, runtime) ends it
-// with a message, which is all an unwrap would add.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a benchmark: a failure to set up ends it with a message, which is all an unwrap would add"
+)]
 
 // As the addon and the server do (see the workspace Cargo.toml).
 #[global_allocator]

@@ -49,6 +49,7 @@ struct RawEnv(sys::napi_env);
 
 // SAFETY: used only on the environment's JavaScript thread (see `Promises::here`).
 unsafe impl Send for RawEnv {}
+// SAFETY: as for `Send`: other threads hold it but never use it.
 unsafe impl Sync for RawEnv {}
 
 thread_local! {

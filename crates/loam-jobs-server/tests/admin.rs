@@ -1,8 +1,11 @@
 //! The admin, report and query operations over the wire: each one reaches
 //! the core and comes back converted.
 
-// A failed unwrap is a failed test, which is what it should be.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: a failed unwrap is a failed check, with its message"
+)]
 
 mod support;
 

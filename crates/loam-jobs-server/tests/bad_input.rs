@@ -1,8 +1,11 @@
 //! Bad input on every RPC gets a typed error, and the server stays up and
 //! keeps its jobs; tokens keep namespaces apart; SIGTERM shuts down cleanly.
 
-// A failed unwrap is a failed test, which is what it should be.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: a failed unwrap is a failed check, with its message"
+)]
 
 mod support;
 

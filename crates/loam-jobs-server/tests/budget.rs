@@ -2,8 +2,11 @@
 //! and then run, and the bytes come back. Past `--max-request-bytes-waiting`
 //! more are refused as unavailable, and run when sent again.
 
-// A failed unwrap is a failed test, which is what it should be.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: a failed unwrap is a failed check, with its message"
+)]
 
 mod support;
 

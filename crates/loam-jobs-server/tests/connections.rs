@@ -3,8 +3,11 @@
 //! whose body stops half way fails, and one without a known token has its body
 //! left unread; past --max-connections a new one is closed at once.
 
-// A failed unwrap is a failed test, which is what it should be.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: a failed unwrap is a failed check, with its message"
+)]
 
 mod support;
 

@@ -1,7 +1,10 @@
 //! `/metrics` counts what happened, whichever call made it happen.
 
-// A failed unwrap is a failed test, which is what it should be.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: a failed unwrap is a failed check, with its message"
+)]
 
 mod support;
 

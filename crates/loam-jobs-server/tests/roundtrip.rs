@@ -2,8 +2,11 @@
 //! complete, watch, the result store, schedules, metrics, and many producers
 //! and workers at once.
 
-// A failed unwrap is a failed test, which is what it should be.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: a failed unwrap is a failed check, with its message"
+)]
 
 mod support;
 

@@ -16,8 +16,11 @@
 //! reclaims every lease the dead writers left, then every job is leased and
 //! completed; each acked job must reach exactly one final outcome.
 
-// A test: a failed unwrap or expect is a failed check, with its message.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: a failed unwrap is a failed check, with its message"
+)]
 
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};

@@ -1,7 +1,6 @@
 //! Examples of the job lifecycle through the public API.
 
-// A failed unwrap is a failed test, which is what it should be.
-#![allow(clippy::unwrap_used)]
+#![allow(clippy::unwrap_used, reason = "a test: a failed unwrap is a failed check, with its message")]
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -32,7 +32,11 @@
 //! Failures shrink to a short list of steps. `PROPTEST_CASES=n` runs more than
 //! the default 64 cases.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    reason = "a test: a failed unwrap is a failed check, with its message"
+)]
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -2,8 +2,7 @@
 //! deduplication, retention, rate limits, concurrency, events, schedulers,
 //! idempotency and bad input.
 
-// A failed unwrap is a failed test, which is what it should be.
-#![allow(clippy::unwrap_used)]
+#![allow(clippy::unwrap_used, reason = "a test: a failed unwrap is a failed check, with its message")]
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
