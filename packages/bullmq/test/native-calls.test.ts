@@ -1,3 +1,4 @@
+import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { nativeCalls, WRITE_METHODS } from '../src/native-calls.js';
 
@@ -181,5 +182,22 @@ describe("native calls' writes", () => {
     const b = queue.addJob!();
     calls[1]!.resolve(2);
     expect(await b).toBe(2);
+  });
+});
+
+describe('WRITE_METHODS', () => {
+  // A write missing from the list would be taken for a read: not ordered
+  // with the other writes, and not waited for by the reads after it.
+  it("names every write of the addon: its synchronous methods that return a promise, but the two waits", () => {
+    const source = readFileSync(new URL('../../../crates/loam-jobs-napi/src/backend.rs', import.meta.url), 'utf8');
+    const writes = new Set<string>();
+    for (const [, name] of source.matchAll(/pub fn (\w+)<'env>\([^{]*?\) -> Result<PromiseRaw/g)) {
+      writes.add(name!.replace(/_(\w)/g, (_, c: string) => c.toUpperCase()));
+    }
+    expect(writes.has('waitForJob') && writes.has('readEvents')).toBe(true);
+    writes.delete('waitForJob');
+    writes.delete('readEvents');
+    expect(writes.size).toBeGreaterThan(30);
+    expect([...WRITE_METHODS].sort()).toEqual([...writes].sort());
   });
 });
