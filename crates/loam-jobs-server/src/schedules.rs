@@ -18,7 +18,9 @@
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use chrono::TimeZone;
@@ -192,28 +194,22 @@ pub struct Index {
 impl Index {
     /// A new or changed schedule: read it on the next pass.
     pub fn add(&self, ns: &str, queue: &str, id: &str) {
-        if let Ok(mut e) = self.entries.lock() {
-            e.insert((ns.into(), queue.into(), id.into()), None);
-        }
+        self.entries.lock().insert((ns.into(), queue.into(), id.into()), None);
     }
 
     pub fn remove(&self, ns: &str, queue: &str, id: &str) {
-        if let Ok(mut e) = self.entries.lock() {
-            e.remove(&(ns.to_string(), queue.to_string(), id.to_string()));
-        }
+        self.entries.lock().remove(&(ns.to_string(), queue.to_string(), id.to_string()));
     }
 
     fn set_due(&self, key: &Key, due: u64) {
-        if let Ok(mut e) = self.entries.lock()
-            && let Some(slot) = e.get_mut(key)
-        {
+        if let Some(slot) = self.entries.lock().get_mut(key) {
             *slot = Some(due);
         }
     }
 
     /// The schedules whose tick may have come by `now`.
     fn due(&self, now: u64) -> Vec<Key> {
-        let Ok(e) = self.entries.lock() else { return Vec::new() };
+        let e = self.entries.lock();
         e.iter().filter(|(_, due)| due.is_none_or(|d| d <= now)).map(|(k, _)| k.clone()).collect()
     }
 

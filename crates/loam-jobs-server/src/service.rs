@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use buffa::view::HasMessageView;
@@ -13,6 +13,7 @@ use connectrpc::{ConnectError, InboundStream, RequestContext, Response, ServiceR
 use loam_jobs::ops::{admin, idempotency, lease, query, results, schedule};
 use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, LeaseRequest, Outcome, QueueId};
 use loam_jobs_proto::loam::jobs::v1 as pb;
+use parking_lot::Mutex;
 use pb::__buffa::oneof;
 
 use crate::budget::Budget;
@@ -280,27 +281,26 @@ impl JobsSvc {
     fn saw_worker(&self, c: &Caller, queue: &str, name: &str) -> Result<(), JobsError> {
         Jobs::check_queue_name(&c.ns, queue)?;
         lease::check_worker_name(name)?;
-        if let Ok(mut w) = self.workers.lock() {
-            let now = Instant::now();
-            if w.swept.is_none_or(|at| now.duration_since(at) >= WORKER_TTL) {
-                w.by_queue.retain(|_, names| {
-                    names.retain(|_, seen| now.duration_since(seen.last) < WORKER_TTL);
-                    !names.is_empty()
-                });
-                w.swept = Some(now);
-            }
-            let names = w.by_queue.entry((c.ns.clone(), queue.to_string())).or_default();
-            names.retain(|_, seen| now.duration_since(seen.last) < WORKER_TTL);
-            let seen = names.entry(name.to_string()).or_insert(Seen { first: now, last: now, peer: None });
-            seen.last = now;
-            seen.peer = c.peer.or(seen.peer);
+        let mut w = self.workers.lock();
+        let now = Instant::now();
+        if w.swept.is_none_or(|at| now.duration_since(at) >= WORKER_TTL) {
+            w.by_queue.retain(|_, names| {
+                names.retain(|_, seen| now.duration_since(seen.last) < WORKER_TTL);
+                !names.is_empty()
+            });
+            w.swept = Some(now);
         }
+        let names = w.by_queue.entry((c.ns.clone(), queue.to_string())).or_default();
+        names.retain(|_, seen| now.duration_since(seen.last) < WORKER_TTL);
+        let seen = names.entry(name.to_string()).or_insert(Seen { first: now, last: now, peer: None });
+        seen.last = now;
+        seen.peer = c.peer.or(seen.peer);
         Ok(())
     }
 
     /// Whether `name` was listed.
     fn forget_worker(&self, ns: &str, queue: &str, name: &str) -> bool {
-        let Ok(mut w) = self.workers.lock() else { return false };
+        let mut w = self.workers.lock();
         let key = (ns.to_string(), queue.to_string());
         let Some(names) = w.by_queue.get_mut(&key) else { return false };
         let listed = names.remove(name).is_some();
@@ -313,7 +313,7 @@ impl JobsSvc {
     /// The queue's workers, oldest first (Redis lists clients in the order they connected).
     fn workers_of(&self, ns: &str, queue: &str) -> Vec<pb::WorkerSeen> {
         let now = Instant::now();
-        let Ok(w) = self.workers.lock() else { return Vec::new() };
+        let w = self.workers.lock();
         let Some(names) = w.by_queue.get(&(ns.to_string(), queue.to_string())) else { return Vec::new() };
         let mut seen: Vec<(&String, &Seen)> =
             names.iter().filter(|(_, seen)| now.duration_since(seen.last) < WORKER_TTL).collect();
