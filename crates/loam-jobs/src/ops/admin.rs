@@ -11,7 +11,7 @@ use crate::model::{
 };
 use crate::ops::idempotency::CallHash;
 use crate::ops::lease::{self, Line};
-use crate::ops::{enqueue, idempotency};
+use crate::ops::{enqueue, idempotency, query};
 use crate::tx::Tx;
 
 /// Deletes a job's record, logs and dependency records. The caller has
@@ -371,29 +371,28 @@ pub fn drain(tx: &mut Tx, q: &QueueId, delayed: bool) -> Result<u64, JobsError> 
 pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> Result<Vec<String>, JobsError> {
     let keys = QueueKeys::new(q);
     let limit = if limit == 0 { usize::MAX } else { limit as usize };
-    let (range, by_score) = match state {
-        "completed" => (keys.completed_all(), true),
-        "failed" => (keys.failed_all(), true),
-        "waiting-children" => (keys.waiting_children_all(), true),
-        "delayed" => (keys.delayed_all(), false),
-        "prioritized" => (keys.waiting_band(true), false),
-        "wait" | "waiting" => (keys.waiting_band(false), false),
-        "active" => (keys.active_all(), false),
+    let state = match state {
         // BullMQ 6 keeps a paused queue's jobs in `wait`; its `paused` list,
         // which Redis cleans here, is always empty.
         "paused" => {
             tx.event(q, "cleaned", &[("count", "0")])?;
             return Ok(Vec::new());
         }
-        other => return Err(JobsError::invalid(format!("cannot clean unknown state {other:?}"))),
+        other => {
+            JobState::parse(other).ok_or_else(|| JobsError::invalid(format!("cannot clean unknown state {other:?}")))?
+        }
     };
+    let range = query::state_range(&keys, state);
+    // The finished and waiting-children indexes are ordered by the stamp
+    // compared with `before`.
+    let by_score = matches!(state, JobState::Completed | JobState::Failed | JobState::WaitingChildren);
     // Redis keeps these two as lists, newest first: it removes in list order
     // (which decides where the parents the removals release in other queues
     // go: each to the front of its queue) and answers in it. The scan below
     // goes oldest first, as `limit` counts from the oldest, so their jobs are
     // picked first and removed after it, newest first. (Active jobs are
     // ordered by lock deadline here, by start on Redis.)
-    let newest_first = matches!(state, "wait" | "waiting" | "active");
+    let newest_first = matches!(state, JobState::Waiting | JobState::Active);
     let mut removed = Vec::new();
     let mut picked = Vec::new();
     let mut cursor = range.clone();

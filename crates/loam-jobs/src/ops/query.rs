@@ -269,8 +269,9 @@ pub fn dedup_job_id(tx: &mut Tx, q: &QueueId, dedup_id: &str) -> Result<Option<S
 }
 
 /// Milliseconds the queue stays rate limited for a limit of `max` jobs (the
-/// queue's global limit when None).
-pub fn rate_limit_ttl(tx: &mut Tx, q: &QueueId, max: Option<u64>) -> Result<u64, JobsError> {
+/// queue's global limit when None): [`lease::rate_limit_ttl`] for a limit
+/// given by its count alone.
+fn rate_limit_ttl_for_max(tx: &mut Tx, q: &QueueId, max: Option<u64>) -> Result<u64, JobsError> {
     let limit = match max {
         Some(max) => Some(RateLimit { max, duration_ms: 0 }),
         None => lease::limiter(tx, q, None)?,
@@ -290,7 +291,7 @@ pub fn rate_limit_ttl_or_missing(tx: &mut Tx, q: &QueueId, max: Option<u64>) -> 
         let window = lease::limiter_window(tx, q)?;
         return Ok(if window.window_end == 0 { -2 } else { signed(window.window_end.saturating_sub(tx.ttl_now())) });
     }
-    Ok(signed(rate_limit_ttl(tx, q, max)?))
+    Ok(signed(rate_limit_ttl_for_max(tx, q, max)?))
 }
 
 pub fn is_maxed(tx: &mut Tx, q: &QueueId) -> Result<bool, JobsError> {
