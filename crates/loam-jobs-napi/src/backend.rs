@@ -26,7 +26,7 @@ use loam_jobs::{
 };
 
 use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, StreamEntry, whole};
-use crate::error::{BullmqCode, Op, invalid};
+use crate::error::{Op, invalid};
 use crate::promise::FirstSettles;
 use crate::store::{self, OpenOptions, SharedStore};
 
@@ -479,7 +479,7 @@ impl LoamQueue {
                 .map(|r| match r {
                     Ok(a) => (None, FlowId::Id(a.id)),
                     // Redis answers a refused insert with its code, not an error.
-                    Err(e) => match BullmqCode::of(&e) {
+                    Err(e) => match e.bullmq_code() {
                         Some(code) => (None, FlowId::Code(code as i32)),
                         None => (Some(Op::new("addJob").error(e).reason), FlowId::Code(0)),
                     },

@@ -7,49 +7,7 @@
 //! or `[loam:<kind>] ...`, which the JavaScript side strips into `error.code`
 //! (see `src/errors.ts`).
 
-use loam_jobs::{FenceFailure, JobsError, Missing, Precondition, StoreError};
-
-/// BullMQ's error codes (`ErrorCode` in bullmq's `enums/error-code`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(i32)]
-pub enum BullmqCode {
-    JobNotExist = -1,
-    JobLockNotExist = -2,
-    JobNotInState = -3,
-    JobPendingChildren = -4,
-    ParentJobNotExist = -5,
-    JobLockMismatch = -6,
-    ParentJobCannotBeReplaced = -7,
-    JobBelongsToJobScheduler = -8,
-    JobHasFailedChildren = -9,
-    SchedulerJobIdCollision = -10,
-    SchedulerJobSlotsBusy = -11,
-}
-
-impl BullmqCode {
-    /// The BullMQ code of a core error, when BullMQ has one for it.
-    pub fn of(err: &JobsError) -> Option<Self> {
-        Some(match err {
-            JobsError::NotFound(Missing::Job(_)) => Self::JobNotExist,
-            JobsError::NotFound(Missing::ParentJob(_)) => Self::ParentJobNotExist,
-            JobsError::Fenced { reason: FenceFailure::NoLease, .. } => Self::JobLockNotExist,
-            JobsError::Fenced { reason: FenceFailure::Mismatch, .. } => Self::JobLockMismatch,
-            JobsError::Precondition(p) => match p {
-                Precondition::NotInState { .. } => Self::JobNotInState,
-                Precondition::PendingChildren { .. } => Self::JobPendingChildren,
-                Precondition::FailedChildren { .. } => Self::JobHasFailedChildren,
-                Precondition::ParentCannotBeReplaced { .. } => Self::ParentJobCannotBeReplaced,
-                Precondition::BelongsToScheduler { .. } => Self::JobBelongsToJobScheduler,
-                Precondition::SchedulerIdCollision { .. } => Self::SchedulerJobIdCollision,
-                Precondition::SchedulerSlotsBusy { .. } => Self::SchedulerJobSlotsBusy,
-                Precondition::QueueNotPaused { .. } | Precondition::QueueHasActiveJobs { .. } => {
-                    return None;
-                }
-            },
-            _ => return None,
-        })
-    }
-}
+use loam_jobs::{BullmqCode, JobsError, Missing, Precondition, StoreError};
 
 /// The BullMQ command an error is reported for, with the arguments its
 /// message names (as the Redis adapter passes them to `finishedErrors`).
@@ -115,7 +73,7 @@ impl Op {
     /// The JavaScript error for a core error raised by this operation. An
     /// operation on many jobs (addJobs) knows the parent only from the error.
     pub fn error(&self, err: JobsError) -> napi::Error {
-        let text = match BullmqCode::of(&err) {
+        let text = match err.bullmq_code() {
             Some(code) => {
                 let parent_key = self.parent_key.clone().or_else(|| parent_named(&err).map(str::to_string));
                 format!("[bullmq:{}] {}", code as i32, Op { parent_key, ..self.clone() }.message(code))
@@ -184,6 +142,7 @@ pub fn panicked(panic: Box<dyn std::any::Any + Send>) -> napi::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use loam_jobs::FenceFailure;
 
     #[test]
     fn messages_match_bullmq_finished_errors() {

@@ -25,24 +25,6 @@ pub enum ServerError {
     Serve(std::io::Error),
 }
 
-/// BullMQ's code for an error (its `ErrorCode` enum), or 0.
-fn bullmq_code(err: &JobsError) -> i32 {
-    match err {
-        JobsError::NotFound(Missing::Job(_)) => -1,
-        JobsError::Fenced { reason: FenceFailure::NoLease, .. } => -2,
-        JobsError::Precondition(Precondition::NotInState { .. }) => -3,
-        JobsError::Precondition(Precondition::PendingChildren { .. }) => -4,
-        JobsError::NotFound(Missing::ParentJob(_)) => -5,
-        JobsError::Fenced { reason: FenceFailure::Mismatch, .. } => -6,
-        JobsError::Precondition(Precondition::ParentCannotBeReplaced { .. }) => -7,
-        JobsError::Precondition(Precondition::BelongsToScheduler { .. }) => -8,
-        JobsError::Precondition(Precondition::FailedChildren { .. }) => -9,
-        JobsError::Precondition(Precondition::SchedulerIdCollision { .. }) => -10,
-        JobsError::Precondition(Precondition::SchedulerSlotsBusy { .. }) => -11,
-        _ => 0,
-    }
-}
-
 /// A stable, machine-readable name of the error, and what it is about.
 fn reason(err: &JobsError) -> (&'static str, String) {
     match err {
@@ -79,19 +61,10 @@ fn reason(err: &JobsError) -> (&'static str, String) {
     }
 }
 
+/// The Connect code of the core's name for it ([`JobsError::connect_code`]),
+/// which `every_connect_code_is_one_connectrpc_knows` checks.
 fn code(err: &JobsError) -> ErrorCode {
-    match err {
-        JobsError::InvalidArgument(_) => ErrorCode::InvalidArgument,
-        JobsError::NotFound(_) => ErrorCode::NotFound,
-        JobsError::AlreadyExists { .. } => ErrorCode::AlreadyExists,
-        JobsError::IdempotencyConflict { .. } | JobsError::Fenced { .. } | JobsError::Precondition(_) => {
-            ErrorCode::FailedPrecondition
-        }
-        JobsError::QueuePaused(_) | JobsError::Unavailable(_) => ErrorCode::Unavailable,
-        JobsError::RateLimited { .. } | JobsError::PayloadTooLarge { .. } => ErrorCode::ResourceExhausted,
-        JobsError::DeadlineExceeded => ErrorCode::DeadlineExceeded,
-        JobsError::Internal(_) => ErrorCode::Internal,
-    }
+    err.connect_code().parse().unwrap_or(ErrorCode::Internal)
 }
 
 /// The detail message of a core error.
@@ -103,7 +76,7 @@ pub fn detail(err: &JobsError) -> pb::ErrorDetail {
     };
     pb::ErrorDetail {
         reason: reason.into(),
-        bullmq_code: bullmq_code(err),
+        bullmq_code: err.bullmq_code().map_or(0, |c| c as i32),
         subject,
         retry_after_ms,
         ..Default::default()
@@ -122,7 +95,7 @@ pub fn to_connect(err: &JobsError) -> ConnectError {
 
 /// The Connect code name of a core error (for bulk results).
 pub fn code_name(err: &JobsError) -> &'static str {
-    code(err).as_str()
+    err.connect_code()
 }
 
 /// A request the server refuses before it reaches the core.
@@ -225,5 +198,30 @@ mod tests {
         assert_eq!(code(&JobsError::job_missing("x")), ErrorCode::NotFound);
         assert_eq!(detail(&JobsError::job_missing("x")).bullmq_code, -1);
         assert_eq!(code_name(&JobsError::QueuePaused("q".into())), "unavailable");
+    }
+
+    /// `code` reads the core's name of each error's Connect code; a name
+    /// connectrpc did not know would send the error as `internal`.
+    #[test]
+    fn every_connect_code_is_one_connectrpc_knows() {
+        let every = [
+            JobsError::invalid("x"),
+            JobsError::job_missing("x"),
+            JobsError::AlreadyExists { existing: "1".into() },
+            JobsError::IdempotencyConflict { key: "k".into() },
+            JobsError::Fenced { job: "1".into(), current_epoch: 1, reason: FenceFailure::NoLease },
+            JobsError::Precondition(Precondition::PendingChildren { job: "1".into() }),
+            JobsError::QueuePaused("q".into()),
+            JobsError::RateLimited { retry_after_ms: 1 },
+            JobsError::PayloadTooLarge { size: 2, limit: 1 },
+            JobsError::Unavailable("u".into()),
+            JobsError::DeadlineExceeded,
+            JobsError::Internal("i".into()),
+        ];
+        for err in &every {
+            let parsed = err.connect_code().parse::<ErrorCode>();
+            assert_eq!(parsed.ok().map(|c| c.as_str()), Some(err.connect_code()), "{err:?}");
+        }
+        assert_eq!(code(&JobsError::Internal("i".into())), ErrorCode::Internal);
     }
 }

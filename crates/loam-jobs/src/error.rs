@@ -129,6 +129,25 @@ pub enum JobsError {
     Internal(String),
 }
 
+/// BullMQ's error codes (its `ErrorCode` enum), which BullMQ's callers read
+/// from a failed call: the Node addon sets them, and the server sends them in
+/// its error detail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum BullmqCode {
+    JobNotExist = -1,
+    JobLockNotExist = -2,
+    JobNotInState = -3,
+    JobPendingChildren = -4,
+    ParentJobNotExist = -5,
+    JobLockMismatch = -6,
+    ParentJobCannotBeReplaced = -7,
+    JobBelongsToJobScheduler = -8,
+    JobHasFailedChildren = -9,
+    SchedulerJobIdCollision = -10,
+    SchedulerJobSlotsBusy = -11,
+}
+
 impl JobsError {
     pub fn invalid(msg: impl Into<String>) -> Self {
         JobsError::InvalidArgument(msg.into())
@@ -146,6 +165,27 @@ impl JobsError {
 
     pub fn not_in_state(job: &str, state: impl fmt::Display, expected: &'static str) -> Self {
         JobsError::Precondition(Precondition::NotInState { job: job.to_string(), state: state.to_string(), expected })
+    }
+
+    /// BullMQ's code for this error, when BullMQ has one.
+    pub fn bullmq_code(&self) -> Option<BullmqCode> {
+        Some(match self {
+            JobsError::NotFound(Missing::Job(_)) => BullmqCode::JobNotExist,
+            JobsError::NotFound(Missing::ParentJob(_)) => BullmqCode::ParentJobNotExist,
+            JobsError::Fenced { reason: FenceFailure::NoLease, .. } => BullmqCode::JobLockNotExist,
+            JobsError::Fenced { reason: FenceFailure::Mismatch, .. } => BullmqCode::JobLockMismatch,
+            JobsError::Precondition(p) => match p {
+                Precondition::NotInState { .. } => BullmqCode::JobNotInState,
+                Precondition::PendingChildren { .. } => BullmqCode::JobPendingChildren,
+                Precondition::FailedChildren { .. } => BullmqCode::JobHasFailedChildren,
+                Precondition::ParentCannotBeReplaced { .. } => BullmqCode::ParentJobCannotBeReplaced,
+                Precondition::BelongsToScheduler { .. } => BullmqCode::JobBelongsToJobScheduler,
+                Precondition::SchedulerIdCollision { .. } => BullmqCode::SchedulerJobIdCollision,
+                Precondition::SchedulerSlotsBusy { .. } => BullmqCode::SchedulerJobSlotsBusy,
+                Precondition::QueueNotPaused { .. } | Precondition::QueueHasActiveJobs { .. } => return None,
+            },
+            _ => return None,
+        })
     }
 
     /// The Connect code this error travels as.

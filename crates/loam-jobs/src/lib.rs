@@ -20,7 +20,7 @@ pub mod tx;
 
 pub use clock::{Clock, FollowingClock, ManualClock, SystemClock};
 pub use config::{Config, QueueConfig};
-pub use error::{FenceFailure, JobsError, Missing, Precondition, StoreError};
+pub use error::{BullmqCode, FenceFailure, JobsError, Missing, Precondition, StoreError};
 pub use jobs::{Interrupt, Jobs, Pending};
 pub use keys::QueueId;
 pub use model::*;
