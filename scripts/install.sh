@@ -12,6 +12,15 @@ fi
 echo "install: node packages"
 pnpm install --frozen-lockfile=false
 
+# The test command checks the code with rustfmt and clippy, which a minimal
+# rustup profile leaves out.
+for tool in fmt clippy; do
+  if ! cargo "$tool" --version >/dev/null 2>&1; then
+    echo "install: rust component $tool"
+    rustup component add "$([ "$tool" = fmt ] && echo rustfmt || echo clippy)"
+  fi
+done
+
 echo "install: rust crates"
 cargo fetch
 cargo build --workspace --all-targets

@@ -1000,7 +1000,7 @@ impl LoamQueue {
         self.store.observe(host_now);
         let wanted = match state.as_str() {
             "paused" => return Ok(false),
-            s => JobState::parse(s).ok_or_else(|| napi::Error::from_reason(format!("Unknown job state: {s}")))?,
+            s => JobState::parse(s).ok_or_else(|| invalid(format!("Unknown job state: {s}")))?,
         };
         let job = self.read(Op::new("isJobInState").job(&job_id), |tx, q| query::get_job(tx, q, &job_id))?;
         Ok(job.is_some_and(|j| j.state == wanted))

@@ -28,23 +28,34 @@ mod tests {
     /// `test/errors.test.ts`; this shows no synchronous method lacks it.
     #[test]
     fn every_synchronous_method_catches_panics() {
-        let source = include_str!("backend.rs");
-        let lines: Vec<&str> = source.lines().map(str::trim).collect();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         let mut synchronous = 0;
-        for (at, line) in lines.iter().enumerate() {
-            if !line.starts_with("#[napi") {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "rs") {
                 continue;
             }
-            // The item the attribute is on: past other attributes, which may
-            // span lines.
-            let Some(item) = lines[at + 1..].iter().find(|l| l.starts_with("pub ") || l.starts_with("impl ")) else {
-                continue;
-            };
-            if item.starts_with("pub fn ") {
-                synchronous += 1;
-                assert!(line.contains("catch_unwind"), "backend.rs:{}: {item} lacks `catch_unwind` ({line})", at + 1);
+            let source = std::fs::read_to_string(&path).unwrap();
+            let lines: Vec<&str> = source.lines().map(str::trim).collect();
+            for (at, line) in lines.iter().enumerate() {
+                if !line.starts_with("#[napi") {
+                    continue;
+                }
+                // The attribute, which may span lines, and the item it is on,
+                // past other attributes.
+                let close = lines[at..].iter().position(|l| l.ends_with(']')).map_or(at, |end| at + end);
+                let attribute = lines[at..=close].join(" ");
+                let Some(item) = lines[close + 1..].iter().find(|l| l.starts_with("pub ") || l.starts_with("impl "))
+                else {
+                    continue;
+                };
+                if item.starts_with("pub fn ") || item.starts_with("pub unsafe fn ") {
+                    synchronous += 1;
+                    let file = path.file_name().unwrap().to_string_lossy();
+                    assert!(attribute.contains("catch_unwind"), "{file}:{}: {item} lacks `catch_unwind`", at + 1);
+                }
             }
         }
-        assert!(synchronous >= 40, "found {synchronous} synchronous methods; has backend.rs's layout changed?");
+        assert!(synchronous >= 40, "found {synchronous} synchronous methods; has the crate's layout changed?");
     }
 }

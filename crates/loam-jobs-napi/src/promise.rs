@@ -258,7 +258,10 @@ impl<T: ToNapiValue + Send + 'static> Clone for FirstSettles<T> {
 impl<T: ToNapiValue + Send + 'static> Drop for Resolver<T> {
     fn drop(&mut self) {
         if let Some(deferred) = self.deferred.take() {
-            let dropped = Err(Error::new(Status::GenericFailure, "the operation ended without a result".to_string()));
+            let dropped = Err(Error::new(
+                Status::GenericFailure,
+                "[loam:internal] the operation ended without a result".to_string(),
+            ));
             self.post(deferred, dropped);
         }
     }

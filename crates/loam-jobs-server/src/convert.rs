@@ -1,7 +1,8 @@
 //! loam.jobs.v1 messages to the core's types and back. The messages mirror
 //! the core's model field for field, so each conversion is a move; the checks
 //! here are the ones the wire format cannot express (a missing oneof, an
-//! unknown enum value, `opts` that is not a JSON object).
+//! unknown enum value, an unchecked fence of `false`, `opts` that is not a
+//! JSON object).
 
 use buffa::EnumValue;
 use loam_jobs::{

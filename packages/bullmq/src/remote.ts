@@ -1076,7 +1076,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     // BullMQ 6 never fills the legacy `paused` list.
     if (state === 'paused') return false;
     const wanted = stateOf(state);
-    if (wanted === undefined) throw new Error(`Unknown job state: ${state}`);
+    if (wanted === undefined) throw loamError('invalid_argument', `Unknown job state: ${state}`);
     const job = await this.job({ command: 'isJobInState', jobId }, jobId);
     return job?.state === wanted;
   }

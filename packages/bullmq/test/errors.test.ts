@@ -197,6 +197,19 @@ describe('errors', () => {
     await queue.close();
   });
 
+  it('refuses an unknown state name in isJobInState as an invalid argument', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const job = await queue.add('a', {});
+    const backend = queue.getBackend() as LoamQueueBackend;
+    // Before: in-process, an untagged error (then read as internal); remote, an Error with no code.
+    await expect(backend.isJobInState('bogus', job.id!)).rejects.toMatchObject({
+      code: 'LOAM_INVALID_ARGUMENT',
+      message: 'Unknown job state: bogus',
+    });
+    expect(await backend.isJobInState('wait', job.id!)).toBe(true);
+    await queue.close();
+  });
+
   it('lists as not extended an id that extendLocks got no token for, as Redis does', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const backend = queue.getBackend() as LoamQueueBackend;
