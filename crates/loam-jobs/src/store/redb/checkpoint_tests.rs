@@ -1,0 +1,150 @@
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use redb::backends::InMemoryBackend;
+
+use super::log_tests::{submit_put, submit_put_durable};
+use super::tests::{Gate, GatedDisk};
+use super::*;
+
+fn submit(store: &RedbStore, key: &str, value: Vec<u8>, sync: bool) -> mpsc::Receiver<bool> {
+    submit_put(store, key.to_string(), value, sync)
+}
+
+/// Relaxed durability loses at most the last flush interval (100 ms) of
+/// acknowledged writes, however slow a checkpoint's durable redb commit:
+/// the committer goes on appending and flushing the log meanwhile (it
+/// used to stop, waiting for it, when the next checkpoint came due).
+fn slow_checkpoint(kill: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log");
+    let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+    let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
+    let db = Database::builder().create_with_backend(disk).unwrap();
+    let mut wal = recover(&db, &log).unwrap();
+    let failing = Arc::new(AtomicBool::new(false));
+    wal.fail_while(Arc::clone(&failing));
+    let options = RedbOptions {
+        durability: Durability::Relaxed { flush_interval_ms: 100 },
+        checkpoint_interval: Duration::from_millis(1),
+        ..Default::default()
+    };
+    let store = RedbStore::start(db, &options, Some(wal)).unwrap();
+    // From now on redb's fsync takes as long as the test wants (a slow disk).
+    *held.0.lock() = true;
+    let gate = Gate(held);
+    assert!(submit(&store, "a", b"1".to_vec(), true).recv().unwrap());
+    std::thread::sleep(Duration::from_millis(50)); // logged; its checkpoint waits on redb's fsync
+    assert!(submit(&store, "b", b"2".to_vec(), true).recv().unwrap());
+    std::thread::sleep(Duration::from_millis(50)); // logged, unsynced; the next checkpoint is due
+    let outcome = if kill {
+        assert!(submit(&store, "c", b"3".to_vec(), true).recv().unwrap());
+        std::thread::sleep(Duration::from_millis(400)); // four flush intervals
+        // What a kill -9 leaves now: the log as it is.
+        let copy = dir.path().join("copy");
+        std::fs::copy(&log, &copy).unwrap();
+        let (_, records) = super::super::wal::Wal::open(&copy, 2, LOG_CAPACITY).unwrap();
+        let logged: Vec<&[u8]> = records.iter().flat_map(|w| w.keys().map(Vec::as_slice)).collect();
+        (logged.contains(&&b"c"[..]), format!("c, acknowledged 400 ms ago, is in the log (logged keys {logged:?})"))
+    } else {
+        // From here a log fsync fails: if the committer tries one, the
+        // relaxed store breaks and refuses reads.
+        failing.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(400)); // four flush intervals
+        (store.snapshot().is_err(), "a log fsync was attempted for b within 450 ms of its acknowledgement".into())
+    };
+    gate.release();
+    drop(store);
+    assert!(outcome.0, "{}", outcome.1);
+}
+
+#[test]
+fn relaxed_ack_is_appended_to_the_log_during_a_slow_checkpoint() {
+    slow_checkpoint(true);
+}
+
+#[test]
+fn relaxed_ack_is_fsynced_within_the_flush_interval_during_a_slow_checkpoint() {
+    slow_checkpoint(false);
+}
+
+/// Under relaxed durability a write that waits for its fsync, followed by
+/// one answered at once, is readable once it is answered: published in
+/// the order the batches ran, not left behind the later one's mark.
+#[test]
+fn a_write_durable_always_is_readable_once_answered_after_a_later_relaxed_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = RedbOptions { durability: Durability::Relaxed { flush_interval_ms: 100 }, ..Default::default() };
+    let store = RedbStore::open(&dir.path().join("jobs.redb"), options).unwrap();
+    // The file writer waits: reads see only what was published.
+    let gate = store.progress.file_gate.lock();
+    let always = submit_put_durable(&store, "always".into(), b"1".to_vec(), Durable::Always);
+    // Long enough for it to run as a batch of its own.
+    std::thread::sleep(Duration::from_millis(1));
+    assert!(submit(&store, "relaxed", b"2".to_vec(), true).recv().unwrap());
+    assert!(always.recv().unwrap());
+    let seen = store.snapshot().unwrap().get(b"always").unwrap();
+    drop(gate);
+    assert!(seen.is_some(), "an answered Durable::Always write is not readable");
+}
+
+/// A store under relaxed durability (a flush a minute) over a log whose
+/// fsyncs fail, appends not, until the flag is cleared.
+fn relaxed_with_failing_fsyncs(path: &Path) -> (RedbStore, Arc<AtomicBool>) {
+    let db = Database::builder().create(path).unwrap();
+    let mut wal = recover(&db, &log_path(path)).unwrap();
+    let failing = Arc::new(AtomicBool::new(true));
+    wal.fail_syncs_while(Arc::clone(&failing));
+    let options = RedbOptions { durability: Durability::relaxed(60_000), ..Default::default() };
+    (RedbStore::start(db, &options, Some(wal)).unwrap(), failing)
+}
+
+/// Under relaxed durability a write that must be durable whatever the
+/// durability (the store's open count) is answered after its fsync, so
+/// an fsync that fails fails it; the others are answered before theirs.
+#[test]
+fn a_write_durable_always_waits_for_its_fsync_under_relaxed_durability() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, failing) = relaxed_with_failing_fsyncs(&dir.path().join("jobs.redb"));
+    assert!(submit(&store, "relaxed", b"1".to_vec(), true).recv().unwrap(), "answered before its fsync");
+    let answer = submit_put_durable(&store, "always".into(), b"2".to_vec(), Durable::Always);
+    assert!(!answer.recv().unwrap(), "answered only after its fsync, which failed");
+    failing.store(false, Ordering::SeqCst);
+}
+
+/// The queue core's open count is such a write: under relaxed durability
+/// an open whose count cannot be made durable fails.
+#[test]
+fn a_relaxed_open_waits_for_its_open_count_to_be_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _failing) = relaxed_with_failing_fsyncs(&dir.path().join("jobs.redb"));
+    let config = crate::Config { durability: Durability::relaxed(60_000), background: false, ..Default::default() };
+    let opened = crate::Jobs::with_store(Box::new(store), Arc::new(crate::SystemClock), config);
+    assert!(opened.is_err(), "opened with its open count not durable");
+}
+
+/// A group too large for the log is committed durably to redb as a
+/// checkpoint: once that succeeded its operations succeeded, whatever the
+/// log's restart after it does (its fsync of records the checkpoint made
+/// redundant failing breaks the store for later commits only). They were
+/// answered as failed, with their writes durable and visible.
+#[test]
+fn an_operation_answered_as_failed_leaves_no_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.redb");
+    let failing = Arc::new(AtomicBool::new(false));
+    let store = RedbStore::open_with_failing_log(&path, RedbOptions::default(), Arc::clone(&failing)).unwrap();
+    // A write that needs no fsync (a lease): logged, acknowledged, unsynced.
+    assert!(submit(&store, "lease", b"l".to_vec(), false).recv().unwrap());
+    failing.store(true, Ordering::SeqCst);
+    // Larger than a region: checkpointed into redb instead of logged.
+    let big = vec![7u8; (LOG_CAPACITY + 1024) as usize];
+    let acked = submit(&store, "big", big, true).recv().unwrap();
+    let visible = store.snapshot().unwrap().get(b"big").unwrap().is_some();
+    drop(store);
+    let reopened = RedbStore::open(&path, RedbOptions::default()).unwrap();
+    let after_reopen = reopened.snapshot().unwrap().get(b"big").unwrap().is_some();
+    assert!(
+        acked || (!visible && !after_reopen),
+        "answered failed (acked={acked}) yet visible to reads: {visible}, in the file after reopen: {after_reopen}"
+    );
+}

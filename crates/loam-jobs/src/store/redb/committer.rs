@@ -1,0 +1,404 @@
+//! The committer: makes each group of batches durable (one record and one
+//! fsync in the write-ahead log), answers their operations, and hands the
+//! group to the file writer; it also starts checkpoints and flushes.
+
+use super::executor::with_waiting;
+use super::*;
+
+/// Most batches one commit takes.
+pub(super) const MAX_BATCHES_PER_COMMIT: usize = 256;
+
+/// Under relaxed durability, how long the committer may wait for more batches
+/// to commit with the first one, and how many end the wait (well under
+/// [`MAX_UNCOMMITTED_BATCHES`], so the executor never waits for a linger).
+pub(super) const COMMIT_LINGER: Duration = Duration::from_millis(2);
+pub(super) const LINGER_BATCHES: usize = 16;
+
+/// How often the committer looks for the outcome of a checkpoint under way
+/// while no batch comes.
+pub(super) const CHECKPOINT_POLL: Duration = Duration::from_millis(5);
+
+pub(super) struct Committer {
+    pub(super) progress: Arc<Progress>,
+    pub(super) durability: Durability,
+    /// When the oldest commit not yet flushed to disk was made.
+    pub(super) unflushed_since: Option<Instant>,
+    /// The last batch whose commit failed: a batch that read its writes fails too.
+    pub(super) last_failed: u64,
+    /// How commits are made durable and reach redb.
+    pub(super) file: File,
+    pub(super) checkpoint_interval: Duration,
+    pub(super) last_checkpoint: Instant,
+    /// The checkpoint the file writer is making, if any: commits go on in
+    /// the log's other region meanwhile.
+    pub(super) checkpointing: Option<mpsc::Receiver<Result<(), StoreError>>>,
+    /// Why the log failed: from then on every commit fails, as redb's own do
+    /// after an I/O error, so nothing is acknowledged that may not survive.
+    pub(super) broken: Option<StoreError>,
+}
+
+/// How the committer's groups are made durable and reach the redb file.
+pub(super) enum File {
+    /// Without a log (a store in memory): redb's own commits make them
+    /// durable, on the committer's thread, before acknowledging.
+    Inline(FileWriter),
+    /// The write-ahead log makes them durable; the file writer's thread
+    /// writes them into redb after acknowledging.
+    Logged { wal: Wal, to_file: Sender<ToFile> },
+}
+
+/// A committed group on its way into the file: the writes of its batches that
+/// did not fail (each with its number), and the last batch of the group, done
+/// with once the group is written (or at once, when nothing of it is left).
+pub(super) struct Group {
+    pub(super) batches: Vec<(u64, Arc<Writes>)>,
+    pub(super) last: u64,
+}
+
+pub(super) enum ToFile {
+    /// Written without fsync: the log answers for it.
+    Group(Group),
+    /// A durable commit that also stores the log's next `generation`, with a
+    /// group too large for the log, or none; answered on `done` once made.
+    Checkpoint { group: Option<Group>, generation: u64, done: mpsc::SyncSender<Result<(), StoreError>> },
+}
+
+impl Committer {
+    pub(super) fn flush_interval(&self) -> Duration {
+        match self.durability {
+            Durability::Immediate => IMMEDIATE_MODE_IDLE_FLUSH,
+            Durability::Relaxed { flush_interval_ms } => Duration::from_millis(flush_interval_ms),
+        }
+    }
+
+    pub(super) fn run(mut self, receiver: Receiver<Batch>) {
+        loop {
+            #[cfg(test)]
+            self.progress.committer_turns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let first = match self.next_wake() {
+                None => match receiver.recv() {
+                    Ok(b) => b,
+                    Err(_) => break,
+                },
+                Some(wait) => match receiver.recv_timeout(wait) {
+                    Ok(b) => b,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.checkpoint_done(false);
+                        if self.flush_due() {
+                            self.flush();
+                        }
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => break,
+                },
+            };
+            let batches = self.gather(&receiver, first);
+            self.checkpoint_done(false);
+            self.commit(batches);
+            if self.flush_due() {
+                self.flush();
+            }
+            if self.checkpoint_due() {
+                self.start_checkpoint();
+            }
+        }
+        self.flush();
+        // Closed cleanly, the file holds everything by itself.
+        let _ = self.checkpoint(None);
+    }
+
+    /// Group commit: `first` and every batch that ran while the last commit
+    /// was written. Under relaxed durability, whose callers were answered
+    /// already, also those that come within [`COMMIT_LINGER`], until
+    /// [`LINGER_BATCHES`] are in (the executor then unparks this thread; a
+    /// read does not wait for them, see [`Progress::publish`]): each commit
+    /// costs a log append and a redb transaction (copied and checksummed
+    /// pages) that are much the same for one small batch as for many, and
+    /// committed one at a time the batches of a one-at-a-time `add` took a
+    /// third of its CPU. The committer sleeps
+    /// rather than wait on the channel, so a batch sent meanwhile wakes
+    /// nobody.
+    pub(super) fn gather(&self, receiver: &Receiver<Batch>, first: Batch) -> Vec<Batch> {
+        let mut batches = with_waiting(receiver, first, MAX_BATCHES_PER_COMMIT);
+        if let Durability::Relaxed { .. } = self.durability {
+            let until = Instant::now() + COMMIT_LINGER;
+            loop {
+                let now = Instant::now();
+                if batches.len() >= LINGER_BATCHES || now >= until {
+                    break;
+                }
+                std::thread::park_timeout(until - now);
+                match receiver.try_recv() {
+                    Ok(batch) => batches.push(batch),
+                    Err(mpsc::TryRecvError::Empty) => continue,
+                    Err(mpsc::TryRecvError::Disconnected) => break,
+                }
+                while batches.len() < MAX_BATCHES_PER_COMMIT
+                    && let Ok(batch) = receiver.try_recv()
+                {
+                    batches.push(batch);
+                }
+            }
+        }
+        batches
+    }
+
+    /// Makes every commit so far durable: an fsync of the log, or without a
+    /// log an empty durable commit, which makes every earlier one durable.
+    pub(super) fn flush(&mut self) {
+        if self.broken.is_some() {
+            // Nothing can be made durable any more: waking to try again
+            // would only spin the committer.
+            self.unflushed_since = None;
+            return;
+        }
+        if self.unflushed_since.is_none() {
+            return;
+        }
+        let result = match &mut self.file {
+            File::Logged { wal, .. } => wal.sync().map_err(io),
+            File::Inline(file) => file.write(&[], true, None),
+        };
+        match result {
+            Ok(()) => self.unflushed_since = None,
+            Err(e) => self.break_store(e),
+        }
+    }
+
+    /// How long the committer may wait for a batch: until the oldest
+    /// unflushed commit is due a flush, and no longer than
+    /// [`CHECKPOINT_POLL`] while a checkpoint is under way (a failed one must
+    /// stop the store at once, not at the next commit).
+    pub(super) fn next_wake(&self) -> Option<Duration> {
+        let flush = self.unflushed_since.map(|since| self.flush_interval().saturating_sub(since.elapsed()));
+        let checkpoint = self.checkpointing.as_ref().map(|_| CHECKPOINT_POLL);
+        match (flush, checkpoint) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    pub(super) fn flush_due(&self) -> bool {
+        self.unflushed_since.is_some_and(|since| since.elapsed() >= self.flush_interval())
+    }
+
+    /// Asks the file writer for a durable redb commit, which makes every
+    /// record of the log's current generation redundant once made (the file
+    /// writer has written every group sent before it by then, since it takes
+    /// them in order), and goes on at once under the next generation, in the
+    /// log's other region. Commits do not wait for the checkpoint: a second
+    /// of writes made durable took 12-43 ms at 40k jobs/s, every commit
+    /// stopped meanwhile. The next checkpoint, which writes this one's region
+    /// again, is not due until this one is done (see `checkpoint_due`).
+    pub(super) fn start_checkpoint(&mut self) {
+        self.checkpoint_done(true);
+        if self.broken.is_some() {
+            return;
+        }
+        let File::Logged { wal, to_file } = &mut self.file else { return };
+        let generation = wal.generation() + 1;
+        // Before anything of the next generation is written (see `Wal::restart`).
+        if let Err(e) = wal.restart(generation) {
+            self.break_store(io(e));
+            return;
+        }
+        self.unflushed_since = None;
+        let (done, answer) = mpsc::sync_channel(1);
+        if to_file.send(ToFile::Checkpoint { group: None, generation, done }).is_err() {
+            self.broken = Some(StoreError::Closed);
+            return;
+        }
+        self.last_checkpoint = Instant::now();
+        self.checkpointing = Some(answer);
+    }
+
+    /// Takes the outcome of the checkpoint under way, if it is in (or,
+    /// `waiting`, once it is). A failed one breaks the store: every later
+    /// commit says so.
+    pub(super) fn checkpoint_done(&mut self, waiting: bool) {
+        let Some(answer) = &self.checkpointing else { return };
+        let result = if waiting {
+            answer.recv().map_err(|_| StoreError::Closed).and_then(|r| r)
+        } else {
+            match answer.try_recv() {
+                Ok(r) => r,
+                Err(mpsc::TryRecvError::Empty) => return,
+                Err(mpsc::TryRecvError::Disconnected) => Err(StoreError::Closed),
+            }
+        };
+        self.checkpointing = None;
+        if let Err(e) = result {
+            self.break_store(e);
+        }
+    }
+
+    /// A durable redb commit (with `group`, when it does not fit in the log)
+    /// made before this returns, after any under way: the log starts over
+    /// under the next generation.
+    pub(super) fn checkpoint(&mut self, group: Option<Group>) -> Result<(), StoreError> {
+        self.checkpoint_done(true);
+        if let Some(e) = self.broken.clone() {
+            // The file writer is done with the group's batches, which fail.
+            if let Some(group) = group {
+                self.done_with(group.last);
+            }
+            return Err(e);
+        }
+        let File::Logged { wal, to_file } = &mut self.file else { return Ok(()) };
+        let generation = wal.generation() + 1;
+        let (done, answer) = mpsc::sync_channel(1);
+        let committed = to_file
+            .send(ToFile::Checkpoint { group, generation, done })
+            .map_err(|_| StoreError::Closed)
+            .and_then(|()| answer.recv().map_err(|_| StoreError::Closed)?);
+        if let Err(e) = committed {
+            self.break_store(e.clone());
+            return Err(e);
+        }
+        self.last_checkpoint = Instant::now();
+        self.unflushed_since = None;
+        // redb now holds the generation durably, the group with it: what the
+        // log's records were to make durable is, and the fsync `restart`
+        // makes is all but free. Should it fail, later commits are refused,
+        // but the group is in, and succeeded.
+        if let Err(e) = wal.restart(generation) {
+            self.break_store(io(e));
+        }
+        Ok(())
+    }
+
+    /// Not while one is under way: starting the next waits for it, and the
+    /// committer would stop appending and flushing the log for as long as
+    /// redb's durable commit takes (relaxed writes acknowledged meanwhile
+    /// unlogged past the flush interval). The region being written still has
+    /// room (a checkpoint starts at half of it), and a group that does not
+    /// fit waits for the checkpoint anyway.
+    pub(super) fn checkpoint_due(&self) -> bool {
+        self.checkpointing.is_none()
+            && matches!(&self.file, File::Logged { wal, .. }
+                if !wal.is_empty() && (wal.half_full() || self.last_checkpoint.elapsed() >= self.checkpoint_interval))
+    }
+
+    /// Makes `batches` durable and hands them to the file. With a log, the
+    /// group's record goes to the log (fsynced when `sync` asks for it), the
+    /// batches' operations are acknowledged here, and the file writer commits
+    /// them to redb without fsync on its own thread, behind the log: a crash
+    /// in between is what the log's replay redoes, so redb's commit is off
+    /// the operations' latency and off the next group's. A group too large for
+    /// what is left of the log is committed durably to redb instead, as a
+    /// checkpoint, and acknowledged by the caller afterwards. Without a log,
+    /// redb's commit (durable when `sync`) is made here, before acknowledging.
+    pub(super) fn write(&mut self, batches: &mut [Batch], sync: bool, last: u64) -> Result<(), StoreError> {
+        let group = Group { batches: batches.iter().map(|b| (b.number, Arc::clone(&b.writes))).collect(), last };
+        let broken = self.broken.clone().or_else(|| self.progress.state.lock().unreadable.clone());
+        if let Some(e) = broken {
+            return Err(self.fail(e, last));
+        }
+        let wal = match &mut self.file {
+            File::Inline(file) => return file.write(&[group], sync, None),
+            File::Logged { wal, .. } => wal,
+        };
+        let record = Wal::encode(net_writes(batches.iter().map(|b| b.writes.as_ref())));
+        if !wal.fits(&record) {
+            return self.checkpoint(Some(group));
+        }
+        if let Err(e) = wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }) {
+            // The record may be partly written: nothing more may follow it.
+            return Err(self.fail(io(e), last));
+        }
+        // Acknowledged before the file writer has the group (it refuses
+        // reads if it then fails to write what was acknowledged), and
+        // readable from here on; answered after (an answer's callback may
+        // read it).
+        self.progress.publish(&group.batches, group.last);
+        self.to_file(ToFile::Group(group));
+        deliver(batches.iter_mut().flat_map(|b| b.acks.drain(..)));
+        Ok(())
+    }
+
+    /// The log failed (or had): every later commit fails with `e`, and the
+    /// batches up to `last` are given up. Under relaxed durability they were
+    /// acknowledged already, so the store refuses reads from now on rather
+    /// than show a state without them, and the executor acknowledges nothing
+    /// early any more; reopening replays what the log kept.
+    pub(super) fn fail(&mut self, e: StoreError, last: u64) -> StoreError {
+        self.break_store(e.clone());
+        self.done_with(last);
+        e
+    }
+
+    /// A log append or fsync, or a checkpoint, failed: every later commit
+    /// fails with `e`, as redb's own do after an I/O error. Under relaxed
+    /// durability the writes since the last flush were acknowledged already
+    /// and will now not be made durable, so reads fail too.
+    pub(super) fn break_store(&mut self, e: StoreError) {
+        if matches!(self.durability, Durability::Relaxed { .. }) {
+            self.progress.state.lock().unreadable.get_or_insert_with(|| e.clone());
+        }
+        self.broken = Some(e);
+    }
+
+    /// Tells the file writer that the batches up to `last` failed: it is done
+    /// with them once it has written what came before.
+    pub(super) fn done_with(&self, last: u64) {
+        let group = Group { batches: Vec::new(), last };
+        match &self.file {
+            File::Inline(file) => {
+                let _ = file.write(&[group], false, None);
+            }
+            File::Logged { .. } => self.to_file(ToFile::Group(group)),
+        }
+    }
+
+    pub(super) fn to_file(&self, message: ToFile) {
+        if let File::Logged { to_file, .. } = &self.file {
+            // The file writer ends only after the committer does.
+            let _ = to_file.send(message);
+        }
+    }
+
+    /// Commits `batches` (in order) as one group, except those that read a
+    /// failed batch's writes, which fail with its error.
+    pub(super) fn commit(&mut self, batches: Vec<Batch>) {
+        let last = batches.last().map_or(0, |b| b.number);
+        let mut doomed = Vec::new();
+        let mut good = Vec::with_capacity(batches.len());
+        for batch in batches {
+            if batch.read_through != 0 && batch.read_through == self.last_failed {
+                self.last_failed = batch.number;
+                doomed.push(batch);
+            } else {
+                good.push(batch);
+            }
+        }
+        let sync = good.iter().any(|b| b.sync);
+        let result = if good.is_empty() {
+            self.done_with(last);
+            Ok(())
+        } else {
+            self.write(&mut good, sync, last)
+        };
+        let failure = match result {
+            Ok(()) => {
+                if !good.is_empty() {
+                    if sync {
+                        self.unflushed_since = None;
+                    } else if self.unflushed_since.is_none() {
+                        self.unflushed_since = Some(Instant::now());
+                    }
+                }
+                deliver(good.into_iter().flat_map(|b| b.acks));
+                None
+            }
+            Err(e) => {
+                self.last_failed = good.last().map_or(self.last_failed, |b| b.number);
+                deliver(good.into_iter().flat_map(|b| b.acks).map(|(done, _)| (done, Err(JobsError::from(e.clone())))));
+                Some(e)
+            }
+        };
+        if !doomed.is_empty() {
+            let e = failure.unwrap_or_else(|| StoreError::Io("an earlier commit failed".into()));
+            deliver(doomed.into_iter().flat_map(|b| b.acks).map(|(done, _)| (done, Err(JobsError::from(e.clone())))));
+        }
+    }
+}

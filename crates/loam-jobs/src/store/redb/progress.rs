@@ -1,0 +1,87 @@
+//! What the committer has done, for the executor and for readers: the last
+//! batch done with, the file's snapshot, and the batches published to readers
+//! that the file writer has not written yet.
+
+use super::*;
+
+/// What the committer has done, for the executor and for readers.
+pub(super) struct Progress {
+    pub(super) state: Mutex<Committed>,
+    pub(super) changed: Condvar,
+    /// Tests: how many times the committer's loop went round.
+    #[cfg(test)]
+    pub(super) committer_turns: std::sync::atomic::AtomicU64,
+    /// Tests: held, it keeps the file writer from writing.
+    #[cfg(test)]
+    pub(super) file_gate: Mutex<()>,
+}
+
+impl Progress {
+    /// Nothing committed or acknowledged yet; reads start from `snapshot`.
+    pub(super) fn new(snapshot: RedbSnapshot) -> Self {
+        let state = Committed {
+            batch: 0,
+            unreadable: None,
+            snapshot: Arc::new(snapshot),
+            snapshot_batch: 0,
+            published: 0,
+            unapplied: VecDeque::new(),
+        };
+        Self {
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            #[cfg(test)]
+            committer_turns: std::sync::atomic::AtomicU64::new(0),
+            #[cfg(test)]
+            file_gate: Mutex::new(()),
+        }
+    }
+
+    /// `batches` (up to `last`, the failed ones left out) are about to be
+    /// acknowledged: readers see them from now on, over the snapshot, until
+    /// the file writer has written them into the file. The executor publishes
+    /// a batch it acknowledges early (relaxed durability), so a read never
+    /// waits for its commit; the committer publishes the rest once logged.
+    /// The marks never move back: under relaxed durability the committer
+    /// logs a batch after the executor published newer ones.
+    pub(super) fn publish(&self, batches: &[(u64, Arc<Writes>)], last: u64) {
+        let mut state = self.state.lock();
+        for (number, writes) in batches {
+            if *number > state.published {
+                state.unapplied.push_back((*number, Arc::clone(writes)));
+            }
+        }
+        state.published = state.published.max(last);
+    }
+}
+
+/// Hands each operation its result. A completion that panics (a bug in the
+/// caller's callback) is contained: the store's thread that ran it goes on,
+/// or every later commit and read would wait for it for ever.
+pub(super) fn deliver(acks: impl IntoIterator<Item = Ack>) {
+    for (done, result) in acks {
+        let _ = catch_unwind(AssertUnwindSafe(move || done(result)));
+    }
+}
+
+pub(super) struct Committed {
+    /// The last batch that is done with: in the file, or failed.
+    pub(super) batch: u64,
+    /// Why the file lacks writes that were acknowledged (their commit failed
+    /// after they were logged, or under relaxed durability): reads fail from
+    /// then on rather than show older state than callers were told of.
+    /// Reopening replays what the log holds.
+    pub(super) unreadable: Option<StoreError>,
+    /// The file as of the last successful commit.
+    pub(super) snapshot: Arc<RedbSnapshot>,
+    /// The batch that `snapshot` ends with.
+    pub(super) snapshot_batch: u64,
+    /// The last batch published to readers (see [`Progress::publish`]):
+    /// logged, or acknowledged early under relaxed durability. A batch is
+    /// published before its operations are answered.
+    pub(super) published: u64,
+    /// The published batches the file writer has not written yet, in order:
+    /// a read sees them over the snapshot instead of waiting for redb's
+    /// commit (or, acknowledged early, for the log).
+    pub(super) unapplied: VecDeque<(u64, Arc<Writes>)>,
+}
