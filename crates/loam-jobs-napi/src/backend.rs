@@ -22,7 +22,7 @@ use loam_jobs::ops::{admin, complete, enqueue, lease, query, schedule};
 use loam_jobs::tx::Tx;
 use loam_jobs::{
     CompleteOptions, Completed, DependencyStatus, Durability, Event, FlowNode, Interrupt, JobState, Jobs, JobsError,
-    LeaseRequest, Outcome, Pending, QueueConfig, RateLimit, Retention, SchedulerSpec,
+    LeaseRequest, Outcome, Pending, RateLimit, Retention, SchedulerSpec,
 };
 
 use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, StreamEntry, whole};
@@ -594,11 +594,7 @@ impl LoamQueue {
         self.store.observe(host_now);
         let max_stalled = self.settings.max_stalled;
         self.write(env, Op::new("moveStalledJobsToWait"), move |tx, q| {
-            let current = tx.queue_config(q)?;
-            if current.max_stalled != max_stalled {
-                tx.set_queue_config(q, QueueConfig { max_stalled, ..current })?;
-            }
-            lease::sweep_stalled(tx, q)
+            lease::sweep_stalled_as_worker(tx, q, Some(max_stalled))
         })
     }
 
@@ -1037,19 +1033,8 @@ impl LoamQueue {
     ) -> Result<Vec<i64>> {
         self.store.observe(host_now);
         let before = delayed_timestamp.map(whole);
-        self.read(Op::new("getCounts"), |tx, q| {
-            let mut out = Vec::with_capacity(types.len());
-            for t in &types {
-                // `paused` (a legacy list v6 never fills) and unknown types count 0.
-                let n = match (t.as_str(), JobState::parse(t)) {
-                    ("repeat", _) => schedule::count(tx, q)?,
-                    (_, Some(state)) => query::counts(tx, q, &[state], before)?[0],
-                    (_, None) => 0,
-                };
-                out.push(n as i64);
-            }
-            Ok(out)
-        })
+        let counts = self.read(Op::new("getCounts"), |tx, q| query::counts_by_type(tx, q, &types, before))?;
+        Ok(counts.into_iter().map(|n| n as i64).collect())
     }
 
     #[napi]

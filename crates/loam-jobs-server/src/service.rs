@@ -649,17 +649,8 @@ impl JobsSvc {
                 }
                 Op::SweepStalled(s) => {
                     let max_stalled = s.max_stalled;
-                    out.job_ids = jobs
-                        .admin(ns, queue, move |tx, q| {
-                            if let Some(max) = max_stalled {
-                                let current = tx.queue_config(q)?;
-                                if current.max_stalled != max {
-                                    tx.set_queue_config(q, loam_jobs::QueueConfig { max_stalled: max, ..current })?;
-                                }
-                            }
-                            lease::sweep_stalled(tx, q)
-                        })
-                        .await?;
+                    out.job_ids =
+                        jobs.admin(ns, queue, move |tx, q| lease::sweep_stalled_as_worker(tx, q, max_stalled)).await?;
                     out.count = out.job_ids.len() as u64;
                     Ok(())
                 }
@@ -778,18 +769,8 @@ impl JobsSvc {
                     R::from(pb::JobSlots { slots, ..Default::default() })
                 }
                 Query::Counts(cnt) => {
-                    let counts = jobs.query(ns, queue, |tx, q| {
-                        let mut out = Vec::with_capacity(cnt.types.len());
-                        for t in &cnt.types {
-                            // `paused` (a list BullMQ 6 never fills) and unknown types count 0.
-                            out.push(match (t.as_str(), JobState::parse(t)) {
-                                ("repeat", _) => schedule::count(tx, q)?,
-                                (_, Some(state)) => query::counts(tx, q, &[state], cnt.delayed_before)?[0],
-                                (_, None) => 0,
-                            });
-                        }
-                        Ok(out)
-                    })?;
+                    let counts =
+                        jobs.query(ns, queue, |tx, q| query::counts_by_type(tx, q, &cnt.types, cnt.delayed_before))?;
                     R::from(pb::CountList { counts, ..Default::default() })
                 }
                 Query::CountsPerPriority(p) => {

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use loam_jobs::ops::{admin, query, schedule};
+use loam_jobs::ops::{admin, lease, query, schedule};
 use loam_jobs::store::redb::RedbStore;
 use loam_jobs::*;
 
@@ -1951,6 +1951,41 @@ fn keep_last_if_active_holds_the_key_past_its_ttl_while_the_job_runs() {
     ok(&jobs, "q", &l, "1");
     // The kept add runs once the first finished.
     assert!(lease_one(&jobs, "q").is_some());
+}
+
+/// BullMQ's `getJobCounts` names: a state (`wait` too), `repeat` for the job
+/// schedulers, and `paused` (a list BullMQ 6 never fills) or an unknown name
+/// for 0; both bindings answer through `counts_by_type`.
+#[test]
+fn job_counts_by_bullmq_type_name() {
+    let (jobs, _) = core();
+    for _ in 0..2 {
+        jobs.enqueue("ns", "q", job("q")).wait().unwrap();
+    }
+    let every = SchedulerSpec {
+        id: "s".into(),
+        name: "tick".into(),
+        every_ms: Some(60_000),
+        job: job("tick"),
+        ..Default::default()
+    };
+    jobs.upsert_scheduler("ns", "q", every).wait().unwrap();
+    let types: Vec<String> = ["wait", "waiting", "repeat", "paused", "bogus"].map(String::from).to_vec();
+    let counts = jobs.query("ns", "q", |tx, q| query::counts_by_type(tx, q, &types, None)).unwrap();
+    // The scheduler's first iteration waits too.
+    assert_eq!(counts, vec![3, 3, 1, 0, 0]);
+}
+
+/// A worker's stalled check sets the queue's `max_stalled` to the worker's,
+/// when it gives one, in the transaction of the sweep.
+#[test]
+fn a_workers_stalled_check_sets_the_queues_max_stalled() {
+    let (jobs, _) = core();
+    let max = |jobs: &Jobs| jobs.query("ns", "q", |tx, q| tx.queue_config(q)).unwrap().max_stalled;
+    jobs.admin("ns", "q", |tx, q| lease::sweep_stalled_as_worker(tx, q, Some(4))).wait().unwrap();
+    assert_eq!(max(&jobs), 4);
+    jobs.admin("ns", "q", |tx, q| lease::sweep_stalled_as_worker(tx, q, None)).wait().unwrap();
+    assert_eq!(max(&jobs), 4, "no worker setting leaves the queue's");
 }
 
 #[test]

@@ -359,6 +359,19 @@ fn of_a_live_scheduler(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<bool
     Ok(tx.get(&QueueKeys::new(q).scheduler(id))?.is_some())
 }
 
+/// A worker's stalled check (BullMQ's `moveStalledJobsToWait`): the worker's
+/// `maxStalledCount`, when it gives one, becomes the queue's, then
+/// [`sweep_stalled`] runs under it, in the same transaction.
+pub fn sweep_stalled_as_worker(tx: &mut Tx, q: &QueueId, max_stalled: Option<u32>) -> Result<Vec<String>, JobsError> {
+    if let Some(max_stalled) = max_stalled {
+        let current = tx.queue_config(q)?;
+        if current.max_stalled != max_stalled {
+            tx.set_queue_config(q, crate::config::QueueConfig { max_stalled, ..current })?;
+        }
+    }
+    sweep_stalled(tx, q)
+}
+
 /// Reclaims jobs whose lease expired: back to the front of waiting with one
 /// more stall. Past the queue's `max_stalled` (iterations of a scheduler that
 /// still exists are exempt) it goes back marked with a deferred failure, which the worker that

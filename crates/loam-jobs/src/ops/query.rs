@@ -8,7 +8,7 @@ use crate::error::StoreError;
 use crate::keys::{self, QueueId, QueueKeys};
 use crate::kv::{Key, KeyRange, KvRead, KvTxn, Value};
 use crate::model::{self, Dependency, Event, JobRecord, JobState, MetricsRecord, RateLimit};
-use crate::ops::lease;
+use crate::ops::{lease, schedule};
 use crate::tx::Tx;
 
 /// A snapshot that refuses writes, so queries can run through [`Tx`].
@@ -30,6 +30,27 @@ impl KvTxn for ReadOnly {
     fn delete(&mut self, _: &[u8]) -> Result<(), StoreError> {
         Err(StoreError::Io("write in a read-only query".into()))
     }
+}
+
+/// BullMQ's `getJobCounts` by its type names: a state's name (`wait` too),
+/// `repeat` (the job schedulers), and `paused` (a list BullMQ 6 never fills)
+/// or an unknown name, which count 0. Delayed jobs count only when due
+/// before `delayed_before`.
+pub fn counts_by_type(
+    tx: &mut Tx,
+    q: &QueueId,
+    types: &[String],
+    delayed_before: Option<u64>,
+) -> Result<Vec<u64>, JobsError> {
+    let mut out = Vec::with_capacity(types.len());
+    for t in types {
+        out.push(match (t.as_str(), JobState::parse(t)) {
+            ("repeat", _) => schedule::count(tx, q)?,
+            (_, Some(state)) => counts(tx, q, &[state], delayed_before)?[0],
+            (_, None) => 0,
+        });
+    }
+    Ok(out)
 }
 
 pub fn state_range(keys: &QueueKeys, state: JobState) -> KeyRange {
