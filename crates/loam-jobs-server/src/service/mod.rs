@@ -1,6 +1,8 @@
 //! `JobsService` over the queue core: each call resolves its namespace,
 //! converts its message, runs one core operation (one transaction, or one
-//! snapshot read) and converts the result back.
+//! snapshot read) and converts the result back. The `Watch` stream, the
+//! workers seen by queue and the purge of expired records have modules of
+//! their own.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -24,21 +26,19 @@ use crate::errors::{
 use crate::metrics::Metrics;
 use crate::schedules;
 
+mod purge;
+mod watch;
+mod workers;
+
+pub use purge::purge_expired;
+use workers::WorkersSeen;
+
 /// The longest a Lease, an event read or a wait may block.
 const MAX_WAIT: Duration = Duration::from_secs(30);
 /// Events per Watch read and the default for Query's `events`.
 const EVENT_BATCH: usize = 256;
-/// The longest a watch goes without a message (see `WatchResponse`).
-const WATCH_HEARTBEAT: Duration = Duration::from_secs(5);
-/// Most bytes of events a watch reads ahead of its client (at least one
-/// event). A watch reads the log only when the connection takes its next
-/// message, so this is what a client that stops reading holds here per
-/// watch; 256 events whatever their size held 256 MB of 1 MB payloads.
-const WATCH_READ_AHEAD: usize = 4 << 20;
 /// Most events one `Query.events` returns.
 const MAX_EVENTS_PER_READ: usize = 10_000;
-/// How long a worker name stays listed after it was last seen.
-const WORKER_TTL: Duration = Duration::from_secs(300);
 /// Header that runs an operation at the caller's time (BullMQ's tests fake it).
 pub(crate) const NOW_HEADER: &str = "loam-now-ms";
 
@@ -72,23 +72,6 @@ pub(crate) struct Caller {
     ns: String,
     jobs: Jobs,
     /// The connection's address, when the transport gave it.
-    peer: Option<SocketAddr>,
-}
-
-/// Per (namespace, queue): the worker names seen, and when.
-#[derive(Default)]
-struct WorkersSeen {
-    by_queue: HashMap<(String, String), HashMap<String, Seen>>,
-    /// When names gone quiet were last dropped from every queue: a queue
-    /// whose workers left (or any name a caller tried) is not kept for good.
-    swept: Option<Instant>,
-}
-
-/// A worker name: when it was first and last seen (it is forgotten once
-/// unseen for `WORKER_TTL`), and on which connection last.
-struct Seen {
-    first: Instant,
-    last: Instant,
     peer: Option<SocketAddr>,
 }
 
@@ -273,61 +256,6 @@ impl JobsSvc {
         if matches!(e, JobsError::Fenced { .. }) {
             self.metrics.fenced(ns, queue);
         }
-    }
-
-    /// Lists worker `name` for `queue`, once both names are ones the core
-    /// takes (a Lease's worker name is kept with every job it takes, so the
-    /// same bound holds here).
-    fn saw_worker(&self, c: &Caller, queue: &str, name: &str) -> Result<(), JobsError> {
-        Jobs::check_queue_name(&c.ns, queue)?;
-        lease::check_worker_name(name)?;
-        let mut w = self.workers.lock();
-        let now = Instant::now();
-        if w.swept.is_none_or(|at| now.duration_since(at) >= WORKER_TTL) {
-            w.by_queue.retain(|_, names| {
-                names.retain(|_, seen| now.duration_since(seen.last) < WORKER_TTL);
-                !names.is_empty()
-            });
-            w.swept = Some(now);
-        }
-        let names = w.by_queue.entry((c.ns.clone(), queue.to_string())).or_default();
-        names.retain(|_, seen| now.duration_since(seen.last) < WORKER_TTL);
-        let seen = names.entry(name.to_string()).or_insert(Seen { first: now, last: now, peer: None });
-        seen.last = now;
-        seen.peer = c.peer.or(seen.peer);
-        Ok(())
-    }
-
-    /// Whether `name` was listed.
-    fn forget_worker(&self, ns: &str, queue: &str, name: &str) -> bool {
-        let mut w = self.workers.lock();
-        let key = (ns.to_string(), queue.to_string());
-        let Some(names) = w.by_queue.get_mut(&key) else { return false };
-        let listed = names.remove(name).is_some();
-        if names.is_empty() {
-            w.by_queue.remove(&key);
-        }
-        listed
-    }
-
-    /// The queue's workers, oldest first (Redis lists clients in the order they connected).
-    fn workers_of(&self, ns: &str, queue: &str) -> Vec<pb::WorkerSeen> {
-        let now = Instant::now();
-        let w = self.workers.lock();
-        let Some(names) = w.by_queue.get(&(ns.to_string(), queue.to_string())) else { return Vec::new() };
-        let mut seen: Vec<(&String, &Seen)> =
-            names.iter().filter(|(_, seen)| now.duration_since(seen.last) < WORKER_TTL).collect();
-        seen.sort_by(|a, b| a.1.first.cmp(&b.1.first).then_with(|| a.0.cmp(b.0)));
-        let ms = |since: Instant| u64::try_from(now.duration_since(since).as_millis()).unwrap_or(u64::MAX);
-        seen.into_iter()
-            .map(|(name, seen)| pb::WorkerSeen {
-                name: name.clone(),
-                addr: seen.peer.map(|p| p.to_string()).unwrap_or_default(),
-                age_ms: ms(seen.first),
-                idle_ms: ms(seen.last),
-                ..Default::default()
-            })
-            .collect()
     }
 
     // ---- calls ------------------------------------------------------------------
@@ -975,141 +903,6 @@ impl JobsSvc {
         let found = c.jobs.write(&c.ns, true, move |tx| results::expire(tx, &key, ttl)).await.map_err(core_err)?;
         Ok(pb::ResultExpireResponse { found, ..Default::default() })
     }
-
-    // ---- watch ------------------------------------------------------------------------
-
-    async fn do_watch(
-        &self,
-        c: Caller,
-        req: pb::WatchRequest,
-    ) -> Result<ServiceStream<pb::WatchResponse>, ConnectError> {
-        let waiting = self.waiting.take(&c.ns)?;
-        let (ns, queue) = (c.ns, req.queue);
-        // "From now" is pinned before the stream starts, so nothing written
-        // after this call returns can be missed.
-        let cursor = match req.after {
-            Some(a) => a,
-            None => c.jobs.query(&ns, &queue, query::last_event_seq).map_err(core_err)?,
-        };
-        let state = WatchState {
-            jobs: self.jobs.clone(),
-            ns,
-            queue,
-            cursor,
-            job: req.job_id,
-            stop: self.shutdown.clone(),
-            buffered: std::collections::VecDeque::new(),
-            failed: false,
-            limit: 1,
-            _waiting: waiting,
-        };
-        let stream = futures::stream::unfold(state, |mut st| async move {
-            loop {
-                if let Some(e) = st.buffered.pop_front() {
-                    let msg =
-                        pb::WatchResponse { event: convert::event(&e).into(), cursor: e.seq, ..Default::default() };
-                    return Some((Ok(msg), st));
-                }
-                if st.failed {
-                    return None;
-                }
-                if st.stop.is_fired() || st.jobs.is_closed() {
-                    // Not a clean end: the client should resume elsewhere or
-                    // once the server is back, from the cursor it last heard.
-                    st.failed = true;
-                    return Some((Err(shutting_down(st.cursor)), st));
-                }
-                let bounds = st.jobs.query(&st.ns, &st.queue, |tx, q| {
-                    let stats = tx.stats(q)?;
-                    Ok((stats.first_event, stats.last_event))
-                });
-                match bounds {
-                    Ok((_, newest)) if st.cursor > newest => {
-                        st.failed = true;
-                        return Some((Err(cursor_ahead(st.cursor, newest)), st));
-                    }
-                    Ok((oldest, _)) if st.cursor > 0 && oldest > st.cursor + 1 => {
-                        st.failed = true;
-                        return Some((Err(events_trimmed(st.cursor, oldest)), st));
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        st.failed = true;
-                        return Some((Err(core_err(e)), st));
-                    }
-                }
-                let read = st
-                    .jobs
-                    .read_events(&st.ns, &st.queue, Some(st.cursor), st.limit, WATCH_HEARTBEAT, Some(&st.stop), None)
-                    .await;
-                match read {
-                    Ok(events) => {
-                        // Keep WATCH_READ_AHEAD bytes of what was read; the
-                        // rest is read again when the client has taken these.
-                        let (mut kept, mut bytes) = (0, 0);
-                        for e in events {
-                            let size = event_bytes(&e);
-                            if kept > 0 && bytes + size > WATCH_READ_AHEAD {
-                                break;
-                            }
-                            (kept, bytes) = (kept + 1, bytes + size);
-                            st.cursor = e.seq;
-                            if st.wanted(&e) {
-                                st.buffered.push_back(e);
-                            }
-                        }
-                        // Next, as many events of this size as the bound
-                        // holds, growing at most twofold a read.
-                        if let Some(each) = bytes.checked_div(kept) {
-                            let fit = WATCH_READ_AHEAD / each.max(1);
-                            st.limit = fit.clamp(1, (st.limit * 2).min(EVENT_BATCH));
-                        }
-                        if st.buffered.is_empty() && !st.stop.is_fired() {
-                            // Nothing for this watch: a heartbeat with how far the
-                            // server read, so a client resuming after it neither
-                            // reads those events again nor finds them trimmed.
-                            let msg = pb::WatchResponse { cursor: st.cursor, ..Default::default() };
-                            return Some((Ok(msg), st));
-                        }
-                    }
-                    Err(e) => {
-                        st.failed = true;
-                        return Some((Err(core_err(e)), st));
-                    }
-                }
-            }
-        });
-        Ok(Box::pin(stream))
-    }
-}
-
-struct WatchState {
-    jobs: Jobs,
-    ns: String,
-    queue: String,
-    cursor: u64,
-    job: Option<String>,
-    stop: Interrupt,
-    buffered: std::collections::VecDeque<Event>,
-    failed: bool,
-    /// Events the next read takes (see `WATCH_READ_AHEAD`).
-    limit: usize,
-    /// The stream's place among its namespace's waiting calls, for as long as it is open.
-    _waiting: crate::waits::Waiting,
-}
-
-/// About what an event holds in memory.
-fn event_bytes(e: &Event) -> usize {
-    64 + e.name.len() + e.fields.iter().map(|(k, v)| 48 + k.len() + v.len()).sum::<usize>()
-}
-
-impl WatchState {
-    fn wanted(&self, e: &Event) -> bool {
-        match &self.job {
-            None => true,
-            Some(id) => e.fields.iter().any(|(k, v)| k == "jobId" && v == id),
-        }
-    }
 }
 
 impl JobsSvc {
@@ -1394,51 +1187,6 @@ pub(crate) fn query_waits(r: &pb::QueryRequest) -> bool {
     }
 }
 
-type Purge = fn(&mut loam_jobs::tx::Tx, usize) -> Result<u64, JobsError>;
-
-/// Deletes expired result-store entries and idempotency records now and
-/// then, until `stop` fires.
-pub async fn purge_expired(jobs: Jobs, stop: Interrupt) {
-    const EVERY: Duration = Duration::from_secs(30);
-    const PER_WRITE: usize = 10_000;
-    let purges: [(&str, Purge); 2] =
-        [("expired results", results::purge_expired), ("expired idempotency records", idempotency::purge_expired)];
-    while !stop.is_fired() {
-        for (what, purge) in purges {
-            purge_due(&jobs, what, purge, PER_WRITE, &stop).await;
-        }
-        tokio::select! {
-            () = tokio::time::sleep(EVERY) => {}
-            () = stop.fired() => {}
-        }
-    }
-}
-
-/// Runs `purge` in writes of up to `per_write` until one finds fewer due (or
-/// `stop` fires): one write per round fell behind any client adding more
-/// than a write's worth of keyed jobs between two rounds (every remote BullMQ
-/// add has a key). Returns how many went.
-async fn purge_due(jobs: &Jobs, what: &str, purge: Purge, per_write: usize, stop: &Interrupt) -> u64 {
-    let mut total = 0;
-    loop {
-        match jobs.write("", true, move |tx| purge(tx, per_write)).await {
-            Ok(n) => {
-                if n > 0 {
-                    tracing::debug!(purged = n, "{what} removed");
-                }
-                total += n;
-                if (n as usize) < per_write || stop.is_fired() {
-                    return total;
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "purging {what} failed");
-                return total;
-            }
-        }
-    }
-}
-
 /// One job's answer in a call that answers per job (EnqueueBulk, a Flow of
 /// several trees): what was enqueued, or why not.
 fn enqueue_result(r: &Result<Enqueued, JobsError>) -> pb::EnqueueResult {
@@ -1466,27 +1214,5 @@ mod tests {
     fn waits_are_capped() {
         assert_eq!(wait_of(120_000), MAX_WAIT);
         assert_eq!(wait_of(5), Duration::from_millis(5));
-    }
-
-    #[tokio::test]
-    async fn a_purge_round_takes_every_expired_record_not_one_write_of_them() {
-        use loam_jobs::{EnqueueRequest, Idempotency};
-        let clock = loam_jobs::ManualClock::new(1_000_000);
-        let config = loam_jobs::Config { background: false, ..loam_jobs::Config::default() };
-        let store = loam_jobs::store::redb::RedbStore::in_memory().unwrap();
-        let jobs = Jobs::with_store(Box::new(store), std::sync::Arc::new(clock.clone()), config).unwrap();
-        for n in 0..10 {
-            let request = EnqueueRequest {
-                name: "a".into(),
-                idempotency: Some(Idempotency { key: format!("k{n}"), ttl_ms: Some(1_000) }),
-                ..EnqueueRequest::default()
-            };
-            jobs.enqueue("ns", "q", request).await.unwrap();
-        }
-        clock.advance(2_000);
-        let stop = Interrupt::new();
-        let purged = purge_due(&jobs, "records", idempotency::purge_expired, 3, &stop).await;
-        assert_eq!(purged, 10, "writes of 3 until one found fewer");
-        assert_eq!(purge_due(&jobs, "records", idempotency::purge_expired, 3, &stop).await, 0);
     }
 }
