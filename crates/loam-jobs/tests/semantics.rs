@@ -1962,14 +1962,7 @@ fn job_counts_by_bullmq_type_name() {
     for _ in 0..2 {
         jobs.enqueue("ns", "q", job("q")).wait().unwrap();
     }
-    let every = SchedulerSpec {
-        id: "s".into(),
-        name: "tick".into(),
-        every_ms: Some(60_000),
-        job: job("tick"),
-        ..Default::default()
-    };
-    jobs.upsert_scheduler("ns", "q", every).wait().unwrap();
+    jobs.upsert_scheduler("ns", "q", every_scheduler(60_000)).wait().unwrap();
     let types: Vec<String> = ["wait", "waiting", "repeat", "paused", "bogus"].map(String::from).to_vec();
     let counts = jobs.query("ns", "q", |tx, q| query::counts_by_type(tx, q, &types, None)).unwrap();
     // The scheduler's first iteration waits too.
@@ -1993,14 +1986,7 @@ fn a_replaced_every_iteration_keeps_the_scheduler_phase() {
     let (jobs, clock) = core();
     // 1 s past a 60 s boundary: the scheduler's phase (offset) is 1000.
     clock.set(60_000 * 1000 + 1000);
-    let every = |ms| SchedulerSpec {
-        id: "s".into(),
-        name: "tick".into(),
-        every_ms: Some(ms),
-        job: job("tick"),
-        ..Default::default()
-    };
-    jobs.upsert_scheduler("ns", "q", every(60_000)).wait().unwrap();
+    jobs.upsert_scheduler("ns", "q", every_scheduler(60_000)).wait().unwrap();
     let l = lease_one(&jobs, "q").unwrap();
     jobs.admin("ns", "q", {
         let id = l.job.id.clone();
@@ -2009,7 +1995,7 @@ fn a_replaced_every_iteration_keeps_the_scheduler_phase() {
     .wait()
     .unwrap();
     clock.advance(1);
-    jobs.upsert_scheduler("ns", "q", every(120_000)).wait().unwrap();
+    jobs.upsert_scheduler("ns", "q", every_scheduler(120_000)).wait().unwrap();
     let rec = jobs.query("ns", "q", |tx, q| schedule::get(tx, q, "s")).unwrap().unwrap();
     assert_eq!(rec.offset_ms, Some(1000));
     assert_eq!(rec.every_ms, Some(120_000));
@@ -2715,16 +2701,14 @@ fn a_debounced_child_replaced_under_no_parent_releases_its_parent() {
     assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
 }
 
+/// Scheduler `s`, adding a job `tick` every `ms`.
+fn every_scheduler(ms: u64) -> SchedulerSpec {
+    SchedulerSpec { id: "s".into(), name: "tick".into(), every_ms: Some(ms), job: job("tick"), ..Default::default() }
+}
+
 /// The first iteration of an hourly scheduler `s` in `q`, leased for a second.
 fn hourly_iteration_leased(jobs: &Jobs) -> Lease {
-    let spec = schedule::SchedulerSpec {
-        id: "s".into(),
-        name: "tick".into(),
-        every_ms: Some(3_600_000),
-        job: job("tick"),
-        ..Default::default()
-    };
-    jobs.upsert_scheduler("ns", "q", spec).wait().unwrap();
+    jobs.upsert_scheduler("ns", "q", every_scheduler(3_600_000)).wait().unwrap();
     lease_for(jobs, "q", "w1", 1_000).unwrap()
 }
 
