@@ -1616,6 +1616,25 @@ fn clean_of_waiting_jobs_takes_the_oldest_and_answers_newest_first() {
     assert_eq!(rest, ["5", "4", "3"]);
 }
 
+/// The chunked admin writes take at most `MAX_JOBS_PER_CHUNK` jobs a call,
+/// whatever count they are given, and say that more remain: one call over a
+/// large queue would hold every other write behind its transaction. BullMQ
+/// calls again while more remain.
+#[test]
+fn chunked_admin_writes_stop_at_the_chunk_and_say_more_remain() {
+    let (jobs, _) = core();
+    let total = admin::MAX_JOBS_PER_CHUNK + 5;
+    let delayed = (0..total).map(|i| EnqueueRequest { delay_ms: 60_000, ..job(&format!("j{i}")) }).collect();
+    jobs.enqueue_bulk("ns", "q", delayed).wait().unwrap();
+    assert!(jobs.admin("ns", "q", |tx, q| admin::promote_jobs(tx, q, u64::MAX)).wait().unwrap(), "more remain");
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Delayed]).unwrap(), vec![5]);
+    assert!(!jobs.admin("ns", "q", |tx, q| admin::promote_jobs(tx, q, u64::MAX)).wait().unwrap());
+    jobs.admin("ns", "q", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
+    assert!(jobs.admin("ns", "q", |tx, q| admin::obliterate(tx, q, true, u64::MAX)).wait().unwrap(), "more remain");
+    assert!(!jobs.admin("ns", "q", |tx, q| admin::obliterate(tx, q, true, u64::MAX)).wait().unwrap());
+    assert!(jobs.query("ns", "q", |tx, _| query::queues(tx, "ns")).unwrap().is_empty());
+}
+
 #[test]
 fn clean_drain_and_obliterate() {
     let (jobs, clock) = core();

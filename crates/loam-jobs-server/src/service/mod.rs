@@ -540,20 +540,20 @@ impl JobsSvc {
                     Ok(())
                 }
                 Op::Obliterate(o) => {
-                    let (force, count) = (o.force, o.count.clamp(1, MAX_JOBS_PER_CHUNK));
+                    let (force, count) = (o.force, o.count);
                     out.more = jobs.admin(ns, queue, move |tx, q| admin::obliterate(tx, q, force, count)).await?;
                     Ok(())
                 }
                 Op::RetryJobs(r) => {
                     let state = convert::state_from_pb(&r.state)?;
-                    let (count, before) = (r.count.min(MAX_JOBS_PER_CHUNK), r.before);
+                    let (count, before) = (r.count, r.before);
                     out.more = jobs
                         .admin(ns, queue, move |tx, q| admin::retry_finished_jobs(tx, q, state, count, before))
                         .await?;
                     Ok(())
                 }
                 Op::PromoteJobs(p) => {
-                    let count = p.count.min(MAX_JOBS_PER_CHUNK);
+                    let count = p.count;
                     out.more = jobs.admin(ns, queue, move |tx, q| admin::promote_jobs(tx, q, count)).await?;
                     Ok(())
                 }
@@ -1161,13 +1161,6 @@ impl AnswerSize {
         if used <= self.cap { Ok(()) } else { Err(response_too_large(self.cap, used)) }
     }
 }
-
-/// The most jobs one call of a chunked admin write (obliterate, retryJobs,
-/// promoteJobs: each says `more`, and clients call again) takes on. Each is
-/// one transaction, which every write to the store waits behind: asked for
-/// "all" of a million jobs, one obliterate held every other tenant's writes
-/// for minutes.
-const MAX_JOBS_PER_CHUNK: u64 = 10_000;
 
 /// Whether a Lease may wait for a job. Long-polls hold no request budget:
 /// their requests are small, and a wait of up to 30 s holding bytes held up

@@ -440,8 +440,21 @@ pub fn clean(tx: &mut Tx, q: &QueueId, state: &str, before: u64, limit: u64) -> 
     Ok(removed)
 }
 
-/// Destroys a paused queue, `count` jobs per call. Returns true when more
-/// remain (call again), false once everything is gone.
+/// The most jobs one call of a chunked admin write ([`obliterate`],
+/// [`retry_finished_jobs`], [`promote_jobs`]: each says whether more remain,
+/// and BullMQ calls again) takes on, whatever count it is given. Each call is
+/// one transaction, which every other write to the store waits behind: asked
+/// for "all" of a million jobs, one obliterate held every write (through a
+/// server, every tenant's) for minutes.
+pub const MAX_JOBS_PER_CHUNK: u64 = 10_000;
+
+/// A chunked admin write's count: at least 1, at most [`MAX_JOBS_PER_CHUNK`].
+fn chunk(count: u64) -> u64 {
+    count.clamp(1, MAX_JOBS_PER_CHUNK)
+}
+
+/// Destroys a paused queue, `count` jobs per call (see [`MAX_JOBS_PER_CHUNK`]).
+/// Returns true when more remain (call again), false once everything is gone.
 pub fn obliterate(tx: &mut Tx, q: &QueueId, force: bool, count: u64) -> Result<bool, JobsError> {
     if !tx.is_paused(q)? {
         return Err(JobsError::Precondition(Precondition::QueueNotPaused { queue: q.name.clone() }));
@@ -450,7 +463,7 @@ pub fn obliterate(tx: &mut Tx, q: &QueueId, force: bool, count: u64) -> Result<b
         return Err(JobsError::Precondition(Precondition::QueueHasActiveJobs { queue: q.name.clone() }));
     }
     let keys = QueueKeys::new(q);
-    let budget = count.max(1) as usize;
+    let budget = chunk(count) as usize;
     let jobs = tx.scan(&keys.jobs(), budget, false)?;
     for (_, v) in &jobs {
         let job: JobRecord = model::decode(v)?;
@@ -565,7 +578,8 @@ pub fn retry_finished_jobs(
         JobState::Failed => keys.failed_all(),
         other => return Err(JobsError::invalid(format!("cannot retry jobs that are {other}"))),
     };
-    let ids = ids_in(tx, &range, count.max(1) as usize)?;
+    let count = chunk(count);
+    let ids = ids_in(tx, &range, count as usize)?;
     let mut moved = 0;
     for id in ids {
         let mut job = tx.require_job(q, &id)?;
@@ -578,7 +592,7 @@ pub fn retry_finished_jobs(
         lease::requeue(tx, q, job, Some(state.as_str()), Line::Back)?;
         moved += 1;
     }
-    Ok(moved == count.max(1))
+    Ok(moved == count)
 }
 
 pub fn promote(tx: &mut Tx, q: &QueueId, id: &str) -> Result<(), JobsError> {
@@ -590,10 +604,11 @@ pub fn promote(tx: &mut Tx, q: &QueueId, id: &str) -> Result<(), JobsError> {
     Ok(())
 }
 
-/// `queue.promoteJobs`: up to `count` delayed jobs become ready. True when
-/// `count` were moved.
+/// `queue.promoteJobs`: up to `count` delayed jobs become ready (see
+/// [`MAX_JOBS_PER_CHUNK`]). True when that many were moved.
 pub fn promote_jobs(tx: &mut Tx, q: &QueueId, count: u64) -> Result<bool, JobsError> {
-    let ids = ids_in(tx, &QueueKeys::new(q).delayed_all(), count.max(1) as usize)?;
+    let count = chunk(count);
+    let ids = ids_in(tx, &QueueKeys::new(q).delayed_all(), count as usize)?;
     let moved = ids.len() as u64;
     for id in ids {
         let job = tx.require_job(q, &id)?;
@@ -606,7 +621,7 @@ pub fn promote_jobs(tx: &mut Tx, q: &QueueId, count: u64) -> Result<bool, JobsEr
             tx.save_job(q, &job)?;
         }
     }
-    Ok(moved == count.max(1))
+    Ok(moved == count)
 }
 
 pub fn change_delay(tx: &mut Tx, q: &QueueId, id: &str, delay_ms: u64) -> Result<(), JobsError> {
