@@ -73,6 +73,19 @@ describe('queue and job admin', () => {
     await queue.close();
   });
 
+  it('publishes an event with an empty name, as Redis does', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const backend = queue.getBackend() as unknown as {
+      publishEvent(fields: Record<string, string | number>, maxEvents: number): Promise<string>;
+    };
+    // Before: the server refused it ("an event needs a name"); the addon took it.
+    const unnamed = await backend.publishEvent({ event: '', n: 1 }, 100);
+    const named = await backend.publishEvent({ event: 'custom', n: 2 }, 100);
+    expect(typeof unnamed).toBe('string');
+    expect(named).not.toBe(unnamed);
+    await queue.close();
+  });
+
   it('progress, logs, data and removal', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });

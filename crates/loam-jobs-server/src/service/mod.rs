@@ -585,10 +585,8 @@ impl JobsSvc {
                 Op::SetConfig(cfg) => jobs.set_queue_config(ns, queue, convert::queue_config_from(*cfg)).await,
                 Op::PublishEvent(p) => {
                     let fields: Vec<(String, String)> = p.fields.into_iter().map(|f| (f.key, f.value)).collect();
+                    // An empty name is taken, as Redis's XADD and the in-process backend take it.
                     let (name, max) = (p.name, p.max_events);
-                    if name.is_empty() {
-                        return Err(JobsError::invalid("an event needs a name"));
-                    }
                     out.event_id =
                         jobs.admin(ns, queue, move |tx, q| admin::publish_event(tx, q, &name, &fields, max)).await?;
                     Ok(())
