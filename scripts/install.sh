@@ -14,12 +14,8 @@ pnpm install --frozen-lockfile=false
 
 # The test command checks the code with rustfmt and clippy, which a minimal
 # rustup profile leaves out.
-for tool in fmt clippy; do
-  if ! cargo "$tool" --version >/dev/null 2>&1; then
-    echo "install: rust component $tool"
-    rustup component add "$([ "$tool" = fmt ] && echo rustfmt || echo clippy)"
-  fi
-done
+cargo fmt --version >/dev/null 2>&1 || rustup component add rustfmt
+cargo clippy --version >/dev/null 2>&1 || rustup component add clippy
 
 echo "install: rust crates"
 cargo fetch

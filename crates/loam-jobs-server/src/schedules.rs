@@ -19,8 +19,6 @@
 use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 use std::time::Duration;
 
 use chrono::TimeZone;
@@ -31,6 +29,7 @@ use futures::StreamExt;
 use loam_jobs::ops::schedule;
 use loam_jobs::{EnqueueRequest, Interrupt, Jobs, JobsError, QueueId, SchedulerRecord, SchedulerSpec};
 use loam_jobs_proto::loam::jobs::v1 as pb;
+use parking_lot::Mutex;
 
 use crate::convert::{self, SERVER_OWNED};
 

@@ -572,12 +572,10 @@ pub fn retry_finished_jobs(
     count: u64,
     before: u64,
 ) -> Result<bool, JobsError> {
-    let keys = QueueKeys::new(q);
-    let range = match state {
-        JobState::Completed => keys.completed_all(),
-        JobState::Failed => keys.failed_all(),
-        other => return Err(JobsError::invalid(format!("cannot retry jobs that are {other}"))),
-    };
+    if !state.is_finished() {
+        return Err(JobsError::invalid(format!("cannot retry jobs that are {state}")));
+    }
+    let range = query::state_range(&QueueKeys::new(q), state);
     let count = chunk(count);
     let ids = ids_in(tx, &range, count as usize)?;
     let mut moved = 0;
