@@ -13,9 +13,6 @@ use loam_jobs::{
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use pb::__buffa::oneof;
 
-/// The extra-map key that marks a scheduler the server ticks itself.
-pub const SERVER_OWNED: &str = "loam.owner";
-
 /// Conversions refuse with the core's own error, which each handler turns
 /// into the caller's once.
 type Res<T> = Result<T, JobsError>;
@@ -418,7 +415,7 @@ pub fn scheduler(r: &SchedulerRecord) -> pb::Scheduler {
         template_opts: r.template_opts.clone(),
         next_job_id: r.next_job_id.clone(),
         extra: r.extra.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-        server_owned: r.extra.contains_key(SERVER_OWNED),
+        server_owned: r.server_owned(),
         ..Default::default()
     }
 }

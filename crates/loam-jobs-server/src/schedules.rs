@@ -27,13 +27,14 @@ use croner::Cron;
 use croner::parser::{CronParser, Seconds, Year};
 use futures::StreamExt;
 use loam_jobs::ops::schedule;
-use loam_jobs::{EnqueueRequest, Interrupt, Jobs, JobsError, QueueId, SchedulerRecord, SchedulerSpec};
+use loam_jobs::{EnqueueRequest, Interrupt, Jobs, JobsError, QueueId, SERVER_OWNED, SchedulerRecord, SchedulerSpec};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use parking_lot::Mutex;
 
-use crate::convert::{self, SERVER_OWNED};
+use crate::convert;
 
-/// Where a server schedule keeps the options of each tick's job.
+/// Where a server schedule keeps the options of each tick's job (under
+/// `SERVER_EXTRA_PREFIX`, so a worker's scheduler of the same id drops it).
 const TEMPLATE: &str = "loam.job";
 /// Most ticks one schedule catches up per pass, so one long-stopped
 /// schedule cannot hold up the others.
@@ -217,7 +218,7 @@ impl Index {
         let mut n = 0;
         for q in crate::service::all_queues(jobs)? {
             let recs = jobs.query(&q.ns, &q.name, |tx, q| schedule::list(tx, q, 0, -1, true))?;
-            for rec in recs.iter().filter(|r| r.extra.contains_key(SERVER_OWNED)) {
+            for rec in recs.iter().filter(|r| r.server_owned()) {
                 self.add(&q.ns, &q.name, &rec.id);
                 n += 1;
             }
@@ -301,7 +302,7 @@ async fn tick(jobs: &Jobs, q: &QueueId, id: &str) -> Result<Tick, JobsError> {
 
 /// Whether `rec` is a schedule of the server's that has ticks left.
 fn ticking(rec: &SchedulerRecord) -> bool {
-    rec.extra.contains_key(SERVER_OWNED) && !schedule::has_finished(rec)
+    rec.server_owned() && !schedule::has_finished(rec)
 }
 
 /// A schedule's move past its pending tick, whose time has come: the tick

@@ -720,9 +720,24 @@ pub struct SchedulerRecord {
     pub repeat_count: Option<u64>,
 }
 
+/// The key of [`SchedulerRecord::extra`] that marks a schedule the server
+/// owns and ticks itself (`loam-jobs serve`'s `Schedule{server}`).
+pub const SERVER_OWNED: &str = "loam.owner";
+
+/// The prefix of the `extra` keys a server schedule keeps (its owner and its
+/// job template); a caller's scheduler of the same id replaces them.
+pub const SERVER_EXTRA_PREFIX: &str = "loam.";
+
 impl SchedulerRecord {
     pub fn repeat_count(&self) -> u64 {
         self.repeat_count.unwrap_or(self.iteration_count)
+    }
+
+    /// Whether the server owns this schedule: a caller's `advance` leaves it
+    /// alone, so a BullMQ worker, remote or in-process on a data directory
+    /// the server once served, never moves a tick the server enqueues.
+    pub fn server_owned(&self) -> bool {
+        self.extra.contains_key(SERVER_OWNED)
     }
 }
 

@@ -2767,6 +2767,48 @@ fn an_iteration_of_a_live_scheduler_is_exempt_from_max_stalled() {
     assert_eq!((j.stalled_counter, j.deferred_failure), (3, None));
 }
 
+/// A schedule the server owns moves only by the server's `advance_to`: a
+/// caller's `advance` (a BullMQ worker's, remote or in-process) leaves it;
+/// a caller's scheduler of the same id takes it over, without the server's
+/// marks.
+#[test]
+fn a_server_schedule_is_advanced_by_the_server_alone() {
+    let (jobs, _) = core();
+    jobs.upsert_scheduler("ns", "q", every_scheduler(1_000)).wait().unwrap();
+    let marks = BTreeMap::from([
+        (SERVER_OWNED.to_string(), "server".to_string()),
+        ("loam.job".to_string(), "{}".to_string()),
+        ("mine".to_string(), "kept".to_string()),
+    ]);
+    assert!(jobs.admin("ns", "q", move |tx, q| schedule::set_extra(tx, q, "s", marks.clone())).wait().unwrap());
+    let stored = || jobs.query("ns", "q", |tx, q| schedule::get(tx, q, "s")).unwrap().unwrap();
+    let first = stored();
+    assert!(first.server_owned());
+    let producer = schedule::pending_iteration_id(&first);
+    let by_caller = {
+        let producer = producer.clone();
+        jobs.admin("ns", "q", move |tx, q| schedule::advance(tx, q, "s", None, &producer, &job("tick"))).wait().unwrap()
+    };
+    assert_eq!(by_caller, None);
+    assert_eq!(stored().next_millis, first.next_millis);
+    let tick = first.next_millis + 1_000;
+    let by_server = jobs
+        .admin("ns", "q", move |tx, q| schedule::advance_to(tx, q, "s", tick, &producer, &job("tick")))
+        .wait()
+        .unwrap();
+    assert_eq!(by_server, Some(schedule::iteration_id("s", tick)));
+    jobs.upsert_scheduler("ns", "q", every_scheduler(1_000)).wait().unwrap();
+    let taken_over = stored();
+    assert!(!taken_over.server_owned());
+    assert_eq!(taken_over.extra, BTreeMap::from([("mine".to_string(), "kept".to_string())]));
+    let producer = schedule::pending_iteration_id(&taken_over);
+    let next = jobs
+        .admin("ns", "q", move |tx, q| schedule::advance(tx, q, "s", None, &producer, &job("tick")))
+        .wait()
+        .unwrap();
+    assert!(next.is_some(), "the caller's scheduler advances");
+}
+
 /// failParentOnFailure releases a parent waiting for children as their end
 /// would: after the parent's own delay (BullMQ's moveParentToWait); a parent
 /// already delayed has its delay cut short.

@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 use pb::__buffa::oneof;
 
 use crate::budget::Budget;
-use crate::convert::{self, SERVER_OWNED};
+use crate::convert;
 use crate::errors::{
     code_name, cursor_ahead, detail, events_trimmed, invalid, overloaded, response_too_large, shutting_down, to_connect,
 };
@@ -411,20 +411,11 @@ impl JobsSvc {
             Some(Schedule::Upsert(spec)) => {
                 let spec = convert::scheduler_spec(*spec).map_err(core_err)?;
                 let id = spec.id.clone();
-                // A worker's scheduler replaces a server schedule of the same id.
+                // A worker's scheduler replaces a server schedule of the same
+                // id (`schedule::upsert` drops the server's marks).
                 let done = c
                     .jobs
-                    .admin(&c.ns, &queue, move |tx, q| {
-                        let done = schedule::upsert(tx, q, spec.clone())?;
-                        if let Some(rec) = schedule::get(tx, q, &spec.id)?
-                            && rec.extra.contains_key(SERVER_OWNED)
-                        {
-                            let mut extra = rec.extra;
-                            extra.retain(|k, _| !k.starts_with("loam."));
-                            schedule::set_extra(tx, q, &spec.id, extra)?;
-                        }
-                        Ok(done)
-                    })
+                    .admin(&c.ns, &queue, move |tx, q| schedule::upsert(tx, q, spec.clone()))
                     .await
                     .map_err(core_err)?;
                 self.schedules.remove(&c.ns, &queue, &id);
@@ -435,10 +426,6 @@ impl JobsSvc {
                 let next = c
                     .jobs
                     .admin(&c.ns, &queue, move |tx, q| {
-                        // The server alone moves its own schedules.
-                        if schedule::get(tx, q, &a.id)?.is_some_and(|r| r.extra.contains_key(SERVER_OWNED)) {
-                            return Ok(None);
-                        }
                         schedule::advance(tx, q, &a.id, a.next_millis, &a.producer_id, &template)
                     })
                     .await

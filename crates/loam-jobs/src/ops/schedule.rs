@@ -11,7 +11,7 @@ use serde_json::{Map, Value as Json};
 
 use crate::error::{JobsError, Precondition};
 use crate::keys::{QueueId, QueueKeys};
-use crate::model::{EnqueueRequest, JobState, SchedulerRecord};
+use crate::model::{EnqueueRequest, JobState, SERVER_EXTRA_PREFIX, SchedulerRecord};
 use crate::ops::admin;
 use crate::ops::enqueue::{self, Placement};
 use crate::tx::Tx;
@@ -237,6 +237,10 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
         Some(every) if offset == 0 => next - (next / every) * every,
         _ => offset,
     };
+    // A caller's scheduler replaces a server schedule of the same id: the
+    // server's marks go (`Schedule{server}` sets its own after this).
+    let mut extra = old.as_ref().map(|o| o.extra.clone()).unwrap_or_default();
+    extra.retain(|k, _| !k.starts_with(SERVER_EXTRA_PREFIX));
     let rec = SchedulerRecord {
         id: spec.id.clone(),
         name: spec.name.clone(),
@@ -252,7 +256,7 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
         template_data: spec.template_data.clone(),
         template_opts: spec.template_opts.clone(),
         next_job_id: Some(job_id),
-        extra: old.as_ref().map(|o| o.extra.clone()).unwrap_or_default(),
+        extra,
         repeat_count: Some(spec.count.unwrap_or_else(|| old.as_ref().map_or(1, SchedulerRecord::repeat_count))),
     };
     save(tx, q, old.as_ref().map(|o| o.next_millis), &rec)?;
@@ -263,8 +267,8 @@ pub fn upsert(tx: &mut Tx, q: &QueueId, spec: SchedulerSpec) -> Result<Option<(S
 }
 
 /// After iteration `producer_id` started: enqueue the next one. Returns its
-/// job id, or None when the scheduler is gone, the producer is not the
-/// current iteration, or the slot is taken.
+/// job id, or None when the scheduler is gone or the server's, the producer
+/// is not the current iteration, or the slot is taken.
 pub fn advance(
     tx: &mut Tx,
     q: &QueueId,
@@ -275,7 +279,8 @@ pub fn advance(
 ) -> Result<Option<String>, JobsError> {
     let keys = QueueKeys::new(q);
     let Some(rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(None) };
-    if producer_id != pending_iteration_id(&rec) {
+    // The server alone moves its own schedules ([`advance_to`]).
+    if rec.server_owned() || producer_id != pending_iteration_id(&rec) {
         return Ok(None);
     }
     let prev = rec.next_millis;
