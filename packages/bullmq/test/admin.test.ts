@@ -1,5 +1,5 @@
 import { afterAll, describe, expect, it } from 'vitest';
-import type { Job } from 'bullmq';
+import type { Job, JobSchedulerJobOptions } from 'bullmq';
 import { freshLoam, until } from './helpers.js';
 
 const loam = freshLoam();
@@ -307,7 +307,8 @@ describe('queue and job admin', () => {
     await new Promise(resolve => setTimeout(resolve, 500));
     expect(ran.length).toBe(1);
     const again = await upsert();
-    expect(again?.opts.repeat?.count).toBe(1);
+    // A scheduler's job carries its repeat settings (BullMQ types them apart from JobsOptions).
+    expect((again?.opts as JobSchedulerJobOptions | undefined)?.repeat?.count).toBe(1);
     await until(() => ran.length === 2, 5_000);
     await new Promise(resolve => setTimeout(resolve, 500));
     expect(ran.length).toBe(2);

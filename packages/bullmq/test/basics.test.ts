@@ -178,7 +178,7 @@ describe('Queue and Worker on Loam', () => {
     const failed = await queue.getJob(doomed.id!);
     expect(failed?.failedReason).toBe('boom 1');
     expect(failed?.attemptsMade).toBe(2);
-    expect(failed?.stacktrace.length).toBe(2);
+    expect(failed?.stacktrace?.length).toBe(2);
     await worker.close();
     await queue.close();
   });
@@ -186,7 +186,7 @@ describe('Queue and Worker on Loam', () => {
   it("stores the Job's own list of stack traces, as Redis does", async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });
-    const firstLine = (traces: string[] | undefined) => traces?.map((t) => t.split('\n')[0]);
+    const firstLine = (traces: string[] | null | undefined) => traces?.map((t) => t.split('\n')[0]);
     // An error without a stack adds no trace to the Job's list.
     const worker = new Worker(
       name,

@@ -32,7 +32,7 @@ describeInProcess('factory entry points', () => {
   it('the bound classes share the default store of the process', async () => {
     const { Queue: LoamQueue, loamBackend } = await import('../src/index.js');
     const a = new LoamQueue('shared', { connection: {} });
-    const b = new Queue('shared', {}, loamBackend());
+    const b = new Queue('shared', { connection: {} }, loamBackend());
     await a.add('from-a', {});
     expect(await b.getJobCounts('waiting')).toEqual({ waiting: 1 });
     await a.close();

@@ -2,7 +2,7 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
 import { randomUUID } from 'node:crypto';
-import { withBackend } from 'bullmq';
+import { withBackend, type IQueueBackend, type QueueBase } from 'bullmq';
 import { describe, inject, it } from 'vitest';
 import { loamBackend, type LoamConnectionOptions } from '../src/index.js';
 
@@ -48,6 +48,16 @@ export async function until(predicate: () => boolean | Promise<boolean>, timeout
     if (Date.now() > deadline) throw new Error('condition not met in time');
     await new Promise(r => setTimeout(r, 10));
   }
+}
+
+/**
+ * `queue.clientName()`: the name a queue's backend gives its clients (the
+ * prefix of `getWorkers()`' `rawname`s). BullMQ declares it `protected`;
+ * element access is TypeScript's sanctioned way past that, and still
+ * type-checks the call.
+ */
+export function clientNameOf<B extends IQueueBackend, C>(queue: QueueBase<B, C>): string {
+  return queue['clientName']();
 }
 
 declare module 'vitest' {

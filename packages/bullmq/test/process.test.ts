@@ -95,7 +95,7 @@ describe('processes', () => {
       for (let i = 0; i < 10; i++) {
         const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-close-wait-'));
         try {
-          const backend = loamBackend({ dataDir, durability })('idle', {}, { withBlockingConnection: true });
+          const backend = loamBackend({ dataDir, durability })('idle', { connection }, { withBlockingConnection: true });
           await backend.waitUntilReady();
           const waiting = backend.waitForJob(5);
           await new Promise(resolve => setTimeout(resolve, 2));

@@ -100,7 +100,7 @@ describeRemote('remote connection failures', () => {
       const name = `q-${randomUUID()}`;
       const worker = new through.Worker(name, async () => 'done', { connection: {}, runRetryDelay: 50 });
       // Found the queue empty: its long-poll for a job goes on the connection that goes silent.
-      await new Promise(resolve => worker.once('drained', resolve));
+      await new Promise<void>(resolve => worker.once('drained', resolve));
       link.silence();
       const queue = new direct.Queue(name, { connection: {} });
       const done = new Promise<Job>(resolve => worker.on('completed', resolve));
@@ -202,7 +202,7 @@ describeRemote('remote connection failures', () => {
     const { through } = classes({ url: link.url });
     const worker = new through.Worker(`q-${randomUUID()}`, async () => 'done', { connection: {} });
     worker.on('error', () => undefined);
-    await new Promise(resolve => worker.once('drained', resolve));
+    await new Promise<void>(resolve => worker.once('drained', resolve));
     await new Promise(resolve => setTimeout(resolve, 200));
     const { RemoteQueueBackend } = await import('../src/remote.js');
     const leases = vi.spyOn(RemoteQueueBackend.prototype, 'moveToActive');
@@ -261,12 +261,17 @@ describeRemote('remote connection failures', () => {
     const queue = new through.Queue(name, { connection: {} });
     const watcher = new direct.Queue(name, { connection: {} });
     await queue.add('first', { n: -1 });
-    onTestFinished(() => Promise.all([queue.close(), watcher.close()]));
+    onTestFinished(async () => {
+      await Promise.all([queue.close(), watcher.close()]);
+    });
     return { link, queue, watcher };
   }
 
   /** The queue holds the first job, then one for each of `jobs` (`n` 0, 1, ...), in call order and made once. */
-  async function expectAddedOnceInOrder(watcher: InstanceType<ReturnType<typeof withBackend>['Queue']>, jobs: Job[]) {
+  async function expectAddedOnceInOrder(
+    watcher: Awaited<ReturnType<typeof addsThroughProxy>>['watcher'],
+    jobs: Job[],
+  ) {
     const waiting = await watcher.getWaiting(0, -1);
     expect(waiting.map(j => j.data.n)).toEqual(Array.from({ length: jobs.length + 1 }, (_, n) => n - 1));
     // Each add resolved with the job the server made for it the first time.
@@ -363,7 +368,9 @@ describeRemote('remote connection failures', () => {
       },
       { connection: {} },
     );
-    onTestFinished(() => Promise.all([worker.close(), events.close(), queue.close()]));
+    onTestFinished(async () => {
+      await Promise.all([worker.close(), events.close(), queue.close()]);
+    });
     const job = await queue.add('reports', {});
     await job.waitUntilFinished(events, 10_000);
     expect(await queue.getJobState(job.id!)).toBe('completed');
@@ -400,7 +407,9 @@ describeRemote('remote connection failures', () => {
     );
     worker.on('error', err => errors.push(err));
     worker.on('completed', job => completed.push(job.id!));
-    onTestFinished(() => Promise.all([worker.close(), queue.close()]));
+    onTestFinished(async () => {
+      await Promise.all([worker.close(), queue.close()]);
+    });
     worker.run();
     await vi.waitFor(async () => expect(await queue.getJobState(first.id!)).toBe('completed'), { interval: 20 });
     expect(await queue.getJobState(second.id!)).toBe('active');
@@ -420,7 +429,9 @@ describeRemote('remote connection failures', () => {
   it("a lease whose connection is cut is sent again, not failed (BullMQ's Worker then waited 15 s)", async () => {
     const { link, through, name, queue, first, second } = await twoJobsBehindProxy();
     const worker = new through.Worker(name, null, { connection: {}, autorun: false });
-    onTestFinished(() => Promise.all([worker.close(), queue.close()]));
+    onTestFinished(async () => {
+      await Promise.all([worker.close(), queue.close()]);
+    });
     await worker.waitUntilReady();
     link.holdReplies();
     const fetching = worker.getNextJob('manual-token', { block: false });

@@ -1,7 +1,7 @@
 import { afterAll, describe, expect, inject, it } from 'vitest';
 import { randomUUID } from 'node:crypto';
 import { Queue, getDefaultBackendFactory, setDefaultBackendFactory, withBackend } from 'bullmq';
-import { backendKind, until } from './helpers.js';
+import { backendKind, clientNameOf, until } from './helpers.js';
 import { loamBackend, RemoteQueueBackend } from '../src/index.js';
 import { INTERRUPTED_WAIT } from '../src/common.js';
 import { startLoamServer } from './remote-server.js';
@@ -28,8 +28,8 @@ describeRemote('remote backend', () => {
 
   it('namespaces keep queues of the same name apart', async () => {
     const url = inject('loamServerUrl');
-    const a = new (withBackend(loamBackend({ url, namespace: `t-${randomUUID()}` })).Queue)('same');
-    const b = new (withBackend(loamBackend({ url, namespace: `t-${randomUUID()}` })).Queue)('same');
+    const a = new (withBackend(loamBackend({ url, namespace: `t-${randomUUID()}` })).Queue)('same', { connection: {} });
+    const b = new (withBackend(loamBackend({ url, namespace: `t-${randomUUID()}` })).Queue)('same', { connection: {} });
     await a.add('only-in-a', {});
     expect(await a.getJobCounts('waiting')).toEqual({ waiting: 1 });
     expect(await b.getJobCounts('waiting')).toEqual({ waiting: 0 });
@@ -86,7 +86,7 @@ describeRemote('remote backend', () => {
     const workers = [1, 2].map(() => new RemoteWorker(name, async () => 1, { connection: {} }));
     await Promise.all(workers.map(w => w.waitUntilReady()));
     const listed = await queue.getWorkers();
-    expect(listed.map(w => w.rawname)).toEqual([queue.clientName(), queue.clientName()]);
+    expect(listed.map(w => w.rawname)).toEqual([clientNameOf(queue), clientNameOf(queue)]);
     await Promise.all(workers.map(w => w.close()));
     await queue.close();
   });
@@ -94,7 +94,7 @@ describeRemote('remote backend', () => {
   it.each(['session', 'unary'] as const)('disconnectBlocking and close cut a long-poll short (calls: %s)', async calls => {
     const url = inject('loamServerUrl');
     const factory = loamBackend({ url, namespace: `t-${randomUUID()}`, calls });
-    const backend = factory('idle', {}, { withBlockingConnection: true });
+    const backend = factory('idle', { connection: {} }, { withBlockingConnection: true });
     await backend.waitUntilReady();
     let started = Date.now();
     const waiting = backend.waitForJob(20);
@@ -104,7 +104,7 @@ describeRemote('remote backend', () => {
     expect(Date.now() - started).toBeLessThan(2_000);
 
     await backend.reconnectBlocking();
-    const events = factory('idle', {}, { blocking: true });
+    const events = factory('idle', { connection: {} }, { blocking: true });
     await events.waitUntilReady();
     started = Date.now();
     const reading = events.readEvents('$', 20_000);
@@ -121,7 +121,7 @@ describeRemote('remote backend', () => {
       const factory = loamBackend({ url: server.url, namespace: `t-${randomUUID()}` });
       const { Queue: RemoteQueue } = withBackend(factory);
       const queue = new RemoteQueue('large', { connection: {} });
-      const waiter = factory('large', {}, { withBlockingConnection: true });
+      const waiter = factory('large', { connection: {} }, { withBlockingConnection: true });
       await waiter.waitUntilReady();
       // A long-poll on the session while the large calls go.
       const waiting = waiter.waitForJob(10);
