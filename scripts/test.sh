@@ -9,8 +9,9 @@ trap 'rm -f "$log"' EXIT
 pnpm lint:proto
 # One format for the Rust code (rustfmt.toml); a diff fails the run before the build.
 cargo fmt --all --check
-# The workspace's lint policy (Cargo.toml, [workspace.lints]), warnings as errors.
-cargo clippy --workspace --all-targets -- -D warnings
+# The workspace's lint policy (Cargo.toml, [workspace.lints]), warnings as errors,
+# over every feature (the addon's test hooks among them).
+cargo clippy --workspace --all-targets --all-features -- -D warnings
 cargo test --workspace 2>&1 | tee -a "$log"
 # The remote tests of @loam/bullmq and the Python client run against the server
 # that `cargo test` built for its own integration tests (a separate

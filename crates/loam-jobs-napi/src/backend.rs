@@ -1533,9 +1533,14 @@ impl LoamQueue {
         self.store.observe(host_now);
         Ok(self.read(Op::new("getJobSchedulersCount"), schedule::count)? as i64)
     }
+}
 
-    // ---- for tests and diagnostics ---------------------------------------------------------
-
+/// Hooks for the package's own tests, built only with the `test-hooks`
+/// feature (`pnpm run build:native` sets it; the release build that ships
+/// does not), so a user's addon has no method that panics on purpose.
+#[cfg(feature = "test-hooks")]
+#[napi]
+impl LoamQueue {
     /// Panics inside a read of the core; used by the tests to check that a
     /// Rust panic rejects the promise, with its message, instead of crashing
     /// the process.
