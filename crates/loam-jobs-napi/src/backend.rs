@@ -318,6 +318,8 @@ impl LoamQueue {
             names: None,
             limiter: self.settings.limiter.clone(),
             max_bytes: None,
+            // BullMQ's Worker fails a job marked to fail itself.
+            fail_deferred: false,
         }
     }
 

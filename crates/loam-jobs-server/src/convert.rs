@@ -275,6 +275,7 @@ pub fn lease_options(o: pb::LeaseOptions) -> LeaseRequest {
         limiter: o.limiter.into_option().map(rate_limit),
         // Set by the service, from --max-response-bytes.
         max_bytes: None,
+        fail_deferred: o.fail_deferred,
     }
 }
 

@@ -841,6 +841,12 @@ pub struct LeaseRequest {
     /// Most bytes of job data the leases may carry together (the first job is
     /// always taken): a server bounds its answer with it. None = no bound.
     pub max_bytes: Option<u64>,
+    /// Fail, in the lease's transaction and without handing them out, the
+    /// jobs marked with a [`JobRecord::deferred_failure`]: a client that died
+    /// between taking such a job and failing it would leave it held until
+    /// its lock lapsed. Off for BullMQ, whose Worker takes them and fails
+    /// them itself.
+    pub fail_deferred: bool,
 }
 
 /// A job handed to a worker.

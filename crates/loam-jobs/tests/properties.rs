@@ -117,10 +117,13 @@ enum Step {
         attempts: u32,
         backoff: Option<BackoffSpec>,
     },
-    /// `lock_ms` 0 = the core's default lease length.
+    /// `lock_ms` 0 = the core's default lease length. With `fail_deferred`
+    /// the lease fails the jobs marked to fail that it meets, instead of
+    /// handing them out.
     Lease {
         max: u32,
         lock_ms: u64,
+        fail_deferred: bool,
     },
     /// Extends a lease that is still held (a no-op when none is).
     /// (`lease` picks one, modulo how many there are.)
@@ -205,8 +208,8 @@ fn step_strategy(hard_crashes: bool) -> impl Strategy<Value = Step> {
                 attempts,
                 backoff
             }),
-        4 => (1u32..=4, proptest::sample::select(vec![0u64, 500, 1_000, 10_000]))
-            .prop_map(|(max, lock_ms)| Step::Lease { max, lock_ms }),
+        4 => (1u32..=4, proptest::sample::select(vec![0u64, 500, 1_000, 10_000]), proptest::bool::weighted(0.3))
+            .prop_map(|(max, lock_ms, fail_deferred)| Step::Lease { max, lock_ms, fail_deferred }),
         1 => (0usize..8, proptest::sample::select(vec![500u64, 1_000, 10_000, 40_000]))
             .prop_map(|(lease, ms)| Step::Extend { lease, ms }),
         4 => (0usize..8, outcome_strategy()).prop_map(|(lease, outcome)| Step::Complete { lease, outcome }),
@@ -272,6 +275,8 @@ struct MJob {
     attempts_made: u32,
     attempts_started: u32,
     stalled: u32,
+    /// Marked to fail: it stalled more often than `max_stalled` allows.
+    marked: bool,
     finished_on: Option<u64>,
 }
 
@@ -336,6 +341,7 @@ impl Model {
         job.attempts_made += 1;
         job.state = state;
         job.finished_on = Some(now);
+        job.marked = false;
     }
 
     /// Jobs of one state in the order the core lists them (ready jobs in
@@ -572,6 +578,7 @@ impl Harness {
                     attempts_made: 0,
                     attempts_started: 0,
                     stalled: 0,
+                    marked: false,
                     finished_on: None,
                 });
                 if *delay_ms > 0 {
@@ -590,9 +597,16 @@ impl Harness {
                 Ok(Wrote::Durable)
             }
 
-            Step::Lease { max, lock_ms } => {
-                let req = LeaseRequest { max: *max, lock_duration_ms: *lock_ms, ..Default::default() };
+            Step::Lease { max, lock_ms, fail_deferred } => {
+                let req = LeaseRequest {
+                    max: *max,
+                    lock_duration_ms: *lock_ms,
+                    fail_deferred: *fail_deferred,
+                    ..Default::default()
+                };
                 let got = ok("lease", self.jobs().lease(NS, Q, req).wait())?;
+                // A lease that may fail jobs waits for its fsync.
+                let wrote = if *fail_deferred { Wrote::Durable } else { Wrote::NotDurable };
                 self.model.promote(now);
                 let got_ids: Vec<String> = got.leases.iter().map(|l| l.job.id.clone()).collect();
                 if self.model.limited_until > now {
@@ -602,10 +616,22 @@ impl Harness {
                         self.model.limited_until
                     );
                     prop_assert_eq!(got.info.rate_limit_ms, self.model.limited_until - now);
-                    return Ok(Wrote::NotDurable);
+                    return Ok(wrote);
+                }
+                // The ready jobs in order until `max` are taken: with
+                // `fail_deferred`, those marked to fail are failed on the way.
+                let mut take = Vec::new();
+                for j in self.model.ready_order() {
+                    if take.len() == *max as usize {
+                        break;
+                    }
+                    if *fail_deferred && self.model.jobs[j].marked {
+                        self.model.finish(j, MState::Failed, now);
+                    } else {
+                        take.push(j);
+                    }
                 }
                 let ready = self.model.ready_order();
-                let take: Vec<usize> = ready.iter().copied().take(*max as usize).collect();
                 // Weak form first, for a readable failure: nothing early, nothing
                 // leased past a strictly better ready job.
                 for l in &got.leases {
@@ -676,7 +702,7 @@ impl Harness {
                 if take.is_empty() {
                     prop_assert_eq!(got.info.next_due, self.model.next_due(), "next_due of an empty lease");
                 }
-                Ok(Wrote::NotDurable)
+                Ok(wrote)
             }
 
             Step::Extend { lease, ms } => {
@@ -760,6 +786,7 @@ impl Harness {
                     // Raised: the next read must show an epoch above this one.
                     self.model.jobs[j].epoch_is = EpochIs::Above;
                     self.model.jobs[j].stalled += 1;
+                    self.model.jobs[j].marked = self.model.jobs[j].stalled > self.model.max_stalled;
                     // Past the limit the job still goes back to the front, marked
                     // with a deferred failure for the next worker (BullMQ 6.7).
                     self.model.make_ready(j, true);
@@ -1084,16 +1111,27 @@ fn a_known_history_passes_and_a_wrong_model_fails() {
         Enqueue { priority: 0, lifo: false, delay_ms: 0, attempts: 1, backoff: None },
         Enqueue { priority: 0, lifo: true, delay_ms: 0, attempts: 1, backoff: None },
         Enqueue { priority: 1, lifo: false, delay_ms: 500, attempts: 1, backoff: None },
-        Lease { max: 2, lock_ms: 1_000 },
+        Lease { max: 2, lock_ms: 1_000, fail_deferred: false },
         Enqueue { priority: 0, lifo: false, delay_ms: 0, attempts: 1, backoff: None },
         Advance(1_001),
         Sweep,
         Crash,
         StaleComplete { lease: 0, outcome: OutcomeSpec::Ok },
-        Lease { max: 4, lock_ms: 0 },
+        Lease { max: 4, lock_ms: 0, fail_deferred: false },
         Complete { lease: 0, outcome: OutcomeSpec::Retry(None) },
         Complete { lease: 0, outcome: OutcomeSpec::Ok },
         StaleExtend { lease: 0 },
+        // A job stalls twice (past max_stalled 1), and a lease that fails
+        // deferred failures fails it and takes the job behind it.
+        Enqueue { priority: 0, lifo: false, delay_ms: 0, attempts: 1, backoff: None },
+        Lease { max: 1, lock_ms: 500, fail_deferred: false },
+        Advance(1_001),
+        Sweep,
+        Lease { max: 1, lock_ms: 500, fail_deferred: false },
+        Advance(1_001),
+        Sweep,
+        Enqueue { priority: 0, lifo: false, delay_ms: 0, attempts: 1, backoff: None },
+        Lease { max: 1, lock_ms: 0, fail_deferred: true },
     ];
     run_steps(&history, Writes::OnTheExecutor).unwrap();
     run_steps(&history, Writes::OnTheCallersThread).unwrap();

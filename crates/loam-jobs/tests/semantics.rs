@@ -2809,6 +2809,49 @@ fn a_server_schedule_is_advanced_by_the_server_alone() {
     assert!(next.is_some(), "the caller's scheduler advances");
 }
 
+/// A lease with `fail_deferred` fails a job marked to fail (here, one that
+/// stalled more often than `max_stalled` allows) in its own transaction and
+/// hands out the next runnable job in its place; without it the marked job
+/// is handed out, for the worker to fail (BullMQ's way).
+#[test]
+fn a_lease_that_fails_deferred_jobs_hands_out_the_next_ones() {
+    let (jobs, clock) = core();
+    let marked_to_fail = |jobs: &Jobs| {
+        let first = lease_for(jobs, "q", "w1", 1_000).unwrap();
+        for round in 1..=2 {
+            clock.advance(2_000);
+            assert_eq!(jobs.sweep_stalled("ns", "q").wait().unwrap(), std::slice::from_ref(&first.job.id));
+            if round == 1 {
+                lease_for(jobs, "q", "w2", 1_000).unwrap();
+            }
+        }
+        let j = jobs.get_job("ns", "q", &first.job.id).unwrap().unwrap();
+        assert_eq!(j.deferred_failure.as_deref(), Some("job stalled more than allowable limit"));
+        first.job.id
+    };
+    let lease = |fail_deferred| LeaseRequest { max: 2, token: "w3".into(), fail_deferred, ..Default::default() };
+
+    jobs.enqueue("ns", "q", job("stalls")).wait().unwrap();
+    let stalled = marked_to_fail(&jobs);
+    jobs.enqueue("ns", "q", job("runs")).wait().unwrap();
+    let leased = jobs.lease("ns", "q", lease(true)).wait().unwrap();
+    assert_eq!(leased.leases.iter().map(|l| l.job.name.as_str()).collect::<Vec<_>>(), ["runs"]);
+    let failed = jobs.get_job("ns", "q", &stalled).unwrap().unwrap();
+    assert_eq!(failed.state, JobState::Failed);
+    assert_eq!(failed.failed_reason.as_deref(), Some("job stalled more than allowable limit"));
+    assert_eq!(failed.deferred_failure, None);
+    let failed_events =
+        events(&jobs, "q").into_iter().filter(|(name, fields)| name == "failed" && fields[0].1 == stalled).count();
+    assert_eq!(failed_events, 1);
+
+    jobs.enqueue("ns", "q", job("stalls")).wait().unwrap();
+    let stalled = marked_to_fail(&jobs);
+    let leased = jobs.lease("ns", "q", lease(false)).wait().unwrap();
+    assert_eq!(leased.leases.len(), 1);
+    assert_eq!(leased.leases[0].job.id, stalled);
+    assert!(leased.leases[0].job.deferred_failure.is_some());
+}
+
 /// failParentOnFailure releases a parent waiting for children as their end
 /// would: after the parent's own delay (BullMQ's moveParentToWait); a parent
 /// already delayed has its delay cut short.

@@ -158,6 +158,12 @@ pub fn lease_taken_by(
                 super::complete::fail(tx, q, job, &JobError::new("job expired before it started"), false)?;
                 continue;
             }
+            if req.fail_deferred
+                && let Some(reason) = job.deferred_failure.take()
+            {
+                super::complete::fail(tx, q, job, &JobError::new(reason), false)?;
+                continue;
+            }
             let size = job.data.len() as u64;
             if !out.leases.is_empty() && req.max_bytes.is_some_and(|max| taken_bytes.saturating_add(size) > max) {
                 break 'scan;

@@ -75,7 +75,6 @@ from .errors import (
 )
 from .models import (
     CompleteResult,
-    Fail,
     JobOptions,
     LeaseBatch,
     LeasedJob,
@@ -315,15 +314,12 @@ def lease(queue: str, options: LeaseOptions, wait_ms: int) -> Op[LeaseBatch]:
         remaining = max(0, int((deadline - time.monotonic()) * 1000))
         slice_ms = min(remaining, SERVER_MAX_WAIT_MS)
         started = time.monotonic()
-        resp = yield Call(
-            "lease", LeaseRequest(queue=queue, options=options, wait_ms=slice_ms), wait_ms=slice_ms
-        )
-        leased = LeaseBatch.from_proto(queue, resp.leased)
-        batch = yield from _without_deferred_failures(leased)
+        request = LeaseRequest(queue=queue, options=_failing_deferred(options), wait_ms=slice_ms)
+        resp = yield Call("lease", request, wait_ms=slice_ms)
+        batch = LeaseBatch.from_proto(queue, resp.leased)
         if batch.jobs or remaining <= SERVER_MAX_WAIT_MS:
             return batch
-        # Jobs came, all of them failed for stalling too often: not an early end.
-        if not leased.jobs and (time.monotonic() - started) * 1000 < slice_ms - _EARLY_END_MS:
+        if (time.monotonic() - started) * 1000 < slice_ms - _EARLY_END_MS:
             # The server ended the wait early with nothing (it is shutting
             # down): answered as a wait of one slice is, not sent again into
             # a server that is going away.
@@ -334,22 +330,18 @@ def lease(queue: str, options: LeaseOptions, wait_ms: int) -> Op[LeaseBatch]:
 _EARLY_END_MS = 1_000
 
 
-def _without_deferred_failures(batch: LeaseBatch) -> Op[LeaseBatch]:
-    """Fails, without running them, the leased jobs the server marked with a
-    `deferred_failure` (a job that stalled more often than the queue's
-    `max_stalled` allows), as a BullMQ worker does; returns the rest."""
-    runnable = []
-    for leased in batch.jobs:
-        if not leased.job.has_field("deferred_failure"):
-            runnable.append(leased)
-            continue
-        outcome = Fail(leased.job.deferred_failure)
-        try:
-            yield from complete(leased.queue, leased.id, leased.fence(), outcome)
-        except (FailedPreconditionError, NotFoundError):
-            pass  # the lease was lost meanwhile: the job is someone else's now
-    batch.jobs = runnable
-    return batch
+def _failing_deferred(options: LeaseOptions) -> LeaseOptions:
+    """`options`, given `fail_deferred`: the server fails the jobs marked
+    with a `deferred_failure` (stalled more often than the queue's
+    `max_stalled` allows, or a parent whose child failed under
+    fail_parent_on_failure) in the lease's own transaction, where a client
+    that failed them itself, as BullMQ's worker does, would leave them held
+    until their locks lapsed if it died in between."""
+    # Set on the caller's options, not a copy: copying means encoding them,
+    # which the call's own encoding must be first to refuse when a value
+    # does not fit the wire.
+    options.fail_deferred = True
+    return options
 
 
 def extend_one(target: LeasedJob, duration_ms: int, fence: Fence) -> Op[int]:
@@ -391,7 +383,7 @@ def complete(
     # repeat with what it first did (and the jobs it fetched then), where an
     # unkeyed repeat of a completion that was made finds its lease gone.
     options = CompleteOptions(
-        fetch_next=fetch_next,
+        fetch_next=None if fetch_next is None else _failing_deferred(fetch_next),
         remove_on_complete=remove_on_complete,
         remove_on_fail=remove_on_fail,
         metrics_max_points=metrics_max_points,
@@ -412,7 +404,7 @@ def complete(
         state=completed.state if completed else JobState.UNSPECIFIED,
         finished_on=_present(completed, "finished_on") if completed else None,
         moved=completed.moved if completed else False,
-        next=(yield from _without_deferred_failures(following)),
+        next=following,
         rate_limit_ttl_ms=_present(resp, "rate_limit_ttl_ms"),
     )
 
