@@ -464,15 +464,16 @@ impl Jobs {
     // ---- consuming -------------------------------------------------------
 
     /// Takes up to `req.max` jobs now. A lost lease is a stalled one, so the
-    /// lease does not wait for fsync, unless it may fail jobs
-    /// (`req.fail_deferred`): a failure is an outcome, and one that readers
-    /// saw must not come undone in a crash. If the caller drops the result
-    /// before taking it (a call cancelled, or its client gone, while the
-    /// lease committed), the jobs go back to the front of the queue at once
-    /// instead of waiting out their leases and counting as stalled.
+    /// lease does not wait for fsync, unless it failed a job on the way (one
+    /// that expired, or one marked to fail under `req.fail_deferred`): a
+    /// failure is an outcome (see [`Tx::require_durable`]). If the caller
+    /// drops the result before taking it (a call cancelled, or its client
+    /// gone, while the lease committed), the jobs go back to the front of the
+    /// queue at once instead of waiting out their leases and counting as
+    /// stalled.
     pub fn lease(&self, ns: &str, queue: &str, req: LeaseRequest) -> Pending<Leased> {
         let give_back = self.give_back(ns, queue);
-        self.job_write(ns, queue, req.fail_deferred, move |tx, q| lease::lease(tx, q, &req))
+        self.job_write(ns, queue, false, move |tx, q| lease::lease(tx, q, &req))
             .if_abandoned(move |leased| give_back(leased.leases))
     }
 

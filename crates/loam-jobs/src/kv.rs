@@ -71,6 +71,12 @@ pub trait KvTxn: KvRead {
     /// that later operations need not read and decode them again (every
     /// operation reads its queue's settings). A write in the range forgets it.
     fn remember(&mut self, _range: &KeyRange, _value: Decoded) {}
+
+    /// The operation under way recorded an outcome, so its acknowledgement
+    /// waits for its fsync even if it was submitted as one that needs none
+    /// (a lease that failed a job on the way). Engines whose every commit is
+    /// durable need nothing more.
+    fn require_durable(&mut self) {}
 }
 
 /// A value decoded from what a range of keys holds (see [`KvTxn::remember`]).
@@ -172,6 +178,17 @@ pub struct Overlay<'a> {
     /// when it succeeds).
     memo: Option<&'a mut Memo>,
     remembered: Vec<(KeyRange, Decoded)>,
+    /// The operation under way asked for its fsync ([`KvTxn::require_durable`]).
+    durable_required: bool,
+}
+
+/// What an operation left in an [`Overlay`] (see [`Overlay::end_operation`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OperationEnd {
+    /// It wrote something (and kept it, or took it back when it failed).
+    pub wrote: bool,
+    /// It succeeded and asked for its fsync ([`KvTxn::require_durable`]).
+    pub durable_required: bool,
 }
 
 /// The most scan starts an overlay remembers an empty range for (see `Overlay::empty`).
@@ -196,6 +213,7 @@ impl<'a> Overlay<'a> {
             cache: None,
             memo: None,
             remembered: Vec::new(),
+            durable_required: false,
         }
     }
 
@@ -226,9 +244,13 @@ impl<'a> Overlay<'a> {
 
     /// Ends the operation whose writes began after the last call: keeps them
     /// (and what it remembered) if it `succeeded`, else takes them back.
-    /// Returns whether it wrote anything.
-    pub fn end_operation(&mut self, succeeded: bool) -> bool {
-        let wrote = !self.undo.is_empty();
+    /// Returns what it left: whether it wrote anything, and whether it asked
+    /// for its fsync.
+    pub fn end_operation(&mut self, succeeded: bool) -> OperationEnd {
+        let end = OperationEnd {
+            wrote: !self.undo.is_empty(),
+            durable_required: std::mem::take(&mut self.durable_required) && succeeded,
+        };
         if succeeded {
             self.undo.clear();
             if let Some(memo) = self.memo.as_deref_mut() {
@@ -236,10 +258,10 @@ impl<'a> Overlay<'a> {
                     memo.insert(range, value);
                 }
             }
-            return wrote;
+            return end;
         }
         self.remembered.clear();
-        if wrote {
+        if end.wrote {
             // A floor says the writes cover the base up to it, an empty
             // range that nothing is there; the writes taken back may have
             // been what covered it, or what hid it.
@@ -261,7 +283,7 @@ impl<'a> Overlay<'a> {
                 }
             }
         }
-        wrote
+        end
     }
 
     /// A write to `key` makes what was remembered of its range stale.
@@ -721,6 +743,10 @@ impl KvTxn for Overlay<'_> {
             self.remembered.push((range.clone(), value));
         }
     }
+
+    fn require_durable(&mut self) {
+        self.durable_required = true;
+    }
 }
 
 #[cfg(test)]
@@ -941,7 +967,7 @@ mod tests {
                     run_step(&mut overlay, &mut now, step)?;
                     reads_match(&mut overlay, &now, KeyRange::new(vec![0], vec![32]), 32, false)?;
                 }
-                proptest::prop_assert_eq!(overlay.end_operation(succeeds), writes, "whether it wrote");
+                proptest::prop_assert_eq!(overlay.end_operation(succeeds).wrote, writes, "whether it wrote");
                 if succeeds {
                     kept = now;
                 }

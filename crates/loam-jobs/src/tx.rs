@@ -104,6 +104,11 @@ impl<'a> Tx<'a> {
     pub fn delete(&mut self, key: &[u8]) -> Result<(), JobsError> {
         Ok(self.kv.delete(key)?)
     }
+    /// This operation recorded an outcome: its acknowledgement waits for its
+    /// fsync whatever it was submitted as (see [`KvTxn::require_durable`]).
+    pub fn require_durable(&mut self) {
+        self.kv.require_durable();
+    }
     pub fn scan(&mut self, range: &KeyRange, limit: usize, reverse: bool) -> Result<Vec<(Key, Value)>, JobsError> {
         Ok(self.kv.scan(range, limit, reverse)?)
     }

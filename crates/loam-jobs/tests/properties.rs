@@ -605,8 +605,6 @@ impl Harness {
                     ..Default::default()
                 };
                 let got = ok("lease", self.jobs().lease(NS, Q, req).wait())?;
-                // A lease that may fail jobs waits for its fsync.
-                let wrote = if *fail_deferred { Wrote::Durable } else { Wrote::NotDurable };
                 self.model.promote(now);
                 let got_ids: Vec<String> = got.leases.iter().map(|l| l.job.id.clone()).collect();
                 if self.model.limited_until > now {
@@ -616,17 +614,21 @@ impl Harness {
                         self.model.limited_until
                     );
                     prop_assert_eq!(got.info.rate_limit_ms, self.model.limited_until - now);
-                    return Ok(wrote);
+                    return Ok(Wrote::NotDurable);
                 }
                 // The ready jobs in order until `max` are taken: with
                 // `fail_deferred`, those marked to fail are failed on the way.
                 let mut take = Vec::new();
+                // A lease that failed a job waits for its fsync, as any
+                // recorded outcome does.
+                let mut wrote = Wrote::NotDurable;
                 for j in self.model.ready_order() {
                     if take.len() == *max as usize {
                         break;
                     }
                     if *fail_deferred && self.model.jobs[j].marked {
                         self.model.finish(j, MState::Failed, now);
+                        wrote = Wrote::Durable;
                     } else {
                         take.push(j);
                     }
@@ -1132,6 +1134,8 @@ fn a_known_history_passes_and_a_wrong_model_fails() {
         Sweep,
         Enqueue { priority: 0, lifo: false, delay_ms: 0, attempts: 1, backoff: None },
         Lease { max: 1, lock_ms: 0, fail_deferred: true },
+        // That failure is an outcome: durable, though a lease recorded it.
+        HardCrash,
     ];
     run_steps(&history, Writes::OnTheExecutor).unwrap();
     run_steps(&history, Writes::OnTheCallersThread).unwrap();

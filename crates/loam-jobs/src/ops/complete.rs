@@ -307,6 +307,10 @@ fn fail_with(
     opts: &CompleteOptions,
 ) -> Result<JobRecord, JobsError> {
     let prev = if job.state == JobState::Prioritized { JobState::Waiting } else { job.state };
+    // A failure is an outcome, also when a lease records it (a job that
+    // expired before it started, or was marked to fail): readers may see it,
+    // so a crash must not take it back.
+    tx.require_durable();
     tx.unindex(q, &job)?;
     record_error(&mut job, error);
     release_dedup_on_finish(tx, q, &job)?;

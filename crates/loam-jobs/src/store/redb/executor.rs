@@ -135,11 +135,11 @@ impl Executor {
         let number = *number;
         let (snapshot, snapshot_batch, failed) = view;
         let read_through = uncommitted.batches.newest().unwrap_or(snapshot_batch);
-        let sync = match self.durability {
+        let submitted_durable = match self.durability {
             Durability::Immediate => ops.iter().any(|op| op.durable != Durable::No),
             Durability::Relaxed { .. } => ops.iter().any(|op| op.durable == Durable::Always),
         };
-        let (writes, acks, mut unchanged) = {
+        let (writes, acks, mut unchanged, durable_required) = {
             // A batch's leases scan the waiting index one after another:
             // one entry ahead for each operation after the first.
             let mut committed = ReadAhead::new(SnapshotReader(snapshot), ops.len().min(64).saturating_sub(1));
@@ -150,6 +150,10 @@ impl Executor {
                 execute(ops, &mut batches.over(&mut committed), memo)
             }
         };
+        // An operation submitted as needing no fsync that recorded an outcome
+        // on the way (a lease that failed a job) makes its batch durable, as
+        // an outcome submitted as one would.
+        let sync = submitted_durable || durable_required && self.durability == Durability::Immediate;
         // Under relaxed durability, acknowledgements go out once the batch
         // is with the committer (a reader they wake then waits for that
         // commit, see `RedbStore::snapshot`). Under immediate durability
@@ -280,10 +284,12 @@ pub(super) fn with_waiting<T>(receiver: &Receiver<T>, first: T, max: usize) -> V
 /// acknowledgements that must wait for its commit, and those that need not:
 /// an operation that needs no fsync ([`Durable::No`]: a lease, a lock extension) and wrote
 /// nothing (a lease that found no job) told its caller nothing a crash could
-/// take back.
-pub(super) fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead, memo: &mut Memo) -> (Writes, Vec<Ack>, Vec<Ack>) {
+/// take back. Also returns whether an operation asked for its fsync as it
+/// ran ([`KvTxn::require_durable`]).
+pub(super) fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead, memo: &mut Memo) -> (Writes, Vec<Ack>, Vec<Ack>, bool) {
     let mut acks = Vec::with_capacity(ops.len());
     let mut unchanged = Vec::new();
+    let mut durable_required = false;
     let mut batch = Overlay::caching(base).remembering(memo);
     for op in ops {
         let WriteOp { mut body, done, durable, .. } = op;
@@ -291,14 +297,15 @@ pub(super) fn execute(ops: Vec<WriteOp>, base: &mut dyn KvRead, memo: &mut Memo)
         // thread and with it every caller (and a Node host).
         let result =
             catch_unwind(AssertUnwindSafe(|| body(&mut batch))).unwrap_or_else(|panic| Err(JobsError::panicked(panic)));
-        let wrote = batch.end_operation(result.is_ok());
-        if durable == Durable::No && !wrote {
+        let end = batch.end_operation(result.is_ok());
+        durable_required |= end.durable_required;
+        if durable == Durable::No && !end.wrote {
             unchanged.push((done, result));
             continue;
         }
         acks.push((done, result));
     }
-    (batch.into_writes(), acks, unchanged)
+    (batch.into_writes(), acks, unchanged, durable_required)
 }
 
 /// Under relaxed durability, how long the executor spins for the next

@@ -150,6 +150,82 @@ fn an_operation_that_wrote_nothing_and_needs_no_fsync_is_answered_before_the_com
     assert_eq!(rest, ["lease that took a job", "read-only, fsync asked", "write"]);
 }
 
+/// Under immediate durability an operation submitted as needing no fsync
+/// that recorded an outcome as it ran (`KvTxn::require_durable`: a lease
+/// that failed a job) is answered after its fsync; one that did not is
+/// answered after its commit alone.
+#[test]
+fn an_operation_that_asks_for_its_fsync_as_it_runs_waits_for_it() {
+    let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+    let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
+    let db = Database::builder().create_with_backend(disk).unwrap();
+    let store = RedbStore::start(db, &RedbOptions::default(), None).unwrap();
+    *held.0.lock() = true;
+    let gate = Gate(held);
+    let submit = |name: &'static str, require_durable: bool| {
+        let (sender, answer) = mpsc::channel();
+        let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
+            txn.put(name.as_bytes(), b"v".to_vec())?;
+            if require_durable {
+                txn.require_durable();
+            }
+            Ok(Box::new(()) as OpOutput)
+        });
+        let done: OpDone = Box::new(move |result| {
+            let _ = sender.send(result.is_ok());
+        });
+        store.submit(WriteOp { body, durable: Durable::No, brief: true, done });
+        answer
+    };
+    let lease = submit("a lease", false);
+    assert_eq!(lease.recv_timeout(Duration::from_secs(5)), Ok(true), "answered with the fsync held");
+    let failing = submit("a lease that failed a job", true);
+    assert!(failing.recv_timeout(Duration::from_millis(300)).is_err(), "answered before its fsync");
+    gate.release();
+    assert_eq!(failing.recv_timeout(Duration::from_secs(5)), Ok(true));
+}
+
+/// The core's failures ask for it: a lease that fails a job on the way
+/// (here one that expired before it started) is answered after its fsync;
+/// a lease that only took jobs is not held up by it.
+#[test]
+fn a_lease_that_fails_a_job_waits_for_its_fsync() {
+    let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+    let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
+    let db = Database::builder().create_with_backend(disk).unwrap();
+    let store = RedbStore::start(db, &RedbOptions::default(), None).unwrap();
+    let clock = crate::ManualClock::new(1_000_000);
+    let config = crate::Config { background: false, ..Default::default() };
+    let jobs = crate::Jobs::with_store(Box::new(store), Arc::new(clock.clone()), config).unwrap();
+    let add = |name: &str, expires: Option<u64>| {
+        let req = crate::EnqueueRequest { name: name.into(), attempts: 1, expires, ..Default::default() };
+        jobs.enqueue("ns", "q", req).wait().unwrap()
+    };
+    add("runs", None);
+    let expiring = add("expires", Some(1_000_010));
+    add("runs too", None);
+    clock.advance(20);
+    *held.0.lock() = true;
+    let gate = Gate(held);
+    let lease = |jobs: &crate::Jobs| {
+        let (sender, answer) = mpsc::channel();
+        let pending = jobs.lease("ns", "q", crate::LeaseRequest { max: 1, ..Default::default() });
+        std::thread::spawn(move || {
+            let _ =
+                sender.send(pending.wait().map(|l| l.leases.iter().map(|l| l.job.name.clone()).collect::<Vec<_>>()));
+        });
+        answer
+    };
+    let first = lease(&jobs);
+    assert_eq!(first.recv_timeout(Duration::from_secs(5)).unwrap().unwrap(), ["runs"], "answered with the fsync held");
+    let second = lease(&jobs);
+    assert!(second.recv_timeout(Duration::from_millis(300)).is_err(), "answered before the failure's fsync");
+    gate.release();
+    assert_eq!(second.recv_timeout(Duration::from_secs(5)).unwrap().unwrap(), ["runs too"]);
+    let failed = jobs.get_job("ns", "q", &expiring.id).unwrap().unwrap();
+    assert_eq!(failed.state, crate::JobState::Failed);
+}
+
 fn read_u64(txn: &mut dyn KvRead, key: &[u8]) -> u64 {
     txn.get(key).unwrap().map_or(0, |v| u64::from_be_bytes(v.try_into().unwrap()))
 }
