@@ -187,6 +187,22 @@ pub fn cursor_ahead(cursor: u64, newest: u64) -> ConnectError {
 mod tests {
     use super::*;
 
+    /// Clients match on `ErrorDetail.reason`; the proto's comment is where
+    /// they learn the names, so it lists exactly those `reason` gives.
+    #[test]
+    fn the_proto_lists_every_reason() {
+        let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let source = std::fs::read_to_string(manifest.join("src/errors.rs")).unwrap();
+        let body = &source[source.find("fn reason(").unwrap()..source.find("fn code(").unwrap()];
+        let given: std::collections::BTreeSet<&str> =
+            body.split("(\"").skip(1).filter_map(|s| s.split('"').next()).collect();
+        let proto = std::fs::read_to_string(manifest.join("../../proto/loam/jobs/v1/jobs.proto")).unwrap();
+        let detail = &proto[proto.find("message ErrorDetail").unwrap()..proto.find("string reason = 1;").unwrap()];
+        let listed: std::collections::BTreeSet<&str> = detail.split('`').skip(1).step_by(2).collect();
+        assert_eq!(listed, given);
+        assert!(given.len() >= 20, "found {} reasons; has reason() changed shape?", given.len());
+    }
+
     #[test]
     fn codes_follow_the_design_table() {
         let fenced = JobsError::Fenced { job: "1".into(), current_epoch: 3, reason: FenceFailure::Mismatch };
