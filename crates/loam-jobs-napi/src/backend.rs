@@ -724,11 +724,11 @@ impl LoamQueue {
         let limiter = self.settings.limiter.clone();
         let id = job_id.clone();
         let release = move |tx: &mut Tx, q: &QueueId| {
-            complete::move_active_to_wait(tx, q, &id, &fence)?;
-            let limit = lease::limiter(tx, q, limiter.as_ref())?;
-            lease::rate_limit_ttl(tx, q, limit.as_ref())
+            let release = Outcome::Release { after_ms: None };
+            let opts = CompleteOptions::default();
+            complete::complete_then_rate_limit_ttl(tx, q, &id, &fence, release, &opts, limiter.as_ref())
         };
-        self.write_map(env, op, release, |ttl| ttl as f64)
+        self.write_map(env, op, release, |(_, ttl)| ttl as f64)
     }
 
     /// `moveToWaitingChildren`: true when the job now waits for children.

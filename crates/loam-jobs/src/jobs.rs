@@ -690,9 +690,10 @@ impl Jobs {
             .if_abandoned(give_back)
     }
 
-    /// [`Self::complete`], then, in the same transaction, how long the queue
-    /// is rate limited for under `limiter` (or the queue's own limit): how a
-    /// remote worker with a limiter learns it as its job finishes.
+    /// [`complete::complete_then_rate_limit_ttl`]: [`Self::complete`], then,
+    /// in the same transaction, how long the queue is rate limited for under
+    /// `limiter` (or the queue's own limit), with BullMQ's rule for a release
+    /// of a job that is not active.
     #[allow(clippy::too_many_arguments, reason = "complete's arguments and the limiter")]
     pub fn complete_then_rate_limit_ttl(
         &self,
@@ -707,9 +708,7 @@ impl Jobs {
         let id = id.to_string();
         let give_back = self.give_back_next(ns, queue);
         self.job_write(ns, queue, true, move |tx, q| {
-            let done = complete::complete(tx, q, &id, &fence, outcome.clone(), &opts)?;
-            let limit = lease::limiter(tx, q, Some(&limiter))?;
-            Ok((done, lease::rate_limit_ttl(tx, q, limit.as_ref())?))
+            complete::complete_then_rate_limit_ttl(tx, q, &id, &fence, outcome.clone(), &opts, Some(&limiter))
         })
         .if_abandoned(move |(done, _)| give_back(done))
     }

@@ -3029,19 +3029,21 @@ fn a_flow_parent_with_no_children_is_answered_as_released() {
     assert_eq!(state(&jobs, "parents", "p"), Some(JobState::Waiting));
 }
 
-/// BullMQ's `moveJobFromActiveToWait` without a lock token leaves a job that
-/// is not active where it is, as Redis's script does; a plain release of that
+/// BullMQ's `moveJobFromActiveToWait` (a release that asks for the rate
+/// limit's ttl) without a lock token leaves a job that is not active where it
+/// is, as Redis's script does, and answers the ttl; a plain release of that
 /// job, unchecked or not, is still refused, and so is the move with a token.
 #[test]
 fn only_bullmqs_unchecked_move_to_wait_leaves_a_job_that_is_not_active_alone() {
-    use loam_jobs::ops::complete::move_active_to_wait;
     let (jobs, _clock) = core();
     let id = jobs.enqueue("ns", "q", job("w")).wait().unwrap().id;
+    let limiter = RateLimit { max: 1, duration_ms: 60_000 };
     let move_to_wait = |fence: Fence| {
-        let id = id.clone();
-        jobs.admin("ns", "q", move |tx, q| move_active_to_wait(tx, q, &id, &fence)).wait()
+        let (release, opts) = (Outcome::Release { after_ms: None }, CompleteOptions::default());
+        jobs.complete_then_rate_limit_ttl("ns", "q", &id, fence, release, opts, limiter.clone()).wait()
     };
-    move_to_wait(Fence::Unchecked).unwrap();
+    let (done, ttl) = move_to_wait(Fence::Unchecked).unwrap();
+    assert_eq!((done.state, done.moved, ttl), (Some(JobState::Waiting), false, 0));
     assert_eq!(state(&jobs, "q", &id), Some(JobState::Waiting));
     let with_token = move_to_wait(Fence::Token("w".into()));
     assert!(matches!(with_token, Err(JobsError::Fenced { .. })), "{with_token:?}");

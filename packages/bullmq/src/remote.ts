@@ -38,7 +38,6 @@ import type {
   RetryOptions,
   StreamReadRaw,
 } from 'bullmq';
-import { ErrorCode } from 'bullmq';
 import type { MessageInitShape } from '@bufbuild/protobuf';
 import type { FactoryOptions } from './backend.js';
 import type { CallOptions } from '@connectrpc/connect';
@@ -863,28 +862,21 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async moveJobFromActiveToWait(jobId: string, token?: string): Promise<number> {
     // A limiter with max 0 is "none": only a global or manual limit counts.
     const limiter = this.settings.limiter ?? { max: 0n, durationMs: 0n };
-    try {
-      const r = await this.send({ command: 'moveJobFromActiveToWait', jobId, state: 'active' }, (c, o) =>
-        c.complete(
-          {
-            queue: this.queueName,
-            jobId,
-            fence: fence(token),
-            outcome: { kind: { case: 'release', value: {} } },
-            rateLimitTtlFor: limiter,
-          },
-          o,
-        ),
-      );
-      return Number(r.rateLimitTtlMs ?? 0n);
-    } catch (err) {
-      // Without a lock token a job that is not active is left where it is,
-      // as Redis's script finds nothing to take off its active list, and
-      // answers the rate limit's ttl (the in-process backend does the same).
-      if ((err as { code?: unknown }).code !== ErrorCode.JobNotInState || !isUnchecked(token)) throw err;
-      const max = Number(limiter.max ?? 0n);
-      return Math.max(0, await this.getRateLimitTtl(max > 0 ? max : undefined));
-    }
+    // Without a lock token, a job that is not active is left where it is and
+    // the ttl answered, in the same call (the core's rule for such a release).
+    const r = await this.send({ command: 'moveJobFromActiveToWait', jobId, state: 'active' }, (c, o) =>
+      c.complete(
+        {
+          queue: this.queueName,
+          jobId,
+          fence: fence(token),
+          outcome: { kind: { case: 'release', value: {} } },
+          rateLimitTtlFor: limiter,
+        },
+        o,
+      ),
+    );
+    return Number(r.rateLimitTtlMs ?? 0n);
   }
 
   /** An immediate retry (an attempt is spent). */

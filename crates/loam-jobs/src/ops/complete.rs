@@ -8,7 +8,7 @@ use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
     AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, Fence, Idempotency, JobError,
     JobRecord, JobState, Keep, Lease, LeaseInfo, Leased, LimiterWindow, MAX_METRICS_POINTS, MetricsRecord,
-    OnChildFailure, Outcome, Retention,
+    OnChildFailure, Outcome, RateLimit, Retention,
 };
 use crate::ops::idempotency::CallHash;
 use crate::ops::lease::{self, Line};
@@ -68,15 +68,35 @@ pub fn complete(
     complete_job(tx, q, job, fence, outcome, opts, key)
 }
 
-/// BullMQ's `moveJobFromActiveToWait` (a processor's RateLimitError): the job
-/// goes back to the front of its band. Unchecked (BullMQ's token "0"), a job
-/// that is not active is left where it is, as Redis's script finds nothing to
-/// take off its active list; every other release of such a job is refused.
-pub fn move_active_to_wait(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence) -> Result<(), JobsError> {
-    if matches!(fence, Fence::Unchecked) && tx.load_job(q, id)?.is_some_and(|job| job.state != JobState::Active) {
-        return Ok(());
-    }
-    complete(tx, q, id, fence, Outcome::Release { after_ms: None }, &CompleteOptions::default()).map(|_| ())
+/// [`complete`], then, in the same transaction, how long the queue stays rate
+/// limited under `limiter` (the worker's, used when the queue has no global
+/// limit): how a remote worker with a limiter learns it as its job ends.
+///
+/// BullMQ's `moveJobFromActiveToWait` (a processor's RateLimitError) is such
+/// a release: the job goes back to the front of its band. Unchecked (BullMQ's
+/// token "0"), a release of a job that is not active leaves it where it is,
+/// as Redis's script finds nothing to take off its active list, and answers
+/// the ttl; every other release of such a job is refused, here as in
+/// [`complete`].
+pub fn complete_then_rate_limit_ttl(
+    tx: &mut Tx,
+    q: &QueueId,
+    id: &str,
+    fence: &Fence,
+    outcome: Outcome,
+    opts: &CompleteOptions,
+    limiter: Option<&RateLimit>,
+) -> Result<(Completed, u64), JobsError> {
+    let left_alone = match (&outcome, fence) {
+        (Outcome::Release { .. }, Fence::Unchecked) => tx.load_job(q, id)?.filter(|job| job.state != JobState::Active),
+        _ => None,
+    };
+    let done = match left_alone {
+        Some(job) => Completed { state: Some(job.state), moved: false, ..Default::default() },
+        None => complete(tx, q, id, fence, outcome, opts)?,
+    };
+    let limit = lease::limiter(tx, q, limiter)?;
+    Ok((done, lease::rate_limit_ttl(tx, q, limit.as_ref())?))
 }
 
 /// What tells a completion's key apart from another call's under it.
