@@ -22,7 +22,7 @@ use loam_jobs::ops::{admin, complete, enqueue, lease, query, schedule};
 use loam_jobs::tx::Tx;
 use loam_jobs::{
     CompleteOptions, Completed, DependencyStatus, Durability, Event, FlowNode, Interrupt, JobState, Jobs, JobsError,
-    LeaseRequest, Outcome, Pending, RateLimit, Retention, SchedulerSpec,
+    LeaseRequest, MetricsKind, Outcome, Pending, RateLimit, Retention, SchedulerSpec,
 };
 
 use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, StreamEntry, whole};
@@ -1113,7 +1113,11 @@ impl LoamQueue {
     #[napi]
     pub async fn get_metrics(&self, host_now: f64, kind: String, start: f64, end: f64) -> Result<String> {
         self.store.observe(host_now);
-        let rec = self.read(Op::new("getMetrics"), |tx, q| query::metrics(tx, q, &kind))?;
+        // BullMQ keeps no metrics under another name: Redis answers none.
+        let rec = match MetricsKind::parse(&kind) {
+            Some(kind) => self.read(Op::new("getMetrics"), |tx, q| query::metrics(tx, q, kind))?,
+            None => None,
+        };
         let Some(rec) = rec else {
             return Ok(json(&serde_json::json!([[null, null, null], [], 0])));
         };

@@ -6,6 +6,7 @@
 //! big-endian, so they sort numerically.
 
 use crate::kv::{Key, KeyRange};
+use crate::model::MetricsKind;
 
 /// Events per key of a queue's event log. A queue writes several events per
 /// job; one page per batch of them keeps the log to a few B-tree writes per
@@ -367,12 +368,12 @@ impl QueueKeys {
         self.range(SCHEDULER_NEXT)
     }
 
-    pub fn metrics(&self, kind: &str) -> Key {
-        self.tagged_str(METRICS, kind)
+    pub fn metrics(&self, kind: MetricsKind) -> Key {
+        self.tagged_str(METRICS, kind.as_str())
     }
     /// The per-minute points of [`Self::metrics`], apart from its counters:
     /// those change with every finished job, the points once a minute.
-    pub fn metrics_points(&self, kind: &str) -> Key {
+    pub fn metrics_points(&self, kind: MetricsKind) -> Key {
         let mut k = self.metrics(kind);
         k.push(b'p');
         k

@@ -972,6 +972,32 @@ pub struct CompleteOptions {
     pub idempotency: Option<Idempotency>,
 }
 
+/// Which jobs a queue's metrics count: BullMQ keeps them for these two.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricsKind {
+    Completed,
+    Failed,
+}
+
+impl MetricsKind {
+    /// BullMQ's name of it, also its key's.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MetricsKind::Completed => "completed",
+            MetricsKind::Failed => "failed",
+        }
+    }
+
+    /// None for a name BullMQ keeps no metrics under.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "completed" => Some(MetricsKind::Completed),
+            "failed" => Some(MetricsKind::Failed),
+            _ => None,
+        }
+    }
+}
+
 /// BullMQ's per-minute counters of completed or failed jobs.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MetricsRecord {

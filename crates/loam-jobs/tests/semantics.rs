@@ -1335,7 +1335,7 @@ fn metrics_count_finished_jobs_per_minute() {
         }
         clock.advance(60_000);
     }
-    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, "completed")).unwrap().unwrap();
+    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, MetricsKind::Completed)).unwrap().unwrap();
     assert_eq!(m.count, 6);
     assert_eq!(m.data.iter().copied().collect::<Vec<_>>(), vec![2, 1]);
 }
@@ -1361,7 +1361,7 @@ fn metrics_keep_a_bounded_number_of_points() {
     complete_with_metrics(&jobs, u64::MAX);
     clock.advance(20_000_000 * 60_000);
     complete_with_metrics(&jobs, u64::MAX);
-    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, "completed")).unwrap().unwrap();
+    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, MetricsKind::Completed)).unwrap().unwrap();
     assert_eq!(m.data.len() as u64, loam_jobs::model::MAX_METRICS_POINTS);
     // As on Redis: the finished job's point, then a zero for each minute
     // since, as many as fit.
@@ -1376,12 +1376,12 @@ fn a_finished_job_does_not_rewrite_the_metrics_points() {
     complete_with_metrics(&jobs, 10_080);
     clock.advance(5_000 * 60_000);
     complete_with_metrics(&jobs, 10_080);
-    let points = stored_len(&jobs, |k| k.metrics_points("completed"));
+    let points = stored_len(&jobs, |k| k.metrics_points(MetricsKind::Completed));
     assert!(points >= 5_000, "5,000 minutes of points: {points} bytes");
     complete_with_metrics(&jobs, 10_080);
-    assert!(stored_len(&jobs, |k| k.metrics("completed")) < 64);
-    assert_eq!(stored_len(&jobs, |k| k.metrics_points("completed")), points);
-    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, "completed")).unwrap().unwrap();
+    assert!(stored_len(&jobs, |k| k.metrics(MetricsKind::Completed)) < 64);
+    assert_eq!(stored_len(&jobs, |k| k.metrics_points(MetricsKind::Completed)), points);
+    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, MetricsKind::Completed)).unwrap().unwrap();
     assert_eq!((m.count, m.data.len(), m.data[4_999]), (3, 5_000, 1));
 }
 
@@ -1392,16 +1392,18 @@ fn metrics_points_kept_with_their_counters_are_read_and_moved() {
     let (jobs, clock) = core();
     complete_with_metrics(&jobs, 10);
     let old = MetricsRecord { count: 9, prev_ts: clock.now_ms(), prev_count: 7, data: [5, 4].into() };
-    jobs.admin("ns", "q", move |tx, q| tx.put_record(&loam_jobs::keys::QueueKeys::new(q).metrics("completed"), &old))
-        .wait()
-        .unwrap();
-    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, "completed")).unwrap().unwrap();
+    jobs.admin("ns", "q", move |tx, q| {
+        tx.put_record(&loam_jobs::keys::QueueKeys::new(q).metrics(MetricsKind::Completed), &old)
+    })
+    .wait()
+    .unwrap();
+    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, MetricsKind::Completed)).unwrap().unwrap();
     assert_eq!(Vec::from(m.data), [5, 4]);
     clock.advance(60_000);
     complete_with_metrics(&jobs, 10);
-    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, "completed")).unwrap().unwrap();
+    let m = jobs.query("ns", "q", |tx, q| query::metrics(tx, q, MetricsKind::Completed)).unwrap().unwrap();
     assert_eq!((m.count, Vec::from(m.data)), (10, vec![2, 5, 4]));
-    assert!(stored_len(&jobs, |k| k.metrics("completed")) < 64);
+    assert!(stored_len(&jobs, |k| k.metrics(MetricsKind::Completed)) < 64);
 }
 
 #[test]

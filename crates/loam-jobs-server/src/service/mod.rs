@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use buffa::view::HasMessageView;
 use connectrpc::{ConnectError, InboundStream, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
 use loam_jobs::ops::{admin, idempotency, lease, query, results, schedule};
-use loam_jobs::{Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, LeaseRequest, Outcome, QueueId};
+use loam_jobs::{
+    Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, LeaseRequest, MetricsKind, Outcome, QueueId,
+};
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use parking_lot::Mutex;
 use pb::__buffa::oneof;
@@ -728,10 +730,9 @@ impl JobsSvc {
                     Ok(R::from(pb::DependencyList { dependencies, jobs: slots, ..Default::default() }))
                 })?,
                 Query::Metrics(m) => {
-                    if m.kind != "completed" && m.kind != "failed" {
-                        return Err(JobsError::invalid("metrics kind must be completed or failed"));
-                    }
-                    let rec = jobs.query(ns, queue, |tx, q| query::metrics(tx, q, &m.kind))?;
+                    let kind = MetricsKind::parse(&m.kind)
+                        .ok_or_else(|| JobsError::invalid("metrics kind must be completed or failed"))?;
+                    let rec = jobs.query(ns, queue, |tx, q| query::metrics(tx, q, kind))?;
                     R::from(rec.as_ref().map(convert::metrics).unwrap_or_default())
                 }
                 Query::Meta(m) => {

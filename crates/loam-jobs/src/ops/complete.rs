@@ -7,7 +7,7 @@ use crate::error::{JobsError, Precondition};
 use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
     AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, Fence, Idempotency, JobError,
-    JobRecord, JobState, Keep, Lease, LeaseInfo, Leased, LimiterWindow, MAX_METRICS_POINTS, MetricsRecord,
+    JobRecord, JobState, Keep, Lease, LeaseInfo, Leased, LimiterWindow, MAX_METRICS_POINTS, MetricsKind, MetricsRecord,
     OnChildFailure, Outcome, RateLimit, Retention,
 };
 use crate::ops::idempotency::CallHash;
@@ -287,7 +287,7 @@ fn finish_ok(
         "completed",
         &[("jobId", &job.id), ("returnvalue", &String::from_utf8_lossy(&value)), ("prev", prev.as_str())],
     )?;
-    collect_metrics(tx, q, "completed", opts.metrics_max_points)?;
+    collect_metrics(tx, q, MetricsKind::Completed, opts.metrics_max_points)?;
     Ok(job)
 }
 
@@ -355,7 +355,7 @@ fn fail_with(
     if exhausted {
         tx.event(q, "retries-exhausted", &[("jobId", &job.id), ("attemptsMade", &job.attempts_made.to_string())])?;
     }
-    collect_metrics(tx, q, "failed", opts.metrics_max_points)?;
+    collect_metrics(tx, q, MetricsKind::Failed, opts.metrics_max_points)?;
     Ok(job)
 }
 
@@ -653,7 +653,7 @@ fn send_to_dead_letter(tx: &mut Tx, q: &QueueId, job: &JobRecord, dlq: &str, rea
 }
 
 /// BullMQ's per-minute metrics of finished jobs.
-fn collect_metrics(tx: &mut Tx, q: &QueueId, kind: &str, max_points: Option<u64>) -> Result<(), JobsError> {
+fn collect_metrics(tx: &mut Tx, q: &QueueId, kind: MetricsKind, max_points: Option<u64>) -> Result<(), JobsError> {
     let Some(max) = max_points.filter(|m| *m > 0).map(|m| m.min(MAX_METRICS_POINTS)) else { return Ok(()) };
     let keys = QueueKeys::new(q);
     let key = keys.metrics(kind);

@@ -7,7 +7,7 @@ use crate::error::JobsError;
 use crate::error::StoreError;
 use crate::keys::{self, QueueId, QueueKeys};
 use crate::kv::{Key, KeyRange, KvRead, KvTxn, Value};
-use crate::model::{self, Dependency, Event, JobRecord, JobState, MetricsRecord, RateLimit};
+use crate::model::{self, Dependency, Event, JobRecord, JobState, MetricsKind, MetricsRecord, RateLimit};
 use crate::ops::{lease, schedule};
 use crate::tx::Tx;
 
@@ -268,7 +268,7 @@ pub fn event_cursor(tx: &mut Tx, q: &QueueId, id: &str) -> Result<EventCursor, J
 /// Events read at a time while placing a foreign id (`event_cursor`).
 const EVENT_CURSOR_PAGE: usize = 512;
 
-pub fn metrics(tx: &mut Tx, q: &QueueId, kind: &str) -> Result<Option<MetricsRecord>, JobsError> {
+pub fn metrics(tx: &mut Tx, q: &QueueId, kind: MetricsKind) -> Result<Option<MetricsRecord>, JobsError> {
     let keys = QueueKeys::new(q);
     let Some(mut rec) = tx.get_record::<MetricsRecord>(&keys.metrics(kind))? else { return Ok(None) };
     if let Some(points) = tx.get_record(&keys.metrics_points(kind))? {
