@@ -1,9 +1,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use redb::backends::InMemoryBackend;
-
 use super::log_tests::{submit_put, submit_put_durable};
-use super::tests::{Gate, GatedDisk};
+use super::tests::GatedDisk;
 use super::*;
 
 fn submit(store: &RedbStore, key: &str, value: Vec<u8>, sync: bool) -> mpsc::Receiver<bool> {
@@ -17,9 +15,7 @@ fn submit(store: &RedbStore, key: &str, value: Vec<u8>, sync: bool) -> mpsc::Rec
 fn slow_checkpoint(kill: bool) {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("log");
-    let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
-    let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
-    let db = Database::builder().create_with_backend(disk).unwrap();
+    let (db, gate) = GatedDisk::database();
     let mut wal = recover(&db, &log).unwrap();
     let failing = Arc::new(AtomicBool::new(false));
     wal.fail_while(Arc::clone(&failing));
@@ -30,8 +26,7 @@ fn slow_checkpoint(kill: bool) {
     };
     let store = RedbStore::start(db, &options, Some(wal)).unwrap();
     // From now on redb's fsync takes as long as the test wants (a slow disk).
-    *held.0.lock() = true;
-    let gate = Gate(held);
+    gate.hold();
     assert!(submit(&store, "a", b"1".to_vec(), true).recv().unwrap());
     std::thread::sleep(Duration::from_millis(50)); // logged; its checkpoint waits on redb's fsync
     assert!(submit(&store, "b", b"2".to_vec(), true).recv().unwrap());

@@ -56,6 +56,11 @@ pub(super) struct GatedDisk {
 pub(super) struct Gate(pub(super) Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>);
 
 impl Gate {
+    /// From now on the disk's syncs wait until `release`.
+    pub(super) fn hold(&self) {
+        *self.0.0.lock() = true;
+    }
+
     pub(super) fn release(&self) {
         *self.0.0.lock() = false;
         self.0.1.notify_all();
@@ -65,6 +70,16 @@ impl Gate {
 impl Drop for Gate {
     fn drop(&mut self) {
         self.release();
+    }
+}
+
+impl GatedDisk {
+    /// A database on a gated disk, and its gate, open: starting a store
+    /// syncs, so a test holds it (`Gate::hold`) once its store is started.
+    pub(super) fn database() -> (Database, Gate) {
+        let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
+        let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
+        (Database::builder().create_with_backend(disk).unwrap(), Gate(held))
     }
 }
 
@@ -116,12 +131,9 @@ fn the_published_mark_never_moves_back() {
 /// fsync, waits.
 #[test]
 fn an_operation_that_wrote_nothing_and_needs_no_fsync_is_answered_before_the_commit() {
-    let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
-    let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
-    let db = Database::builder().create_with_backend(disk).unwrap();
+    let (db, gate) = GatedDisk::database();
     let store = RedbStore::start(db, &RedbOptions::default(), None).unwrap();
-    *held.0.lock() = true;
-    let gate = Gate(held);
+    gate.hold();
     let (sender, answers) = mpsc::channel();
     let submit = |name: &'static str, sync: bool, writes: bool| {
         let sender = sender.clone();
@@ -156,12 +168,9 @@ fn an_operation_that_wrote_nothing_and_needs_no_fsync_is_answered_before_the_com
 /// answered after its commit alone.
 #[test]
 fn an_operation_that_asks_for_its_fsync_as_it_runs_waits_for_it() {
-    let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
-    let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
-    let db = Database::builder().create_with_backend(disk).unwrap();
+    let (db, gate) = GatedDisk::database();
     let store = RedbStore::start(db, &RedbOptions::default(), None).unwrap();
-    *held.0.lock() = true;
-    let gate = Gate(held);
+    gate.hold();
     let submit = |name: &'static str, require_durable: bool| {
         let (sender, answer) = mpsc::channel();
         let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
@@ -190,9 +199,7 @@ fn an_operation_that_asks_for_its_fsync_as_it_runs_waits_for_it() {
 /// a lease that only took jobs is not held up by it.
 #[test]
 fn a_lease_that_fails_a_job_waits_for_its_fsync() {
-    let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
-    let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
-    let db = Database::builder().create_with_backend(disk).unwrap();
+    let (db, gate) = GatedDisk::database();
     let store = RedbStore::start(db, &RedbOptions::default(), None).unwrap();
     let clock = crate::ManualClock::new(1_000_000);
     let config = crate::Config { background: false, ..Default::default() };
@@ -205,8 +212,7 @@ fn a_lease_that_fails_a_job_waits_for_its_fsync() {
     let expiring = add("expires", Some(1_000_010));
     add("runs too", None);
     clock.advance(20);
-    *held.0.lock() = true;
-    let gate = Gate(held);
+    gate.hold();
     let lease = |jobs: &crate::Jobs| {
         let (sender, answer) = mpsc::channel();
         let pending = jobs.lease("ns", "q", crate::LeaseRequest { max: 1, ..Default::default() });
