@@ -353,6 +353,16 @@ pub fn catch_up(tx: &mut loam_jobs::tx::Tx, q: &QueueId, id: &str, now: u64) -> 
 mod tests {
     use super::*;
 
+    /// A worker's scheduler of the same id drops every server mark by this
+    /// prefix (`schedule::upsert`), the job template among them.
+    #[test]
+    fn the_template_is_a_server_mark() {
+        assert!(
+            TEMPLATE.starts_with(loam_jobs::SERVER_EXTRA_PREFIX)
+                && SERVER_OWNED.starts_with(loam_jobs::SERVER_EXTRA_PREFIX)
+        );
+    }
+
     #[test]
     fn cron_follows_the_time_zone() {
         // 2026-01-01T00:00:00Z; 09:00 in New York (UTC-5) is 14:00 UTC.

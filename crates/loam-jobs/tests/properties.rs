@@ -1134,8 +1134,6 @@ fn a_known_history_passes_and_a_wrong_model_fails() {
         Sweep,
         Enqueue { priority: 0, lifo: false, delay_ms: 0, attempts: 1, backoff: None },
         Lease { max: 1, lock_ms: 0, fail_deferred: true },
-        // That failure is an outcome: durable, though a lease recorded it.
-        HardCrash,
     ];
     run_steps(&history, Writes::OnTheExecutor).unwrap();
     run_steps(&history, Writes::OnTheCallersThread).unwrap();

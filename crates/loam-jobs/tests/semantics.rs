@@ -2804,6 +2804,14 @@ fn a_server_schedule_is_advanced_by_the_server_alone() {
     assert!(!taken_over.server_owned());
     assert_eq!(taken_over.extra, BTreeMap::from([("mine".to_string(), "kept".to_string())]));
     let producer = schedule::pending_iteration_id(&taken_over);
+    // The server's ticker, which read the schedule before the takeover, no
+    // longer moves it.
+    let (tick, by_ticker) = (taken_over.next_millis + 1_000, producer.clone());
+    let late_tick = jobs
+        .admin("ns", "q", move |tx, q| schedule::advance_to(tx, q, "s", tick, &by_ticker, &job("tick")))
+        .wait()
+        .unwrap();
+    assert_eq!(late_tick, None);
     let next = jobs
         .admin("ns", "q", move |tx, q| schedule::advance(tx, q, "s", None, &producer, &job("tick")))
         .wait()
@@ -3037,19 +3045,34 @@ fn a_flow_parent_with_no_children_is_answered_as_released() {
 /// job, unchecked or not, is still refused, and so is the move with a token.
 #[test]
 fn only_bullmqs_unchecked_move_to_wait_leaves_a_job_that_is_not_active_alone() {
-    let (jobs, _clock) = core();
+    let (jobs, clock) = core();
     let id = jobs.enqueue("ns", "q", job("w")).wait().unwrap().id;
     let limiter = RateLimit { max: 1, duration_ms: 60_000 };
-    let move_to_wait = |fence: Fence| {
-        let (release, opts) = (Outcome::Release { after_ms: None }, CompleteOptions::default());
+    let keyed = |key: &str| CompleteOptions {
+        idempotency: Some(Idempotency { key: key.into(), ttl_ms: None }),
+        ..Default::default()
+    };
+    let move_to_wait_with = |fence: Fence, opts: CompleteOptions| {
+        let release = Outcome::Release { after_ms: None };
         jobs.complete_then_rate_limit_ttl("ns", "q", &id, fence, release, opts, limiter.clone()).wait()
     };
+    let move_to_wait = |fence: Fence| move_to_wait_with(fence, CompleteOptions::default());
+    // Rate limited for 5 s from now: the ttl is answered with the job left alone.
+    jobs.admin("ns", "q", |tx, q| admin::set_rate_limit(tx, q, 5_000)).wait().unwrap();
     let (done, ttl) = move_to_wait(Fence::Unchecked).unwrap();
-    assert_eq!((done.state, done.moved, ttl), (Some(JobState::Waiting), false, 0));
+    assert_eq!((done.state, done.moved, ttl), (Some(JobState::Waiting), false, 5_000));
     assert_eq!(state(&jobs, "q", &id), Some(JobState::Waiting));
     let with_token = move_to_wait(Fence::Token("w".into()));
     assert!(matches!(with_token, Err(JobsError::Fenced { .. })), "{with_token:?}");
     let release = Outcome::Release { after_ms: None };
     let refused = jobs.complete("ns", "q", &id, Fence::Unchecked, release, CompleteOptions::default()).wait();
     assert!(matches!(refused, Err(JobsError::Precondition(Precondition::NotInState { .. }))), "{refused:?}");
+    // A keyed release sent again after it was made (its answer lost) answers
+    // what it did, not that the job it released is not active.
+    clock.advance(5_001);
+    lease_one(&jobs, "q").unwrap();
+    let (first, _) = move_to_wait_with(Fence::Unchecked, keyed("k")).unwrap();
+    let (again, _) = move_to_wait_with(Fence::Unchecked, keyed("k")).unwrap();
+    assert_eq!((first.moved, first.replayed), (true, false));
+    assert_eq!((again.moved, again.replayed), (true, true));
 }

@@ -359,6 +359,24 @@ def test_a_job_past_max_stalled_is_failed_not_handed_out(client: Client, queue: 
     assert job.failed_reason == "job stalled more than allowable limit"
 
 
+def test_fetch_next_fails_a_job_past_max_stalled_and_takes_the_next(client: Client, queue: str) -> None:
+    poison = client.enqueue(queue, "poison", None)
+    for _ in range(2):
+        assert [leased.id for leased in client.lease(queue, lock_duration_ms=50)] == [poison.id]
+        time.sleep(0.1)
+        assert client.sweep_stalled(queue) == [poison.id]
+    first = client.enqueue(queue, "first", None)
+    # Leased past the marked job, which is at the front: behind it, a job to fetch.
+    leased = client.lease(queue, names=["first"])[0]
+    assert leased.id == first.id
+    runnable = client.enqueue(queue, "runnable", None)
+    result = client.complete(leased, Success(), fetch_next=1)
+    assert [following.id for following in result.next] == [runnable.id]
+    failed = client.get_job(queue, poison.id)
+    assert failed is not None and failed.state == JobState.FAILED
+    assert failed.failed_reason == "job stalled more than allowable limit"
+
+
 def test_extend_takes_any_list_of_one_queues_leases(client: Client, queue: str) -> None:
     assert client.extend([], 1_000) == []
     for i in range(2):

@@ -366,8 +366,10 @@ impl JobsSvc {
         })?;
         // A retry with no attempts left failed its job: counted as one.
         let name = if done.state == Some(JobState::Failed) { "fail" } else { name };
-        if done.replayed {
-            // Counted when it was done.
+        if done.replayed || !done.moved {
+            // Counted when it was done, or nothing was done (a job BullMQ's
+            // moveJobFromActiveToWait found not active, a parent with no
+            // children left to wait for).
             return Ok(pb::CompleteResponse {
                 completed: convert::completed(&done).into(),
                 rate_limit_ttl_ms: ttl,

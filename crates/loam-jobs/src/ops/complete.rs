@@ -87,8 +87,14 @@ pub fn complete_then_rate_limit_ttl(
     opts: &CompleteOptions,
     limiter: Option<&RateLimit>,
 ) -> Result<(Completed, u64), JobsError> {
+    // A job this completion's own key ended is a repeat's: `complete` answers
+    // what it first did.
+    let ended_by_this_call =
+        |job: &JobRecord| opts.idempotency.as_ref().is_some_and(|i| job.ended_by.as_deref() == Some(i.key.as_str()));
     let left_alone = match (&outcome, fence) {
-        (Outcome::Release { .. }, Fence::Unchecked) => tx.load_job(q, id)?.filter(|job| job.state != JobState::Active),
+        (Outcome::Release { after_ms: None }, Fence::Unchecked) => {
+            tx.load_job(q, id)?.filter(|job| job.state != JobState::Active && !ended_by_this_call(job))
+        }
         _ => None,
     };
     let done = match left_alone {

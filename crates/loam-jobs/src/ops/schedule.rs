@@ -399,7 +399,8 @@ pub fn advance_to(
 ) -> Result<Option<String>, JobsError> {
     let keys = QueueKeys::new(q);
     let Some(rec) = tx.get_record::<SchedulerRecord>(&keys.scheduler(id))? else { return Ok(None) };
-    if producer_id != pending_iteration_id(&rec) || next <= rec.next_millis {
+    // A worker's scheduler may have taken it over since the server read it.
+    if !rec.server_owned() || producer_id != pending_iteration_id(&rec) || next <= rec.next_millis {
         return Ok(None);
     }
     move_to_tick(tx, q, rec, next, template, WhenTaken::MovePast)

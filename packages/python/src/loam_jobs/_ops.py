@@ -753,7 +753,13 @@ class Operations(ABC):
         with the `fetch_next_*` options, which are those of `lease` (pass
         the worker's own: a worker that leases only some `names`, or with a
         longer lock, wants the same for the jobs it fetches here), or
-        `fetch_next_options` whole; they are in the result's `next`.
+        `fetch_next_options` whole; they are in the result's `next` (a
+        job marked to fail is failed there instead, as `lease` does, with
+        `fail_deferred` set on the options). `rate_limit_ttl_for` also
+        answers the queue's rate-limit ttl under that limiter
+        (`rate_limit_ttl_ms`); with it, a `Release()` with `unchecked=True`
+        of a job that is not active leaves the job where it is
+        (`moved=False`), as BullMQ's moveJobFromActiveToWait does.
         """
         if outcome is not None and not isinstance(outcome, OutcomeSpec):
             raise InvalidArgumentError(

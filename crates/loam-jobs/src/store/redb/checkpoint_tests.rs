@@ -15,7 +15,7 @@ fn submit(store: &RedbStore, key: &str, value: Vec<u8>, sync: bool) -> mpsc::Rec
 fn slow_checkpoint(kill: bool) {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("log");
-    let (db, gate) = GatedDisk::database();
+    let (db, switch) = GatedDisk::database();
     let mut wal = recover(&db, &log).unwrap();
     let failing = Arc::new(AtomicBool::new(false));
     wal.fail_while(Arc::clone(&failing));
@@ -26,7 +26,7 @@ fn slow_checkpoint(kill: bool) {
     };
     let store = RedbStore::start(db, &options, Some(wal)).unwrap();
     // From now on redb's fsync takes as long as the test wants (a slow disk).
-    gate.hold();
+    let gate = switch.hold();
     assert!(submit(&store, "a", b"1".to_vec(), true).recv().unwrap());
     std::thread::sleep(Duration::from_millis(50)); // logged; its checkpoint waits on redb's fsync
     assert!(submit(&store, "b", b"2".to_vec(), true).recv().unwrap());

@@ -55,12 +55,20 @@ pub(super) struct GatedDisk {
 /// must not leave the committer waiting for ever).
 pub(super) struct Gate(pub(super) Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>);
 
-impl Gate {
-    /// From now on the disk's syncs wait until `release`.
-    pub(super) fn hold(&self) {
-        *self.0.0.lock() = true;
-    }
+/// A `GatedDisk`'s gate before it is held (see [`GatedDisk::database`]).
+pub(super) struct GateSwitch(Arc<(parking_lot::Mutex<bool>, parking_lot::Condvar)>);
 
+impl GateSwitch {
+    /// From now on the disk's syncs wait until the gate is released or
+    /// dropped. Bound after the store, the gate is dropped first when a test
+    /// fails, so the store's close does not wait for a held fsync for ever.
+    pub(super) fn hold(self) -> Gate {
+        *self.0.0.lock() = true;
+        Gate(self.0)
+    }
+}
+
+impl Gate {
     pub(super) fn release(&self) {
         *self.0.0.lock() = false;
         self.0.1.notify_all();
@@ -75,11 +83,12 @@ impl Drop for Gate {
 
 impl GatedDisk {
     /// A database on a gated disk, and its gate, open: starting a store
-    /// syncs, so a test holds it (`Gate::hold`) once its store is started.
-    pub(super) fn database() -> (Database, Gate) {
+    /// syncs, so a test holds it (`GateSwitch::hold`) once its store is
+    /// started.
+    pub(super) fn database() -> (Database, GateSwitch) {
         let held = Arc::new((parking_lot::Mutex::new(false), parking_lot::Condvar::new()));
         let disk = GatedDisk { memory: InMemoryBackend::new(), held: Arc::clone(&held) };
-        (Database::builder().create_with_backend(disk).unwrap(), Gate(held))
+        (Database::builder().create_with_backend(disk).unwrap(), GateSwitch(held))
     }
 }
 
@@ -131,9 +140,9 @@ fn the_published_mark_never_moves_back() {
 /// fsync, waits.
 #[test]
 fn an_operation_that_wrote_nothing_and_needs_no_fsync_is_answered_before_the_commit() {
-    let (db, gate) = GatedDisk::database();
+    let (db, switch) = GatedDisk::database();
     let store = RedbStore::start(db, &RedbOptions::default(), None).unwrap();
-    gate.hold();
+    let gate = switch.hold();
     let (sender, answers) = mpsc::channel();
     let submit = |name: &'static str, sync: bool, writes: bool| {
         let sender = sender.clone();
@@ -168,9 +177,9 @@ fn an_operation_that_wrote_nothing_and_needs_no_fsync_is_answered_before_the_com
 /// answered after its commit alone.
 #[test]
 fn an_operation_that_asks_for_its_fsync_as_it_runs_waits_for_it() {
-    let (db, gate) = GatedDisk::database();
+    let (db, switch) = GatedDisk::database();
     let store = RedbStore::start(db, &RedbOptions::default(), None).unwrap();
-    gate.hold();
+    let gate = switch.hold();
     let submit = |name: &'static str, require_durable: bool| {
         let (sender, answer) = mpsc::channel();
         let body: super::super::OpBody = Box::new(move |txn: &mut dyn KvTxn| {
@@ -199,7 +208,7 @@ fn an_operation_that_asks_for_its_fsync_as_it_runs_waits_for_it() {
 /// a lease that only took jobs is not held up by it.
 #[test]
 fn a_lease_that_fails_a_job_waits_for_its_fsync() {
-    let (db, gate) = GatedDisk::database();
+    let (db, switch) = GatedDisk::database();
     let store = RedbStore::start(db, &RedbOptions::default(), None).unwrap();
     let clock = crate::ManualClock::new(1_000_000);
     let config = crate::Config { background: false, ..Default::default() };
@@ -212,7 +221,7 @@ fn a_lease_that_fails_a_job_waits_for_its_fsync() {
     let expiring = add("expires", Some(1_000_010));
     add("runs too", None);
     clock.advance(20);
-    gate.hold();
+    let gate = switch.hold();
     let lease = |jobs: &crate::Jobs| {
         let (sender, answer) = mpsc::channel();
         let pending = jobs.lease("ns", "q", crate::LeaseRequest { max: 1, ..Default::default() });
