@@ -221,6 +221,15 @@ impl Metrics {
         of.completed.member(&of.labels, &self.completed, outcome).inc();
     }
 
+    /// The jobs a lease failed instead of handing out count as failures, as
+    /// when a worker fails them.
+    pub fn failed_by_lease(&self, ns: &str, queue: &str, info: &loam_jobs::LeaseInfo) {
+        if info.failed > 0 {
+            let of = self.of_queue(ns, queue);
+            of.completed.member(&of.labels, &self.completed, "fail").inc_by(u64::from(info.failed));
+        }
+    }
+
     pub fn ran(&self, ns: &str, queue: &str, attempt: &loam_jobs::AttemptRun) {
         let of = self.of_queue(ns, queue);
         of.runs.member(&of.labels, &self.run_seconds, &attempt.task).observe(attempt.ran_ms as f64 / 1000.0);

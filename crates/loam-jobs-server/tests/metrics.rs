@@ -36,6 +36,24 @@ async fn a_retry_with_no_attempts_left_counts_as_a_failure() {
     assert!(text.contains("loam_jobs_completed_total{ns=\"default\",queue=\"m\",outcome=\"fail\"} 1"), "{text}");
 }
 
+/// A lease that fails a job instead of handing it out (here one whose
+/// `expires` passed before it started) counts it as a failure, as a
+/// worker's failing it would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_a_lease_fails_counts_as_a_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    let mut expired = job("x", b"{}");
+    expired.expires = Some(1);
+    c.enqueue(enqueue_req("e", expired)).await.unwrap();
+    c.enqueue(enqueue_req("e", job("y", b"{}"))).await.unwrap();
+    let leased = c.lease(lease_req("e", 1, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
+    assert_eq!(leased.leases[0].job.as_option().unwrap().name, "y");
+    let text = server.metrics();
+    assert!(text.contains("loam_jobs_completed_total{ns=\"default\",queue=\"e\",outcome=\"fail\"} 1"), "{text}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_of_bullmq_schedulers_are_counted_as_enqueued() {
     let dir = tempfile::tempdir().unwrap();

@@ -513,9 +513,13 @@ impl Jobs {
         }
         let q = Self::queue(ns, queue)?;
         let deadline = deadline_after(wait);
+        // Jobs failed by the tries that found nothing to hand out.
+        let mut failed = 0;
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Jobs);
-            let got = self.lease(ns, queue, req.clone()).await?;
+            let mut got = self.lease(ns, queue, req.clone()).await?;
+            failed += got.info.failed;
+            got.info.failed = failed;
             let now = Instant::now();
             if !got.leases.is_empty() || now >= deadline || self.is_closed() || interrupt.is_some_and(|i| i.is_fired())
             {
@@ -542,9 +546,12 @@ impl Jobs {
         }
         let q = Self::queue(ns, queue)?;
         let deadline = deadline_after(wait);
+        let mut failed = 0;
         loop {
             let listener = self.inner.notifier.listen(&q, Channel::Jobs);
-            let got = self.lease(ns, queue, req.clone()).wait()?;
+            let mut got = self.lease(ns, queue, req.clone()).wait()?;
+            failed += got.info.failed;
+            got.info.failed = failed;
             let now = Instant::now();
             if !got.leases.is_empty() || now >= deadline || self.is_closed() {
                 return Ok(got);

@@ -868,6 +868,9 @@ pub struct LeaseInfo {
     pub paused: bool,
     /// Global concurrency is exhausted.
     pub maxed: bool,
+    /// Jobs the lease failed instead of handing them out: expired before
+    /// they started, or marked to fail (`LeaseRequest::fail_deferred`).
+    pub failed: u32,
 }
 
 #[derive(Clone, Debug, Default)]

@@ -2846,6 +2846,7 @@ fn a_lease_that_fails_deferred_jobs_hands_out_the_next_ones() {
     jobs.enqueue("ns", "q", job("runs")).wait().unwrap();
     let leased = jobs.lease("ns", "q", lease(true)).wait().unwrap();
     assert_eq!(leased.leases.iter().map(|l| l.job.name.as_str()).collect::<Vec<_>>(), ["runs"]);
+    assert_eq!(leased.info.failed, 1);
     let failed = jobs.get_job("ns", "q", &stalled).unwrap().unwrap();
     assert_eq!(failed.state, JobState::Failed);
     assert_eq!(failed.failed_reason.as_deref(), Some("job stalled more than allowable limit"));

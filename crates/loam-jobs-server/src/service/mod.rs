@@ -319,6 +319,7 @@ impl JobsSvc {
         }
         .map_err(core_err)?;
         self.metrics.leased(&c.ns, &req.queue, leased.leases.len() as u64, started.elapsed());
+        self.metrics.failed_by_lease(&c.ns, &req.queue, &leased.info);
         Ok(pb::LeaseResponse { leased: convert::leased(&leased).into(), ..Default::default() })
     }
 
@@ -382,6 +383,7 @@ impl JobsSvc {
         }
         if let Some(next) = &done.next {
             self.metrics.leased(&c.ns, &req.queue, next.leases.len() as u64, Duration::ZERO);
+            self.metrics.failed_by_lease(&c.ns, &req.queue, &next.info);
         }
         Ok(pb::CompleteResponse {
             completed: convert::completed(&done).into(),

@@ -156,12 +156,14 @@ pub fn lease_taken_by(
             }
             if job.expires.is_some_and(|e| e <= tx.now) {
                 super::complete::fail(tx, q, job, &JobError::new("job expired before it started"), false)?;
+                out.info.failed += 1;
                 continue;
             }
             if req.fail_deferred
                 && let Some(reason) = job.deferred_failure.take()
             {
                 super::complete::fail(tx, q, job, &JobError::new(reason), false)?;
+                out.info.failed += 1;
                 continue;
             }
             let size = job.data.len() as u64;
