@@ -346,25 +346,27 @@ def test_set_config_changes_only_the_settings_given(client: Client, queue: str) 
     assert not client.get_config(queue).has_field("dead_letter_queue")
 
 
-def test_a_job_past_max_stalled_is_failed_not_handed_out(client: Client, queue: str) -> None:
+def _marked_to_fail(client: Client, queue: str) -> str:
+    """A job of `queue`, its only one, stalled twice: past the default
+    max_stalled of 1, so marked to fail."""
     enqueued = client.enqueue(queue, "poison", None)
-    # The default max_stalled is 1: the second stall marks the job to fail.
     for _ in range(2):
         assert [leased.id for leased in client.lease(queue, lock_duration_ms=50)] == [enqueued.id]
         time.sleep(0.1)
         assert client.sweep_stalled(queue) == [enqueued.id]
+    return enqueued.id
+
+
+def test_a_job_past_max_stalled_is_failed_not_handed_out(client: Client, queue: str) -> None:
+    poison = _marked_to_fail(client, queue)
     assert len(client.lease(queue)) == 0
-    job = client.get_job(queue, enqueued.id)
+    job = client.get_job(queue, poison)
     assert job is not None and job.state == JobState.FAILED
     assert job.failed_reason == "job stalled more than allowable limit"
 
 
 def test_fetch_next_fails_a_job_past_max_stalled_and_takes_the_next(client: Client, queue: str) -> None:
-    poison = client.enqueue(queue, "poison", None)
-    for _ in range(2):
-        assert [leased.id for leased in client.lease(queue, lock_duration_ms=50)] == [poison.id]
-        time.sleep(0.1)
-        assert client.sweep_stalled(queue) == [poison.id]
+    poison = _marked_to_fail(client, queue)
     first = client.enqueue(queue, "first", None)
     # Leased past the marked job, which is at the front: behind it, a job to fetch.
     leased = client.lease(queue, names=["first"])[0]
@@ -372,7 +374,7 @@ def test_fetch_next_fails_a_job_past_max_stalled_and_takes_the_next(client: Clie
     runnable = client.enqueue(queue, "runnable", None)
     result = client.complete(leased, Success(), fetch_next=1)
     assert [following.id for following in result.next] == [runnable.id]
-    failed = client.get_job(queue, poison.id)
+    failed = client.get_job(queue, poison)
     assert failed is not None and failed.state == JobState.FAILED
     assert failed.failed_reason == "job stalled more than allowable limit"
 
