@@ -11,6 +11,20 @@ const loam = freshLoam();
 const { Queue, Worker } = loam;
 const connection = {};
 
+/**
+ * The addon's methods that panic on purpose. They exist only in a build with
+ * the napi crate's `test-hooks` feature (`pnpm run build:native`); after a
+ * release build (`pnpm run build`, `pnpm bench`) this says so, where calling
+ * the missing method would fail with a bare TypeError.
+ */
+function testHooks<Hooks extends object>(queue: { getBackend(): unknown }): Hooks {
+  const native = (queue.getBackend() as { native: Hooks & { panicForTest?: unknown } }).native;
+  if (typeof native.panicForTest !== 'function') {
+    throw new Error('the addon was built without its test hooks: run `pnpm run build:native` (the debug build)');
+  }
+  return native;
+}
+
 afterAll(() => loam.cleanup());
 
 /** A job of a new queue, taken by a worker holding `token`, as the Job a caller reads back. */
@@ -372,8 +386,7 @@ describe('errors', () => {
     const queue = new Queue(loam.queueName(), { connection });
     // The backend's wrapper of the addon turns a synchronous throw into a
     // rejection; without `catch_unwind` the panic would abort the process.
-    const native = (queue.getBackend() as unknown as { native: { panicInCallForTest(m: string): Promise<void> } })
-      .native;
+    const native = testHooks<{ panicInCallForTest(m: string): Promise<void> }>(queue);
     const err = await native.panicInCallForTest('deliberate').catch((e: unknown) => e as Error & { code?: unknown });
     expect(err).toBeInstanceOf(Error);
     expect((err as Error).message).toMatch(/panic or N-API failure in the Loam addon: deliberate/);
@@ -386,7 +399,7 @@ describe('errors', () => {
 
   itInProcess('turns a Rust panic into a rejected promise', async () => {
     const queue = new Queue(loam.queueName(), { connection });
-    const native = (queue.getBackend() as unknown as { native: { panicForTest(m: string): Promise<void> } }).native;
+    const native = testHooks<{ panicForTest(m: string): Promise<void> }>(queue);
     await expect(native.panicForTest('deliberate')).rejects.toThrow(/operation panicked: deliberate/);
     // The process and the store are still fine.
     const job = await queue.add('after-panic', {});
