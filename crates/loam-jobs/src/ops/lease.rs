@@ -154,14 +154,16 @@ pub fn lease_taken_by(
             {
                 continue;
             }
-            if job.expires.is_some_and(|e| e <= tx.now) {
-                super::complete::fail(tx, q, job, &JobError::new("job expired before it started"), false)?;
-                out.info.failed += 1;
-                continue;
-            }
-            if req.fail_deferred
-                && let Some(reason) = job.deferred_failure.take()
-            {
+            // Failed here instead of handed out: a job that expired before it
+            // started, and under `fail_deferred` one marked to fail.
+            let failure = if job.expires.is_some_and(|e| e <= tx.now) {
+                Some("job expired before it started".to_string())
+            } else if req.fail_deferred {
+                job.deferred_failure.take()
+            } else {
+                None
+            };
+            if let Some(reason) = failure {
                 super::complete::fail(tx, q, job, &JobError::new(reason), false)?;
                 out.info.failed += 1;
                 continue;
