@@ -1,7 +1,7 @@
 // BullMQ on @loam/bullmq beside BullMQ on Redis: the same scenarios, in one
 // run, with the ratios printed. Not a test: figures vary with machine load.
 //
-//   node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
+//   node bench.mjs [--only loam|remote|redis|ceiling[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
 //                  [--scale 0.5] [--remote 'name;...'] [--json out.json] [--help]
 //
 // Each round runs every scenario on every backend back to back; the tables
@@ -16,6 +16,10 @@
 // port, with no persistence: no RDB snapshots, no AOF). Loam uses its default
 // immediate durability unless LOAM_DURABILITY=relaxed, in-process and in the
 // server alike.
+//
+// `ceiling` is BullMQ over a backend that costs nothing (ceiling.mjs), for
+// the scenarios it serves: what BullMQ's own JavaScript allows on this
+// machine in this hour, beside the backends measured against it.
 //
 // `remote` is BullMQ through `loamBackend({ url })` on a `loam-jobs serve`
 // started here ($LOAM_JOBS_BIN, else target/release/loam-jobs; build it with
@@ -32,8 +36,9 @@ import { parseArgs } from 'node:util';
 import { performance } from 'node:perf_hooks';
 import { FlowProducer, Queue, Worker, setDefaultBackendFactory } from 'bullmq';
 import { loamBackend } from '@loam/bullmq';
+import { ceilingBackend, ceilingScenarios } from './ceiling.mjs';
 
-const usage = `usage: node bench.mjs [--only loam|remote|redis[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
+const usage = `usage: node bench.mjs [--only loam|remote|redis|ceiling[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
                       [--scale 1] [--remote 'name;...'] [--json out.json] [--help]
   --only       the backends to run (default: all; remote when target/release/loam-jobs exists)
   --scenarios  the scenarios to run, by their printed names, separated by ';' (default: all)
@@ -357,7 +362,7 @@ const scenarios = {
 function printRun(label, name, x) {
   const lat = x.p50Ms !== undefined ? `  p50 ${x.p50Ms.toFixed(2)} ms  p99 ${x.p99Ms.toFixed(2)} ms` : '';
   console.log(
-    `${label.padEnd(6)} ${name.padEnd(40)} ${x.jobsPerSec.toFixed(0).padStart(8)} jobs/s  ` +
+    `${label.padEnd(7)} ${name.padEnd(40)} ${x.jobsPerSec.toFixed(0).padStart(8)} jobs/s  ` +
       `cpu/job node ${x.nodeCpuMsPerJob.toFixed(3)} ms + server ${x.serverCpuMsPerJob.toFixed(3)} ms${lat}`,
   );
 }
@@ -381,8 +386,8 @@ function medians(runs) {
  * `ours` against Redis, per scenario: the medians of both, and the median
  * and range of the ratios of the runs made back to back in the same round.
  */
-function printComparison(title, ours, redis) {
-  console.log(`\n| ${title} | jobs/s | redis jobs/s | ratio, median (range) | cpu ms/job (node + server) | redis cpu ms/job |`);
+function printComparison(title, ours, redis, against = 'redis') {
+  console.log(`\n| ${title} | jobs/s | ${against} jobs/s | ratio, median (range) | cpu ms/job (node + server) | ${against} cpu ms/job |`);
   console.log('|---|---:|---:|---:|---:|---:|');
   for (const [name, runs] of Object.entries(ours)) {
     const theirs = redis[name];
@@ -415,7 +420,7 @@ async function main() {
   // A misspelt name would otherwise run nothing and print an empty table.
   refuseUnknown('--scenarios', names, Object.keys(scenarios));
   refuseUnknown('--remote', remoteScenarios, Object.keys(scenarios));
-  if (only !== '') refuseUnknown('--only', only.split(','), ['loam', 'remote', 'redis']);
+  if (only !== '') refuseUnknown('--only', only.split(','), ['loam', 'remote', 'redis', 'ceiling']);
   for (const [flag, value] of [['--rounds', rounds], ['--warmup', warmup], ['--scale', scale]]) {
     if (!Number.isFinite(value)) refuse(`${flag}: not a number`);
   }
@@ -461,6 +466,16 @@ async function main() {
         stop: redis.stop,
       });
     }
+    if (wants('ceiling')) {
+      const factory = ceilingBackend();
+      backends.push({
+        label: 'ceiling',
+        b: { opts: { connection: {} }, serverPid: 0 },
+        use: () => setDefaultBackendFactory(factory),
+        names: names.filter((name) => ceilingScenarios.includes(name)),
+        stop: () => {},
+      });
+    }
     for (const backend of backends) {
       report.results[backend.label] = {};
       report.warmups[backend.label] = {};
@@ -488,9 +503,11 @@ async function main() {
   for (const [label, byName] of Object.entries(report.results)) {
     report.medians[label] = Object.fromEntries(Object.entries(byName).map(([name, runs]) => [name, medians(runs)]));
   }
-  const { loam, remote, redis } = report.results;
+  const { loam, remote, redis, ceiling } = report.results;
   if (loam && redis) printComparison('scenario (in-process)', loam, redis);
   if (remote && redis) printComparison('scenario (loamBackend({ url }))', remote, redis);
+  if (ceiling && redis) printComparison('scenario (a backend that costs nothing: the ceiling)', ceiling, redis);
+  if (loam && ceiling) printComparison('scenario (in-process / the ceiling)', loam, ceiling, 'ceiling');
   report.loadAfter = loadavg();
   if (jsonOut) writeFileSync(jsonOut, JSON.stringify(report, null, 2));
   process.exit(0);
