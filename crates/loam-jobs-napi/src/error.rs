@@ -1,21 +1,30 @@
 //! Core errors → the errors BullMQ's callers expect, in one place.
 //!
 //! BullMQ reports failed operations with numeric codes (`enums/error-code`)
-//! and the texts of its `finishedErrors()`; [`Op::error`] builds exactly those
-//! texts. napi rejects async functions with a fixed set of statuses only, so
-//! the code travels as a tag at the start of the message, `[bullmq:-3] ...`
-//! or `[loam:<kind>] ...`, which the JavaScript side strips into `error.code`
-//! (see `src/errors.ts`).
+//! and the texts of its `finishedErrors()`. napi rejects async functions with
+//! a fixed set of statuses only, so the code travels as a tag at the start of
+//! the message, `[bullmq:-3] {...}` or `[loam:<kind>] ...`, which the
+//! JavaScript side strips into `error.code` (see `src/errors.ts`). A BullMQ
+//! code comes with the command and the arguments its text names, as JSON:
+//! `src/errors.ts` writes BullMQ's texts, for this backend and the remote one
+//! alike, so they are kept in one place.
 
-use loam_jobs::{BullmqCode, JobsError, Missing, Precondition, StoreError};
+use loam_jobs::{JobsError, Missing, Precondition, StoreError};
+use serde::Serialize;
 
 /// The BullMQ command an error is reported for, with the arguments its
 /// message names (as the Redis adapter passes them to `finishedErrors`).
-#[derive(Clone, Debug, Default)]
+/// Serialized as `src/errors.ts`'s `BullmqCommand`; an argument left out
+/// prints as `undefined` there, as it does in BullMQ.
+#[derive(Clone, Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
 pub struct Op {
     pub command: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub job_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub state: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub parent_key: Option<String>,
 }
 
@@ -36,47 +45,15 @@ impl Op {
         self
     }
 
-    /// BullMQ's `finishedErrors()` text for `code` (undefined arguments print
-    /// as `undefined`, as they do in JavaScript).
-    pub fn message(&self, code: BullmqCode) -> String {
-        let job = self.job_id.as_deref().unwrap_or("undefined");
-        let cmd = self.command;
-        let state = self.state.unwrap_or("undefined");
-        let parent = self.parent_key.as_deref().unwrap_or("undefined");
-        match code {
-            BullmqCode::JobNotExist => format!("Missing key for job {job}. {cmd}"),
-            BullmqCode::JobLockNotExist => format!("Missing lock for job {job}. {cmd}"),
-            BullmqCode::JobNotInState => format!("Job {job} is not in the {state} state. {cmd}"),
-            BullmqCode::JobPendingChildren => format!("Job {job} has pending dependencies. {cmd}"),
-            BullmqCode::ParentJobNotExist => format!("Missing key for parent job {parent}. {cmd}"),
-            BullmqCode::JobLockMismatch => {
-                format!("Lock mismatch for job {job}. Cmd {cmd} from {state}")
-            }
-            BullmqCode::ParentJobCannotBeReplaced => {
-                format!("The parent job {parent} cannot be replaced. {cmd}")
-            }
-            BullmqCode::JobBelongsToJobScheduler => {
-                format!("Job {job} belongs to a job scheduler and cannot be removed directly. {cmd}")
-            }
-            BullmqCode::JobHasFailedChildren => {
-                format!("Cannot complete job {job} because it has at least one failed child. {cmd}")
-            }
-            BullmqCode::SchedulerJobIdCollision => {
-                format!("Cannot create job scheduler iteration - job ID already exists. {cmd}")
-            }
-            BullmqCode::SchedulerJobSlotsBusy => {
-                format!("Cannot create job scheduler iteration - current and next time slots already have jobs. {cmd}")
-            }
-        }
-    }
-
     /// The JavaScript error for a core error raised by this operation. An
     /// operation on many jobs (addJobs) knows the parent only from the error.
     pub fn error(&self, err: JobsError) -> napi::Error {
         let text = match err.bullmq_code() {
             Some(code) => {
                 let parent_key = self.parent_key.clone().or_else(|| parent_named(&err).map(str::to_string));
-                format!("[bullmq:{}] {}", code as i32, Op { parent_key, ..self.clone() }.message(code))
+                let op = Op { parent_key, ..self.clone() };
+                // Serializing strings into a map cannot fail.
+                format!("[bullmq:{}] {}", code as i32, serde_json::to_string(&op).unwrap_or_default())
             }
             None => loam_message(&err),
         };
@@ -145,16 +122,20 @@ mod tests {
     use loam_jobs::FenceFailure;
 
     #[test]
-    fn messages_match_bullmq_finished_errors() {
+    fn a_bullmq_code_carries_the_arguments_its_text_names() {
         let op = Op::new("moveToFinished").job("7").state("active");
-        assert_eq!(op.error(JobsError::job_missing("7")).reason, "[bullmq:-1] Missing key for job 7. moveToFinished");
+        assert_eq!(
+            op.error(JobsError::job_missing("7")).reason,
+            r#"[bullmq:-1] {"command":"moveToFinished","jobId":"7","state":"active"}"#
+        );
         let fenced = JobsError::Fenced { job: "7".into(), current_epoch: 2, reason: FenceFailure::Mismatch };
-        assert_eq!(op.error(fenced).reason, "[bullmq:-6] Lock mismatch for job 7. Cmd moveToFinished from active");
+        assert!(op.error(fenced).reason.starts_with("[bullmq:-6] {"));
         let not_in_state = JobsError::not_in_state("7", "waiting", "active");
-        assert_eq!(op.error(not_in_state).reason, "[bullmq:-3] Job 7 is not in the active state. moveToFinished");
-        let add = Op::new("addJob").parent(Some("bull:p:1".into()));
+        assert!(op.error(not_in_state).reason.starts_with("[bullmq:-3] {"));
+        // The parent a refusal names, where the operation did not know it.
+        let add = Op::new("addJobs");
         let missing_parent = JobsError::NotFound(Missing::ParentJob("bull:p:1".into()));
-        assert_eq!(add.error(missing_parent).reason, "[bullmq:-5] Missing key for parent job bull:p:1. addJob");
+        assert_eq!(add.error(missing_parent).reason, r#"[bullmq:-5] {"command":"addJobs","parentKey":"bull:p:1"}"#);
         assert!(op.error(JobsError::invalid("x")).reason.starts_with("[loam:invalid_argument] "));
     }
 }

@@ -1,11 +1,13 @@
 /**
  * Errors from the native addon carry their code as a tag at the start of the
  * message (napi can only reject async calls with a fixed set of statuses):
- * `[bullmq:-3] Job 1 is not in the active state. moveToFinished` or
+ * `[bullmq:-3] {"command":"moveToFinished","jobId":"1","state":"active"}`
+ * (BullMQ's code, and the command and arguments its text names) or
  * `[loam:store_locked] ...`. This turns them into the errors BullMQ's callers
  * expect: `error.code` is BullMQ's numeric code (-1..-11) or a `LOAM_*`
- * string, and -9 is an `UnrecoverableError`, as BullMQ's `finishedErrors()`
- * makes it.
+ * string, the text is BullMQ's `finishedErrors()` text (`finishedErrorText`,
+ * which the remote backend uses too), and -9 is an `UnrecoverableError`, as
+ * `finishedErrors()` makes it.
  */
 import { isNotConnectionError, UnrecoverableError } from 'bullmq';
 
@@ -27,9 +29,14 @@ export function fromNative(err: unknown): Error {
   const [whole, family, code] = tag;
   const message = err.message.slice(whole.length);
   if (family === 'bullmq') {
-    return bullmqError(Number(code), message);
+    return bullmqError(Number(code), finishedErrorText(Number(code), nativeCommand(message)));
   }
   return loamError(code, message);
+}
+
+/** The command and arguments the addon sends with a BullMQ code (its `error::Op`). */
+function nativeCommand(json: string): BullmqCommand {
+  return JSON.parse(json) as BullmqCommand;
 }
 
 /**

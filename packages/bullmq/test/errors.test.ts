@@ -377,9 +377,35 @@ describe('errors', () => {
 
   it('raises JobHasFailedChildren as an UnrecoverableError', async () => {
     const { fromNative } = await import('../src/errors.js');
-    const err = fromNative(new Error('[bullmq:-9] Cannot complete job 1 because it has at least one failed child. moveToFinished'));
+    const err = fromNative(new Error('[bullmq:-9] {"command":"moveToFinished","jobId":"1"}'));
     expect(err).toBeInstanceOf(UnrecoverableError);
     expect((err as Error & { code: number }).code).toBe(-9);
+    expect(err.message).toBe('Cannot complete job 1 because it has at least one failed child. moveToFinished');
+  });
+
+  it("writes BullMQ's text for each code the addon sends, an argument it left out as undefined", async () => {
+    const { fromNative } = await import('../src/errors.js');
+    const texts = [
+      [-1, { command: 'moveToFinished', jobId: '7' }, 'Missing key for job 7. moveToFinished'],
+      [-2, { command: 'extendLock', jobId: '7' }, 'Missing lock for job 7. extendLock'],
+      [-3, { command: 'moveToFinished', jobId: '7', state: 'active' }, 'Job 7 is not in the active state. moveToFinished'],
+      [-4, { command: 'moveToFinished', jobId: '7' }, 'Job 7 has pending dependencies. moveToFinished'],
+      [-5, { command: 'addJob', parentKey: 'bull:p:1' }, 'Missing key for parent job bull:p:1. addJob'],
+      [-5, { command: 'addJob' }, 'Missing key for parent job undefined. addJob'],
+      [-6, { command: 'moveToFinished', jobId: '7', state: 'active' }, 'Lock mismatch for job 7. Cmd moveToFinished from active'],
+      [-7, { command: 'addJob', parentKey: 'bull:p:1' }, 'The parent job bull:p:1 cannot be replaced. addJob'],
+      [-8, { command: 'removeJob', jobId: '7' }, 'Job 7 belongs to a job scheduler and cannot be removed directly. removeJob'],
+      [-10, { command: 'addJobScheduler' }, 'Cannot create job scheduler iteration - job ID already exists. addJobScheduler'],
+      [
+        -11,
+        { command: 'addJobScheduler' },
+        'Cannot create job scheduler iteration - current and next time slots already have jobs. addJobScheduler',
+      ],
+    ] as const;
+    for (const [code, call, text] of texts) {
+      const err = fromNative(new Error(`[bullmq:${code}] ${JSON.stringify(call)}`)) as Error & { code: number };
+      expect([err.code, err.message]).toEqual([code, text]);
+    }
   });
 
   itInProcess('turns a Rust panic in a synchronous call into an internal error', async () => {

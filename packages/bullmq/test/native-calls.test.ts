@@ -32,7 +32,7 @@ function fakeNative(): { native: Record<string, (...args: unknown[]) => Promise<
   const prototype = FakeQueue.prototype as Record<string, unknown>;
   for (const name of [...WRITE_METHODS, 'getState', 'waitForJob', 'close']) {
     prototype[name] = (...args: unknown[]) => {
-      if (args[0] === 'refuse') throw new Error('[bullmq:-1] Missing key for job 1. addJob');
+      if (args[0] === 'refuse') throw new Error('[bullmq:-1] {"command":"addJob","jobId":"1"}');
       const call = settleable();
       calls.push(call);
       return call.promise;
@@ -63,7 +63,7 @@ describe("native calls' writes", () => {
     calls[0]!.resolve('a');
     await drain();
     expect(order).toEqual(['0:a', '1:b']);
-    calls[4]!.reject(new Error('[bullmq:-3] Job 5 is not in the active state. retryJob'));
+    calls[4]!.reject(new Error('[bullmq:-3] {"command":"retryJob","jobId":"5","state":"active"}'));
     await drain();
     expect(order).toEqual(['0:a', '1:b']);
     calls[2]!.resolve('c');
