@@ -1004,24 +1004,22 @@ impl LoamQueue {
         Ok(job.is_some_and(|j| j.state == wanted))
     }
 
-    /// `isFinished`: JSON of `code` or `[code, value]` (BullMQ's shapes).
+    /// `isFinished`: JSON of `[code, value]`, the value `null` where there is
+    /// none (a job missing or not finished); `src/common.ts`'s
+    /// `isFinishedAnswer` shapes it as BullMQ's `code` or `[code, value]`.
     #[napi]
-    pub async fn is_finished(&self, host_now: f64, job_id: String, return_value: bool) -> Result<String> {
+    pub async fn is_finished(&self, host_now: f64, job_id: String) -> Result<String> {
         self.store.observe(host_now);
         let job = self.read(Op::new("isFinished").job(&job_id), |tx, q| query::get_job(tx, q, &job_id))?;
-        let (code, value): (i32, Option<String>) = match &job {
-            None => (-1, Some(format!("Missing key for job {}:{}:{job_id}. isFinished", self.prefix, self.queue))),
+        let answer: (i32, Option<String>) = match &job {
+            None => (-1, None),
             Some(j) if j.state == JobState::Completed => {
                 (1, Some(j.return_value.as_deref().map_or("null".into(), |v| String::from_utf8_lossy(v).into_owned())))
             }
             Some(j) if j.state == JobState::Failed => (2, Some(j.failed_reason.clone().unwrap_or_default())),
             Some(_) => (0, None),
         };
-        Ok(match (return_value, value) {
-            (true, Some(v)) => json(&(code, v)),
-            (true, None) => json(&[code]),
-            (false, _) => code.to_string(),
-        })
+        Ok(json(&answer))
     }
 
     /// `getCounts`: one count per type; delayed jobs only when due before

@@ -38,6 +38,7 @@ import {
   finishedNext,
   INTERRUPTED_WAIT,
   holdName,
+  isFinishedAnswer,
   logRowText,
   keptCount,
   logRowsKept,
@@ -434,7 +435,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async isFinished(jobId: string, returnValue = false): Promise<number | [number, string]> {
-    return JSON.parse(await this.native.isFinished(Date.now(), String(jobId), returnValue));
+    const [code, value] = JSON.parse(await this.native.isFinished(Date.now(), String(jobId))) as [number, string | null];
+    return isFinishedAnswer(code, value ?? undefined, returnValue, `${this.qualifiedName}:${jobId}`);
   }
 
   isJobInState(state: string, jobId: string): Promise<boolean> {

@@ -23,6 +23,23 @@ export function finishedNext(next: NextJobTuple | undefined): NextJobTuple | [] 
   return next;
 }
 
+/**
+ * BullMQ's `isFinished` answer: `code`, or `[code, value]` when the value is
+ * asked for (-1 missing, with Redis's text naming `key`; 0 not finished, with
+ * no value; 1 completed, with the return value's JSON; 2 failed, with the
+ * reason).
+ */
+export function isFinishedAnswer(
+  code: number,
+  value: string | undefined,
+  returnValue: boolean,
+  key: string,
+): number | [number, string] {
+  if (!returnValue) return code;
+  const shown = code === -1 ? `Missing key for job ${key}. isFinished` : value;
+  return (shown === undefined ? [code] : [code, shown]) as [number, string];
+}
+
 /** A parent's children, by BullMQ category, in the core's order. */
 export interface ChildrenByCategory {
   /** Child key and its return value as JSON text. */

@@ -47,6 +47,7 @@ import {
   dependenciesPage,
   finishedNext,
   INTERRUPTED_WAIT,
+  isFinishedAnswer,
   logRowText,
   keptCount,
   logRowsKept,
@@ -1046,22 +1047,14 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** BullMQ's `code` or `[code, value]`: -1 missing, 0 not finished, 1 completed, 2 failed. */
   async isFinished(jobId: string, returnValue = false): Promise<number | [number, string]> {
     const job = await this.job({ command: 'isFinished', jobId }, jobId);
-    let code: number;
-    let value: string | undefined;
-    if (!job) {
-      code = -1;
-      value = `Missing key for job ${this.qualifiedName}:${jobId}. isFinished`;
-    } else if (job.state === JobState.COMPLETED) {
-      code = 1;
-      value = job.returnValue !== undefined ? asJsonText(text(job.returnValue)) : 'null';
-    } else if (job.state === JobState.FAILED) {
-      code = 2;
-      value = job.failedReason ?? '';
-    } else {
-      code = 0;
+    const key = `${this.qualifiedName}:${jobId}`;
+    if (!job) return isFinishedAnswer(-1, undefined, returnValue, key);
+    if (job.state === JobState.COMPLETED) {
+      const value = job.returnValue !== undefined ? asJsonText(text(job.returnValue)) : 'null';
+      return isFinishedAnswer(1, value, returnValue, key);
     }
-    if (!returnValue) return code;
-    return (value === undefined ? [code] : [code, value]) as [number, string];
+    if (job.state === JobState.FAILED) return isFinishedAnswer(2, job.failedReason ?? '', returnValue, key);
+    return isFinishedAnswer(0, undefined, returnValue, key);
   }
 
   async isJobInState(state: string, jobId: string): Promise<boolean> {

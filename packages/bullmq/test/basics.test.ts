@@ -156,6 +156,35 @@ describe('Queue and Worker on Loam', () => {
     await queue.close();
   });
 
+  it('answers waitUntilFinished for a job already finished, or gone, as Redis does', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const events = new QueueEvents(name, { connection });
+    await events.waitUntilReady();
+    const worker = new Worker(
+      name,
+      async (job: Job) => {
+        if (job.name === 'bad') throw new Error('bad job');
+        return { n: 1 };
+      },
+      { connection },
+    );
+    const good = await queue.add('good', {});
+    const bad = await queue.add('bad', {});
+    const gone = await queue.add('gone', {}, { delay: 60_000 });
+    await until(async () => (await good.getState()) === 'completed' && (await bad.getState()) === 'failed');
+    await gone.remove();
+    // Each finished before the wait began: the answer comes from isFinished.
+    expect(await good.waitUntilFinished(events, 1_000)).toEqual({ n: 1 });
+    await expect(bad.waitUntilFinished(events, 1_000)).rejects.toMatchObject({ message: 'bad job' });
+    await expect(gone.waitUntilFinished(events, 1_000)).rejects.toMatchObject({
+      message: `Missing key for job ${queue.qualifiedName}:${gone.id}. isFinished`,
+    });
+    await worker.close();
+    await events.close();
+    await queue.close();
+  });
+
   it('retries failed jobs with backoff, then fails them for good', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });
