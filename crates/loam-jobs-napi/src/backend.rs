@@ -1107,25 +1107,20 @@ impl LoamQueue {
         })
     }
 
-    /// `getMetrics`: `[[count, prevTS, prevCount], data[start..=end], total]` as JSON.
+    /// `getMetrics`: the queue's metrics record of that kind as JSON
+    /// (`count`, `prevTs`, `prevCount`, `data`), or `null` where none is
+    /// kept; `src/common.ts`'s `metricsAnswer` pages it in BullMQ's shape.
     #[napi]
-    pub async fn get_metrics(&self, host_now: f64, kind: String, start: f64, end: f64) -> Result<String> {
+    pub async fn get_metrics(&self, host_now: f64, kind: String) -> Result<String> {
         self.store.observe(host_now);
         // BullMQ keeps no metrics under another name: Redis answers none.
         let rec = match MetricsKind::parse(&kind) {
             Some(kind) => self.read(Op::new("getMetrics"), |tx, q| query::metrics(tx, q, kind))?,
             None => None,
         };
-        let Some(rec) = rec else {
-            return Ok(json(&serde_json::json!([[null, null, null], [], 0])));
-        };
-        let total = rec.data.len() as i64;
-        let norm = |i: i64| if i < 0 { total + i } else { i };
-        let (s, e) = (norm(start as i64).max(0), norm(end as i64).min(total - 1));
-        let page: Vec<String> =
-            rec.data.iter().skip(s as usize).take((e - s + 1).max(0) as usize).map(u64::to_string).collect();
-        let meta = [rec.count.to_string(), rec.prev_ts.to_string(), rec.prev_count.to_string()];
-        Ok(json(&serde_json::json!([meta, page, total])))
+        Ok(json(&rec.map(|rec| {
+            serde_json::json!({ "count": rec.count, "prevTs": rec.prev_ts, "prevCount": rec.prev_count, "data": rec.data })
+        })))
     }
 
     // ---- flows: children ------------------------------------------------------------

@@ -129,6 +129,10 @@ async fn queue_and_job_admin_reports_and_queries() {
     let R::Flag(maxed) = q(&c, qn, Q::IsMaxed(true)).await else { panic!("flag") };
     assert!(!maxed);
 
+    // No metrics kept yet: the answer has no result, as Redis's is all nulls.
+    let none = query_req(qn, pb::query_request::MetricsOf { kind: "failed".into(), ..Default::default() }.into());
+    assert!(c.query(none).await.unwrap().into_owned().result.is_none());
+
     // Fail it, then retry the failed job; metrics count it; clean the completed one.
     let fail = pb::Outcome::from_kind(pb::outcome::Fail {
         error: pb::JobError { message: "boom".into(), ..Default::default() }.into(),

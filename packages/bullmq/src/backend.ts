@@ -39,6 +39,7 @@ import {
   INTERRUPTED_WAIT,
   holdName,
   isFinishedAnswer,
+  metricsAnswer,
   logRowText,
   keptCount,
   logRowsKept,
@@ -57,6 +58,7 @@ import {
   type Activity,
   type ChildrenByCategory,
   type FinishedResult,
+  type MetricsRecord,
 } from './common.js';
 import { fromNative } from './errors.js';
 import { nativeCalls } from './native-calls.js';
@@ -505,7 +507,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async getMetrics(type: 'completed' | 'failed', start = 0, end = -1): Promise<[string[], string[], number]> {
-    return JSON.parse(await this.native.getMetrics(Date.now(), type, Number(start), Number(end)));
+    const rec = JSON.parse(await this.native.getMetrics(Date.now(), type)) as MetricsRecord | null;
+    return metricsAnswer(rec ?? undefined, Number(start), Number(end));
   }
 
   /** One CLIENT LIST text with the names this process's backends of this store and namespace hold. */

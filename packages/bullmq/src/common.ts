@@ -40,6 +40,31 @@ export function isFinishedAnswer(
   return (shown === undefined ? [code] : [code, shown]) as [number, string];
 }
 
+/** A queue's metrics of one kind, as the core keeps them (numbers, or the wire's 64-bit integers). */
+export interface MetricsRecord {
+  count: number | bigint;
+  prevTs: number | bigint;
+  prevCount: number | bigint;
+  /** Jobs a minute, newest first. */
+  data: readonly (number | bigint)[];
+}
+
+/**
+ * BullMQ's raw `getMetrics` answer, as Redis's adapter returns it:
+ * `[[count, prevTS, prevCount], the points start..end (inclusive, negative
+ * from the end), how many points there are]`; with no metrics kept, the
+ * three are `null`, as Redis's `HMGET` of a missing hash answers.
+ */
+export function metricsAnswer(rec: MetricsRecord | undefined, start: number, end: number): [string[], string[], number] {
+  if (!rec) return [[null, null, null] as unknown as string[], [], 0];
+  const total = rec.data.length;
+  const norm = (i: number) => (i < 0 ? total + i : i);
+  const from = Math.max(0, norm(Math.trunc(start)));
+  const to = Math.min(total - 1, norm(Math.trunc(end)));
+  const page = rec.data.slice(from, Math.max(from, to + 1)).map(String);
+  return [[String(rec.count), String(rec.prevTs), String(rec.prevCount)], page, total];
+}
+
 /** A parent's children, by BullMQ category, in the core's order. */
 export interface ChildrenByCategory {
   /** Child key and its return value as JSON text. */

@@ -48,6 +48,7 @@ import {
   finishedNext,
   INTERRUPTED_WAIT,
   isFinishedAnswer,
+  metricsAnswer,
   logRowText,
   keptCount,
   logRowsKept,
@@ -1191,16 +1192,9 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async getMetrics(type: 'completed' | 'failed', start = 0, end = -1): Promise<[string[], string[], number]> {
     // No other kind is ever recorded: Redis and the in-process backend answer
     // one with no metrics, where the server refuses it.
-    if (type !== 'completed' && type !== 'failed') return [['0', '0', '0'], [], 0];
+    if (type !== 'completed' && type !== 'failed') return metricsAnswer(undefined, start, end);
     const r = await this.query({ command: 'getMetrics' }, { case: 'metrics', value: { kind: type } });
-    if (r.case !== 'metrics') return [[], [], 0];
-    const m = r.value;
-    const total = m.data.length;
-    const norm = (i: number) => (i < 0 ? total + i : i);
-    const from = Math.max(0, norm(Math.trunc(start)));
-    const to = Math.min(total - 1, norm(Math.trunc(end)));
-    const page = m.data.slice(from, Math.max(from, to + 1)).map(String);
-    return [[String(m.count), String(m.prevTs), String(m.prevCount)], page, total];
+    return metricsAnswer(r.case === 'metrics' ? r.value : undefined, start, end);
   }
 
   /** The names the server saw recently for this queue, as one CLIENT LIST text. */

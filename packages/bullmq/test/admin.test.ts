@@ -235,6 +235,25 @@ describe('queue and job admin', () => {
     await queue.close();
   });
 
+  it("answers the backend's getMetrics in Redis's raw shape, nulls where no metrics are kept", async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const backend = queue['backend'];
+    const none = [[null, null, null], [], 0];
+    expect(await backend.getMetrics('completed')).toEqual(none);
+    expect(await backend.getMetrics('Completed' as never)).toEqual(none);
+    const worker = new Worker(name, async () => 'ok', { connection, metrics: { maxDataPoints: 10 } });
+    await queue.addBulk(Array.from({ length: 3 }, () => ({ name: 'x', data: {} })));
+    await until(async () => (await queue.getJobCounts('completed')).completed === 3);
+    const [meta, points, total] = await backend.getMetrics('completed');
+    expect(meta[0]).toBe('3');
+    expect(meta.every(field => typeof field === 'string')).toBe(true);
+    expect(points).toHaveLength(total);
+    expect(await backend.getMetrics('failed')).toEqual(none);
+    await worker.close();
+    await queue.close();
+  });
+
   it('rate limits a worker', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });

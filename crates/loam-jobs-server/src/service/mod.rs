@@ -670,8 +670,9 @@ impl JobsSvc {
         // against it, but an event read, which is cut short instead.
         let mut size = self.answer_size();
         let cut_short = matches!(q, Query::Events(_));
-        let result: Result<R, JobsError> = async {
-            Ok(match q {
+        // No result where there is nothing to answer (metrics never kept).
+        let result: Result<Option<R>, JobsError> = async {
+            Ok(Some(match q {
                 Query::Jobs(j) => {
                     let slots = jobs.query(ns, queue, |tx, q| {
                         let mut slots = Vec::with_capacity(j.ids.len().min(1024));
@@ -736,8 +737,10 @@ impl JobsSvc {
                 Query::Metrics(m) => {
                     let kind = MetricsKind::parse(&m.kind)
                         .ok_or_else(|| JobsError::invalid("metrics kind must be completed or failed"))?;
-                    let rec = jobs.query(ns, queue, |tx, q| query::metrics(tx, q, kind))?;
-                    R::from(rec.as_ref().map(convert::metrics).unwrap_or_default())
+                    match jobs.query(ns, queue, |tx, q| query::metrics(tx, q, kind))? {
+                        Some(rec) => R::from(convert::metrics(&rec)),
+                        None => return Ok(None),
+                    }
                 }
                 Query::Meta(m) => {
                     let all = jobs.query(ns, queue, query::meta)?;
@@ -815,10 +818,10 @@ impl JobsSvc {
                 Query::Config(_) => {
                     R::from(convert::queue_config_to(&jobs.query(ns, queue, |tx, q| tx.queue_config(q))?))
                 }
-            })
+            }))
         }
         .await;
-        let answer = pb::QueryResponse { result: Some(result.map_err(core_err)?), ..Default::default() };
+        let answer = pb::QueryResponse { result: result.map_err(core_err)?, ..Default::default() };
         if !cut_short {
             size.whole(&answer)?;
         }
