@@ -508,7 +508,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   async getMetrics(type: 'completed' | 'failed', start = 0, end = -1): Promise<[string[], string[], number]> {
     const rec = JSON.parse(await this.native.getMetrics(Date.now(), type)) as MetricsRecord | null;
-    return metricsAnswer(rec ?? undefined, Number(start), Number(end));
+    return metricsAnswer(rec ?? undefined, start, end);
   }
 
   /** One CLIENT LIST text with the names this process's backends of this store and namespace hold. */

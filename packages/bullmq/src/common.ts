@@ -58,9 +58,15 @@ export interface MetricsRecord {
 export function metricsAnswer(rec: MetricsRecord | undefined, start: number, end: number): [string[], string[], number] {
   if (!rec) return [[null, null, null] as unknown as string[], [], 0];
   const total = rec.data.length;
+  // Positions read as the other range getters read them (`wire.ts i64`):
+  // NaN and null as 0, a fraction toward 0, an infinity as the far end.
+  const whole = (i: number) => {
+    const n = Number(i);
+    return Number.isNaN(n) ? 0 : Math.trunc(n);
+  };
   const norm = (i: number) => (i < 0 ? total + i : i);
-  const from = Math.max(0, norm(Math.trunc(start)));
-  const to = Math.min(total - 1, norm(Math.trunc(end)));
+  const from = Math.max(0, norm(whole(start)));
+  const to = Math.min(total - 1, norm(whole(end)));
   const page = rec.data.slice(from, Math.max(from, to + 1)).map(String);
   return [[String(rec.count), String(rec.prevTs), String(rec.prevCount)], page, total];
 }

@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { create } from '@bufbuild/protobuf';
 import { UnrecoverableError } from 'bullmq';
-import { newJobJson } from '../src/common.js';
+import { metricsAnswer, newJobJson } from '../src/common.js';
 import { fromServer } from '../src/errors.js';
 import { JobSchema, JobState, OnChildFailure, BackoffKind } from '../src/gen/loam/jobs/v1/types_pb.js';
 import { i64, jobError, jobJson, jobSpec, nextJob, priorityBand, retention, streamEntry, u32, u64 } from '../src/wire.js';
@@ -143,5 +143,36 @@ describe('wire conversions', () => {
     expect(
       fromServer({ code: 'failed_precondition', message: 'x', reason: 'precondition.queue_not_paused' }, { command: 'obliterate' }),
     ).toMatchObject({ message: 'Cannot obliterate non-paused queue' });
+  });
+});
+
+/** Both backends page the metrics record here, as Redis's `LRANGE` pages its list. */
+describe('getMetrics paging', () => {
+  const record = { count: 15, prevTs: 1_700_000_000_000, prevCount: 2, data: [5, 4, 3, 2, 1] };
+  const page = (start: number, end: number) => metricsAnswer(record, start, end)[1];
+
+  it("answers LRANGE's page: inclusive, negative from the end, clipped to the list", () => {
+    expect(metricsAnswer(record, 0, -1)).toEqual([['15', '1700000000000', '2'], ['5', '4', '3', '2', '1'], 5]);
+    expect(page(1, 2)).toEqual(['4', '3']);
+    expect(page(-2, -1)).toEqual(['2', '1']);
+    expect(page(3, 1)).toEqual([]);
+    expect(page(10, 20)).toEqual([]);
+    expect(page(-100, 0)).toEqual(['5']);
+    expect(page(0, 100)).toEqual(['5', '4', '3', '2', '1']);
+  });
+
+  it('reads positions as the other getters do: NaN and null as 0, a fraction toward 0, an infinity as the far end', () => {
+    expect(page(0.9, 1.9)).toEqual(['5', '4']);
+    expect(page(NaN, -1)).toEqual(['5', '4', '3', '2', '1']);
+    expect(page(0, NaN)).toEqual(['5']);
+    expect(page(null as unknown as number, 1)).toEqual(['5', '4']);
+    expect(page(-Infinity, Infinity)).toEqual(['5', '4', '3', '2', '1']);
+    expect(page(Infinity, -1)).toEqual([]);
+  });
+
+  it("gives the wire's 64-bit integers the same text, and Redis's nulls with no record", () => {
+    const wire = { count: 15n, prevTs: 1_700_000_000_000n, prevCount: 2n, data: [5n, 4n, 3n, 2n, 1n] };
+    expect(metricsAnswer(wire, -2, -1)).toEqual([['15', '1700000000000', '2'], ['2', '1'], 5]);
+    expect(metricsAnswer(undefined, 0, -1)).toEqual([[null, null, null], [], 0]);
   });
 });
