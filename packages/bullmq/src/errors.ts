@@ -29,14 +29,28 @@ export function fromNative(err: unknown): Error {
   const [whole, family, code] = tag;
   const message = err.message.slice(whole.length);
   if (family === 'bullmq') {
-    return bullmqError(Number(code), finishedErrorText(Number(code), nativeCommand(message)));
+    const command = nativeCommand(message);
+    return bullmqError(Number(code), command ? finishedErrorText(Number(code), command) : message);
   }
   return loamError(code, message);
 }
 
-/** The command and arguments the addon sends with a BullMQ code (its `error::Op`). */
-function nativeCommand(json: string): BullmqCommand {
-  return JSON.parse(json) as BullmqCommand;
+/**
+ * The command and arguments the addon sends with a BullMQ code (its
+ * `error::Op`), or none when the text is not that JSON (an addon built before
+ * it sent JSON, or a message made by hand), whose text is then the message
+ * itself: converting an error must never throw, since the write queue
+ * (`native-calls.ts`) settles callers with it.
+ */
+function nativeCommand(text: string): BullmqCommand | undefined {
+  let parsed: unknown;
+  try {
+    parsed = JSON.parse(text);
+  } catch {
+    return undefined;
+  }
+  const command = (parsed as { command?: unknown } | null)?.command;
+  return typeof command === 'string' ? (parsed as BullmqCommand) : undefined;
 }
 
 /**
@@ -105,9 +119,10 @@ export function callSync<T>(fn: () => T): T {
 }
 
 /**
- * The BullMQ command a remote call runs for, with the arguments BullMQ's
- * `finishedErrors()` names in its texts. The server sends the code; the
- * text is rebuilt here from what the caller knows.
+ * The BullMQ command a call runs for, with the arguments BullMQ's
+ * `finishedErrors()` names in its texts: the addon sends it as JSON beside
+ * the code (its `error::Op`); for a remote call the server sends the code and
+ * the caller knows the rest. Either way the text is written here.
  */
 export interface BullmqCommand {
   command: string;

@@ -135,7 +135,10 @@ class WriteOrder {
     return new Promise<T>((resolve, reject) => {
       write.then(
         value => this.settle(number, { settle: () => resolve(value), handsOutJob, reads }),
-        (err: unknown) => this.settle(number, { settle: () => reject(fromNative(err)), handsOutJob, reads }),
+        (err: unknown) => {
+          const error = fromNative(err);
+          this.settle(number, { settle: () => reject(error), handsOutJob, reads });
+        },
       );
     });
   }

@@ -408,6 +408,14 @@ describe('errors', () => {
     }
   });
 
+  it('keeps a BullMQ code whose text is not the JSON it expects as the message itself, never throwing', async () => {
+    const { fromNative } = await import('../src/errors.js');
+    for (const text of ['Missing key for job 7. addJob', '', 'null', '{"jobId":"7"}', '[1, 2]']) {
+      const err = fromNative(new Error(`[bullmq:-1] ${text}`)) as Error & { code: number };
+      expect([err.code, err.message]).toEqual([-1, text]);
+    }
+  });
+
   itInProcess('turns a Rust panic in a synchronous call into an internal error', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     // The backend's wrapper of the addon turns a synchronous throw into a
