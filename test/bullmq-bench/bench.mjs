@@ -36,7 +36,7 @@ import { parseArgs } from 'node:util';
 import { performance } from 'node:perf_hooks';
 import { FlowProducer, Queue, Worker, setDefaultBackendFactory } from 'bullmq';
 import { loamBackend } from '@loam/bullmq';
-import { ceilingBackend, ceilingScenarios } from './ceiling.mjs';
+import { ceilingBackend, ceilingScenarios, forgetCeilingJobs } from './ceiling.mjs';
 
 const usage = `usage: node bench.mjs [--only loam|remote|redis|ceiling[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
                       [--scale 1] [--remote 'name;...'] [--json out.json] [--help]
@@ -383,14 +383,15 @@ function medians(runs) {
 }
 
 /**
- * `ours` against Redis, per scenario: the medians of both, and the median
- * and range of the ratios of the runs made back to back in the same round.
+ * `ours` against `theirs` (Redis, or the ceiling), per scenario: the medians
+ * of both, and the median and range of the ratios of the runs made back to
+ * back in the same round.
  */
-function printComparison(title, ours, redis, against = 'redis') {
+function printComparison(title, ours, theirsByName, against = 'redis') {
   console.log(`\n| ${title} | jobs/s | ${against} jobs/s | ratio, median (range) | cpu ms/job (node + server) | ${against} cpu ms/job |`);
   console.log('|---|---:|---:|---:|---:|---:|');
   for (const [name, runs] of Object.entries(ours)) {
-    const theirs = redis[name];
+    const theirs = theirsByName[name];
     if (!theirs) continue;
     const ratios = runs.map((x, i) => x.jobsPerSec / theirs[i].jobsPerSec);
     const [l, r] = [medians(runs), medians(theirs)];
@@ -473,6 +474,7 @@ async function main() {
         b: { opts: { connection: {} }, serverPid: 0 },
         use: () => setDefaultBackendFactory(factory),
         names: names.filter((name) => ceilingScenarios.includes(name)),
+        after: forgetCeilingJobs,
         stop: () => {},
       });
     }
@@ -491,6 +493,7 @@ async function main() {
           if (!backend.names.includes(name)) continue;
           backend.use();
           const x = await scenarios[name](backend.b);
+          backend.after?.();
           ((counted ? report.results : report.warmups)[backend.label][name] ??= []).push(x);
           printRun(counted ? backend.label : `${backend.label} (warm-up)`, name, x);
         }

@@ -64,6 +64,16 @@ class Jobs {
 }
 
 const queues = new Map();
+
+/**
+ * Drops every queue's jobs, between scenarios: the jobs one scenario left
+ * (added and never processed) would otherwise stay in the heap that the
+ * other backends' runs share with this one.
+ */
+export function forgetCeilingJobs() {
+  queues.clear();
+}
+
 /** The jobs of the queue `${prefix}:${queueName}`. */
 const jobsOf = (queueKey) => {
   if (!queues.has(queueKey)) queues.set(queueKey, new Jobs());
@@ -179,6 +189,9 @@ class CeilingBackend extends EventEmitter {
       parent.processed[`${this.qualifiedName}:${job.id}`] = stored.returnvalue;
       if (--parent.pending === 0) parentJobs.ready(parent.id);
     }
+    // A finished job is read no more (its parent keeps its value): keeping it
+    // would grow the heap by every job processed.
+    this.jobs.byId.delete(job.id);
     if (!fetchNext) return { result: undefined, finishedOn };
     const next = this.jobs.take();
     return { result: next[0] === null ? [] : next, finishedOn };
@@ -190,17 +203,27 @@ class CeilingBackend extends EventEmitter {
 
 /**
  * BullMQ's `BackendFactory` for the ceiling. Each backend is wrapped so that
- * a member it lacks throws when BullMQ reads it, naming the member.
+ * a member it lacks throws when BullMQ reads it, naming the member. A method
+ * is bound to the backend (its private fields refuse the proxy as `this`)
+ * once, not at each call.
  */
 export function ceilingBackend() {
-  return (name, opts) =>
-    new Proxy(new CeilingBackend(name, opts?.prefix ?? 'bull'), {
+  return (name, opts) => {
+    const bound = new Map();
+    return new Proxy(new CeilingBackend(name, opts?.prefix ?? 'bull'), {
       get(target, member, receiver) {
         if (typeof member === 'string' && !(member in target) && member !== 'then') {
           throw new Error(`the ceiling backend serves only ${ceilingScenarios.join('; ')}: BullMQ asked for ${member}`);
         }
         const value = Reflect.get(target, member, receiver);
-        return typeof value === 'function' ? value.bind(target) : value;
+        if (typeof value !== 'function') return value;
+        let method = bound.get(member);
+        if (method?.of !== value) {
+          method = { of: value, call: value.bind(target) };
+          bound.set(member, method);
+        }
+        return method.call;
       },
     });
+  };
 }
