@@ -79,7 +79,6 @@ struct BackendOptions {
     durability: Option<String>,
     flush_interval_ms: Option<f64>,
     queue: String,
-    prefix: Option<String>,
     lock_duration: Option<f64>,
     limiter: Option<LimiterOpt>,
     max_stalled_count: Option<f64>,
@@ -228,7 +227,6 @@ pub struct LoamQueue {
     store: Arc<SharedStore>,
     ns: String,
     queue: String,
-    prefix: String,
     settings: Arc<WorkerSettings>,
     /// Siblings made by `forQueue` share their creator's store use.
     owns_store: bool,
@@ -334,12 +332,11 @@ impl LoamQueue {
         }
     }
 
-    fn sibling(&self, queue: String, prefix: String) -> Self {
+    fn sibling(&self, queue: String) -> Self {
         LoamQueue {
             store: Arc::clone(&self.store),
             ns: self.ns.clone(),
             queue,
-            prefix,
             settings: Arc::clone(&self.settings),
             owns_store: false,
             closed: AtomicBool::new(false),
@@ -377,7 +374,6 @@ impl LoamQueue {
             store,
             ns,
             queue: o.queue.clone(),
-            prefix: o.prefix.clone().unwrap_or_else(|| "bull".into()),
             settings: Arc::new(WorkerSettings::from_options(&o)),
             owns_store: true,
             closed: AtomicBool::new(false),
@@ -387,10 +383,11 @@ impl LoamQueue {
     }
 
     /// A backend for another queue on the same store (FlowProducer); closing
-    /// it does not close the store.
+    /// it does not close the store. The core names queues without BullMQ's
+    /// prefix, which only the JavaScript side's keys carry.
     #[napi(catch_unwind)]
-    pub fn for_queue(&self, queue: String, prefix: Option<String>) -> LoamQueue {
-        self.sibling(queue, prefix.unwrap_or_else(|| self.prefix.clone()))
+    pub fn for_queue(&self, queue: String) -> LoamQueue {
+        self.sibling(queue)
     }
 
     /// The canonical data dir this backend's store lives in.

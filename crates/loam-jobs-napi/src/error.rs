@@ -52,7 +52,8 @@ impl Op {
             Some(code) => {
                 let parent_key = self.parent_key.clone().or_else(|| parent_named(&err).map(str::to_string));
                 let op = Op { parent_key, ..self.clone() };
-                // Serializing strings into a map cannot fail.
+                // Serializing strings into a map cannot fail; were it to, the
+                // JavaScript side shows BullMQ's code with the text as sent.
                 format!("[bullmq:{}] {}", code as i32, serde_json::to_string(&op).unwrap_or_default())
             }
             None => loam_message(&err),
@@ -129,13 +130,14 @@ mod tests {
             r#"[bullmq:-1] {"command":"moveToFinished","jobId":"7","state":"active"}"#
         );
         let fenced = JobsError::Fenced { job: "7".into(), current_epoch: 2, reason: FenceFailure::Mismatch };
-        assert!(op.error(fenced).reason.starts_with("[bullmq:-6] {"));
+        let sent = r#"{"command":"moveToFinished","jobId":"7","state":"active"}"#;
+        assert_eq!(op.error(fenced).reason, format!("[bullmq:-6] {sent}"));
         let not_in_state = JobsError::not_in_state("7", "waiting", "active");
-        assert!(op.error(not_in_state).reason.starts_with("[bullmq:-3] {"));
+        assert_eq!(op.error(not_in_state).reason, format!("[bullmq:-3] {sent}"));
         // The parent a refusal names, where the operation did not know it.
-        let add = Op::new("addJobs");
+        let add = Op::new("addJob");
         let missing_parent = JobsError::NotFound(Missing::ParentJob("bull:p:1".into()));
-        assert_eq!(add.error(missing_parent).reason, r#"[bullmq:-5] {"command":"addJobs","parentKey":"bull:p:1"}"#);
+        assert_eq!(add.error(missing_parent).reason, r#"[bullmq:-5] {"command":"addJob","parentKey":"bull:p:1"}"#);
         assert!(op.error(JobsError::invalid("x")).reason.starts_with("[loam:invalid_argument] "));
     }
 }

@@ -201,7 +201,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   forQueue(queueName: string, prefix?: string): IQueueBackend {
     const p = prefix ?? this.prefix;
     return this.siblings.get(queueName, p, () =>
-      new LoamQueueBackend(this.native.forQueue(queueName, p), queueName, p, false, { namespace: this.namespace }),
+      new LoamQueueBackend(this.native.forQueue(queueName), queueName, p, false, { namespace: this.namespace }),
     );
   }
 
@@ -680,7 +680,6 @@ export function backendOptionsJson(
   return JSON.stringify({
     ...settings,
     queue,
-    prefix: opts.prefix,
     name: opts.name,
     lockDuration: opts.lockDuration,
     limiter: opts.limiter,

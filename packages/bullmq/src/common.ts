@@ -5,7 +5,7 @@
  */
 import type { EventEmitter } from 'node:events';
 import type { FactoryOptions } from './backend.js';
-import { loamError } from './errors.js';
+import { finishedErrorText, loamError } from './errors.js';
 import type { DependenciesOpts, IQueueBackend, JobJson, JobsOptions, ParentKeyOpts, RepeatableOptions, RepeatOptions } from 'bullmq';
 
 /** BullMQ's next-job tuple: `[jobJson | null, id (0 without a job), rateLimitDelayMs, delayUntilMs]`. */
@@ -36,7 +36,7 @@ export function isFinishedAnswer(
   key: string,
 ): number | [number, string] {
   if (!returnValue) return code;
-  const shown = code === -1 ? `Missing key for job ${key}. isFinished` : value;
+  const shown = code === -1 ? finishedErrorText(-1, { command: 'isFinished', jobId: key }) : value;
   return (shown === undefined ? [code] : [code, shown]) as [number, string];
 }
 
