@@ -3,7 +3,7 @@
 // is kept past the process. Not a queue to use: no locks, no retries, no
 // delays, no events, no durability. It measures what BullMQ's own JavaScript
 // costs a job on this machine in this hour, which bounds any backend's jobs a
-// second, Loam's and Redis's alike: the issue's goals are ratios to Redis,
+// second, Loam's and Redis's alike: issue 3's goals are ratios to Redis,
 // and the ceiling's ratio to Redis says how far one could go at all.
 //
 // It serves the scenarios `ceilingScenarios` names and nothing else: any other
