@@ -1104,19 +1104,28 @@ impl LoamQueue {
         })
     }
 
-    /// `getMetrics`: the queue's metrics record of that kind as JSON
-    /// (`count`, `prevTs`, `prevCount`, `data`), or `null` where none is
-    /// kept; `src/common.ts`'s `metricsAnswer` pages it in BullMQ's shape.
+    /// `getMetrics`: the queue's metrics of that kind as JSON (`count`,
+    /// `prevTs`, `prevCount`, the points `start..=end` as `data`, and how
+    /// many are kept as `total`), or `null` where none are kept;
+    /// `src/common.ts`'s `metricsAnswer` gives it BullMQ's shape.
     #[napi]
-    pub async fn get_metrics(&self, host_now: f64, kind: String) -> Result<String> {
+    pub async fn get_metrics(&self, host_now: f64, kind: String, start: f64, end: f64) -> Result<String> {
         self.store.observe(host_now);
         // BullMQ keeps no metrics under another name: Redis answers none.
         let rec = match MetricsKind::parse(&kind) {
             Some(kind) => self.read(Op::new("getMetrics"), |tx, q| query::metrics(tx, q, kind))?,
             None => None,
         };
+        // A position reads as the other range getters read theirs: NaN as 0,
+        // a fraction toward 0, an infinity as the far end (`as` saturates).
         Ok(json(&rec.map(|rec| {
-            serde_json::json!({ "count": rec.count, "prevTs": rec.prev_ts, "prevCount": rec.prev_count, "data": rec.data })
+            serde_json::json!({
+                "count": rec.count,
+                "prevTs": rec.prev_ts,
+                "prevCount": rec.prev_count,
+                "data": rec.page(start as i64, end as i64),
+                "total": rec.data.len(),
+            })
         })))
     }
 

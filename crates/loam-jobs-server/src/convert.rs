@@ -389,12 +389,14 @@ pub fn dependency(key: &str, d: &Dependency) -> pb::Dependency {
     }
 }
 
-pub fn metrics(m: &MetricsRecord) -> pb::Metrics {
+/// A queue's metrics with the points at `start..=end` (`MetricsRecord::page`).
+pub fn metrics(m: &MetricsRecord, start: i64, end: i64) -> pb::Metrics {
     pb::Metrics {
         count: m.count,
         prev_ts: m.prev_ts,
         prev_count: m.prev_count,
-        data: m.data.iter().copied().collect(),
+        data: m.page(start, end),
+        total: m.data.len() as u64,
         ..Default::default()
     }
 }

@@ -1013,6 +1013,22 @@ pub struct MetricsRecord {
     pub data: std::collections::VecDeque<u64>,
 }
 
+impl MetricsRecord {
+    /// The points at positions `start..=end`, as Redis's `LRANGE` answers
+    /// BullMQ's `getMetrics`: 0 is the newest, a negative position counts
+    /// from the oldest end (-1 is the oldest), and the range is clipped to
+    /// the points kept.
+    pub fn page(&self, start: i64, end: i64) -> Vec<u64> {
+        let total = self.data.len() as i64;
+        let at = |i: i64| if i < 0 { total.saturating_add(i) } else { i };
+        let (from, to) = (at(start).max(0), at(end).min(total - 1));
+        if from > to {
+            return Vec::new();
+        }
+        self.data.range(from as usize..=to as usize).copied().collect()
+    }
+}
+
 /// The most per-minute points a queue's metrics keep, whatever a worker
 /// asks for: 91 days of minutes, past BullMQ's longest `MetricsTime` (8
 /// weeks). An unbounded count let one completion, its clock far ahead, write
@@ -1059,6 +1075,23 @@ pub(crate) fn validate_name(kind: &str, value: &str, max: usize) -> Result<(), J
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_metrics_page_is_lranges() {
+        let rec = MetricsRecord { data: [5, 4, 3, 2, 1].into(), ..Default::default() };
+        let all = vec![5, 4, 3, 2, 1];
+        assert_eq!(rec.page(0, -1), all);
+        assert_eq!(rec.page(1, 2), [4, 3]);
+        assert_eq!(rec.page(-2, -1), [2, 1]);
+        assert_eq!(rec.page(3, 1), [0u64; 0]);
+        assert_eq!(rec.page(10, 20), [0u64; 0]);
+        assert_eq!(rec.page(-100, 0), [5]);
+        assert_eq!(rec.page(0, 100), all);
+        assert_eq!(rec.page(i64::MIN, i64::MAX), all);
+        assert_eq!(rec.page(i64::MAX, -1), [0u64; 0]);
+        assert_eq!(rec.page(0, i64::MIN), [0u64; 0]);
+        assert_eq!(MetricsRecord::default().page(0, -1), [0u64; 0]);
+    }
 
     /// A dependency record names its child; one from before names nobody and is taken as anyone's.
     #[test]

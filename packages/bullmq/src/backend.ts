@@ -507,8 +507,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async getMetrics(type: 'completed' | 'failed', start = 0, end = -1): Promise<[string[], string[], number]> {
-    const rec = JSON.parse(await this.native.getMetrics(Date.now(), type)) as MetricsRecord | null;
-    return metricsAnswer(rec ?? undefined, start, end);
+    const rec = JSON.parse(await this.native.getMetrics(Date.now(), type, Number(start), Number(end))) as MetricsRecord | null;
+    return metricsAnswer(rec ?? undefined);
   }
 
   /** One CLIENT LIST text with the names this process's backends of this store and namespace hold. */

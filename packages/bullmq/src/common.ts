@@ -40,35 +40,26 @@ export function isFinishedAnswer(
   return (shown === undefined ? [code] : [code, shown]) as [number, string];
 }
 
-/** A queue's metrics of one kind, as the core keeps them (numbers, or the wire's 64-bit integers). */
+/** A queue's metrics of one kind, with the points asked for (numbers, or the wire's 64-bit integers). */
 export interface MetricsRecord {
   count: number | bigint;
   prevTs: number | bigint;
   prevCount: number | bigint;
-  /** Jobs a minute, newest first. */
+  /** Jobs a minute, newest first: the page the call asked for, paged by the core. */
   data: readonly (number | bigint)[];
+  /** How many points are kept. */
+  total: number | bigint;
 }
 
 /**
  * BullMQ's raw `getMetrics` answer, as Redis's adapter returns it:
- * `[[count, prevTS, prevCount], the points start..end (inclusive, negative
- * from the end), how many points there are]`; with no metrics kept, the
- * three are `null`, as Redis's `HMGET` of a missing hash answers.
+ * `[[count, prevTS, prevCount], the points asked for, how many points there
+ * are]`; with no metrics kept, the three are `null`, as Redis's `HMGET` of a
+ * missing hash answers.
  */
-export function metricsAnswer(rec: MetricsRecord | undefined, start: number, end: number): [string[], string[], number] {
+export function metricsAnswer(rec: MetricsRecord | undefined): [string[], string[], number] {
   if (!rec) return [[null, null, null] as unknown as string[], [], 0];
-  const total = rec.data.length;
-  // Positions read as the other range getters read them (`wire.ts i64`):
-  // NaN and null as 0, a fraction toward 0, an infinity as the far end.
-  const whole = (i: number) => {
-    const n = Number(i);
-    return Number.isNaN(n) ? 0 : Math.trunc(n);
-  };
-  const norm = (i: number) => (i < 0 ? total + i : i);
-  const from = Math.max(0, norm(whole(start)));
-  const to = Math.min(total - 1, norm(whole(end)));
-  const page = rec.data.slice(from, Math.max(from, to + 1)).map(String);
-  return [[String(rec.count), String(rec.prevTs), String(rec.prevCount)], page, total];
+  return [[String(rec.count), String(rec.prevTs), String(rec.prevCount)], rec.data.map(String), Number(rec.total)];
 }
 
 /** A parent's children, by BullMQ category, in the core's order. */

@@ -1192,9 +1192,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   async getMetrics(type: 'completed' | 'failed', start = 0, end = -1): Promise<[string[], string[], number]> {
     // No other kind is ever recorded: Redis and the in-process backend answer
     // one with no metrics, where the server refuses it.
-    if (type !== 'completed' && type !== 'failed') return metricsAnswer(undefined, start, end);
-    const r = await this.query({ command: 'getMetrics' }, { case: 'metrics', value: { kind: type } });
-    return metricsAnswer(r.case === 'metrics' ? r.value : undefined, start, end);
+    if (type !== 'completed' && type !== 'failed') return metricsAnswer(undefined);
+    const value = { kind: type, start: i64(Number(start)), end: i64(Number(end)) };
+    const r = await this.query({ command: 'getMetrics' }, { case: 'metrics', value });
+    return metricsAnswer(r.case === 'metrics' ? r.value : undefined);
   }
 
   /** The names the server saw recently for this queue, as one CLIENT LIST text. */

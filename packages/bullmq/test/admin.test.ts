@@ -1,4 +1,4 @@
-import { afterAll, describe, expect, it } from 'vitest';
+import { afterAll, describe, expect, it, vi } from 'vitest';
 import type { Job, JobSchedulerJobOptions } from 'bullmq';
 import { freshLoam, until } from './helpers.js';
 
@@ -250,6 +250,43 @@ describe('queue and job admin', () => {
     expect(meta.every(field => typeof field === 'string')).toBe(true);
     expect(points).toHaveLength(total);
     expect(await backend.getMetrics('failed')).toEqual(none);
+    await worker.close();
+    await queue.close();
+  });
+
+  it("pages getMetrics' points as Redis's LRANGE does, positions read as the other getters read them", async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const backend = queue['backend'];
+    const worker = new Worker(name, async () => 'ok', { connection, metrics: { maxDataPoints: 10 } });
+    // A point is kept for each minute that saw completions: a job a minute.
+    vi.useFakeTimers({ toFake: ['Date'] });
+    try {
+      const first = Date.UTC(2026, 0, 1, 0, 0, 30);
+      for (let minute = 0; minute < 5; minute++) {
+        vi.setSystemTime(first + minute * 60_000);
+        await queue.add('x', {});
+        await until(async () => (await queue.getJobCounts('completed')).completed === minute + 1);
+      }
+    } finally {
+      vi.useRealTimers();
+    }
+    const [meta, all, total] = await backend.getMetrics('completed');
+    expect(meta[0]).toBe('5');
+    expect(total).toBeGreaterThanOrEqual(4);
+    expect(all).toHaveLength(total);
+    const page = async (start: number, end: number) => (await backend.getMetrics('completed', start, end))[1];
+    expect(await page(1, 2)).toEqual(all.slice(1, 3));
+    expect(await page(-2, -1)).toEqual(all.slice(-2));
+    expect(await page(2, 1)).toEqual([]);
+    expect(await page(total, total + 5)).toEqual([]);
+    expect(await page(-100, 0)).toEqual(all.slice(0, 1));
+    expect(await page(0.9, 1.9)).toEqual(all.slice(0, 2));
+    expect(await page(NaN, -1)).toEqual(all);
+    expect(await page(0, NaN)).toEqual(all.slice(0, 1));
+    expect(await page(-Infinity, Infinity)).toEqual(all);
+    expect(await page(Infinity, -1)).toEqual([]);
+    expect((await backend.getMetrics('completed', 1, 1))[2]).toBe(total);
     await worker.close();
     await queue.close();
   });

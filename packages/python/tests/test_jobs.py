@@ -294,6 +294,18 @@ def test_report_progress_logs_and_data(client: Client, queue: str) -> None:
         client.complete(enqueued.id, Success())  # a job id needs its queue and a fence
 
 
+def test_metrics_count_completions_and_page_their_points(client: Client, queue: str) -> None:
+    assert client.metrics(queue, "completed").total == 0
+    for _ in range(2):
+        client.enqueue(queue, "a")
+        client.complete(client.lease(queue)[0], metrics_max_points=10)
+    kept = client.metrics(queue, "completed")
+    assert kept.count == 2 and kept.total == len(kept.data)
+    # Positions past the points kept answer none, and the count still.
+    past = client.metrics(queue, "completed", kept.total, kept.total + 5)
+    assert (past.count, list(past.data), past.total) == (2, [], kept.total)
+
+
 def test_flow_parent_waits_for_children(client: Client, queue: str) -> None:
     children_queue = f"{queue}-children"
     parent = job("parent", None, job_id="p1")

@@ -738,7 +738,7 @@ impl JobsSvc {
                     let kind = MetricsKind::parse(&m.kind)
                         .ok_or_else(|| JobsError::invalid("metrics kind must be completed or failed"))?;
                     match jobs.query(ns, queue, |tx, q| query::metrics(tx, q, kind))? {
-                        Some(rec) => R::from(convert::metrics(&rec)),
+                        Some(rec) => R::from(convert::metrics(&rec, m.start.unwrap_or(0), m.end.unwrap_or(-1))),
                         None => return Ok(None),
                     }
                 }

@@ -1156,9 +1156,10 @@ class Operations(ABC):
     def dependencies(self, queue: str, job_id: str, *, with_jobs: bool = False) -> Dependencies:
         return self._run(dependencies(queue, job_id, with_jobs))
 
-    def metrics(self, queue: str, kind: str) -> Metrics:
-        """Per-minute counts of `completed` or `failed` jobs."""
-        op = query(queue, "metrics", QueryRequest.MetricsOf(kind=kind))
+    def metrics(self, queue: str, kind: str, start: int = 0, end: int = -1) -> Metrics:
+        """Per-minute counts of `completed` or `failed` jobs: the points `start..end` (inclusive, newest
+        first, negative from the oldest end, as Redis's LRANGE), and how many are kept (`total`)."""
+        op = query(queue, "metrics", QueryRequest.MetricsOf(kind=kind, start=start, end=end))
         return self._run(_then(op, lambda metrics: metrics or Metrics()))
 
     def dedup_job(self, queue: str, dedup_id: str) -> str | None:
