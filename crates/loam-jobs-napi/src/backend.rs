@@ -1213,21 +1213,12 @@ impl LoamQueue {
     ) -> Result<String> {
         self.store.observe(host_now);
         let wanted = if processed { DependencyStatus::Processed } else { DependencyStatus::Pending };
-        let ns = self.ns.clone();
         let (total, items, jobs) = self.read(Op::new("paginate").job(&parent_id), |tx, q| {
-            let all: Vec<_> =
-                query::dependencies(tx, q, &parent_id)?.into_iter().filter(|(_, d)| d.status == wanted).collect();
-            let total = all.len() as i64;
-            let last = if end < 0.0 { total - 1 } else { (end as i64).min(total - 1) };
-            let first = (start as i64).max(0);
-            let page: Vec<_> = all.into_iter().skip(first as usize).take((last - first + 1).max(0) as usize).collect();
+            let (page, total) = query::dependency_page(tx, q, &parent_id, Some(wanted), start as i64, end as i64)?;
             let mut jobs = Vec::new();
             if fetch_jobs {
-                for (_, dep) in &page {
-                    let child_q = QueueId::new(ns.clone(), dep.child_queue.clone());
-                    if let Some(job) = query::get_job(tx, &child_q, &dep.child_id)? {
-                        jobs.push(convert::job_json(&job));
-                    }
+                for child in query::dependency_jobs(tx, q, &page) {
+                    jobs.extend(child?.as_ref().map(convert::job_json));
                 }
             }
             let items: Vec<(String, Option<String>)> = page

@@ -372,6 +372,18 @@ pub fn completed(c: &Completed) -> pb::Completed {
 
 // ---- reads -------------------------------------------------------------------
 
+/// A status asked for: unspecified is any.
+pub fn dependency_status_from(v: &EnumValue<pb::DependencyStatus>) -> Res<Option<DependencyStatus>> {
+    Ok(match v.as_known() {
+        Some(pb::DependencyStatus::DEPENDENCY_STATUS_UNSPECIFIED) => None,
+        Some(pb::DependencyStatus::DEPENDENCY_STATUS_PENDING) => Some(DependencyStatus::Pending),
+        Some(pb::DependencyStatus::DEPENDENCY_STATUS_PROCESSED) => Some(DependencyStatus::Processed),
+        Some(pb::DependencyStatus::DEPENDENCY_STATUS_FAILED) => Some(DependencyStatus::Failed),
+        Some(pb::DependencyStatus::DEPENDENCY_STATUS_IGNORED) => Some(DependencyStatus::Ignored),
+        None => return Err(JobsError::invalid(format!("unknown dependency status {}", v.to_i32()))),
+    })
+}
+
 pub fn dependency(key: &str, d: &Dependency) -> pb::Dependency {
     let status = match d.status {
         DependencyStatus::Pending => pb::DependencyStatus::DEPENDENCY_STATUS_PENDING,

@@ -298,10 +298,13 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
         inv,
     );
 
-    // Query: no query; a bad metrics kind; an invalid queue.
+    // Query: no query; a bad metrics kind; an unknown dependency status; an invalid queue.
     assert_code(c.query(pb::QueryRequest { queue: "q".into(), ..Default::default() }).await, InvalidArgument, inv);
     let m = pb::query_request::MetricsOf { kind: "sideways".into(), ..Default::default() };
     assert_code(c.query(query_req("q", oneof::query_request::Query::from(m))).await, InvalidArgument, inv);
+    let d =
+        pb::query_request::Dependencies { job_id: id.clone(), status: buffa::EnumValue::from(9), ..Default::default() };
+    assert_code(c.query(query_req("q", oneof::query_request::Query::from(d))).await, InvalidArgument, inv);
     assert_code(c.query(query_req("", oneof::query_request::Query::IsMaxed(true))).await, InvalidArgument, inv);
 
     // The result store: empty keys, oversized values, a counter on a value.

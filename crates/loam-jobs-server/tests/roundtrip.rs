@@ -358,7 +358,28 @@ async fn a_flow_parent_waits_for_children_in_another_queue() {
     assert_eq!(processed.len(), 1);
     assert_eq!(processed[0].value.as_deref(), Some("42"));
     assert!(list.jobs.iter().all(|s| s.job.as_option().is_some_and(|j| j.name == "child")));
+    assert_eq!(list.total, 2);
+    // A page of the pending children: the second child alone, with its job, of one pending.
+    let page = query_req(
+        "parents",
+        oneof::query_request::Query::from(pb::query_request::Dependencies {
+            job_id: "p1".into(),
+            with_jobs: true,
+            status: pb::DependencyStatus::DEPENDENCY_STATUS_PENDING.into(),
+            start: Some(0),
+            end: Some(0),
+            ..Default::default()
+        }),
+    );
+    let Some(oneof::query_response::Result::Dependencies(pending)) = c.query(page).await.unwrap().into_owned().result
+    else {
+        panic!("dependencies")
+    };
     let second = &leased.leases[1];
+    let second_id = &second.job.as_option().unwrap().id;
+    assert_eq!(pending.dependencies.iter().map(|d| &d.child_id).collect::<Vec<_>>(), [second_id]);
+    assert_eq!(pending.jobs.iter().map(|s| &s.job.as_option().unwrap().id).collect::<Vec<_>>(), [second_id]);
+    assert_eq!(pending.total, 1);
     c.complete(complete_req("kids", &second.job.as_option().unwrap().id, epoch(second.epoch), success(b"1")))
         .await
         .unwrap();

@@ -116,6 +116,44 @@ fn flow_parent_waits_for_children_and_reads_their_results() {
     assert_eq!(values.get("bull:kids:b"), Some(&Some("\"rb\"".to_string())));
 }
 
+/// A page of a parent's children of one status counts them all and holds
+/// positions `start..=end`; a negative end runs to the last; their jobs are
+/// read beside them.
+#[test]
+fn a_page_of_a_parents_children_is_taken_from_those_of_its_status() {
+    let (jobs, _) = core();
+    family(&jobs, OnChildFailure::Wait);
+    let a = lease_one(&jobs, "kids").unwrap();
+    ok(&jobs, "kids", &a, "\"ra\"");
+    let page = |status, start, end| {
+        let (deps, total) =
+            jobs.query("ns", "parents", |tx, q| query::dependency_page(tx, q, "p", status, start, end)).unwrap();
+        (deps.into_iter().map(|(k, _)| k).collect::<Vec<_>>(), total)
+    };
+    let (processed, pending) = (Some(DependencyStatus::Processed), Some(DependencyStatus::Pending));
+    assert_eq!(page(None, 0, -1), (vec!["bull:kids:a".to_string(), "bull:kids:b".into()], 2));
+    assert_eq!(page(None, 1, 1), (vec!["bull:kids:b".to_string()], 2));
+    assert_eq!(page(None, 1, -5), (vec!["bull:kids:b".to_string()], 2));
+    assert_eq!(page(None, -3, 0), (vec!["bull:kids:a".to_string()], 2));
+    assert_eq!(page(None, 2, 10), (vec![], 2));
+    assert_eq!(page(None, 1, 0), (vec![], 2));
+    assert_eq!(page(None, i64::MAX, i64::MAX), (vec![], 2));
+    assert_eq!(page(processed, 0, 0), (vec!["bull:kids:a".to_string()], 1));
+    assert_eq!(page(pending, 0, -1), (vec!["bull:kids:b".to_string()], 1));
+    assert_eq!(page(Some(DependencyStatus::Failed), 0, -1), (vec![], 0));
+
+    // A processed child's value stays with its parent once the child is removed.
+    jobs.admin("ns", "kids", |tx, q| admin::remove_job(tx, q, "a", false)).wait().unwrap();
+    let children = jobs
+        .query("ns", "parents", |tx, q| {
+            let (deps, _) = query::dependency_page(tx, q, "p", None, 0, -1)?;
+            query::dependency_jobs(tx, q, &deps).collect::<Result<Vec<_>, _>>()
+        })
+        .unwrap();
+    let ids: Vec<Option<String>> = children.into_iter().map(|job| job.map(|j| j.id)).collect();
+    assert_eq!(ids, [None, Some("b".to_string())], "a removed child has no job");
+}
+
 fn child_counts(jobs: &Jobs, id: &str) -> (u32, u32) {
     let p = jobs.get_job("ns", "parents", id).unwrap().unwrap();
     (p.pending_children, p.failed_children)

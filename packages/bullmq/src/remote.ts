@@ -1114,10 +1114,28 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     }) as unknown as [string][];
   }
 
-  /** A parent's children, read in one snapshot. */
-  private async dependencies(command: BullmqCommand, jobId: string, withJobs = false) {
-    const r = await this.query(command, { case: 'dependencies', value: { jobId, withJobs } });
-    return r.case === 'dependencies' ? r.value : { dependencies: [], jobs: [] };
+  /**
+   * A parent's children, read in one snapshot: every one, or a page of those
+   * of one status (positions `start..=end`, a negative `end` running to the
+   * last) with how many there are of it.
+   */
+  private async dependencies(
+    command: BullmqCommand,
+    jobId: string,
+    page: { status?: DependencyStatus; start?: number; end?: number; withJobs?: boolean } = {},
+  ) {
+    const { status, start, end, withJobs = false } = page;
+    const r = await this.query(command, {
+      case: 'dependencies',
+      value: {
+        jobId,
+        withJobs,
+        status,
+        start: start === undefined ? undefined : i64(start),
+        end: end === undefined ? undefined : i64(end),
+      },
+    });
+    return r.case === 'dependencies' ? r.value : { dependencies: [], jobs: [], total: 0n };
   }
 
   async getDependencyCounts(jobId: string, types: string[]): Promise<number[]> {
@@ -1156,9 +1174,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   /** Child key → value of the children in `status`, keys in order. */
   private async childrenValues(command: string, jobId: string, status: DependencyStatus): Promise<Record<string, string>> {
-    const { dependencies } = await this.dependencies({ command, jobId }, jobId);
+    const { dependencies } = await this.dependencies({ command, jobId }, jobId, { status });
     const entries = dependencies
-      .filter(d => d.status === status)
       .map(d => [d.key, d.value ?? 'null'] as [string, string])
       .sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
     return Object.fromEntries(entries);
@@ -1222,18 +1239,17 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   ): Promise<{ cursor: string; items: { id: string; v?: any; err?: string }[]; total: number; jobs?: JobJson[] }> {
     const { parentId, processed } = paginateTarget(key, this.qualifiedName);
     const fetchJobs = !!opts.fetchJobs;
-    const { dependencies, jobs } = await this.dependencies({ command: 'paginate', jobId: parentId }, parentId, fetchJobs);
-    const wanted = processed ? DependencyStatus.PROCESSED : DependencyStatus.PENDING;
-    const all = dependencies.map((d, i) => ({ d, job: jobs[i]?.job })).filter(({ d }) => d.status === wanted);
-    const total = all.length;
-    const last = opts.end < 0 ? total - 1 : Math.min(Math.trunc(opts.end), total - 1);
-    const first = Math.max(0, Math.trunc(opts.start));
-    const page = all.slice(first, Math.max(first, last + 1));
+    const { dependencies, jobs, total } = await this.dependencies({ command: 'paginate', jobId: parentId }, parentId, {
+      status: processed ? DependencyStatus.PROCESSED : DependencyStatus.PENDING,
+      start: opts.start,
+      end: opts.end,
+      withJobs: fetchJobs,
+    });
     return {
       cursor: '0',
-      total,
-      items: page.map(({ d }) => (processed ? { id: d.key, v: JSON.parse(d.value ?? 'null') } : { id: d.key })),
-      jobs: fetchJobs ? page.flatMap(({ job }) => (job ? [jobJson(job)] : [])) : undefined,
+      total: Number(total),
+      items: dependencies.map(d => (processed ? { id: d.key, v: JSON.parse(d.value ?? 'null') } : { id: d.key })),
+      jobs: fetchJobs ? jobs.flatMap(({ job }) => (job ? [jobJson(job)] : [])) : undefined,
     };
   }
 

@@ -49,6 +49,43 @@ describe('flows', () => {
     await flow.close();
   });
 
+  it("pages a parent's pending and processed children, with their jobs", async () => {
+    const parents = loam.queueName();
+    const children = loam.queueName();
+    const flow = new FlowProducer({ connection });
+    const tree = await flow.add({
+      name: 'parent',
+      queueName: parents,
+      children: [0, 1, 2, 3, 4].map(n => ({ name: 'n', queueName: children, data: { n }, opts: { jobId: `c${n}` } })),
+    });
+    const worker = new Worker(children, null, { connection });
+    for (const _ of [0, 1]) {
+      const job = (await worker.getNextJob('tok'))!;
+      await job.moveToCompleted(job.data.n * 10, 'tok', false);
+    }
+    const parentQueue = new Queue(parents, { connection });
+    const key = (id: string) => `bull:${children}:${id}`;
+    const ids = (page: { items: { id: string }[] }) => page.items.map(i => i.id);
+
+    const pending = await parentQueue.getDependencies(tree.job.id!, 'pending', 1, 2);
+    expect(pending.total).toBe(3);
+    expect(ids(pending)).toEqual([key('c3'), key('c4')]);
+    expect(pending.jobs.map(j => j.id)).toEqual(['c3', 'c4']);
+    expect(pending.jobs.map(j => JSON.parse(j.data).n)).toEqual([3, 4]);
+
+    const processed = await parentQueue.getDependencies(tree.job.id!, 'processed', 1, -1);
+    expect(processed.total).toBe(2);
+    expect(processed.items).toEqual([{ id: key('c1'), v: 10 }]);
+    expect(processed.jobs.map(j => j.id)).toEqual(['c1']);
+
+    const beyond = await parentQueue.getDependencies(tree.job.id!, 'processed', 5, 9);
+    expect(beyond).toMatchObject({ total: 2, items: [], jobs: [] });
+
+    await worker.close();
+    await parentQueue.close();
+    await flow.close();
+  });
+
   it("keeps one backend per queue for a FlowProducer's nodes", async () => {
     const flow = new FlowProducer({ connection });
     await flow.waitUntilReady();

@@ -11,6 +11,7 @@ from protobuf import Oneof
 from loam_jobs import (
     Client,
     Delay,
+    DependencyStatus,
     Enqueued,
     Fail,
     FencedError,
@@ -320,6 +321,13 @@ def test_flow_parent_waits_for_children(client: Client, queue: str) -> None:
     assert enqueued[0].state == JobState.WAITING_CHILDREN
     deps = client.dependencies(queue, "p1", with_jobs=True)
     assert len(deps.dependencies) == 2 and all(j is not None for j in deps.jobs)
+    assert deps.total == 2
+    # A page of one status holds its positions only, and counts them all.
+    second = client.dependencies(queue, "p1", with_jobs=True, status=DependencyStatus.PENDING, start=1)
+    assert [d.key for d in second.dependencies] == [deps.dependencies[1].key]
+    assert [j.id for j in second.jobs if j] == [deps.dependencies[1].child_id]
+    assert second.total == 2
+    assert client.dependencies(queue, "p1", status=DependencyStatus.PROCESSED).total == 0
 
     for leased in client.lease(children_queue, max_jobs=2):
         client.complete(leased, Success())

@@ -716,24 +716,26 @@ impl JobsSvc {
                         jobs.query(ns, queue, |tx, q| query::logs(tx, q, &l.job_id, l.start, l.end, l.asc))?;
                     R::from(pb::LogPage { logs, count, ..Default::default() })
                 }
-                Query::Dependencies(d) => jobs.query(ns, queue, |tx, q| {
-                    let deps = query::dependencies(tx, q, &d.job_id)?;
-                    let mut slots = Vec::new();
-                    if d.with_jobs {
-                        for (_, dep) in &deps {
-                            let child_q = QueueId::new(ns, dep.child_queue.clone());
-                            let child = query::get_job(tx, &child_q, &dep.child_id)?;
-                            let slot =
-                                pb::JobSlot { job: child.as_ref().map(convert::job).into(), ..Default::default() };
-                            if !size.fits(&slot) {
-                                break;
+                Query::Dependencies(d) => {
+                    let status = convert::dependency_status_from(&d.status)?;
+                    let (start, end) = (d.start.unwrap_or(0), d.end.unwrap_or(-1));
+                    jobs.query(ns, queue, |tx, q| {
+                        let (deps, total) = query::dependency_page(tx, q, &d.job_id, status, start, end)?;
+                        let mut slots = Vec::new();
+                        if d.with_jobs {
+                            for child in query::dependency_jobs(tx, q, &deps) {
+                                let slot =
+                                    pb::JobSlot { job: child?.as_ref().map(convert::job).into(), ..Default::default() };
+                                if !size.fits(&slot) {
+                                    break;
+                                }
+                                slots.push(slot);
                             }
-                            slots.push(slot);
                         }
-                    }
-                    let dependencies = deps.iter().map(|(k, d)| convert::dependency(k, d)).collect();
-                    Ok(R::from(pb::DependencyList { dependencies, jobs: slots, ..Default::default() }))
-                })?,
+                        let dependencies = deps.iter().map(|(k, d)| convert::dependency(k, d)).collect();
+                        Ok(R::from(pb::DependencyList { dependencies, jobs: slots, total, ..Default::default() }))
+                    })?
+                }
                 Query::Metrics(m) => {
                     let kind = MetricsKind::parse(&m.kind)
                         .ok_or_else(|| JobsError::invalid("metrics kind must be completed or failed"))?;

@@ -7,7 +7,9 @@ use crate::error::JobsError;
 use crate::error::StoreError;
 use crate::keys::{self, QueueId, QueueKeys};
 use crate::kv::{Key, KeyRange, KvRead, KvTxn, Value};
-use crate::model::{self, Dependency, Event, JobRecord, JobState, MetricsKind, MetricsRecord, RateLimit};
+use crate::model::{
+    self, Dependency, DependencyStatus, Event, JobRecord, JobState, MetricsKind, MetricsRecord, RateLimit,
+};
 use crate::ops::{lease, schedule};
 use crate::tx::Tx;
 
@@ -147,6 +149,41 @@ pub fn dependencies(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(String, D
             Ok((child_key, model::decode(&v)?))
         })
         .collect()
+}
+
+/// A page of a parent's children: those of `status` (of any status when
+/// `None`) in key order, positions `start..=end` of them (a negative `end`
+/// runs to the last, as BullMQ's `paginate` takes it), and how many there are
+/// of that status.
+pub fn dependency_page(
+    tx: &mut Tx,
+    q: &QueueId,
+    id: &str,
+    status: Option<DependencyStatus>,
+    start: i64,
+    end: i64,
+) -> Result<(Vec<(String, Dependency)>, u64), JobsError> {
+    let mut of_status = dependencies(tx, q, id)?;
+    of_status.retain(|(_, d)| status.is_none_or(|s| d.status == s));
+    let total = of_status.len();
+    let first = usize::try_from(start).unwrap_or(0);
+    let past_last =
+        if end < 0 { total } else { usize::try_from(end).map_or(total, |e| e.saturating_add(1).min(total)) };
+    let page = of_status.into_iter().take(past_last).skip(first).collect();
+    Ok((page, total as u64))
+}
+
+/// The child job of each of a parent's `dependencies`, read in the same
+/// transaction as they are taken (a caller may stop early): `None` for a
+/// child removed since.
+pub fn dependency_jobs<'a>(
+    tx: &'a mut Tx,
+    q: &'a QueueId,
+    dependencies: &'a [(String, Dependency)],
+) -> impl Iterator<Item = Result<Option<JobRecord>, JobsError>> + 'a {
+    dependencies
+        .iter()
+        .map(move |(_, dep)| get_job(tx, &QueueId::new(q.ns.clone(), dep.child_queue.clone()), &dep.child_id))
 }
 
 /// Most bytes of events one read of the log takes; it takes one event at

@@ -46,6 +46,7 @@ from ._gen.loam.jobs.v1.jobs_pb import (
 from ._gen.loam.jobs.v1.types_pb import (
     CompleteOptions,
     Dependency,
+    DependencyStatus,
     Enqueued,
     Fence,
     FlowNode,
@@ -177,9 +178,12 @@ class LogPage:
 
 @dataclass(frozen=True)
 class Dependencies:
+    # The page asked for.
     dependencies: list[Dependency]
     # With `with_jobs`: each child's job (None when it no longer exists).
     jobs: list[Job | None]
+    # How many children of the status asked for there are, in and out of the page.
+    total: int
 
 
 def _present(message: Message, name: str) -> Any:
@@ -531,13 +535,22 @@ def counts(queue: str, types: Sequence[str], delayed_before: int | None) -> Op[d
     return dict(zip(types, values + [0] * (len(types) - len(values)), strict=True))
 
 
-def dependencies(queue: str, job_id: str, with_jobs: bool) -> Op[Dependencies]:
-    result = yield from query(
-        queue, "dependencies", QueryRequest.Dependencies(job_id=job_id, with_jobs=with_jobs)
+def dependencies(
+    queue: str, job_id: str, with_jobs: bool, status: DependencyStatus | None, start: int, end: int
+) -> Op[Dependencies]:
+    request = QueryRequest.Dependencies(
+        job_id=job_id,
+        with_jobs=with_jobs,
+        status=status or DependencyStatus.UNSPECIFIED,
+        start=start,
+        end=end,
     )
+    result = yield from query(queue, "dependencies", request)
     if result is None:
-        return Dependencies(dependencies=[], jobs=[])
-    return Dependencies(dependencies=list(result.dependencies), jobs=_job_slot_list(result.jobs))
+        return Dependencies(dependencies=[], jobs=[], total=0)
+    return Dependencies(
+        dependencies=list(result.dependencies), jobs=_job_slot_list(result.jobs), total=result.total
+    )
 
 
 def events(queue: str, after: int | None, limit: int, wait_ms: int) -> Op[list[QueueEvent]]:
@@ -1153,8 +1166,20 @@ class Operations(ABC):
             _then(op, lambda r: LogPage(logs=list(r.logs), count=r.count) if r else LogPage(logs=[], count=0))
         )
 
-    def dependencies(self, queue: str, job_id: str, *, with_jobs: bool = False) -> Dependencies:
-        return self._run(dependencies(queue, job_id, with_jobs))
+    def dependencies(
+        self,
+        queue: str,
+        job_id: str,
+        *,
+        with_jobs: bool = False,
+        status: DependencyStatus | None = None,
+        start: int = 0,
+        end: int = -1,
+    ) -> Dependencies:
+        """A parent's children: those of `status` (every one when None), positions `start..end`
+        (inclusive, in key order; a negative `end` runs to the last), with their jobs when
+        `with_jobs`, and how many there are of that status (`total`)."""
+        return self._run(dependencies(queue, job_id, with_jobs, status, start, end))
 
     def metrics(self, queue: str, kind: str, start: int = 0, end: int = -1) -> Metrics:
         """Per-minute counts of `completed` or `failed` jobs: the points `start..end` (inclusive, newest
