@@ -117,8 +117,8 @@ fn flow_parent_waits_for_children_and_reads_their_results() {
 }
 
 /// A page of a parent's children of one status counts them all and holds
-/// positions `start..=end`; a negative end runs to the last; their jobs are
-/// read beside them.
+/// positions `start..=end`; an end of -1 runs to the last and a lower one
+/// gives none, as BullMQ's Redis script; their jobs are read beside them.
 #[test]
 fn a_page_of_a_parents_children_is_taken_from_those_of_its_status() {
     let (jobs, _) = core();
@@ -133,7 +133,9 @@ fn a_page_of_a_parents_children_is_taken_from_those_of_its_status() {
     let (processed, pending) = (Some(DependencyStatus::Processed), Some(DependencyStatus::Pending));
     assert_eq!(page(None, 0, -1), (vec!["bull:kids:a".to_string(), "bull:kids:b".into()], 2));
     assert_eq!(page(None, 1, 1), (vec!["bull:kids:b".to_string()], 2));
-    assert_eq!(page(None, 1, -5), (vec!["bull:kids:b".to_string()], 2));
+    assert_eq!(page(None, 1, -1), (vec!["bull:kids:b".to_string()], 2));
+    assert_eq!(page(None, 0, -2), (vec![], 2));
+    assert_eq!(page(None, 0, i64::MIN), (vec![], 2));
     assert_eq!(page(None, -3, 0), (vec!["bull:kids:a".to_string()], 2));
     assert_eq!(page(None, 2, 10), (vec![], 2));
     assert_eq!(page(None, 1, 0), (vec![], 2));
@@ -144,12 +146,14 @@ fn a_page_of_a_parents_children_is_taken_from_those_of_its_status() {
 
     // A processed child's value stays with its parent once the child is removed.
     jobs.admin("ns", "kids", |tx, q| admin::remove_job(tx, q, "a", false)).wait().unwrap();
-    let children = jobs
+    let (deps, children) = jobs
         .query("ns", "parents", |tx, q| {
             let (deps, _) = query::dependency_page(tx, q, "p", None, 0, -1)?;
-            query::dependency_jobs(tx, q, &deps).collect::<Result<Vec<_>, _>>()
+            let children = query::dependency_jobs(tx, q, &deps).collect::<Result<Vec<_>, _>>()?;
+            Ok((deps, children))
         })
         .unwrap();
+    assert_eq!(deps[0].1.value.as_deref(), Some("\"ra\""));
     let ids: Vec<Option<String>> = children.into_iter().map(|job| job.map(|j| j.id)).collect();
     assert_eq!(ids, [None, Some("b".to_string())], "a removed child has no job");
 }

@@ -48,6 +48,7 @@ import {
   cleanBefore,
   newJobJson,
   rateLimitMs,
+  paginateItem,
   paginateTarget,
   progressText,
   parseJob,
@@ -528,7 +529,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     return {
       cursor: page.cursor,
       total: page.total,
-      items: page.items.map(([id, value]) => (processed ? { id, v: JSON.parse(value ?? 'null') } : { id })),
+      items: page.items.map(([id, value]) => paginateItem(id, value, processed)),
       jobs: page.jobs?.map(job => JSON.parse(job) as JobJson),
     };
   }

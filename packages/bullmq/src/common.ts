@@ -339,6 +339,25 @@ export function dependenciesPage(all: ChildrenByCategory, opts: DependenciesOpts
   return out;
 }
 
+/**
+ * One of `paginate`'s items: a pending child's key, or a processed child's
+ * key and value, parsed (`v`); a value that is not JSON (a result another
+ * client stored) gets the parse's message (`err`) instead, as Redis's adapter
+ * answers it, rather than failing the page.
+ */
+export function paginateItem(
+  id: string,
+  value: string | null | undefined,
+  processed: boolean,
+): { id: string; v?: any; err?: string } {
+  if (!processed) return { id };
+  try {
+    return { id, v: JSON.parse(value ?? 'null') };
+  } catch (err) {
+    return { id, err: (err as Error).message };
+  }
+}
+
 /** `paginate` keys: `<qualifiedName>:<parentId>:dependencies` or `:processed`. */
 export function paginateTarget(key: string, qualifiedName: string): { parentId: string; processed: boolean } {
   const match = /^(.*):(dependencies|processed)$/.exec(key);

@@ -56,6 +56,7 @@ import {
   cleanBefore,
   newJobJson,
   rateLimitMs,
+  paginateItem,
   paginateTarget,
   progressText,
   parseNodeKey,
@@ -1116,8 +1117,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   /**
    * A parent's children, read in one snapshot: every one, or a page of those
-   * of one status (positions `start..=end`, a negative `end` running to the
-   * last) with how many there are of it.
+   * of one status (positions `start..=end` as `paginate` takes them) with how
+   * many there are of it.
    */
   private async dependencies(
     command: BullmqCommand,
@@ -1175,7 +1176,9 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** Child key → value of the children in `status`, keys in order. */
   private async childrenValues(command: string, jobId: string, status: DependencyStatus): Promise<Record<string, string>> {
     const { dependencies } = await this.dependencies({ command, jobId }, jobId, { status });
+    // The status filtered again: a server older than the filter sends every child.
     const entries = dependencies
+      .filter(d => d.status === status)
       .map(d => [d.key, d.value ?? 'null'] as [string, string])
       .sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
     return Object.fromEntries(entries);
@@ -1248,7 +1251,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     return {
       cursor: '0',
       total: Number(total),
-      items: dependencies.map(d => (processed ? { id: d.key, v: JSON.parse(d.value ?? 'null') } : { id: d.key })),
+      items: dependencies.map(d => paginateItem(d.key, d.value, processed)),
       jobs: fetchJobs ? jobs.flatMap(({ job }) => (job ? [jobJson(job)] : [])) : undefined,
     };
   }

@@ -80,6 +80,9 @@ describe('flows', () => {
 
     const beyond = await parentQueue.getDependencies(tree.job.id!, 'processed', 5, 9);
     expect(beyond).toMatchObject({ total: 2, items: [], jobs: [] });
+    // -1 runs to the last; a lower end gives none, as BullMQ's Redis script.
+    expect(ids(await parentQueue.getDependencies(tree.job.id!, 'pending', 1, -1))).toEqual([key('c3'), key('c4')]);
+    expect(await parentQueue.getDependencies(tree.job.id!, 'pending', 0, -2)).toMatchObject({ total: 3, items: [] });
 
     await worker.close();
     await parentQueue.close();

@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { create } from '@bufbuild/protobuf';
 import { UnrecoverableError } from 'bullmq';
-import { metricsAnswer, newJobJson } from '../src/common.js';
+import { metricsAnswer, newJobJson, paginateItem } from '../src/common.js';
 import { fromServer } from '../src/errors.js';
 import { JobSchema, JobState, OnChildFailure, BackoffKind } from '../src/gen/loam/jobs/v1/types_pb.js';
 import { i64, jobError, jobJson, jobSpec, nextJob, priorityBand, retention, streamEntry, u32, u64 } from '../src/wire.js';
@@ -147,6 +147,18 @@ describe('wire conversions', () => {
 });
 
 /** The core pages the points (`MetricsRecord::page`); both backends give the answer Redis's shape here. */
+describe('paginate items', () => {
+  it("parses a processed child's value, and gives a value that is not JSON the parse's message, as Redis's adapter", () => {
+    expect(paginateItem('bull:q:1', null, false)).toEqual({ id: 'bull:q:1' });
+    expect(paginateItem('bull:q:1', '{"a":1}', true)).toEqual({ id: 'bull:q:1', v: { a: 1 } });
+    expect(paginateItem('bull:q:1', null, true)).toEqual({ id: 'bull:q:1', v: null });
+    const bad = paginateItem('bull:q:1', 'not json', true);
+    expect(bad.id).toBe('bull:q:1');
+    expect(bad.v).toBeUndefined();
+    expect(bad.err).toMatch(/JSON/);
+  });
+});
+
 describe('getMetrics answer', () => {
   it("gives the wire's 64-bit integers the same text as numbers, and Redis's nulls with no record", () => {
     const answer = [['15', '1700000000000', '2'], ['2', '1'], 5];

@@ -332,6 +332,9 @@ def test_flow_parent_waits_for_children(client: Client, queue: str) -> None:
     for leased in client.lease(children_queue, max_jobs=2):
         client.complete(leased, Success())
     assert client.get_job(queue, "p1").state == JobState.WAITING
+    first = client.dependencies(queue, "p1", status=DependencyStatus.PROCESSED, end=0)
+    assert ([d.key for d in first.dependencies], first.total) == ([deps.dependencies[0].key], 2)
+    assert client.dependencies(queue, "p1", status=DependencyStatus.PENDING).total == 0
     parent_lease = client.lease(queue, wait_ms=1_000)[0]
     assert parent_lease.id == "p1"
     client.complete(parent_lease, Success())

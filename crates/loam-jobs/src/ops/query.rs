@@ -152,9 +152,10 @@ pub fn dependencies(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Vec<(String, D
 }
 
 /// A page of a parent's children: those of `status` (of any status when
-/// `None`) in key order, positions `start..=end` of them (a negative `end`
-/// runs to the last, as BullMQ's `paginate` takes it), and how many there are
-/// of that status.
+/// `None`) in key order, positions `start..=end` of them, and how many there
+/// are of that status. As BullMQ's `paginate` script takes a page: an `end`
+/// of -1 runs to the last, a lower one makes the page empty, and a negative
+/// `start` is 0.
 pub fn dependency_page(
     tx: &mut Tx,
     q: &QueueId,
@@ -166,9 +167,12 @@ pub fn dependency_page(
     let mut of_status = dependencies(tx, q, id)?;
     of_status.retain(|(_, d)| status.is_none_or(|s| d.status == s));
     let total = of_status.len();
-    let first = usize::try_from(start).unwrap_or(0);
-    let past_last =
-        if end < 0 { total } else { usize::try_from(end).map_or(total, |e| e.saturating_add(1).min(total)) };
+    let first = usize::try_from(start.max(0)).unwrap_or(usize::MAX);
+    let past_last = match end {
+        -1 => total,
+        ..-1 => 0,
+        _ => usize::try_from(end).map_or(total, |e| e.saturating_add(1).min(total)),
+    };
     let page = of_status.into_iter().take(past_last).skip(first).collect();
     Ok((page, total as u64))
 }

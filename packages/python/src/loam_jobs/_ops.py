@@ -183,7 +183,7 @@ class Dependencies:
     # With `with_jobs`: each child's job (None when it no longer exists).
     jobs: list[Job | None]
     # How many children of the status asked for there are, in and out of the page.
-    total: int
+    total: int = 0
 
 
 def _present(message: Message, name: str) -> Any:
@@ -1177,8 +1177,9 @@ class Operations(ABC):
         end: int = -1,
     ) -> Dependencies:
         """A parent's children: those of `status` (every one when None), positions `start..end`
-        (inclusive, in key order; a negative `end` runs to the last), with their jobs when
-        `with_jobs`, and how many there are of that status (`total`)."""
+        (inclusive, in key order; an `end` of -1 runs to the last and a lower one gives none, as
+        BullMQ's paginate), with their jobs when `with_jobs`, and how many there are of that
+        status (`total`)."""
         return self._run(dependencies(queue, job_id, with_jobs, status, start, end))
 
     def metrics(self, queue: str, kind: str, start: int = 0, end: int = -1) -> Metrics:
