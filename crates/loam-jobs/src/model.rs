@@ -1014,19 +1014,22 @@ pub struct MetricsRecord {
 }
 
 impl MetricsRecord {
-    /// The points at positions `start..=end`, as Redis's `LRANGE` answers
-    /// BullMQ's `getMetrics`: 0 is the newest, a negative position counts
-    /// from the oldest end (-1 is the oldest), and the range is clipped to
-    /// the points kept.
+    /// The points at positions `start..=end` ([`lrange`]), as Redis's
+    /// `LRANGE` answers BullMQ's `getMetrics`: 0 is the newest, -1 the oldest.
     pub fn page(&self, start: i64, end: i64) -> Vec<u64> {
-        let total = self.data.len() as i64;
-        let at = |i: i64| if i < 0 { total.saturating_add(i) } else { i };
-        let (from, to) = (at(start).max(0), at(end).min(total - 1));
-        if from > to {
-            return Vec::new();
-        }
-        self.data.range(from as usize..=to as usize).copied().collect()
+        lrange(self.data.len(), start, end).map_or_else(Vec::new, |at| self.data.range(at).copied().collect())
     }
+}
+
+/// Which of `len` items positions `start..=end` take, as Redis's `LRANGE`
+/// reads them (BullMQ's range getters take theirs so): a negative position
+/// counts from the end (-1 is the last), and the range is clipped to the
+/// items; `None` when it holds none.
+pub(crate) fn lrange(len: usize, start: i64, end: i64) -> Option<std::ops::RangeInclusive<usize>> {
+    let len = i64::try_from(len).unwrap_or(i64::MAX);
+    let at = |i: i64| if i < 0 { len.saturating_add(i) } else { i };
+    let (from, to) = (at(start).max(0), at(end).min(len - 1));
+    (from <= to).then_some(from as usize..=to as usize)
 }
 
 /// The most per-minute points a queue's metrics keep, whatever a worker

@@ -107,14 +107,10 @@ pub fn range(
     asc: bool,
 ) -> Result<Vec<String>, JobsError> {
     let keys = QueueKeys::new(q);
-    let total = tx.stats(q)?.count(state) as i64;
-    let norm = |i: i64| if i < 0 { (total + i).max(-1) } else { i };
-    let (s, e) = (norm(start).max(0), norm(end).min(total - 1));
-    if e < s {
-        return Ok(Vec::new());
-    }
-    let entries = tx.scan(&state_range(&keys, state), (e + 1) as usize, !asc)?;
-    Ok(entries.into_iter().skip(s as usize).map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).collect())
+    let total = usize::try_from(tx.stats(q)?.count(state)).unwrap_or(usize::MAX);
+    let Some(at) = model::lrange(total, start, end) else { return Ok(Vec::new()) };
+    let entries = tx.scan(&state_range(&keys, state), at.end() + 1, !asc)?;
+    Ok(entries.into_iter().skip(*at.start()).map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).collect())
 }
 
 /// A job's log lines, positions `start..=end`, oldest first when `asc`; and the total.
@@ -127,14 +123,10 @@ pub fn logs(
     asc: bool,
 ) -> Result<(Vec<String>, u64), JobsError> {
     let Some(job) = tx.load_job(q, id)? else { return Ok((Vec::new(), 0)) };
-    let total = job.log_count as i64;
-    let norm = |i: i64| if i < 0 { (total + i).max(-1) } else { i };
-    let (s, e) = (norm(start).max(0), norm(end).min(total - 1));
-    if e < s {
-        return Ok((Vec::new(), job.log_count));
-    }
-    let rows = tx.scan(&QueueKeys::new(q).logs(id), (e + 1) as usize, !asc)?;
-    let lines = rows.into_iter().skip(s as usize).map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).collect();
+    let total = usize::try_from(job.log_count).unwrap_or(usize::MAX);
+    let Some(at) = model::lrange(total, start, end) else { return Ok((Vec::new(), job.log_count)) };
+    let rows = tx.scan(&QueueKeys::new(q).logs(id), at.end() + 1, !asc)?;
+    let lines = rows.into_iter().skip(*at.start()).map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).collect();
     Ok((lines, job.log_count))
 }
 

@@ -363,11 +363,9 @@ pub fn get(tx: &mut Tx, q: &QueueId, id: &str) -> Result<Option<SchedulerRecord>
 pub fn list(tx: &mut Tx, q: &QueueId, start: i64, end: i64, asc: bool) -> Result<Vec<SchedulerRecord>, JobsError> {
     let keys = QueueKeys::new(q);
     let all = tx.scan(&keys.scheduler_nexts(), usize::MAX, !asc)?;
-    let total = all.len() as i64;
-    let norm = |i: i64| if i < 0 { total + i } else { i };
-    let (s, e) = (norm(start).max(0), norm(end).min(total - 1));
+    let Some(at) = crate::model::lrange(all.len(), start, end) else { return Ok(Vec::new()) };
     let mut out = Vec::new();
-    for (k, _) in all.into_iter().skip(s.max(0) as usize).take(e.saturating_sub(s).saturating_add(1).max(0) as usize) {
+    for (k, _) in all.into_iter().take(at.end() + 1).skip(*at.start()) {
         let suffix = keys.suffix(&k);
         if let Some((_, rest)) = crate::keys::read_u64(suffix)
             && let Some((id, _)) = crate::keys::read_str(rest)
