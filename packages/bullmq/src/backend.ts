@@ -93,7 +93,7 @@ interface FactoryOptions {
 
 export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   closing: Promise<void> | undefined;
-  readonly keys: KeysMap = {} as KeysMap;
+  readonly keys: KeysMap = {};
   /** Redis' smallest block unit; the core wakes on in-process notifications. */
   readonly minimumBlockTimeout = 0.001;
   /**
@@ -457,7 +457,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   getCounts(types: JobType[], delayedTimestamp?: number): Promise<number[]> {
     // A type passed as an array (`getJobCounts(['waiting'])`) reads as its
     // text, as the remote backend's protobuf strings read it.
-    return this.native.getCounts(Date.now(), types.map(String) as JobType[], delayedTimestamp);
+    return this.native.getCounts(Date.now(), types.map(String), delayedTimestamp);
   }
 
   getCountsPerPriority(priorities: number[]): Promise<number[]> {
@@ -587,7 +587,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
       from = await this.eventsStart;
     }
     const entries = await this.native.readEvents(Date.now(), from, blockTimeout);
-    if (!entries) return null as unknown as StreamReadRaw;
+    if (!entries) return null;
     this.eventsStart = undefined;
     return [[this.toKey('events'), JSON.parse(entries)]] as unknown as StreamReadRaw;
   }

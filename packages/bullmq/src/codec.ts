@@ -15,12 +15,13 @@
  */
 import { ScalarType, type DescField, type DescMessage, type MessageInitShape, type MessageShape } from '@bufbuild/protobuf';
 import { BinaryReader, WireType } from '@bufbuild/protobuf/wire';
+import { Edition, FeatureSet_FieldPresence } from '@bufbuild/protobuf/wkt';
 import { ProtoWriter } from './proto-writer.js';
 
 /** How deep messages may nest in what we read (protobuf-es's own limit). */
 const RECURSION_LIMIT = 100;
 
-type Value = any; // eslint-disable-line @typescript-eslint/no-explicit-any
+type Value = any;
 type Write = (writer: ProtoWriter, value: Value) => void;
 type Read = (reader: Reader, depth: number) => Value;
 
@@ -131,12 +132,12 @@ function plan(desc: DescMessage): MessagePlan {
 }
 
 function fill(made: MessagePlan, desc: DescMessage): void {
-  if (desc.file.edition !== 999 /* EDITION_PROTO3 */) {
+  if (desc.file.edition !== Edition.EDITION_PROTO3) {
     throw new Error(`${desc.typeName}: only proto3 messages are supported by the session codec`);
   }
   for (const member of desc.members) {
     if (member.kind === 'oneof') made.fresh.push([member.localName, () => ({ case: undefined })]);
-    else if (member.presence === 2 /* IMPLICIT */) {
+    else if (member.presence === FeatureSet_FieldPresence.IMPLICIT) {
       const zero = zeroOf(member);
       if ('make' in zero) made.fresh.push([member.localName, zero.make]);
       else made.zero[member.localName] = zero.value;
@@ -155,7 +156,7 @@ function fieldPlan(field: DescField): FieldPlan {
     property: field.oneof ? field.oneof.localName : field.localName,
     oneofCase: field.oneof ? field.localName : undefined,
     kind: field.fieldKind,
-    implicit: field.presence === 2 && !field.oneof,
+    implicit: field.presence === FeatureSet_FieldPresence.IMPLICIT && !field.oneof,
     packable: false,
   };
   switch (field.fieldKind) {
@@ -311,6 +312,7 @@ function compileWrite(p: MessagePlan): CompiledWrite {
     return `v = message${key(f.property)}; if (v !== undefined${skip}) F[${i}].write(writer, v);`;
   });
   const body = `return function write(writer, message) {\n  let v;\n  ${lines.join('\n  ')}\n};`;
+  // eslint-disable-next-line @typescript-eslint/no-implied-eval -- the point: a writer compiled per message type (benchmarks.md, The session's codec)
   return new Function('F', body)(p.fields) as CompiledWrite;
 }
 
@@ -338,6 +340,7 @@ default:
 };`;
   const zero = properties.map(name => p.zero[name]);
   const makers = properties.map(name => fresh.get(name));
+  // eslint-disable-next-line @typescript-eslint/no-implied-eval -- as compileWrite's
   return new Function('Z', 'M', 'F', 'LIMIT', 'TOO_DEEP', 'PAST_END', 'checkTag', 'merge', body)(
     zero,
     makers,
@@ -510,7 +513,7 @@ function zeroTest(type: ScalarType): (value: Value) => boolean {
       return v => v.length === 0;
     default:
       // Numbers, and 64-bit values as bigint, number or string.
-      return v => v == 0; // eslint-disable-line eqeqeq
+      return v => v == 0; // loose: 0, 0n and '0' alike
   }
 }
 

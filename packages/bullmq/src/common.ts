@@ -474,6 +474,7 @@ export function progressText(progress: unknown): string {
 
 /** A log row as Redis keeps it: ioredis sends whatever it is given as its string, and nothing (null, undefined) as empty. */
 export function logRowText(row: unknown): string {
+  // eslint-disable-next-line @typescript-eslint/no-base-to-string -- an object logs as ioredis sends it: '[object Object]'
   return row === undefined || row === null ? '' : String(row);
 }
 

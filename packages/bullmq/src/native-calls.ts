@@ -73,7 +73,7 @@ class ReadsAfterWrites {
 
   settled1(): void {
     this.settled++;
-    while (this.waiting.length > 0 && this.waiting[0]!.until <= this.settled) this.waiting.shift()!.start();
+    while (this.waiting.length > 0 && this.waiting[0].until <= this.settled) this.waiting.shift()!.start();
   }
 
   /** Runs `read` now, or once every write made before it has settled. */

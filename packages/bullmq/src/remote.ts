@@ -249,7 +249,7 @@ interface InFlight {
 
 export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   closing: Promise<void> | undefined;
-  readonly keys: KeysMap = {} as KeysMap;
+  readonly keys: KeysMap = {};
   /** The server wakes waiters on its own notifications; any timeout works. */
   readonly minimumBlockTimeout = 0.001;
   /** The server caps a long-poll at 30 s; BullMQ then simply asks again. */
@@ -1378,10 +1378,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       );
       events = r.case === 'events' ? r.value.events : [];
     } catch (err) {
-      if (err instanceof CallAborted) return null as unknown as StreamReadRaw;
+      if (err instanceof CallAborted) return null;
       throw err;
     }
-    if (events.length === 0) return null as unknown as StreamReadRaw;
+    if (events.length === 0) return null;
     this.eventsStart = undefined;
     return [[this.toKey('events'), events.map(streamEntry)]] as unknown as StreamReadRaw;
   }

@@ -270,7 +270,7 @@ export class Session {
       this.partialBytes = 0;
     }
     while (bytes.length >= HEADER_BYTES) {
-      const flags = bytes[0]!;
+      const flags = bytes[0];
       const length = bytes.readUInt32BE(1);
       if (bytes.length < HEADER_BYTES + length) break;
       const message = bytes.subarray(HEADER_BYTES, HEADER_BYTES + length);

@@ -348,7 +348,7 @@ describe('queue and job admin', () => {
     const plain = await queue.upsertJobScheduler('plain', { every: 60_000 }, { name: 'plain' });
     const retried = await queue.upsertJobScheduler('retried', { every: 60_000 }, { name: 'r', opts: { attempts: 3 } });
     const read = async (id: string) => (await queue.getJob(id))?.opts.attempts;
-    expect([await read(plain!.id!), await read(retried!.id!)]).toEqual([0, 3]);
+    expect([await read(plain.id!), await read(retried.id!)]).toEqual([0, 3]);
     await queue.close();
   });
 

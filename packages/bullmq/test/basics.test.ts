@@ -85,9 +85,9 @@ describe('Queue and Worker on Loam', () => {
 
   it("keeps a job's repeatJobKey (the scheduler it belongs to)", async () => {
     const queue = new Queue(loam.queueName(), { connection });
-    const job = await queue.add('tick', {}, { repeatJobKey: 'every-minute' } as never);
+    const job = await queue.add('tick', {}, { repeatJobKey: 'every-minute' });
     expect((await queue.getJob(job.id!))?.repeatJobKey).toBe('every-minute');
-    const [bulk] = await queue.addBulk([{ name: 'tick', data: {}, opts: { repeatJobKey: 'nightly' } as never }]);
+    const [bulk] = await queue.addBulk([{ name: 'tick', data: {}, opts: { repeatJobKey: 'nightly' } }]);
     expect((await queue.getJob(bulk.id!))?.repeatJobKey).toBe('nightly');
     await queue.close();
   });
@@ -234,7 +234,7 @@ describe('Queue and Worker on Loam', () => {
     // saves both.
     const manual = new Worker(name, null, { connection });
     const added = await queue.add('manual', {});
-    const job = (await manual.getNextJob('tok'))!;
+    const job = (await manual.getNextJob('tok'));
     expect(job.id).toBe(added.id);
     await expect(job.moveToFailed(new Error('first'), 'wrong', false)).rejects.toThrow();
     await job.moveToFailed(new Error('second'), 'tok', false);

@@ -80,7 +80,7 @@ describe('errors', () => {
   it('answers moveToCompleted and moveToFailed in the shapes Redis does, for manual processing', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const worker = new Worker(queue.name, null, { connection, lockDuration: 60_000 });
-    const take = async () => (await worker.getNextJob('t'))!;
+    const take = async () => (await worker.getNextJob('t'));
     await queue.add('a', {});
     // Nothing asked for: Redis's adapter gives [] (manual loops destructure it).
     expect(await (await take()).moveToCompleted(1, 't', false)).toEqual([]);
@@ -483,11 +483,11 @@ describe('errors', () => {
     // Age and idle time in whole seconds, as Redis's CLIENT LIST gives them;
     // through the server also the address of the worker's connection.
     const [listed] = workers;
-    expect(Number(listed!.age)).toBeGreaterThanOrEqual(0);
-    expect(Number(listed!.idle)).toBeGreaterThanOrEqual(0);
-    expect(Number(listed!.idle)).toBeLessThanOrEqual(Number(listed!.age));
-    if (backendKind === 'remote') expect(listed!.addr).toMatch(/^127\.0\.0\.1:\d+$/);
-    else expect(listed!.addr).toBeUndefined();
+    expect(Number(listed.age)).toBeGreaterThanOrEqual(0);
+    expect(Number(listed.idle)).toBeGreaterThanOrEqual(0);
+    expect(Number(listed.idle)).toBeLessThanOrEqual(Number(listed.age));
+    if (backendKind === 'remote') expect(listed.addr).toMatch(/^127\.0\.0\.1:\d+$/);
+    else expect(listed.addr).toBeUndefined();
     // A closed worker is not listed (as Redis forgets a closed connection).
     await worker.close();
     expect(await queue.getWorkersCount()).toBe(0);
@@ -600,7 +600,7 @@ describe('errors', () => {
 
     // A worker's lock held for ever, or a setting that is NaN, is refused; an infinite count is no limit.
     for (const bad of [{ lockDuration: Infinity }, { lockDuration: 2 ** 64 }, { maxStalledCount: NaN }, { limiter: { max: 1, duration: NaN } }]) {
-      expect(() => loam.factory(queue.name, { connection, ...bad } as never), JSON.stringify(bad)).toThrow(
+      expect(() => loam.factory(queue.name, { connection, ...bad }), JSON.stringify(bad)).toThrow(
         expect.objectContaining({ code: 'LOAM_INVALID_ARGUMENT' }),
       );
     }

@@ -51,22 +51,22 @@ describe("native calls' writes", () => {
     const order: string[] = [];
     // Writes that hand out no job (those that do may also wait a turn, below).
     const writes = ['addJob', 'extendLock', 'moveToDelayed', 'updateProgress', 'retryJob'].map((name, i) =>
-      queue[name]!().then(
+      queue[name]().then(
         value => order.push(`${i}:${String(value)}`),
         (err: Error & { code?: number }) => order.push(`${i}:error ${err.code}`),
       ),
     );
-    calls[3]!.resolve('d');
-    calls[1]!.resolve('b');
+    calls[3].resolve('d');
+    calls[1].resolve('b');
     await drain();
     expect(order).toEqual([]);
-    calls[0]!.resolve('a');
+    calls[0].resolve('a');
     await drain();
     expect(order).toEqual(['0:a', '1:b']);
-    calls[4]!.reject(new Error('[bullmq:-3] {"command":"retryJob","jobId":"5","state":"active"}'));
+    calls[4].reject(new Error('[bullmq:-3] {"command":"retryJob","jobId":"5","state":"active"}'));
     await drain();
     expect(order).toEqual(['0:a', '1:b']);
-    calls[2]!.resolve('c');
+    calls[2].resolve('c');
     await Promise.all(writes);
     expect(order).toEqual(['0:a', '1:b', '2:c', '3:d', '4:error -3']);
   });
@@ -77,13 +77,13 @@ describe("native calls' writes", () => {
     const otherStore = fakeNative();
     const other = nativeCalls(otherStore.native, 'store-c');
     const order: string[] = [];
-    const first = queue.addJob!().then(() => order.push('first write'));
-    const refused = queue.addJob!('refuse').catch((err: Error & { code?: number }) => order.push(`refused ${err.code}`));
-    const elsewhere = other.addJob!().then(() => order.push("other store's write"));
-    otherStore.calls[0]!.resolve(undefined);
+    const first = queue.addJob().then(() => order.push('first write'));
+    const refused = queue.addJob('refuse').catch((err: Error & { code?: number }) => order.push(`refused ${err.code}`));
+    const elsewhere = other.addJob().then(() => order.push("other store's write"));
+    otherStore.calls[0].resolve(undefined);
     await elsewhere;
     expect(order).toEqual(["other store's write"]);
-    calls[0]!.resolve(undefined);
+    calls[0].resolve(undefined);
     await Promise.all([first, refused]);
     expect(order).toEqual(["other store's write", 'first write', 'refused -1']);
   });
@@ -92,35 +92,35 @@ describe("native calls' writes", () => {
     const { native, calls } = fakeNative();
     const queue = nativeCalls(native, 'store-h');
     const order: string[] = [];
-    const first = queue.addJob!().then(() => order.push('first write'));
-    const read = queue.getState!().then(value => order.push(`read ${String(value)}`));
-    const second = queue.addJob!().then(() => order.push('second write'));
+    const first = queue.addJob().then(() => order.push('first write'));
+    const read = queue.getState().then(value => order.push(`read ${String(value)}`));
+    const second = queue.addJob().then(() => order.push('second write'));
     await drain();
     // Not asked yet: the write before it is in flight.
     expect(calls).toHaveLength(2);
     // A blocking wait and a lifecycle call do not wait for writes.
-    void queue.waitForJob!();
-    void queue.close!();
+    void queue.waitForJob();
+    void queue.close();
     expect(calls).toHaveLength(4);
-    calls[0]!.resolve(undefined);
+    calls[0].resolve(undefined);
     await drain();
     // Asked now, while the write made after it is still in flight.
     expect(calls).toHaveLength(5);
-    calls[4]!.resolve('waiting');
+    calls[4].resolve('waiting');
     await read;
     expect(order).toEqual(['first write', 'read waiting']);
-    calls[1]!.resolve(undefined);
+    calls[1].resolve(undefined);
     await second;
     // With nothing in flight, a read is asked at once.
-    void queue.getState!();
+    void queue.getState();
     expect(calls).toHaveLength(6);
     // A refused write counts as settled.
-    const refused = queue.addJob!('refuse').catch(() => order.push('refused'));
-    const after = queue.getState!();
+    const refused = queue.addJob('refuse').catch(() => order.push('refused'));
+    const after = queue.getState();
     await refused;
     await drain();
     expect(calls).toHaveLength(7);
-    calls[6]!.resolve('done');
+    calls[6].resolve('done');
     expect(await after).toBe('done');
     await first;
   });
@@ -131,13 +131,13 @@ describe("native calls' writes", () => {
     const seen: string[] = [];
     // The producer's await returns many microtasks after its write resolves.
     const producer = (async () => {
-      let added = await queue.addJob!();
+      let added = await queue.addJob();
       for (let hop = 0; hop < 50; hop++) added = await Promise.resolve(added);
       seen.push('add returned');
     })();
-    const lease = queue.moveToActive!().then(() => seen.push('job handed out'));
-    calls[0]!.resolve('added');
-    calls[1]!.resolve('job');
+    const lease = queue.moveToActive().then(() => seen.push('job handed out'));
+    calls[0].resolve('added');
+    calls[1].resolve('job');
     await Promise.all([producer, lease]);
     expect(seen).toEqual(['add returned', 'job handed out']);
   });
@@ -145,14 +145,14 @@ describe("native calls' writes", () => {
   it('hand a worker a job at once when its write was made after the producer\'s was answered', async () => {
     const { native, calls } = fakeNative();
     const queue = nativeCalls(native, 'store-g');
-    const added = queue.addJob!();
-    calls[0]!.resolve('added');
+    const added = queue.addJob();
+    calls[0].resolve('added');
     await added;
     // Same turn: a worker woken by the add asks for its job now.
     let turned = false;
     setImmediate(() => (turned = true));
-    const lease = queue.moveToActive!();
-    calls[1]!.resolve('job');
+    const lease = queue.moveToActive();
+    calls[1].resolve('job');
     await lease;
     expect(turned).toBe(false);
   });
@@ -162,7 +162,7 @@ describe("native calls' writes", () => {
     const queue = nativeCalls(native, 'store-f');
     const seen: string[] = [];
     const completions = ['moveToCompleted', 'moveToFailed', 'moveToCompleted'].map((name, i) =>
-      queue[name]!().then(() => seen.push(`job ${i}`)),
+      queue[name]().then(() => seen.push(`job ${i}`)),
     );
     let turned = false;
     setImmediate(() => (turned = true));
@@ -175,12 +175,12 @@ describe("native calls' writes", () => {
   it('start afresh once every write of a store has settled', async () => {
     const { native, calls } = fakeNative();
     const queue = nativeCalls(native, 'store-d');
-    const a = queue.addJob!();
-    calls[0]!.resolve(1);
+    const a = queue.addJob();
+    calls[0].resolve(1);
     expect(await a).toBe(1);
     // A later write is not held behind anything.
-    const b = queue.addJob!();
-    calls[1]!.resolve(2);
+    const b = queue.addJob();
+    calls[1].resolve(2);
     expect(await b).toBe(2);
   });
 });
@@ -192,7 +192,7 @@ describe('WRITE_METHODS', () => {
     const source = readFileSync(new URL('../../../crates/loam-jobs-napi/src/backend.rs', import.meta.url), 'utf8');
     const writes = new Set<string>();
     for (const [, name] of source.matchAll(/pub fn (\w+)<'env>\([^{]*?\) -> Result<PromiseRaw/g)) {
-      writes.add(name!.replace(/_(\w)/g, (_, c: string) => c.toUpperCase()));
+      writes.add(name.replace(/_(\w)/g, (_, c: string) => c.toUpperCase()));
     }
     expect(writes.has('waitForJob') && writes.has('readEvents')).toBe(true);
     writes.delete('waitForJob');

@@ -410,7 +410,7 @@ describeRemote('remote connection failures', () => {
     onTestFinished(async () => {
       await Promise.all([worker.close(), queue.close()]);
     });
-    worker.run();
+    void worker.run();
     await vi.waitFor(async () => expect(await queue.getJobState(first.id!)).toBe('completed'), { interval: 20 });
     expect(await queue.getJobState(second.id!)).toBe('active');
     link.cut();

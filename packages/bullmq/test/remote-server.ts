@@ -38,6 +38,7 @@ function listening(server: ChildProcess): Promise<string> {
     const read = (chunk: Buffer) => {
       if (started) return;
       log += chunk.toString();
+      // eslint-disable-next-line no-control-regex -- colour codes (ESC [ ... m) stripped from the log
       const bound = /listen=(\S+:\d+)/.exec(log.replace(/\x1b\[[0-9;]*m/g, ''));
       if (bound) {
         started = true;
@@ -101,5 +102,5 @@ export async function startLoamServer(
 export default async function setup(project: TestProject) {
   const server = await startLoamServer();
   project.provide('loamServerUrl', server.url);
-  return server.stop;
+  return () => server.stop();
 }
