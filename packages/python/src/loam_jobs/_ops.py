@@ -25,23 +25,32 @@ from ._gen.loam.jobs.v1.jobs_pb import (
     CompleteRequest,
     EnqueueBulkRequest,
     EnqueueRequest,
+    EnqueueResponse,
     ExtendItem,
     ExtendRequest,
+    ExtendResponse,
     FlowRequest,
     JobAdminRequest,
+    JobAdminResponse,
     LeaseRequest,
     QueryRequest,
     QueueAdminRequest,
+    QueueAdminResponse,
     ReportRequest,
+    ReportResponse,
     ResultDeleteRequest,
+    ResultDeleteResponse,
     ResultExpireRequest,
+    ResultExpireResponse,
     ResultGetRequest,
+    ResultGetResponse,
     ResultIncrRequest,
     ResultMGetRequest,
     ResultSetRequest,
     SchedulerAdvance,
     ScheduleRequest,
     UnscheduleRequest,
+    UnscheduleResponse,
 )
 from ._gen.loam.jobs.v1.types_pb import (
     CompleteOptions,
@@ -67,6 +76,7 @@ from .errors import (
     UNENCODABLE,
     DeadlineExceededError,
     FailedPreconditionError,
+    InternalError,
     InvalidArgumentError,
     LoamJobsError,
     NotFoundError,
@@ -237,7 +247,11 @@ def _retried(call: Call) -> Op[Any]:
 
 
 def enqueue(queue: str, spec: JobSpec, key_ttl_ms: int | None = None) -> Op[Enqueued]:
-    resp = yield from _retried(Call("enqueue", EnqueueRequest(queue=queue, job=idempotent(spec, key_ttl_ms))))
+    resp: EnqueueResponse = yield from _retried(
+        Call("enqueue", EnqueueRequest(queue=queue, job=idempotent(spec, key_ttl_ms)))
+    )
+    if resp.enqueued is None:
+        raise InternalError("the server answered an enqueue with no job")
     return resp.enqueued
 
 
@@ -350,7 +364,9 @@ def _failing_deferred(options: LeaseOptions) -> LeaseOptions:
 
 def extend_one(target: LeasedJob, duration_ms: int, fence: Fence) -> Op[int]:
     item = ExtendItem(job_id=target.id, fence=fence)
-    resp = yield Call("extend", ExtendRequest(queue=target.queue, items=[item], duration_ms=duration_ms))
+    resp: ExtendResponse = yield Call(
+        "extend", ExtendRequest(queue=target.queue, items=[item], duration_ms=duration_ms)
+    )
     target.deadline = resp.deadline
     return resp.deadline
 
@@ -435,7 +451,7 @@ def report(
         report=report,
         idempotency=own_key(key_ttl_ms),
     )
-    resp = yield from _retried(Call("report", request))
+    resp: ReportResponse = yield from _retried(Call("report", request))
     return resp.log_count
 
 
@@ -469,15 +485,19 @@ def schedule_advance(queue: str, advance: SchedulerAdvance) -> Op[ScheduleResult
 
 
 def unschedule(queue: str, scheduler_id: str) -> Op[bool]:
-    resp = yield Call("unschedule", UnscheduleRequest(queue=queue, scheduler_id=scheduler_id))
+    resp: UnscheduleResponse = yield Call(
+        "unschedule", UnscheduleRequest(queue=queue, scheduler_id=scheduler_id)
+    )
     return resp.removed
 
 
 # Queue administration
 
 
-def queue_admin(queue: str, field_name: str, value: Any) -> Op[Any]:
-    resp = yield Call("queue_admin", QueueAdminRequest(queue=queue, op=_chosen(field_name, value)))
+def queue_admin(queue: str, field_name: str, value: Any) -> Op[QueueAdminResponse]:
+    resp: QueueAdminResponse = yield Call(
+        "queue_admin", QueueAdminRequest(queue=queue, op=_chosen(field_name, value))
+    )
     return resp
 
 
@@ -508,7 +528,9 @@ def set_config(queue: str, changes: Mapping[str, Any]) -> Op[None]:
 
 
 def job_admin(queue: str, job_id: str, field_name: str, value: Any) -> Op[bool]:
-    resp = yield Call("job_admin", JobAdminRequest(queue=queue, job_id=job_id, op=_chosen(field_name, value)))
+    resp: JobAdminResponse = yield Call(
+        "job_admin", JobAdminRequest(queue=queue, job_id=job_id, op=_chosen(field_name, value))
+    )
     return resp.done
 
 
@@ -567,8 +589,8 @@ def events(queue: str, after: int | None, limit: int, wait_ms: int) -> Op[list[Q
 
 
 def result_get(key: str) -> Op[bytes | None]:
-    resp = yield Call("result_get", ResultGetRequest(key=key))
-    return _present(resp, "value")
+    resp: ResultGetResponse = yield Call("result_get", ResultGetRequest(key=key))
+    return resp.value if resp.has_field("value") else None
 
 
 def result_mget(keys: Sequence[str]) -> Op[list[bytes | None]]:
@@ -586,7 +608,7 @@ def result_set(key: str, value: Any, ttl_ms: int | None) -> Op[None]:
 
 
 def result_delete(key: str) -> Op[bool]:
-    resp = yield Call("result_delete", ResultDeleteRequest(key=key))
+    resp: ResultDeleteResponse = yield Call("result_delete", ResultDeleteRequest(key=key))
     return resp.deleted
 
 
@@ -596,7 +618,7 @@ def result_incr(key: str, member: str, ttl_ms: int | None) -> Op[IncrResult]:
 
 
 def result_expire(key: str, ttl_ms: int) -> Op[bool]:
-    resp = yield Call("result_expire", ResultExpireRequest(key=key, ttl_ms=ttl_ms))
+    resp: ResultExpireResponse = yield Call("result_expire", ResultExpireRequest(key=key, ttl_ms=ttl_ms))
     return resp.found
 
 
@@ -614,7 +636,7 @@ def _nothing(_: Any) -> None:
     return None
 
 
-def _count(resp: Any) -> int:
+def _count(resp: QueueAdminResponse) -> int:
     return resp.count
 
 

@@ -223,7 +223,7 @@ class _Reconnect:
         self.failures += 1
         if self.max_attempts is not None and self.failures > self.max_attempts:
             raise err
-        return min(0.05 * 2 ** (self.failures - 1), 2.0)
+        return min(0.05 * 2.0 ** (self.failures - 1), 2.0)
 
 
 def _receive(watch: Watch | AsyncWatch, response: Any) -> QueueEvent | None:
@@ -353,7 +353,7 @@ class Client(Operations):
                 else:
                     step = op.send(response)
         except StopIteration as done:
-            return done.value
+            return cast(T, done.value)
 
     def watch(
         self,
@@ -642,7 +642,7 @@ class AsyncClient(AsyncOperations):
                         leased.append((step, response))
                     step = op.send(response)
         except StopIteration as done:
-            return done.value
+            return cast(T, done.value)
         except asyncio.CancelledError:
             for call, response in leased:
                 self._give_back(_taken(call, response))

@@ -299,7 +299,7 @@ def _unsendable_field(message: Message[Any]) -> str | None:
             chosen = getattr(message, member.local_name)
             if chosen is None:
                 continue
-            name, value, alone = chosen.field, chosen.value, {member.local_name: chosen}
+            name, value, alone = str(chosen.field), chosen.value, {member.local_name: chosen}
         else:
             name = member.local_name
             if not message.has_field(name):
