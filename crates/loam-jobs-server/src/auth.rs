@@ -102,9 +102,16 @@ impl Auth {
 
     /// The namespace a request acts in.
     pub fn namespace(&self, headers: &HeaderMap) -> Result<String, ConnectError> {
-        let named = match headers.get(NAMESPACE_HEADER) {
-            Some(v) => Some(v.to_str().map_err(|_| crate::errors::invalid("the loam-namespace header is not text"))?),
-            None => None,
+        let named = match one(headers, NAMESPACE_HEADER) {
+            Ok(Some(v)) => {
+                Some(v.to_str().map_err(|_| crate::errors::invalid("the loam-namespace header is not text"))?)
+            }
+            Ok(None) => None,
+            Err(Several) => {
+                return Err(crate::errors::invalid(
+                    "a request names its namespace once; this one has several loam-namespace headers",
+                ));
+            }
         };
         let Some(tokens) = &self.tokens else {
             let ns = named.unwrap_or(DEFAULT_NAMESPACE);
@@ -113,7 +120,7 @@ impl Auth {
             }
             return Ok(ns.to_string());
         };
-        let presented = bearer(headers).ok_or_else(|| unauthenticated("a bearer token is required"))?;
+        let presented = bearer(headers).map_err(unauthenticated)?;
         let ns = granted(tokens, presented).ok_or_else(|| unauthenticated("unknown token"))?;
         match named {
             Some(other) if other != ns => Err(permission_denied("the token does not grant that namespace")),
@@ -127,19 +134,40 @@ impl Auth {
     pub fn knows_caller(&self, headers: &HeaderMap) -> bool {
         match &self.tokens {
             None => true,
-            Some(tokens) => bearer(headers).is_some_and(|presented| granted(tokens, presented).is_some()),
+            Some(tokens) => bearer(headers).is_ok_and(|presented| granted(tokens, presented).is_some()),
         }
     }
 }
 
-/// The token of an `Authorization: Bearer` header.
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
+/// The token of the request's `Authorization: Bearer` header, or why there
+/// is none to take.
+fn bearer(headers: &HeaderMap) -> Result<&str, &'static str> {
+    let value = match one(headers, http::header::AUTHORIZATION.as_str()) {
+        Ok(Some(value)) => value,
+        Ok(None) => return Err("a bearer token is required"),
+        Err(Several) => return Err("a request carries one Authorization header; this one has several"),
+    };
+    value
+        .to_str()
+        .ok()
         .and_then(|v| v.split_once(' '))
         // The scheme's name is case-insensitive (RFC 9110 section 11.1).
         .and_then(|(scheme, token)| scheme.eq_ignore_ascii_case("bearer").then(|| token.trim_start()))
+        .ok_or("a bearer token is required")
+}
+
+/// More than one header of a name that a request may carry once.
+struct Several;
+
+/// The one header named `name`, if any. Several are refused rather than one
+/// of them picked: which caller or namespace a request acts as must not
+/// depend on which of two headers (a client's and a proxy's, say) is read.
+fn one<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a http::HeaderValue>, Several> {
+    let mut all = headers.get_all(name).iter();
+    match (all.next(), all.next()) {
+        (first, None) => Ok(first),
+        (Some(_), Some(_)) | (None, Some(_)) => Err(Several),
+    }
 }
 
 /// The namespace `presented` grants, if it is a known token.
@@ -208,6 +236,34 @@ mod tests {
         let auth = Auth::load(None, Some("c2VjcmV0c2VjcmV0c2VjcmV0MTI==prod")).unwrap();
         let padded = headers(&[("authorization", "Bearer c2VjcmV0c2VjcmV0c2VjcmV0MTI=")]);
         assert_eq!(auth.namespace(&padded).unwrap(), "prod");
+    }
+
+    #[test]
+    fn a_header_given_twice_is_refused() {
+        let auth = Auth::load(None, Some("aaaaaaaaaaaaaaaa=alpha, bbbbbbbbbbbbbbbb=beta")).unwrap();
+        let mut two = HeaderMap::new();
+        two.append("authorization", "Bearer aaaaaaaaaaaaaaaa".parse().unwrap());
+        two.append("authorization", "Bearer bbbbbbbbbbbbbbbb".parse().unwrap());
+        let e = auth.namespace(&two).unwrap_err();
+        assert_eq!(e.code, connectrpc::ErrorCode::Unauthenticated);
+        assert!(e.message.as_deref().unwrap_or("").contains("one Authorization header"), "{e:?}");
+        assert!(!auth.knows_caller(&two));
+        // The same token twice is refused all the same.
+        let mut same = HeaderMap::new();
+        same.append("authorization", "Bearer aaaaaaaaaaaaaaaa".parse().unwrap());
+        same.append("authorization", "Bearer aaaaaaaaaaaaaaaa".parse().unwrap());
+        assert_eq!(auth.namespace(&same).unwrap_err().code, connectrpc::ErrorCode::Unauthenticated);
+
+        let mut named_twice = headers(&[("authorization", "Bearer aaaaaaaaaaaaaaaa")]);
+        named_twice.append(NAMESPACE_HEADER, "alpha".parse().unwrap());
+        named_twice.append(NAMESPACE_HEADER, "beta".parse().unwrap());
+        let e = auth.namespace(&named_twice).unwrap_err();
+        assert_eq!(e.code, connectrpc::ErrorCode::InvalidArgument);
+        assert!(e.message.as_deref().unwrap_or("").contains("several loam-namespace headers"), "{e:?}");
+        let mut off_twice = HeaderMap::new();
+        off_twice.append(NAMESPACE_HEADER, "team".parse().unwrap());
+        off_twice.append(NAMESPACE_HEADER, "other".parse().unwrap());
+        assert_eq!(Auth::off().namespace(&off_twice).unwrap_err().code, connectrpc::ErrorCode::InvalidArgument);
     }
 
     #[test]

@@ -425,6 +425,27 @@ async fn tokens_keep_namespaces_apart() {
         None,
     );
 
+    // Two Authorization headers (a client's and a proxy's, say) are refused,
+    // whichever of them would pass alone; so are two namespace headers.
+    let unary = |headers: &[(&str, &str)]| {
+        let counts = br#"{"queue":"shared","counts":{"types":["wait"]}}"#;
+        server.http_with("POST", "/loam.jobs.v1.JobsService/Query", headers, "application/json", counts)
+    };
+    let (status, body) = unary(&[("Authorization", &bearer(TOKEN_A)), ("Authorization", &bearer(TOKEN_B))]).unwrap();
+    assert_eq!(status, 401, "{}", String::from_utf8_lossy(&body));
+    assert!(String::from_utf8_lossy(&body).contains("one Authorization header"), "{}", String::from_utf8_lossy(&body));
+    let (status, body) =
+        unary(&[("Authorization", &bearer(TOKEN_A)), ("loam-namespace", "alpha"), ("loam-namespace", "beta")]).unwrap();
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+    assert!(
+        String::from_utf8_lossy(&body).contains("several loam-namespace headers"),
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    // One of each is served as before.
+    let (status, body) = unary(&[("Authorization", &bearer(TOKEN_A)), ("loam-namespace", "alpha")]).unwrap();
+    assert_eq!((status, String::from_utf8_lossy(&body).as_ref()), (200, r#"{"counts":{"counts":["1"]}}"#));
+
     // B sees nothing of A's queue of the same name, and cannot take or touch A's job.
     assert_eq!(counts(&b, "shared", &["wait"]).await, vec![0]);
     let leased = b.lease(lease_req("shared", 10, 0, 0)).await.unwrap().into_owned().leased.into_option().unwrap();
