@@ -4,7 +4,10 @@
 //! <token>` and its namespace is the token's; a `loam-namespace` header that
 //! names another one is refused, and nothing in a request body can name a
 //! namespace. Without tokens (loopback only) the namespace is the
-//! `loam-namespace` header, or `default`.
+//! `loam-namespace` header, or `default`. A request carries each of these
+//! headers once: with two, which caller or namespace it acts as would depend
+//! on which one was read (a client's and a proxy's may differ), so it is
+//! refused.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -100,21 +103,11 @@ impl Auth {
         Ok(Self { tokens: Some(tokens) })
     }
 
-    /// The namespace a request acts in.
+    /// The namespace a request acts in. With tokens, the caller is
+    /// authenticated before anything else of the request is looked at.
     pub fn namespace(&self, headers: &HeaderMap) -> Result<String, ConnectError> {
-        let named = match one(headers, NAMESPACE_HEADER) {
-            Ok(Some(v)) => {
-                Some(v.to_str().map_err(|_| crate::errors::invalid("the loam-namespace header is not text"))?)
-            }
-            Ok(None) => None,
-            Err(Several) => {
-                return Err(crate::errors::invalid(
-                    "a request names its namespace once; this one has several loam-namespace headers",
-                ));
-            }
-        };
         let Some(tokens) = &self.tokens else {
-            let ns = named.unwrap_or(DEFAULT_NAMESPACE);
+            let ns = named(headers)?.unwrap_or(DEFAULT_NAMESPACE);
             if ns.is_empty() || ns.len() > 128 {
                 return Err(crate::errors::invalid("a namespace must be 1 to 128 bytes"));
             }
@@ -122,7 +115,7 @@ impl Auth {
         };
         let presented = bearer(headers).map_err(unauthenticated)?;
         let ns = granted(tokens, presented).ok_or_else(|| unauthenticated("unknown token"))?;
-        match named {
+        match named(headers)? {
             Some(other) if other != ns => Err(permission_denied("the token does not grant that namespace")),
             _ => Ok(ns.clone()),
         }
@@ -156,6 +149,19 @@ fn bearer(headers: &HeaderMap) -> Result<&str, &'static str> {
         .ok_or("a bearer token is required")
 }
 
+/// The namespace the request's `loam-namespace` header names, if it has one.
+fn named(headers: &HeaderMap) -> Result<Option<&str>, ConnectError> {
+    match one(headers, NAMESPACE_HEADER) {
+        Ok(Some(v)) => {
+            v.to_str().map(Some).map_err(|_| crate::errors::invalid("the loam-namespace header is not text"))
+        }
+        Ok(None) => Ok(None),
+        Err(Several) => Err(crate::errors::invalid(
+            "a request names its namespace once; this one has several loam-namespace headers",
+        )),
+    }
+}
+
 /// More than one header of a name that a request may carry once.
 struct Several;
 
@@ -164,10 +170,8 @@ struct Several;
 /// depend on which of two headers (a client's and a proxy's, say) is read.
 fn one<'a>(headers: &'a HeaderMap, name: &str) -> Result<Option<&'a http::HeaderValue>, Several> {
     let mut all = headers.get_all(name).iter();
-    match (all.next(), all.next()) {
-        (first, None) => Ok(first),
-        (Some(_), Some(_)) | (None, Some(_)) => Err(Several),
-    }
+    let first = all.next();
+    if all.next().is_some() { Err(Several) } else { Ok(first) }
 }
 
 /// The namespace `presented` grants, if it is a known token.
@@ -260,6 +264,11 @@ mod tests {
         let e = auth.namespace(&named_twice).unwrap_err();
         assert_eq!(e.code, connectrpc::ErrorCode::InvalidArgument);
         assert!(e.message.as_deref().unwrap_or("").contains("several loam-namespace headers"), "{e:?}");
+        // Without a token the caller is refused as such, whatever else is wrong.
+        let mut anonymous_twice = HeaderMap::new();
+        anonymous_twice.append(NAMESPACE_HEADER, "alpha".parse().unwrap());
+        anonymous_twice.append(NAMESPACE_HEADER, "beta".parse().unwrap());
+        assert_eq!(auth.namespace(&anonymous_twice).unwrap_err().code, connectrpc::ErrorCode::Unauthenticated);
         let mut off_twice = HeaderMap::new();
         off_twice.append(NAMESPACE_HEADER, "team".parse().unwrap());
         off_twice.append(NAMESPACE_HEADER, "other".parse().unwrap());
