@@ -16,6 +16,7 @@ from loam_jobs import (
     Client,
     DeadlineExceededError,
     FailedPreconditionError,
+    InternalError,
     InvalidArgumentError,
     Job,
     LeasedJob,
@@ -27,7 +28,11 @@ from loam_jobs import (
     Success,
     UnauthenticatedError,
     UnavailableError,
+    _ops,
+    job,
 )
+from loam_jobs._gen.loam.jobs.v1.jobs_pb import EnqueueBulkResponse, EnqueueResponse, EnqueueResult
+from loam_jobs.client import _Reconnect
 
 from .conftest import ALPHA_TOKEN, BETA_TOKEN, MAX_PAYLOAD_BYTES, MAX_REQUEST_BYTES, Server, free_port
 
@@ -299,3 +304,25 @@ def test_an_operation_under_way_when_its_client_closes_ends_as_it_would_have(
     runner.join(60)
     assert failed == []
     assert client.counts(queue, "delayed", "wait") == {"delayed": 0, "wait": 300}
+
+
+def test_an_answer_without_its_job_is_an_internal_error() -> None:
+    # The server always answers an add with its job; a reply without one (a
+    # server of another version, a proxy's) is the server's fault, said as such.
+    add = _ops.enqueue("q", job("a", None))
+    next(add)
+    with pytest.raises(InternalError, match="no job"):
+        add.send(EnqueueResponse())
+    bulk = _ops.enqueue_bulk("q", [job("a", None), job("b", None)])
+    next(bulk)
+    with pytest.raises(StopIteration) as done:
+        bulk.send(EnqueueBulkResponse(results=[EnqueueResult(), EnqueueResult()]))
+    assert [type(r) for r in done.value.value] == [InternalError, InternalError]
+
+
+def test_reconnect_pauses_double_up_to_two_seconds_however_long_the_outage() -> None:
+    reconnect = _Reconnect(max_attempts=None)
+    down = UnavailableError("the server is down")
+    pauses = [reconnect.pause_after(down) for _ in range(5000)]
+    assert pauses[:7] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0]
+    assert set(pauses[6:]) == {2.0}

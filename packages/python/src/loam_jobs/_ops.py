@@ -313,7 +313,7 @@ def enqueue_bulk(
             case Oneof(field="error", value=error):
                 results.append(from_bulk_error(error))
             case _:
-                results.append(LoamJobsError("the server returned an empty bulk result"))
+                results.append(InternalError("the server returned an empty bulk result"))
     return results
 
 

@@ -223,7 +223,10 @@ class _Reconnect:
         self.failures += 1
         if self.max_attempts is not None and self.failures > self.max_attempts:
             raise err
-        return min(0.05 * 2.0 ** (self.failures - 1), 2.0)
+        # Doubling from 50 ms reaches the 2 s cap at the seventh failure; the
+        # exponent stops there, or a watch kept reconnecting through a long
+        # outage would overflow a float at its 1,025th.
+        return min(0.05 * 2.0 ** min(self.failures - 1, 6), 2.0)
 
 
 def _receive(watch: Watch | AsyncWatch, response: Any) -> QueueEvent | None:
