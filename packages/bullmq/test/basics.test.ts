@@ -234,7 +234,7 @@ describe('Queue and Worker on Loam', () => {
     // saves both.
     const manual = new Worker(name, null, { connection });
     const added = await queue.add('manual', {});
-    const job = (await manual.getNextJob('tok'));
+    const job = await manual.getNextJob('tok');
     expect(job.id).toBe(added.id);
     await expect(job.moveToFailed(new Error('first'), 'wrong', false)).rejects.toThrow();
     await job.moveToFailed(new Error('second'), 'tok', false);

@@ -80,7 +80,7 @@ describe('errors', () => {
   it('answers moveToCompleted and moveToFailed in the shapes Redis does, for manual processing', async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const worker = new Worker(queue.name, null, { connection, lockDuration: 60_000 });
-    const take = async () => (await worker.getNextJob('t'));
+    const take = async () => await worker.getNextJob('t');
     await queue.add('a', {});
     // Nothing asked for: Redis's adapter gives [] (manual loops destructure it).
     expect(await (await take()).moveToCompleted(1, 't', false)).toEqual([]);

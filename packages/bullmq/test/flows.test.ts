@@ -60,7 +60,7 @@ describe('flows', () => {
     });
     const worker = new Worker(children, null, { connection });
     for (const _ of [0, 1]) {
-      const job = (await worker.getNextJob('tok'));
+      const job = await worker.getNextJob('tok');
       await job.moveToCompleted(job.data.n * 10, 'tok', false);
     }
     const parentQueue = new Queue(parents, { connection });
