@@ -564,6 +564,35 @@ async fn an_answer_over_max_response_bytes_is_refused() {
     let refused = assert_code(c.query(jobs(100)).await, ErrorCode::ResourceExhausted, Some("response_too_large"));
     assert!(refused.message.as_deref().unwrap_or("").contains("--max-response-bytes"), "{refused:?}");
 
+    // A parent's children with their jobs: a page of two fits, every child
+    // does not, and the page is refused rather than sent without some jobs.
+    let mut parent = job("parent", b"{}");
+    parent.job_id = Some("p".into());
+    let mut nodes =
+        vec![pb::FlowNode { queue: "q".into(), job: parent.into(), wait_children: true, ..Default::default() }];
+    for n in 0..4 {
+        let mut child = job(&format!("c{n}"), data.as_bytes());
+        child.parent = pb::ParentRef { queue: "q".into(), id: "p".into(), ..Default::default() }.into();
+        nodes.push(pb::FlowNode { queue: "q".into(), job: child.into(), ..Default::default() });
+    }
+    c.flow(pb::FlowRequest { nodes, ..Default::default() }).await.unwrap();
+    let children = |end: i64| {
+        let deps = pb::query_request::Dependencies {
+            job_id: "p".into(),
+            with_jobs: true,
+            end: Some(end),
+            ..Default::default()
+        };
+        query_req("q", oneof::query_request::Query::from(deps))
+    };
+    let Some(oneof::query_response::Result::Dependencies(page)) =
+        c.query(children(1)).await.unwrap().into_owned().result
+    else {
+        panic!("dependencies")
+    };
+    assert_eq!((page.dependencies.len(), page.jobs.len(), page.total), (2, 2, 4));
+    assert_code(c.query(children(-1)).await, ErrorCode::ResourceExhausted, Some("response_too_large"));
+
     let value = vec![b'v'; 300 << 10];
     c.result_set(pb::ResultSetRequest { key: "r".into(), value, ..Default::default() }).await.unwrap();
     let mget = |n: usize| pb::ResultMGetRequest { keys: vec!["r".into(); n], ..Default::default() };
