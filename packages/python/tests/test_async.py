@@ -247,3 +247,37 @@ async def test_a_closed_async_client_refuses_every_later_call(server: Server, qu
         await anext(closed.watch(queue, after=0))
     async with AsyncClient(server.url) as open_client:
         assert await open_client.counts(queue, "wait") == {"wait": 1}
+
+
+async def test_an_async_extend_of_no_leases_is_an_empty_list(server: Server, queue: str) -> None:
+    # As the blocking client answers: nothing to extend, nothing asked.
+    async with AsyncClient(server.url) as client:
+        assert await client.extend([], 1_000) == []
+        assert await client.extend(await client.lease(queue), 1_000) == []
+
+
+async def test_timeouts_around_an_async_watch_are_not_reconnect_failures(server: Server, queue: str) -> None:
+    # A caller polling with a timeout gives up on a read, not on the stream:
+    # with one reconnect allowed, the third timeout took the watch for dead.
+    async with AsyncClient(server.url) as client:
+        async with client.watch(queue, max_reconnects=1) as watch:
+            for _ in range(4):
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(anext(watch), 0.3)
+            added = await client.enqueue(queue, "a")
+            event = await asyncio.wait_for(anext(watch), 5)
+            assert event.job_id == added.id
+
+
+async def test_an_async_watch_closed_before_its_first_read_ends_its_iteration(
+    server: Server, queue: str
+) -> None:
+    # The read of a fresh stream cancelled before it ran: the iteration ends,
+    # and the task that iterates is not taken for cancelled.
+    async with AsyncClient(server.url) as client:
+        watch = client.watch(queue, after=0)
+        consumer = asyncio.create_task(anext(watch))
+        await asyncio.sleep(0)
+        await watch.close()
+        with pytest.raises(StopAsyncIteration):
+            await consumer

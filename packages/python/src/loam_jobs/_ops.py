@@ -232,6 +232,12 @@ def _job_slot_list(slots: Iterable[Any]) -> list[Job | None]:
 # Producing
 
 
+def _answered(value: T) -> Op[T]:
+    """An operation answered without a call: `value`, from either driver."""
+    return value
+    yield  # a generator, as every operation is
+
+
 def _retried(call: Call) -> Op[Any]:
     """`call`, tried again after each of `RETRY_PAUSES` while its outcome is
     unknown. The caller makes sure a repeat cannot do the work twice."""
@@ -752,7 +758,8 @@ class Operations(ABC):
             )
         leases = list(target)
         if not leases:
-            return []
+            # Through `_run` like every answer, so the async client awaits it too.
+            return self._run(_answered([]))
         queues = {lease.queue for lease in leases}
         if len(queues) != 1:
             raise InvalidArgumentError("extend takes leases of one queue at a time")

@@ -442,6 +442,10 @@ class Watch(Iterator[QueueEvent]):
         # Whether a thread is inside `next(self._stream)`: a generator cannot
         # be closed from another thread while it runs.
         self._reading = False
+        # Guards `_closed`, `_reading` and `_stream` together: a reader must
+        # not start on a stream that `close()` is closing (it met `None`, or a
+        # generator already executing).
+        self._lock = threading.Lock()
 
     def _open(self) -> Iterator[Any]:
         request = self._request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
@@ -450,15 +454,20 @@ class Watch(Iterator[QueueEvent]):
 
     def __next__(self) -> QueueEvent:
         try:
-            while not self._closed:
+            while True:
                 try:
-                    if self._stream is None:
-                        self._stream = self._open()
-                    self._reading = True
+                    with self._lock:
+                        if self._closed:
+                            break
+                        if self._stream is None:
+                            self._stream = self._open()
+                        stream = self._stream
+                        self._reading = True
                     try:
-                        response = next(self._stream)
+                        response = next(stream)
                     finally:
-                        self._reading = False
+                        with self._lock:
+                            self._reading = False
                 except StopIteration:
                     # The server ended the stream (it is shutting down): reconnect.
                     self._stream = None
@@ -486,12 +495,15 @@ class Watch(Iterator[QueueEvent]):
         """Stops the watch. From the thread iterating it (or with no
         iteration under way), at once; from another thread, the iterating one
         stops at the stream's next message."""
-        self._closed = True
-        if not self._reading:
+        with self._lock:
+            self._closed = True
+            reading = self._reading
+        if not reading:
             self._close_stream()
 
     def _close_stream(self) -> None:
-        stream, self._stream = self._stream, None
+        with self._lock:
+            stream, self._stream = self._stream, None
         close = getattr(stream, "close", None)
         if close is not None:
             try:
@@ -743,21 +755,31 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         read.add_done_callback(_take_outcome)
         try:
             done, _ = await asyncio.wait([read], timeout=self._idle_timeout)
-            if not done:
-                read.cancel()
-                await asyncio.wait([read])
-                raise _silent_stream(self._idle_timeout or 0)
-            return read.result()
         except asyncio.CancelledError:
-            # This task is cancelled: so is its read, which ends before this
-            # task does (left pending, `asyncio.run` reports it at shutdown as
-            # an unhandled error). A read that `close()` cancelled fails as
-            # connectrpc's `canceled` error instead.
+            # This task is cancelled (a timeout around `anext`, a shutdown):
+            # so is its read, which ends before this task does (left pending,
+            # `asyncio.run` reports it at shutdown as an unhandled error), and
+            # the stream with it. The caller gave up, not the stream: the next
+            # `anext` opens another from the cursor, with no pause and no
+            # reconnect counted (counted, a loop that polls with a timeout
+            # gave up on a healthy server after `max_reconnects` timeouts).
             read.cancel()
             await asyncio.wait([read], timeout=_READ_CANCEL_SECONDS)
+            if self._stream is stream:
+                self._stream = None
             raise
         finally:
             self._read = None
+        if not done:
+            read.cancel()
+            await asyncio.wait([read])
+            raise _silent_stream(self._idle_timeout or 0)
+        if read.cancelled():
+            # `close()` cancelled a read that had not started: its stream
+            # never ran to turn the cancel into connectrpc's `canceled`. The
+            # stream is over, and this task was not cancelled.
+            raise StopAsyncIteration
+        return read.result()
 
     async def __anext__(self) -> QueueEvent:
         while not self._closed:
