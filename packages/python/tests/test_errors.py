@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -326,3 +327,10 @@ def test_reconnect_pauses_double_up_to_two_seconds_however_long_the_outage() -> 
     pauses = [reconnect.pause_after(down) for _ in range(5000)]
     assert pauses[:7] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0]
     assert set(pauses[6:]) == {2.0}
+
+
+def test_a_client_timeout_past_64_bits_keeps_the_servers_key_ttl(server: Server, queue: str) -> None:
+    # As good as no bound: the idempotency key keeps the server's default,
+    # where its TTL, derived from the bound, could not be encoded.
+    with Client(server.url, timeout_ms=sys.maxsize) as patient:
+        assert patient.enqueue(queue, "a", None).id

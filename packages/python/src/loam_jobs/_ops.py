@@ -158,11 +158,14 @@ def own_key_ttl_ms(timeout_ms: int | None) -> int | None:
     own: past the last retry of a call bounded by `timeout_ms`, with a minute
     to spare (for clocks). Kept for the server's default of a day, the keys of
     a client adding a thousand jobs a second were 86 million live records.
-    Calls without a bound (None) keep that default."""
+    Calls without a bound (None) keep that default, and so do calls whose
+    bound is past what the request's 64-bit field holds (`sys.maxsize`, as
+    good as none: it failed every write with an unencodable TTL)."""
     if timeout_ms is None:
         return None
     tries = len(RETRY_PAUSES) + 1
-    return tries * timeout_ms + round(sum(RETRY_PAUSES) * 1000) + 60_000
+    ttl_ms = tries * timeout_ms + round(sum(RETRY_PAUSES) * 1000) + 60_000
+    return ttl_ms if ttl_ms < 1 << 63 else None
 
 
 @dataclass(frozen=True)
