@@ -281,3 +281,16 @@ async def test_an_async_watch_closed_before_its_first_read_ends_its_iteration(
         await watch.close()
         with pytest.raises(StopAsyncIteration):
             await consumer
+
+
+async def test_an_async_watch_closed_while_it_pins_its_cursor_opens_no_stream(
+    server: Server, queue: str
+) -> None:
+    async with AsyncClient(server.url) as client:
+        watch = client.watch(queue)  # after=None: the first iteration asks for the log's end
+        consumer = asyncio.create_task(anext(watch))
+        await asyncio.sleep(0)  # it is asking
+        await watch.close()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(consumer, 2)
+        assert watch._stream is None

@@ -19,6 +19,7 @@ from loam_jobs import (
     FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
+    InvalidJsonError,
     Job,
     LeasedJob,
     LoamJobsError,
@@ -33,7 +34,8 @@ from loam_jobs import (
     job,
 )
 from loam_jobs._gen.loam.jobs.v1.jobs_pb import EnqueueBulkResponse, EnqueueResponse, EnqueueResult
-from loam_jobs.client import _Reconnect
+from loam_jobs._ops import Call
+from loam_jobs.client import _Reconnect, _release
 
 from .conftest import ALPHA_TOKEN, BETA_TOKEN, MAX_PAYLOAD_BYTES, MAX_REQUEST_BYTES, Server, free_port
 
@@ -334,3 +336,27 @@ def test_a_client_timeout_past_64_bits_keeps_the_servers_key_ttl(server: Server,
     # where its TTL, derived from the bound, could not be encoded.
     with Client(server.url, timeout_ms=sys.maxsize) as patient:
         assert patient.enqueue(queue, "a", None).id
+
+
+def test_values_no_reader_here_takes_are_invalid_json(client: Client, queue: str) -> None:
+    # A worker that catches ValueError for a poison message catches these too.
+    deep = b"[" * 5000 + b"]" * 5000  # JSON.stringify writes it; Python's reader recurses too deep
+    for stored in (deep, b"NaN", b"-Infinity"):
+        client.result_set(f"{queue}:k", stored)
+        with pytest.raises(InvalidJsonError):
+            client.result_get_json(f"{queue}:k")
+        leased = LeasedJob(queue="q", job=Job(id="j", data=stored), epoch=1, token="t", deadline=0)
+        with pytest.raises(InvalidJsonError):
+            leased.json()
+    nested: list[object] = []
+    for _ in range(5000):
+        nested = [nested]
+    with pytest.raises(InvalidArgumentError, match="request not sent"):
+        client.enqueue(queue, "deep", nested)
+
+
+def test_a_job_given_back_keeps_its_key_as_long_as_the_clients_writes() -> None:
+    leased = LeasedJob(queue="q", job=Job(id="j"), epoch=1, token="t", deadline=0)
+    call = next(_release(leased, 30_000))
+    assert isinstance(call, Call)
+    assert call.request.options.idempotency.ttl_ms == _ops.own_key_ttl_ms(30_000)

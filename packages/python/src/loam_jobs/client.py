@@ -25,7 +25,7 @@ from pyqwest import SyncClient, SyncHTTPTransport
 
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
 from ._gen.loam.jobs.v1.jobs_pb import CompleteRequest, LeaseRequest, WatchRequest
-from ._ops import Call, Op, Operations, Pause, complete
+from ._ops import Call, Op, Operations, Pause, complete, own_key_ttl_ms
 from .errors import (
     ClientClosedError,
     ForkedProcessError,
@@ -177,11 +177,12 @@ def _taken(call: Call, response: Any) -> list[LeasedJob]:
     return []
 
 
-def _release(leased: LeasedJob) -> Op[Any]:
+def _release(leased: LeasedJob, timeout_ms: int | None) -> Op[Any]:
     """Gives back a job its caller gave up on: it runs again at once, no
     attempt spent. Also once the client was closed (a `with` block left by
-    the interruption): its connections open again for this."""
-    return complete(leased.queue, leased.id, leased.fence(), Release())
+    the interruption): its connections open again for this. Its key lives
+    as long as the client's own writes' do (`own_key_ttl_ms`), not a day."""
+    return complete(leased.queue, leased.id, leased.fence(), Release(), key_ttl_ms=own_key_ttl_ms(timeout_ms))
 
 
 def _take_outcome(done: asyncio.Future[Any]) -> None:
@@ -333,7 +334,7 @@ class Client(Operations):
             return
         for leased in _taken(call, response):
             with contextlib.suppress(LoamJobsError):
-                self._drive(_release(leased))
+                self._drive(_release(leased, self._timeout_ms))
 
     def _run(self, op: Op[T]) -> T:
         # Checked as an operation starts: one under way (its retries, its
@@ -484,7 +485,9 @@ class Watch(Iterator[QueueEvent]):
                         err = _silent_stream(self._idle_timeout)
                     time.sleep(self._reconnect.pause_after(from_connect_error(err, self._request)))
                     continue
-                if event := _receive(self, response):
+                # An event read as the watch was closed (from another
+                # thread) is not handed out after `close()` returned.
+                if (event := _receive(self, response)) and not self._closed:
                     return event
             raise StopIteration
         finally:
@@ -634,7 +637,7 @@ class AsyncClient(AsyncOperations):
 
     async def _release_quietly(self, leased: LeasedJob) -> None:
         with contextlib.suppress(LoamJobsError):
-            await self._drive(_release(leased))
+            await self._drive(_release(leased, self._timeout_ms))
 
     async def _drive(self, op: Op[T]) -> T:
         # The calls of this operation that leased jobs, with their answers:
@@ -786,6 +789,9 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
             try:
                 if self._stream is None:
                     await self._pin()
+                    if self._closed:
+                        # Closed while the cursor was pinned: no stream to open.
+                        break
                     self._stream = self._open()
                 response = await self._next_message(self._stream)
             except StopAsyncIteration:
@@ -808,7 +814,8 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
                 # From pinning the cursor (last_event_seq), before the stream opens.
                 await asyncio.sleep(self._reconnect.pause_after(err))
                 continue
-            if event := _receive(self, response):
+            # As `Watch`: nothing handed out after `close()`.
+            if (event := _receive(self, response)) and not self._closed:
                 return event
         raise StopAsyncIteration
 

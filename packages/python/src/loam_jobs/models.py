@@ -111,6 +111,8 @@ def encode_json(value: Any) -> str:
         return json.dumps(value, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as err:
         raise InvalidArgumentError(f"request not sent: {err}") from err
+    except RecursionError as err:
+        raise InvalidArgumentError("request not sent: the value nests too deeply to write as JSON") from err
 
 
 def whole_ms(value: int, what: str) -> int:
@@ -147,11 +149,21 @@ def encode_data(value: Any) -> bytes:
 
 
 def decode_json(value: bytes, subject: str) -> Any:
-    """`value` read as JSON text; InvalidJsonError about `subject` (a key) when it is not."""
+    """`value` read as JSON text; InvalidJsonError about `subject` (a key) when
+    it is not, or when it nests deeper than Python reads (which a producer in
+    another language may write), so that one error type marks a value no
+    reader here can take."""
     try:
-        return json.loads(value)
+        return json.loads(value, parse_constant=_not_json)
     except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8 text
         raise InvalidJsonError(f"the value of {subject!r} is not JSON: {err}", subject=subject) from err
+    except RecursionError as err:
+        raise InvalidJsonError(f"the value of {subject!r} nests too deeply to read", subject=subject) from err
+
+
+def _not_json(constant: str) -> Any:
+    """`NaN`, `Infinity` and `-Infinity`, which Python's reader takes and JSON has not."""
+    raise ValueError(f"{constant} is not JSON")
 
 
 def fixed_backoff(delay_ms: int, *, jitter: float = 0.0) -> Backoff:
