@@ -14,6 +14,7 @@ import pytest
 from loam_jobs import (
     AsyncClient,
     ClientClosedError,
+    DeadlineExceededError,
     FencedError,
     InvalidArgumentError,
     InvalidJsonError,
@@ -294,3 +295,39 @@ async def test_an_async_watch_closed_while_it_pins_its_cursor_opens_no_stream(
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(consumer, 2)
         assert watch._stream is None
+
+
+async def test_a_completion_cancelled_while_it_waits_to_resend_gives_back_what_it_fetched(
+    server: Server, queue: str
+) -> None:
+    # The first try completed the job and fetched the next, and its answer was
+    # lost; the caller is cancelled in the pause before the retry. The next job
+    # goes back to waiting rather than to nobody until its lock expires.
+    async with AsyncClient(server.url) as client:
+        send = client._call
+        lost: list[Any] = []
+
+        async def lose_the_first_completion(call: Any) -> Any:
+            answer = await send(call)
+            if call.rpc == "complete" and not lost:
+                lost.append(answer)
+                raise DeadlineExceededError("the answer was lost")
+            return answer
+
+        client._call = lose_the_first_completion  # type: ignore[method-assign]
+        await client.enqueue(queue, "first")
+        await client.enqueue(queue, "second")
+        first = (await client.lease(queue, max_jobs=1))[0]
+        task = asyncio.create_task(client.complete(first, Success(), fetch_next=1))
+        await asyncio.sleep(0.05)  # in the 0.1 s pause before the retry
+        assert lost, "the first try was made"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        counts: dict[str, int] = {}
+        for _ in range(40):
+            counts = await client.counts(queue, "wait", "active", "completed")
+            if counts["active"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert counts == {"wait": 1, "active": 0, "completed": 1}

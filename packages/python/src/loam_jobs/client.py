@@ -627,6 +627,21 @@ class AsyncClient(AsyncOperations):
         self._abandoned.add(sent)
         sent.add_done_callback(answered)
 
+    def _take_back(self, call: Call) -> None:
+        """Sends `call` once more and gives back the jobs its answer names. It
+        is keyed (only keyed calls are sent again), so the server answers
+        with what the lost try did, the jobs it fetched among it; left
+        unsent, those jobs would be held by nobody until their locks expired,
+        and count a stall."""
+
+        async def again() -> None:
+            with contextlib.suppress(LoamJobsError):
+                self._give_back(_taken(call, await self._call(call)))
+
+        task = asyncio.ensure_future(again())
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+
     def _give_back(self, jobs: list[LeasedJob]) -> None:
         """Releases `jobs`, which their caller gave up on, each in a task of
         its own that `close()` waits for."""
@@ -644,6 +659,10 @@ class AsyncClient(AsyncOperations):
         # cancelled before it returns them (while it fails those that
         # stalled too often), it gives them back.
         leased: list[tuple[Call, Any]] = []
+        # A call that may have taken jobs and failed with its outcome
+        # unknown (its answer lost), while the operation pauses to send it
+        # again: cancelled then, it is sent once more anyway (see `_take_back`).
+        unknown: Call | None = None
         try:
             step = next(op)
             while True:
@@ -651,9 +670,12 @@ class AsyncClient(AsyncOperations):
                     await asyncio.sleep(step.seconds)
                     step = op.send(None)
                     continue
+                unknown = None
                 try:
                     response = await self._call(step)
                 except LoamJobsError as err:
+                    if _takes_jobs(step):
+                        unknown = step
                     step = op.throw(err)
                 else:
                     if _takes_jobs(step):
@@ -664,6 +686,8 @@ class AsyncClient(AsyncOperations):
         except asyncio.CancelledError:
             for call, response in leased:
                 self._give_back(_taken(call, response))
+            if unknown is not None:
+                self._take_back(unknown)
             raise
 
     def _run(self, op: Op[T]) -> Any:
