@@ -331,3 +331,9 @@ async def test_a_completion_cancelled_while_it_waits_to_resend_gives_back_what_i
                 break
             await asyncio.sleep(0.05)
         assert counts == {"wait": 1, "active": 0, "completed": 1}
+
+
+async def test_an_async_watchs_idle_timeout_is_checked_too(server: Server, queue: str) -> None:
+    async with AsyncClient(server.url) as client:
+        with pytest.raises(InvalidArgumentError, match="idle_timeout_ms"):
+            client.watch(queue, idle_timeout_ms=-1)

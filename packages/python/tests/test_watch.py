@@ -250,3 +250,11 @@ def _lease_or_error(client: Client, wait_ms: int) -> object:
         return client.lease("slices", wait_ms=wait_ms)
     except Exception as err:  # noqa: BLE001 - the test reports what came back
         return err
+
+
+def test_an_idle_timeout_is_a_whole_number_of_ms_above_0(client: Client, queue: str) -> None:
+    for bad in (0, -1, 1.5, True, "20000"):
+        with pytest.raises(InvalidArgumentError, match="idle_timeout_ms"):
+            client.watch(queue, after=0, idle_timeout_ms=bad)  # type: ignore[arg-type]
+    client.watch(queue, after=0, idle_timeout_ms=None).close()
+    client.watch(queue, after=0, idle_timeout_ms=6_000).close()

@@ -129,6 +129,20 @@ def _not_forked() -> None:
         )
 
 
+def _idle_seconds(idle_timeout_ms: int | None) -> float | None:
+    """A watch's `idle_timeout_ms` in seconds: None, or a whole number of ms
+    above 0 (0, a negative number, a bool or a float would make every read
+    time out at once, or be read some other way than meant). A value under the
+    server's 5 s heartbeat is taken as given: it is right against a server
+    known to talk more often, and takes an idle queue's stream for dead."""
+    if idle_timeout_ms is None:
+        return None
+    ms = whole_ms(idle_timeout_ms, "idle_timeout_ms")
+    if ms == 0:
+        raise InvalidArgumentError("request not sent: idle_timeout_ms must be above 0 (None: no timeout)")
+    return ms / 1000
+
+
 def _client_timeout(timeout_ms: int | None) -> int | None:
     """`timeout_ms` as a client takes it: None, or a whole number of ms."""
     return None if timeout_ms is None else whole_ms(timeout_ms, "timeout_ms")
@@ -388,7 +402,7 @@ class Client(Operations):
             # "From now on" is now, not the first iteration; a sequence also
             # lets a reconnect before the first event resume without a gap.
             after = self.last_event_seq(queue)
-        idle = None if idle_timeout_ms is None else idle_timeout_ms / 1000
+        idle = _idle_seconds(idle_timeout_ms)
         return Watch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     def close(self) -> None:
@@ -709,7 +723,7 @@ class AsyncClient(AsyncOperations):
         for dead (a frozen server, a connection lost without a word: the
         server sends a heartbeat at least every 5 s) and the watch reconnects,
         as after any failure; None waits for ever."""
-        idle = None if idle_timeout_ms is None else idle_timeout_ms / 1000
+        idle = _idle_seconds(idle_timeout_ms)
         return AsyncWatch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     async def close(self) -> None:
