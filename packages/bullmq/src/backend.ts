@@ -32,6 +32,7 @@ import type {
 } from 'bullmq';
 import type { LoamQueue } from '../native/index.js';
 import {
+  disconnectedRead,
   clientListText,
   clientsKey,
   dependenciesPage,
@@ -110,6 +111,10 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   private releaseName: (() => void) | undefined;
   /** How many times a blocking wait was cut short (`close`, `disconnect`, `disconnectBlocking`). */
   private blockingCuts = 0;
+  /** Whether `disconnect()` or `disconnectBlocking()` cut the blocking reads, and no `reconnectBlocking()` since. */
+  private blockingDisconnected = false;
+  /** Whether `disconnect()` cut the event reads (nothing reconnects them: Redis's connection stays closed). */
+  private eventsDisconnected = false;
   /** When this backend last called the store: a named client's idle time. */
   private readonly activity: Activity = { at: Date.now() };
   private readonly ready: Promise<void>;
@@ -179,6 +184,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   async disconnect(): Promise<void> {
     this.blockingCuts++;
+    this.blockingDisconnected = true;
+    this.eventsDisconnected = true;
     this.native.interruptBlocking();
     this.native.interruptEvents();
   }
@@ -190,11 +197,14 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   async disconnectBlocking(_wait?: boolean): Promise<void> {
     this.blockingCuts++;
+    this.blockingDisconnected = true;
     this.native.interruptBlocking();
   }
 
   async reconnectBlocking(): Promise<void> {
-    if (!this.closing) this.native.resetBlocking();
+    if (this.closing) return;
+    this.blockingDisconnected = false;
+    this.native.resetBlocking();
   }
 
   // ---- identity -------------------------------------------------------------
@@ -255,6 +265,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async waitForJob(blockTimeout: number): Promise<{ member: string; score: number } | null> {
+    if (this.blockingDisconnected && !this.closing) throw disconnectedRead('waitForJob');
     const cuts = this.blockingCuts;
     const score = await this.native.waitForJob(Date.now(), blockTimeout);
     // The addon answers null for a wait that ran out and for one cut short.
@@ -582,6 +593,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- events -----------------------------------------------------------------------------------
 
   async readEvents(id: string, blockTimeout: number): Promise<StreamReadRaw> {
+    if (this.eventsDisconnected && !this.closing) throw disconnectedRead('readEvents');
     let from = id;
     if (id === '$' && this.eventsStart) {
       from = await this.eventsStart;

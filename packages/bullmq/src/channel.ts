@@ -304,13 +304,12 @@ export class RemoteChannel {
     { carriedBy, stopRetrying, sentOn, sendAfter, resendable = false }: CallHooks = {},
   ): Promise<T> {
     const session = this.sessionClient;
-    const waitUntil = signal && stopRetrying ? AbortSignal.any([signal, stopRetrying]) : (signal ?? stopRetrying);
     let resends = 0;
     for (let wait = RECONNECT_FIRST_WAIT_MS; ; wait = Math.min(2 * wait, RECONNECT_MAX_WAIT_MS)) {
       if (this.refusedUntil !== 0) {
         // A closing backend's call is tried at once: it ends either way.
         const refused = this.refusedUntil - Date.now();
-        if (refused > 0) await sleep(refused, undefined, { signal: waitUntil }).catch(() => undefined);
+        if (refused > 0) await sleepUnless(refused, signal, stopRetrying);
         else this.refusedUntil = 0;
       }
       if (sendAfter) await sendAfter();
@@ -352,7 +351,7 @@ export class RemoteChannel {
       } finally {
         if (session) this.closeIfUnused();
       }
-      await sleep(wait, undefined, { signal: waitUntil }).catch(() => undefined);
+      await sleepUnless(wait, signal, stopRetrying);
       if (signal?.aborted) throw new CallAborted();
       if (stopRetrying?.aborted) throw toBullmqError(failure, command);
     }
@@ -549,4 +548,24 @@ export function toBullmqError(err: unknown, command: BullmqCommand): Error {
     },
     command,
   );
+}
+
+/**
+ * Sleeps `ms`, or until either signal aborts, and leaves no listener behind.
+ * `AbortSignal.any` would do it in one line, but on Node 20 each composite
+ * stays registered on its sources for good: one for every long-poll on the
+ * backend's long-lived `blocking` signal, 500,000 of them 28 MiB.
+ */
+async function sleepUnless(ms: number, a?: AbortSignal, b?: AbortSignal): Promise<void> {
+  if (a?.aborted || b?.aborted) return;
+  const stop = new AbortController();
+  const abort = () => stop.abort();
+  a?.addEventListener('abort', abort, { once: true });
+  b?.addEventListener('abort', abort, { once: true });
+  try {
+    await sleep(ms, undefined, { signal: stop.signal }).catch(() => undefined);
+  } finally {
+    a?.removeEventListener('abort', abort);
+    b?.removeEventListener('abort', abort);
+  }
 }

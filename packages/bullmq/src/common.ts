@@ -6,6 +6,7 @@
 import type { EventEmitter } from 'node:events';
 import type { FactoryOptions } from './backend.js';
 import { finishedErrorText, loamError } from './errors.js';
+import { ConnectionClosedError } from 'bullmq';
 import type { DependenciesOpts, IQueueBackend, JobJson, JobsOptions, ParentKeyOpts, RepeatableOptions, RepeatOptions } from 'bullmq';
 
 /** BullMQ's next-job tuple: `[jobJson | null, id (0 without a job), rateLimitDelayMs, delayUntilMs]`. */
@@ -498,4 +499,17 @@ export function schedulerRepeat(
   const given = { ...(opts ?? {}), count: repeat?.count };
   refuseNonFinite(given, 'scheduler options');
   return given;
+}
+
+/**
+ * What a blocking read (`waitForJob`, `readEvents`) asked for after
+ * `disconnect()` or `disconnectBlocking()` (and no `reconnectBlocking()`)
+ * throws, on either backend: Redis's closed connection. BullMQ then waits and
+ * asks again (a Worker reconnects its blocking connection first, a QueueEvents
+ * asks every 5 s), where a read answered "interrupted" at once, each time,
+ * kept its loop asking without pause: at 100% CPU, and through the remote
+ * backend without a turn of the event loop, so no timer or `close()` ran.
+ */
+export function disconnectedRead(command: 'waitForJob' | 'readEvents'): ConnectionClosedError {
+  return new ConnectionClosedError(`${command} after disconnect(): the connection is closed until reconnected`);
 }

@@ -43,6 +43,7 @@ import type { FactoryOptions } from './backend.js';
 import type { CallOptions } from '@connectrpc/connect';
 import { CallAborted, type CallHooks, type JobsClient, type RemoteChannel } from './channel.js';
 import {
+  disconnectedRead,
   clientListText,
   dependenciesPage,
   finishedNext,
@@ -708,6 +709,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   /** Resolves once a job may be ready, or null on timeout, interrupt or deadline. */
   async waitForJob(blockTimeout: number): Promise<{ member: string; score: number } | null> {
+    if (this.blocking.signal.aborted && !this.closing) throw disconnectedRead('waitForJob');
     const waitMs = Math.min(MAX_WAIT_MS, u32(blockTimeout * 1000));
     try {
       const r = await this.query(
@@ -1366,6 +1368,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   /** The entries after `id` (`$` = from now), in XREAD's shape, or null when none came in time. */
   async readEvents(id: string, blockTimeout: number): Promise<StreamReadRaw> {
+    if (this.events.signal.aborted && !this.closing) throw disconnectedRead('readEvents');
     const waitMs = Math.min(MAX_WAIT_MS, u32(blockTimeout));
     let events;
     try {

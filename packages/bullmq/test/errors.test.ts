@@ -2,7 +2,7 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
-import { UnrecoverableError, withBackend } from 'bullmq';
+import { ConnectionClosedError, UnrecoverableError, withBackend } from 'bullmq';
 import { backendKind, clientNameOf, freshLoam, itInProcess, until } from './helpers.js';
 import { loamBackend, type LoamQueueBackend } from '../src/index.js';
 import { INTERRUPTED_WAIT } from '../src/common.js';
@@ -471,6 +471,22 @@ describe('errors', () => {
     await queue.add('a', {});
     expect(await next).not.toBeNull();
     await Promise.all([queue.close(), backend.close()]);
+  });
+
+  it('blocking reads asked for after disconnect() fail as on a closed connection; the blocking one waits again once reconnected', async () => {
+    const name = loam.queueName();
+    const backend = loam.factory(name, { connection }, { withBlockingConnection: true });
+    await backend.waitUntilReady();
+    await backend.disconnect();
+    // Before, each answered "interrupted" at once, every time: BullMQ's
+    // loops asked again without pause (through the server, without a turn of
+    // the event loop). A closed connection has them wait, as on Redis.
+    await expect(backend.waitForJob(0.05)).rejects.toBeInstanceOf(ConnectionClosedError);
+    await expect(backend.readEvents('0-0', 50)).rejects.toBeInstanceOf(ConnectionClosedError);
+    await backend.reconnectBlocking();
+    expect(await backend.waitForJob(0.05)).toBeNull();
+    await expect(backend.readEvents('0-0', 50)).rejects.toBeInstanceOf(ConnectionClosedError);
+    await backend.close();
   });
 
   it('lists workers through getClientList', async () => {

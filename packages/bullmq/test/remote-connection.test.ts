@@ -483,6 +483,21 @@ describeRemote('remote connection failures', () => {
     }
   });
 
+  it("long-polls leave nothing behind on the backend's long-lived signal", async () => {
+    // Node 20 keeps every `AbortSignal.any` made of a signal among that
+    // signal's dependants for good (`kDependantSignals`, made at its first
+    // use): one for every waitForJob and readEvents.
+    const factory = loamBackend({ url: inject('loamServerUrl'), namespace: `t-${randomUUID()}` });
+    const backend = factory(`q-${randomUUID()}`, { connection: {} }, { withBlockingConnection: true });
+    await backend.waitUntilReady();
+    const blocking = (backend as unknown as { blocking: AbortController }).blocking.signal;
+    for (let i = 0; i < 200; i++) await backend.waitForJob(0.001);
+    const dependants = Object.getOwnPropertySymbols(blocking).find(s => s.description === 'kDependantSignals');
+    const kept = dependants ? ((blocking as unknown as Record<symbol, Set<unknown> | undefined>)[dependants]?.size ?? 0) : 0;
+    expect(kept).toBeLessThan(5);
+    await backend.close();
+  });
+
   it('a call gives up on a server that stays away after reconnectTimeoutMs', async () => {
     const port = await freePort();
     const { Queue } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}`, reconnectTimeoutMs: 300 }));
