@@ -23,7 +23,7 @@ import { ConnectionClosedError } from 'bullmq';
 import { Code, ConnectError, createClient, type CallOptions, type Client } from '@connectrpc/connect';
 import { createConnectTransport, Http2SessionManager } from '@connectrpc/connect-node';
 import { ErrorDetailSchema, JobsService, type ErrorDetail } from './gen/loam/jobs/v1/jobs_pb.js';
-import { fromServer, type BullmqCommand } from './errors.js';
+import { fromServer, loamError, type BullmqCommand } from './errors.js';
 import { Session, SESSION_MAX_MESSAGE_BYTES, type Keepalive, type SessionCall } from './session.js';
 
 type UnaryMethod = (request: unknown, options?: CallOptions) => Promise<unknown>;
@@ -192,6 +192,7 @@ export class RemoteChannel {
   private unreachableSince = 0;
 
   constructor(readonly settings: RemoteSettings) {
+    checkSettings(settings);
     this.maxStreams = Math.max(1, settings.maxStreamsPerConnection ?? DEFAULT_STREAMS);
     this.maxConnections = Math.max(1, settings.maxConnections ?? DEFAULT_CONNECTIONS);
     if (settings.token) this.fixedHeaders.authorization = `Bearer ${settings.token}`;
@@ -203,12 +204,16 @@ export class RemoteChannel {
     if ((settings.calls ?? 'session') === 'session') {
       const session = new Session(settings.url, this.fixedHeaders, this.keepalive);
       this.session = session;
+      // A message over the server's request limit ends the session, failing
+      // every call behind it: a larger call goes on its own stream, whose
+      // transport refuses one over `maxRequestBytes` before it is sent.
+      const sessionMaxBytes = Math.min(SESSION_MAX_MESSAGE_BYTES, settings.maxRequestBytes ?? DEFAULT_MAX_REQUEST_BYTES);
       // The same methods as a Connect client's, each a message on the session
       // (a large one a unary call of its own).
       this.sessionClient = new Proxy({} as JobsClient, {
         get: (_, method: string) => (request: never, options?: CallOptions) => {
           const encoded = session.encode(method as SessionCall, request, Date.now());
-          if (encoded.framed.length <= SESSION_MAX_MESSAGE_BYTES) {
+          if (encoded.framed.length <= sessionMaxBytes) {
             const answer = session.send(encoded, options?.signal);
             this.sentOn = session.liveStream;
             return answer;
@@ -567,5 +572,28 @@ async function sleepUnless(ms: number, a?: AbortSignal, b?: AbortSignal): Promis
   } finally {
     a?.removeEventListener('abort', abort);
     b?.removeEventListener('abort', abort);
+  }
+}
+
+/** The longest delay Node's timers take; past it they fire after 1 ms. */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
+/**
+ * Refuses settings the channel cannot use as given, when the backend is made:
+ * a fraction or `Infinity` in a duration made every keyed write (add, report,
+ * completion) throw a bare `RangeError` (its key's TTL is a 64-bit integer),
+ * and a timer past `MAX_TIMER_MS` fired every millisecond.
+ */
+function checkSettings(settings: RemoteSettings): void {
+  const given: [string, number | undefined, number, number][] = [
+    ['pingIntervalMs', settings.pingIntervalMs, 1, MAX_TIMER_MS],
+    ['pingTimeoutMs', settings.pingTimeoutMs, 1, MAX_TIMER_MS],
+    ['reconnectTimeoutMs', settings.reconnectTimeoutMs, 0, MAX_TIMER_MS],
+    ['maxRequestBytes', settings.maxRequestBytes, 1, Number.MAX_SAFE_INTEGER],
+  ];
+  for (const [name, value, least, most] of given) {
+    if (value !== undefined && !(Number.isInteger(value) && value >= least && value <= most)) {
+      throw loamError('invalid_argument', `${name} must be a whole number from ${least} to ${most}; got ${value}`);
+    }
   }
 }

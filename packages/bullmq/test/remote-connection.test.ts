@@ -498,6 +498,19 @@ describeRemote('remote connection failures', () => {
     await backend.close();
   });
 
+  it('durations the channel cannot use are refused when the backend is made', () => {
+    // Before: Infinity or a fraction made every add, report and completion
+    // throw a bare RangeError (a key's TTL is a 64-bit integer), and a timer
+    // past 2^31 - 1 ms fired every millisecond.
+    const url = inject('loamServerUrl');
+    for (const bad of [{ reconnectTimeoutMs: Infinity }, { pingIntervalMs: 2500.5 }, { pingTimeoutMs: 2 ** 31 }, { maxRequestBytes: 0.5 }]) {
+      const factory = loamBackend({ url, namespace: `t-${randomUUID()}`, ...bad });
+      expect(() => factory(`q-${randomUUID()}`, { connection: {} })).toThrow(
+        expect.objectContaining({ code: 'LOAM_INVALID_ARGUMENT', message: expect.stringContaining(Object.keys(bad)[0]) }),
+      );
+    }
+  });
+
   it('a call gives up on a server that stays away after reconnectTimeoutMs', async () => {
     const port = await freePort();
     const { Queue } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}`, reconnectTimeoutMs: 300 }));
@@ -521,6 +534,30 @@ describeRemote('remote connection failures', () => {
     await queue.add('small', {});
     expect(await queue.count()).toBe(1);
     await queue.close();
+  });
+
+  it('under a request limit below 1 MiB, a call over it fails at once and the calls on the session go on', async () => {
+    // Sent on the session, it ended the session, and every call behind it
+    // failed with it (a Worker's completion, its waitForJob).
+    const server = await startLoamServer({}, { args: ['--max-request-bytes', '262144'] });
+    const { Queue } = withBackend(loamBackend({ url: server.url, maxRequestBytes: 262_144 }));
+    const queue = new Queue(`q-${randomUUID()}`, { connection: {} });
+    try {
+      await queue.waitUntilReady();
+      expect(await queue.count()).toBe(0); // the session is up: the calls below go on it at once
+      const big = queue.add('big', { s: 'z'.repeat(300_000) });
+      const small = queue.add('small', {});
+      // A write that is not sent again (its outcome unknown, it may not be).
+      const paused = queue.pause();
+      await expect(big).rejects.toMatchObject({ code: 'LOAM_RESOURCE_EXHAUSTED' });
+      await expect(small).resolves.toMatchObject({ name: 'small' });
+      await expect(paused).resolves.toBeUndefined();
+      expect(await queue.count()).toBe(1);
+      expect(await queue.isPaused()).toBe(true);
+    } finally {
+      await queue.close();
+      await server.stop();
+    }
   });
 
   it('a Worker whose token the server refuses asks again once a second, not at once', async () => {
