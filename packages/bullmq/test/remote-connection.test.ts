@@ -498,6 +498,15 @@ describeRemote('remote connection failures', () => {
     await backend.close();
   });
 
+  it('a url that is not http:// or https:// is refused when the backend is made', () => {
+    // Before: made, and every call failed as a lost connection.
+    for (const url of ['localhost:7720', '127.0.0.1:7720', 'ftp://127.0.0.1:7720', 'not a url']) {
+      expect(() => loamBackend({ url })(`q-${randomUUID()}`, { connection: {} })).toThrow(
+        expect.objectContaining({ code: 'LOAM_INVALID_ARGUMENT', message: expect.stringContaining('url must be') }),
+      );
+    }
+  });
+
   it('durations the channel cannot use are refused when the backend is made', () => {
     // Before: Infinity or a fraction made every add, report and completion
     // throw a bare RangeError (a key's TTL is a 64-bit integer), and a timer
