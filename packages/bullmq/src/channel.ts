@@ -580,11 +580,22 @@ const MAX_TIMER_MS = 2 ** 31 - 1;
 
 /**
  * Refuses settings the channel cannot use as given, when the backend is made:
- * a fraction or `Infinity` in a duration made every keyed write (add, report,
+ * a url that is not `http://` or `https://` (`localhost:7720`) failed every
+ * call as a lost connection (Node's HTTP/2 client threw at each connect); a
+ * fraction or `Infinity` in a duration made every keyed write (add, report,
  * completion) throw a bare `RangeError` (its key's TTL is a 64-bit integer),
  * and a timer past `MAX_TIMER_MS` fired every millisecond.
  */
 function checkSettings(settings: RemoteSettings): void {
+  let protocol;
+  try {
+    protocol = new URL(settings.url).protocol;
+  } catch {
+    protocol = undefined;
+  }
+  if (protocol !== 'http:' && protocol !== 'https:') {
+    throw loamError('invalid_argument', `url must be http://host:port or https://host:port; got ${JSON.stringify(settings.url)}`);
+  }
   const given: [string, number | undefined, number, number][] = [
     ['pingIntervalMs', settings.pingIntervalMs, 1, MAX_TIMER_MS],
     ['pingTimeoutMs', settings.pingTimeoutMs, 1, MAX_TIMER_MS],

@@ -124,7 +124,6 @@ function remoteBackend(settings: LoamConnectionOptions): BackendFactory<RemoteQu
     const connection = connectionOf(opts);
     const url = connection.url ?? settings.url;
     if (!url) throw loamError('invalid_argument', 'a remote backend needs a url');
-    checkUrl(url);
     const resolved: RemoteSettings = {
       ...settings,
       url,
@@ -196,20 +195,3 @@ export const QueueEventsProducer = bound.QueueEventsProducer as new (
 export const FlowProducer = bound.FlowProducer as new (
   opts?: LoamOptions<FlowProducerOptions<LoamConnectionOptions>>,
 ) => InstanceType<typeof bound.FlowProducer>;
-
-/**
- * Refuses a server url that is not `http://` or `https://` when the backend
- * is made: Node's HTTP/2 client threw at every connect for one without a
- * scheme (`localhost:7720`), and every call then failed as a lost connection.
- */
-function checkUrl(url: string): void {
-  let protocol;
-  try {
-    protocol = new URL(url).protocol;
-  } catch {
-    protocol = undefined;
-  }
-  if (protocol !== 'http:' && protocol !== 'https:') {
-    throw loamError('invalid_argument', `url must be http://host:port or https://host:port; got ${JSON.stringify(url)}`);
-  }
-}
