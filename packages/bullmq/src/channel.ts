@@ -24,7 +24,7 @@ import { Code, ConnectError, createClient, type CallOptions, type Client } from 
 import { createConnectTransport, Http2SessionManager } from '@connectrpc/connect-node';
 import { ErrorDetailSchema, JobsService, type ErrorDetail } from './gen/loam/jobs/v1/jobs_pb.js';
 import { fromServer, loamError, type BullmqCommand } from './errors.js';
-import { Session, SESSION_MAX_MESSAGE_BYTES, type Keepalive, type SessionCall } from './session.js';
+import { connectTimedOut, Session, SESSION_MAX_MESSAGE_BYTES, type Keepalive, type SessionCall } from './session.js';
 
 type UnaryMethod = (request: unknown, options?: CallOptions) => Promise<unknown>;
 
@@ -84,8 +84,28 @@ export interface RemoteSettings {
 class QuietSessionManager extends Http2SessionManager {
   private readonly heard = new WeakSet<http2.Http2Session>();
 
+  constructor(
+    url: string,
+    private readonly keepalive: Keepalive,
+  ) {
+    super(url, keepalive);
+  }
+
   override async request(...args: Parameters<Http2SessionManager['request']>): Promise<http2.ClientHttp2Stream> {
-    const stream = await super.request(...args);
+    // connect-node waits for a connection as long as the kernel does (some
+    // two minutes when SYNs get no answer); one not made within the PING
+    // timeout is given up, and the calls waiting for it were never sent.
+    const ms = this.keepalive.pingTimeoutMs;
+    const connectTimer = setTimeout(() => {
+      if (this.state() === 'connecting') this.abort(connectTimedOut(ms));
+    }, ms);
+    connectTimer.unref();
+    let stream;
+    try {
+      stream = await super.request(...args);
+    } finally {
+      clearTimeout(connectTimer);
+    }
     const connection = stream.session;
     if (connection && !this.heard.has(connection)) {
       this.heard.add(connection);

@@ -206,11 +206,18 @@ export class Session {
     const connection = http2.connect(this.url);
     // A connection error also ends its stream, whose handlers fail the calls.
     connection.on('error', () => undefined);
+    // PINGs cannot go until the connection is made: one whose SYNs (or TLS
+    // handshake) get no answer held its calls until the kernel gave up, some
+    // two minutes, far past `reconnectTimeoutMs`. Its calls were never sent.
+    const { pingTimeoutMs } = this.keepalive;
+    const connectTimer = setTimeout(() => connection.destroy(connectTimedOut(pingTimeoutMs)), pingTimeoutMs);
+    connectTimer.unref();
+    connection.once('connect', () => clearTimeout(connectTimer));
     // A server going away (GOAWAY) takes no new streams: the next call opens a new connection.
     connection.on('goaway', () => {
       if (this.connection === connection) this.connection = undefined;
     });
-    const { pingIntervalMs, pingTimeoutMs } = this.keepalive;
+    const { pingIntervalMs } = this.keepalive;
     let pingTimer: NodeJS.Timeout | undefined;
     const idleCheck = setInterval(() => {
       if (this.heard || pingTimer) {
@@ -236,6 +243,7 @@ export class Session {
     }, pingIntervalMs);
     idleCheck.unref();
     connection.on('close', () => {
+      clearTimeout(connectTimer);
       clearInterval(idleCheck);
       clearTimeout(pingTimer);
       if (this.connection === connection) this.connection = undefined;
@@ -319,6 +327,15 @@ export class Session {
     this.waiting.clear();
     for (const w of waiters) w.reject(err);
   }
+}
+
+/**
+ * The error a connection not made within `ms` is destroyed with: a failed
+ * connect, as the kernel's own timeout reads, so its calls count as never
+ * sent (see `neverSent`).
+ */
+export function connectTimedOut(ms: number): Error {
+  return Object.assign(new Error(`the connection was not made in ${ms} ms`), { code: 'ETIMEDOUT', syscall: 'connect' });
 }
 
 function envelope(message: Uint8Array): Buffer {

@@ -530,6 +530,37 @@ describeRemote('remote connection failures', () => {
     await queue.close();
   });
 
+  it('a connection never made (its TLS handshake unanswered) is given up after pingTimeoutMs, and its calls were never sent', async () => {
+    // A listener that takes connections and never says a word: the client's
+    // connection stays "connecting", where PINGs cannot go. Before, its calls
+    // waited as long as the kernel's connect (here: for ever), far past
+    // reconnectTimeoutMs.
+    const silent = new Set<net.Socket>();
+    const hole = net.createServer(socket => {
+      silent.add(socket);
+      socket.on('error', () => undefined);
+    });
+    await new Promise<void>(resolve => hole.listen(0, '127.0.0.1', resolve));
+    onTestFinished(async () => {
+      for (const socket of silent) socket.destroy();
+      await new Promise(resolve => hole.close(resolve));
+    });
+    const { port } = hole.address() as net.AddressInfo;
+    for (const calls of ['session', 'unary'] as const) {
+      const { Queue } = withBackend(
+        loamBackend({ url: `https://127.0.0.1:${port}`, calls, pingTimeoutMs: 200, reconnectTimeoutMs: 1_000 }),
+      );
+      const queue = new Queue(`q-${randomUUID()}`, { connection: {} });
+      const before = silent.size;
+      const started = Date.now();
+      await expect(queue.add('a', {})).rejects.toBeInstanceOf(ConnectionClosedError);
+      expect(Date.now() - started).toBeLessThan(3_000);
+      // Never sent, so tried again on new connections until the window closed.
+      expect(silent.size - before).toBeGreaterThan(2);
+      await queue.close();
+    }
+  });
+
   it('a request over the size limit fails at once, and the calls after it go on', async () => {
     const { direct } = classes();
     const queue = new direct.Queue(`q-${randomUUID()}`, { connection: {} });
