@@ -129,6 +129,13 @@ export interface CallHooks {
   /** Awaited before each attempt: what must be sent before the call is. */
   sendAfter?: () => Promise<void>;
   /**
+   * Awaited, after `sendAfter`, before an attempt that goes on an HTTP/2
+   * stream of its own (too large for the session): nothing sent before it
+   * on the session stream is ahead of it there, so a write that must follow
+   * another waits for that one's answer.
+   */
+  unaryAfter?: () => Promise<void>;
+  /**
    * The server recognizes the call made again (an add under an idempotency
    * key): one cut on its way, which may or may not have been applied, is
    * tried again as one that never left is, rather than failed.
@@ -201,6 +208,8 @@ export class RemoteChannel {
   private readonly sessionClient?: JobsClient;
   /** The session stream the call just made went on, if its connection is made (see `CallHooks.sentOn`). */
   private sentOn: number | undefined;
+  /** The `CallHooks.unaryAfter` of the call being made, for the session's methods. */
+  private unaryAfter: (() => Promise<void>) | undefined;
   /** Until when calls wait, after the server refused the token. */
   private refusedUntil = 0;
   /**
@@ -239,7 +248,9 @@ export class RemoteChannel {
             return answer;
           }
           this.sentOn = undefined;
-          return this.unary(client => (client[method as keyof JobsClient] as UnaryMethod)(request, options));
+          const unary = () => this.unary(client => (client[method as keyof JobsClient] as UnaryMethod)(request, options));
+          const after = this.unaryAfter;
+          return after ? after().then(unary) : unary();
         },
       });
     }
@@ -326,7 +337,7 @@ export class RemoteChannel {
     command: BullmqCommand,
     rpc: (client: JobsClient, options: CallOptions) => Promise<T>,
     signal?: AbortSignal,
-    { carriedBy, stopRetrying, sentOn, sendAfter, resendable = false }: CallHooks = {},
+    { carriedBy, stopRetrying, sentOn, sendAfter, unaryAfter, resendable = false }: CallHooks = {},
   ): Promise<T> {
     const session = this.sessionClient;
     let resends = 0;
@@ -344,7 +355,12 @@ export class RemoteChannel {
         let answering: Promise<T>;
         if (session) {
           this.sentOn = undefined;
-          answering = rpc(session, { signal });
+          this.unaryAfter = unaryAfter;
+          try {
+            answering = rpc(session, { signal });
+          } finally {
+            this.unaryAfter = undefined;
+          }
           // The session's methods send at once, before they return.
           sentOn?.(this.sentOn);
         } else {

@@ -328,7 +328,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * worker's own calls (lease, extend, complete) do not wait for one another.
    *
    * An ordered write is sent as soon as the one before it was answered or
-   * is on the session stream it goes on itself: the server starts a
+   * is on the session stream it goes on itself (one too large for the
+   * session waits for the answer): the server starts a
    * stream's calls in the order they came, so `Promise.all` of adds costs
    * about one round trip, not one each. If the stream fails, the adds and
    * reports on it (`resendable`: the server knows one again by its key, see
@@ -377,6 +378,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const sent = start({
       sentOn: stream => write.sentOn(stream),
       sendAfter: resendable ? behind : () => addsAnswered.then(behind),
+      // Sent on a stream of its own, it is behind nothing on the session.
+      unaryAfter: () => before.settled(),
       resendable,
     });
     const answered = () => {
@@ -1544,7 +1547,12 @@ class OrderedWrite {
     this.wake();
   }
 
-  /** Settles once a write may be sent behind this one; `liveStream` says where it would go now. */
+  /** Settles once this write was answered. */
+  async settled(): Promise<void> {
+    while (!this.done) await this.changed;
+  }
+
+  /** Settles once a write may be sent behind this one on the session; `liveStream` says where it would go now. */
   async followable(liveStream: () => number | undefined): Promise<void> {
     // A stream that failed fails this write too, which then answers or is
     // sent again: either wakes this loop.

@@ -317,6 +317,25 @@ describeRemote('remote connection failures', () => {
     await expectAddedOnceInOrder(watcher, await Promise.all([...cut, ...after]));
   });
 
+  it('an add too large for the session does not overtake the add before it, held on a silent session', async () => {
+    const link = await proxy();
+    const { through, direct } = classes({ url: link.url, pingIntervalMs: 100, pingTimeoutMs: 200 });
+    const name = `q-${randomUUID()}`;
+    const queue = new through.Queue(name, { connection: {} });
+    const watcher = new direct.Queue(name, { connection: {} });
+    onTestFinished(async () => {
+      await Promise.all([queue.close(), watcher.close()]);
+    });
+    await queue.add('first', { n: -1 });
+    // The session's connection goes half-open: `small` sits on it until the
+    // PING finds it dead, then is sent again. `big`, over 1 MiB, goes on a
+    // stream of its own; sent once `small` was on the session, it landed first.
+    link.silence();
+    const small = queue.add('small', { n: 0 });
+    const big = queue.add('big', { n: 1, s: 'x'.repeat(2 << 20) });
+    await expectAddedOnceInOrder(watcher, await Promise.all([small, big]));
+  });
+
   it('a read whose answer is lost with its connection is asked again', async () => {
     const { link, queue } = await addsThroughProxy();
     // A read goes after the writes before it were answered (the Queue's meta).
