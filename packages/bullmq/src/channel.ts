@@ -24,7 +24,7 @@ import { Code, ConnectError, createClient, type CallOptions, type Client } from 
 import { createConnectTransport, Http2SessionManager } from '@connectrpc/connect-node';
 import { ErrorDetailSchema, JobsService, type ErrorDetail } from './gen/loam/jobs/v1/jobs_pb.js';
 import { fromServer, loamError, type BullmqCommand } from './errors.js';
-import { connectTimedOut, Session, SESSION_MAX_MESSAGE_BYTES, type Keepalive, type SessionCall } from './session.js';
+import { connectTimedOut, NotRead, Session, SESSION_MAX_MESSAGE_BYTES, type Keepalive, type SessionCall } from './session.js';
 
 type UnaryMethod = (request: unknown, options?: CallOptions) => Promise<unknown>;
 
@@ -515,13 +515,15 @@ export class RemoteChannel {
 
 /**
  * Whether a call failed because its connection could not be made (refused,
- * unreachable, a name not found): then it never reached the server. A name
+ * unreachable, a name not found), or the server never read it (`NotRead`):
+ * then it never reached the server, or was not applied there. A name
  * with several addresses (IPv6 and IPv4) fails with an `AggregateError` of
  * one such error per address.
  */
 export function neverSent(err: unknown): boolean {
   for (let e: unknown = err; e instanceof Error; e = e.cause) {
     if (e instanceof AggregateError) return e.errors.length > 0 && e.errors.every(neverSent);
+    if (e instanceof NotRead) return true;
     const { syscall } = e as NodeJS.ErrnoException;
     if (syscall === 'connect' || syscall === 'getaddrinfo') return true;
   }

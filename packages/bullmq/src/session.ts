@@ -49,6 +49,20 @@ export interface Keepalive {
   pingTimeoutMs: number;
 }
 
+/**
+ * Why a call failed that the server never read, so never applied: its
+ * session ended cleanly with the call unanswered (a server shutting down
+ * stops reading, answers every call it read, then ends the stream), or
+ * HTTP/2 refused its stream. It is tried again as a call never sent is
+ * (see `neverSent`).
+ */
+export class NotRead extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = 'NotRead';
+  }
+}
+
 interface Waiter {
   resolve(answer: unknown): void;
   reject(err: unknown): void;
@@ -196,8 +210,8 @@ export class Session {
           : new ConnectError('the session ended', Code.Unavailable);
       this.end(stream, err);
     });
-    stream.on('error', err => this.end(stream, ConnectError.from(err, Code.Unavailable)));
-    stream.on('close', () => this.end(stream, new ConnectError('the session closed', Code.Unavailable)));
+    stream.on('error', err => this.end(stream, refused(stream) ?? ConnectError.from(err, Code.Unavailable)));
+    stream.on('close', () => this.end(stream, refused(stream) ?? new ConnectError('the session closed', Code.Unavailable)));
     return stream;
   }
 
@@ -284,8 +298,12 @@ export class Session {
       const message = bytes.subarray(HEADER_BYTES, HEADER_BYTES + length);
       bytes = bytes.subarray(HEADER_BYTES + length);
       if (flags & END_STREAM) {
-        // Nothing follows the end message; calls sent from now on go on a new stream.
-        this.end(stream, endError(message) ?? new ConnectError('the session ended', Code.Unavailable));
+        // Nothing follows the end message; calls sent from now on go on a new
+        // stream. An end without an error answered every call the server
+        // read. An end with one (a request it could not read) stays that
+        // error for every call: which of them was at fault is not known, and
+        // sent again, it would end the next session too.
+        this.end(stream, endError(message) ?? notRead('the session ended before the server read the call'));
         return;
       }
       let response: SessionResponse;
@@ -353,6 +371,17 @@ function connectError(
   details?: ConstructorParameters<typeof ConnectError>[3],
 ): ConnectError {
   return new ConnectError(message, codeFromString(code ?? '') ?? Code.Unknown, undefined, details);
+}
+
+/** The error of a stream HTTP/2 refused (the server took none of it), if it was. */
+function refused(stream: http2.ClientHttp2Stream): ConnectError | undefined {
+  if (stream.rstCode !== http2.constants.NGHTTP2_REFUSED_STREAM) return undefined;
+  return notRead('the server refused the stream');
+}
+
+/** A call's failure, unavailable, whose cause says the server never read the call. */
+function notRead(message: string): ConnectError {
+  return new ConnectError(message, Code.Unavailable, undefined, undefined, new NotRead(message));
 }
 
 /** The error of the stream's end message (JSON), if it carries one. */

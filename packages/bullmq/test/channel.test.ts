@@ -1,5 +1,9 @@
-import { describe, expect, it } from 'vitest';
-import { neverSent } from '../src/channel.js';
+import { describe, expect, it, onTestFinished } from 'vitest';
+import * as http2 from 'node:http2';
+import type * as net from 'node:net';
+import { neverSent, RemoteChannel } from '../src/channel.js';
+import { decodeMessage, encodeMessage } from '../src/codec.js';
+import { SessionRequestSchema, SessionResponseSchema } from '../src/gen/loam/jobs/v1/jobs_pb.js';
 
 /** A Node error of a system call, as `net` raises them. */
 function sysError(code: string, syscall: string): Error {
@@ -20,5 +24,91 @@ describe('which failed calls never reached the server', () => {
     expect(neverSent(new Error('canceled', { cause: both }))).toBe(true);
     const oneReached = new AggregateError([sysError('ECONNREFUSED', 'connect'), sysError('ECONNRESET', 'read')]);
     expect(neverSent(oneReached)).toBe(false);
+  });
+});
+
+/**
+ * A fake `loam-jobs serve` session endpoint: the first stream gets `first`
+ * (it reads nothing), later ones answer every JobAdmin call `done`.
+ */
+async function fakeSessionServer(first: (stream: http2.ServerHttp2Stream) => void) {
+  let streams = 0;
+  const server = http2.createServer();
+  server.on('stream', stream => {
+    streams++;
+    stream.on('error', () => undefined);
+    if (streams === 1) {
+      first(stream);
+      return;
+    }
+    stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
+    let bytes = Buffer.alloc(0);
+    stream.on('data', (chunk: Buffer) => {
+      bytes = Buffer.concat([bytes, chunk]);
+      while (bytes.length >= 5 && bytes.length >= 5 + bytes.readUInt32BE(1)) {
+        const length = bytes.readUInt32BE(1);
+        const request = decodeMessage(SessionRequestSchema, bytes.subarray(5, 5 + length));
+        bytes = bytes.subarray(5 + length);
+        const response = { id: request.id, result: { case: 'jobAdmin', value: { done: true } } } as never;
+        stream.write(envelope(0, encodeMessage(SessionResponseSchema, response)));
+      }
+    });
+  });
+  await new Promise<void>(resolve => server.listen(0, '127.0.0.1', resolve));
+  const { port } = server.address() as net.AddressInfo;
+  onTestFinished(async () => {
+    await new Promise(resolve => server.close(resolve));
+  });
+  return { url: `http://127.0.0.1:${port}`, streams: () => streams };
+}
+
+function envelope(flags: number, message: Uint8Array): Buffer {
+  const framed = Buffer.alloc(5 + message.length);
+  framed[0] = flags;
+  framed.writeUInt32BE(message.length, 1);
+  framed.set(message, 5);
+  return framed;
+}
+
+/** A job removal (not resendable: whether a cut one was applied is not known) on `channel`. */
+function removal(channel: RemoteChannel) {
+  return channel.call({ command: 'removeJob', jobId: '1' }, (c, o) =>
+    c.jobAdmin({ queue: 'q', jobId: '1', op: { case: 'remove', value: {} } }, o),
+  );
+}
+
+/** A channel to `url`, released when the test ends. */
+function channelTo(url: string): RemoteChannel {
+  const channel = new RemoteChannel({ url, reconnectTimeoutMs: 2_000 });
+  channel.retain();
+  onTestFinished(() => channel.release());
+  return channel;
+}
+
+describe('calls the server never read are sent again, whatever they are', () => {
+  it('a call unanswered when the server ended the session cleanly (as it does at shutdown)', async () => {
+    // Before: failed with ConnectionClosedError ("may have been applied").
+    const server = await fakeSessionServer(stream => {
+      stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
+      stream.once('data', () => stream.end(envelope(0b10, Buffer.from('{}'))));
+    });
+    await expect(removal(channelTo(server.url))).resolves.toMatchObject({ done: true });
+    expect(server.streams()).toBe(2);
+  });
+
+  it('a call whose stream HTTP/2 refused', async () => {
+    const server = await fakeSessionServer(stream => stream.close(http2.constants.NGHTTP2_REFUSED_STREAM));
+    await expect(removal(channelTo(server.url))).resolves.toMatchObject({ done: true });
+    expect(server.streams()).toBe(2);
+  });
+
+  it('but not a call on a session the server ended with an error: that error is the answer', async () => {
+    const server = await fakeSessionServer(stream => {
+      stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
+      const end = JSON.stringify({ error: { code: 'resource_exhausted', message: 'message over the limit' } });
+      stream.once('data', () => stream.end(envelope(0b10, Buffer.from(end))));
+    });
+    await expect(removal(channelTo(server.url))).rejects.toMatchObject({ code: 'LOAM_RESOURCE_EXHAUSTED' });
+    expect(server.streams()).toBe(1);
   });
 });

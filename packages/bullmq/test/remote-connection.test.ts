@@ -62,6 +62,45 @@ describeRemote('remote connection failures', () => {
   });
 
   it.each(['session', 'unary'] as const)(
+    'writes across a restart of the server are sent again, not failed: the ones it never read were not applied (%s)',
+    async calls => {
+      // A removal is not resendable: one cut on its way may have been applied.
+      // But a server shutting down stops reading its sessions, answers what it
+      // read, and ends them; before, the calls it never read failed as cut
+      // (19 to 40 of these removals in three runs, on the session).
+      const port = await freePort();
+      let server = await startLoamServer({}, { listen: `127.0.0.1:${port}` });
+      const { Queue } = withBackend(loamBackend({ url: `http://127.0.0.1:${port}`, reconnectTimeoutMs: 10_000, calls }));
+      const queue = new Queue(`q-${randomUUID()}`, { connection: {} });
+      try {
+        await queue.add('a', {});
+        let restarted = false;
+        const failed: unknown[] = [];
+        let removals = 0;
+        const loops = Array.from({ length: 20 }, async (_, i) => {
+          while (!restarted) {
+            await queue.remove(`absent-${i}`).then(
+              () => removals++,
+              (err: unknown) => failed.push(err),
+            );
+          }
+        });
+        await new Promise(resolve => setTimeout(resolve, 300));
+        await server.stop();
+        server = await startLoamServer({}, { listen: `127.0.0.1:${port}` });
+        await new Promise(resolve => setTimeout(resolve, 300));
+        restarted = true;
+        await Promise.all(loops);
+        expect(failed).toEqual([]);
+        expect(removals).toBeGreaterThan(100);
+      } finally {
+        await queue.close();
+        await server.stop();
+      }
+    },
+  );
+
+  it.each(['session', 'unary'] as const)(
     'a connection cut while a job completes is retried, not taken for a failure of the job (%s)',
     async calls => {
       const cut = await proxy();
