@@ -18,7 +18,6 @@
  * long poll's deadline.
  */
 import type * as http2 from 'node:http2';
-import { setTimeout as sleep } from 'node:timers/promises';
 import { ConnectionClosedError } from 'bullmq';
 import { Code, ConnectError, createClient, type CallOptions, type Client } from '@connectrpc/connect';
 import { createConnectTransport, Http2SessionManager } from '@connectrpc/connect-node';
@@ -49,8 +48,9 @@ export interface RemoteSettings {
    */
   calls?: 'session' | 'unary';
   /**
-   * A connection that received nothing for this long is sent an HTTP/2 PING
-   * (default 10 s): it costs nothing while calls are answered.
+   * A connection that received nothing for one to two of these (the
+   * keepalive looks once per interval) is sent an HTTP/2 PING (default
+   * 10 s): it costs nothing while calls are answered.
    */
   pingIntervalMs?: number;
   /** A PING not answered within this long ends its connection (default 5 s); the next call reconnects. */
@@ -179,6 +179,14 @@ const RECONNECT_MAX_WAIT_MS = 1_000;
  * every attempt kills its connection (or its server) would go on forever.
  */
 const MAX_RESENDS = 5;
+/**
+ * What a resendable call's key outlives its last attempt by, at least: for
+ * slow clocks and servers. Without a bound of its own, a call whose
+ * attempts each hung on a silent connection, while other calls' answers
+ * kept resetting the unreachable window, went again some 155 s after its
+ * first, past its key's 95 s, and could be applied twice.
+ */
+const RESEND_SPARE_MS = 60_000;
 
 /**
  * How long calls wait once the server refused the token (unauthenticated,
@@ -262,19 +270,20 @@ export class RemoteChannel {
   }
 
   /**
-   * How long after the server applied a resendable call it may get that call
-   * again: the answer may be lost on a connection that died without a word
-   * (found out within a ping interval and a ping timeout), and the call is
-   * then tried until the server has been unreachable for
-   * `reconnectTimeoutMs`. With a minute to spare, for slow clocks and
-   * servers.
+   * How long the server keeps a resendable call's key (its idempotency TTL):
+   * the answer may be lost on a connection that died without a word (found
+   * out within two ping intervals, the keepalive looking once per interval,
+   * and a ping timeout), and the call is then tried until the server has
+   * been unreachable for `reconnectTimeoutMs`. Plus `RESEND_SPARE_MS`: a
+   * call is not sent again past this window less the spare, counted from
+   * its first attempt that may have been applied (see `call`).
    */
   get resendWindowMs(): number {
     return (
-      this.keepalive.pingIntervalMs +
+      2 * this.keepalive.pingIntervalMs +
       this.keepalive.pingTimeoutMs +
       Math.max(0, this.settings.reconnectTimeoutMs ?? DEFAULT_RECONNECT_TIMEOUT_MS) +
-      60_000
+      RESEND_SPARE_MS
     );
   }
 
@@ -341,6 +350,11 @@ export class RemoteChannel {
   ): Promise<T> {
     const session = this.sessionClient;
     let resends = 0;
+    /** When the first attempt that may have been applied was sent: its key lives from then on, at the earliest. */
+    let mayBeAppliedSince: number | undefined;
+    const keyLapsesAt = () =>
+      mayBeAppliedSince === undefined ? Infinity : mayBeAppliedSince + this.resendWindowMs - RESEND_SPARE_MS;
+    let failure: unknown;
     for (let wait = RECONNECT_FIRST_WAIT_MS; ; wait = Math.min(2 * wait, RECONNECT_MAX_WAIT_MS)) {
       if (this.refusedUntil !== 0) {
         // A closing backend's call is tried at once: it ends either way.
@@ -350,7 +364,9 @@ export class RemoteChannel {
       }
       if (sendAfter) await sendAfter();
       if (signal?.aborted) throw new CallAborted();
-      let failure: unknown;
+      const sentAt = Date.now();
+      // What was waited for before may have taken it past its key's life.
+      if (sentAt > keyLapsesAt()) throw toBullmqError(failure, command);
       try {
         let answering: Promise<T>;
         if (session) {
@@ -378,14 +394,16 @@ export class RemoteChannel {
         // Tried again while its backend is open, and the server may yet come
         // back in time.
         if (!neverSent(err) && !(resendable && cutOnItsWay(err) && ++resends <= MAX_RESENDS)) {
-          this.unreachableSince = 0;
+          // Only an answer says the server is there: a cut leaves the window running.
+          if (!cutOnItsWay(err)) this.unreachableSince = 0;
           throw toBullmqError(err, command);
         }
+        if (!neverSent(err)) mayBeAppliedSince ??= sentAt;
         const now = Date.now();
         if (this.unreachableSince === 0) this.unreachableSince = now;
         const giveUpAt =
           this.unreachableSince + Math.max(0, this.settings.reconnectTimeoutMs ?? DEFAULT_RECONNECT_TIMEOUT_MS);
-        if (stopRetrying?.aborted || this.users === 0 || now + wait > giveUpAt) {
+        if (stopRetrying?.aborted || this.users === 0 || now + wait > Math.min(giveUpAt, keyLapsesAt())) {
           throw toBullmqError(err, command);
         }
         failure = err;
@@ -599,18 +617,19 @@ export function toBullmqError(err: unknown, command: BullmqCommand): Error {
  * stays registered on its sources for good: one for every long-poll on the
  * backend's long-lived `blocking` signal, 500,000 of them 28 MiB.
  */
-async function sleepUnless(ms: number, a?: AbortSignal, b?: AbortSignal): Promise<void> {
-  if (a?.aborted || b?.aborted) return;
-  const stop = new AbortController();
-  const abort = () => stop.abort();
-  a?.addEventListener('abort', abort, { once: true });
-  b?.addEventListener('abort', abort, { once: true });
-  try {
-    await sleep(ms, undefined, { signal: stop.signal }).catch(() => undefined);
-  } finally {
-    a?.removeEventListener('abort', abort);
-    b?.removeEventListener('abort', abort);
-  }
+function sleepUnless(ms: number, a?: AbortSignal, b?: AbortSignal): Promise<void> {
+  if (a?.aborted || b?.aborted) return Promise.resolve();
+  return new Promise<void>(resolve => {
+    const wake = () => {
+      clearTimeout(timer);
+      a?.removeEventListener('abort', wake);
+      b?.removeEventListener('abort', wake);
+      resolve();
+    };
+    const timer = setTimeout(wake, ms);
+    a?.addEventListener('abort', wake, { once: true });
+    b?.addEventListener('abort', wake, { once: true });
+  });
 }
 
 /** The longest delay Node's timers take; past it they fire after 1 ms. */

@@ -1,4 +1,6 @@
-import { describe, expect, it, onTestFinished } from 'vitest';
+import { describe, expect, it, onTestFinished, vi } from 'vitest';
+import { ConnectionClosedError } from 'bullmq';
+import { Code, ConnectError } from '@connectrpc/connect';
 import * as http2 from 'node:http2';
 import type * as net from 'node:net';
 import { neverSent, RemoteChannel } from '../src/channel.js';
@@ -110,5 +112,40 @@ describe('calls the server never read are sent again, whatever they are', () => 
     });
     await expect(removal(channelTo(server.url))).rejects.toMatchObject({ code: 'LOAM_RESOURCE_EXHAUSTED' });
     expect(server.streams()).toBe(1);
+  });
+});
+
+describe('a resendable call is not sent again once its key may have lapsed on the server', () => {
+  it('even while the answers of other calls keep the unreachable window open', async () => {
+    vi.useFakeTimers();
+    onTestFinished(() => {
+      vi.useRealTimers();
+    });
+    const channel = new RemoteChannel({ url: 'http://127.0.0.1:9' });
+    channel.retain();
+    onTestFinished(() => channel.release());
+    // Each attempt of the add hangs 26 s on a silent connection, then is cut:
+    // any of them may have been applied.
+    const sent: number[] = [];
+    const add = channel
+      .call(
+        { command: 'addJob' },
+        () => {
+          sent.push(Date.now());
+          return new Promise<never>((_, reject) =>
+            setTimeout(() => reject(new ConnectError('cut', Code.Unavailable)), 26_000),
+          );
+        },
+        undefined,
+        { resendable: true },
+      )
+      .catch((err: unknown) => err);
+    const others = setInterval(() => void channel.call({ command: 'getCounts' }, () => Promise.resolve({})), 5_000);
+    await vi.advanceTimersByTimeAsync(300_000);
+    clearInterval(others);
+    expect(await add).toBeInstanceOf(ConnectionClosedError);
+    // Before: six attempts, the last 131 s after the first, past the key's 95 s.
+    expect(sent.length).toBeGreaterThan(1);
+    expect(sent.at(-1)! - sent[0]).toBeLessThanOrEqual(channel.resendWindowMs - 60_000);
   });
 });
