@@ -610,10 +610,11 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const command = { command: 'addJob', parentKey: entry.parentKey };
     if (entry.addToWaitingChildren) {
       // Only a flow node is stored waiting for children; a one-node flow is that.
+      const job = { ...jobSpec(entry), idempotency: this.keyed() };
       const r = await this.send(
         command,
-        (c, o) => c.flow({ nodes: [{ queue: this.queueName, job: jobSpec(entry), waitChildren: true }] }, o),
-        { ordered: true },
+        (c, o) => c.flow({ nodes: [{ queue: this.queueName, job, waitChildren: true }] }, o),
+        { ordered: true, resendable: true },
       );
       return r.enqueued[0]?.id ?? '';
     }
@@ -629,13 +630,18 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     return r.enqueued?.id ?? '';
   }
 
-  /** Every job or none; the first job refused fails the call, as in-process. */
+  /**
+   * Every job or none; the first job refused fails the call, as in-process.
+   * Each job under a key of its own, as a single add: sent again after its
+   * connection failed on the way, the bulk adds none twice.
+   */
   async addJobs(entries: { job: JobJson; jobId: string; parentKeyOpts?: ParentKeyOpts }[]): Promise<string[]> {
     const jobs = entries.map(e => newJobJson(e.job, e.jobId, e.parentKeyOpts));
+    const specs = jobs.map(entry => ({ ...jobSpec(entry), idempotency: this.keyed() }));
     const r = await this.send(
       { command: 'addJob' },
-      (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: jobs.map(jobSpec), allOrNothing: true }, o),
-      { ordered: true },
+      (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: specs, allOrNothing: true }, o),
+      { ordered: true, resendable: true },
     );
     return r.results.map((result, i) => {
       if (result.result.case === 'enqueued') return result.result.value.id;
@@ -649,12 +655,17 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const jobs = entries.map(e => newJobJson(e.jobData, e.jobId, e.parentKeyOpts, e.queueName));
     const nodes = jobs.map((entry, i) => ({
       queue: entries[i].queueName || this.queueName,
-      job: jobSpec(entry),
+      job: { ...jobSpec(entry), idempotency: this.keyed() },
       waitChildren: entry.addToWaitingChildren,
     }));
     // Each tree goes in atomically on its own; a refused one answers, per
     // node, BullMQ's code (or an error when BullMQ has none), as Redis does.
-    const r = await this.send({ command: 'addJob' }, (c, o) => c.flow({ nodes, eachTree: true }, o), { ordered: true });
+    // Each node under a key of its own, as an add: sent again, the flow adds
+    // none twice.
+    const r = await this.send({ command: 'addJob' }, (c, o) => c.flow({ nodes, eachTree: true }, o), {
+      ordered: true,
+      resendable: true,
+    });
     return r.results.map((result, i): [Error | null, string | number] => {
       if (result.result.case === 'enqueued') return [null, result.result.value.id];
       const error = refusal(result, jobs[i].parentKey);

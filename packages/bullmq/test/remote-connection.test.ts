@@ -342,6 +342,43 @@ describeRemote('remote connection failures', () => {
     await expectAddedOnceInOrder(watcher, await Promise.all(adds));
   });
 
+  it('a bulk add whose connection is cut after the server applied it is sent again and adds each job once', async () => {
+    const { link, queue, watcher } = await addsThroughProxy();
+    // A read goes after the writes before it were answered (the Queue's meta).
+    await queue.getJobCounts();
+    link.holdReplies();
+    const bulk = queue.addBulk(Array.from({ length: 20 }, (_, n) => ({ name: 'bulk', data: { n } })));
+    await vi.waitFor(async () => expect(await watcher.count()).toBe(21), { timeout: 5_000, interval: 20 });
+    // Before: it failed with ConnectionClosedError, and a caller who tried
+    // again added the 20 jobs twice.
+    link.cut();
+    link.passReplies();
+    await expectAddedOnceInOrder(watcher, await bulk);
+  });
+
+  it('a flow whose connection is cut after the server applied it is sent again and adds each job once', async () => {
+    const link = await proxy();
+    const { through, direct } = classes({ url: link.url });
+    const name = `q-${randomUUID()}`;
+    const flows = new through.FlowProducer({ connection: {} });
+    const watcher = new direct.Queue(name, { connection: {} });
+    onTestFinished(async () => {
+      await Promise.all([flows.close(), watcher.close()]);
+    });
+    await flows.add({ name: 'first', queueName: name });
+    link.holdReplies();
+    const children = Array.from({ length: 5 }, (_, n) => ({ name: 'child', queueName: name, data: { n } }));
+    const flow = flows.add({ name: 'parent', queueName: name, children });
+    // The first job, the parent and its five children.
+    await vi.waitFor(async () => expect(await watcher.count()).toBe(7), { timeout: 5_000, interval: 20 });
+    // Before: it failed with ConnectionClosedError.
+    link.cut();
+    link.passReplies();
+    const tree = await flow;
+    expect(await watcher.getJobCounts('waiting', 'waiting-children')).toEqual({ waiting: 6, 'waiting-children': 1 });
+    expect((await watcher.getWaitingChildren()).map(j => j.id)).toEqual([tree.job.id]);
+  });
+
   it('adds made while cut adds wait to be sent again go after them', async () => {
     const { link, queue, watcher } = await addsThroughProxy();
     // None of these reaches the server: the proxy cuts the connection when
