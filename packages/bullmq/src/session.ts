@@ -9,7 +9,7 @@
  */
 import * as http2 from 'node:http2';
 import { Code, ConnectError } from '@connectrpc/connect';
-import { codeFromString } from '@connectrpc/connect/protocol-connect';
+import { codeFromHttpStatus, codeFromString } from '@connectrpc/connect/protocol-connect';
 import {
   ErrorDetailSchema,
   SessionRequestSchema,
@@ -40,6 +40,12 @@ const PATH = '/loam.jobs.v1.JobsService/Session';
 const END_STREAM = 0b10;
 /** A Connect envelope's header: a flags byte and the message's length. */
 const HEADER_BYTES = 5;
+/** The Connect envelope flag of a compressed message (the session asks for none). */
+const COMPRESSED = 0b01;
+/** The longest answer read: past the server's largest `--max-response-bytes` a length is not an answer's. */
+const MAX_MESSAGE_BYTES = 2 ** 31;
+/** The most of a refusal's body read. */
+const MAX_ERROR_BODY_BYTES = 64 << 10;
 
 /** How a session finds out that its connection died without a word (no FIN, no RST). */
 export interface Keepalive {
@@ -194,14 +200,26 @@ export class Session {
     this.partialBytes = 0;
     let status = 200;
     const errorBody: Buffer[] = [];
+    let errorBytes = 0;
     stream.on('response', headers => {
       status = Number(headers[':status'] ?? 200);
+      const type = headers['content-type'] ?? '';
+      // A proxy's page answered with 200 is no session: read as one, its
+      // first bytes made a length of gigabytes, and every call waited for it.
+      if (status === 200 && !type.startsWith('application/connect+proto')) {
+        const hint = 'is url a loam-jobs serve?';
+        this.end(stream, new ConnectError(`the server answered the session with ${type || 'no content-type'}; ${hint}`, Code.Unimplemented));
+      }
     });
     stream.on('data', (chunk: Buffer) => {
       if (this.stream !== stream) return;
       this.heard = true;
-      if (status !== 200) errorBody.push(chunk);
-      else this.read(stream, chunk);
+      if (status === 200) this.read(stream, chunk);
+      else if (errorBytes < MAX_ERROR_BODY_BYTES) {
+        // Only a refusal's first bytes are read (a Connect error is short).
+        errorBody.push(chunk);
+        errorBytes += chunk.length;
+      }
     });
     stream.on('end', () => {
       const err =
@@ -294,6 +312,13 @@ export class Session {
     while (bytes.length >= HEADER_BYTES) {
       const flags = bytes[0];
       const length = bytes.readUInt32BE(1);
+      // Asked for none, a compressed message (or a length past any answer)
+      // is not the server's: the stream cannot be trusted.
+      if (flags & COMPRESSED || length > MAX_MESSAGE_BYTES) {
+        const what = flags & COMPRESSED ? 'a compressed message' : `a message of ${length} bytes`;
+        this.end(stream, new ConnectError(`the server sent ${what} on the session`, Code.Internal));
+        return;
+      }
       if (bytes.length < HEADER_BYTES + length) break;
       const message = bytes.subarray(HEADER_BYTES, HEADER_BYTES + length);
       bytes = bytes.subarray(HEADER_BYTES + length);
@@ -394,12 +419,20 @@ function endError(message: Uint8Array): ConnectError | undefined {
   }
 }
 
-/** A refusal before the stream started (an HTTP status, a Connect error body). */
+/**
+ * A refusal before the stream started: a Connect error body's code, else
+ * the HTTP status's, as Connect maps it (a proxy's 404 for a wrong path is
+ * `unimplemented`, not a connection to retry for ever; 502, 503 and 504 are
+ * `unavailable`), as connect-node's unary calls read the same refusal.
+ */
 function httpError(status: number, body: Buffer): ConnectError {
+  let error: { code?: unknown; message?: unknown } | undefined;
   try {
-    const error = JSON.parse(body.toString('utf8')) as { code?: string; message?: string };
-    return connectError(error.code, error.message ?? `HTTP ${status}`);
+    error = JSON.parse(body.toString('utf8')) as typeof error;
   } catch {
-    return new ConnectError(`HTTP ${status}`, status === 401 ? Code.Unauthenticated : Code.Unavailable);
+    error = undefined;
   }
+  const message = typeof error?.message === 'string' ? error.message : `HTTP ${status}`;
+  const code = typeof error?.code === 'string' ? codeFromString(error.code) : undefined;
+  return new ConnectError(message, code ?? codeFromHttpStatus(status));
 }

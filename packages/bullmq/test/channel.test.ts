@@ -104,6 +104,41 @@ describe('calls the server never read are sent again, whatever they are', () => 
     expect(server.streams()).toBe(2);
   });
 
+  it('nor one whose session a proxy refused with an HTTP status: the status says why, as for a unary call', async () => {
+    // Before: every status but 401 was `unavailable`, so a wrong path behind
+    // a proxy (404) was retried as a lost connection, for ever by a Worker.
+    const server = await fakeSessionServer(stream => {
+      stream.respond({ ':status': 404, 'content-type': 'text/html' });
+      stream.end('<html>not here</html>');
+    });
+    await expect(removal(channelTo(server.url))).rejects.toMatchObject({ code: 'LOAM_UNIMPLEMENTED' });
+    expect(server.streams()).toBe(1);
+  });
+
+  it('nor one whose session was answered with 200 and a page that is no Connect stream', async () => {
+    // Before: "<htm" read as a message of 1.7 GB, and the call waited for it.
+    const server = await fakeSessionServer(stream => {
+      stream.respond({ ':status': 200, 'content-type': 'text/html' });
+      stream.write('<html><body>a proxy page</body>');
+    });
+    await expect(removal(channelTo(server.url))).rejects.toMatchObject({ code: 'LOAM_UNIMPLEMENTED' });
+    expect(server.streams()).toBe(1);
+  }, 5_000);
+
+  it('a compressed message on the session (it asks for none) ends it: its call fails rather than take it for its answer', async () => {
+    const server = await fakeSessionServer(stream => {
+      stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
+      // A well-formed answer to the call, but flagged compressed: read as it
+      // is, a compressed one would be garbage or, as here, a wrong answer.
+      stream.once('data', (chunk: Buffer) => {
+        const { id } = decodeMessage(SessionRequestSchema, chunk.subarray(5));
+        const response = { id, result: { case: 'jobAdmin', value: { done: true } } } as never;
+        stream.write(envelope(0b01, encodeMessage(SessionResponseSchema, response)));
+      });
+    });
+    await expect(removal(channelTo(server.url))).rejects.toBeInstanceOf(ConnectionClosedError);
+  }, 5_000);
+
   it('but not a call on a session the server ended with an error: that error is the answer', async () => {
     const server = await fakeSessionServer(stream => {
       stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
