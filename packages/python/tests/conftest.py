@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +74,9 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(data_dir: Path, env_extra: dict[str, str] | None = None, port: int | None = None) -> Server:
+def start_server(
+    data_dir: Path, env_extra: dict[str, str] | None = None, port: int | None = None, args: Sequence[str] = ()
+) -> Server:
     port = port or free_port()
     log_path = data_dir.parent / f"{data_dir.name}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOAM_JOBS_")}
@@ -95,6 +97,7 @@ def start_server(data_dir: Path, env_extra: dict[str, str] | None = None, port: 
                 str(MAX_REQUEST_BYTES),
                 "--shutdown-grace-secs",
                 "2",
+                *args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

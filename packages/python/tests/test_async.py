@@ -221,7 +221,11 @@ async def test_operations_are_coroutine_functions_that_raise_when_awaited(server
             await call
 
 
-async def test_an_async_watch_takes_a_silent_stream_for_dead(tmp_path: Path) -> None:
+async def test_an_async_watch_takes_a_silent_stream_for_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As the blocking watch's test: a stopped server has no heartbeat to wait for.
+    monkeypatch.setattr("loam_jobs.client.MIN_WATCH_IDLE_TIMEOUT_MS", 1)
     server = start_server(tmp_path / "data")
     try:
         async with AsyncClient(server.url) as client:
@@ -337,3 +341,5 @@ async def test_an_async_watchs_idle_timeout_is_checked_too(server: Server, queue
     async with AsyncClient(server.url) as client:
         with pytest.raises(InvalidArgumentError, match="idle_timeout_ms"):
             client.watch(queue, idle_timeout_ms=-1)
+        with pytest.raises(InvalidArgumentError, match="heartbeat"):
+            client.watch(queue, idle_timeout_ms=5_000)

@@ -443,6 +443,57 @@ def test_enqueue_retries_an_unknown_outcome_under_one_idempotency_key() -> None:
         op.throw(InvalidArgumentError("bad"))
 
 
+def test_retry_pauses_are_drawn_at_random_from_the_upper_half_of_each() -> None:
+    # Clients refused together (a server restart, an overload) must not all
+    # send again at the same moment, three times over.
+    drawn: list[list[float]] = [[] for _ in ops.RETRY_PAUSES]
+    for _ in range(1_000):
+        op = ops.enqueue("q", job("a"))
+        next(op)
+        for pauses in drawn:
+            pause = op.throw(UnavailableError("connection refused"))
+            assert isinstance(pause, ops.Pause)
+            pauses.append(pause.seconds)
+            assert isinstance(op.send(None), ops.Call)
+    for bound, pauses in zip(ops.RETRY_PAUSES, drawn, strict=True):
+        assert bound / 2 <= min(pauses) and max(pauses) <= bound
+        # Spread over that half (1,000 draws all missing a fifth of it: 1e-97).
+        assert min(pauses) < bound * 0.6 and max(pauses) > bound * 0.9
+
+
+def test_a_retry_waits_at_least_the_servers_retry_after_up_to_a_bound() -> None:
+    op = ops.enqueue("q", job("a"))
+    next(op)
+    for _ in ops.RETRY_PAUSES:
+        pause = op.throw(UnavailableError("the server is busy", retry_after_ms=1_000))
+        assert isinstance(pause, ops.Pause) and pause.seconds >= 1.0
+        op.send(None)
+    # An hour asked for is more than a write's retries wait (and than its
+    # idempotency key, whose TTL counts the longest pauses, outlives).
+    op = ops.enqueue("q", job("a"))
+    next(op)
+    pause = op.throw(UnavailableError("the server is busy", retry_after_ms=3_600_000))
+    assert isinstance(pause, ops.Pause) and pause.seconds == ops.MAX_RETRY_AFTER
+
+
+def test_an_enqueue_refused_as_busy_is_sent_again_after_the_servers_retry_after(
+    client: Client, queue: str
+) -> None:
+    send = client._call
+    refused: list[float] = []
+
+    def busy_once(call: ops.Call) -> Any:
+        if not refused:
+            refused.append(time.monotonic())
+            raise UnavailableError("the server is busy", retry_after_ms=700)
+        return send(call)
+
+    client._call = busy_once  # type: ignore[method-assign]
+    added = client.enqueue(queue, "a", None)
+    assert time.monotonic() - refused[0] >= 0.7
+    assert client.get_job(queue, added.id) is not None
+
+
 def test_a_retried_enqueue_with_a_job_id_does_not_add_a_removed_job_again(client: Client, queue: str) -> None:
     # The first try's answer was lost; by the retry its job ran and was removed.
     tried = next(ops.enqueue(queue, job("a", {"n": 1}, job_id="once", remove_on_complete=True)))
@@ -467,12 +518,13 @@ def test_an_enqueues_own_key_outlives_its_retries_and_no_more() -> None:
         def _run(self, op: ops.Op[Any]) -> Any:
             return next(op)
 
-    # Four tries of up to 5 s, the pauses between them, and a minute.
-    assert ops.own_key_ttl_ms(5_000) == 4 * 5_000 + 2_100 + 60_000
+    # Four tries of up to 5 s, the longest pauses between them (each the
+    # longest retry-after honoured, 2 s), and a minute.
+    assert ops.own_key_ttl_ms(5_000) == 4 * 5_000 + 6_000 + 60_000
     call = FirstCall(5_000).enqueue("q", "a")
-    assert call.request.job.idempotency.ttl_ms == 82_100
+    assert call.request.job.idempotency.ttl_ms == 86_000
     bulk = FirstCall(5_000).enqueue_bulk("q", [job("a"), job("b")])
-    assert [j.idempotency.ttl_ms for j in bulk.request.jobs] == [82_100, 82_100]
+    assert [j.idempotency.ttl_ms for j in bulk.request.jobs] == [86_000, 86_000]
     # Calls without a bound: the server's default (a day).
     unbounded = FirstCall(None).enqueue_job("q", job("a"))
     assert unbounded.request.job.idempotency.key and not unbounded.request.job.idempotency.has_field("ttl_ms")

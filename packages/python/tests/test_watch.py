@@ -5,14 +5,26 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pyqwest import SyncClient, SyncHTTPTransport
 
-from loam_jobs import Client, EventsTrimmedError, InvalidArgumentError, Success, UnavailableError
+from loam_jobs import (
+    Client,
+    ClientClosedError,
+    EventsTrimmedError,
+    InvalidArgumentError,
+    LoamJobsError,
+    Success,
+    UnavailableError,
+    Watch,
+)
 
-from .conftest import start_server, stop_server
+from .conftest import Server, free_port, start_server, stop_server
 
 
 def test_watch_iterates_live_events(client: Client, queue: str) -> None:
@@ -142,7 +154,10 @@ def test_a_watch_closed_from_another_thread_stops_within_a_heartbeat(client: Cli
     assert outcome == ["ended"]
 
 
-def test_a_watch_takes_a_silent_stream_for_dead(tmp_path: Path) -> None:
+def test_a_watch_takes_a_silent_stream_for_dead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stopped server sends no heartbeat either: the floor under idle
+    # timeouts, there for the heartbeat, would only make this test wait 12 s.
+    monkeypatch.setattr("loam_jobs.client.MIN_WATCH_IDLE_TIMEOUT_MS", 1)
     server = start_server(tmp_path / "data")
     try:
         client = Client(server.url)
@@ -200,7 +215,7 @@ def test_a_watch_that_reconnected_counts_its_failures_afresh(tmp_path: Path) -> 
     port = int(server.url.rsplit(":", 1)[1])
     try:
         with Client(server.url) as client:
-            # Enough tries to outlast one restart (about 3 s of pauses), not three.
+            # Enough tries to outlast one restart (1.6 to 3.2 s of pauses), not three.
             watch = client.watch("quiet", max_reconnects=6)
             seen: list[object] = []
 
@@ -258,3 +273,94 @@ def test_an_idle_timeout_is_a_whole_number_of_ms_above_0(client: Client, queue: 
             client.watch(queue, after=0, idle_timeout_ms=bad)  # type: ignore[arg-type]
     client.watch(queue, after=0, idle_timeout_ms=None).close()
     client.watch(queue, after=0, idle_timeout_ms=6_000).close()
+
+
+def test_an_idle_timeout_the_servers_heartbeat_would_not_meet_is_refused(client: Client, queue: str) -> None:
+    # On an idle queue the server's first message is a heartbeat after 5 s: a
+    # shorter timeout took every stream for dead, and the watch gave up on a
+    # healthy server after max_reconnects + 1 silent streams.
+    for short in (1, 1_000, 5_000, 5_999):
+        with pytest.raises(InvalidArgumentError, match="heartbeat"):
+            client.watch(queue, after=0, idle_timeout_ms=short)
+
+
+def test_a_watch_at_the_shortest_idle_timeout_outlasts_an_idle_queue(client: Client, queue: str) -> None:
+    # With no reconnect allowed, one stream taken for dead would raise.
+    with client.watch(queue, max_reconnects=0, idle_timeout_ms=6_000) as watch:
+        late = threading.Timer(7.5, lambda: client.enqueue(queue, "late", None))
+        late.start()
+        try:
+            event = next(watch)
+        finally:
+            late.join()
+        assert event.name == "added"
+
+
+def _closed(transport: SyncHTTPTransport, server: Server) -> bool:
+    """Whether `transport` was closed: it has no public state that says so,
+    but a closed one refuses to send."""
+    try:
+        SyncClient(transport).get(f"{server.url}/healthz")
+    except RuntimeError as err:
+        return "closed" in str(err)
+    return False
+
+
+def test_a_watch_ended_by_an_error_closes_its_connections(
+    server: Server, client: Client, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A watch's own connections are nowhere public: the transports it makes
+    # are recorded as the client module makes them.
+    made: list[SyncHTTPTransport] = []
+
+    def recorded(**settings: Any) -> SyncHTTPTransport:
+        made.append(SyncHTTPTransport(**settings))
+        return made[-1]
+
+    monkeypatch.setattr("loam_jobs.client.SyncHTTPTransport", recorded)
+    start = client.last_event_seq(queue)
+    for i in range(5):
+        client.enqueue(queue, "a", i)
+    client.trim_events(queue, 2)
+    closed_client = Client(server.url)
+    closed_client.close()
+    unreachable = Client(f"http://127.0.0.1:{free_port()}")
+    ended: list[tuple[Callable[[], Watch], type[LoamJobsError], int]] = [
+        (lambda: client.watch(queue, after=start + 1), EventsTrimmedError, 1),
+        (lambda: unreachable.watch(queue, after=0, max_reconnects=0), UnavailableError, 1),
+        # Refused before a stream opens: no connections are made.
+        (lambda: closed_client.watch(queue, after=0), ClientClosedError, 0),
+    ]
+    with unreachable:
+        for make, error, opened in ended:
+            made.clear()
+            watch = make()
+            with pytest.raises(error):
+                next(watch)
+            # Before, they were held until the watch was collected.
+            assert len(made) == opened and all(_closed(transport, server) for transport in made), error
+            # Iterated again, it opens new ones, meets the same end, and lets go again.
+            with pytest.raises(error):
+                next(watch)
+            assert len(made) == 2 * opened and all(_closed(transport, server) for transport in made), error
+            watch.close()
+            watch.close()
+
+
+def test_a_watch_refused_for_want_of_room_waits_as_long_as_the_server_asks(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "data", args=["--max-waiting-calls-per-namespace", "1"])
+    try:
+        with Client(server.url) as client:
+            client.enqueue("full", "a", None)
+            with client.watch("full", after=0) as holder:
+                next(holder)  # its stream stays open: the namespace's one place
+                refused = client.watch("full", after=0, max_reconnects=2)
+                started = time.monotonic()
+                with pytest.raises(UnavailableError) as busy:
+                    next(refused)
+                assert busy.value.retry_after_ms == 1_000
+                # Two pauses of at least the 1 s asked for, where a watch
+                # reconnected after 50 and 100 ms, into the same refusal.
+                assert time.monotonic() - started >= 2.0
+    finally:
+        stop_server(server)

@@ -11,6 +11,7 @@ server's 30 s cap) are written once too.
 from __future__ import annotations
 
 import inspect
+import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -146,25 +147,52 @@ class Pause:
 # operation can retry or carry on past a failure it expects.
 Op = Generator[Call | Pause, Any, T]
 
-# The pauses before each retry of a call whose outcome is unknown (the server
-# was unreachable, or did not answer in time). Only calls that are safe to
-# repeat are retried: those that carry an idempotency key (an enqueue, a
-# completion, a report).
+# The longest pauses before each retry of a call whose outcome is unknown
+# (the server was unreachable, busy, or did not answer in time), in seconds;
+# each is drawn at random (`retry_pause`). Only calls that are safe to repeat
+# are retried: those that carry an idempotency key (an enqueue, a completion,
+# a report).
 RETRY_PAUSES = (0.1, 0.4, 1.6)
+# The longest server's retry-after (seconds) a retry or a watch's reconnect
+# waits out: the server asks for 0.1 s (busy) or 1 s (too many waiting calls),
+# and a longer ask would hold a write past what its key's TTL counts on.
+MAX_RETRY_AFTER = 2.0
+
+# Jitter from the OS, not from `random`'s shared generator: a program that
+# seeds that one (`random.seed(0)` in each of its processes) would draw the
+# same pauses in every process, in step again.
+_jitter = random.SystemRandom()
+
+
+def retry_pause(pause: float, err: LoamJobsError) -> float:
+    """How long to wait before sending again a call that failed with `err`,
+    `pause` being the longest this retry waits unless the server asks for
+    more: a random point of the upper half of `pause`, and no less than the
+    server's retry-after (up to `MAX_RETRY_AFTER`)."""
+    # Equal jitter (the upper half) rather than full jitter (0 to `pause`):
+    # clients refused together (a restart, an overload) still spread over
+    # half of each pause, and no two draw the same, while one client's tries
+    # keep at least half their spacing (1.05 s of a write's 2.1 s, enough to
+    # outlast a short restart), where full jitter could spend all four within
+    # a few ms of the first refusal.
+    jittered = pause * (1 + _jitter.random()) / 2
+    return max(jittered, min(err.retry_after_ms / 1000, MAX_RETRY_AFTER))
 
 
 def own_key_ttl_ms(timeout_ms: int | None) -> int | None:
     """How long the server keeps the idempotency key an enqueue gets of its
-    own: past the last retry of a call bounded by `timeout_ms`, with a minute
-    to spare (for clocks). Kept for the server's default of a day, the keys of
-    a client adding a thousand jobs a second were 86 million live records.
-    Calls without a bound (None) keep that default, and so do calls whose
-    bound is past what the request's 64-bit field holds (`sys.maxsize`, as
-    good as none: it failed every write with an unencodable TTL)."""
+    own: past the last retry of a call bounded by `timeout_ms` (its pauses as
+    long as a retry-after can make them), with a minute to spare (for clocks).
+    Kept for the server's default of a day, the keys of a client adding a
+    thousand jobs a second were 86 million live records. Calls without a bound
+    (None) keep that default, and so do calls whose bound is past what the
+    request's 64-bit field holds (`sys.maxsize`, as good as none: it failed
+    every write with an unencodable TTL)."""
     if timeout_ms is None:
         return None
     tries = len(RETRY_PAUSES) + 1
-    ttl_ms = tries * timeout_ms + round(sum(RETRY_PAUSES) * 1000) + 60_000
+    pauses_ms = round(sum(max(pause, MAX_RETRY_AFTER) for pause in RETRY_PAUSES) * 1000)
+    ttl_ms = tries * timeout_ms + pauses_ms + 60_000
     return ttl_ms if ttl_ms < 1 << 63 else None
 
 
@@ -242,8 +270,9 @@ def _answered(value: T) -> Op[T]:
 
 
 def _retried(call: Call) -> Op[Any]:
-    """`call`, tried again after each of `RETRY_PAUSES` while its outcome is
-    unknown. The caller makes sure a repeat cannot do the work twice."""
+    """`call`, tried again after each of `RETRY_PAUSES` (`retry_pause`) while
+    its outcome is unknown. The caller makes sure a repeat cannot do the work
+    twice."""
     for pause in (*RETRY_PAUSES, None):
         try:
             return (yield call)
@@ -251,7 +280,7 @@ def _retried(call: Call) -> Op[Any]:
             # A paused queue is an answer, not an unknown outcome.
             if pause is None or isinstance(err, QueuePausedError):
                 raise
-            yield Pause(pause)
+            yield Pause(retry_pause(pause, err))
     raise AssertionError("unreachable: the last try returns or raises")
 
 

@@ -25,7 +25,7 @@ from pyqwest import SyncClient, SyncHTTPTransport
 
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
 from ._gen.loam.jobs.v1.jobs_pb import CompleteRequest, LeaseRequest, WatchRequest
-from ._ops import Call, Op, Operations, Pause, complete, own_key_ttl_ms
+from ._ops import Call, Op, Operations, Pause, complete, own_key_ttl_ms, retry_pause
 from .errors import (
     ClientClosedError,
     ForkedProcessError,
@@ -40,9 +40,16 @@ from .models import LeaseBatch, LeasedJob, QueueEvent, Release, whole_ms
 __all__ = ["AsyncClient", "AsyncWatch", "Client", "Watch", "DEFAULT_URL"]
 
 DEFAULT_URL = "http://127.0.0.1:7720"
+# The longest the server lets a watch's stream go without a message (a
+# heartbeat when there is no event): `WATCH_HEARTBEAT` in the server's
+# service/watch.rs, a constant, not a setting.
+SERVER_WATCH_HEARTBEAT_MS = 5_000
 # How long a watch's stream may bring nothing before it is taken for dead:
-# four of the server's heartbeats (one at least every 5 s).
-DEFAULT_WATCH_IDLE_TIMEOUT_MS = 20_000
+# four of the server's heartbeats.
+DEFAULT_WATCH_IDLE_TIMEOUT_MS = 4 * SERVER_WATCH_HEARTBEAT_MS
+# The shortest idle timeout a watch takes: a heartbeat, and a second for the
+# server's read of the log and the network to deliver it.
+MIN_WATCH_IDLE_TIMEOUT_MS = SERVER_WATCH_HEARTBEAT_MS + 1_000
 # The header the server reads the namespace from when tokens are off (and
 # checks against the token's namespace when they are on).
 NAMESPACE_HEADER = "loam-namespace"
@@ -131,15 +138,20 @@ def _not_forked() -> None:
 
 def _idle_seconds(idle_timeout_ms: int | None) -> float | None:
     """A watch's `idle_timeout_ms` in seconds: None, or a whole number of ms
-    above 0 (0, a negative number, a bool or a float would make every read
-    time out at once, or be read some other way than meant). A value under the
-    server's 5 s heartbeat is taken as given: it is right against a server
-    known to talk more often, and takes an idle queue's stream for dead."""
+    (a bool or a float would be read some other way than meant) of at least
+    `MIN_WATCH_IDLE_TIMEOUT_MS`. Shorter, it takes the stream of an idle queue,
+    whose first message is a heartbeat after 5 s, for dead: every stream
+    fails, none resets the reconnect count, and the watch gives up on a
+    healthy server. No server talks more often: the heartbeat is fixed."""
     if idle_timeout_ms is None:
         return None
     ms = whole_ms(idle_timeout_ms, "idle_timeout_ms")
-    if ms == 0:
-        raise InvalidArgumentError("request not sent: idle_timeout_ms must be above 0 (None: no timeout)")
+    if ms < MIN_WATCH_IDLE_TIMEOUT_MS:
+        raise InvalidArgumentError(
+            f"request not sent: idle_timeout_ms must be at least {MIN_WATCH_IDLE_TIMEOUT_MS} (None: no "
+            f"timeout), the server's heartbeat interval on an idle watch ({SERVER_WATCH_HEARTBEAT_MS} ms) "
+            f"and a second for it to arrive: a shorter one can take every stream of an idle queue for dead"
+        )
     return ms / 1000
 
 
@@ -240,8 +252,11 @@ class _Reconnect:
             raise err
         # Doubling from 50 ms reaches the 2 s cap at the seventh failure; the
         # exponent stops there, or a watch kept reconnecting through a long
-        # outage would overflow a float at its 1,025th.
-        return min(0.05 * 2.0 ** min(self.failures - 1, 6), 2.0)
+        # outage would overflow a float at its 1,025th. Jittered as a write's
+        # retries are, so that the watches a restart cut off do not all come
+        # back at once, and never sooner than the server asked (a namespace
+        # with no room for another waiting call asks for 1 s).
+        return retry_pause(min(0.05 * 2.0 ** min(self.failures - 1, 6), 2.0), err)
 
 
 def _receive(watch: Watch | AsyncWatch, response: Any) -> QueueEvent | None:
@@ -390,19 +405,21 @@ class Client(Operations):
         `watch(after=w.cursor)` continues where this one stopped. A stream
         that brings nothing for `idle_timeout_ms` is taken for dead (a frozen
         server, a connection lost without a word: the server sends a
-        heartbeat at least every 5 s) and the watch reconnects, as after any
-        failure; None waits for ever. `job_id` keeps only that job's events
-        (the cursor still moves past the others'). Close it (or use `with`)
-        to stop; a `close()` from another thread ends the iteration at the
-        server's next message, within a few seconds. `after=0` starts at the
-        oldest event the log holds; a cursor the log has trimmed past raises
-        `EventsTrimmedError` (events were lost).
+        heartbeat at least every 5 s, so it must be at least 6 000) and the
+        watch reconnects, as after any failure; None waits for ever. `job_id`
+        keeps only that job's events (the cursor still moves past the
+        others'). Close it (or use `with`) to stop; a `close()` from another
+        thread ends the iteration at the server's next message, within a few
+        seconds. An iteration that ends with an error closes the watch's own
+        connections too (iterated again, it opens new ones). `after=0` starts
+        at the oldest event the log holds; a cursor the log has trimmed past
+        raises `EventsTrimmedError` (events were lost).
         """
+        idle = _idle_seconds(idle_timeout_ms)
         if after is None:
             # "From now on" is now, not the first iteration; a sequence also
             # lets a reconnect before the first event resume without a gap.
             after = self.last_event_seq(queue)
-        idle = _idle_seconds(idle_timeout_ms)
         return Watch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     def close(self) -> None:
@@ -439,16 +456,13 @@ class Watch(Iterator[QueueEvent]):
         # The last sequence seen (at first, the one it started after).
         self.cursor = after
         self._client = client
-        self._stub = client.stub
         # With an idle timeout, connections of its own whose every read gives
-        # up after it (a blocking read cannot be abandoned any other way),
-        # closed with the watch.
+        # up after it (a blocking read cannot be abandoned any other way):
+        # made as a stream opens, and closed when the iteration ends, by
+        # `close()` or by an error (`_let_go`).
         self._idle_timeout = idle_timeout
         self._transport: SyncHTTPTransport | None = None
-        if idle_timeout is not None:
-            self._transport = SyncHTTPTransport(read_timeout=idle_timeout)
-            http_client = SyncClient(self._transport)
-            self._stub = _stub(JobsServiceClientSync, client.url, client._compress_requests, http_client)
+        self._own_stub: JobsServiceClientSync | None = None
         self._reconnect = reconnect
         self._stream: Iterator[Any] | None = None
         # The request of the stream opened last, for the error a refusal to encode it raises.
@@ -457,68 +471,91 @@ class Watch(Iterator[QueueEvent]):
         # Whether a thread is inside `next(self._stream)`: a generator cannot
         # be closed from another thread while it runs.
         self._reading = False
-        # Guards `_closed`, `_reading` and `_stream` together: a reader must
-        # not start on a stream that `close()` is closing (it met `None`, or a
-        # generator already executing).
+        # Guards `_closed`, `_reading`, `_stream` and the connections
+        # together: a reader must not start on a stream that `close()` is
+        # closing (it met `None`, or a generator already executing), and each
+        # is closed once, by whichever thread lets go first.
         self._lock = threading.Lock()
 
     def _open(self) -> Iterator[Any]:
+        """A stream from the cursor on; called under `_lock`."""
         request = self._request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
         _callable(self._client)
-        return self._stub.watch(request, headers=self._client._headers, timeout_ms=None)
+        stub = self._client.stub
+        if self._idle_timeout is not None:
+            if self._own_stub is None:
+                self._transport = SyncHTTPTransport(read_timeout=self._idle_timeout)
+                client = self._client
+                http_client = SyncClient(self._transport)
+                self._own_stub = _stub(
+                    JobsServiceClientSync, client.url, client._compress_requests, http_client
+                )
+            stub = self._own_stub
+        return stub.watch(request, headers=self._client._headers, timeout_ms=None)
 
     def __next__(self) -> QueueEvent:
         try:
-            while True:
+            return self._next_event()
+        except BaseException:
+            # The iteration is over: closed (StopIteration), or ended by an
+            # error (a refusal, too many reconnects, a closed client, Ctrl-C).
+            # The stream and the connections go now, not when the watch is
+            # collected, which a traceback that holds it puts off; iterated
+            # again after an error, it opens new ones.
+            self._let_go()
+            raise
+
+    def _next_event(self) -> QueueEvent:
+        while True:
+            try:
+                with self._lock:
+                    if self._closed:
+                        break
+                    if self._stream is None:
+                        self._stream = self._open()
+                    stream = self._stream
+                    self._reading = True
                 try:
+                    response = next(stream)
+                finally:
                     with self._lock:
-                        if self._closed:
-                            break
-                        if self._stream is None:
-                            self._stream = self._open()
-                        stream = self._stream
-                        self._reading = True
-                    try:
-                        response = next(stream)
-                    finally:
-                        with self._lock:
-                            self._reading = False
-                except StopIteration:
-                    # The server ended the stream (it is shutting down): reconnect.
-                    self._stream = None
-                    if self._closed:
-                        break
-                    time.sleep(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
-                    continue
-                except ConnectError as err:
-                    self._stream = None
-                    if self._closed:
-                        break
-                    if err.code == Code.DEADLINE_EXCEEDED and self._idle_timeout is not None:
-                        # The stream has no deadline: a read ran past the idle timeout.
-                        err = _silent_stream(self._idle_timeout)
-                    time.sleep(self._reconnect.pause_after(from_connect_error(err, self._request)))
-                    continue
-                # An event read as the watch was closed (from another
-                # thread) is not handed out after `close()` returned.
-                if (event := _receive(self, response)) and not self._closed:
-                    return event
-            raise StopIteration
-        finally:
-            if self._closed:
-                self._close_stream()
+                        self._reading = False
+            except StopIteration:
+                # The server ended the stream (it is shutting down): reconnect.
+                self._stream = None
+                if self._closed:
+                    break
+                time.sleep(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
+                continue
+            except ConnectError as err:
+                self._stream = None
+                if self._closed:
+                    break
+                if err.code == Code.DEADLINE_EXCEEDED and self._idle_timeout is not None:
+                    # The stream has no deadline: a read ran past the idle timeout.
+                    err = _silent_stream(self._idle_timeout)
+                time.sleep(self._reconnect.pause_after(from_connect_error(err, self._request)))
+                continue
+            # An event read as the watch was closed (from another
+            # thread) is not handed out after `close()` returned.
+            if (event := _receive(self, response)) and not self._closed:
+                return event
+        raise StopIteration
 
     def close(self) -> None:
         """Stops the watch. From the thread iterating it (or with no
         iteration under way), at once; from another thread, the iterating one
-        stops at the stream's next message."""
+        stops at the stream's next message. Closing again does nothing."""
         with self._lock:
             self._closed = True
             reading = self._reading
         if not reading:
-            self._close_stream()
+            # Else the reading thread lets go as its read ends.
+            self._let_go()
 
-    def _close_stream(self) -> None:
+    def _let_go(self) -> None:
+        """Closes the stream and the watch's own connections, each once,
+        whichever threads get here."""
         with self._lock:
             stream, self._stream = self._stream, None
         close = getattr(stream, "close", None)
@@ -526,9 +563,12 @@ class Watch(Iterator[QueueEvent]):
             try:
                 close()
             except ValueError:
-                return  # another thread is reading it; that thread closes it
-        if self._closed and self._transport is not None:
-            self._transport.close()
+                return  # another thread is reading it, over these connections; that thread lets go
+        with self._lock:
+            transport, self._transport = self._transport, None
+            self._own_stub = None
+        if transport is not None:
+            transport.close()
 
     def __enter__(self) -> Self:
         return self
@@ -721,8 +761,9 @@ class AsyncClient(AsyncOperations):
         is when `async with` enters it (or, without `async with`, the first
         iteration). A stream that brings nothing for `idle_timeout_ms` is taken
         for dead (a frozen server, a connection lost without a word: the
-        server sends a heartbeat at least every 5 s) and the watch reconnects,
-        as after any failure; None waits for ever."""
+        server sends a heartbeat at least every 5 s, so it must be at least
+        6 000) and the watch reconnects, as after any failure; None waits for
+        ever."""
         idle = _idle_seconds(idle_timeout_ms)
         return AsyncWatch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 

@@ -63,7 +63,9 @@ class LoamJobsError(Exception):
             (a transport failure, a refused request body).
         bullmq_code: BullMQ's error code (-1 JobNotExist ... -11), or 0.
         subject: the job id, queue, scheduler or key the error is about, or "".
-        retry_after_ms: for rate limits, when to try again; else 0.
+        retry_after_ms: when to try again (a rate limit, a busy server's
+            `unavailable`); else 0. Retries and watch reconnects wait at
+            least this long (up to 2 s).
     """
 
     code: str = "unknown"
