@@ -228,7 +228,14 @@ export class RemoteChannel {
    */
   private unreachableSince = 0;
 
-  constructor(readonly settings: RemoteSettings) {
+  /**
+   * `unused` is told each time the last backend using the channel stops
+   * (a factory then forgets it: one made per namespace used stayed for good).
+   */
+  constructor(
+    readonly settings: RemoteSettings,
+    private readonly unused?: () => void,
+  ) {
     checkSettings(settings);
     this.maxStreams = Math.max(1, settings.maxStreamsPerConnection ?? DEFAULT_STREAMS);
     this.maxConnections = Math.max(1, settings.maxConnections ?? DEFAULT_CONNECTIONS);
@@ -299,6 +306,7 @@ export class RemoteChannel {
    */
   release(): void {
     this.users = Math.max(0, this.users - 1);
+    if (this.users === 0) this.unused?.();
     this.closeIfUnused();
   }
 

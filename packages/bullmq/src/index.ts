@@ -115,8 +115,8 @@ function embeddedBackend(settings: Partial<LoamBackendSettings>): BackendFactory
 
 /**
  * Backends that are clients of one server. Backends with the same url, token
- * and namespace share a channel (its HTTP/2 connections), which closes when
- * the last of them does.
+ * and namespace share a channel (its HTTP/2 connections), which closes, and
+ * is forgotten, when the last of them does.
  */
 function remoteBackend(settings: LoamConnectionOptions): BackendFactory<RemoteQueueBackend, LoamConnectionOptions> {
   const channels = new Map<string, RemoteChannel>();
@@ -138,7 +138,11 @@ function remoteBackend(settings: LoamConnectionOptions): BackendFactory<RemoteQu
     const key = JSON.stringify([resolved.url, resolved.token ?? '', resolved.namespace ?? '']);
     let channel = channels.get(key);
     if (!channel) {
-      channel = new RemoteChannel(resolved);
+      const made: RemoteChannel = new RemoteChannel(resolved, () => {
+        // Its calls in flight still finish on it; a backend made now gets a new one.
+        if (channels.get(key) === made) channels.delete(key);
+      });
+      channel = made;
       channels.set(key, channel);
     }
     return new RemoteQueueBackend(channel, name, factoryOpts.prefix ?? 'bull', true, worker, {

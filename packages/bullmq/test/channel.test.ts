@@ -184,3 +184,20 @@ describe('a resendable call is not sent again once its key may have lapsed on th
     expect(sent.at(-1)! - sent[0]).toBeLessThanOrEqual(channel.resendWindowMs - 60_000);
   });
 });
+
+describe('a channel tells its factory when nothing uses it', () => {
+  it('once the last backend using it lets go, each time', () => {
+    // Before: a factory kept one channel for every namespace ever used.
+    let unused = 0;
+    const channel = new RemoteChannel({ url: 'http://127.0.0.1:9' }, () => unused++);
+    channel.retain();
+    channel.retain();
+    channel.release();
+    expect(unused).toBe(0);
+    channel.release();
+    expect(unused).toBe(1);
+    channel.retain();
+    channel.release();
+    expect(unused).toBe(2);
+  });
+});
