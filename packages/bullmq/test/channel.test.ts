@@ -87,7 +87,7 @@ function channelTo(url: string): RemoteChannel {
   return channel;
 }
 
-describe('calls the server never read are sent again, whatever they are', () => {
+describe('calls on a session that ends or is refused: sent again if the server never read them, else failed with why', () => {
   it('a call unanswered when the server ended the session cleanly (as it does at shutdown)', async () => {
     // Before: failed with ConnectionClosedError ("may have been applied").
     const server = await fakeSessionServer(stream => {
@@ -104,22 +104,27 @@ describe('calls the server never read are sent again, whatever they are', () => 
     expect(server.streams()).toBe(2);
   });
 
-  it('nor one whose session a proxy refused with an HTTP status: the status says why, as for a unary call', async () => {
-    // Before: every status but 401 was `unavailable`, so a wrong path behind
-    // a proxy (404) was retried as a lost connection, for ever by a Worker.
+  it('but not a call on a session the server ended with an error: that error is the answer', async () => {
     const server = await fakeSessionServer(stream => {
-      stream.respond({ ':status': 404, 'content-type': 'text/html' });
-      stream.end('<html>not here</html>');
+      stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
+      const end = JSON.stringify({ error: { code: 'resource_exhausted', message: 'message over the limit' } });
+      stream.once('data', () => stream.end(envelope(0b10, Buffer.from(end))));
     });
-    await expect(removal(channelTo(server.url))).rejects.toMatchObject({ code: 'LOAM_UNIMPLEMENTED' });
+    await expect(removal(channelTo(server.url))).rejects.toMatchObject({ code: 'LOAM_RESOURCE_EXHAUSTED' });
     expect(server.streams()).toBe(1);
   });
 
-  it('nor one whose session was answered with 200 and a page that is no Connect stream', async () => {
+  it.each([
+    // Before: every status but 401 was `unavailable`, so a wrong path behind
+    // a proxy (404) was retried as a lost connection, for ever by a Worker.
+    ['refused with an HTTP status (as Connect maps it, and a unary call reads it)', 404, true],
     // Before: "<htm" read as a message of 1.7 GB, and the call waited for it.
+    ['answered with 200 and a page that is no Connect stream', 200, false],
+  ])('nor one whose session a proxy %s', async (_, status, ends) => {
     const server = await fakeSessionServer(stream => {
-      stream.respond({ ':status': 200, 'content-type': 'text/html' });
-      stream.write('<html><body>a proxy page</body>');
+      stream.respond({ ':status': status, 'content-type': 'text/html' });
+      if (ends) stream.end('<html>not here</html>');
+      else stream.write('<html><body>a proxy page</body>');
     });
     await expect(removal(channelTo(server.url))).rejects.toMatchObject({ code: 'LOAM_UNIMPLEMENTED' });
     expect(server.streams()).toBe(1);
@@ -138,16 +143,6 @@ describe('calls the server never read are sent again, whatever they are', () => 
     });
     await expect(removal(channelTo(server.url))).rejects.toBeInstanceOf(ConnectionClosedError);
   }, 5_000);
-
-  it('but not a call on a session the server ended with an error: that error is the answer', async () => {
-    const server = await fakeSessionServer(stream => {
-      stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
-      const end = JSON.stringify({ error: { code: 'resource_exhausted', message: 'message over the limit' } });
-      stream.once('data', () => stream.end(envelope(0b10, Buffer.from(end))));
-    });
-    await expect(removal(channelTo(server.url))).rejects.toMatchObject({ code: 'LOAM_RESOURCE_EXHAUSTED' });
-    expect(server.streams()).toBe(1);
-  });
 });
 
 describe('a resendable call is not sent again once its key may have lapsed on the server', () => {
