@@ -61,7 +61,7 @@ pub async fn open(
 ) -> Result<ServiceStream<pb::SessionResponse>, ConnectError> {
     let ns = svc.session_namespace(&ctx)?;
     let (answers, out) = mpsc::channel(MAX_UNSENT_ANSWERS);
-    tokio::spawn(read(svc, ns, ctx.peer_addr(), requests, answers));
+    tokio::spawn(failing_on_panic(read(svc, ns, ctx.peer_addr(), requests, answers.clone()), answers));
     Ok(Box::pin(futures::stream::unfold(out, |mut out| async move { out.recv().await.map(|a| (a, out)) })))
 }
 
@@ -137,6 +137,9 @@ async fn read(
                     }
                 }
             }
+            // At shutdown, no new calls; the waits of those in flight end.
+            // Before the reads below: requests always at hand would put it off.
+            () = svc.shutdown().fired(), if reading => reading = false,
             next = requests.next(), if reading && waiting.is_none() && room && calls.len() < MAX_CALLS => match next {
                 None => reading = false,
                 Some(Err(e)) => {
@@ -175,12 +178,24 @@ async fn read(
                     }
                 }
             },
-            // At shutdown, no new calls; the waits of those in flight end.
-            () = svc.shutdown().fired(), if reading => reading = false,
         }
     }
     if let Some(e) = unreadable {
         let _ = answers.send(Err(e)).await;
+    }
+}
+
+/// Runs a session's `reading`. A panic in it (a bug in a call's handler: the
+/// calls run on its task) ends the session with `internal`, never cleanly:
+/// a client takes a clean end for "every call read was answered", and sends
+/// the calls left unanswered again as never read, which some of these, handed
+/// to the core before the panic, were not.
+async fn failing_on_panic(reading: impl Future<Output = ()>, answers: Answers) {
+    if let Err(panic) = std::panic::AssertUnwindSafe(reading).catch_unwind().await {
+        let what = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str));
+        tracing::error!(panic = what.unwrap_or("?"), "a session's task panicked; the session ends with an error");
+        let failed = ConnectError::internal("the session failed: the calls it had not answered may have been applied");
+        let _ = answers.send(Err(failed)).await;
     }
 }
 
@@ -333,5 +348,37 @@ fn error(e: &ConnectError) -> pb::BulkError {
         message: e.message.clone().unwrap_or_default(),
         detail: detail.into(),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use connectrpc::ErrorCode;
+
+    use super::*;
+
+    /// A session whose task panicked ends with an error, not cleanly: its
+    /// client would send the calls it left unanswered again (some of which
+    /// may have been applied) as never read.
+    #[tokio::test]
+    async fn a_session_whose_task_panics_ends_with_an_error() {
+        let (answers, mut out) = mpsc::channel(MAX_UNSENT_ANSWERS);
+        let sent = answers.clone();
+        let reading = async move {
+            let _ = sent.send(Ok(response(1, Err(ConnectError::canceled("answered"))))).await;
+            panic!("a bug in a call's handler");
+        };
+        tokio::spawn(failing_on_panic(reading, answers)).await.unwrap();
+        assert!(matches!(out.recv().await, Some(Ok(_))));
+        let end = out.recv().await.expect("an end with an error, not a clean end");
+        assert_eq!(end.unwrap_err().code, ErrorCode::Internal);
+        assert!(out.recv().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_session_that_ends_well_ends_cleanly() {
+        let (answers, mut out) = mpsc::channel(MAX_UNSENT_ANSWERS);
+        tokio::spawn(failing_on_panic(async {}, answers)).await.unwrap();
+        assert!(out.recv().await.is_none());
     }
 }
