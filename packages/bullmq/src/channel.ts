@@ -23,7 +23,7 @@ import { Code, ConnectError, createClient, type CallOptions, type Client } from 
 import { createConnectTransport, Http2SessionManager } from '@connectrpc/connect-node';
 import { ErrorDetailSchema, JobsService, type ErrorDetail } from './gen/loam/jobs/v1/jobs_pb.js';
 import { fromServer, loamError, type BullmqCommand } from './errors.js';
-import { connectTimedOut, NotRead, Session, SESSION_MAX_MESSAGE_BYTES, type Keepalive, type SessionCall } from './session.js';
+import { NotRead, Session, SESSION_MAX_MESSAGE_BYTES, type ConnectionTimeouts, type SessionCall } from './session.js';
 
 type UnaryMethod = (request: unknown, options?: CallOptions) => Promise<unknown>;
 
@@ -56,6 +56,12 @@ export interface RemoteSettings {
   /** A PING not answered within this long ends its connection (default 5 s); the next call reconnects. */
   pingTimeoutMs?: number;
   /**
+   * A connection not made within this long (name lookup, TCP and TLS;
+   * default 10 s, as ioredis's `connectTimeout`) is given up, and its calls,
+   * never sent, are tried again.
+   */
+  connectTimeoutMs?: number;
+  /**
    * The largest request to send (default 80 MiB, the server's default
    * `--max-request-bytes`): a larger one fails at once with
    * `LOAM_RESOURCE_EXHAUSTED`. Node's HTTP/2 client sent a request of about
@@ -86,23 +92,28 @@ class QuietSessionManager extends Http2SessionManager {
 
   constructor(
     url: string,
-    private readonly keepalive: Keepalive,
+    private readonly timeouts: ConnectionTimeouts,
   ) {
-    super(url, keepalive);
+    super(url, timeouts);
   }
 
   override async request(...args: Parameters<Http2SessionManager['request']>): Promise<http2.ClientHttp2Stream> {
     // connect-node waits for a connection as long as the kernel does (some
-    // two minutes when SYNs get no answer); one not made within the PING
-    // timeout is given up, and the calls waiting for it were never sent.
-    const ms = this.keepalive.pingTimeoutMs;
+    // two minutes when SYNs get no answer): one not made in time is given
+    // up. Only that attempt: the manager's own `abort` also destroys its
+    // connections that got a GOAWAY, with calls on them the server read.
+    const ms = this.timeouts.connectTimeoutMs;
     const connectTimer = setTimeout(() => {
-      if (this.state() === 'connecting') this.abort(connectTimedOut(ms));
+      const state = (this as unknown as { s?: { t?: string; abort?: (reason: Error) => void } }).s;
+      if (state?.t === 'connecting') state.abort?.(new ConnectError(`the connection was not made in ${ms} ms`, Code.Unavailable));
     }, ms);
     connectTimer.unref();
     let stream;
     try {
       stream = await super.request(...args);
+    } catch (err) {
+      // No stream was made: nothing of the call was sent.
+      throw neverSent(err) ? err : new NotSent('no stream was made for the call', { cause: err });
     } finally {
       clearTimeout(connectTimer);
     }
@@ -150,6 +161,14 @@ export interface CallHooks {
   stopRetrying?: AbortSignal;
 }
 
+/** Why a unary call failed that never left the client: no HTTP/2 stream was made for it (see `neverSent`). */
+class NotSent extends Error {
+  constructor(message: string, options: ErrorOptions) {
+    super(message, options);
+    this.name = 'NotSent';
+  }
+}
+
 /** A call the caller itself cut short (disconnectBlocking, close). */
 export class CallAborted extends Error {
   constructor() {
@@ -168,6 +187,7 @@ const DEFAULT_STREAMS = 100;
 const DEFAULT_CONNECTIONS = 4;
 const DEFAULT_PING_INTERVAL_MS = 10_000;
 const DEFAULT_PING_TIMEOUT_MS = 5_000;
+const DEFAULT_CONNECT_TIMEOUT_MS = 10_000;
 const DEFAULT_MAX_REQUEST_BYTES = 80 << 20;
 const DEFAULT_RECONNECT_TIMEOUT_MS = 20_000;
 /** The first and the longest wait between attempts to reach a server that is away. */
@@ -183,8 +203,8 @@ const MAX_RESENDS = 5;
  * What a resendable call's key outlives its last attempt by, at least: for
  * slow clocks and servers. Without a bound of its own, a call whose
  * attempts each hung on a silent connection, while other calls' answers
- * kept resetting the unreachable window, went again some 155 s after its
- * first, past its key's 95 s, and could be applied twice.
+ * kept resetting the unreachable window, went again 131 s after its first,
+ * past its key's 95 s, and could be applied twice.
  */
 const RESEND_SPARE_MS = 60_000;
 
@@ -204,7 +224,7 @@ export class RemoteChannel {
   private readonly fixedHeaders: Record<string, string> = {};
   private readonly maxStreams: number;
   private readonly maxConnections: number;
-  private readonly keepalive: Keepalive;
+  private readonly timeouts: ConnectionTimeouts;
   /** Backends using the channel; with none and no call in flight, the connections close. */
   private users = 0;
   /** Ordered writes of every backend on this channel not answered yet (see `track`). */
@@ -229,8 +249,9 @@ export class RemoteChannel {
   private unreachableSince = 0;
 
   /**
-   * `unused` is told each time the last backend using the channel stops
-   * (a factory then forgets it: one made per namespace used stayed for good).
+   * `unused` is told each time the channel closes, no backend using it and
+   * no call in flight (a factory then forgets it: one made per namespace
+   * used stayed for good).
    */
   constructor(
     readonly settings: RemoteSettings,
@@ -241,12 +262,13 @@ export class RemoteChannel {
     this.maxConnections = Math.max(1, settings.maxConnections ?? DEFAULT_CONNECTIONS);
     if (settings.token) this.fixedHeaders.authorization = `Bearer ${settings.token}`;
     if (settings.namespace) this.fixedHeaders['loam-namespace'] = settings.namespace;
-    this.keepalive = {
+    this.timeouts = {
+      connectTimeoutMs: Math.max(1, settings.connectTimeoutMs ?? DEFAULT_CONNECT_TIMEOUT_MS),
       pingIntervalMs: Math.max(1, settings.pingIntervalMs ?? DEFAULT_PING_INTERVAL_MS),
       pingTimeoutMs: Math.max(1, settings.pingTimeoutMs ?? DEFAULT_PING_TIMEOUT_MS),
     };
     if ((settings.calls ?? 'session') === 'session') {
-      const session = new Session(settings.url, this.fixedHeaders, this.keepalive);
+      const session = new Session(settings.url, this.fixedHeaders, this.timeouts);
       this.session = session;
       // A message over the server's request limit ends the session, failing
       // every call behind it: a larger call goes on its own stream, whose
@@ -287,8 +309,8 @@ export class RemoteChannel {
    */
   get resendWindowMs(): number {
     return (
-      2 * this.keepalive.pingIntervalMs +
-      this.keepalive.pingTimeoutMs +
+      2 * this.timeouts.pingIntervalMs +
+      this.timeouts.pingTimeoutMs +
       Math.max(0, this.settings.reconnectTimeoutMs ?? DEFAULT_RECONNECT_TIMEOUT_MS) +
       RESEND_SPARE_MS
     );
@@ -306,7 +328,6 @@ export class RemoteChannel {
    */
   release(): void {
     this.users = Math.max(0, this.users - 1);
-    if (this.users === 0) this.unused?.();
     this.closeIfUnused();
   }
 
@@ -401,7 +422,12 @@ export class RemoteChannel {
         }
         // Tried again while its backend is open, and the server may yet come
         // back in time.
-        if (!neverSent(err) && !(resendable && cutOnItsWay(err) && ++resends <= MAX_RESENDS)) {
+        // A call the server never read counts as sent again too: a server
+        // that kept ending its sessions would otherwise have it go on for ever.
+        const triedAgain = neverSent(err)
+          ? !notRead(err) || ++resends <= MAX_RESENDS
+          : resendable && cutOnItsWay(err) && ++resends <= MAX_RESENDS;
+        if (!triedAgain) {
           // Only an answer says the server is there: a cut leaves the window running.
           if (!cutOnItsWay(err)) this.unreachableSince = 0;
           throw toBullmqError(err, command);
@@ -504,7 +530,7 @@ export class RemoteChannel {
 
   private open(): Connection {
     // PINGs while calls are open on the connection, and before a call on one idle for longer.
-    const session = new QuietSessionManager(this.settings.url, this.keepalive);
+    const session = new QuietSessionManager(this.settings.url, this.timeouts);
     // The Connect protocol, binary, on HTTP/2: unary calls have no trailers to
     // parse, which measured about 10% less client CPU per call than gRPC here.
     const fixed = Object.entries(this.fixedHeaders);
@@ -536,6 +562,9 @@ export class RemoteChannel {
     if (this.session?.busy) return;
     this.session?.close();
     for (const c of this.connections.splice(0)) c.session.abort();
+    // Forgotten only now: a backend made while writes were still on their
+    // way on it gets it, and its leases wait for those writes' answers.
+    this.unused?.();
   }
 }
 
@@ -549,10 +578,16 @@ export class RemoteChannel {
 export function neverSent(err: unknown): boolean {
   for (let e: unknown = err; e instanceof Error; e = e.cause) {
     if (e instanceof AggregateError) return e.errors.length > 0 && e.errors.every(neverSent);
-    if (e instanceof NotRead) return true;
+    if (e instanceof NotRead || e instanceof NotSent) return true;
     const { syscall } = e as NodeJS.ErrnoException;
     if (syscall === 'connect' || syscall === 'getaddrinfo') return true;
   }
+  return false;
+}
+
+/** Whether the server never read the call (`NotRead`): sent, but not applied. */
+function notRead(err: unknown): boolean {
+  for (let e: unknown = err; e instanceof Error; e = e.cause) if (e instanceof NotRead) return true;
   return false;
 }
 
@@ -664,6 +699,7 @@ function checkSettings(settings: RemoteSettings): void {
   const given: [string, number | undefined, number, number][] = [
     ['pingIntervalMs', settings.pingIntervalMs, 1, MAX_TIMER_MS],
     ['pingTimeoutMs', settings.pingTimeoutMs, 1, MAX_TIMER_MS],
+    ['connectTimeoutMs', settings.connectTimeoutMs, 1, MAX_TIMER_MS],
     ['reconnectTimeoutMs', settings.reconnectTimeoutMs, 0, MAX_TIMER_MS],
     ['maxRequestBytes', settings.maxRequestBytes, 1, Number.MAX_SAFE_INTEGER],
   ];

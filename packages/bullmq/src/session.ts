@@ -42,14 +42,17 @@ const END_STREAM = 0b10;
 const HEADER_BYTES = 5;
 /** The Connect envelope flag of a compressed message (the session asks for none). */
 const COMPRESSED = 0b01;
-/** The longest answer read: past the server's largest `--max-response-bytes` a length is not an answer's. */
-const MAX_MESSAGE_BYTES = 2 ** 31;
 /** The most of a refusal's body read. */
 const MAX_ERROR_BODY_BYTES = 64 << 10;
 
-/** How a session finds out that its connection died without a word (no FIN, no RST). */
-export interface Keepalive {
-  /** A PING is sent once nothing was received for this long. */
+/**
+ * How long a connection may take to be made, and how a made one is found
+ * dead when it died without a word (no FIN, no RST).
+ */
+export interface ConnectionTimeouts {
+  /** A connection not made within this long (name lookup, TCP, TLS) is given up; its calls were never sent. */
+  connectTimeoutMs: number;
+  /** A PING is sent once nothing was received for between one and two of these. */
   pingIntervalMs: number;
   /** A PING not answered within this long ends the connection (its calls fail, the next call reconnects). */
   pingTimeoutMs: number;
@@ -96,7 +99,7 @@ export class Session {
   constructor(
     private readonly url: string,
     private readonly headers: Record<string, string>,
-    private readonly keepalive: Keepalive,
+    private readonly timeouts: ConnectionTimeouts,
   ) {}
 
   /** Whether calls are in flight (the channel stays open while they are). */
@@ -137,9 +140,10 @@ export class Session {
       try {
         stream = this.open();
       } catch (err) {
-        // A connection that is closing (GOAWAY) or gone refuses new streams.
+        // A connection that is closing (GOAWAY) or gone refuses new streams;
+        // nothing of the call was written.
         this.connection = undefined;
-        reject(ConnectError.from(err, Code.Unavailable));
+        reject(notRead(`the session could not open a stream: ${String(err)}`));
         return;
       }
       let onAbort: (() => void) | undefined;
@@ -199,9 +203,11 @@ export class Session {
     this.partial = [];
     this.partialBytes = 0;
     let status = 200;
+    let responded = false;
     const errorBody: Buffer[] = [];
     let errorBytes = 0;
     stream.on('response', headers => {
+      responded = true;
       status = Number(headers[':status'] ?? 200);
       const type = headers['content-type'] ?? '';
       // A proxy's page answered with 200 is no session: read as one, its
@@ -228,8 +234,11 @@ export class Session {
           : new ConnectError('the session ended', Code.Unavailable);
       this.end(stream, err);
     });
-    stream.on('error', err => this.end(stream, refused(stream) ?? ConnectError.from(err, Code.Unavailable)));
-    stream.on('close', () => this.end(stream, refused(stream) ?? new ConnectError('the session closed', Code.Unavailable)));
+    // Node gives every stream of a connection that got a GOAWAY its code, a
+    // stream the server took and answered too: only one never answered was refused.
+    const refusal = () => (responded ? undefined : refused(stream));
+    stream.on('error', err => this.end(stream, refusal() ?? ConnectError.from(err, Code.Unavailable)));
+    stream.on('close', () => this.end(stream, refusal() ?? new ConnectError('the session closed', Code.Unavailable)));
     return stream;
   }
 
@@ -240,16 +249,16 @@ export class Session {
     connection.on('error', () => undefined);
     // PINGs cannot go until the connection is made: one whose SYNs (or TLS
     // handshake) get no answer held its calls until the kernel gave up, some
-    // two minutes, far past `reconnectTimeoutMs`. Its calls were never sent.
-    const { pingTimeoutMs } = this.keepalive;
-    const connectTimer = setTimeout(() => connection.destroy(connectTimedOut(pingTimeoutMs)), pingTimeoutMs);
+    // two minutes, far past `reconnectTimeoutMs`. Its calls were never sent:
+    // the connection is the session's own, and nothing goes on it unmade.
+    const { connectTimeoutMs, pingIntervalMs, pingTimeoutMs } = this.timeouts;
+    const connectTimer = setTimeout(() => connection.destroy(connectTimedOut(connectTimeoutMs)), connectTimeoutMs);
     connectTimer.unref();
     connection.once('connect', () => clearTimeout(connectTimer));
     // A server going away (GOAWAY) takes no new streams: the next call opens a new connection.
     connection.on('goaway', () => {
       if (this.connection === connection) this.connection = undefined;
     });
-    const { pingIntervalMs } = this.keepalive;
     let pingTimer: NodeJS.Timeout | undefined;
     const idleCheck = setInterval(() => {
       if (this.heard || pingTimer) {
@@ -312,11 +321,10 @@ export class Session {
     while (bytes.length >= HEADER_BYTES) {
       const flags = bytes[0];
       const length = bytes.readUInt32BE(1);
-      // Asked for none, a compressed message (or a length past any answer)
-      // is not the server's: the stream cannot be trusted.
-      if (flags & COMPRESSED || length > MAX_MESSAGE_BYTES) {
-        const what = flags & COMPRESSED ? 'a compressed message' : `a message of ${length} bytes`;
-        this.end(stream, new ConnectError(`the server sent ${what} on the session`, Code.Internal));
+      // Asked for none, a compressed message is not the server's: the
+      // stream cannot be trusted.
+      if (flags & COMPRESSED) {
+        this.end(stream, new ConnectError('the server sent a compressed message on the session', Code.Internal));
         return;
       }
       if (bytes.length < HEADER_BYTES + length) break;
@@ -377,7 +385,7 @@ export class Session {
  * connect, as the kernel's own timeout reads, so its calls count as never
  * sent (see `neverSent`).
  */
-export function connectTimedOut(ms: number): Error {
+function connectTimedOut(ms: number): Error {
   return Object.assign(new Error(`the connection was not made in ${ms} ms`), { code: 'ETIMEDOUT', syscall: 'connect' });
 }
 

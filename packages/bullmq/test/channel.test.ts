@@ -2,10 +2,15 @@ import { describe, expect, it, onTestFinished, vi } from 'vitest';
 import { ConnectionClosedError } from 'bullmq';
 import { Code, ConnectError } from '@connectrpc/connect';
 import * as http2 from 'node:http2';
-import type * as net from 'node:net';
+import { execFileSync } from 'node:child_process';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import * as net from 'node:net';
+import { tmpdir } from 'node:os';
+import * as path from 'node:path';
+import { create, toBinary } from '@bufbuild/protobuf';
 import { neverSent, RemoteChannel } from '../src/channel.js';
 import { decodeMessage, encodeMessage } from '../src/codec.js';
-import { SessionRequestSchema, SessionResponseSchema } from '../src/gen/loam/jobs/v1/jobs_pb.js';
+import { JobAdminResponseSchema, SessionRequestSchema, SessionResponseSchema } from '../src/gen/loam/jobs/v1/jobs_pb.js';
 
 /** A Node error of a system call, as `net` raises them. */
 function sysError(code: string, syscall: string): Error {
@@ -31,30 +36,19 @@ describe('which failed calls never reached the server', () => {
 
 /**
  * A fake `loam-jobs serve` session endpoint: the first stream gets `first`
- * (it reads nothing), later ones answer every JobAdmin call `done`.
+ * (it reads nothing), later ones `later`, by default answering every
+ * JobAdmin call `done`.
  */
-async function fakeSessionServer(first: (stream: http2.ServerHttp2Stream) => void) {
+async function fakeSessionServer(
+  first: (stream: http2.ServerHttp2Stream) => void,
+  later: (stream: http2.ServerHttp2Stream) => void = answerEveryCall,
+) {
   let streams = 0;
   const server = http2.createServer();
   server.on('stream', stream => {
     streams++;
     stream.on('error', () => undefined);
-    if (streams === 1) {
-      first(stream);
-      return;
-    }
-    stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
-    let bytes = Buffer.alloc(0);
-    stream.on('data', (chunk: Buffer) => {
-      bytes = Buffer.concat([bytes, chunk]);
-      while (bytes.length >= 5 && bytes.length >= 5 + bytes.readUInt32BE(1)) {
-        const length = bytes.readUInt32BE(1);
-        const request = decodeMessage(SessionRequestSchema, bytes.subarray(5, 5 + length));
-        bytes = bytes.subarray(5 + length);
-        const response = { id: request.id, result: { case: 'jobAdmin', value: { done: true } } } as never;
-        stream.write(envelope(0, encodeMessage(SessionResponseSchema, response)));
-      }
-    });
+    (streams === 1 ? first : later)(stream);
   });
   await new Promise<void>(resolve => server.listen(0, '127.0.0.1', resolve));
   const { port } = server.address() as net.AddressInfo;
@@ -62,6 +56,22 @@ async function fakeSessionServer(first: (stream: http2.ServerHttp2Stream) => voi
     await new Promise(resolve => server.close(resolve));
   });
   return { url: `http://127.0.0.1:${port}`, streams: () => streams };
+}
+
+/** A session stream that answers every JobAdmin call `done`. */
+function answerEveryCall(stream: http2.ServerHttp2Stream): void {
+  stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
+  let bytes = Buffer.alloc(0);
+  stream.on('data', (chunk: Buffer) => {
+    bytes = Buffer.concat([bytes, chunk]);
+    while (bytes.length >= 5 && bytes.length >= 5 + bytes.readUInt32BE(1)) {
+      const length = bytes.readUInt32BE(1);
+      const request = decodeMessage(SessionRequestSchema, bytes.subarray(5, 5 + length));
+      bytes = bytes.subarray(5 + length);
+      const response = { id: request.id, result: { case: 'jobAdmin', value: { done: true } } } as never;
+      stream.write(envelope(0, encodeMessage(SessionResponseSchema, response)));
+    }
+  });
 }
 
 function envelope(flags: number, message: Uint8Array): Buffer {
@@ -98,10 +108,37 @@ describe('calls on a session that ends or is refused: sent again if the server n
     expect(server.streams()).toBe(2);
   });
 
+  it('a few times only, against a server that ends every session unread', async () => {
+    const endUnread = (stream: http2.ServerHttp2Stream) => {
+      stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
+      stream.once('data', () => stream.end(envelope(0b10, Buffer.from('{}'))));
+    };
+    const server = await fakeSessionServer(endUnread, endUnread);
+    const channel = new RemoteChannel({ url: server.url, reconnectTimeoutMs: 20_000 });
+    channel.retain();
+    onTestFinished(() => channel.release());
+    const started = Date.now();
+    await expect(removal(channel)).rejects.toBeInstanceOf(ConnectionClosedError);
+    // Before: tried until the 20 s window closed.
+    expect(server.streams()).toBe(6);
+    expect(Date.now() - started).toBeLessThan(5_000);
+  }, 25_000);
+
   it('a call whose stream HTTP/2 refused', async () => {
     const server = await fakeSessionServer(stream => stream.close(http2.constants.NGHTTP2_REFUSED_STREAM));
     await expect(removal(channelTo(server.url))).resolves.toMatchObject({ done: true });
     expect(server.streams()).toBe(2);
+  });
+
+  it('but not a call on a stream that had its answer begun when its connection went away with the code of a refusal', async () => {
+    // Node gives every stream of a connection its GOAWAY's code: one the
+    // server took and answered was not refused. Before: resent as never read.
+    const server = await fakeSessionServer(stream => {
+      stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
+      stream.once('data', () => stream.session?.goaway(http2.constants.NGHTTP2_REFUSED_STREAM, 1));
+    });
+    await expect(removal(channelTo(server.url))).rejects.toBeInstanceOf(ConnectionClosedError);
+    expect(server.streams()).toBe(1);
   });
 
   it('but not a call on a session the server ended with an error: that error is the answer', async () => {
@@ -194,5 +231,69 @@ describe('a channel tells its factory when nothing uses it', () => {
     channel.retain();
     channel.release();
     expect(unused).toBe(2);
+  });
+});
+
+/** A self-signed certificate for 127.0.0.1, made with the machine's openssl for this test run. */
+function selfSigned(): { key: Buffer; cert: Buffer } {
+  const dir = mkdtempSync(path.join(tmpdir(), 'loam-tls-'));
+  onTestFinished(() => rmSync(dir, { recursive: true, force: true }));
+  const [key, cert] = [path.join(dir, 'key.pem'), path.join(dir, 'cert.pem')];
+  execFileSync('openssl', ['req', '-x509', '-newkey', 'rsa:2048', '-nodes', '-days', '1', '-subj', '/CN=127.0.0.1'].concat(['-keyout', key, '-out', cert]), {
+    stdio: 'ignore',
+  });
+  return { key: readFileSync(key), cert: readFileSync(cert) };
+}
+
+describe("a unary call's connect timeout", () => {
+  it('gives up only the connection being made, not one going away with a call the server read', async () => {
+    // The server takes call X, then goes away (GOAWAY) while it answers X;
+    // its address stops answering handshakes, so call Y's new connection is
+    // never made. Before: Y's connect timeout destroyed X's connection too,
+    // with an error that read as "never sent", and X, which the server had
+    // applied, was sent again (here: left waiting for a server that never
+    // came back, then failed).
+    const previous = process.env.NODE_TLS_REJECT_UNAUTHORIZED;
+    process.env.NODE_TLS_REJECT_UNAUTHORIZED = '0';
+    onTestFinished(() => {
+      if (previous === undefined) delete process.env.NODE_TLS_REJECT_UNAUTHORIZED;
+      else process.env.NODE_TLS_REJECT_UNAUTHORIZED = previous;
+    });
+    let applied = 0;
+    const server = http2.createSecureServer(selfSigned());
+    server.on('stream', stream => {
+      applied++;
+      stream.session?.goaway(http2.constants.NGHTTP2_NO_ERROR, stream.id);
+      stream.on('error', () => undefined);
+      stream.resume();
+      setTimeout(() => {
+        stream.respond({ ':status': 200, 'content-type': 'application/proto' });
+        stream.end(Buffer.from(toBinary(JobAdminResponseSchema, create(JobAdminResponseSchema, { done: true }))));
+      }, 600);
+    });
+    await new Promise<void>(resolve => server.listen(0, '127.0.0.1', resolve));
+    const { port } = server.address() as net.AddressInfo;
+    const channel = new RemoteChannel({ url: `https://127.0.0.1:${port}`, calls: 'unary', connectTimeoutMs: 200, reconnectTimeoutMs: 1_000 });
+    channel.retain();
+    onTestFinished(() => channel.release());
+    const x = removal(channel);
+    await vi.waitFor(() => expect(applied).toBe(1));
+    await new Promise(resolve => setTimeout(resolve, 50));
+    // New connections to the address are taken, and never answered.
+    server.close();
+    const silent = new Set<net.Socket>();
+    const hole = net.createServer(socket => {
+      silent.add(socket);
+      socket.on('error', () => undefined);
+    });
+    await new Promise<void>(resolve => hole.listen(port, '127.0.0.1', resolve));
+    onTestFinished(async () => {
+      for (const socket of silent) socket.destroy();
+      await new Promise(resolve => hole.close(resolve));
+    });
+    const y = removal(channel).catch((err: unknown) => err);
+    await expect(x).resolves.toMatchObject({ done: true });
+    expect(applied).toBe(1);
+    expect(await y).toBeInstanceOf(ConnectionClosedError);
   });
 });

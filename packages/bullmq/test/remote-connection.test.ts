@@ -607,7 +607,7 @@ describeRemote('remote connection failures', () => {
     // throw a bare RangeError (a key's TTL is a 64-bit integer), and a timer
     // past 2^31 - 1 ms fired every millisecond.
     const url = inject('loamServerUrl');
-    for (const bad of [{ reconnectTimeoutMs: Infinity }, { pingIntervalMs: 2500.5 }, { pingTimeoutMs: 2 ** 31 }, { maxRequestBytes: 0.5 }]) {
+    for (const bad of [{ reconnectTimeoutMs: Infinity }, { pingIntervalMs: 2500.5 }, { pingTimeoutMs: 2 ** 31 }, { connectTimeoutMs: 0 }, { maxRequestBytes: 0.5 }]) {
       const factory = loamBackend({ url, namespace: `t-${randomUUID()}`, ...bad });
       expect(() => factory(`q-${randomUUID()}`, { connection: {} })).toThrow(
         expect.objectContaining({ code: 'LOAM_INVALID_ARGUMENT', message: expect.stringContaining(Object.keys(bad)[0]) }),
@@ -625,7 +625,7 @@ describeRemote('remote connection failures', () => {
     await queue.close();
   });
 
-  it('a connection never made (its TLS handshake unanswered) is given up after pingTimeoutMs, and its calls were never sent', async () => {
+  it('a connection never made (its TLS handshake unanswered) is given up after connectTimeoutMs, and its calls were never sent', async () => {
     // A listener that takes connections and never says a word: the client's
     // connection stays "connecting", where PINGs cannot go. Before, its calls
     // waited as long as the kernel's connect (here: for ever), far past
@@ -643,7 +643,7 @@ describeRemote('remote connection failures', () => {
     const { port } = hole.address() as net.AddressInfo;
     for (const calls of ['session', 'unary'] as const) {
       const { Queue } = withBackend(
-        loamBackend({ url: `https://127.0.0.1:${port}`, calls, pingTimeoutMs: 200, reconnectTimeoutMs: 1_000 }),
+        loamBackend({ url: `https://127.0.0.1:${port}`, calls, connectTimeoutMs: 200, reconnectTimeoutMs: 1_000 }),
       );
       const queue = new Queue(`q-${randomUUID()}`, { connection: {} });
       const before = silent.size;
