@@ -221,10 +221,12 @@ export class Session {
       if (this.stream !== stream) return;
       this.heard = true;
       if (status === 200) this.read(stream, chunk);
-      else if (errorBytes < MAX_ERROR_BODY_BYTES) {
-        // Only a refusal's first bytes are read (a Connect error is short).
+      else {
         errorBody.push(chunk);
         errorBytes += chunk.length;
+        // A Connect error is short: a longer refusal is not waited out (a
+        // proxy's page that never ended held every call).
+        if (errorBytes >= MAX_ERROR_BODY_BYTES) this.end(stream, httpError(status, Buffer.concat(errorBody)));
       }
     });
     stream.on('end', () => {

@@ -157,11 +157,13 @@ describe('calls on a session that ends or is refused: sent again if the server n
     ['refused with an HTTP status (as Connect maps it, and a unary call reads it)', 404, true],
     // Before: "<htm" read as a message of 1.7 GB, and the call waited for it.
     ['answered with 200 and a page that is no Connect stream', 200, false],
+    // Before: a refusal's page that never ended held the call for good.
+    ['refused with an HTTP status, and a page that does not end', 404, false],
   ])('nor one whose session a proxy %s', async (_, status, ends) => {
     const server = await fakeSessionServer(stream => {
       stream.respond({ ':status': status, 'content-type': 'text/html' });
       if (ends) stream.end('<html>not here</html>');
-      else stream.write('<html><body>a proxy page</body>');
+      else stream.write(`<html><body>${'a proxy page '.repeat(status === 200 ? 1 : 10_000)}</body>`);
     });
     await expect(removal(channelTo(server.url))).rejects.toMatchObject({ code: 'LOAM_UNIMPLEMENTED' });
     expect(server.streams()).toBe(1);

@@ -347,6 +347,23 @@ def test_a_watch_ended_by_an_error_closes_its_connections(
             watch.close()
 
 
+def test_a_failure_to_let_go_does_not_hide_the_error_that_ended_a_watch(
+    client: Client, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    start = client.last_event_seq(queue)
+    for i in range(5):
+        client.enqueue(queue, "a", i)
+    client.trim_events(queue, 2)
+
+    def failing(self: Watch) -> None:
+        raise RuntimeError("closing the connections failed")
+
+    monkeypatch.setattr(Watch, "_let_go", failing)
+    # Before: the RuntimeError stood in for it (the trim survived only as its context).
+    with pytest.raises(EventsTrimmedError):
+        next(client.watch(queue, after=start + 1))
+
+
 def test_a_watch_refused_for_want_of_room_waits_as_long_as_the_server_asks(tmp_path: Path) -> None:
     server = start_server(tmp_path / "data", args=["--max-waiting-calls-per-namespace", "1"])
     try:

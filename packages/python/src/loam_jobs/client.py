@@ -501,8 +501,10 @@ class Watch(Iterator[QueueEvent]):
             # error (a refusal, too many reconnects, a closed client, Ctrl-C).
             # The stream and the connections go now, not when the watch is
             # collected, which a traceback that holds it puts off; iterated
-            # again after an error, it opens new ones.
-            self._let_go()
+            # again after an error, it opens new ones. A failure to close
+            # them does not stand in for the error that ended the iteration.
+            with contextlib.suppress(Exception):
+                self._let_go()
             raise
 
     def _next_event(self) -> QueueEvent:
@@ -556,17 +558,21 @@ class Watch(Iterator[QueueEvent]):
     def _let_go(self) -> None:
         """Closes the stream and the watch's own connections, each once,
         whichever threads get here."""
+        # Both taken in one step: a thread that finds the stream gone must not
+        # close the connections under a stream another is still closing.
         with self._lock:
             stream, self._stream = self._stream, None
+            transport, self._transport = self._transport, None
+            own_stub, self._own_stub = self._own_stub, None
         close = getattr(stream, "close", None)
         if close is not None:
             try:
                 close()
             except ValueError:
-                return  # another thread is reading it, over these connections; that thread lets go
-        with self._lock:
-            transport, self._transport = self._transport, None
-            self._own_stub = None
+                # Another thread is reading it, over these connections; that thread lets go.
+                with self._lock:
+                    self._stream, self._transport, self._own_stub = stream, transport, own_stub
+                return
         if transport is not None:
             transport.close()
 
