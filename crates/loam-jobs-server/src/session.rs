@@ -105,6 +105,11 @@ async fn read(
         // refusal or cancel of the request read. Nothing goes on without a
         // place for it.
         let room = answers.capacity() > 0 && unsent.is_empty();
+        // Checked first: the branch below is reached only when no request
+        // is at hand, which a busy session put off past its shutdown.
+        if reading && svc.shutdown().is_fired() {
+            reading = false;
+        }
         tokio::select! {
             biased;
             // The client is gone: dropping the calls stops them.
@@ -137,9 +142,6 @@ async fn read(
                     }
                 }
             }
-            // At shutdown, no new calls; the waits of those in flight end.
-            // Before the reads below: requests always at hand would put it off.
-            () = svc.shutdown().fired(), if reading => reading = false,
             next = requests.next(), if reading && waiting.is_none() && room && calls.len() < MAX_CALLS => match next {
                 None => reading = false,
                 Some(Err(e)) => {
@@ -178,6 +180,8 @@ async fn read(
                     }
                 }
             },
+            // At shutdown, no new calls; the waits of those in flight end.
+            () = svc.shutdown().fired(), if reading => reading = false,
         }
     }
     if let Some(e) = unreadable {
