@@ -89,6 +89,8 @@ export interface RemoteSettings {
  */
 class QuietSessionManager extends Http2SessionManager {
   private readonly heard = new WeakSet<http2.Http2Session>();
+  /** The connecting attempt seen last, and since when (see `giveUpSlowConnect`). */
+  private connecting?: { attempt: object; since: number };
 
   constructor(
     url: string,
@@ -100,13 +102,11 @@ class QuietSessionManager extends Http2SessionManager {
   override async request(...args: Parameters<Http2SessionManager['request']>): Promise<http2.ClientHttp2Stream> {
     // connect-node waits for a connection as long as the kernel does (some
     // two minutes when SYNs get no answer): one not made in time is given
-    // up. Only that attempt: the manager's own `abort` also destroys its
-    // connections that got a GOAWAY, with calls on them the server read.
+    // up. Looked at four times a timeout while the call waits, so that an
+    // attempt begun later (after a PING found an idle connection dead) is
+    // timed from its own start.
     const ms = this.timeouts.connectTimeoutMs;
-    const connectTimer = setTimeout(() => {
-      const state = (this as unknown as { s?: { t?: string; abort?: (reason: Error) => void } }).s;
-      if (state?.t === 'connecting') state.abort?.(new ConnectError(`the connection was not made in ${ms} ms`, Code.Unavailable));
-    }, ms);
+    const connectTimer = setInterval(() => this.giveUpSlowConnect(ms), Math.max(1, Math.floor(ms / 4)));
     connectTimer.unref();
     let stream;
     try {
@@ -115,7 +115,7 @@ class QuietSessionManager extends Http2SessionManager {
       // No stream was made: nothing of the call was sent.
       throw neverSent(err) ? err : new NotSent('no stream was made for the call', { cause: err });
     } finally {
-      clearTimeout(connectTimer);
+      clearInterval(connectTimer);
     }
     const connection = stream.session;
     if (connection && !this.heard.has(connection)) {
@@ -123,6 +123,23 @@ class QuietSessionManager extends Http2SessionManager {
       connection.on('error', () => undefined);
     }
     return stream;
+  }
+
+  /**
+   * Aborts the connecting attempt once it has been connecting for `ms`.
+   * Only that attempt: the manager's own `abort` also destroys its
+   * connections that got a GOAWAY, with calls on them the server read.
+   * connect-node keeps its state in `s` (pinned version; a test of the
+   * timeout fails if that changes).
+   */
+  private giveUpSlowConnect(ms: number): void {
+    const state = (this as unknown as { s?: { t?: string; abort?: (reason: Error) => void } }).s;
+    if (!state || state.t !== 'connecting') return;
+    const now = Date.now();
+    if (this.connecting?.attempt !== state) this.connecting = { attempt: state, since: now };
+    else if (now - this.connecting.since >= ms) {
+      state.abort?.(new ConnectError(`the connection was not made in ${ms} ms`, Code.Unavailable));
+    }
   }
 }
 
@@ -340,6 +357,7 @@ export class RemoteChannel {
     this.pendingWrites.add(answered);
     void answered.then(() => {
       this.pendingWrites.delete(answered);
+      this.closeIfUnused();
       if (!this.answeredThisTurn) {
         this.answeredThisTurn = true;
         setImmediate(() => {
@@ -558,7 +576,9 @@ export class RemoteChannel {
 
   /** Closes the connections when no backend uses them and no call is in flight (a later call reopens one). */
   private closeIfUnused(): void {
-    if (this.users > 0 || this.waiting.length > 0 || this.connections.some(c => c.inFlight > 0)) return;
+    // Writes tracked but not yet sent (each behind the one before) count as in flight.
+    if (this.users > 0 || this.waiting.length > 0 || this.pendingWrites.size > 0) return;
+    if (this.connections.some(c => c.inFlight > 0)) return;
     if (this.session?.busy) return;
     this.session?.close();
     for (const c of this.connections.splice(0)) c.session.abort();

@@ -316,7 +316,14 @@ export class Session {
       this.partial.push(chunk);
       this.partialBytes += chunk.length;
       if (this.partialBytes < this.partialNeeds) return;
-      bytes = Buffer.concat(this.partial, this.partialBytes);
+      try {
+        bytes = Buffer.concat(this.partial, this.partialBytes);
+      } catch (err) {
+        // An answer this process cannot hold (its memory, or past what a
+        // Buffer holds): thrown in this handler, it would end the process.
+        this.end(stream, new ConnectError(`an answer of ${this.partialBytes} bytes could not be held: ${String(err)}`, Code.ResourceExhausted));
+        return;
+      }
       this.partial = [];
       this.partialBytes = 0;
     }
@@ -329,6 +336,7 @@ export class Session {
         this.end(stream, new ConnectError('the server sent a compressed message on the session', Code.Internal));
         return;
       }
+
       if (bytes.length < HEADER_BYTES + length) break;
       const message = bytes.subarray(HEADER_BYTES, HEADER_BYTES + length);
       bytes = bytes.subarray(HEADER_BYTES + length);

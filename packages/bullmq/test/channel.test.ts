@@ -10,6 +10,7 @@ import * as path from 'node:path';
 import { create, toBinary } from '@bufbuild/protobuf';
 import { neverSent, RemoteChannel } from '../src/channel.js';
 import { decodeMessage, encodeMessage } from '../src/codec.js';
+import { startTcpProxy } from './tcp-proxy.js';
 import { JobAdminResponseSchema, SessionRequestSchema, SessionResponseSchema } from '../src/gen/loam/jobs/v1/jobs_pb.js';
 
 /** A Node error of a system call, as `net` raises them. */
@@ -247,7 +248,66 @@ function selfSigned(): { key: Buffer; cert: Buffer } {
   return { key: readFileSync(key), cert: readFileSync(cert) };
 }
 
+/** A TLS HTTP/2 server answering every unary JobAdmin call `done`, and how many it took. */
+async function tlsJobAdminServer() {
+  let applied = 0;
+  const server = http2.createSecureServer(selfSigned());
+  server.on('stream', stream => {
+    applied++;
+    stream.on('error', () => undefined);
+    stream.resume();
+    stream.respond({ ':status': 200, 'content-type': 'application/proto' });
+    stream.end(Buffer.from(toBinary(JobAdminResponseSchema, create(JobAdminResponseSchema, { done: true }))));
+  });
+  await new Promise<void>(resolve => server.listen(0, '127.0.0.1', resolve));
+  onTestFinished(async () => {
+    server.close();
+    await Promise.resolve();
+  });
+  return { url: `https://127.0.0.1:${(server.address() as net.AddressInfo).port}`, applied: () => applied };
+}
+
+/** Lets unverified certificates through for this test (the fake servers' are self-signed). */
+function trustSelfSigned(): void {
+  const previous = process.env.NODE_TLS_REJECT_UNAUTHORIZED;
+  process.env.NODE_TLS_REJECT_UNAUTHORIZED = '0';
+  onTestFinished(() => {
+    if (previous === undefined) delete process.env.NODE_TLS_REJECT_UNAUTHORIZED;
+    else process.env.NODE_TLS_REJECT_UNAUTHORIZED = previous;
+  });
+}
+
 describe("a unary call's connect timeout", () => {
+  it('times a connection begun after the call was made (a PING found the idle one dead) from its own start', async () => {
+    // Before: the timer ran from the call's start, while connect-node was
+    // still waiting for the PING's answer; it found nothing connecting, and
+    // the connection made after waited for the kernel (here: for ever).
+    trustSelfSigned();
+    const server = await tlsJobAdminServer();
+    const link = await startTcpProxy(server.url.replace('https:', 'http:'));
+    onTestFinished(() => link.close());
+    const url = link.url.replace('http:', 'https:');
+    const channel = new RemoteChannel({
+      url,
+      calls: 'unary',
+      pingIntervalMs: 100,
+      pingTimeoutMs: 600,
+      connectTimeoutMs: 200,
+      reconnectTimeoutMs: 1_500,
+    });
+    channel.retain();
+    onTestFinished(() => channel.release());
+    await expect(removal(channel)).resolves.toMatchObject({ done: true });
+    // Idle past the ping interval: the next call first PINGs the connection.
+    await new Promise(resolve => setTimeout(resolve, 300));
+    link.silenceAll();
+    const started = Date.now();
+    await expect(removal(channel)).rejects.toBeInstanceOf(ConnectionClosedError);
+    expect(Date.now() - started).toBeLessThan(5_000);
+    expect(server.applied()).toBe(1);
+  }, 15_000);
+
+
   it('gives up only the connection being made, not one going away with a call the server read', async () => {
     // The server takes call X, then goes away (GOAWAY) while it answers X;
     // its address stops answering handshakes, so call Y's new connection is
@@ -255,12 +315,7 @@ describe("a unary call's connect timeout", () => {
     // with an error that read as "never sent", and X, which the server had
     // applied, was sent again (here: left waiting for a server that never
     // came back, then failed).
-    const previous = process.env.NODE_TLS_REJECT_UNAUTHORIZED;
-    process.env.NODE_TLS_REJECT_UNAUTHORIZED = '0';
-    onTestFinished(() => {
-      if (previous === undefined) delete process.env.NODE_TLS_REJECT_UNAUTHORIZED;
-      else process.env.NODE_TLS_REJECT_UNAUTHORIZED = previous;
-    });
+    trustSelfSigned();
     let applied = 0;
     const server = http2.createSecureServer(selfSigned());
     server.on('stream', stream => {

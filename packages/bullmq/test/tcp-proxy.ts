@@ -18,6 +18,8 @@ export interface TcpProxy {
   cutOnEverySend(): void;
   /** The connections open now pass nothing more, either way, and stay open (a half-open link); new ones work. */
   silence(): void;
+  /** As `silence`, and new connections are taken but pass nothing either (a host that stopped answering). */
+  silenceAll(): void;
   /** What the server sends is kept back, until `passReplies`; what clients send still passes. */
   holdReplies(): void;
   /** Sends on what was kept back, and lets replies pass again. */
@@ -31,6 +33,7 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
   const silenced = new Set<net.Socket>();
   let cutArmed = false;
   let cutAlways = false;
+  let silentAlways = false;
   let held: [net.Socket, Buffer][] | undefined;
   const cutAll = () => {
     for (const socket of sockets) socket.destroy();
@@ -40,6 +43,7 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
     const upstream = net.connect(Number(port), hostname);
     sockets.add(client);
     sockets.add(upstream);
+    if (silentAlways) silenced.add(client);
     client.on('data', data => {
       if (cutArmed || cutAlways) {
         cutArmed = false;
@@ -77,6 +81,10 @@ export async function startTcpProxy(target: string): Promise<TcpProxy> {
       cutAll();
     },
     silence: () => {
+      for (const socket of sockets) silenced.add(socket);
+    },
+    silenceAll: () => {
+      silentAlways = true;
       for (const socket of sockets) silenced.add(socket);
     },
     holdReplies: () => {

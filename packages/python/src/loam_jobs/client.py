@@ -565,16 +565,18 @@ class Watch(Iterator[QueueEvent]):
             transport, self._transport = self._transport, None
             own_stub, self._own_stub = self._own_stub, None
         close = getattr(stream, "close", None)
-        if close is not None:
-            try:
+        try:
+            if close is not None:
                 close()
-            except ValueError:
-                # Another thread is reading it, over these connections; that thread lets go.
-                with self._lock:
-                    self._stream, self._transport, self._own_stub = stream, transport, own_stub
-                return
-        if transport is not None:
-            transport.close()
+        except ValueError:
+            # Another thread is reading it, over these connections; that thread lets go.
+            with self._lock:
+                self._stream, self._transport, self._own_stub = stream, transport, own_stub
+            transport = None
+        finally:
+            # Whatever closing the stream raised, the connections go.
+            if transport is not None:
+                transport.close()
 
     def __enter__(self) -> Self:
         return self
