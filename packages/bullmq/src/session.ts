@@ -95,6 +95,8 @@ export class Session {
   private heard = false;
   /** How many streams were opened (see `liveStream`). */
   private streams = 0;
+  /** The last stream id of each connection's GOAWAY: the streams above it were not processed. */
+  private readonly goneAwayAfter = new WeakMap<http2.Http2Session, number>();
 
   constructor(
     private readonly url: string,
@@ -191,7 +193,8 @@ export class Session {
       this.end(this.stream, new ConnectError('the session closed', Code.Unavailable));
     }
     if (!this.connection || this.connection.closed || this.connection.destroyed) this.connection = this.connect();
-    const stream = this.connection.request({
+    const connection = this.connection;
+    const stream = connection.request({
       ':method': 'POST',
       ':path': PATH,
       'content-type': 'application/connect+proto',
@@ -215,6 +218,11 @@ export class Session {
       if (status === 200 && !type.startsWith('application/connect+proto')) {
         const hint = 'is url a loam-jobs serve?';
         this.end(stream, new ConnectError(`the server answered the session with ${type || 'no content-type'}; ${hint}`, Code.Unimplemented));
+      } else if (status !== 200) {
+        // A refusal whose body does not end within a PING's time (a proxy's
+        // page left open) is read as far as it came, rather than held for.
+        const { pingTimeoutMs } = this.timeouts;
+        setTimeout(() => this.end(stream, httpError(status, Buffer.concat(errorBody))), pingTimeoutMs).unref();
       }
     });
     stream.on('data', (chunk: Buffer) => {
@@ -238,7 +246,7 @@ export class Session {
     });
     // Node gives every stream of a connection that got a GOAWAY its code, a
     // stream the server took and answered too: only one never answered was refused.
-    const refusal = () => (responded ? undefined : refused(stream));
+    const refusal = () => (responded ? undefined : refused(stream, this.goneAwayAfter.get(connection)));
     stream.on('error', err => this.end(stream, refusal() ?? ConnectError.from(err, Code.Unavailable)));
     stream.on('close', () => this.end(stream, refusal() ?? new ConnectError('the session closed', Code.Unavailable)));
     return stream;
@@ -258,7 +266,8 @@ export class Session {
     connectTimer.unref();
     connection.once('connect', () => clearTimeout(connectTimer));
     // A server going away (GOAWAY) takes no new streams: the next call opens a new connection.
-    connection.on('goaway', () => {
+    connection.on('goaway', (_code: number, lastStreamId: number) => {
+      this.goneAwayAfter.set(connection, lastStreamId);
       if (this.connection === connection) this.connection = undefined;
     });
     let pingTimer: NodeJS.Timeout | undefined;
@@ -416,9 +425,14 @@ function connectError(
   return new ConnectError(message, codeFromString(code ?? '') ?? Code.Unknown, undefined, details);
 }
 
-/** The error of a stream HTTP/2 refused (the server took none of it), if it was. */
-function refused(stream: http2.ClientHttp2Stream): ConnectError | undefined {
+/**
+ * The error of a stream HTTP/2 refused (the server took none of it), if it
+ * was. A GOAWAY gives its code to every stream of its connection: one at or
+ * below the GOAWAY's last stream id may have been processed.
+ */
+function refused(stream: http2.ClientHttp2Stream, goneAwayAfter: number | undefined): ConnectError | undefined {
   if (stream.rstCode !== http2.constants.NGHTTP2_REFUSED_STREAM) return undefined;
+  if (goneAwayAfter !== undefined && stream.id !== undefined && stream.id <= goneAwayAfter) return undefined;
   return notRead('the server refused the stream');
 }
 

@@ -8,7 +8,7 @@ import * as net from 'node:net';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
 import { create, toBinary } from '@bufbuild/protobuf';
-import { neverSent, RemoteChannel } from '../src/channel.js';
+import { neverSent, RemoteChannel, type RemoteSettings } from '../src/channel.js';
 import { decodeMessage, encodeMessage } from '../src/codec.js';
 import { startTcpProxy } from './tcp-proxy.js';
 import { JobAdminResponseSchema, SessionRequestSchema, SessionResponseSchema } from '../src/gen/loam/jobs/v1/jobs_pb.js';
@@ -91,8 +91,8 @@ function removal(channel: RemoteChannel) {
 }
 
 /** A channel to `url`, released when the test ends. */
-function channelTo(url: string): RemoteChannel {
-  const channel = new RemoteChannel({ url, reconnectTimeoutMs: 2_000 });
+function channelTo(url: string, settings: Partial<RemoteSettings> = {}): RemoteChannel {
+  const channel = new RemoteChannel({ url, reconnectTimeoutMs: 2_000, ...settings });
   channel.retain();
   onTestFinished(() => channel.release());
   return channel;
@@ -142,6 +142,16 @@ describe('calls on a session that ends or is refused: sent again if the server n
     expect(server.streams()).toBe(1);
   });
 
+  it('but not a call on a stream its connection went away with, at or below the last stream it took', async () => {
+    // The GOAWAY's code (refused) reaches every stream, and its last stream
+    // id says this one may have been processed. Before: resent as never read.
+    const server = await fakeSessionServer(stream => {
+      stream.once('data', () => stream.session?.goaway(http2.constants.NGHTTP2_REFUSED_STREAM, stream.id));
+    });
+    await expect(removal(channelTo(server.url))).rejects.toBeInstanceOf(ConnectionClosedError);
+    expect(server.streams()).toBe(1);
+  });
+
   it('but not a call on a session the server ended with an error: that error is the answer', async () => {
     const server = await fakeSessionServer(stream => {
       stream.respond({ ':status': 200, 'content-type': 'application/connect+proto' });
@@ -158,15 +168,17 @@ describe('calls on a session that ends or is refused: sent again if the server n
     ['refused with an HTTP status (as Connect maps it, and a unary call reads it)', 404, true],
     // Before: "<htm" read as a message of 1.7 GB, and the call waited for it.
     ['answered with 200 and a page that is no Connect stream', 200, false],
-    // Before: a refusal's page that never ended held the call for good.
-    ['refused with an HTTP status, and a page that does not end', 404, false],
-  ])('nor one whose session a proxy %s', async (_, status, ends) => {
+    // Before: a refusal's page that never ended held the call for good,
+    // long (cut at 64 KiB) or short (read for a PING's time).
+    ['refused with an HTTP status, and a long page that does not end', 404, false],
+    ['refused with an HTTP status, and a short page that does not end', 404, false],
+  ])('nor one whose session a proxy %s', async (what, status, ends) => {
     const server = await fakeSessionServer(stream => {
       stream.respond({ ':status': status, 'content-type': 'text/html' });
       if (ends) stream.end('<html>not here</html>');
-      else stream.write(`<html><body>${'a proxy page '.repeat(status === 200 ? 1 : 10_000)}</body>`);
+      else stream.write(`<html><body>${'a proxy page '.repeat(what.includes('long') ? 10_000 : 1)}</body>`);
     });
-    await expect(removal(channelTo(server.url))).rejects.toMatchObject({ code: 'LOAM_UNIMPLEMENTED' });
+    await expect(removal(channelTo(server.url, { pingTimeoutMs: 300 }))).rejects.toMatchObject({ code: 'LOAM_UNIMPLEMENTED' });
     expect(server.streams()).toBe(1);
   }, 5_000);
 
