@@ -442,12 +442,13 @@ export class RemoteChannel {
         // back in time.
         // A call the server never read counts as sent again too: a server
         // that kept ending its sessions would otherwise have it go on for ever.
+        const cut = cutOnItsWay(err);
         const triedAgain = neverSent(err)
-          ? !notRead(err) || ++resends <= MAX_RESENDS
-          : resendable && cutOnItsWay(err) && ++resends <= MAX_RESENDS;
+          ? !neverRead(err) || ++resends <= MAX_RESENDS
+          : resendable && cut && ++resends <= MAX_RESENDS;
         if (!triedAgain) {
           // Only an answer says the server is there: a cut leaves the window running.
-          if (!cutOnItsWay(err)) this.unreachableSince = 0;
+          if (!cut) this.unreachableSince = 0;
           throw toBullmqError(err, command);
         }
         if (!neverSent(err)) mayBeAppliedSince ??= sentAt;
@@ -606,7 +607,7 @@ export function neverSent(err: unknown): boolean {
 }
 
 /** Whether the server never read the call (`NotRead`): sent, but not applied. */
-function notRead(err: unknown): boolean {
+function neverRead(err: unknown): boolean {
   for (let e: unknown = err; e instanceof Error; e = e.cause) if (e instanceof NotRead) return true;
   return false;
 }

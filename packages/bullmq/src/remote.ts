@@ -418,6 +418,11 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     return { key: `${this.keyPrefix}${++this.keyedWrites}`, ttlMs: BigInt(this.channel.resendWindowMs) };
   }
 
+  /** The job `entry` as the server adds it, under a key of its own (see `keyed`). */
+  private keyedSpec(entry: Parameters<typeof jobSpec>[0]) {
+    return { ...jobSpec(entry), idempotency: this.keyed() };
+  }
+
   /** A queue admin call, `ordered` unless it says otherwise (see `send`). */
   private async queueAdmin(command: BullmqCommand, op: QueueAdminInit, { ordered = true, resendable = false } = {}) {
     return this.send(command, (c, o) => c.queueAdmin({ queue: this.queueName, op }, o), { ordered, resendable });
@@ -610,7 +615,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const command = { command: 'addJob', parentKey: entry.parentKey };
     if (entry.addToWaitingChildren) {
       // Only a flow node is stored waiting for children; a one-node flow is that.
-      const job = { ...jobSpec(entry), idempotency: this.keyed() };
+      const job = this.keyedSpec(entry);
       const r = await this.send(
         command,
         (c, o) => c.flow({ nodes: [{ queue: this.queueName, job, waitChildren: true }] }, o),
@@ -622,7 +627,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     // fails on the way: the server answers a repeat with the job the first
     // made, so no add is lost or made twice, and adds left un-awaited need
     // not wait for each other's answers (see `send`).
-    const spec = { ...jobSpec(entry), idempotency: this.keyed() };
+    const spec = this.keyedSpec(entry);
     const r = await this.send(command, (c, o) => c.enqueue({ queue: this.queueName, job: spec }, o), {
       ordered: true,
       resendable: true,
@@ -637,7 +642,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    */
   async addJobs(entries: { job: JobJson; jobId: string; parentKeyOpts?: ParentKeyOpts }[]): Promise<string[]> {
     const jobs = entries.map(e => newJobJson(e.job, e.jobId, e.parentKeyOpts));
-    const specs = jobs.map(entry => ({ ...jobSpec(entry), idempotency: this.keyed() }));
+    const specs = jobs.map(entry => this.keyedSpec(entry));
     const r = await this.send(
       { command: 'addJob' },
       (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: specs, allOrNothing: true }, o),
@@ -655,7 +660,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const jobs = entries.map(e => newJobJson(e.jobData, e.jobId, e.parentKeyOpts, e.queueName));
     const nodes = jobs.map((entry, i) => ({
       queue: entries[i].queueName || this.queueName,
-      job: { ...jobSpec(entry), idempotency: this.keyed() },
+      job: this.keyedSpec(entry),
       waitChildren: entry.addToWaitingChildren,
     }));
     // Each tree goes in atomically on its own; a refused one answers, per

@@ -209,6 +209,7 @@ export class Session {
     let responded = false;
     const errorBody: Buffer[] = [];
     let errorBytes = 0;
+    const refusedWith = () => httpError(status, Buffer.concat(errorBody));
     stream.on('response', headers => {
       responded = true;
       status = Number(headers[':status'] ?? 200);
@@ -222,7 +223,7 @@ export class Session {
         // A refusal whose body does not end within a PING's time (a proxy's
         // page left open) is read as far as it came, rather than held for.
         const { pingTimeoutMs } = this.timeouts;
-        setTimeout(() => this.end(stream, httpError(status, Buffer.concat(errorBody))), pingTimeoutMs).unref();
+        setTimeout(() => this.end(stream, refusedWith()), pingTimeoutMs).unref();
       }
     });
     stream.on('data', (chunk: Buffer) => {
@@ -234,15 +235,11 @@ export class Session {
         errorBytes += chunk.length;
         // A Connect error is short: a longer refusal is not waited out (a
         // proxy's page that never ended held every call).
-        if (errorBytes >= MAX_ERROR_BODY_BYTES) this.end(stream, httpError(status, Buffer.concat(errorBody)));
+        if (errorBytes >= MAX_ERROR_BODY_BYTES) this.end(stream, refusedWith());
       }
     });
     stream.on('end', () => {
-      const err =
-        status !== 200
-          ? httpError(status, Buffer.concat(errorBody))
-          : new ConnectError('the session ended', Code.Unavailable);
-      this.end(stream, err);
+      this.end(stream, status !== 200 ? refusedWith() : new ConnectError('the session ended', Code.Unavailable));
     });
     // Node gives every stream of a connection that got a GOAWAY its code, a
     // stream the server took and answered too: only one never answered was refused.
@@ -345,7 +342,6 @@ export class Session {
         this.end(stream, new ConnectError('the server sent a compressed message on the session', Code.Internal));
         return;
       }
-
       if (bytes.length < HEADER_BYTES + length) break;
       const message = bytes.subarray(HEADER_BYTES, HEADER_BYTES + length);
       bytes = bytes.subarray(HEADER_BYTES + length);
