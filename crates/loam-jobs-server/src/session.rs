@@ -106,9 +106,12 @@ async fn read(
         // place for it.
         let room = answers.capacity() > 0 && unsent.is_empty();
         // Checked first: the branch below is reached only when no request
-        // is at hand, which a busy session put off past its shutdown.
+        // is at hand, which a busy session put off past its shutdown. Then
+        // the loop's condition again: with nothing in flight, the select
+        // below would wait for the client to go.
         if reading && svc.shutdown().is_fired() {
             reading = false;
+            continue;
         }
         tokio::select! {
             biased;

@@ -364,3 +364,40 @@ async fn a_read_sees_the_writes_sent_before_it_on_its_session() {
     assert_eq!(seen, 30);
     assert!(started.elapsed() < Duration::from_secs(10), "the reads waited for the long poll");
 }
+
+/// A session whose long-poll is ended by the shutdown answers it, then ends:
+/// the answer came in before the session saw the shutdown, and the turn after
+/// it (nothing in flight, no more reading) once waited for the client to go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_ends_at_shutdown_once_the_long_poll_it_held_is_answered() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start_in(dir.path(), &["--shutdown-grace-secs", "60"], &[]);
+    let client = http2_client(&server);
+    let mut session = client.session().await.unwrap();
+    session.send(request(1, lease_req("idle", 1, 30_000, 0))).await.unwrap();
+    // The lease is waiting once a call sent after it is answered.
+    session.send(request(2, enqueue_req("other", job("a", b"{}")))).await.unwrap();
+    let answer = session.message().await.unwrap().unwrap().to_owned_message();
+    assert_eq!(answer.id, 2);
+
+    let stopping = tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let status = server.terminate(Duration::from_secs(20));
+        (status, started.elapsed())
+    });
+    let answer = tokio::time::timeout(Duration::from_secs(10), session.message())
+        .await
+        .expect("the long-poll is answered at shutdown")
+        .unwrap()
+        .unwrap()
+        .to_owned_message();
+    assert_eq!(answer.id, 1);
+    assert!(matches!(answer.result, Some(Answer::Lease(_))), "{:?}", answer.result);
+    let end = tokio::time::timeout(Duration::from_secs(10), session.message())
+        .await
+        .expect("the session ends once nothing is in flight");
+    assert!(matches!(end, Ok(None)), "a clean end: {end:?}");
+    let (status, took) = stopping.await.unwrap();
+    assert!(status.is_some_and(|s| s.success()), "the server exits: {status:?}");
+    assert!(took < Duration::from_secs(10), "the server exits without waiting out its grace: {took:?}");
+}
