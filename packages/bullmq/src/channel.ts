@@ -23,7 +23,15 @@ import { Code, ConnectError, createClient, type CallOptions, type Client } from 
 import { createConnectTransport, Http2SessionManager } from '@connectrpc/connect-node';
 import { ErrorDetailSchema, JobsService, type ErrorDetail } from './gen/loam/jobs/v1/jobs_pb.js';
 import { fromServer, loamError, type BullmqCommand } from './errors.js';
-import { NotRead, Session, SESSION_MAX_MESSAGE_BYTES, type ConnectionTimeouts, type SessionCall } from './session.js';
+import {
+  NotRead,
+  noteGoaway,
+  refusalOf,
+  Session,
+  SESSION_MAX_MESSAGE_BYTES,
+  type ConnectionTimeouts,
+  type SessionCall,
+} from './session.js';
 
 type UnaryMethod = (request: unknown, options?: CallOptions) => Promise<unknown>;
 
@@ -121,6 +129,15 @@ class QuietSessionManager extends Http2SessionManager {
     if (connection && !this.heard.has(connection)) {
       this.heard.add(connection);
       connection.on('error', () => undefined);
+      noteGoaway(connection);
+    }
+    if (connection) {
+      // Heard before connect-node's own listener, which fails the call with
+      // this error: marked never read, the call is sent again (as on a session).
+      const wasRefused = refusalOf(stream, connection);
+      stream.once('error', (err: Error) => {
+        if (wasRefused()) err.cause ??= new NotRead('the server refused the stream');
+      });
     }
     return stream;
   }

@@ -95,8 +95,6 @@ export class Session {
   private heard = false;
   /** How many streams were opened (see `liveStream`). */
   private streams = 0;
-  /** The last stream id of each connection's GOAWAY: the streams above it were not processed. */
-  private readonly goneAwayAfter = new WeakMap<http2.Http2Session, number>();
 
   constructor(
     private readonly url: string,
@@ -206,12 +204,11 @@ export class Session {
     this.partial = [];
     this.partialBytes = 0;
     let status = 200;
-    let responded = false;
+    const wasRefused = refusalOf(stream, connection);
     const errorBody: Buffer[] = [];
     let errorBytes = 0;
     const refusedWith = () => httpError(status, Buffer.concat(errorBody));
     stream.on('response', headers => {
-      responded = true;
       status = Number(headers[':status'] ?? 200);
       const type = headers['content-type'] ?? '';
       // A proxy's page answered with 200 is no session: read as one, its
@@ -241,9 +238,7 @@ export class Session {
     stream.on('end', () => {
       this.end(stream, status !== 200 ? refusedWith() : new ConnectError('the session ended', Code.Unavailable));
     });
-    // Node gives every stream of a connection that got a GOAWAY its code, a
-    // stream the server took and answered too: only one never answered was refused.
-    const refusal = () => (responded ? undefined : refused(stream, this.goneAwayAfter.get(connection)));
+    const refusal = () => (wasRefused() ? notRead('the server refused the stream') : undefined);
     stream.on('error', err => this.end(stream, refusal() ?? ConnectError.from(err, Code.Unavailable)));
     stream.on('close', () => this.end(stream, refusal() ?? new ConnectError('the session closed', Code.Unavailable)));
     return stream;
@@ -263,8 +258,8 @@ export class Session {
     connectTimer.unref();
     connection.once('connect', () => clearTimeout(connectTimer));
     // A server going away (GOAWAY) takes no new streams: the next call opens a new connection.
-    connection.on('goaway', (_code: number, lastStreamId: number) => {
-      this.goneAwayAfter.set(connection, lastStreamId);
+    noteGoaway(connection);
+    connection.on('goaway', () => {
       if (this.connection === connection) this.connection = undefined;
     });
     let pingTimer: NodeJS.Timeout | undefined;
@@ -421,15 +416,29 @@ function connectError(
   return new ConnectError(message, codeFromString(code ?? '') ?? Code.Unknown, undefined, details);
 }
 
+/** The last stream id of each connection's GOAWAY: the streams above it were not processed. */
+const goneAwayAfter = new WeakMap<http2.Http2Session, number>();
+
+/** Keeps the last stream id of `connection`'s GOAWAY, for `refusalOf`. */
+export function noteGoaway(connection: http2.Http2Session): void {
+  connection.on('goaway', (_code: number, lastStreamId: number) => goneAwayAfter.set(connection, lastStreamId));
+}
+
 /**
- * The error of a stream HTTP/2 refused (the server took none of it), if it
- * was. A GOAWAY gives its code to every stream of its connection: one at or
- * below the GOAWAY's last stream id may have been processed.
+ * Whether HTTP/2 refused `stream` (the server took none of it), asked once
+ * it has failed; its connection's GOAWAY is kept by `noteGoaway`. Node gives
+ * every stream of a connection that got a GOAWAY that GOAWAY's code: a
+ * stream answered, or at or below the GOAWAY's last stream id, may have been
+ * processed.
  */
-function refused(stream: http2.ClientHttp2Stream, goneAwayAfter: number | undefined): ConnectError | undefined {
-  if (stream.rstCode !== http2.constants.NGHTTP2_REFUSED_STREAM) return undefined;
-  if (goneAwayAfter !== undefined && stream.id !== undefined && stream.id <= goneAwayAfter) return undefined;
-  return notRead('the server refused the stream');
+export function refusalOf(stream: http2.ClientHttp2Stream, connection: http2.Http2Session): () => boolean {
+  let responded = false;
+  stream.once('response', () => (responded = true));
+  return () => {
+    if (responded || stream.rstCode !== http2.constants.NGHTTP2_REFUSED_STREAM) return false;
+    const last = goneAwayAfter.get(connection);
+    return last === undefined || stream.id === undefined || stream.id > last;
+  };
 }
 
 /** A call's failure, unavailable, whose cause says the server never read the call. */
