@@ -416,27 +416,36 @@ function connectError(
   return new ConnectError(message, codeFromString(code ?? '') ?? Code.Unknown, undefined, details);
 }
 
-/** The last stream id of each connection's GOAWAY: the streams above it were not processed. */
-const goneAwayAfter = new WeakMap<http2.Http2Session, number>();
+/**
+ * The last stream id of each connection's GOAWAY whose code was a refusal:
+ * Node gives that code to every stream of the connection, to those the
+ * server took (at or below it) too.
+ */
+const refusingGoawayAfter = new WeakMap<http2.Http2Session, number>();
 
-/** Keeps the last stream id of `connection`'s GOAWAY, for `refusalOf`. */
+/** Keeps what `refusalOf` needs of `connection`'s GOAWAYs. */
 export function noteGoaway(connection: http2.Http2Session): void {
-  connection.on('goaway', (_code: number, lastStreamId: number) => goneAwayAfter.set(connection, lastStreamId));
+  connection.on('goaway', (code: number, lastStreamId: number) => {
+    if (code === http2.constants.NGHTTP2_REFUSED_STREAM) refusingGoawayAfter.set(connection, lastStreamId);
+  });
 }
 
 /**
- * Whether HTTP/2 refused `stream` (the server took none of it), asked once
- * it has failed; its connection's GOAWAY is kept by `noteGoaway`. Node gives
- * every stream of a connection that got a GOAWAY that GOAWAY's code: a
- * stream answered, or at or below the GOAWAY's last stream id, may have been
- * processed.
+ * Whether HTTP/2 refused `stream`, asked once it has failed: closed with
+ * REFUSED_STREAM, which says the server took none of it (RFC 9113, 8.7):
+ * hyper refuses a stream past its concurrent streams, and Node one above a
+ * GOAWAY's last stream id, or one still queued to go when a GOAWAY came
+ * (seen at a server's graceful shutdown). Not one answered, nor one that
+ * carries the code of a refusing GOAWAY (`noteGoaway`) at or below its last
+ * stream id. A graceful GOAWAY (no error, last stream 2^31-1, then the
+ * last one taken) says nothing of a stream refused on its own.
  */
 export function refusalOf(stream: http2.ClientHttp2Stream, connection: http2.Http2Session): () => boolean {
   let responded = false;
   stream.once('response', () => (responded = true));
   return () => {
     if (responded || stream.rstCode !== http2.constants.NGHTTP2_REFUSED_STREAM) return false;
-    const last = goneAwayAfter.get(connection);
+    const last = refusingGoawayAfter.get(connection);
     return last === undefined || stream.id === undefined || stream.id > last;
   };
 }
