@@ -46,7 +46,8 @@ const usage = `usage: node bench.mjs [--only loam|remote|redis|ceiling[,...]] [-
   --scale      multiplies every scenario's job count (default 1)
   --remote     the scenarios that also run through loamBackend({ url }), separated by ';', '' for none (default: process at concurrency 100)
   --json       writes every run and the medians to this file
-LOAM_DURABILITY=relaxed runs Loam relaxed, in-process and in the server; LOAM_JOBS_BIN names the server binary.`;
+LOAM_DURABILITY=relaxed runs Loam relaxed, in-process and in the server; LOAM_CALLS=unary sends the remote backend's
+calls each on an HTTP/2 stream of its own (its \`calls\` setting; default: one session); LOAM_JOBS_BIN names the server binary.`;
 let options;
 try {
   ({ values: options } = parseArgs({
@@ -81,6 +82,8 @@ const serverBin =
 const n = (count) => Math.max(1, Math.round(count * scale));
 /** Loam's durability, in-process and in the server: immediate unless LOAM_DURABILITY=relaxed. */
 const durability = process.env.LOAM_DURABILITY === 'relaxed' ? 'relaxed' : 'immediate';
+/** How the remote backend sends its calls: on one session unless LOAM_CALLS=unary. */
+const calls = process.env.LOAM_CALLS === 'unary' ? 'unary' : 'session';
 
 /**
  * What the bench started (servers, data directories), undone however it ends:
@@ -427,9 +430,10 @@ async function main() {
   }
   console.log(
     `bullmq bench: ${cpus().length} CPUs, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}, scale ${scale}, ` +
-      `${rounds} rounds after ${warmup} warm-up round${warmup === 1 ? '' : 's'}, Loam durability ${durability}`,
+      `${rounds} rounds after ${warmup} warm-up round${warmup === 1 ? '' : 's'}, Loam durability ${durability}, ` +
+      `remote calls on ${calls === 'unary' ? 'streams of their own' : 'a session'}`,
   );
-  const report = { cpus: cpus().length, loadBefore: loadavg(), scale, rounds, warmup, durability, results: {}, warmups: {}, medians: {} };
+  const report = { cpus: cpus().length, loadBefore: loadavg(), scale, rounds, warmup, durability, calls, results: {}, warmups: {}, medians: {} };
   /** Each backend: how BullMQ is pointed at it, and the scenarios it runs. */
   const backends = [];
   try {
@@ -447,7 +451,7 @@ async function main() {
     }
     if (wants('remote') && (only !== '' || existsSync(serverBin))) {
       const server = await startLoamServer();
-      const factory = loamBackend({ url: server.url });
+      const factory = loamBackend({ url: server.url, calls });
       backends.push({
         label: 'remote',
         b: { opts: { connection: {} }, serverPid: server.pid },
