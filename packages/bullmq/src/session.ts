@@ -220,7 +220,10 @@ export class Session {
         // A refusal whose body does not end within a PING's time (a proxy's
         // page left open) is read as far as it came, rather than held for.
         const { pingTimeoutMs } = this.timeouts;
-        setTimeout(() => this.end(stream, refusedWith()), pingTimeoutMs).unref();
+        const cutOff = setTimeout(() => this.end(stream, refusedWith()), pingTimeoutMs);
+        cutOff.unref();
+        // Not holding the body read so far once the stream is gone.
+        stream.once('close', () => clearTimeout(cutOff));
       }
     });
     stream.on('data', (chunk: Buffer) => {
