@@ -133,10 +133,14 @@ class QuietSessionManager extends Http2SessionManager {
     }
     if (connection) {
       // Heard before connect-node's own listener, which fails the call with
-      // this error: marked never read, the call is sent again (as on a session).
+      // this error: marked never read, the call is sent again (as on a
+      // session). Only an error of this stream's own: a GOAWAY's error is one
+      // object, given to every stream of its connection, those the server
+      // took too.
       const wasRefused = refusalOf(stream, connection);
-      stream.once('error', (err: Error) => {
-        if (wasRefused()) err.cause ??= new NotRead('the server refused the stream');
+      stream.once('error', (err: NodeJS.ErrnoException) => {
+        const ownError = err.code === 'ERR_HTTP2_STREAM_ERROR';
+        if (ownError && wasRefused()) err.cause ??= new NotRead('the server refused the stream');
       });
     }
     return stream;

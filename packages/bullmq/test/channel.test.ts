@@ -241,6 +241,26 @@ describe('unary calls refused by HTTP/2 are sent again as never read; others tha
     expect(server.streams()).toBe(1);
   });
 
+  it('nor a call whose connection went away with a refusal of the streams past one it took, both in flight', async () => {
+    // Node gives the GOAWAY's one error object to every stream of the
+    // connection: marking it for the stream past the GOAWAY's last one marked
+    // it for the one the server took too. Before: both were sent again.
+    const server = await fakeSessionServer(
+      stream => stream.resume(),
+      stream => {
+        stream.resume();
+        stream.session?.goaway(http2.constants.NGHTTP2_REFUSED_STREAM, 1);
+      },
+    );
+    const channel = channelTo(server.url, { calls: 'unary' });
+    const taken = removal(channel);
+    await vi.waitFor(() => expect(server.streams()).toBe(1));
+    const past = removal(channel);
+    await expect(taken).rejects.toBeInstanceOf(ConnectionClosedError);
+    await expect(past).rejects.toBeInstanceOf(ConnectionClosedError);
+    expect(server.streams()).toBe(2);
+  });
+
   it('nor a call whose answer had begun', async () => {
     // The first call is answered; the second's answer begins, then the
     // connection goes away with a refusal after the first stream: above the
