@@ -401,3 +401,54 @@ async fn a_session_ends_at_shutdown_once_the_long_poll_it_held_is_answered() {
     assert!(status.is_some_and(|s| s.success()), "the server exits: {status:?}");
     assert!(took < Duration::from_secs(10), "the server exits without waiting out its grace: {took:?}");
 }
+
+/// A session still waiting for its client to read when the shutdown's grace
+/// runs out: the server exits anyway, and the client sees its stream cut,
+/// never ended cleanly (a clean end says every call read was answered, and
+/// the client would send the others again as never read).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_cut_by_the_end_of_the_grace_does_not_end_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start_in(dir.path(), &["--shutdown-grace-secs", "1"], &[]);
+    let plain = server.client();
+    // Letters that gzip cannot shrink much, so the answers fill the window.
+    let mut state = 0x2545_f491_4f6c_dd1d_u64;
+    let data: Vec<u8> = (0..1 << 20)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            b'a' + (state % 26) as u8
+        })
+        .collect();
+    let added = plain.enqueue(enqueue_req("big", job("x", &data))).await.unwrap().into_owned();
+    let id = added.enqueued.into_option().unwrap().id;
+    let client = http2_client(&server);
+    let mut session = client.session().await.unwrap();
+    let query =
+        pb::__buffa::oneof::query_request::Query::from(pb::query_request::Jobs { ids: vec![id], ..Default::default() });
+    // Answers of 1 MiB that the client does not read: the session fills its
+    // flow-control window and its 64 unsent answers, and waits for a read.
+    for i in 0..100u64 {
+        session.send(request(i, query_req("big", query.clone()))).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stopping = tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let status = server.terminate(Duration::from_secs(20));
+        (status, started.elapsed(), server.log_text())
+    });
+    let (status, took, log) = stopping.await.unwrap();
+    assert!(status.is_some_and(|s| s.success()), "the server exits: {status:?}");
+    assert!(took < Duration::from_secs(10), "after its grace: {took:?}");
+    assert!(log.contains("calls still in flight after the grace period"), "{log}");
+    let mut answered = 0;
+    let end = loop {
+        match tokio::time::timeout(Duration::from_secs(10), session.message()).await.expect("the stream ends") {
+            Ok(Some(_)) => answered += 1,
+            other => break other.map(|_| ()),
+        }
+    };
+    assert!(answered < 100, "some calls were left unanswered ({answered} answered)");
+    assert!(end.is_err(), "the stream was cut, not ended cleanly ({answered} answered)");
+}
