@@ -24,6 +24,7 @@ import { createConnectTransport, Http2SessionManager } from '@connectrpc/connect
 import { ErrorDetailSchema, JobsService, type ErrorDetail } from './gen/loam/jobs/v1/jobs_pb.js';
 import { fromServer, loamError, type BullmqCommand } from './errors.js';
 import {
+  connectTimedOut,
   NotRead,
   noteGoaway,
   refusalOf,
@@ -126,12 +127,12 @@ class QuietSessionManager extends Http2SessionManager {
       clearInterval(connectTimer);
     }
     const connection = stream.session;
-    if (connection && !this.heard.has(connection)) {
-      this.heard.add(connection);
-      connection.on('error', () => undefined);
-      noteGoaway(connection);
-    }
     if (connection) {
+      if (!this.heard.has(connection)) {
+        this.heard.add(connection);
+        connection.on('error', () => undefined);
+        noteGoaway(connection);
+      }
       // Heard before connect-node's own listener, which fails the call with
       // this error: marked never read, the call is sent again (as on a
       // session). Only an error of this stream's own: a GOAWAY's error is one
@@ -159,7 +160,7 @@ class QuietSessionManager extends Http2SessionManager {
     const now = Date.now();
     if (this.connecting?.attempt !== state) this.connecting = { attempt: state, since: now };
     else if (now - this.connecting.since >= ms) {
-      state.abort?.(new ConnectError(`the connection was not made in ${ms} ms`, Code.Unavailable));
+      state.abort?.(connectTimedOut(ms));
     }
   }
 }

@@ -394,11 +394,12 @@ export class Session {
 }
 
 /**
- * The error a connection not made within `ms` is destroyed with: a failed
+ * The error a connection not made within `ms` is given up with (the
+ * session's destroyed, a unary call's connecting attempt aborted): a failed
  * connect, as the kernel's own timeout reads, so its calls count as never
  * sent (see `neverSent`).
  */
-function connectTimedOut(ms: number): Error {
+export function connectTimedOut(ms: number): Error {
   return Object.assign(new Error(`the connection was not made in ${ms} ms`), { code: 'ETIMEDOUT', syscall: 'connect' });
 }
 
