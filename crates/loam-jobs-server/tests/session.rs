@@ -9,6 +9,7 @@
 mod support;
 
 use std::collections::HashMap;
+use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use connectrpc::client::{ClientConfig, HttpClient};
@@ -371,7 +372,7 @@ async fn a_read_sees_the_writes_sent_before_it_on_its_session() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_ends_at_shutdown_once_the_long_poll_it_held_is_answered() {
     let dir = tempfile::tempdir().unwrap();
-    let mut server = Server::start_in(dir.path(), &["--shutdown-grace-secs", "60"], &[]);
+    let server = Server::start_in(dir.path(), &["--shutdown-grace-secs", "60"], &[]);
     let client = http2_client(&server);
     let mut session = client.session().await.unwrap();
     session.send(request(1, lease_req("idle", 1, 30_000, 0))).await.unwrap();
@@ -380,11 +381,7 @@ async fn a_session_ends_at_shutdown_once_the_long_poll_it_held_is_answered() {
     let answer = session.message().await.unwrap().unwrap().to_owned_message();
     assert_eq!(answer.id, 2);
 
-    let stopping = tokio::task::spawn_blocking(move || {
-        let started = Instant::now();
-        let status = server.terminate(Duration::from_secs(20));
-        (status, started.elapsed())
-    });
+    let stopping = terminating(server);
     let answer = tokio::time::timeout(Duration::from_secs(10), session.message())
         .await
         .expect("the long-poll is answered at shutdown")
@@ -397,7 +394,7 @@ async fn a_session_ends_at_shutdown_once_the_long_poll_it_held_is_answered() {
         .await
         .expect("the session ends once nothing is in flight");
     assert!(matches!(end, Ok(None)), "a clean end: {end:?}");
-    let (status, took) = stopping.await.unwrap();
+    let (status, took, _) = stopping.await.unwrap();
     assert!(status.is_some_and(|s| s.success()), "the server exits: {status:?}");
     assert!(took < Duration::from_secs(10), "the server exits without waiting out its grace: {took:?}");
 }
@@ -409,7 +406,7 @@ async fn a_session_ends_at_shutdown_once_the_long_poll_it_held_is_answered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_cut_by_the_end_of_the_grace_does_not_end_cleanly() {
     let dir = tempfile::tempdir().unwrap();
-    let mut server = Server::start_in(dir.path(), &["--shutdown-grace-secs", "1"], &[]);
+    let server = Server::start_in(dir.path(), &["--shutdown-grace-secs", "1"], &[]);
     let plain = server.client();
     // Letters that gzip cannot shrink much, so the answers fill the window.
     let mut state = 0x2545_f491_4f6c_dd1d_u64;
@@ -433,12 +430,7 @@ async fn a_session_cut_by_the_end_of_the_grace_does_not_end_cleanly() {
         session.send(request(i, query_req("big", query.clone()))).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let stopping = tokio::task::spawn_blocking(move || {
-        let started = Instant::now();
-        let status = server.terminate(Duration::from_secs(20));
-        (status, started.elapsed(), server.log_text())
-    });
-    let (status, took, log) = stopping.await.unwrap();
+    let (status, took, log) = terminating(server).await.unwrap();
     assert!(status.is_some_and(|s| s.success()), "the server exits: {status:?}");
     assert!(took < Duration::from_secs(10), "after its grace: {took:?}");
     assert!(log.contains("calls still in flight after the grace period"), "{log}");
@@ -451,4 +443,14 @@ async fn a_session_cut_by_the_end_of_the_grace_does_not_end_cleanly() {
     };
     assert!(answered < 100, "some calls were left unanswered ({answered} answered)");
     assert!(end.is_err(), "the stream was cut, not ended cleanly ({answered} answered)");
+}
+
+/// SIGTERM to `server`, waited for on a thread of its own (up to 20 s): its
+/// exit status, how long it took to exit, and its log.
+fn terminating(mut server: Server) -> tokio::task::JoinHandle<(Option<ExitStatus>, Duration, String)> {
+    tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let status = server.terminate(Duration::from_secs(20));
+        (status, started.elapsed(), server.log_text())
+    })
 }
