@@ -16,7 +16,7 @@
  * made before its server came up works once it has.
  */
 import { randomBytes } from 'node:crypto';
-import { EventEmitter } from 'node:events';
+import { EventEmitter, setMaxListeners } from 'node:events';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type {
   DependenciesOpts,
@@ -227,6 +227,18 @@ function hasCode(err: unknown): err is Error & { code: LoamErrorCode } {
 }
 
 /**
+ * A stop signal that every call of a backend may wait on at once: each call
+ * waiting for a server that is away, and each long-poll, holds a listener on
+ * it until its wait ends. Node warns of a leak past 10 listeners on one
+ * signal, which every server restart under load printed.
+ */
+function sharedStop(): AbortController {
+  const stop = new AbortController();
+  setMaxListeners(0, stop.signal);
+  return stop;
+}
+
+/**
  * A lease that expired, a job gone or not active: `extendLock` reports these
  * as "not extended" (0), as Redis does; anything else is a real failure.
  */
@@ -260,9 +272,9 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * Cuts `waitForJob` short (`disconnectBlocking`, `close`), and stops the
    * calls waiting for a server that is away; replaced by `reconnectBlocking`.
    */
-  private blocking = new AbortController();
+  private blocking = sharedStop();
   /** Cuts `readEvents` short (`disconnect`, `close`). */
-  private readonly events = new AbortController();
+  private readonly events = sharedStop();
   private readonly ready: Promise<void>;
   /** Where a QueueEvents started reading (`'$'` resolved at construction, or once the server answered). */
   private eventsStart: Promise<string> | undefined;
@@ -582,7 +594,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async reconnectBlocking(): Promise<void> {
-    if (!this.closing && this.blocking.signal.aborted) this.blocking = new AbortController();
+    if (!this.closing && this.blocking.signal.aborted) this.blocking = sharedStop();
   }
 
   // ---- identity -------------------------------------------------------------

@@ -186,6 +186,34 @@ describeRemote('remote connection failures', () => {
     },
   );
 
+  it('many calls waiting at once for a server that is away print no listener-leak warning', async () => {
+    const port = await freePort();
+    const listen = `127.0.0.1:${port}`;
+    const first = await startLoamServer({}, { listen });
+    const { Queue } = withBackend(loamBackend({ url: first.url }));
+    const queue = new Queue(`q-${randomUUID()}`, { connection: {} });
+    await queue.add('before', {});
+    const warnings: Error[] = [];
+    const onWarning = (warning: Error) => warnings.push(warning);
+    process.on('warning', onWarning);
+    onTestFinished(() => {
+      process.off('warning', onWarning);
+    });
+    await first.kill();
+    // Each waits on the backend's stop signal; Node warned past 10 of them.
+    const during = Array.from({ length: 25 }, (_, i) => queue.add('during', { i }));
+    await new Promise(resolve => setTimeout(resolve, 500));
+    const second = await startLoamServer({}, { listen, dataDir: first.dataDir });
+    try {
+      expect((await Promise.all(during)).length).toBe(25);
+      expect(await queue.count()).toBe(26);
+      await queue.close();
+    } finally {
+      await second.stop();
+    }
+    expect(warnings.map(w => `${w.name}: ${w.message}`)).toEqual([]);
+  });
+
   it.each(['close', 'pause'] as const)(
     'a Worker told to %s while its server is away records the outcome of the job in hand once the server is back',
     async end => {
