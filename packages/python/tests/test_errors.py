@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,7 +38,16 @@ from loam_jobs._gen.loam.jobs.v1.jobs_pb import EnqueueBulkResponse, EnqueueResp
 from loam_jobs._ops import Call
 from loam_jobs.client import _Reconnect, _release
 
-from .conftest import ALPHA_TOKEN, BETA_TOKEN, MAX_PAYLOAD_BYTES, MAX_REQUEST_BYTES, Server, free_port
+from .conftest import (
+    ALPHA_TOKEN,
+    BETA_TOKEN,
+    MAX_PAYLOAD_BYTES,
+    MAX_REQUEST_BYTES,
+    Server,
+    free_port,
+    start_server,
+    stop_server,
+)
 
 
 def test_invalid_queue_names(client: Client) -> None:
@@ -183,9 +193,54 @@ def test_the_client_writes_json_in_one_place() -> None:
 
 def test_unreachable_server_is_unavailable() -> None:
     with Client(f"http://127.0.0.1:{free_port()}") as nowhere:
+        started = time.monotonic()
         with pytest.raises(UnavailableError) as down:
+            nowhere.pause("q")
+        assert time.monotonic() - started < 1, "a write that is not safe to repeat is not tried again"
+        # A read is, four times in 1-2 s, before it gives up.
+        with pytest.raises(UnavailableError):
             nowhere.result_get("k")
     assert down.value.reason == ""
+
+
+def test_reads_leases_and_extends_made_while_the_server_is_away_are_answered_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    data_dir = tmp_path / "data"
+    server = start_server(data_dir)
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        with Client(server.url) as client:
+            client.enqueue("restarts", "a", job_id="a")
+            client.enqueue("restarts", "b", job_id="b")
+            held = client.lease("restarts", lock_duration_ms=60_000)[0]
+            stop_server(server)
+            answers: dict[str, Any] = {}
+
+            def ask(name: str, read: Callable[[], Any]) -> None:
+                try:
+                    answers[name] = read()
+                except LoamJobsError as err:
+                    answers[name] = err
+
+            calls = {
+                "counts": lambda: client.counts("restarts", "waiting", "active"),
+                "lease": lambda: [leased.id for leased in client.lease("restarts", lock_duration_ms=60_000)],
+                "extend": lambda: client.extend([held], 60_000),
+            }
+            threads = [threading.Thread(target=ask, args=item) for item in calls.items()]
+            for thread in threads:
+                thread.start()
+            # Each call's first try is refused before the server is back.
+            time.sleep(0.05)
+            server = start_server(data_dir, port=port)
+            for thread in threads:
+                thread.join(timeout=30)
+            assert answers["counts"] in ({"waiting": 1, "active": 1}, {"waiting": 0, "active": 2})
+            assert answers["lease"] == ["b"]
+            assert answers["extend"] == []
+    finally:
+        stop_server(server)
 
 
 def test_client_timeout_is_deadline_exceeded(server: Server) -> None:

@@ -557,6 +557,45 @@ def test_completions_and_reports_retry_an_unknown_outcome_under_one_key() -> Non
             op.throw(FencedError("lease lost"))
 
 
+def test_reads_extends_and_leases_retry_an_unknown_outcome_and_other_writes_do_not() -> None:
+    fence = ops._fence("1", 1, None, False)
+    repeatable = {
+        "counts": ops.counts("q", ["waiting"], None),
+        "get_jobs": ops.get_jobs("q", ["1"]),
+        "result_get": ops.result_get("k"),
+        "result_mget": ops.result_mget(["k"]),
+        "extend": ops.extend_many("q", [("1", fence)], 1_000),
+        "lease": ops.lease("q", ops.lease_options(1), 0),
+    }
+    for name, op in repeatable.items():
+        first = next(op)
+        assert isinstance(first, ops.Call), name
+        assert isinstance(op.throw(UnavailableError("connection refused")), ops.Pause), name
+        again = op.send(None)
+        assert isinstance(again, ops.Call) and again.request == first.request, name
+    once = {
+        "pause": ops.queue_admin("q", "pause", True),
+        "result_set": ops.result_set("k", 1, None),
+        "result_delete": ops.result_delete("k"),
+        "a waiting read": ops.events("q", 0, 10, 1_000),
+    }
+    for name, op in once.items():
+        assert isinstance(next(op), ops.Call), name
+        with pytest.raises(UnavailableError):
+            op.throw(UnavailableError("connection refused"))
+
+
+def test_a_retried_lease_waits_only_for_what_is_left_of_its_wait() -> None:
+    op = ops.lease("q", ops.lease_options(1), 5_000)
+    first = next(op)
+    assert isinstance(first, ops.Call) and 4_900 <= first.wait_ms <= 5_000
+    time.sleep(0.3)
+    op.throw(UnavailableError("connection refused"))
+    again = op.send(None)
+    assert isinstance(again, ops.Call) and again.wait_ms <= 4_700
+    assert again.request.wait_ms == again.wait_ms
+
+
 def _key_of(call: ops.Call) -> str:
     request = call.request
     keyed = request.options if call.rpc == "complete" else request

@@ -151,7 +151,12 @@ Op = Generator[Call | Pause, Any, T]
 # (the server was unreachable, busy, or did not answer in time), in seconds;
 # each is drawn at random (`retry_pause`). Only calls that are safe to repeat
 # are retried: those that carry an idempotency key (an enqueue, a completion,
-# a report).
+# a report), reads that do not wait, lock extensions (fenced: a repeat sets
+# the same lock, or is refused once the lease is gone) and leases (a job whose
+# lease answer was lost stays active until its lock lapses and it is found
+# stalled, as when a worker dies holding it). Other writes (administration,
+# flows, the result store's) raise: telling a try the server never read from
+# one whose answer was lost needs more than the HTTP library says.
 RETRY_PAUSES = (0.1, 0.4, 1.6)
 # The longest server's retry-after (seconds) a retry or a watch's reconnect
 # waits out: the server asks for 0.1 s (busy) or 1 s (too many waiting calls),
@@ -269,13 +274,13 @@ def _answered(value: T) -> Op[T]:
     yield  # a generator, as every operation is
 
 
-def _retried(call: Call) -> Op[Any]:
-    """`call`, tried again after each of `RETRY_PAUSES` (`retry_pause`) while
-    its outcome is unknown. The caller makes sure a repeat cannot do the work
-    twice."""
+def _retried(call: Call | Callable[[], Call]) -> Op[Any]:
+    """`call` (or a call made anew for each try), tried again after each of
+    `RETRY_PAUSES` (`retry_pause`) while its outcome is unknown. The caller
+    makes sure a repeat cannot do the work twice."""
     for pause in (*RETRY_PAUSES, None):
         try:
-            return (yield call)
+            return (yield call if isinstance(call, Call) else call())
         except (UnavailableError, DeadlineExceededError) as err:
             # A paused queue is an answer, not an unknown outcome.
             if pause is None or isinstance(err, QueuePausedError):
@@ -366,16 +371,24 @@ def flow(nodes: Sequence[FlowNode]) -> Op[list[Enqueued]]:
 def lease(queue: str, options: LeaseOptions, wait_ms: int) -> Op[LeaseBatch]:
     # Wait in server-sized slices until a job comes or the caller's wait ends.
     deadline = time.monotonic() + wait_ms / 1000
-    while True:
-        remaining = max(0, int((deadline - time.monotonic()) * 1000))
-        slice_ms = min(remaining, SERVER_MAX_WAIT_MS)
-        started = time.monotonic()
+
+    def remaining_ms() -> int:
+        return max(0, int((deadline - time.monotonic()) * 1000))
+
+    def one_slice() -> Call:
+        # A retry waits only for what is left of the caller's wait.
+        slice_ms = min(remaining_ms(), SERVER_MAX_WAIT_MS)
         request = LeaseRequest(queue=queue, options=_failing_deferred(options), wait_ms=slice_ms)
-        resp = yield Call("lease", request, wait_ms=slice_ms)
+        return Call("lease", request, wait_ms=slice_ms)
+
+    while True:
+        remaining = remaining_ms()
+        started = time.monotonic()
+        resp = yield from _retried(one_slice)
         batch = LeaseBatch.from_proto(queue, resp.leased)
         if batch.jobs or remaining <= SERVER_MAX_WAIT_MS:
             return batch
-        if (time.monotonic() - started) * 1000 < slice_ms - _EARLY_END_MS:
+        if (time.monotonic() - started) * 1000 < SERVER_MAX_WAIT_MS - _EARLY_END_MS:
             # The server ended the wait early with nothing (it is shutting
             # down): answered as a wait of one slice is, not sent again into
             # a server that is going away.
@@ -402,8 +415,8 @@ def _failing_deferred(options: LeaseOptions) -> LeaseOptions:
 
 def extend_one(target: LeasedJob, duration_ms: int, fence: Fence) -> Op[int]:
     item = ExtendItem(job_id=target.id, fence=fence)
-    resp: ExtendResponse = yield Call(
-        "extend", ExtendRequest(queue=target.queue, items=[item], duration_ms=duration_ms)
+    resp: ExtendResponse = yield from _retried(
+        Call("extend", ExtendRequest(queue=target.queue, items=[item], duration_ms=duration_ms))
     )
     target.deadline = resp.deadline
     return resp.deadline
@@ -416,7 +429,7 @@ def extend_many(queue: str, items: Sequence[tuple[str, Fence]], duration_ms: int
         duration_ms=duration_ms,
     )
     try:
-        resp = yield Call("extend", request)
+        resp = yield from _retried(Call("extend", request))
     except (FailedPreconditionError, NotFoundError):
         if len(items) == 1:
             # With one item the server answers with that item's refusal, not a list.
@@ -576,7 +589,12 @@ def job_admin(queue: str, job_id: str, field_name: str, value: Any) -> Op[bool]:
 
 
 def query(queue: str, field_name: str, value: Any, wait_ms: int = 0) -> Op[Any]:
-    resp = yield Call("query", QueryRequest(queue=queue, query=_chosen(field_name, value)), wait_ms=wait_ms)
+    call = Call("query", QueryRequest(queue=queue, query=_chosen(field_name, value)), wait_ms=wait_ms)
+    if wait_ms == 0:
+        resp = yield from _retried(call)
+    else:
+        # Not a long-poll: its caller waits again (a watch reconnects).
+        resp = yield call
     if resp.result is None:
         return None
     return resp.result.value
@@ -627,12 +645,12 @@ def events(queue: str, after: int | None, limit: int, wait_ms: int) -> Op[list[Q
 
 
 def result_get(key: str) -> Op[bytes | None]:
-    resp: ResultGetResponse = yield Call("result_get", ResultGetRequest(key=key))
+    resp: ResultGetResponse = yield from _retried(Call("result_get", ResultGetRequest(key=key)))
     return resp.value if resp.has_field("value") else None
 
 
 def result_mget(keys: Sequence[str]) -> Op[list[bytes | None]]:
-    resp = yield Call("result_m_get", ResultMGetRequest(keys=list(keys)))
+    resp = yield from _retried(Call("result_m_get", ResultMGetRequest(keys=list(keys))))
     return [_present(v, "value") for v in resp.values]
 
 
