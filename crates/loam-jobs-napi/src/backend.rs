@@ -452,7 +452,7 @@ impl LoamQueue {
         self.store.observe(host_now);
         let jobs: Vec<NewJob> = parse("jobs", &jobs)?;
         let reqs = jobs.iter().map(NewJob::to_request).collect::<std::result::Result<Vec<_>, _>>().map_err(invalid)?;
-        let pending = self.jobs()?.enqueue_all(&self.ns, &self.queue, reqs);
+        let pending = self.jobs()?.enqueue_all(&self.ns, &self.queue, reqs, None);
         settle(env, Op::new("addJob"), pending, |added| added.into_iter().map(|e| e.id).collect())
     }
 

@@ -126,6 +126,38 @@ async fn enqueue_lease_complete_watch_and_results() {
     assert!(server.healthy());
 }
 
+/// A bulk add's key for the whole call travels: sent again, the call adds
+/// nothing and answers the jobs it made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_add_sent_again_under_its_key_adds_nothing_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let c = server.client();
+    for all_or_nothing in [false, true] {
+        let request = pb::EnqueueBulkRequest {
+            queue: "bulk".into(),
+            jobs: vec![job("a", b"{}"); 3],
+            all_or_nothing,
+            idempotency: pb::Idempotency { key: format!("call-{all_or_nothing}"), ..Default::default() }.into(),
+            ..Default::default()
+        };
+        let answered = |r: pb::EnqueueBulkResponse| -> Vec<(String, bool)> {
+            r.results
+                .into_iter()
+                .map(|r| match r.result {
+                    Some(oneof::enqueue_result::Result::Enqueued(e)) => (e.id.clone(), e.created),
+                    other => panic!("a job refused: {other:?}"),
+                })
+                .collect()
+        };
+        let first = answered(c.enqueue_bulk(request.clone()).await.unwrap().into_owned());
+        let again = answered(c.enqueue_bulk(request).await.unwrap().into_owned());
+        assert!(first.iter().all(|(_, created)| *created));
+        assert_eq!(again, first.iter().map(|(id, _)| (id.clone(), false)).collect::<Vec<_>>());
+    }
+    assert_eq!(counts(&c, "bulk", &["wait"]).await, vec![6]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_producers_and_workers_share_a_queue() {
     const PRODUCERS: usize = 4;

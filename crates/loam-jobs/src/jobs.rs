@@ -389,25 +389,31 @@ impl Jobs {
     }
 
     /// Adds many jobs in one transaction; each gets its own result, and a
-    /// failed one leaves the others in place.
+    /// failed one leaves the others in place. `key`, a key for the whole
+    /// call, makes a repeat answer the jobs the first made (`enqueue::bulk`).
     pub fn enqueue_bulk(
         &self,
         ns: &str,
         queue: &str,
         reqs: Vec<EnqueueRequest>,
+        key: Option<Idempotency>,
     ) -> Pending<Vec<Result<Enqueued, JobsError>>> {
         let brief = reqs.len() <= BRIEF_JOBS;
-        self.queue_submit(ns, queue, true, brief, move |tx, q| {
-            Ok(reqs.iter().map(|r| enqueue::enqueue(tx, q, r.clone(), enqueue::Placement::Normal)).collect())
-        })
+        self.queue_submit(ns, queue, true, brief, move |tx, q| enqueue::bulk(tx, q, &reqs, false, key.as_ref()))
     }
 
     /// Adds every job or none: the first refusal fails the write, which then
     /// keeps nothing (BullMQ's addBulk answers one error for the call).
-    pub fn enqueue_all(&self, ns: &str, queue: &str, reqs: Vec<EnqueueRequest>) -> Pending<Vec<Enqueued>> {
+    pub fn enqueue_all(
+        &self,
+        ns: &str,
+        queue: &str,
+        reqs: Vec<EnqueueRequest>,
+        key: Option<Idempotency>,
+    ) -> Pending<Vec<Enqueued>> {
         let brief = reqs.len() <= BRIEF_JOBS;
         self.queue_submit(ns, queue, true, brief, move |tx, q| {
-            reqs.iter().map(|r| enqueue::enqueue(tx, q, r.clone(), enqueue::Placement::Normal)).collect()
+            enqueue::bulk(tx, q, &reqs, true, key.as_ref())?.into_iter().collect()
         })
     }
 

@@ -688,6 +688,19 @@ pub struct IdempotencyRecord {
     /// For an add a deduplication id absorbed: `job_id` held the id.
     #[serde(default)]
     pub deduplicated: bool,
+    /// For a bulk add under a key for the whole call: what became of each
+    /// of its jobs, in its order; None for one refused, which a repeat tries
+    /// again (a refusal writes nothing). Empty for any other call.
+    #[serde(default)]
+    pub bulk: Vec<Option<BulkAdded>>,
+}
+
+/// A job a keyed bulk add made (or found: an id, a deduplication id).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BulkAdded {
+    pub job_id: String,
+    /// A deduplication id absorbed the add: `job_id` held the id.
+    pub deduplicated: bool,
 }
 
 /// A job scheduler (BullMQ's `upsertJobScheduler`).

@@ -276,8 +276,8 @@ fn flows_and_bulk_adds_are_brief_up_to_sixteen_jobs() {
     assert_eq!(brief_of(&|| drop(jobs.flow("ns", tree("a", 15)).wait().unwrap())), [true]);
     assert_eq!(brief_of(&|| drop(jobs.flow("ns", tree("b", 16)).wait().unwrap())), [false]);
     let bulk = |n: usize| (0..n).map(|_| job("j")).collect::<Vec<_>>();
-    assert_eq!(brief_of(&|| drop(jobs.enqueue_bulk("ns", "bulk", bulk(16)).wait().unwrap())), [true]);
-    assert_eq!(brief_of(&|| drop(jobs.enqueue_bulk("ns", "bulk", bulk(17)).wait().unwrap())), [false]);
+    assert_eq!(brief_of(&|| drop(jobs.enqueue_bulk("ns", "bulk", bulk(16), None).wait().unwrap())), [true]);
+    assert_eq!(brief_of(&|| drop(jobs.enqueue_bulk("ns", "bulk", bulk(17), None).wait().unwrap())), [false]);
     // Two trees of 8 and 9 jobs: 17 in one call, so neither is brief.
     let two: Vec<FlowNode> = tree("c", 7).into_iter().chain(tree("d", 8)).collect();
     assert_eq!(brief_of(&|| drop(jobs.flows("ns", two.clone()).wait().unwrap())), [false, false]);

@@ -927,7 +927,7 @@ fn one_operation_writing_many_events_keeps_them_in_order_and_trimmed() {
     let (jobs, _) = core();
     jobs.set_meta("ns", "q", BTreeMap::from([("opts.maxLenEvents".to_string(), "150".to_string())])).wait().unwrap();
     let bulk = (0..300).map(|i| job(&format!("j{i}"))).collect();
-    assert!(jobs.enqueue_bulk("ns", "q", bulk).wait().unwrap().iter().all(Result::is_ok));
+    assert!(jobs.enqueue_bulk("ns", "q", bulk, None).wait().unwrap().iter().all(Result::is_ok));
     let seqs: Vec<u64> =
         jobs.read_events_blocking("ns", "q", Some(0), 10_000, Duration::ZERO).unwrap().iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (451..=600).collect::<Vec<_>>());
@@ -940,7 +940,7 @@ fn one_operation_writing_many_events_keeps_them_in_order_and_trimmed() {
     // A log of length 1 keeps only the newest event, even within one operation.
     jobs.set_meta("ns", "r", BTreeMap::from([("opts.maxLenEvents".to_string(), "1".to_string())])).wait().unwrap();
     let bulk = (0..100).map(|i| job(&format!("k{i}"))).collect();
-    jobs.enqueue_bulk("ns", "r", bulk).wait().unwrap();
+    jobs.enqueue_bulk("ns", "r", bulk, None).wait().unwrap();
     let kept = jobs.read_events_blocking("ns", "r", Some(0), 100, Duration::ZERO).unwrap();
     assert_eq!(kept.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![200]);
 }
@@ -1167,6 +1167,85 @@ fn expired_idempotency_records_are_purged_and_live_ones_kept() {
     assert_eq!(purge().unwrap(), 0, "each record is purged once");
 }
 
+/// A bulk add under a key for the whole call, sent again, answers each job
+/// the first call made and adds none twice; a job it refused is tried again,
+/// and answered as made from then on. One record keeps the call.
+#[test]
+fn a_bulk_add_made_again_under_its_key_answers_the_jobs_it_made() {
+    let (jobs, clock) = core();
+    let key = || Some(Idempotency { key: "k".into(), ttl_ms: Some(60_000) });
+    let orphan = EnqueueRequest { parent: Some(parent("p", "p1")), ..job("child") };
+    let bulk = vec![job("a"), orphan, EnqueueRequest { job_id: Some("c".into()), ..job("c") }];
+    let created = |r: &Result<Enqueued, JobsError>| r.as_ref().map(|e| (e.id.clone(), e.created)).ok();
+    let first = jobs.enqueue_bulk("ns", "q", bulk.clone(), key()).wait().unwrap();
+    assert_eq!(
+        first.iter().map(created).collect::<Vec<_>>(),
+        [Some(("1".into(), true)), None, Some(("c".into(), true))]
+    );
+    let again = jobs.enqueue_bulk("ns", "q", bulk.clone(), key()).wait().unwrap();
+    assert_eq!(
+        again.iter().map(created).collect::<Vec<_>>(),
+        [Some(("1".into(), false)), None, Some(("c".into(), false))]
+    );
+    assert!(matches!(again[1], Err(JobsError::NotFound(Missing::ParentJob(_)))), "{:?}", again[1]);
+
+    jobs.enqueue("ns", "p", EnqueueRequest { job_id: Some("p1".into()), ..job("p") }).wait().unwrap();
+    let third = jobs.enqueue_bulk("ns", "q", bulk.clone(), key()).wait().unwrap();
+    assert_eq!(
+        third.iter().map(created).collect::<Vec<_>>(),
+        [Some(("1".into(), false)), Some(("3".into(), true)), Some(("c".into(), false))]
+    );
+    let fourth = jobs.enqueue_bulk("ns", "q", bulk.clone(), key()).wait().unwrap();
+    assert_eq!(
+        fourth.iter().map(created).collect::<Vec<_>>(),
+        [Some(("1".into(), false)), Some(("3".into(), false)), Some(("c".into(), false))]
+    );
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![3]);
+
+    // A finished job is answered completed, as a job's own key answers it.
+    let l = lease_one(&jobs, "q").unwrap();
+    ok(&jobs, "q", &l, "1");
+    let states: Vec<JobState> = jobs
+        .enqueue_bulk("ns", "q", bulk.clone(), key())
+        .wait()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.unwrap().state)
+        .collect();
+    assert_eq!(states, [JobState::Completed, JobState::Waiting, JobState::Waiting]);
+
+    // Other jobs, or the same jobs all or nothing, under the key: another call.
+    let other = jobs.enqueue_bulk("ns", "q", vec![job("a"), job("b")], key()).wait();
+    assert!(matches!(other, Err(JobsError::IdempotencyConflict { .. })), "{other:?}");
+    let all = jobs.enqueue_all("ns", "q", bulk, key()).wait();
+    assert!(matches!(all, Err(JobsError::IdempotencyConflict { .. })), "{all:?}");
+    // A single add under the key is another call too.
+    let single = jobs.enqueue("ns", "q", EnqueueRequest { idempotency: key(), ..job("a") }).wait();
+    assert!(matches!(single, Err(JobsError::IdempotencyConflict { .. })), "{single:?}");
+
+    let purge = || jobs.write("", true, |tx| loam_jobs::ops::idempotency::purge_expired(tx, 100)).wait().unwrap();
+    clock.advance(120_000);
+    assert_eq!(purge(), 1, "one record for the call, not one for each job");
+}
+
+/// All or nothing under a key for the call: a call refused keeps no record
+/// (nothing was added), and one that went through answers its jobs again.
+#[test]
+fn an_all_or_nothing_bulk_add_made_again_under_its_key_answers_the_jobs_it_made() {
+    let (jobs, _) = core();
+    let key = |k: &str| Some(Idempotency { key: k.into(), ttl_ms: None });
+    let orphan = EnqueueRequest { parent: Some(parent("p", "p1")), ..job("child") };
+    let refused = jobs.enqueue_all("ns", "q", vec![job("a"), orphan.clone()], key("k1")).wait();
+    assert!(matches!(refused, Err(JobsError::NotFound(Missing::ParentJob(_)))), "{refused:?}");
+    jobs.enqueue("ns", "p", EnqueueRequest { job_id: Some("p1".into()), ..job("p") }).wait().unwrap();
+    let made = jobs.enqueue_all("ns", "q", vec![job("a"), orphan.clone()], key("k1")).wait().unwrap();
+    assert!(made.iter().all(|e| e.created));
+    let again = jobs.enqueue_all("ns", "q", vec![job("a"), orphan], key("k1")).wait().unwrap();
+    let ids = |v: &[Enqueued]| v.iter().map(|e| (e.id.clone(), e.created)).collect::<Vec<_>>();
+    assert_eq!(ids(&again), made.iter().map(|e| (e.id.clone(), false)).collect::<Vec<_>>());
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting, JobState::WaitingChildren]).unwrap(), vec![2, 0]);
+}
+
 /// A remote worker whose connection was cut while its completion was on its
 /// way sends it again under the same key: the job is not completed twice,
 /// and the next job the first one leased is handed over again, not left to
@@ -1276,14 +1355,19 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
         .wait();
     assert!(matches!(missing, Err(JobsError::NotFound(Missing::Job(_)))));
     let bulk = jobs
-        .enqueue_bulk("ns", "q", vec![job("ok"), EnqueueRequest { data: vec![0; 4096], ..job("big") }, job("ok2")])
+        .enqueue_bulk(
+            "ns",
+            "q",
+            vec![job("ok"), EnqueueRequest { data: vec![0; 4096], ..job("big") }, job("ok2")],
+            None,
+        )
         .wait()
         .unwrap();
     assert!(bulk[0].is_ok() && bulk[1].is_err() && bulk[2].is_ok());
     assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![2]);
     // All or nothing: one job refused (its parent is missing) keeps the others out.
     let orphan = EnqueueRequest { parent: Some(parent("q", "nope")), ..job("orphan") };
-    let all = jobs.enqueue_all("ns", "q", vec![job("g1"), orphan, job("g2")]).wait();
+    let all = jobs.enqueue_all("ns", "q", vec![job("g1"), orphan, job("g2")], None).wait();
     assert!(matches!(all, Err(JobsError::NotFound(Missing::ParentJob(_)))), "{all:?}");
     assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![2]);
     for id in ["01", "-0", "1a", "+1", " 1"] {
@@ -1669,7 +1753,7 @@ fn chunked_admin_writes_stop_at_the_chunk_and_say_more_remain() {
     let (jobs, _) = core();
     let total = admin::MAX_JOBS_PER_CHUNK + 5;
     let delayed = (0..total).map(|i| EnqueueRequest { delay_ms: 60_000, ..job(&format!("j{i}")) }).collect();
-    jobs.enqueue_bulk("ns", "q", delayed).wait().unwrap();
+    jobs.enqueue_bulk("ns", "q", delayed, None).wait().unwrap();
     assert!(jobs.admin("ns", "q", |tx, q| admin::promote_jobs(tx, q, u64::MAX)).wait().unwrap(), "more remain");
     assert_eq!(jobs.counts("ns", "q", &[JobState::Delayed]).unwrap(), vec![5]);
     assert!(!jobs.admin("ns", "q", |tx, q| admin::promote_jobs(tx, q, u64::MAX)).wait().unwrap());
@@ -2348,7 +2432,7 @@ fn a_refused_bulk_item_leaves_nothing_behind() {
         parent: Some(parent("nowhere", "missing")),
         ..job("second")
     };
-    let results = jobs.enqueue_bulk("ns", "q", vec![refused, job("third")]).wait().unwrap();
+    let results = jobs.enqueue_bulk("ns", "q", vec![refused, job("third")], None).wait().unwrap();
     assert!(matches!(results[0], Err(JobsError::NotFound(_))), "{results:?}");
     assert!(results[1].is_ok());
     assert_eq!(state(&jobs, "q", &kept), Some(JobState::Delayed), "the acknowledged job was replaced by a refused add");

@@ -277,9 +277,10 @@ impl JobsSvc {
         c: Caller,
         req: pb::EnqueueBulkRequest,
     ) -> Result<pb::EnqueueBulkResponse, ConnectError> {
+        let key = convert::idempotency(req.idempotency.into_option());
         let done = if req.all_or_nothing {
             let jobs = req.jobs.into_iter().map(convert::job_spec).collect::<Result<Vec<_>, _>>().map_err(core_err)?;
-            c.jobs.enqueue_all(&c.ns, &req.queue, jobs).await.map_err(core_err)?.into_iter().map(Ok).collect()
+            c.jobs.enqueue_all(&c.ns, &req.queue, jobs, key).await.map_err(core_err)?.into_iter().map(Ok).collect()
         } else {
             // A job that does not convert is refused alone, as one the core refuses.
             let (mut jobs, mut refused) = (Vec::new(), Vec::new());
@@ -289,7 +290,7 @@ impl JobsSvc {
                     Err(e) => refused.push((at, e)),
                 }
             }
-            let mut done = c.jobs.enqueue_bulk(&c.ns, &req.queue, jobs).await.map_err(core_err)?;
+            let mut done = c.jobs.enqueue_bulk(&c.ns, &req.queue, jobs, key).await.map_err(core_err)?;
             for (at, e) in refused {
                 done.insert(at, Err(e));
             }

@@ -3,8 +3,8 @@
 use crate::error::{JobsError, Missing, Precondition};
 use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
-    self, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Enqueued, JobRecord, JobState, MAX_PRIORITY,
-    ParentRef, validate_name,
+    self, BulkAdded, DedupRecord, Dependency, DependencyStatus, EnqueueRequest, Enqueued, Idempotency, JobRecord,
+    JobState, MAX_PRIORITY, ParentRef, validate_name,
 };
 use crate::ops::idempotency::{self, CallHash};
 use crate::tx::Tx;
@@ -117,15 +117,73 @@ pub fn enqueue_kept(tx: &mut Tx, q: &QueueId, mut kept: EnqueueRequest) -> Resul
     add(tx, q, kept, Placement::Normal)
 }
 
+/// Adds `reqs`, each on its own (a refused job leaves the others in), or,
+/// `all_or_nothing`, failing at the first refusal (the caller's transaction
+/// then keeps nothing). Under `key`, a key for the whole call, a repeat
+/// answers each job the first call made, as its own key would, and tries
+/// again those it refused; one record keeps the call, where a key for each
+/// job wrote one for each.
+pub fn bulk(
+    tx: &mut Tx,
+    q: &QueueId,
+    reqs: &[EnqueueRequest],
+    all_or_nothing: bool,
+    key: Option<&Idempotency>,
+) -> Result<Vec<Result<Enqueued, JobsError>>, JobsError> {
+    let keyed = key.map(|idem| (idem, CallHash { hash: idempotency::hash_of(&(all_or_nothing, reqs)), version: 1 }));
+    let before = match keyed {
+        Some((idem, hash)) => idempotency::recall(tx, q, idem, hash, None)?.map(|rec| rec.bulk),
+        None => None,
+    };
+    if let (Some((idem, _)), Some(before)) = (keyed, &before)
+        && before.len() != reqs.len()
+    {
+        // Another kind of call's record (an add's) under the same key.
+        return Err(JobsError::IdempotencyConflict { key: idem.key.clone() });
+    }
+    let mut results = Vec::with_capacity(reqs.len());
+    for (at, req) in reqs.iter().enumerate() {
+        let result = match before.as_ref().and_then(|made| made[at].clone()) {
+            Some(BulkAdded { job_id, deduplicated }) => made_before(tx, q, job_id, deduplicated),
+            None => enqueue(tx, q, req.clone(), Placement::Normal),
+        };
+        if all_or_nothing && let Err(e) = result {
+            return Err(e);
+        }
+        results.push(result);
+    }
+    if let Some((idem, hash)) = keyed {
+        let made: Vec<Option<BulkAdded>> = results
+            .iter()
+            .map(|r| {
+                let e = r.as_ref().ok()?;
+                Some(BulkAdded { job_id: e.id.clone(), deduplicated: e.deduplicated_by.is_some() })
+            })
+            .collect();
+        // A repeat that made nothing new leaves the record as it was.
+        if before.as_ref() != Some(&made) {
+            let answer = idempotency::Answer { bulk: made, ..Default::default() };
+            idempotency::remember(tx, q, idem, hash, "", answer)?;
+        }
+    }
+    Ok(results)
+}
+
+/// The answer to an add made again under its key: the job the first made,
+/// in its state now (completed once it is gone: retention removed it).
+fn made_before(tx: &mut Tx, q: &QueueId, job_id: String, deduplicated: bool) -> Result<Enqueued, JobsError> {
+    let state = tx.load_job(q, &job_id)?.map_or(JobState::Completed, |j| j.state);
+    let deduplicated_by = deduplicated.then(|| job_id.clone());
+    Ok(Enqueued { id: job_id, created: false, state, deduplicated_by })
+}
+
 fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) -> Result<Enqueued, JobsError> {
     validate(tx, &req)?;
     let keyed = req.idempotency.take().map(|idem| (idem, request_hash(&req)));
     if let Some((idem, hash)) = &keyed
         && let Some(rec) = idempotency::recall(tx, q, idem, *hash, Some(&|| request_hash_0(&req)))?
     {
-        let state = tx.load_job(q, &rec.job_id)?.map_or(JobState::Completed, |j| j.state);
-        let deduplicated_by = rec.deduplicated.then(|| rec.job_id.clone());
-        return Ok(Enqueued { id: rec.job_id, created: false, state, deduplicated_by });
+        return made_before(tx, q, rec.job_id, rec.deduplicated);
     }
 
     if let Some(id) = &req.job_id

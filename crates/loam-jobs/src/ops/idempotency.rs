@@ -5,7 +5,8 @@
 //! a log line), and the answer the client lost (the job an add made) is
 //! given again.
 //!
-//! Adds and reports leave a record under their key, which lives for the
+//! Adds and reports leave a record under their key (a bulk add under a key
+//! for the whole call, one record for all its jobs), which lives for the
 //! key's ttl (the client sets it to the time it may still send again);
 //! [`purge_expired`] takes the space back after. A completion, on the hot
 //! path, leaves its key in the job records it writes anyway instead (see
@@ -19,7 +20,7 @@ use siphasher::sip::SipHasher13;
 
 use crate::error::JobsError;
 use crate::keys::{QueueId, QueueKeys};
-use crate::model::{Idempotency, IdempotencyRecord, validate_name};
+use crate::model::{BulkAdded, Idempotency, IdempotencyRecord, validate_name};
 use crate::ops::enqueue::MAX_NAME_BYTES;
 use crate::tx::Tx;
 
@@ -82,7 +83,7 @@ pub fn recall(
 }
 
 /// What a call keyed `idem` answered besides its job, kept for a repeat.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Answer {
     /// A report's: the log lines it kept.
     pub log_count: Option<u64>,
@@ -90,6 +91,8 @@ pub struct Answer {
     pub finished_on: Option<u64>,
     /// An add's that a deduplication id absorbed: its job is the one that held the id.
     pub deduplicated: bool,
+    /// A bulk add's under a key for the call: what became of each job.
+    pub bulk: Vec<Option<BulkAdded>>,
 }
 
 /// Records that the call keyed `idem` (about job `job_id`) was made, and
@@ -104,7 +107,7 @@ pub fn remember(
 ) -> Result<(), JobsError> {
     let ttl = idem.ttl_ms.unwrap_or(tx.config.idempotency_ttl_ms);
     let expires_at = tx.now.saturating_add(ttl);
-    let Answer { log_count, finished_on, deduplicated } = answer;
+    let Answer { log_count, finished_on, deduplicated, bulk } = answer;
     let rec = IdempotencyRecord {
         request_hash: call.hash,
         job_id: job_id.to_string(),
@@ -113,6 +116,7 @@ pub fn remember(
         finished_on,
         hash_version: call.version,
         deduplicated,
+        bulk,
     };
     let key = QueueKeys::new(q).idempotency(&idem.key);
     tx.put_record(&key, &rec)?;
