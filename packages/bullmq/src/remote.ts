@@ -649,17 +649,17 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   /**
    * Every job or none; the first job refused fails the call, as in-process.
-   * Each job under a key of its own, as a single add: sent again after its
-   * connection failed on the way, the bulk adds none twice.
+   * Under one key for the call (the server keeps one record for it, where a
+   * key for each job cost one a job): sent again after its connection failed
+   * on the way, the bulk adds none twice.
    */
   async addJobs(entries: { job: JobJson; jobId: string; parentKeyOpts?: ParentKeyOpts }[]): Promise<string[]> {
     const jobs = entries.map(e => newJobJson(e.job, e.jobId, e.parentKeyOpts));
-    const specs = jobs.map(entry => this.keyedSpec(entry));
-    const r = await this.send(
-      { command: 'addJob' },
-      (c, o) => c.enqueueBulk({ queue: this.queueName, jobs: specs, allOrNothing: true }, o),
-      { ordered: true, resendable: true },
-    );
+    const bulk = { queue: this.queueName, jobs: jobs.map(jobSpec), allOrNothing: true, idempotency: this.keyed() };
+    const r = await this.send({ command: 'addJob' }, (c, o) => c.enqueueBulk(bulk, o), {
+      ordered: true,
+      resendable: true,
+    });
     return r.results.map((result, i) => {
       if (result.result.case === 'enqueued') return result.result.value.id;
       throw refusal(result, jobs[i].parentKey);
