@@ -524,13 +524,38 @@ def test_an_enqueues_own_key_outlives_its_retries_and_no_more() -> None:
     call = FirstCall(5_000).enqueue("q", "a")
     assert call.request.job.idempotency.ttl_ms == 86_000
     bulk = FirstCall(5_000).enqueue_bulk("q", [job("a"), job("b")])
-    assert [j.idempotency.ttl_ms for j in bulk.request.jobs] == [86_000, 86_000]
+    assert bulk.request.idempotency.ttl_ms == 86_000
     # Calls without a bound: the server's default (a day).
     unbounded = FirstCall(None).enqueue_job("q", job("a"))
     assert unbounded.request.job.idempotency.key and not unbounded.request.job.idempotency.has_field("ttl_ms")
     # A key of the caller's own keeps the caller's ttl.
     keyed = FirstCall(5_000).enqueue_job("q", job("a", idempotency_key="k", idempotency_ttl_ms=7))
     assert keyed.request.job.idempotency.ttl_ms == 7
+
+
+def test_a_bulk_enqueue_retries_an_unknown_outcome_under_one_key_for_the_call(
+    client: Client, queue: str
+) -> None:
+    specs = [job("a", 1), job("b", 2, job_id="own-id"), job("c", 3, idempotency_key=f"{queue}-own-key")]
+    op = ops.enqueue_bulk(queue, specs)
+    first = next(op)
+    assert isinstance(first, ops.Call) and first.request.idempotency.key
+    # Jobs carry no key of their own but the caller's.
+    assert [j.idempotency.key if j.has_field("idempotency") else None for j in first.request.jobs] == [
+        None,
+        None,
+        f"{queue}-own-key",
+    ]
+    assert isinstance(op.throw(UnavailableError("connection reset")), ops.Pause)
+    again = op.send(None)
+    assert isinstance(again, ops.Call) and again.request == first.request
+    # Its answer lost, the call sent again adds none of its jobs twice.
+    made, resent = client._run(_sent_twice(first))
+    created = [(r.result.value.id, r.result.value.created) for r in made.results]
+    assert [(r.result.value.id, r.result.value.created) for r in resent.results] == [
+        (i, False) for i, _ in created
+    ]
+    assert all(c for _, c in created) and client.counts(queue, "waiting") == {"waiting": 3}
 
 
 def test_each_enqueue_of_one_spec_adds_a_job(client: Client, queue: str) -> None:

@@ -344,8 +344,10 @@ def _sendable(fields: Mapping[str, Any]) -> bool:
 def enqueue_bulk(
     queue: str, specs: Iterable[JobSpec], all_or_nothing: bool = False, key_ttl_ms: int | None = None
 ) -> Op[list[Enqueued | LoamJobsError]]:
+    # One key for the call: the server keeps one record for it, where a key
+    # for each job cost one a job. Jobs with keys of their own keep them.
     request = EnqueueBulkRequest(
-        queue=queue, jobs=[idempotent(spec, key_ttl_ms) for spec in specs], all_or_nothing=all_or_nothing
+        queue=queue, jobs=list(specs), all_or_nothing=all_or_nothing, idempotency=own_key(key_ttl_ms)
     )
     resp = yield from _retried(Call("enqueue_bulk", request))
     results: list[Enqueued | LoamJobsError] = []
