@@ -340,6 +340,29 @@ def test_flow_parent_waits_for_children(client: Client, queue: str) -> None:
     client.complete(parent_lease, Success())
 
 
+def test_a_flow_retries_an_unknown_outcome_under_a_key_for_each_node(client: Client, queue: str) -> None:
+    parent_ref = ParentRef(queue=queue, id="p")
+    nodes = [
+        flow_node(queue, job("parent", None, job_id="p"), wait_children=True),
+        flow_node(queue, job("child", 1, parent=parent_ref)),
+        flow_node(queue, job("child", 2, parent=parent_ref, idempotency_key=f"{queue}-own")),
+    ]
+    op = ops.flow(nodes)
+    first = next(op)
+    assert isinstance(first, ops.Call)
+    keys = [node.job.idempotency.key for node in first.request.nodes]
+    assert all(keys) and len(set(keys)) == 3 and keys[2] == f"{queue}-own"
+    assert not nodes[0].job.has_field("idempotency"), "the caller's nodes are left as they were"
+    assert isinstance(op.throw(UnavailableError("connection reset")), ops.Pause)
+    again = op.send(None)
+    assert isinstance(again, ops.Call) and again.request == first.request
+    # Its answer lost, the flow sent again adds none of its jobs twice.
+    made, resent = client._run(_sent_twice(first))
+    assert [(e.id, e.created) for e in resent.enqueued] == [(e.id, False) for e in made.enqueued]
+    assert all(e.created for e in made.enqueued)
+    assert client.counts(queue, "waiting", "waiting-children") == {"waiting": 2, "waiting-children": 1}
+
+
 def test_missing_job_is_not_found_with_bullmq_code(client: Client, queue: str) -> None:
     with pytest.raises(NotFoundError) as missing:
         client.promote(queue, "nope")

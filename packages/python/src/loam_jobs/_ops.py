@@ -150,13 +150,14 @@ Op = Generator[Call | Pause, Any, T]
 # The longest pauses before each retry of a call whose outcome is unknown
 # (the server was unreachable, busy, or did not answer in time), in seconds;
 # each is drawn at random (`retry_pause`). Only calls that are safe to repeat
-# are retried: those that carry an idempotency key (an enqueue, a completion,
-# a report), reads that do not wait, lock extensions (fenced: a repeat sets
-# the same lock, or is refused once the lease is gone) and leases (a job whose
-# lease answer was lost stays active until its lock lapses and it is found
-# stalled, as when a worker dies holding it). Other writes (administration,
-# flows, the result store's) raise: telling a try the server never read from
-# one whose answer was lost needs more than the HTTP library says.
+# are retried: those that carry idempotency keys (an enqueue, a bulk one, a
+# completion, a report, a flow's nodes), reads that do not wait, lock
+# extensions (fenced: a repeat sets the same lock, or is refused once the
+# lease is gone) and leases (a job whose lease answer was lost stays active
+# until its lock lapses and it is found stalled, as when a worker dies
+# holding it). Other writes (administration, the result store's) raise:
+# telling a try the server never read from one whose answer was lost needs
+# more than the HTTP library says.
 RETRY_PAUSES = (0.1, 0.4, 1.6)
 # The longest server's retry-after (seconds) a retry or a watch's reconnect
 # waits out: the server asks for 0.1 s (busy) or 1 s (too many waiting calls),
@@ -362,8 +363,18 @@ def enqueue_bulk(
     return results
 
 
-def flow(nodes: Sequence[FlowNode]) -> Op[list[Enqueued]]:
-    resp = yield Call("flow", FlowRequest(nodes=list(nodes)))
+def flow(nodes: Sequence[FlowNode], key_ttl_ms: int | None = None) -> Op[list[Enqueued]]:
+    # Each node under a key of its own, as an enqueue: the flow is retried,
+    # and a repeat answers the jobs the first try made.
+    keyed = [
+        FlowNode(
+            queue=node.queue,
+            job=None if node.job is None else idempotent(node.job, key_ttl_ms),
+            wait_children=node.wait_children,
+        )
+        for node in nodes
+    ]
+    resp = yield from _retried(Call("flow", FlowRequest(nodes=keyed)))
     return list(resp.enqueued)
 
 
@@ -752,7 +763,7 @@ class Operations(ABC):
     def flow(self, nodes: Sequence[FlowNode]) -> list[Enqueued]:
         """Adds a tree of jobs across queues, all or nothing (parents first;
         each child names its parent, see `flow_node`)."""
-        return self._run(flow(nodes))
+        return self._run(flow(nodes, own_key_ttl_ms(self._timeout_ms)))
 
     # --- working -----------------------------------------------------------
 
