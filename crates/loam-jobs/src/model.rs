@@ -690,8 +690,10 @@ pub struct IdempotencyRecord {
     pub deduplicated: bool,
     /// For a bulk add under a key for the whole call: what became of each
     /// of its jobs, in its order; None for one refused, which a repeat tries
-    /// again (a refusal writes nothing). Empty for any other call.
-    #[serde(default)]
+    /// again (a refusal writes nothing). Empty for any other call, and then
+    /// left out of the encoding: a build from before this field reads a
+    /// record as long as the fields it knows, and refuses a longer one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub bulk: Vec<Option<BulkAdded>>,
 }
 
@@ -1156,6 +1158,32 @@ mod tests {
             ..Default::default()
         };
         assert_eq!((read, want.hash_version), (want.clone(), 0));
+    }
+
+    /// An idempotency record of any call but a keyed bulk add is written as
+    /// before `bulk` existed, so a build from before it (a rollback) still
+    /// reads it; records from then read with no bulk answers.
+    #[test]
+    fn idempotency_records_keep_the_encoding_from_before_bulk_answers() {
+        #[derive(Serialize)]
+        struct Before<'a>(u64, &'a str, u64, Option<u64>, Option<u64>, u8, bool);
+        let now = IdempotencyRecord {
+            request_hash: 5,
+            job_id: "7".into(),
+            expires_at: 9,
+            log_count: Some(2),
+            hash_version: 1,
+            deduplicated: true,
+            ..Default::default()
+        };
+        let before = encode(&Before(5, "7", 9, Some(2), None, 1, true));
+        assert_eq!(encode(&now), before);
+        assert_eq!(decode::<IdempotencyRecord>(&before).unwrap(), now);
+        let bulk = IdempotencyRecord {
+            bulk: vec![Some(BulkAdded { job_id: "1".into(), deduplicated: false }), None],
+            ..Default::default()
+        };
+        assert_eq!(decode::<IdempotencyRecord>(&encode(&bulk)).unwrap(), bulk);
     }
 
     /// A dedup record written before `key_removed` existed reads as a key

@@ -177,6 +177,13 @@ mod tests {
             ..Default::default()
         });
         assert_eq!((add, report, whole), (10024672349652522726, 9076688982668741003, 8672131837815774137));
+        // A bulk add under a key for the call (`enqueue::bulk`): the first
+        // build that kept one record for it.
+        let jobs = [EnqueueRequest { name: "a".into(), ..Default::default() }, EnqueueRequest::default()];
+        assert_eq!(
+            (hash_of(&(false, &jobs[..])), hash_of(&(true, &jobs[..]))),
+            (15351058395378063372, 12092297394819814703)
+        );
     }
 
     /// A record is compared the way it was made: one written before an add's
