@@ -337,6 +337,41 @@ async def test_a_completion_cancelled_while_it_waits_to_resend_gives_back_what_i
         assert counts == {"wait": 1, "active": 0, "completed": 1}
 
 
+async def test_a_lease_cancelled_while_it_waits_to_resend_is_not_sent_again(
+    server: Server, queue: str
+) -> None:
+    # The first try leased the job and its answer was lost; the caller is
+    # cancelled in the pause before the retry. A lease has no key: sent again
+    # to give back what it took, it took another job for nobody.
+    async with AsyncClient(server.url) as client:
+        send = client._call
+        leases: list[Any] = []
+
+        async def lose_the_first_lease(call: Any) -> Any:
+            answer = await send(call)
+            if call.rpc == "lease":
+                leases.append(answer)
+                if len(leases) == 1:
+                    raise UnavailableError("the answer was lost")
+            return answer
+
+        await client.enqueue(queue, "first")
+        await client.enqueue(queue, "second")
+        client._call = lose_the_first_lease  # type: ignore[method-assign]
+        task = asyncio.create_task(client.lease(queue, max_jobs=1, lock_duration_ms=60_000))
+        await asyncio.sleep(0.03)  # in the pause (at least 0.05 s) before the retry
+        assert leases, "the first try was made"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.3)
+        assert len(leases) == 1
+        # The lost try's job waits out its lock; the other was never taken.
+        assert await client.counts(queue, "wait", "active") == {"wait": 1, "active": 1}
+        second = await client.get_job(queue, "2")
+        assert second is not None and second.attempts_started == 0
+
+
 async def test_an_async_watchs_idle_timeout_is_checked_too(server: Server, queue: str) -> None:
     async with AsyncClient(server.url) as client:
         with pytest.raises(InvalidArgumentError, match="idle_timeout_ms"):

@@ -10,6 +10,7 @@ from protobuf import Oneof
 
 from loam_jobs import (
     Client,
+    DeadlineExceededError,
     Delay,
     DependencyStatus,
     Enqueued,
@@ -631,6 +632,14 @@ def test_reads_extends_and_leases_retry_an_unknown_outcome_and_other_writes_do_n
         assert isinstance(next(op), ops.Call), name
         with pytest.raises(UnavailableError):
             op.throw(UnavailableError("connection refused"))
+
+
+def test_a_lease_that_timed_out_is_not_sent_again() -> None:
+    # The server was most likely slow, not gone, and leased the jobs anyway.
+    op = ops.lease("q", ops.lease_options(1), 0)
+    next(op)
+    with pytest.raises(DeadlineExceededError):
+        op.throw(DeadlineExceededError("no answer in time"))
 
 
 def test_a_retried_lease_waits_only_for_what_is_left_of_its_wait() -> None:

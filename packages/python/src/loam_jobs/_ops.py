@@ -153,9 +153,9 @@ Op = Generator[Call | Pause, Any, T]
 # are retried: those that carry idempotency keys (an enqueue, a bulk one, a
 # completion, a report, a flow's nodes), reads that do not wait, lock
 # extensions (fenced: a repeat sets the same lock, or is refused once the
-# lease is gone) and leases (a job whose lease answer was lost stays active
-# until its lock lapses and it is found stalled, as when a worker dies
-# holding it). Other writes (administration, the result store's) raise:
+# lease is gone) and leases, except after a timeout (a job whose lease answer
+# was lost stays active until its lock lapses and it is found stalled, as
+# when a worker dies holding it). Other writes (administration, the result store's) raise:
 # telling a try the server never read from one whose answer was lost needs
 # more than the HTTP library says.
 RETRY_PAUSES = (0.1, 0.4, 1.6)
@@ -275,14 +275,18 @@ def _answered(value: T) -> Op[T]:
     yield  # a generator, as every operation is
 
 
-def _retried(call: Call | Callable[[], Call]) -> Op[Any]:
+def _retried(
+    call: Call | Callable[[], Call],
+    unknown: tuple[type[LoamJobsError], ...] = (UnavailableError, DeadlineExceededError),
+) -> Op[Any]:
     """`call` (or a call made anew for each try), tried again after each of
-    `RETRY_PAUSES` (`retry_pause`) while its outcome is unknown. The caller
-    makes sure a repeat cannot do the work twice."""
+    `RETRY_PAUSES` (`retry_pause`) while it fails with one of `unknown` (its
+    outcome unknown). The caller makes sure a repeat cannot do the work
+    twice."""
     for pause in (*RETRY_PAUSES, None):
         try:
             return (yield call if isinstance(call, Call) else call())
-        except (UnavailableError, DeadlineExceededError) as err:
+        except unknown as err:
             # A paused queue is an answer, not an unknown outcome.
             if pause is None or isinstance(err, QueuePausedError):
                 raise
@@ -397,7 +401,10 @@ def lease(queue: str, options: LeaseOptions, wait_ms: int) -> Op[LeaseBatch]:
     while True:
         remaining = remaining_ms()
         started = time.monotonic()
-        resp = yield from _retried(one_slice)
+        # Not after a timeout: the server is then most likely slow, not
+        # gone, and applies the first try too; each repeat would hold up to
+        # `max` more jobs for nobody until their locks lapse.
+        resp = yield from _retried(one_slice, (UnavailableError,))
         batch = LeaseBatch.from_proto(queue, resp.leased)
         if batch.jobs or remaining <= SERVER_MAX_WAIT_MS:
             return batch

@@ -721,9 +721,11 @@ class AsyncClient(AsyncOperations):
         # cancelled before it returns them (while it fails those that
         # stalled too often), it gives them back.
         leased: list[tuple[Call, Any]] = []
-        # A call that may have taken jobs and failed with its outcome
-        # unknown (its answer lost), while the operation pauses to send it
-        # again: cancelled then, it is sent once more anyway (see `_take_back`).
+        # A keyed call that may have taken jobs (a completion fetching the
+        # next) and failed with its outcome unknown (its answer lost), while
+        # the operation pauses to send it again: cancelled then, it is sent
+        # once more anyway (see `_take_back`). A lease has no key: sent again,
+        # it would take other jobs, for nobody.
         unknown: Call | None = None
         try:
             step = next(op)
@@ -736,7 +738,7 @@ class AsyncClient(AsyncOperations):
                 try:
                     response = await self._call(step)
                 except LoamJobsError as err:
-                    if _takes_jobs(step):
+                    if _takes_jobs(step) and step.rpc == "complete":
                         unknown = step
                     step = op.throw(err)
                 else:
