@@ -301,6 +301,25 @@ async def test_an_async_watch_closed_while_it_pins_its_cursor_opens_no_stream(
         assert watch._stream is None
 
 
+def _losing_the_first_answer(client: AsyncClient, rpc: str, error: LoamJobsError) -> list[Any]:
+    """Makes `client` lose the answer to its first `rpc` call, which the
+    server applied, and fail that call with `error`; returns the answers to
+    every `rpc` call, as they come."""
+    send = client._call
+    answers: list[Any] = []
+
+    async def losing(call: Any) -> Any:
+        answer = await send(call)
+        if call.rpc == rpc:
+            answers.append(answer)
+            if len(answers) == 1:
+                raise error
+        return answer
+
+    client._call = losing  # type: ignore[method-assign]
+    return answers
+
+
 async def test_a_completion_cancelled_while_it_waits_to_resend_gives_back_what_it_fetched(
     server: Server, queue: str
 ) -> None:
@@ -308,17 +327,7 @@ async def test_a_completion_cancelled_while_it_waits_to_resend_gives_back_what_i
     # lost; the caller is cancelled in the pause before the retry. The next job
     # goes back to waiting rather than to nobody until its lock expires.
     async with AsyncClient(server.url) as client:
-        send = client._call
-        lost: list[Any] = []
-
-        async def lose_the_first_completion(call: Any) -> Any:
-            answer = await send(call)
-            if call.rpc == "complete" and not lost:
-                lost.append(answer)
-                raise DeadlineExceededError("the answer was lost")
-            return answer
-
-        client._call = lose_the_first_completion  # type: ignore[method-assign]
+        lost = _losing_the_first_answer(client, "complete", DeadlineExceededError("the answer was lost"))
         await client.enqueue(queue, "first")
         await client.enqueue(queue, "second")
         first = (await client.lease(queue, max_jobs=1))[0]
@@ -344,20 +353,9 @@ async def test_a_lease_cancelled_while_it_waits_to_resend_is_not_sent_again(
     # cancelled in the pause before the retry. A lease has no key: sent again
     # to give back what it took, it took another job for nobody.
     async with AsyncClient(server.url) as client:
-        send = client._call
-        leases: list[Any] = []
-
-        async def lose_the_first_lease(call: Any) -> Any:
-            answer = await send(call)
-            if call.rpc == "lease":
-                leases.append(answer)
-                if len(leases) == 1:
-                    raise UnavailableError("the answer was lost")
-            return answer
-
         await client.enqueue(queue, "first")
         await client.enqueue(queue, "second")
-        client._call = lose_the_first_lease  # type: ignore[method-assign]
+        leases = _losing_the_first_answer(client, "lease", UnavailableError("the answer was lost"))
         task = asyncio.create_task(client.lease(queue, max_jobs=1, lock_duration_ms=60_000))
         await asyncio.sleep(0.03)  # in the pause (at least 0.05 s) before the retry
         assert leases, "the first try was made"
