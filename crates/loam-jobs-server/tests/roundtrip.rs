@@ -150,12 +150,16 @@ async fn a_bulk_add_sent_again_under_its_key_adds_nothing_twice() {
                 })
                 .collect()
         };
-        let first = answered(c.enqueue_bulk(request.clone()).await.unwrap().into_owned());
+        let first = c.enqueue_bulk(request.clone()).await.unwrap().into_owned();
+        assert!(first.key_kept, "a client keys each job too until the server says it keeps the call's key");
+        let first = answered(first);
         let again = answered(c.enqueue_bulk(request).await.unwrap().into_owned());
         assert!(first.iter().all(|(_, created)| *created));
         assert_eq!(again, first.iter().map(|(id, _)| (id.clone(), false)).collect::<Vec<_>>());
     }
     assert_eq!(counts(&c, "bulk", &["wait"]).await, vec![6]);
+    let unkeyed = pb::EnqueueBulkRequest { queue: "bulk".into(), jobs: vec![job("a", b"{}")], ..Default::default() };
+    assert!(!c.enqueue_bulk(unkeyed).await.unwrap().into_owned().key_kept);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -286,6 +286,13 @@ export class RemoteChannel {
    * of an outage failed after five windows).
    */
   private unreachableSince = 0;
+  /**
+   * Whether the server said it keeps a bulk add's key for the whole call
+   * (`EnqueueBulkResponse.keyKept`). Until then each job goes under a key of
+   * its own too: a server from before such keys ignores them, and a bulk sent
+   * again there would add its jobs twice.
+   */
+  bulkKeysKept = false;
 
   /**
    * `unused` is told each time the channel closes, no backend using it and

@@ -651,15 +651,18 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * Every job or none; the first job refused fails the call, as in-process.
    * Under one key for the call (the server keeps one record for it, where a
    * key for each job cost one a job): sent again after its connection failed
-   * on the way, the bulk adds none twice.
+   * on the way, the bulk adds none twice. Each job under a key of its own too
+   * until the server has said it keeps the call's (`bulkKeysKept`).
    */
   async addJobs(entries: { job: JobJson; jobId: string; parentKeyOpts?: ParentKeyOpts }[]): Promise<string[]> {
     const jobs = entries.map(e => newJobJson(e.job, e.jobId, e.parentKeyOpts));
-    const bulk = { queue: this.queueName, jobs: jobs.map(jobSpec), allOrNothing: true, idempotency: this.keyed() };
+    const specs = this.channel.bulkKeysKept ? jobs.map(jobSpec) : jobs.map(entry => this.keyedSpec(entry));
+    const bulk = { queue: this.queueName, jobs: specs, allOrNothing: true, idempotency: this.keyed() };
     const r = await this.send({ command: 'addJob' }, (c, o) => c.enqueueBulk(bulk, o), {
       ordered: true,
       resendable: true,
     });
+    if (r.keyKept) this.channel.bulkKeysKept = true;
     return r.results.map((result, i) => {
       if (result.result.case === 'enqueued') return result.result.value.id;
       throw refusal(result, jobs[i].parentKey);

@@ -606,6 +606,26 @@ describeRemote('remote connection failures', () => {
     }
   });
 
+  it('a bulk add keys each job too until the server says it keeps the call\'s key', async () => {
+    // A server from before keys for a whole call ignores them: a bulk sent
+    // again there would add its jobs twice without keys of their own.
+    const factory = loamBackend({ url: inject('loamServerUrl'), namespace: `t-${randomUUID()}` });
+    const backend = factory(`q-${randomUUID()}`, { connection: {} });
+    const internals = backend as unknown as { channel: { bulkKeysKept: boolean }; keyedSpec: () => unknown };
+    const keyedSpec = vi.spyOn(internals, 'keyedSpec');
+    const bulk = (n: number) =>
+      backend.addJobs(
+        Array.from({ length: n }, (_, i) => ({ job: { name: 'j', data: JSON.stringify({ i }), opts: {} } as never, jobId: '' })),
+      );
+    expect(internals.channel.bulkKeysKept).toBe(false);
+    expect(await bulk(3)).toHaveLength(3);
+    expect(keyedSpec).toHaveBeenCalledTimes(3);
+    expect(internals.channel.bulkKeysKept).toBe(true);
+    expect(await bulk(2)).toHaveLength(2);
+    expect(keyedSpec).toHaveBeenCalledTimes(3);
+    await backend.close();
+  });
+
   it("long-polls leave nothing behind on the backend's long-lived signal", async () => {
     // Node 20 keeps every `AbortSignal.any` made of a signal among that
     // signal's dependants for good (`kDependantSignals`, made at its first

@@ -32,7 +32,7 @@ from loam_jobs import (
     models,
 )
 from loam_jobs import _ops as ops
-from loam_jobs._gen.loam.jobs.v1.jobs_pb import ReportRequest
+from loam_jobs._gen.loam.jobs.v1.jobs_pb import EnqueueBulkResponse, ReportRequest
 
 from .conftest import MAX_PAYLOAD_BYTES, Server
 
@@ -538,6 +538,7 @@ def test_an_enqueues_own_key_outlives_its_retries_and_no_more() -> None:
 
         def __init__(self, timeout_ms: int | None) -> None:
             self._timeout_ms = timeout_ms
+            self._bulk_keys = ops.BulkKeys()
 
         def _run(self, op: ops.Op[Any]) -> Any:
             return next(op)
@@ -549,6 +550,9 @@ def test_an_enqueues_own_key_outlives_its_retries_and_no_more() -> None:
     assert call.request.job.idempotency.ttl_ms == 86_000
     bulk = FirstCall(5_000).enqueue_bulk("q", [job("a"), job("b")])
     assert bulk.request.idempotency.ttl_ms == 86_000
+    assert [j.idempotency.ttl_ms for j in bulk.request.jobs] == [86_000, 86_000], (
+        "until the server keeps call keys"
+    )
     # Calls without a bound: the server's default (a day).
     unbounded = FirstCall(None).enqueue_job("q", job("a"))
     assert unbounded.request.job.idempotency.key and not unbounded.request.job.idempotency.has_field("ttl_ms")
@@ -561,10 +565,10 @@ def test_a_bulk_enqueue_retries_an_unknown_outcome_under_one_key_for_the_call(
     client: Client, queue: str
 ) -> None:
     specs = [job("a", 1), job("b", 2, job_id="own-id"), job("c", 3, idempotency_key=f"{queue}-own-key")]
-    op = ops.enqueue_bulk(queue, specs)
+    op = ops.enqueue_bulk(queue, specs, keys=ops.BulkKeys(kept=True))
     first = next(op)
     assert isinstance(first, ops.Call) and first.request.idempotency.key
-    # Jobs carry no key of their own but the caller's.
+    # To a server that keeps the call's key, jobs carry no key but the caller's.
     assert [j.idempotency.key if j.has_field("idempotency") else None for j in first.request.jobs] == [
         None,
         None,
@@ -580,6 +584,34 @@ def test_a_bulk_enqueue_retries_an_unknown_outcome_under_one_key_for_the_call(
         (i, False) for i, _ in created
     ]
     assert all(c for _, c in created) and client.counts(queue, "waiting") == {"waiting": 3}
+
+
+def test_a_bulk_enqueue_keys_each_job_too_until_the_server_says_it_keeps_the_calls_key(
+    server: Server, queue: str
+) -> None:
+    # A server from before keys for a whole call ignores them: a bulk sent
+    # again there would add its jobs twice without keys of their own.
+    with Client(server.url) as fresh:
+        sent: list[ops.Call] = []
+        call = fresh._call
+
+        def recorded(c: ops.Call) -> Any:
+            sent.append(c)
+            return call(c)
+
+        fresh._call = recorded  # type: ignore[method-assign]
+        fresh.enqueue_bulk(queue, [job("a"), job("b")])
+        assert all(j.has_field("idempotency") for j in sent[0].request.jobs)
+        assert fresh._bulk_keys.kept
+        fresh.enqueue_bulk(queue, [job("c")])
+        assert not any(j.has_field("idempotency") for j in sent[1].request.jobs)
+        assert sent[1].request.idempotency.key
+    keys = ops.BulkKeys()
+    op = ops.enqueue_bulk(queue, [job("d")], keys=keys)
+    next(op)
+    with pytest.raises(StopIteration):
+        op.send(EnqueueBulkResponse(results=[]))
+    assert not keys.kept, "an older server's answer (key_kept unset) leaves the next bulk's jobs keyed"
 
 
 def test_each_enqueue_of_one_spec_adds_a_job(client: Client, queue: str) -> None:

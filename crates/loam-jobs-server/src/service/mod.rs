@@ -278,6 +278,7 @@ impl JobsSvc {
         req: pb::EnqueueBulkRequest,
     ) -> Result<pb::EnqueueBulkResponse, ConnectError> {
         let key = convert::idempotency(req.idempotency.into_option());
+        let key_kept = key.is_some();
         let done = if req.all_or_nothing {
             let jobs = req.jobs.into_iter().map(convert::job_spec).collect::<Result<Vec<_>, _>>().map_err(core_err)?;
             c.jobs.enqueue_all(&c.ns, &req.queue, jobs, key).await.map_err(core_err)?.into_iter().map(Ok).collect()
@@ -298,7 +299,11 @@ impl JobsSvc {
         };
         let created = done.iter().filter(|r| r.as_ref().is_ok_and(|e| e.created)).count() as u64;
         self.metrics.enqueued(&c.ns, &req.queue, created);
-        Ok(pb::EnqueueBulkResponse { results: done.iter().map(enqueue_result).collect(), ..Default::default() })
+        Ok(pb::EnqueueBulkResponse {
+            results: done.iter().map(enqueue_result).collect(),
+            key_kept,
+            ..Default::default()
+        })
     }
 
     async fn do_lease(&self, c: Caller, req: pb::LeaseRequest) -> Result<pb::LeaseResponse, ConnectError> {

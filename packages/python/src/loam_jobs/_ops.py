@@ -347,14 +347,24 @@ def _sendable(fields: Mapping[str, Any]) -> bool:
 
 
 def enqueue_bulk(
-    queue: str, specs: Iterable[JobSpec], all_or_nothing: bool = False, key_ttl_ms: int | None = None
+    queue: str,
+    specs: Iterable[JobSpec],
+    all_or_nothing: bool = False,
+    key_ttl_ms: int | None = None,
+    keys: BulkKeys | None = None,
 ) -> Op[list[Enqueued | LoamJobsError]]:
     # One key for the call: the server keeps one record for it, where a key
-    # for each job cost one a job. Jobs with keys of their own keep them.
+    # for each job cost one a job. Jobs with keys of their own keep them, and
+    # every job gets one too until the server has said it keeps the call's
+    # (`keys`): a server from before such keys ignores them.
+    kept = keys is not None and keys.kept
+    jobs = list(specs) if kept else [idempotent(spec, key_ttl_ms) for spec in specs]
     request = EnqueueBulkRequest(
-        queue=queue, jobs=list(specs), all_or_nothing=all_or_nothing, idempotency=own_key(key_ttl_ms)
+        queue=queue, jobs=jobs, all_or_nothing=all_or_nothing, idempotency=own_key(key_ttl_ms)
     )
     resp = yield from _retried(Call("enqueue_bulk", request))
+    if keys is not None and resp.key_kept:
+        keys.kept = True
     results: list[Enqueued | LoamJobsError] = []
     for item in resp.results:
         match item.result:
@@ -365,6 +375,14 @@ def enqueue_bulk(
             case _:
                 results.append(InternalError("the server returned an empty bulk result"))
     return results
+
+
+@dataclass
+class BulkKeys:
+    """What a client learned of its server: whether it keeps a bulk add's key
+    for the whole call (`EnqueueBulkResponse.key_kept`)."""
+
+    kept: bool = False
 
 
 def flow(nodes: Sequence[FlowNode], key_ttl_ms: int | None = None) -> Op[list[Enqueued]]:
@@ -733,6 +751,8 @@ class Operations(ABC):
 
     # Each call's bound, in ms (None: none); see `own_key_ttl_ms`.
     _timeout_ms: int | None
+    # Whether the server keeps a bulk add's key for the call (see `enqueue_bulk`).
+    _bulk_keys: BulkKeys
 
     @abstractmethod
     def _run(self, op: Op[T]) -> T:
@@ -765,7 +785,8 @@ class Operations(ABC):
         with `all_or_nothing`, the first job refused is raised instead and no
         job is added (BullMQ's addBulk on Loam)."""
         jobs = [_bulk_job_spec(i, item) for i, item in enumerate(specs)]
-        return self._run(enqueue_bulk(queue, jobs, all_or_nothing, own_key_ttl_ms(self._timeout_ms)))
+        ttl_ms = own_key_ttl_ms(self._timeout_ms)
+        return self._run(enqueue_bulk(queue, jobs, all_or_nothing, ttl_ms, self._bulk_keys))
 
     def flow(self, nodes: Sequence[FlowNode]) -> list[Enqueued]:
         """Adds a tree of jobs across queues, all or nothing (parents first;

@@ -25,7 +25,7 @@ from pyqwest import SyncClient, SyncHTTPTransport
 
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
 from ._gen.loam.jobs.v1.jobs_pb import CompleteRequest, LeaseRequest, WatchRequest
-from ._ops import Call, Op, Operations, Pause, complete, own_key_ttl_ms, retry_pause
+from ._ops import BulkKeys, Call, Op, Operations, Pause, complete, own_key_ttl_ms, retry_pause
 from .errors import (
     ClientClosedError,
     ForkedProcessError,
@@ -300,6 +300,7 @@ class Client(Operations):
         self.namespace = namespace
         self._headers = _headers(token, namespace)
         self._timeout_ms = _client_timeout(timeout_ms)
+        self._bulk_keys = BulkKeys()
         self._compress_requests = compress_requests
         self._closed = False
         self.stub = _stub(JobsServiceClientSync, self.url, compress_requests)
@@ -637,6 +638,7 @@ class AsyncClient(AsyncOperations):
         self.namespace = namespace
         self._headers = _headers(token, namespace)
         self._timeout_ms = _client_timeout(timeout_ms)
+        self._bulk_keys = BulkKeys()
         self._closed = False
         self.stub = _stub(JobsServiceClient, self.url, compress_requests)
         # Calls given up on that run on to give back what they take, and the
