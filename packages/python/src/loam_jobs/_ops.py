@@ -155,9 +155,9 @@ Op = Generator[Call | Pause, Any, T]
 # extensions (fenced: a repeat sets the same lock, or is refused once the
 # lease is gone) and leases, except after a timeout (a job whose lease answer
 # was lost stays active until its lock lapses and it is found stalled, as
-# when a worker dies holding it). Other writes (administration, the result store's) raise:
-# telling a try the server never read from one whose answer was lost needs
-# more than the HTTP library says.
+# when a worker dies holding it). Other writes (administration, the result
+# store's) raise: telling a try the server never read from one whose answer
+# was lost needs more than the HTTP library says.
 RETRY_PAUSES = (0.1, 0.4, 1.6)
 # The longest server's retry-after (seconds) a retry or a watch's reconnect
 # waits out: the server asks for 0.1 s (busy) or 1 s (too many waiting calls),
@@ -346,6 +346,14 @@ def _sendable(fields: Mapping[str, Any]) -> bool:
     return True
 
 
+@dataclass
+class BulkKeys:
+    """What a client learned of its server: whether it keeps a bulk add's key
+    for the whole call (`EnqueueBulkResponse.key_kept`)."""
+
+    kept: bool = False
+
+
 def enqueue_bulk(
     queue: str,
     specs: Iterable[JobSpec],
@@ -375,14 +383,6 @@ def enqueue_bulk(
             case _:
                 results.append(InternalError("the server returned an empty bulk result"))
     return results
-
-
-@dataclass
-class BulkKeys:
-    """What a client learned of its server: whether it keeps a bulk add's key
-    for the whole call (`EnqueueBulkResponse.key_kept`)."""
-
-    kept: bool = False
 
 
 def flow(nodes: Sequence[FlowNode], key_ttl_ms: int | None = None) -> Op[list[Enqueued]]:
@@ -631,7 +631,7 @@ def query(queue: str, field_name: str, value: Any, wait_ms: int = 0) -> Op[Any]:
     if wait_ms == 0:
         resp = yield from _retried(call)
     else:
-        # Not a long-poll: its caller waits again (a watch reconnects).
+        # A long-poll is not: its caller waits again (a watch reconnects).
         resp = yield call
     if resp.result is None:
         return None
