@@ -320,6 +320,17 @@ def _losing_the_first_answer(client: AsyncClient, rpc: str, error: LoamJobsError
     return answers
 
 
+async def _in_the_pause_before_the_retry(answers: list[Any]) -> None:
+    """Returns once the first answer was lost (`_losing_the_first_answer`):
+    the operation then pauses at least 0.05 s before its retry. A fixed
+    sleep missed the pause whenever the first try took longer than it."""
+    for _ in range(1_000):
+        if answers:
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("the first try was not made")
+
+
 async def test_a_completion_cancelled_while_it_waits_to_resend_gives_back_what_it_fetched(
     server: Server, queue: str
 ) -> None:
@@ -332,8 +343,7 @@ async def test_a_completion_cancelled_while_it_waits_to_resend_gives_back_what_i
         await client.enqueue(queue, "second")
         first = (await client.lease(queue, max_jobs=1))[0]
         task = asyncio.create_task(client.complete(first, Success(), fetch_next=1))
-        await asyncio.sleep(0.05)  # in the 0.1 s pause before the retry
-        assert lost, "the first try was made"
+        await _in_the_pause_before_the_retry(lost)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -357,8 +367,7 @@ async def test_a_lease_cancelled_while_it_waits_to_resend_is_not_sent_again(
         await client.enqueue(queue, "second")
         leases = _losing_the_first_answer(client, "lease", UnavailableError("the answer was lost"))
         task = asyncio.create_task(client.lease(queue, max_jobs=1, lock_duration_ms=60_000))
-        await asyncio.sleep(0.03)  # in the pause (at least 0.05 s) before the retry
-        assert leases, "the first try was made"
+        await _in_the_pause_before_the_retry(leases)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
