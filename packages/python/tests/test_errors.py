@@ -195,7 +195,7 @@ def test_unreachable_server_is_unavailable() -> None:
     with Client(f"http://127.0.0.1:{free_port()}") as nowhere:
         started = time.monotonic()
         with pytest.raises(UnavailableError) as down:
-            nowhere.pause("q")
+            nowhere.drain("q")
         assert time.monotonic() - started < 1, "a write that is not safe to repeat is not tried again"
         # A read is, four times in 1-2 s, before it gives up.
         with pytest.raises(UnavailableError):
@@ -203,7 +203,7 @@ def test_unreachable_server_is_unavailable() -> None:
     assert down.value.reason == ""
 
 
-def test_reads_leases_and_extends_made_while_the_server_is_away_are_answered_once_it_is_back(
+def test_calls_safe_to_repeat_made_while_the_server_is_away_are_answered_once_it_is_back(
     tmp_path: Path,
 ) -> None:
     data_dir = tmp_path / "data"
@@ -227,6 +227,8 @@ def test_reads_leases_and_extends_made_while_the_server_is_away_are_answered_onc
                 "counts": lambda: client.counts("restarts", "waiting", "active"),
                 "lease": lambda: [leased.id for leased in client.lease("restarts", lock_duration_ms=60_000)],
                 "extend": lambda: client.extend([held], 60_000),
+                "pause": lambda: client.pause("restarts-other"),
+                "result_set": lambda: client.result_set("restarts-result", {"ok": True}),
             }
             threads = [threading.Thread(target=ask, args=item) for item in calls.items()]
             for thread in threads:
@@ -239,6 +241,8 @@ def test_reads_leases_and_extends_made_while_the_server_is_away_are_answered_onc
             assert answers["counts"] in ({"waiting": 1, "active": 1}, {"waiting": 0, "active": 2})
             assert answers["lease"] == ["b"]
             assert answers["extend"] == []
+            assert answers["pause"] is None and client.is_paused("restarts-other")
+            assert answers["result_set"] is None and client.result_get_json("restarts-result") == {"ok": True}
     finally:
         stop_server(server)
 

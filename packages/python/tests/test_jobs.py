@@ -32,7 +32,12 @@ from loam_jobs import (
     models,
 )
 from loam_jobs import _ops as ops
-from loam_jobs._gen.loam.jobs.v1.jobs_pb import EnqueueBulkResponse, ReportRequest
+from loam_jobs._gen.loam.jobs.v1.jobs_pb import (
+    EnqueueBulkResponse,
+    JobAdminRequest,
+    QueueAdminRequest,
+    ReportRequest,
+)
 
 from .conftest import MAX_PAYLOAD_BYTES, Server
 
@@ -638,7 +643,7 @@ def test_completions_and_reports_retry_an_unknown_outcome_under_one_key() -> Non
             op.throw(FencedError("lease lost"))
 
 
-def test_reads_extends_and_leases_retry_an_unknown_outcome_and_other_writes_do_not() -> None:
+def test_calls_a_repeat_cannot_do_twice_retry_an_unknown_outcome_and_other_writes_do_not() -> None:
     fence = ops._fence("1", 1, None, False)
     repeatable = {
         "counts": ops.counts("q", ["waiting"], None),
@@ -647,6 +652,14 @@ def test_reads_extends_and_leases_retry_an_unknown_outcome_and_other_writes_do_n
         "result_mget": ops.result_mget(["k"]),
         "extend": ops.extend_many("q", [("1", fence)], 1_000),
         "lease": ops.lease("q", ops.lease_options(1), 0),
+        "pause": ops.queue_admin("q", "pause", True),
+        "resume": ops.queue_admin("q", "resume", True),
+        "set_rate_limit": ops.queue_admin("q", "set_rate_limit", QueueAdminRequest.SetRateLimit(ms=10)),
+        "a chunk of obliterate": ops.queue_admin_until_done(
+            "q", "obliterate", QueueAdminRequest.Obliterate(count=10)
+        ),
+        "result_set": ops.result_set("k", 1, None),
+        "result_expire": ops.result_expire("k", 1_000),
     }
     for name, op in repeatable.items():
         first = next(op)
@@ -654,10 +667,15 @@ def test_reads_extends_and_leases_retry_an_unknown_outcome_and_other_writes_do_n
         assert isinstance(op.throw(UnavailableError("connection refused")), ops.Pause), name
         again = op.send(None)
         assert isinstance(again, ops.Call) and again.request == first.request, name
+    # Each would answer, repeated, for what the repeat did rather than the
+    # lost try (0 removed, not deleted, not added), or act on what came since.
     once = {
-        "pause": ops.queue_admin("q", "pause", True),
-        "result_set": ops.result_set("k", 1, None),
+        "drain": ops.queue_admin("q", "drain", QueueAdminRequest.Drain()),
+        "set_meta": ops.queue_admin("q", "set_meta", QueueAdminRequest.SetMeta(values={"a": "1"})),
+        "publish_event": ops.queue_admin("q", "publish_event", QueueAdminRequest.PublishEvent(name="e")),
+        "remove": ops.job_admin("q", "1", "remove", JobAdminRequest.Remove()),
         "result_delete": ops.result_delete("k"),
+        "result_incr": ops.result_incr("k", "m", None),
         "a waiting read": ops.events("q", 0, 10, 1_000),
     }
     for name, op in once.items():

@@ -155,9 +155,10 @@ Op = Generator[Call | Pause, Any, T]
 # extensions (fenced: a repeat sets the same lock, or is refused once the
 # lease is gone) and leases, except after a timeout (a job whose lease answer
 # was lost stays active until its lock lapses and it is found stalled, as
-# when a worker dies holding it). Other writes (administration, the result
-# store's) raise: telling a try the server never read from one whose answer
-# was lost needs more than the HTTP library says.
+# when a worker dies holding it), administration that a repeat leaves as it
+# was (`_REPEATABLE_ADMIN`), and the result store's sets and expiries. Other
+# writes raise: telling a try the server never read from one whose answer was
+# lost needs more than the HTTP library says.
 RETRY_PAUSES = (0.1, 0.4, 1.6)
 # The longest server's retry-after (seconds) a retry or a watch's reconnect
 # waits out: the server asks for 0.1 s (busy) or 1 s (too many waiting calls),
@@ -273,6 +274,11 @@ def _answered(value: T) -> Op[T]:
     """An operation answered without a call: `value`, from either driver."""
     return value
     yield  # a generator, as every operation is
+
+
+def _once(call: Call) -> Op[Any]:
+    """`call`, not sent again whatever becomes of it."""
+    return (yield call)
 
 
 def _retried(
@@ -583,10 +589,28 @@ def unschedule(queue: str, scheduler_id: str) -> Op[bool]:
 # Queue administration
 
 
+# Administration that a repeat leaves as the first try did, and whose answer
+# does not say what the try itself did: these are sent again when their
+# outcome is unknown. Draining, cleaning, sweeping and the counts of meta
+# fields or events removed are not: a repeat acts on what came meanwhile, or
+# answers 0 for what the lost try did.
+_REPEATABLE_ADMIN = frozenset(
+    {
+        "pause",
+        "resume",
+        "set_config",
+        "set_rate_limit",
+        "register_worker",
+        "obliterate",
+        "retry_jobs",
+        "promote_jobs",
+    }
+)
+
+
 def queue_admin(queue: str, field_name: str, value: Any) -> Op[QueueAdminResponse]:
-    resp: QueueAdminResponse = yield Call(
-        "queue_admin", QueueAdminRequest(queue=queue, op=_chosen(field_name, value))
-    )
+    call = Call("queue_admin", QueueAdminRequest(queue=queue, op=_chosen(field_name, value)))
+    resp: QueueAdminResponse = yield from (_retried(call) if field_name in _REPEATABLE_ADMIN else _once(call))
     return resp
 
 
@@ -696,8 +720,17 @@ def _decoded(key: str, value: bytes | None, default: Any) -> Any:
     return default if value is None else decode_json(value, key)
 
 
+# A set or an expiry is sent again when its outcome is unknown: a repeat
+# stores the same value, or the same expiry counted from a moment later. A
+# delete or an increment is not: its repeat would answer `deleted` or `added`
+# false for what the lost try did, and a chord's last member would never see
+# itself added.
+
+
 def result_set(key: str, value: Any, ttl_ms: int | None) -> Op[None]:
-    yield Call("result_set", ResultSetRequest(key=key, value=encode_data(value), ttl_ms=ttl_ms))
+    yield from _retried(
+        Call("result_set", ResultSetRequest(key=key, value=encode_data(value), ttl_ms=ttl_ms))
+    )
     return None
 
 
@@ -712,7 +745,9 @@ def result_incr(key: str, member: str, ttl_ms: int | None) -> Op[IncrResult]:
 
 
 def result_expire(key: str, ttl_ms: int) -> Op[bool]:
-    resp: ResultExpireResponse = yield Call("result_expire", ResultExpireRequest(key=key, ttl_ms=ttl_ms))
+    resp: ResultExpireResponse = yield from _retried(
+        Call("result_expire", ResultExpireRequest(key=key, ttl_ms=ttl_ms))
+    )
     return resp.found
 
 
