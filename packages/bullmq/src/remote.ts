@@ -345,7 +345,8 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * stream's calls in the order they came, so `Promise.all` of adds costs
    * about one round trip, not one each. If the stream fails, the adds and
    * reports on it (`resendable`: the server knows one again by its key, see
-   * `keyed`) and the queue settings (`setQueueMeta`, the same again) are
+   * `keyed`) and the queue settings (`setQueueMeta`, pause, a rate limit,
+   * the chunks of obliterate, retryJobs and promoteJobs: the same again) are
    * sent again, each behind the one before; the other writes
    * on it fail with `ConnectionClosedError` (their callers cannot know
    * whether they were applied). So any other write also waits for the
@@ -1026,8 +1027,18 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   // ---- queue admin ---------------------------------------------------------------------
 
+  // Pausing, resuming, a rate limit and each chunk of obliterate, retryJobs
+  // and promoteJobs are sent again when their answer is lost: a repeat leaves
+  // what the first try did (a chunk acts on what is left, and its `more` says
+  // so), as ioredis sends a cut command again. Drain and clean are not: a
+  // repeat would remove jobs added since.
+
   async pause(pause: boolean): Promise<void> {
-    await this.queueAdmin({ command: 'pause' }, pause ? { case: 'pause', value: true } : { case: 'resume', value: true });
+    await this.queueAdmin(
+      { command: 'pause' },
+      pause ? { case: 'pause', value: true } : { case: 'resume', value: true },
+      { resendable: true },
+    );
   }
 
   async drain(delayed: boolean): Promise<void> {
@@ -1047,6 +1058,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const r = await this.queueAdmin(
       { command: 'obliterate' },
       { case: 'obliterate', value: { force: !!opts.force, count: u64(opts.count) } },
+      { resendable: true },
     );
     return r.more ? 1 : 0;
   }
@@ -1056,12 +1068,17 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const r = await this.queueAdmin(
       { command: 'retryJobs' },
       { case: 'retryJobs', value: { state: from, count: u64(count), before: u64(timestamp) } },
+      { resendable: true },
     );
     return r.more ? 1 : 0;
   }
 
   async promoteJobs(count = 1000): Promise<number> {
-    const r = await this.queueAdmin({ command: 'promoteJobs' }, { case: 'promoteJobs', value: { count: u64(count) } });
+    const r = await this.queueAdmin(
+      { command: 'promoteJobs' },
+      { case: 'promoteJobs', value: { count: u64(count) } },
+      { resendable: true },
+    );
     return r.more ? 1 : 0;
   }
 
@@ -1341,7 +1358,11 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   // ---- rate limit, dedup ---------------------------------------------------------------------
 
   async setRateLimit(expireTimeMs: number): Promise<void> {
-    await this.queueAdmin({ command: 'setRateLimit' }, { case: 'setRateLimit', value: { ms: u64(rateLimitMs(expireTimeMs)) } });
+    await this.queueAdmin(
+      { command: 'setRateLimit' },
+      { case: 'setRateLimit', value: { ms: u64(rateLimitMs(expireTimeMs)) } },
+      { resendable: true },
+    );
   }
 
   async removeRateLimitKey(): Promise<number> {

@@ -467,6 +467,26 @@ describeRemote('remote connection failures', () => {
     expect(await watcher.getGlobalConcurrency()).toBe(3);
   });
 
+  it('a pause, a resume and a promotion whose answers are lost are sent again', async () => {
+    const { link, queue, watcher } = await addsThroughProxy();
+    await queue.getJobCounts();
+    const cutAfterApplied = async <T>(call: () => Promise<T>, applied: () => Promise<boolean>) => {
+      link.holdReplies();
+      const answer = call();
+      await vi.waitFor(async () => expect(await applied()).toBe(true), { timeout: 5_000, interval: 20 });
+      link.cut();
+      link.passReplies();
+      return answer;
+    };
+    await cutAfterApplied(() => queue.pause(), () => watcher.isPaused());
+    expect(await watcher.isPaused()).toBe(true);
+    await cutAfterApplied(() => queue.resume(), async () => !(await watcher.isPaused()));
+    expect(await watcher.isPaused()).toBe(false);
+    await queue.add('later', { n: 0 }, { delay: 60_000 });
+    await cutAfterApplied(() => queue.promoteJobs(), async () => (await watcher.getDelayedCount()) === 0);
+    expect(await watcher.getJobCounts('delayed', 'waiting')).toEqual({ delayed: 0, waiting: 2 });
+  });
+
   it("a processor's progress and log whose answers are lost are sent again, and made once", async () => {
     const link = await proxy();
     const { through, direct } = classes({ url: link.url });
@@ -594,12 +614,12 @@ describeRemote('remote connection failures', () => {
       await vi.waitFor(async () => expect(await watcher.count()).toBe(2), { timeout: 5_000, interval: 20 });
       // Were the add's connection to fail, it would be sent again, and could
       // land after a write sent behind it: that write waits for its answer.
-      const pausing = queue.pause();
+      const draining = queue.drain();
       await new Promise(resolve => setTimeout(resolve, 200));
-      expect(await watcher.isPaused()).toBe(false);
+      expect(await watcher.count()).toBe(2);
       link.passReplies();
-      await Promise.all([add, pausing]);
-      expect(await watcher.isPaused()).toBe(true);
+      await Promise.all([add, draining]);
+      expect(await watcher.count()).toBe(0);
       expect(await Promise.all(removals)).toEqual(jobs.map(() => 1));
     } finally {
       link.passReplies();
