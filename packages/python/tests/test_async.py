@@ -213,6 +213,26 @@ async def test_an_async_watch_closed_from_another_task_stops_waiting(server: Ser
                 await reader
 
 
+async def test_tasks_iterating_one_async_watch_take_each_event_once(server: Server, queue: str) -> None:
+    count = 40
+    taken: list[tuple[int, str, str]] = []
+    async with AsyncClient(server.url) as client, client.watch(queue) as watch:
+
+        async def take() -> None:
+            async for event in watch:
+                taken.append((event.seq, event.name, event.job_id))
+                if sum(name == "added" for _, name, _ in taken) >= count:
+                    await watch.close()
+
+        readers = [asyncio.create_task(take()) for _ in range(2)]
+        ids = [(await client.enqueue(queue, "a", i)).id for i in range(count)]
+        await asyncio.wait_for(asyncio.gather(*readers), 10)
+    seqs = sorted(seq for seq, _, _ in taken)
+    # Each event once, none skipped, in one task or the other.
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert {job_id for _, name, job_id in taken if name == "added"} == set(ids)
+
+
 async def test_operations_are_coroutine_functions_that_raise_when_awaited(server: Server) -> None:
     async with AsyncClient(server.url) as client:
         assert inspect.iscoroutinefunction(client.complete)

@@ -154,6 +154,35 @@ def test_a_watch_closed_from_another_thread_stops_within_a_heartbeat(client: Cli
     assert outcome == ["ended"]
 
 
+def test_threads_iterating_one_watch_take_each_event_once(client: Client, queue: str) -> None:
+    count = 40
+    taken: list[list[tuple[int, str, str]]] = [[], []]
+    errors: list[BaseException] = []
+    with client.watch(queue) as watch:
+
+        def take(mine: list[tuple[int, str, str]]) -> None:
+            try:
+                for event in watch:
+                    mine.append((event.seq, event.name, event.job_id))
+                    if sum(name == "added" for _, name, _ in taken[0] + taken[1]) >= count:
+                        watch.close()
+            except BaseException as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=take, args=(mine,)) for mine in taken]
+        for thread in threads:
+            thread.start()
+        ids = [client.enqueue(queue, "a", i).id for i in range(count)]
+        for thread in threads:
+            thread.join(timeout=30)
+    assert errors == []
+    assert not any(thread.is_alive() for thread in threads)
+    seqs = sorted(seq for seq, _, _ in taken[0] + taken[1])
+    # Each event once, none skipped, in one thread or the other.
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert {job_id for _, name, job_id in taken[0] + taken[1] if name == "added"} == set(ids)
+
+
 def test_a_watch_takes_a_silent_stream_for_dead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A stopped server sends no heartbeat either: the floor under idle
     # timeouts, there for the heartbeat, would only make this test wait 12 s.

@@ -477,6 +477,11 @@ class Watch(Iterator[QueueEvent]):
         # closing (it met `None`, or a generator already executing), and each
         # is closed once, by whichever thread lets go first.
         self._lock = threading.Lock()
+        # Held by the thread taking the next event: threads that iterate one
+        # watch take its events in turns, each event once, where a second
+        # thread's read of the stream under way raised "generator already
+        # executing". Not `_lock`, which `close()` takes during a read.
+        self._turn = threading.Lock()
 
     def _open(self) -> Iterator[Any]:
         """A stream from the cursor on; called under `_lock`."""
@@ -496,7 +501,8 @@ class Watch(Iterator[QueueEvent]):
 
     def __next__(self) -> QueueEvent:
         try:
-            return self._next_event()
+            with self._turn:
+                return self._next_event()
         except BaseException:
             # The iteration is over: closed (StopIteration), or ended by an
             # error (a refusal, too many reconnects, a closed client, Ctrl-C).
@@ -835,6 +841,10 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         # another task can cancel it (an async generator that is running
         # cannot be closed).
         self._read: asyncio.Future[Any] | None = None
+        # Held by the task taking the next event, as `Watch._turn`: a second
+        # task's read of the stream under way raised "asynchronous generator
+        # is already running".
+        self._turn = asyncio.Lock()
 
     def _open(self) -> AsyncIterator[Any]:
         request = self._request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
@@ -876,6 +886,10 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         return read.result()
 
     async def __anext__(self) -> QueueEvent:
+        async with self._turn:
+            return await self._next_event()
+
+    async def _next_event(self) -> QueueEvent:
         while not self._closed:
             try:
                 if self._stream is None:
