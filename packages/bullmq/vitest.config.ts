@@ -1,5 +1,8 @@
 import { defineConfig } from 'vitest/config';
 
+// src/native.cts is TypeScript too: Vite strips types from .ts, .mts and .tsx only.
+const typescript = { oxc: { include: /\.[cm]?tsx?$/ } };
+
 const shared = {
   include: ['test/**/*.test.ts'],
   testTimeout: 20_000,
@@ -14,8 +17,9 @@ const shared = {
 export default defineConfig({
   test: {
     projects: [
-      { test: { ...shared, name: 'in-process' } },
+      { ...typescript, test: { ...shared, name: 'in-process' } },
       {
+        ...typescript,
         test: {
           ...shared,
           name: 'remote',

@@ -35,17 +35,16 @@ import { backendOptionsJson, LoamQueueBackend, type FactoryOptions, type LoamBac
 import { RemoteChannel, type RemoteSettings } from './channel.js';
 import { checkHeaderValues, checkNames } from './common.js';
 import { callSync, loamError } from './errors.js';
+import { loadAddon, type Addon } from './native.cjs';
 import { RemoteQueueBackend, workerSettings } from './remote.js';
 
 /**
  * The native addon. A platform without it can still use the package over a
  * server (`loamBackend({ url })`); only the in-process backend needs it.
  */
-const addon: typeof import('../native/index.js') | Error = await import('../native/index.js').catch((err: unknown) =>
-  err instanceof Error ? err : new Error(String(err)),
-);
+const addon = loadAddon();
 
-function nativeAddon(): typeof import('../native/index.js') {
+function nativeAddon(): Addon {
   if (addon instanceof Error) {
     throw new Error(
       `@loam/bullmq: the native addon did not load (${addon.message}). The in-process backend needs it; ` +
@@ -55,6 +54,10 @@ function nativeAddon(): typeof import('../native/index.js') {
   return addon;
 }
 
+// Everything else of BullMQ's (Job, UnrecoverableError, DelayedError, ...),
+// so that swapping `from 'bullmq'` for `from '@loam/bullmq'` keeps an import
+// line that names more than the classes bound below, which take precedence.
+export * from 'bullmq';
 export { LoamQueueBackend } from './backend.js';
 export type { LoamBackendSettings } from './backend.js';
 export { RemoteQueueBackend } from './remote.js';

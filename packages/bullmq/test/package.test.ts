@@ -29,7 +29,7 @@ type Manifest = {
   name: string;
   main: string;
   types: string;
-  exports: Record<string, Record<string, string>>;
+  exports: Record<string, unknown>;
   dependencies: Record<string, string>;
   peerDependencies: Record<string, string>;
 };
@@ -107,12 +107,25 @@ describeOnce('the packed package', () => {
     // Source maps ship too, each with the TypeScript it maps to inside it:
     // src/ itself does not ship. pnpm packs the workspace's LICENSE.
     expect(files).toContain('LICENSE');
-    const shipped = /^(package\.json|README\.md|LICENSE|dist\/.+\.(js|d\.ts|js\.map)|native\/(index\.js|index\.d\.ts|[^/]+\.node))$/;
+    const shipped =
+      /^(package\.json|README\.md|LICENSE|dist\/(cjs\/)?[^/]+\.(js|cjs|d\.ts|d\.cts|js\.map|cjs\.map)|dist\/(cjs\/)?gen\/.+\.(js|d\.ts|js\.map)|dist\/cjs\/package\.json|native\/(index\.cjs|index\.d\.ts|[^/]+\.node))$/;
     expect(files.filter(f => !shipped.test(f))).toEqual([]);
-    expect(files).toEqual(expect.arrayContaining(['dist/index.js', 'dist/factory.js', 'native/index.js', 'native/index.d.ts']));
+    expect(files).toEqual(
+      expect.arrayContaining([
+        'dist/index.js',
+        'dist/factory.js',
+        'dist/cjs/index.js',
+        'dist/cjs/factory.js',
+        'dist/cjs/package.json',
+        'native/index.cjs',
+        'native/index.d.ts',
+      ]),
+    );
     expect(files.filter(f => /^native\/[^/]+\.node$/.test(f)).length).toBeGreaterThan(0);
     // Every entry point that package.json names is in the tarball.
-    const entries = [manifest.main, manifest.types, ...Object.values(manifest.exports).flatMap(e => Object.values(e))];
+    const targets = (entry: unknown): string[] =>
+      typeof entry === 'string' ? [entry] : Object.values(entry as Record<string, unknown>).flatMap(targets);
+    const entries = [manifest.main, manifest.types, ...targets(manifest.exports)];
     expect(entries.map(e => e.replace(/^\.\//, '')).filter(e => !files.includes(e))).toEqual([]);
     const maps = files.filter(f => f.endsWith('.js.map'));
     expect(maps.length).toBeGreaterThan(0);
@@ -175,6 +188,55 @@ describeOnce('the packed package', () => {
     expect(readdirSync(dataDir)).toContain('jobs.redb');
   });
 
+  it('a CommonJS app requires the package and its factory, and gets BullMQ\'s own CommonJS classes from it', () => {
+    writeFileSync(
+      path.join(app, 'required.cjs'),
+      `
+      const bullmq = require('bullmq');
+      const { Queue, Worker, Job, UnrecoverableError, loamBackend } = require('@loam/bullmq');
+      const factory = require('@loam/bullmq/factory').default;
+      (async () => {
+        const options = { connection: { dataDir: './.loam-cjs' } };
+        const queue = new Queue('required', options);
+        const worker = new Worker('required', async job => {
+          if (job.data.n < 0) throw new UnrecoverableError('negative');
+          return job.data.n * 2;
+        }, options);
+        const done = new Promise(resolve => worker.on('completed', (job, value) => resolve([job instanceof bullmq.Job, value])));
+        await queue.add('double', { n: 21 });
+        const [isJob, result] = await done;
+        await Promise.all([worker.close(), queue.close()]);
+        bullmq.setDefaultBackendFactory(factory);
+        const plain = new bullmq.Queue('required-plain');
+        const added = await plain.add('a', {});
+        await plain.close();
+        const same = Job === bullmq.Job && UnrecoverableError === bullmq.UnrecoverableError;
+        console.log(JSON.stringify({ isJob, result, same, added: added.id, loamBackend: typeof loamBackend }));
+      })();
+      `,
+    );
+    const out = execFileSync(process.execPath, ['required.cjs'], {
+      cwd: app,
+      env: { PATH: process.env.PATH ?? '', LOAM_DATA_DIR: path.join(root, 'required-data') },
+      encoding: 'utf8',
+    });
+    expect(JSON.parse(out)).toEqual({ isJob: true, result: 42, same: true, added: '1', loamBackend: 'function' });
+  });
+
+  it("an import line naming BullMQ's other exports keeps working with '@loam/bullmq' in place of 'bullmq'", () => {
+    const out = runInApp(
+      'swapped.mjs',
+      `
+      import * as bullmq from 'bullmq';
+      import { Queue, Worker, Job, UnrecoverableError, DelayedError, WaitingChildrenError, RateLimitError, JobScheduler } from '@loam/bullmq';
+      const borrowed = { Job, UnrecoverableError, DelayedError, WaitingChildrenError, RateLimitError, JobScheduler };
+      const same = Object.entries(borrowed).filter(([name, value]) => value !== bullmq[name]).map(([name]) => name);
+      console.log(JSON.stringify({ same, bound: Queue !== bullmq.Queue && Worker !== bullmq.Worker }));
+      `,
+    );
+    expect(JSON.parse(out)).toEqual({ same: [], bound: true });
+  });
+
   it("a TypeScript user's code type-checks against the installed declarations, themselves checked too", () => {
     writeFileSync(
       path.join(app, 'usage.ts'),
@@ -201,7 +263,22 @@ describeOnce('the packed package', () => {
       noEmit: true,
       types: ['node'],
     };
-    writeFileSync(path.join(app, 'tsconfig.json'), JSON.stringify({ compilerOptions, files: ['usage.ts'] }));
+    // The same in CommonJS: a .cts file resolves the "require" declarations.
+    writeFileSync(
+      path.join(app, 'usage-required.cts'),
+      `
+      import { Queue, Worker, Job, loamBackend } from '@loam/bullmq';
+      import factory = require('@loam/bullmq/factory');
+      const queue = new Queue<{ n: number }>('typed', { connection: loamBackend() ? {} : {} });
+      const worker = new Worker<{ n: number }, number>('typed', async (job: Job<{ n: number }>) => job.data.n * 2);
+      export const backend = factory.default;
+      export const closed: Promise<void[]> = Promise.all([worker.close(), queue.close()]);
+      `,
+    );
+    writeFileSync(
+      path.join(app, 'tsconfig.json'),
+      JSON.stringify({ compilerOptions, files: ['usage.ts', 'usage-required.cts'] }),
+    );
     let output = '';
     try {
       execFileSync(process.execPath, [tsc, '-p', app], { encoding: 'utf8' });
