@@ -192,15 +192,51 @@ def test_the_client_writes_json_in_one_place() -> None:
 
 
 def test_unreachable_server_is_unavailable() -> None:
-    with Client(f"http://127.0.0.1:{free_port()}") as nowhere:
+    with Client(f"http://127.0.0.1:{free_port()}", retry_for_ms=1_500) as nowhere:
         started = time.monotonic()
         with pytest.raises(UnavailableError) as down:
             nowhere.drain("q")
         assert time.monotonic() - started < 1, "a write that is not safe to repeat is not tried again"
-        # A read is, four times in 1-2 s, before it gives up.
-        with pytest.raises(UnavailableError):
+        assert down.value.tries == 1
+        # A read is, until the client's retry budget is spent.
+        started = time.monotonic()
+        with pytest.raises(UnavailableError) as still_down:
             nowhere.result_get("k")
+        # The last try at the end of the budget (and a connect's few ms).
+        assert 1.5 <= time.monotonic() - started < 2.5
+        assert still_down.value.tries >= 3 and still_down.value.idempotency_key is None
     assert down.value.reason == ""
+
+
+def test_an_enqueue_made_while_the_server_restarts_for_seconds_is_added_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    data_dir = tmp_path / "data"
+    server = start_server(data_dir)
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        with Client(server.url) as client:
+            client.enqueue("restarts", "before")
+            stop_server(server)
+            answers: list[Any] = []
+
+            def add() -> None:
+                try:
+                    answers.append(client.enqueue("restarts", "during"))
+                except LoamJobsError as err:
+                    answers.append(err)
+
+            adder = threading.Thread(target=add)
+            adder.start()
+            # Away for longer than a restart of a few seconds, as a killed
+            # server with a log to replay is.
+            time.sleep(4)
+            server = start_server(data_dir, port=port)
+            adder.join(timeout=30)
+            assert [type(answer).__name__ for answer in answers] == ["Enqueued"]
+            assert client.counts("restarts", "waiting") == {"waiting": 2}
+    finally:
+        stop_server(server)
 
 
 def test_calls_safe_to_repeat_made_while_the_server_is_away_are_answered_once_it_is_back(
@@ -427,6 +463,6 @@ def test_values_no_reader_here_takes_are_invalid_json(client: Client, queue: str
 
 def test_a_job_given_back_keeps_its_key_as_long_as_the_clients_writes() -> None:
     leased = LeasedJob(queue="q", job=Job(id="j"), epoch=1, token="t", deadline=0)
-    call = next(_release(leased, 30_000))
+    call = next(_release(leased, _ops.own_key_ttl_ms(30_000, 20_000)))
     assert isinstance(call, Call)
-    assert call.request.options.idempotency.ttl_ms == _ops.own_key_ttl_ms(30_000)
+    assert call.request.options.idempotency.ttl_ms == 30_000 + 20_000 + 60_000

@@ -490,6 +490,70 @@ def test_retry_pauses_are_drawn_at_random_from_the_upper_half_of_each() -> None:
         assert min(pauses) < bound * 0.6 and max(pauses) > bound * 0.9
 
 
+def test_retries_go_on_at_the_longest_pause_until_the_client_ends_them() -> None:
+    op = ops.enqueue("q", job("a"))
+    first = next(op)
+    assert isinstance(first, ops.Call)
+    for bound in (*ops.RETRY_PAUSES, *[ops.LATER_RETRY_PAUSE] * 10):
+        pause = op.throw(UnavailableError("connection refused"))
+        assert isinstance(pause, ops.Pause) and bound / 2 <= pause.seconds <= bound
+        assert isinstance(pause.cause, UnavailableError) and pause.since <= time.monotonic()
+        assert isinstance(op.send(None), ops.Call)
+    # The client's budget is spent: it throws the failure back, which the
+    # operation raises as the last, with its tries and key.
+    pause = op.throw(UnavailableError("connection refused"))
+    assert isinstance(pause, ops.Pause) and pause.cause is not None
+    with pytest.raises(UnavailableError) as given_up:
+        op.throw(pause.cause)
+    assert given_up.value.tries == 14
+    assert given_up.value.idempotency_key == first.request.job.idempotency.key
+    assert "gave up after 14 tries" in str(given_up.value)
+    assert f"idempotency_key={given_up.value.idempotency_key!r}" in str(given_up.value)
+
+
+def test_an_enqueue_given_up_on_is_sent_again_under_its_key_and_added_once(
+    client: Client, queue: str
+) -> None:
+    # Its first try is applied and its answer lost; every later try is refused.
+    hasty = Client(client.url, retry_for_ms=300)
+    send = hasty._call
+    tried: list[float] = []
+
+    def lost_then_refused(call: ops.Call) -> Any:
+        tried.append(time.monotonic())
+        if len(tried) == 1:
+            send(call)
+        raise UnavailableError("connection refused")
+
+    hasty._call = lost_then_refused  # type: ignore[method-assign]
+    with hasty, pytest.raises(UnavailableError) as given_up:
+        hasty.enqueue(queue, "a", {"n": 1})
+    assert given_up.value.tries == len(tried) > 1
+    # The last try at the end of the budget.
+    assert 0.25 <= tried[-1] - tried[0] < 0.5
+    key = given_up.value.idempotency_key
+    assert key
+    again = client.enqueue(queue, "a", {"n": 1}, idempotency_key=key)
+    assert not again.created
+    assert client.counts(queue, "waiting") == {"waiting": 1}
+
+
+def test_a_client_with_no_retry_budget_sends_each_call_once(client: Client, queue: str) -> None:
+    once = Client(client.url, retry_for_ms=0)
+    calls: list[ops.Call] = []
+
+    def refused(call: ops.Call) -> Any:
+        calls.append(call)
+        raise UnavailableError("connection refused")
+
+    once._call = refused  # type: ignore[method-assign]
+    with once, pytest.raises(UnavailableError) as refusal:
+        once.enqueue(queue, "a")
+    assert (len(calls), refusal.value.tries) == (1, 1)
+    with pytest.raises(InvalidArgumentError):
+        Client(client.url, retry_for_ms=-1)
+
+
 def test_a_retry_waits_at_least_the_servers_retry_after_up_to_a_bound() -> None:
     op = ops.enqueue("q", job("a"))
     next(op)
@@ -543,19 +607,20 @@ def test_an_enqueues_own_key_outlives_its_retries_and_no_more() -> None:
 
         def __init__(self, timeout_ms: int | None) -> None:
             self._timeout_ms = timeout_ms
+            self._retry_for_ms = 20_000
             self._bulk_keys = ops.BulkKeys()
 
         def _run(self, op: ops.Op[Any]) -> Any:
             return next(op)
 
-    # Four tries of up to 5 s, the longest pauses between them (each the
-    # longest retry-after honoured, 2 s), and a minute.
-    assert ops.own_key_ttl_ms(5_000) == 4 * 5_000 + 6_000 + 60_000
+    # The last try starts within the retry budget (20 s) of the first, takes
+    # up to 5 s, and a minute more.
+    assert ops.own_key_ttl_ms(5_000, 20_000) == 20_000 + 5_000 + 60_000
     call = FirstCall(5_000).enqueue("q", "a")
-    assert call.request.job.idempotency.ttl_ms == 86_000
+    assert call.request.job.idempotency.ttl_ms == 85_000
     bulk = FirstCall(5_000).enqueue_bulk("q", [job("a"), job("b")])
-    assert bulk.request.idempotency.ttl_ms == 86_000
-    assert [j.idempotency.ttl_ms for j in bulk.request.jobs] == [86_000, 86_000], (
+    assert bulk.request.idempotency.ttl_ms == 85_000
+    assert [j.idempotency.ttl_ms for j in bulk.request.jobs] == [85_000, 85_000], (
         "until the server keeps call keys"
     )
     # Calls without a bound: the server's default (a day).

@@ -140,6 +140,11 @@ class Pause:
     # A wait between two calls of an operation (before a retry): the blocking
     # client sleeps, the async one awaits.
     seconds: float
+    # Before a retry: the failure it follows, and when the operation's first
+    # try began (`time.monotonic()`). A client whose retry budget
+    # (`retry_for_ms`) the pause would outlast throws `cause` back instead.
+    cause: LoamJobsError | None = None
+    since: float = 0.0
 
 
 # An operation: it yields calls (and pauses) and is sent each call's
@@ -160,6 +165,12 @@ Op = Generator[Call | Pause, Any, T]
 # writes raise: telling a try the server never read from one whose answer was
 # lost needs more than the HTTP library says.
 RETRY_PAUSES = (0.1, 0.4, 1.6)
+# The longest pause before each later retry, while the client's budget lasts.
+LATER_RETRY_PAUSE = 2.0
+# How long a client goes on sending again a call whose outcome is unknown,
+# from its first try: as long as the TypeScript client waits for a server
+# that is away (`reconnectTimeoutMs`), so that both ride out a restart.
+DEFAULT_RETRY_FOR_MS = 20_000
 # The longest server's retry-after (seconds) a retry or a watch's reconnect
 # waits out: the server asks for 0.1 s (busy) or 1 s (too many waiting calls),
 # and a longer ask would hold a write past what its key's TTL counts on.
@@ -186,20 +197,19 @@ def retry_pause(pause: float, err: LoamJobsError) -> float:
     return max(jittered, min(err.retry_after_ms / 1000, MAX_RETRY_AFTER))
 
 
-def own_key_ttl_ms(timeout_ms: int | None) -> int | None:
+def own_key_ttl_ms(timeout_ms: int | None, retry_for_ms: int = DEFAULT_RETRY_FOR_MS) -> int | None:
     """How long the server keeps the idempotency key an enqueue gets of its
-    own: past the last retry of a call bounded by `timeout_ms` (its pauses as
-    long as a retry-after can make them), with a minute to spare (for clocks).
-    Kept for the server's default of a day, the keys of a client adding a
-    thousand jobs a second were 86 million live records. Calls without a bound
-    (None) keep that default, and so do calls whose bound is past what the
-    request's 64-bit field holds (`sys.maxsize`, as good as none: it failed
-    every write with an unencodable TTL)."""
+    own: past the last retry of a call bounded by `timeout_ms` (the last try
+    starts within `retry_for_ms` of the first, and may take `timeout_ms`),
+    with a minute to spare (for clocks). Kept for the server's default of a
+    day, the keys of a client adding a thousand jobs a second were 86 million
+    live records. Calls without a bound (None) keep that default, and so do
+    calls whose bound is past what the request's 64-bit field holds
+    (`sys.maxsize`, as good as none: it failed every write with an
+    unencodable TTL)."""
     if timeout_ms is None:
         return None
-    tries = len(RETRY_PAUSES) + 1
-    pauses_ms = round(sum(max(pause, MAX_RETRY_AFTER) for pause in RETRY_PAUSES) * 1000)
-    ttl_ms = tries * timeout_ms + pauses_ms + 60_000
+    ttl_ms = retry_for_ms + timeout_ms + 60_000
     return ttl_ms if ttl_ms < 1 << 63 else None
 
 
@@ -284,25 +294,50 @@ def _once(call: Call) -> Op[Any]:
 def _retried(
     call: Call | Callable[[], Call],
     unknown: tuple[type[LoamJobsError], ...] = (UnavailableError, DeadlineExceededError),
+    key: str | None = None,
 ) -> Op[Any]:
-    """`call` (or a call made anew for each try), tried again after each of
-    `RETRY_PAUSES` (`retry_pause`) while it fails with one of `unknown` (its
-    outcome unknown). The caller makes sure a repeat cannot do the work
-    twice."""
-    for pause in (*RETRY_PAUSES, None):
+    """`call` (or a call made anew for each try), tried again after a pause
+    (`RETRY_PAUSES`, then `LATER_RETRY_PAUSE`, each drawn by `retry_pause`)
+    while it fails with one of `unknown` (its outcome unknown), until the
+    client's retry budget is spent. The caller makes sure a repeat cannot do
+    the work twice; `key` is the write's idempotency key, which the last
+    error carries."""
+    first_try = time.monotonic()
+    tries = 0
+    while True:
+        tries += 1
         try:
             return (yield call if isinstance(call, Call) else call())
         except unknown as err:
             # A paused queue is an answer, not an unknown outcome.
-            if pause is None or isinstance(err, QueuePausedError):
+            if isinstance(err, QueuePausedError):
                 raise
-            yield Pause(retry_pause(pause, err))
-    raise AssertionError("unreachable: the last try returns or raises")
+            bound = RETRY_PAUSES[tries - 1] if tries <= len(RETRY_PAUSES) else LATER_RETRY_PAUSE
+            try:
+                yield Pause(retry_pause(bound, err), err, first_try)
+            except LoamJobsError as spent:
+                raise _given_up(spent, tries, first_try, key) from None
+
+
+def _given_up(err: LoamJobsError, tries: int, first_try: float, key: str | None) -> LoamJobsError:
+    """`err`, the last try's, saying that the retries are over, and that an
+    earlier try may have been applied though this one failed (its answer was
+    lost): sent again under `key`, a write is applied at most once."""
+    seconds = time.monotonic() - first_try
+    err.tries = tries
+    err.idempotency_key = key
+    again = (
+        f"; an earlier try may have been applied: send it again with idempotency_key={key!r}" if key else ""
+    )
+    err.message = f"{err.message} (gave up after {tries} tries over {seconds:.1f} s{again})"
+    return err
 
 
 def enqueue(queue: str, spec: JobSpec, key_ttl_ms: int | None = None) -> Op[Enqueued]:
+    keyed = idempotent(spec, key_ttl_ms)
     resp: EnqueueResponse = yield from _retried(
-        Call("enqueue", EnqueueRequest(queue=queue, job=idempotent(spec, key_ttl_ms)))
+        Call("enqueue", EnqueueRequest(queue=queue, job=keyed)),
+        key=keyed.idempotency.key if keyed.idempotency else None,
     )
     if resp.enqueued is None:
         raise InternalError("the server answered an enqueue with no job")
@@ -786,6 +821,8 @@ class Operations(ABC):
 
     # Each call's bound, in ms (None: none); see `own_key_ttl_ms`.
     _timeout_ms: int | None
+    # How long a call whose outcome is unknown is sent again (`_retried`).
+    _retry_for_ms: int
     # Whether the server keeps a bulk add's key for the call (see `enqueue_bulk`).
     _bulk_keys: BulkKeys
 
@@ -793,15 +830,19 @@ class Operations(ABC):
     def _run(self, op: Op[T]) -> T:
         """Performs the operation's calls; the async client returns an awaitable instead."""
 
+    def _key_ttl_ms(self) -> int | None:
+        """The TTL of the keys this client gives its own writes (`own_key_ttl_ms`)."""
+        return own_key_ttl_ms(self._timeout_ms, self._retry_for_ms)
+
     # --- producing ---------------------------------------------------------
 
     def enqueue(self, queue: str, name: str, data: Any = None, **options: Unpack[JobOptions]) -> Enqueued:
         """Adds one job; `options` are those of `loam_jobs.job()`."""
-        return self._run(enqueue(queue, job(name, data, **options), own_key_ttl_ms(self._timeout_ms)))
+        return self._run(enqueue(queue, job(name, data, **options), self._key_ttl_ms()))
 
     def enqueue_job(self, queue: str, spec: JobSpec) -> Enqueued:
         """Adds a job built with `loam_jobs.job()`."""
-        return self._run(enqueue(queue, spec, own_key_ttl_ms(self._timeout_ms)))
+        return self._run(enqueue(queue, spec, self._key_ttl_ms()))
 
     def enqueue_bulk(
         self,
@@ -820,13 +861,13 @@ class Operations(ABC):
         with `all_or_nothing`, the first job refused is raised instead and no
         job is added (BullMQ's addBulk on Loam)."""
         jobs = [_bulk_job_spec(i, item) for i, item in enumerate(specs)]
-        ttl_ms = own_key_ttl_ms(self._timeout_ms)
+        ttl_ms = self._key_ttl_ms()
         return self._run(enqueue_bulk(queue, jobs, all_or_nothing, ttl_ms, self._bulk_keys))
 
     def flow(self, nodes: Sequence[FlowNode]) -> list[Enqueued]:
         """Adds a tree of jobs across queues, all or nothing (parents first;
         each child names its parent, see `flow_node`)."""
-        return self._run(flow(nodes, own_key_ttl_ms(self._timeout_ms)))
+        return self._run(flow(nodes, self._key_ttl_ms()))
 
     # --- working -----------------------------------------------------------
 
@@ -959,7 +1000,7 @@ class Operations(ABC):
                 None if remove_on_fail is None else retention(remove_on_fail),
                 metrics_max_points,
                 rate_limit_ttl_for,
-                own_key_ttl_ms(self._timeout_ms),
+                self._key_ttl_ms(),
             )
         )
 
@@ -992,7 +1033,7 @@ class Operations(ABC):
             body = Oneof[Literal["data"], bytes]("data", encode_data(data))
         queue_name, job_id = _target(target, queue)
         fence = _fence(target, epoch, token, unchecked)
-        return self._run(report(queue_name, job_id, fence, body, own_key_ttl_ms(self._timeout_ms)))
+        return self._run(report(queue_name, job_id, fence, body, self._key_ttl_ms()))
 
     # --- schedules ---------------------------------------------------------
 

@@ -25,7 +25,17 @@ from pyqwest import SyncClient, SyncHTTPTransport
 
 from ._gen.loam.jobs.v1.jobs_connect import JobsServiceClient, JobsServiceClientSync
 from ._gen.loam.jobs.v1.jobs_pb import CompleteRequest, LeaseRequest, WatchRequest
-from ._ops import BulkKeys, Call, Op, Operations, Pause, complete, own_key_ttl_ms, retry_pause
+from ._ops import (
+    DEFAULT_RETRY_FOR_MS,
+    BulkKeys,
+    Call,
+    Op,
+    Operations,
+    Pause,
+    complete,
+    own_key_ttl_ms,
+    retry_pause,
+)
 from .errors import (
     ClientClosedError,
     ForkedProcessError,
@@ -203,12 +213,26 @@ def _taken(call: Call, response: Any) -> list[LeasedJob]:
     return []
 
 
-def _release(leased: LeasedJob, timeout_ms: int | None) -> Op[Any]:
+def _release(leased: LeasedJob, key_ttl_ms: int | None) -> Op[Any]:
     """Gives back a job its caller gave up on: it runs again at once, no
     attempt spent. Also once the client was closed (a `with` block left by
     the interruption): its connections open again for this. Its key lives
     as long as the client's own writes' do (`own_key_ttl_ms`), not a day."""
-    return complete(leased.queue, leased.id, leased.fence(), Release(), key_ttl_ms=own_key_ttl_ms(timeout_ms))
+    return complete(leased.queue, leased.id, leased.fence(), Release(), key_ttl_ms=key_ttl_ms)
+
+
+def _retry_budget(retry_for_ms: int) -> int:
+    return whole_ms(retry_for_ms, "retry_for_ms")
+
+
+def _pause_within(pause: Pause, retry_for_ms: int) -> float | None:
+    """How long to wait before the retry `pause` comes before: no later than
+    the end of the budget counted from its operation's first try, with one
+    last try then; None once the budget is spent (the retries are over)."""
+    if pause.cause is None:
+        return pause.seconds
+    left = pause.since + retry_for_ms / 1000 - time.monotonic()
+    return min(pause.seconds, left) if left > 0 else None
 
 
 def _take_outcome(done: asyncio.Future[Any]) -> None:
@@ -282,7 +306,12 @@ class Client(Operations):
     server has tokens; the namespace is then the token's). `namespace` is
     sent in the `loam-namespace` header (without tokens it picks the
     namespace; default `default`). `timeout_ms` bounds each call (None: no
-    bound); long-polls get their wait on top. `compress_requests` gzips
+    bound); long-polls get their wait on top. A call that a repeat cannot do
+    twice (a keyed write, a read, ...: see the README) and whose outcome is
+    unknown (the server unreachable, busy or not answering in time) is sent
+    again after pauses growing from 0.1 s to 2 s, the last one at the end of
+    `retry_for_ms` (20 s, as the TypeScript client waits for a server that
+    is away) from its first try; 0 sends every call once. `compress_requests` gzips
     request bodies (worth it for large payloads over slow links).
     """
 
@@ -293,6 +322,7 @@ class Client(Operations):
         namespace: str | None = None,
         *,
         timeout_ms: int | None = 30_000,
+        retry_for_ms: int = DEFAULT_RETRY_FOR_MS,
         compress_requests: bool = False,
     ) -> None:
         _usable()
@@ -300,6 +330,7 @@ class Client(Operations):
         self.namespace = namespace
         self._headers = _headers(token, namespace)
         self._timeout_ms = _client_timeout(timeout_ms)
+        self._retry_for_ms = _retry_budget(retry_for_ms)
         self._bulk_keys = BulkKeys()
         self._compress_requests = compress_requests
         self._closed = False
@@ -364,7 +395,7 @@ class Client(Operations):
             return
         for leased in _taken(call, response):
             with contextlib.suppress(LoamJobsError):
-                self._drive(_release(leased, self._timeout_ms))
+                self._drive(_release(leased, self._key_ttl_ms()))
 
     def _run(self, op: Op[T]) -> T:
         # Checked as an operation starts: one under way (its retries, its
@@ -377,7 +408,11 @@ class Client(Operations):
             step = next(op)
             while True:
                 if isinstance(step, Pause):
-                    time.sleep(step.seconds)
+                    wait = _pause_within(step, self._retry_for_ms)
+                    if wait is None and step.cause is not None:
+                        step = op.throw(step.cause)
+                        continue
+                    time.sleep(wait or 0)
                     step = op.send(None)
                     continue
                 try:
@@ -637,6 +672,7 @@ class AsyncClient(AsyncOperations):
         namespace: str | None = None,
         *,
         timeout_ms: int | None = 30_000,
+        retry_for_ms: int = DEFAULT_RETRY_FOR_MS,
         compress_requests: bool = False,
     ) -> None:
         _usable()
@@ -644,6 +680,7 @@ class AsyncClient(AsyncOperations):
         self.namespace = namespace
         self._headers = _headers(token, namespace)
         self._timeout_ms = _client_timeout(timeout_ms)
+        self._retry_for_ms = _retry_budget(retry_for_ms)
         self._bulk_keys = BulkKeys()
         self._closed = False
         self.stub = _stub(JobsServiceClient, self.url, compress_requests)
@@ -722,7 +759,7 @@ class AsyncClient(AsyncOperations):
 
     async def _release_quietly(self, leased: LeasedJob) -> None:
         with contextlib.suppress(LoamJobsError):
-            await self._drive(_release(leased, self._timeout_ms))
+            await self._drive(_release(leased, own_key_ttl_ms(self._timeout_ms, self._retry_for_ms)))
 
     async def _drive(self, op: Op[T]) -> T:
         # The calls of this operation that leased jobs, with their answers:
@@ -739,7 +776,11 @@ class AsyncClient(AsyncOperations):
             step = next(op)
             while True:
                 if isinstance(step, Pause):
-                    await asyncio.sleep(step.seconds)
+                    wait = _pause_within(step, self._retry_for_ms)
+                    if wait is None and step.cause is not None:
+                        step = op.throw(step.cause)
+                        continue
+                    await asyncio.sleep(wait or 0)
                     step = op.send(None)
                     continue
                 unknown = None

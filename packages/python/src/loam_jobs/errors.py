@@ -66,6 +66,13 @@ class LoamJobsError(Exception):
         retry_after_ms: when to try again (a rate limit, a busy server's
             `unavailable`); else 0. Retries and watch reconnects wait at
             least this long (up to 2 s).
+        tries: how many times the client sent the call (more than 1 when
+            its outcome was unknown and it was sent again until the
+            client's `retry_for_ms` was spent).
+        idempotency_key: the key an enqueue was sent under, when it failed
+            after retries: an earlier try may have been applied, and sent
+            again under this key (`idempotency_key=`) it is added at most
+            once. None otherwise.
     """
 
     code: str = "unknown"
@@ -88,6 +95,8 @@ class LoamJobsError(Exception):
         self.bullmq_code = bullmq_code
         self.subject = subject
         self.retry_after_ms = retry_after_ms
+        self.tries = 1
+        self.idempotency_key: str | None = None
 
     def __str__(self) -> str:
         extra = f" ({self.reason})" if self.reason else ""
