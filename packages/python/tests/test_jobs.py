@@ -210,10 +210,17 @@ def test_retries_then_failure(client: Client, queue: str) -> None:
     leased = client.lease(queue, wait_ms=2_000)[0]
     assert leased.job.attempts_made == 1
     # Without after_ms the job's attempts decide: the last attempt's retry is a failure.
-    result = client.complete(leased, Retry(RuntimeError("second try failed")))
+    try:
+        raise RuntimeError("second try failed")
+    except RuntimeError as err:
+        result = client.complete(leased, Retry(err))
     assert result.state == JobState.FAILED
     failed = client.get_job(queue, enqueued.id)
     assert failed.failed_reason == "second try failed"
+    # An exception's traceback is kept as its stack trace (a string error has none).
+    [trace] = failed.stacktrace
+    assert trace.startswith("Traceback (most recent call last):")
+    assert trace.endswith("RuntimeError: second try failed") and "test_retries_then_failure" in trace
 
     # An admin retry brings it back.
     client.retry(queue, enqueued.id, reset_attempts_made=True)

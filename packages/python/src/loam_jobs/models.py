@@ -19,6 +19,7 @@ import json
 import operator
 import os
 import time
+import traceback
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -359,6 +360,10 @@ def flow_node(queue: str, spec: JobSpec, *, wait_children: bool = False) -> Flow
 
 
 def _job_error(error: str | BaseException, stacktrace: str | None, stacktrace_limit: int | None) -> JobError:
+    # An exception's traceback is its stack trace, as a BullMQ worker stores
+    # a thrown Error's stack (a string, like a thrown non-Error, has none).
+    if stacktrace is None and isinstance(error, BaseException):
+        stacktrace = "".join(traceback.format_exception(error)).rstrip("\n")
     return JobError(message=str(error), stacktrace=stacktrace, stacktrace_limit=stacktrace_limit)
 
 
