@@ -1084,7 +1084,14 @@ impl LoamQueue {
         let (logs, count) = self.read(Op::new("getJobLogs").job(&job_id), |tx, q| {
             query::logs(tx, q, &job_id, start as i64, end as i64, asc)
         })?;
-        Ok(json(&serde_json::json!({ "logs": logs, "count": count })))
+        // In Redis's order (a `json!` object sorts its keys): it reaches the
+        // app as it is.
+        #[derive(serde::Serialize)]
+        struct LogPage {
+            logs: Vec<String>,
+            count: u64,
+        }
+        Ok(json(&LogPage { logs, count }))
     }
 
     #[napi]

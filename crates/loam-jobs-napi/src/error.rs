@@ -93,7 +93,8 @@ pub fn store_locked(data_dir: &str) -> napi::Error {
     napi::Error::from_reason(format!(
         "[loam:store_locked] The Loam Jobs store in {data_dir} is already open in another process. \
          An embedded store belongs to one process; to share queues between processes, run \
-         `loam-jobs serve --data-dir {data_dir}` and connect every process to it."
+         `loam-jobs serve --data-dir {data_dir}` and connect every process to it with \
+         `loamBackend({{ url }})` (if the process holding it is that server already, connect to it)."
     ))
 }
 

@@ -128,11 +128,26 @@ pub struct OpenOptions {
     pub durability: Durability,
 }
 
+/// Why `dir` could not be made: a path that is no directory, or not the
+/// process's to write, is the caller's setting to fix (retrying changes
+/// nothing); a failing disk may pass.
+fn data_dir_error(shown: &str, e: &std::io::Error) -> napi::Error {
+    use std::io::ErrorKind::{
+        AlreadyExists, InvalidFilename, InvalidInput, NotADirectory, PermissionDenied, ReadOnlyFilesystem,
+    };
+    let code = match e.kind() {
+        AlreadyExists | NotADirectory | PermissionDenied | ReadOnlyFilesystem | InvalidInput | InvalidFilename => {
+            "invalid_argument"
+        }
+        _ => "unavailable",
+    };
+    napi::Error::from_reason(format!("[loam:{code}] cannot create data dir {shown}: {e}"))
+}
+
 /// Opens the store in `dir` (creating the dir), or joins the process's open one.
 pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore>> {
     let shown = dir.display().to_string();
-    std::fs::create_dir_all(dir)
-        .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot create data dir {shown}: {e}")))?;
+    std::fs::create_dir_all(dir).map_err(|e| data_dir_error(&shown, &e))?;
     let canonical = dir
         .canonicalize()
         .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot resolve data dir {shown}: {e}")))?;

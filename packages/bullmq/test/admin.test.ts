@@ -102,6 +102,8 @@ describe('queue and job admin', () => {
     expect(stored?.progress).toEqual({ pct: 50 });
     expect(stored?.data).toEqual({ v: 2 });
     expect(await queue.getJobLogs(job.id!)).toEqual({ logs: ['first', 'second'], count: 2 });
+    // In Redis's order, which JSON.stringify and snapshots show.
+    expect(JSON.stringify(await queue.getJobLogs(job.id!))).toBe('{"logs":["first","second"],"count":2}');
     expect(await queue.getJobLogs(job.id!, 0, 0, false)).toEqual({ logs: ['second'], count: 2 });
     await until(() => progress.length === 1);
     expect(progress).toEqual([{ pct: 50 }]);

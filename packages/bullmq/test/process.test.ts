@@ -2,7 +2,7 @@ import { afterAll, describe, expect, it } from 'vitest';
 import { spawn } from 'node:child_process';
 import { fileURLToPath } from 'node:url';
 import * as path from 'node:path';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { withBackend, type Job } from 'bullmq';
 import { loamBackend } from '../src/index.js';
@@ -43,8 +43,23 @@ describe('processes', () => {
     expect(result.code).toBe('LOAM_STORE_LOCKED');
     expect(result.message).toContain('already open in another process');
     expect(result.message).toContain('loam-jobs serve');
+    expect(result.message).toContain('loamBackend({ url })');
     expect(Date.now() - started).toBeLessThan(5_000);
     await queue.close();
+  });
+
+  itInProcess('a data dir that is a file is a setting to fix, not a store that is away', () => {
+    const dir = mkdtempSync(path.join(tmpdir(), 'loam-file-dir-'));
+    try {
+      const file = path.join(dir, 'not-a-dir');
+      writeFileSync(file, '');
+      const misplaced = withBackend(loamBackend({ dataDir: file }));
+      expect(() => new misplaced.Queue('d', { connection })).toThrow(
+        expect.objectContaining({ code: 'LOAM_INVALID_ARGUMENT', message: expect.stringContaining('cannot create data dir') }),
+      );
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 
   itInProcess('refuses a flushIntervalMs that is not a whole number of milliseconds, 0 or more, as the server does', () => {
