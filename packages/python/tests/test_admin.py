@@ -61,6 +61,17 @@ def test_drain_clean_and_obliterate(client: Client, queue: str) -> None:
     client.enqueue(queue, "y", None)
     client.obliterate(queue)
     assert sum(client.counts(queue).values()) == 0
+    # Keyed as BullMQ's getJobCounts() answers with no types named.
+    assert sorted(client.counts(queue)) == [
+        "active",
+        "completed",
+        "delayed",
+        "failed",
+        "paused",
+        "prioritized",
+        "waiting",
+        "waiting-children",
+    ]
 
 
 def test_job_admin(client: Client, queue: str) -> None:

@@ -1320,17 +1320,19 @@ class Operations(ABC):
     # --- reads ---------------------------------------------------------------
 
     def counts(self, queue: str, *types: str, delayed_before: int | None = None) -> dict[str, int]:
-        """Jobs per BullMQ type (`wait`, `active`, `delayed`, `prioritized`,
-        `waiting-children`, `completed`, `failed`, `paused`, `repeat`, ...);
-        all the usual ones when none are named."""
+        """Jobs per BullMQ type (`waiting` or `wait`, `active`, `delayed`,
+        `prioritized`, `waiting-children`, `completed`, `failed`, `paused`,
+        `repeat`, ...), keyed as named; when none are, the types (and names)
+        of BullMQ's `getJobCounts()`."""
         names = list(types) or [
-            "wait",
-            "prioritized",
-            "delayed",
             "active",
-            "waiting-children",
             "completed",
+            "delayed",
             "failed",
+            "paused",
+            "prioritized",
+            "waiting",
+            "waiting-children",
         ]
         return self._run(counts(queue, names, delayed_before))
 
