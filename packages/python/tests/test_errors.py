@@ -208,79 +208,84 @@ def test_unreachable_server_is_unavailable() -> None:
     assert down.value.reason == ""
 
 
-def test_an_enqueue_made_while_the_server_restarts_for_seconds_is_added_once_it_is_back(
-    tmp_path: Path,
+Calls = dict[str, Callable[[], Any]]
+
+
+def _asked_while_away(
+    data_dir: Path,
+    prepare: Callable[[Client], Calls],
+    away_seconds: float,
+    check: Callable[[Client, dict[str, Any]], None],
 ) -> None:
-    data_dir = tmp_path / "data"
+    """Starts a server, `prepare`s its data and the calls to make, stops it,
+    makes each call from a thread of its own (each call's first try is
+    refused), starts the server again on the same port and data after
+    `away_seconds`, and `check`s each call's answer (or error)."""
     server = start_server(data_dir)
     port = int(server.url.rsplit(":", 1)[1])
     try:
         with Client(server.url) as client:
-            client.enqueue("restarts", "before")
+            calls = prepare(client)
             stop_server(server)
-            answers: list[Any] = []
+            answers: dict[str, Any] = {}
 
-            def add() -> None:
+            def ask(name: str, call: Callable[[], Any]) -> None:
                 try:
-                    answers.append(client.enqueue("restarts", "during"))
+                    answers[name] = call()
                 except LoamJobsError as err:
-                    answers.append(err)
+                    answers[name] = err
 
-            adder = threading.Thread(target=add)
-            adder.start()
-            # Away for longer than a restart of a few seconds, as a killed
-            # server with a log to replay is.
-            time.sleep(4)
+            threads = [threading.Thread(target=ask, args=item) for item in calls.items()]
+            for thread in threads:
+                thread.start()
+            time.sleep(away_seconds)
             server = start_server(data_dir, port=port)
-            adder.join(timeout=30)
-            assert [type(answer).__name__ for answer in answers] == ["Enqueued"]
-            assert client.counts("restarts", "waiting") == {"waiting": 2}
+            for thread in threads:
+                thread.join(timeout=30)
+            check(client, answers)
     finally:
         stop_server(server)
+
+
+def test_an_enqueue_made_while_the_server_restarts_for_seconds_is_added_once_it_is_back(
+    tmp_path: Path,
+) -> None:
+    def prepare(client: Client) -> Calls:
+        client.enqueue("restarts", "before")
+        return {"add": lambda: client.enqueue("restarts", "during")}
+
+    def check(client: Client, answers: dict[str, Any]) -> None:
+        assert type(answers["add"]).__name__ == "Enqueued"
+        assert client.counts("restarts", "waiting") == {"waiting": 2}
+
+    # Away for longer than a restart of a few seconds, as a killed server
+    # with a log to replay is.
+    _asked_while_away(tmp_path / "data", prepare, 4, check)
 
 
 def test_calls_safe_to_repeat_made_while_the_server_is_away_are_answered_once_it_is_back(
     tmp_path: Path,
 ) -> None:
-    data_dir = tmp_path / "data"
-    server = start_server(data_dir)
-    port = int(server.url.rsplit(":", 1)[1])
-    try:
-        with Client(server.url) as client:
-            client.enqueue("restarts", "a", job_id="a")
-            client.enqueue("restarts", "b", job_id="b")
-            held = client.lease("restarts", lock_duration_ms=60_000)[0]
-            stop_server(server)
-            answers: dict[str, Any] = {}
+    def prepare(client: Client) -> Calls:
+        client.enqueue("restarts", "a", job_id="a")
+        client.enqueue("restarts", "b", job_id="b")
+        held = client.lease("restarts", lock_duration_ms=60_000)[0]
+        return {
+            "counts": lambda: client.counts("restarts", "waiting", "active"),
+            "lease": lambda: [leased.id for leased in client.lease("restarts", lock_duration_ms=60_000)],
+            "extend": lambda: client.extend([held], 60_000),
+            "pause": lambda: client.pause("restarts-other"),
+            "result_set": lambda: client.result_set("restarts-result", {"ok": True}),
+        }
 
-            def ask(name: str, read: Callable[[], Any]) -> None:
-                try:
-                    answers[name] = read()
-                except LoamJobsError as err:
-                    answers[name] = err
+    def check(client: Client, answers: dict[str, Any]) -> None:
+        assert answers["counts"] in ({"waiting": 1, "active": 1}, {"waiting": 0, "active": 2})
+        assert answers["lease"] == ["b"]
+        assert answers["extend"] == []
+        assert answers["pause"] is None and client.is_paused("restarts-other")
+        assert answers["result_set"] is None and client.result_get_json("restarts-result") == {"ok": True}
 
-            calls = {
-                "counts": lambda: client.counts("restarts", "waiting", "active"),
-                "lease": lambda: [leased.id for leased in client.lease("restarts", lock_duration_ms=60_000)],
-                "extend": lambda: client.extend([held], 60_000),
-                "pause": lambda: client.pause("restarts-other"),
-                "result_set": lambda: client.result_set("restarts-result", {"ok": True}),
-            }
-            threads = [threading.Thread(target=ask, args=item) for item in calls.items()]
-            for thread in threads:
-                thread.start()
-            # Each call's first try is refused before the server is back.
-            time.sleep(0.05)
-            server = start_server(data_dir, port=port)
-            for thread in threads:
-                thread.join(timeout=30)
-            assert answers["counts"] in ({"waiting": 1, "active": 1}, {"waiting": 0, "active": 2})
-            assert answers["lease"] == ["b"]
-            assert answers["extend"] == []
-            assert answers["pause"] is None and client.is_paused("restarts-other")
-            assert answers["result_set"] is None and client.result_get_json("restarts-result") == {"ok": True}
-    finally:
-        stop_server(server)
+    _asked_while_away(tmp_path / "data", prepare, 0.05, check)
 
 
 def test_client_timeout_is_deadline_exceeded(server: Server) -> None:
