@@ -470,4 +470,4 @@ def test_a_job_given_back_keeps_its_key_as_long_as_the_clients_writes() -> None:
     leased = LeasedJob(queue="q", job=Job(id="j"), epoch=1, token="t", deadline=0)
     call = next(_release(leased, _ops.own_key_ttl_ms(30_000, 20_000)))
     assert isinstance(call, Call)
-    assert call.request.options.idempotency.ttl_ms == 30_000 + 20_000 + 60_000
+    assert call.request.options.idempotency.ttl_ms == 30_000 + 20_000 + 30_000 + 60_000

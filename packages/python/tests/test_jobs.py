@@ -515,7 +515,26 @@ def test_retries_go_on_at_the_longest_pause_until_the_client_ends_them() -> None
     assert given_up.value.tries == 14
     assert given_up.value.idempotency_key == first.request.job.idempotency.key
     assert "gave up after 14 tries" in str(given_up.value)
-    assert f"idempotency_key={given_up.value.idempotency_key!r}" in str(given_up.value)
+    assert f"idempotency_key={given_up.value.idempotency_key!r} within a day" in str(given_up.value)
+
+
+def test_the_retry_budget_counts_from_the_first_failure_not_the_first_try(client: Client, queue: str) -> None:
+    # A first try that ran out its own timeout still gets its retries.
+    hasty = Client(client.url, retry_for_ms=200)
+    send = hasty._call
+    tried: list[float] = []
+
+    def slow_then_answered(call: ops.Call) -> Any:
+        tried.append(time.monotonic())
+        if len(tried) == 1:
+            time.sleep(0.5)
+            raise DeadlineExceededError("no answer in time")
+        return send(call)
+
+    hasty._call = slow_then_answered  # type: ignore[method-assign]
+    with hasty:
+        assert hasty.counts(queue, "waiting") == {"waiting": 0}
+    assert len(tried) == 2
 
 
 def test_an_enqueue_given_up_on_is_sent_again_under_its_key_and_added_once(
@@ -540,6 +559,8 @@ def test_an_enqueue_given_up_on_is_sent_again_under_its_key_and_added_once(
     assert 0.25 <= tried[-1] - tried[0] < 0.5
     key = given_up.value.idempotency_key
     assert key
+    # How long the key lets it be sent again: what is left of its TTL.
+    assert "within" in str(given_up.value) and "(the server then forgets the key)" in str(given_up.value)
     again = client.enqueue(queue, "a", {"n": 1}, idempotency_key=key)
     assert not again.created
     assert client.counts(queue, "waiting") == {"waiting": 1}
@@ -620,14 +641,14 @@ def test_an_enqueues_own_key_outlives_its_retries_and_no_more() -> None:
         def _run(self, op: ops.Op[Any]) -> Any:
             return next(op)
 
-    # The last try starts within the retry budget (20 s) of the first, takes
-    # up to 5 s, and a minute more.
-    assert ops.own_key_ttl_ms(5_000, 20_000) == 20_000 + 5_000 + 60_000
+    # The first try fails within 5 s, the last starts within the retry budget
+    # (20 s) of that, reaches the server within 5 s more, and a minute more.
+    assert ops.own_key_ttl_ms(5_000, 20_000) == 5_000 + 20_000 + 5_000 + 60_000
     call = FirstCall(5_000).enqueue("q", "a")
-    assert call.request.job.idempotency.ttl_ms == 85_000
+    assert call.request.job.idempotency.ttl_ms == 90_000
     bulk = FirstCall(5_000).enqueue_bulk("q", [job("a"), job("b")])
-    assert bulk.request.idempotency.ttl_ms == 85_000
-    assert [j.idempotency.ttl_ms for j in bulk.request.jobs] == [85_000, 85_000], (
+    assert bulk.request.idempotency.ttl_ms == 90_000
+    assert [j.idempotency.ttl_ms for j in bulk.request.jobs] == [90_000, 90_000], (
         "until the server keeps call keys"
     )
     # Calls without a bound: the server's default (a day).
@@ -727,8 +748,8 @@ def test_calls_a_repeat_cannot_do_twice_retry_an_unknown_outcome_and_other_write
         "pause": ops.queue_admin("q", "pause", True),
         "resume": ops.queue_admin("q", "resume", True),
         "set_rate_limit": ops.queue_admin("q", "set_rate_limit", QueueAdminRequest.SetRateLimit(ms=10)),
-        "a chunk of obliterate": ops.queue_admin_until_done(
-            "q", "obliterate", QueueAdminRequest.Obliterate(count=10)
+        "a chunk of promote_jobs": ops.queue_admin_until_done(
+            "q", "promote_jobs", QueueAdminRequest.PromoteJobs(count=10)
         ),
         "result_set": ops.result_set("k", 1, None),
         "result_expire": ops.result_expire("k", 1_000),
@@ -743,6 +764,7 @@ def test_calls_a_repeat_cannot_do_twice_retry_an_unknown_outcome_and_other_write
     # lost try (0 removed, not deleted, not added), or act on what came since.
     once = {
         "drain": ops.queue_admin("q", "drain", QueueAdminRequest.Drain()),
+        "obliterate": ops.queue_admin("q", "obliterate", QueueAdminRequest.Obliterate(count=10)),
         "set_meta": ops.queue_admin("q", "set_meta", QueueAdminRequest.SetMeta(values={"a": "1"})),
         "publish_event": ops.queue_admin("q", "publish_event", QueueAdminRequest.PublishEvent(name="e")),
         "remove": ops.job_admin("q", "1", "remove", JobAdminRequest.Remove()),

@@ -60,6 +60,7 @@ from ._gen.loam.jobs.v1.types_pb import (
     Enqueued,
     Fence,
     FlowNode,
+    Idempotency,
     Job,
     JobSpec,
     JobState,
@@ -199,9 +200,10 @@ def retry_pause(pause: float, err: LoamJobsError) -> float:
 
 def own_key_ttl_ms(timeout_ms: int | None, retry_for_ms: int = DEFAULT_RETRY_FOR_MS) -> int | None:
     """How long the server keeps the idempotency key an enqueue gets of its
-    own: past the last retry of a call bounded by `timeout_ms` (the last try
-    starts within `retry_for_ms` of the first, and may take `timeout_ms`),
-    with a minute to spare (for clocks). Kept for the server's default of a
+    own: past the last retry of a call bounded by `timeout_ms` (the first
+    try fails within `timeout_ms`, the last starts within `retry_for_ms` of
+    that failure and reaches the server within `timeout_ms` more), with a
+    minute to spare (for clocks). Kept for the server's default of a
     day, the keys of a client adding a thousand jobs a second were 86 million
     live records. Calls without a bound (None) keep that default, and so do
     calls whose bound is past what the request's 64-bit field holds
@@ -209,7 +211,7 @@ def own_key_ttl_ms(timeout_ms: int | None, retry_for_ms: int = DEFAULT_RETRY_FOR
     unencodable TTL)."""
     if timeout_ms is None:
         return None
-    ttl_ms = retry_for_ms + timeout_ms + 60_000
+    ttl_ms = 2 * timeout_ms + retry_for_ms + 60_000
     return ttl_ms if ttl_ms < 1 << 63 else None
 
 
@@ -294,15 +296,18 @@ def _once(call: Call) -> Op[Any]:
 def _retried(
     call: Call | Callable[[], Call],
     unknown: tuple[type[LoamJobsError], ...] = (UnavailableError, DeadlineExceededError),
-    key: str | None = None,
+    key: Idempotency | None = None,
 ) -> Op[Any]:
     """`call` (or a call made anew for each try), tried again after a pause
     (`RETRY_PAUSES`, then `LATER_RETRY_PAUSE`, each drawn by `retry_pause`)
     while it fails with one of `unknown` (its outcome unknown), until the
-    client's retry budget is spent. The caller makes sure a repeat cannot do
-    the work twice; `key` is the write's idempotency key, which the last
-    error carries."""
+    client's retry budget, counted from the first failure, is spent: counted
+    from the first try, a try that ran out its own timeout spent it all, and
+    the call that most needs a retry got none. The caller makes sure a repeat
+    cannot do the work twice; `key` is the write's idempotency key, which the
+    error it ends with carries."""
     first_try = time.monotonic()
+    first_failure: float | None = None
     tries = 0
     while True:
         tries += 1
@@ -311,25 +316,45 @@ def _retried(
         except unknown as err:
             # A paused queue is an answer, not an unknown outcome.
             if isinstance(err, QueuePausedError):
-                raise
+                raise _tried(err, tries, key, None) from None
+            if first_failure is None:
+                first_failure = time.monotonic()
             bound = RETRY_PAUSES[tries - 1] if tries <= len(RETRY_PAUSES) else LATER_RETRY_PAUSE
             try:
-                yield Pause(retry_pause(bound, err), err, first_try)
+                yield Pause(retry_pause(bound, err), err, first_failure)
             except LoamJobsError as spent:
-                raise _given_up(spent, tries, first_try, key) from None
+                raise _tried(spent, tries, key, first_try) from None
+        except LoamJobsError as err:
+            raise _tried(err, tries, key, None) from None
 
 
-def _given_up(err: LoamJobsError, tries: int, first_try: float, key: str | None) -> LoamJobsError:
-    """`err`, the last try's, saying that the retries are over, and that an
-    earlier try may have been applied though this one failed (its answer was
-    lost): sent again under `key`, a write is applied at most once."""
-    seconds = time.monotonic() - first_try
+def _tried(
+    err: LoamJobsError, tries: int, key: Idempotency | None, given_up_since: float | None
+) -> LoamJobsError:
+    """`err`, the last try's, with how many tries were made and, when a try
+    may have been applied (its outcome unknown), the write's key. Once
+    the retries are over (`given_up_since`, the first try's time) its message
+    says so, and how long the key lets the write be sent again under it
+    (`idempotency_key=`) and still be applied at most once."""
     err.tries = tries
-    err.idempotency_key = key
-    again = (
-        f"; an earlier try may have been applied: send it again with idempotency_key={key!r}" if key else ""
-    )
-    err.message = f"{err.message} (gave up after {tries} tries over {seconds:.1f} s{again})"
+    if key is not None and (tries > 1 or given_up_since is not None):
+        err.idempotency_key = key.key
+    if given_up_since is None:
+        return err
+    seconds = time.monotonic() - given_up_since
+    tried = f"{tries} {'try' if tries == 1 else 'tries'} over {seconds:.1f} s"
+    again = ""
+    if err.idempotency_key is not None and key is not None:
+        if key.has_field("ttl_ms"):
+            left = max(key.ttl_ms / 1000 - seconds, 0)
+            within = f"within {left:.0f} s (the server then forgets the key)"
+        else:
+            within = "within a day (the server's default for a key)"
+        again = (
+            f"; an earlier try may have been applied: send it again with "
+            f"idempotency_key={err.idempotency_key!r} {within}"
+        )
+    err.message = f"{err.message} (gave up after {tried}{again})"
     return err
 
 
@@ -337,7 +362,7 @@ def enqueue(queue: str, spec: JobSpec, key_ttl_ms: int | None = None) -> Op[Enqu
     keyed = idempotent(spec, key_ttl_ms)
     resp: EnqueueResponse = yield from _retried(
         Call("enqueue", EnqueueRequest(queue=queue, job=keyed)),
-        key=keyed.idempotency.key if keyed.idempotency else None,
+        key=keyed.idempotency,
     )
     if resp.enqueued is None:
         raise InternalError("the server answered an enqueue with no job")
@@ -628,18 +653,11 @@ def unschedule(queue: str, scheduler_id: str) -> Op[bool]:
 # does not say what the try itself did: these are sent again when their
 # outcome is unknown. Draining, cleaning, sweeping and the counts of meta
 # fields or events removed are not: a repeat acts on what came meanwhile, or
-# answers 0 for what the lost try did.
+# answers 0 for what the lost try did. Nor is obliterate: its last chunk
+# removes the queue, its pause with it, and a repeat is refused as a queue
+# not paused (`obliterate` pauses first, so calling it again works).
 _REPEATABLE_ADMIN = frozenset(
-    {
-        "pause",
-        "resume",
-        "set_config",
-        "set_rate_limit",
-        "register_worker",
-        "obliterate",
-        "retry_jobs",
-        "promote_jobs",
-    }
+    {"pause", "resume", "set_config", "set_rate_limit", "register_worker", "retry_jobs", "promote_jobs"}
 )
 
 

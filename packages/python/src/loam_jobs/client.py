@@ -535,9 +535,14 @@ class Watch(Iterator[QueueEvent]):
         return stub.watch(request, headers=self._client._headers, timeout_ms=None)
 
     def __next__(self) -> QueueEvent:
+        # The turn is held until the stream is let go too: let go after it,
+        # a failing thread could close the stream another thread had opened.
+        with self._turn:
+            return self._next_in_turn()
+
+    def _next_in_turn(self) -> QueueEvent:
         try:
-            with self._turn:
-                return self._next_event()
+            return self._next_event()
         except BaseException:
             # The iteration is over: closed (StopIteration), or ended by an
             # error (a refusal, too many reconnects, a closed client, Ctrl-C).
