@@ -4,16 +4,20 @@
 //   modules;
 // - points its declarations at the addon's: tsc copies the sources' relative
 //   `../native/index.js`, right from dist/ (the ES module build) but one level
-//   short from dist/cjs/.
+//   short from dist/cjs/. Only the build's top folder has sources that name
+//   the addon; a declaration anywhere that still names `../native/` fails the
+//   build rather than ship a type that resolves to nothing.
 import { readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import * as path from 'node:path';
 
 const [dir] = process.argv.slice(2);
 if (!dir) throw new Error('usage: finish-commonjs.mjs <dir>');
 writeFileSync(path.join(dir, 'package.json'), `${JSON.stringify({ type: 'commonjs' })}\n`);
-for (const file of readdirSync(dir).filter(f => f.endsWith('.d.ts') || f.endsWith('.d.cts'))) {
+const declarations = readdirSync(dir, { recursive: true, encoding: 'utf8' }).filter(f => /\.d\.c?ts$/.test(f));
+for (const file of declarations) {
   const full = path.join(dir, file);
   const text = readFileSync(full, 'utf8');
-  const fixed = text.replaceAll("'../native/index.js'", "'../../native/index.js'");
+  const fixed = path.dirname(file) === '.' ? text.replace(/(['"])\.\.\/native\//g, '$1../../native/') : text;
+  if (/(['"])\.\.\/native\//.test(fixed)) throw new Error(`${full} names ../native/, which is not the addon's folder from there`);
   if (fixed !== text) writeFileSync(full, fixed);
 }

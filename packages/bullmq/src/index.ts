@@ -202,3 +202,14 @@ export const QueueEventsProducer = bound.QueueEventsProducer as new (
 export const FlowProducer = bound.FlowProducer as new (
   opts?: LoamOptions<FlowProducerOptions<LoamConnectionOptions>>,
 ) => InstanceType<typeof bound.FlowProducer>;
+
+// The classes are types too, as BullMQ's are (`constructor(private queue:
+// Queue)`): the instance types of BullMQ's own classes. `export *` above
+// brings none of these names, which the bound classes take.
+export type Queue<D = any, R = any, N extends string = string> = InstanceType<typeof bound.Queue<D, R, N>>;
+export type Worker<D = any, R = any, N extends string = string, P extends JobProgress = JobProgress> = InstanceType<
+  typeof bound.Worker<D, R, N, P>
+>;
+export type QueueEvents<R = any> = InstanceType<typeof bound.QueueEvents<R>>;
+export type QueueEventsProducer = InstanceType<typeof bound.QueueEventsProducer>;
+export type FlowProducer = InstanceType<typeof bound.FlowProducer>;

@@ -346,7 +346,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
    * about one round trip, not one each. If the stream fails, the adds and
    * reports on it (`resendable`: the server knows one again by its key, see
    * `keyed`) and the queue settings (`setQueueMeta`, pause, a rate limit,
-   * the chunks of obliterate, retryJobs and promoteJobs: the same again) are
+   * the chunks of retryJobs and promoteJobs: the same again) are
    * sent again, each behind the one before; the other writes
    * on it fail with `ConnectionClosedError` (their callers cannot know
    * whether they were applied). So any other write also waits for the
@@ -1027,11 +1027,13 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   // ---- queue admin ---------------------------------------------------------------------
 
-  // Pausing, resuming, a rate limit and each chunk of obliterate, retryJobs
-  // and promoteJobs are sent again when their answer is lost: a repeat leaves
+  // Pausing, resuming, a rate limit and each chunk of retryJobs and
+  // promoteJobs are sent again when their answer is lost: a repeat leaves
   // what the first try did (a chunk acts on what is left, and its `more` says
   // so), as ioredis sends a cut command again. Drain and clean are not: a
-  // repeat would remove jobs added since.
+  // repeat would remove jobs added since. Nor is obliterate: its last chunk
+  // removes the queue, its pause with it, and a repeat is refused as a queue
+  // not paused (BullMQ's obliterate pauses first, so calling it again works).
 
   async pause(pause: boolean): Promise<void> {
     await this.queueAdmin(
@@ -1058,7 +1060,6 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     const r = await this.queueAdmin(
       { command: 'obliterate' },
       { case: 'obliterate', value: { force: !!opts.force, count: u64(opts.count) } },
-      { resendable: true },
     );
     return r.more ? 1 : 0;
   }

@@ -249,6 +249,12 @@ describeOnce('the packed package', () => {
       setDefaultBackendFactory(loamBackend(connection));
       const queue = new Queue<{ n: number }>('typed');
       const worker = new Worker<{ n: number }, number>('typed', async job => job.data.n * 2);
+      // The bound classes are types too, as BullMQ's are.
+      class Mailer {
+        constructor(private readonly queue: Queue<{ n: number }>, readonly worker: Worker) {}
+        send(n: number) { return this.queue.add('mail', { n }); }
+      }
+      export const mailer = new Mailer(queue, worker);
       export const closed: Promise<void[]> = Promise.all([worker.close(), queue.close()]);
       `,
     );
@@ -279,12 +285,32 @@ describeOnce('the packed package', () => {
       path.join(app, 'tsconfig.json'),
       JSON.stringify({ compilerOptions, files: ['usage.ts', 'usage-required.cts'] }),
     );
-    let output = '';
-    try {
-      execFileSync(process.execPath, [tsc, '-p', app], { encoding: 'utf8' });
-    } catch (err) {
-      output = String((err as { stdout?: string }).stdout ?? err);
-    }
-    expect(output).toBe('');
+    // And a CommonJS project on TypeScript's default resolution for it
+    // (node10, NestJS's), which reads `types` and `typesVersions`, not `exports`.
+    writeFileSync(
+      path.join(app, 'usage-node10.ts'),
+      `
+      import { Queue, Job, loamBackend } from '@loam/bullmq';
+      import factory from '@loam/bullmq/factory';
+      export const backend = factory;
+      export class Mailer {
+        constructor(private readonly queue: Queue) {}
+        send(): Promise<Job> { return this.queue.add('mail', {}); }
+      }
+      export const made = loamBackend;
+      `,
+    );
+    const node10 = { ...compilerOptions, module: 'CommonJS', moduleResolution: 'Node10', esModuleInterop: true };
+    writeFileSync(path.join(app, 'tsconfig.node10.json'), JSON.stringify({ compilerOptions: node10, files: ['usage-node10.ts'] }));
+    const check = (project: string) => {
+      try {
+        execFileSync(process.execPath, [tsc, '-p', project], { encoding: 'utf8' });
+        return '';
+      } catch (err) {
+        return String((err as { stdout?: string }).stdout ?? err);
+      }
+    };
+    expect(check(app)).toBe('');
+    expect(check(path.join(app, 'tsconfig.node10.json'))).toBe('');
   }, 60_000);
 });
