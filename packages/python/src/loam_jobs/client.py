@@ -311,7 +311,7 @@ class Client(Operations):
     unknown (the server unreachable, busy or not answering in time) is sent
     again after pauses growing from 0.1 s to 2 s, the last one at the end of
     `retry_for_ms` (20 s, as the TypeScript client waits for a server that
-    is away) from its first try; 0 sends every call once. `compress_requests` gzips
+    is away) from its first failure; 0 sends every call once. `compress_requests` gzips
     request bodies (worth it for large payloads over slow links).
     """
 
