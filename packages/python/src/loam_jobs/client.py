@@ -166,8 +166,17 @@ def _idle_seconds(idle_timeout_ms: int | None) -> float | None:
 
 
 def _client_timeout(timeout_ms: int | None) -> int | None:
-    """`timeout_ms` as a client takes it: None, or a whole number of ms."""
-    return None if timeout_ms is None else whole_ms(timeout_ms, "timeout_ms")
+    """`timeout_ms` as a client takes it: None, or a whole number of ms, at
+    least 1 (0 failed every call before it was sent, and with retries only
+    after the whole retry budget)."""
+    if timeout_ms is None:
+        return None
+    ms = whole_ms(timeout_ms, "timeout_ms")
+    if ms == 0:
+        raise InvalidArgumentError(
+            "timeout_ms must be at least 1 ms (None: no bound): 0 would fail every call"
+        )
+    return ms
 
 
 def _timeout(client_timeout_ms: int | None, call: Call) -> int | None:
