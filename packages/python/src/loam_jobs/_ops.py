@@ -142,8 +142,8 @@ class Pause:
     # client sleeps, the async one awaits.
     seconds: float
     # Before a retry: the failure it follows, and when the operation's first
-    # try began (`time.monotonic()`). A client whose retry budget
-    # (`retry_for_ms`) the pause would outlast throws `cause` back instead.
+    # failure was (`time.monotonic()`). A client whose retry budget
+    # (`retry_for_ms`) is spent throws `cause` back instead.
     cause: LoamJobsError | None = None
     since: float = 0.0
 
@@ -169,7 +169,7 @@ RETRY_PAUSES = (0.1, 0.4, 1.6)
 # The longest pause before each later retry, while the client's budget lasts.
 LATER_RETRY_PAUSE = 2.0
 # How long a client goes on sending again a call whose outcome is unknown,
-# from its first try: as long as the TypeScript client waits for a server
+# from its first failure: as long as the TypeScript client waits for a server
 # that is away (`reconnectTimeoutMs`), so that both ride out a restart.
 DEFAULT_RETRY_FOR_MS = 20_000
 # The longest server's retry-after (seconds) a retry or a watch's reconnect

@@ -236,8 +236,8 @@ def _retry_budget(retry_for_ms: int) -> int:
 
 def _pause_within(pause: Pause, retry_for_ms: int) -> float | None:
     """How long to wait before the retry `pause` comes before: no later than
-    the end of the budget counted from its operation's first try, with one
-    last try then; None once the budget is spent (the retries are over)."""
+    the end of the budget counted from its operation's first failure, with
+    one last try then; None once the budget is spent (the retries are over)."""
     if pause.cause is None:
         return pause.seconds
     left = pause.since + retry_for_ms / 1000 - time.monotonic()

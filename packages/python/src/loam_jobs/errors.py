@@ -69,10 +69,10 @@ class LoamJobsError(Exception):
         tries: how many times the client sent the call (more than 1 when
             its outcome was unknown and it was sent again until the
             client's `retry_for_ms` was spent).
-        idempotency_key: the key an enqueue was sent under, when it failed
-            after retries: an earlier try may have been applied, and sent
-            again under this key (`idempotency_key=`) it is added at most
-            once. None otherwise.
+        idempotency_key: the key an enqueue was sent under, when a try of
+            it may have been applied (it was sent again, or its outcome is
+            unknown): sent again under this key (`idempotency_key=`), while
+            the server keeps it, it is added at most once. None otherwise.
     """
 
     code: str = "unknown"
