@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import pytest
@@ -518,20 +519,35 @@ def test_retries_go_on_at_the_longest_pause_until_the_client_ends_them() -> None
     assert f"idempotency_key={given_up.value.idempotency_key!r} within a day" in str(given_up.value)
 
 
+Send = Callable[[ops.Call], Any]
+
+
+def _each_try(client: Client, answer: Callable[[int, ops.Call, Send], Any]) -> list[tuple[float, ops.Call]]:
+    """Has `answer(n, call, send)` answer each call `client` makes (its `n`th,
+    from 1; `send` sends it for real); returns the tries, when each was made
+    and its call, as they are made."""
+    send = client._call
+    tries: list[tuple[float, ops.Call]] = []
+
+    def answered(call: ops.Call) -> Any:
+        tries.append((time.monotonic(), call))
+        return answer(len(tries), call, send)
+
+    client._call = answered  # type: ignore[method-assign]
+    return tries
+
+
 def test_the_retry_budget_counts_from_the_first_failure_not_the_first_try(client: Client, queue: str) -> None:
     # A first try that ran out its own timeout still gets its retries.
     hasty = Client(client.url, retry_for_ms=200)
-    send = hasty._call
-    tried: list[float] = []
 
-    def slow_then_answered(call: ops.Call) -> Any:
-        tried.append(time.monotonic())
-        if len(tried) == 1:
+    def slow_then_answered(n: int, call: ops.Call, send: Send) -> Any:
+        if n == 1:
             time.sleep(0.5)
             raise DeadlineExceededError("no answer in time")
         return send(call)
 
-    hasty._call = slow_then_answered  # type: ignore[method-assign]
+    tried = _each_try(hasty, slow_then_answered)
     with hasty:
         assert hasty.counts(queue, "waiting") == {"waiting": 0}
     assert len(tried) == 2
@@ -542,21 +558,18 @@ def test_an_enqueue_given_up_on_is_sent_again_under_its_key_and_added_once(
 ) -> None:
     # Its first try is applied and its answer lost; every later try is refused.
     hasty = Client(client.url, retry_for_ms=300)
-    send = hasty._call
-    tried: list[float] = []
 
-    def lost_then_refused(call: ops.Call) -> Any:
-        tried.append(time.monotonic())
-        if len(tried) == 1:
+    def lost_then_refused(n: int, call: ops.Call, send: Send) -> Any:
+        if n == 1:
             send(call)
         raise UnavailableError("connection refused")
 
-    hasty._call = lost_then_refused  # type: ignore[method-assign]
+    tried = _each_try(hasty, lost_then_refused)
     with hasty, pytest.raises(UnavailableError) as given_up:
         hasty.enqueue(queue, "a", {"n": 1})
     assert given_up.value.tries == len(tried) > 1
     # The last try at the end of the budget.
-    assert 0.25 <= tried[-1] - tried[0] < 0.5
+    assert 0.25 <= tried[-1][0] - tried[0][0] < 0.5
     key = given_up.value.idempotency_key
     assert key
     # How long the key lets it be sent again: what is left of its TTL.
@@ -568,13 +581,11 @@ def test_an_enqueue_given_up_on_is_sent_again_under_its_key_and_added_once(
 
 def test_a_client_with_no_retry_budget_sends_each_call_once(client: Client, queue: str) -> None:
     once = Client(client.url, retry_for_ms=0)
-    calls: list[ops.Call] = []
 
-    def refused(call: ops.Call) -> Any:
-        calls.append(call)
+    def refused(n: int, call: ops.Call, send: Send) -> Any:
         raise UnavailableError("connection refused")
 
-    once._call = refused  # type: ignore[method-assign]
+    calls = _each_try(once, refused)
     with once, pytest.raises(UnavailableError) as refusal:
         once.enqueue(queue, "a")
     assert (len(calls), refusal.value.tries) == (1, 1)
@@ -600,18 +611,14 @@ def test_a_retry_waits_at_least_the_servers_retry_after_up_to_a_bound() -> None:
 def test_an_enqueue_refused_as_busy_is_sent_again_after_the_servers_retry_after(
     client: Client, queue: str
 ) -> None:
-    send = client._call
-    refused: list[float] = []
-
-    def busy_once(call: ops.Call) -> Any:
-        if not refused:
-            refused.append(time.monotonic())
+    def busy_once(n: int, call: ops.Call, send: Send) -> Any:
+        if n == 1:
             raise UnavailableError("the server is busy", retry_after_ms=700)
         return send(call)
 
-    client._call = busy_once  # type: ignore[method-assign]
+    tried = _each_try(client, busy_once)
     added = client.enqueue(queue, "a", None)
-    assert time.monotonic() - refused[0] >= 0.7
+    assert time.monotonic() - tried[0][0] >= 0.7
     assert client.get_job(queue, added.id) is not None
 
 
@@ -690,20 +697,13 @@ def test_a_bulk_enqueue_keys_each_job_too_until_the_server_says_it_keeps_the_cal
     # A server from before keys for a whole call ignores them: a bulk sent
     # again there would add its jobs twice without keys of their own.
     with Client(server.url) as fresh:
-        sent: list[ops.Call] = []
-        call = fresh._call
-
-        def recorded(c: ops.Call) -> Any:
-            sent.append(c)
-            return call(c)
-
-        fresh._call = recorded  # type: ignore[method-assign]
+        sent = _each_try(fresh, lambda _, call, send: send(call))
         fresh.enqueue_bulk(queue, [job("a"), job("b")])
-        assert all(j.has_field("idempotency") for j in sent[0].request.jobs)
+        assert all(j.has_field("idempotency") for j in sent[0][1].request.jobs)
         assert fresh._bulk_keys.kept
         fresh.enqueue_bulk(queue, [job("c")])
-        assert not any(j.has_field("idempotency") for j in sent[1].request.jobs)
-        assert sent[1].request.idempotency.key
+        assert not any(j.has_field("idempotency") for j in sent[1][1].request.jobs)
+        assert sent[1][1].request.idempotency.key
     keys = ops.BulkKeys()
     op = ops.enqueue_bulk(queue, [job("d")], keys=keys)
     next(op)
