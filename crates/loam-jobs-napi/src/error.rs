@@ -133,7 +133,7 @@ mod tests {
         let fenced = JobsError::Fenced { job: "7".into(), current_epoch: 2, reason: FenceFailure::Mismatch };
         let sent = r#"{"command":"moveToFinished","jobId":"7","state":"active"}"#;
         assert_eq!(op.error(fenced).reason, format!("[bullmq:-6] {sent}"));
-        let not_in_state = JobsError::not_in_state("7", "waiting", "active");
+        let not_in_state = JobsError::not_in_state("7", loam_jobs::JobState::Waiting, loam_jobs::JobState::Active);
         assert_eq!(op.error(not_in_state).reason, format!("[bullmq:-3] {sent}"));
         // The parent a refusal names, where the operation did not know it.
         let add = Op::new("addJob");

@@ -5,6 +5,8 @@
 
 use std::fmt;
 
+use crate::model::JobState;
+
 /// Failures of the storage engine itself.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum StoreError {
@@ -53,8 +55,8 @@ pub enum FenceFailure {
 /// A precondition of the operation did not hold (Connect `failed_precondition`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Precondition {
-    /// The job is in `state`, which the operation does not accept.
-    NotInState { job: String, state: String, expected: &'static str },
+    /// The job is in `state`, where the operation needs it `expected`.
+    NotInState { job: String, state: JobState, expected: JobState },
     /// The job still has unfinished children.
     PendingChildren { job: String },
     /// A child failed and the parent may not continue.
@@ -163,8 +165,8 @@ impl JobsError {
         JobsError::NotFound(Missing::Job(id.to_string()))
     }
 
-    pub fn not_in_state(job: &str, state: impl fmt::Display, expected: &'static str) -> Self {
-        JobsError::Precondition(Precondition::NotInState { job: job.to_string(), state: state.to_string(), expected })
+    pub fn not_in_state(job: &str, state: JobState, expected: JobState) -> Self {
+        JobsError::Precondition(Precondition::NotInState { job: job.to_string(), state, expected })
     }
 
     /// BullMQ's code for this error, when BullMQ has one.

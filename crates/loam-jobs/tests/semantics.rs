@@ -1627,7 +1627,9 @@ fn admin_moves_jobs_between_states() {
     jobs.admin("ns", "q", |tx, q| admin::promote(tx, q, "1")).wait().unwrap();
     assert_eq!(state(&jobs, "q", "1"), Some(JobState::Waiting));
     let again = jobs.admin("ns", "q", |tx, q| admin::promote(tx, q, "1")).wait();
-    assert!(matches!(again, Err(JobsError::Precondition(Precondition::NotInState { .. }))));
+    let not_delayed =
+        Precondition::NotInState { job: "1".into(), state: JobState::Waiting, expected: JobState::Delayed };
+    assert_eq!(again.map(|_| ()), Err(JobsError::Precondition(not_delayed)));
     jobs.admin("ns", "q", |tx, q| admin::change_priority(tx, q, "1", 7, false)).wait().unwrap();
     assert_eq!(state(&jobs, "q", "1"), Some(JobState::Prioritized));
     jobs.enqueue("ns", "q", EnqueueRequest { delay_ms: 10_000, ..job("d2") }).wait().unwrap();

@@ -504,7 +504,7 @@ pub fn retry_finished(
     }
     let mut job = tx.require_job(q, id)?;
     if job.state != from {
-        return Err(JobsError::not_in_state(id, job.state, from.as_str()));
+        return Err(JobsError::not_in_state(id, job.state, from));
     }
     reattach_to_parent(tx, q, &job)?;
     tx.unindex(q, &job)?; // before the finish time that names its index entry is cleared
@@ -596,7 +596,7 @@ pub fn retry_finished_jobs(
 pub fn promote(tx: &mut Tx, q: &QueueId, id: &str) -> Result<(), JobsError> {
     let job = tx.require_job(q, id)?;
     if job.state != JobState::Delayed {
-        return Err(JobsError::not_in_state(id, job.state, "delayed"));
+        return Err(JobsError::not_in_state(id, job.state, JobState::Delayed));
     }
     lease::make_ready(tx, q, job, Some("delayed"), Line::Promoted)?;
     Ok(())
@@ -625,7 +625,7 @@ pub fn promote_jobs(tx: &mut Tx, q: &QueueId, count: u64) -> Result<bool, JobsEr
 pub fn change_delay(tx: &mut Tx, q: &QueueId, id: &str, delay_ms: u64) -> Result<(), JobsError> {
     let mut job = tx.require_job(q, id)?;
     if job.state != JobState::Delayed {
-        return Err(JobsError::not_in_state(id, job.state, "delayed"));
+        return Err(JobsError::not_in_state(id, job.state, JobState::Delayed));
     }
     tx.unindex(q, &job)?;
     job.delay = delay_ms;

@@ -183,7 +183,7 @@ fn complete_job(
     }
     lease::check_fence(&job, fence)?;
     if job.state != JobState::Active {
-        return Err(JobsError::not_in_state(id, job.state, "active"));
+        return Err(JobsError::not_in_state(id, job.state, JobState::Active));
     }
     let removed_if_completed = removes_at_once(&retention(&job, opts, JobState::Completed));
     let removed_if_failed = removes_at_once(&retention(&job, opts, JobState::Failed));

@@ -341,7 +341,7 @@ pub fn extend(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, duration_ms: u6
     let mut job = tx.require_job(q, id)?;
     check_fence(&job, fence)?;
     if matches!(fence, Fence::Unchecked) && job.state != JobState::Active {
-        return Err(JobsError::not_in_state(id, job.state, "active"));
+        return Err(JobsError::not_in_state(id, job.state, JobState::Active));
     }
     let mut deadline = tx.lease_now.saturating_add(duration_ms);
     if let (Some(timeout), Some(started)) = (job.timeout_ms, job.processed_on) {
