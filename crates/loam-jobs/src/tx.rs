@@ -319,7 +319,7 @@ impl<'a> Tx<'a> {
             self.put_record(&counts_key, &counts)?;
         }
         let key = self.cache(q)?.keys.job(&job.id);
-        self.put(&key, model::encode(job))
+        self.put(&key, job.encode())
     }
 
     /// Changes the counts of a parent's children with `change` and returns

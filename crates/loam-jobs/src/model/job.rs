@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::encode_with_capacity;
 use super::flow::{OnChildFailure, ParentRef};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -232,6 +233,22 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
+    /// The record's encoding, in a buffer sized for its payloads at once:
+    /// grown by doubling from a small one, the record of a 64 MiB job ended
+    /// in a 128 MiB buffer, and copied its payload on the way.
+    pub fn encode(&self) -> Vec<u8> {
+        let texts = |t: &Option<String>| t.as_ref().map_or(0, String::len);
+        let payloads = self.data.len()
+            + self.opts.len()
+            + self.return_value.as_ref().map_or(0, Vec::len)
+            + texts(&self.progress)
+            + texts(&self.failed_reason)
+            + self.stacktrace.iter().map(String::len).sum::<usize>()
+            + self.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
+        // The other fields take a few hundred bytes.
+        encode_with_capacity(self, payloads + 512)
+    }
+
     pub fn is_prioritized(&self) -> bool {
         self.priority > 0
     }

@@ -6,6 +6,8 @@
 //! only ever appended, each new one with `#[serde(default)]`, so a newer
 //! build still reads an older file. Decoding also accepts the map form.
 
+use std::hash::Hasher;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{JobsError, StoreError};
@@ -42,7 +44,12 @@ pub const MAX_PRIORITY: u32 = (1 << 21) - 1;
 pub const SEQ_ORIGIN: u64 = 1 << 63;
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    let mut out = Vec::with_capacity(256);
+    encode_with_capacity(value, 256)
+}
+
+/// [`encode`] into a buffer of `capacity` bytes to start with.
+fn encode_with_capacity<T: Serialize>(value: &T, capacity: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(capacity);
     encode_into(&mut out, value);
     out
 }
@@ -51,6 +58,48 @@ pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
 fn encode_into<T: Serialize>(out: &mut Vec<u8>, value: &T) {
     // Serializing plain structs into a Vec cannot fail.
     let _ = rmp_serde::encode::write(out, value);
+}
+
+/// Feeds `value`'s encoding to `hasher`, the same bytes [`encode`] returns,
+/// without holding them whole: an idempotency key's hash covers the whole
+/// request, and built first, the encoding of a 64 MiB payload took 128 MiB
+/// more for a moment. The encoder's small writes are gathered in a buffer
+/// (fed one by one, they made a small request's hash half as slow again),
+/// and a large one goes to the hasher as it is; the hash is the same however
+/// its input is cut.
+pub(crate) fn hash_encoding<T: Serialize>(hasher: &mut impl Hasher, value: &T) {
+    const GATHER: usize = 4096;
+    struct Feed<'a, H> {
+        hasher: &'a mut H,
+        gathered: Vec<u8>,
+    }
+    impl<H: Hasher> Feed<'_, H> {
+        fn flush_gathered(&mut self) {
+            self.hasher.write(&self.gathered);
+            self.gathered.clear();
+        }
+    }
+    impl<H: Hasher> std::io::Write for Feed<'_, H> {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            if bytes.len() >= GATHER {
+                self.flush_gathered();
+                self.hasher.write(bytes);
+            } else {
+                self.gathered.extend_from_slice(bytes);
+                if self.gathered.len() >= GATHER {
+                    self.flush_gathered();
+                }
+            }
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut feed = Feed { hasher, gathered: Vec::with_capacity(256) };
+    // Serializing plain structs into a hasher cannot fail either.
+    let _ = rmp_serde::encode::write(&mut feed, value);
+    feed.flush_gathered();
 }
 
 pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {

@@ -225,11 +225,13 @@ fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) 
 
     let timestamp = req.timestamp.unwrap_or(tx.now);
     let due = timestamp.saturating_add(req.delay_ms);
+    // The request is this run's own (a write's body may run again, on a
+    // copy): its payload moves into the record rather than being copied.
     let mut job = JobRecord {
         id: id.clone(),
         name: req.name.clone(),
-        data: req.data.clone(),
-        opts: req.opts.clone(),
+        data: std::mem::take(&mut req.data),
+        opts: std::mem::take(&mut req.opts),
         state: JobState::Waiting,
         priority: req.priority,
         lifo: req.lifo,

@@ -131,7 +131,7 @@ pub fn remember(
 /// as conflicts.)
 pub fn hash_of(request: &impl Serialize) -> u64 {
     let mut h = SipHasher13::new();
-    h.write(&crate::model::encode(request));
+    crate::model::hash_encoding(&mut h, request);
     h.finish()
 }
 
@@ -155,6 +155,10 @@ pub fn purge_expired(tx: &mut Tx, limit: usize) -> Result<u64, JobsError> {
 
 #[cfg(test)]
 mod tests {
+    use std::hash::Hasher;
+
+    use siphasher::sip::SipHasher13;
+
     use super::{CallHash, hash_of};
     use crate::model::{EnqueueRequest, Fence, IdempotencyRecord, Report};
 
@@ -184,6 +188,22 @@ mod tests {
             (hash_of(&(false, &jobs[..])), hash_of(&(true, &jobs[..]))),
             (15351058395378063372, 12092297394819814703)
         );
+    }
+
+    /// The hash is made as the encoding is, in pieces: the same as of the
+    /// whole encoding at once, for a payload larger than any piece and for
+    /// many small fields that fill several.
+    #[test]
+    fn a_hash_made_in_pieces_is_the_hash_of_the_whole_encoding() {
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let headers = (0..500).map(|i| (format!("header-{i}"), format!("value {i}"))).collect();
+        let big = EnqueueRequest { name: "big".into(), data, opts: "{}".into(), ..Default::default() };
+        let many = EnqueueRequest { name: "many".into(), headers, ..Default::default() };
+        for request in [big, many] {
+            let mut whole = SipHasher13::new();
+            whole.write(&crate::model::encode(&request));
+            assert_eq!(hash_of(&request), whole.finish(), "{}", request.name);
+        }
     }
 
     /// A record is compared the way it was made: one written before an add's

@@ -96,10 +96,21 @@ impl Wal {
         Ok((wal, records))
     }
 
-    /// Encodes `writes`, applied in order, as one record's payload.
-    pub(crate) fn encode<'a>(writes: impl IntoIterator<Item = (&'a Key, &'a Option<Value>)>) -> Vec<u8> {
+    /// Encodes `writes`, applied in order, as one record of at most `room`
+    /// bytes ([`Wal::room`]), or None as soon as it would be longer: a group
+    /// too large for the log goes to redb whole (a checkpoint), and encoding
+    /// it first held one more copy of its values (a 64 MiB job's, through
+    /// the whole checkpoint) for nothing.
+    pub(crate) fn encode_within<'a>(
+        writes: impl IntoIterator<Item = (&'a Key, &'a Option<Value>)>,
+        room: u64,
+    ) -> Option<Vec<u8>> {
         let mut record = vec![0u8; HEADER];
         for (key, value) in writes {
+            let len = 1 + 4 + key.len() + value.as_ref().map_or(0, |v| 4 + v.len());
+            if (record.len() + len) as u64 > room {
+                return None;
+            }
             match value {
                 Some(v) => {
                     record.push(PUT);
@@ -112,7 +123,18 @@ impl Wal {
                 }
             }
         }
-        record
+        (record.len() as u64 <= room).then_some(record)
+    }
+
+    /// [`Wal::encode_within`] with no bound.
+    #[cfg(test)]
+    pub(crate) fn encode<'a>(writes: impl IntoIterator<Item = (&'a Key, &'a Option<Value>)>) -> Vec<u8> {
+        Self::encode_within(writes, u64::MAX).expect("no bound")
+    }
+
+    /// What is left of the generation's region, in bytes.
+    pub(crate) fn room(&self) -> u64 {
+        self.region.saturating_sub(self.end)
     }
 
     /// Whether `record` fits in what is left of the generation's region.
@@ -412,5 +434,22 @@ mod tests {
         assert!(!wal.fits(&record));
         assert!(wal.append(record).is_err());
         assert!(wal.is_empty());
+    }
+
+    /// A record is encoded only if it fits the room given, and then as
+    /// without a bound; one that does not is given up before its values are
+    /// copied whole.
+    #[test]
+    fn a_record_is_encoded_only_within_its_room() {
+        let small = writes(&[("a", Some("1")), ("b", None)]);
+        let record = Wal::encode(small.iter());
+        let len = record.len() as u64;
+        assert_eq!(Wal::encode_within(small.iter(), len), Some(record));
+        assert_eq!(Wal::encode_within(small.iter(), len - 1), None);
+        let big = writes(&[("k", Some(&"v".repeat(100)))]);
+        assert_eq!(Wal::encode_within(big.iter(), 64), None);
+        let dir = tempfile::tempdir().unwrap();
+        let (wal, _) = Wal::open(&dir.path().join("log"), 1, 64).unwrap();
+        assert_eq!(wal.room(), 64);
     }
 }

@@ -298,10 +298,9 @@ impl Committer {
             File::Inline(file) => return file.write(&[group], sync, None),
             File::Logged { wal, .. } => wal,
         };
-        let record = Wal::encode(net_writes(batches.iter().map(|b| b.writes.as_ref())));
-        if !wal.fits(&record) {
+        let Some(record) = Wal::encode_within(net_writes(batches.iter().map(|b| b.writes.as_ref())), wal.room()) else {
             return self.checkpoint(Some(group));
-        }
+        };
         if let Err(e) = wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }) {
             // The record may be partly written: nothing more may follow it.
             return Err(self.fail(io(e), last));
