@@ -207,12 +207,14 @@ pub fn enqueued(e: &Enqueued) -> pb::Enqueued {
     }
 }
 
-pub fn job(j: &JobRecord) -> pb::Job {
+/// The job as the wire carries it, moved: a lease or a read answers each job
+/// once, so its payload and texts go over rather than being copied.
+pub fn job(j: JobRecord) -> pb::Job {
     pb::Job {
-        id: j.id.clone(),
-        name: j.name.clone(),
-        data: j.data.clone(),
-        opts: j.opts.clone(),
+        id: j.id,
+        name: j.name,
+        data: j.data,
+        opts: j.opts,
         state: state_to_pb(j.state),
         priority: j.priority,
         lifo: j.lifo,
@@ -241,24 +243,24 @@ pub fn job(j: &JobRecord) -> pb::Job {
         expires: j.expires,
         processed_on: j.processed_on,
         finished_on: j.finished_on,
-        processed_by: j.processed_by.clone(),
-        progress: j.progress.clone(),
-        return_value: j.return_value.clone(),
-        failed_reason: j.failed_reason.clone(),
-        stacktrace: j.stacktrace.clone(),
-        deferred_failure: j.deferred_failure.clone(),
+        processed_by: j.processed_by,
+        progress: j.progress,
+        return_value: j.return_value,
+        failed_reason: j.failed_reason,
+        stacktrace: j.stacktrace,
+        deferred_failure: j.deferred_failure,
         parent: j.parent.as_ref().map(parent_to).into(),
         on_child_failure: on_child_failure_to(j.on_child_failure),
         pending_children: j.pending_children,
         failed_children: j.failed_children,
         dedup: j.dedup.as_ref().map(dedup_to).into(),
-        scheduler_id: j.scheduler_id.clone(),
+        scheduler_id: j.scheduler_id,
         remove_on_complete: j.remove_on_complete.as_ref().map(retention_to).into(),
         remove_on_fail: j.remove_on_fail.as_ref().map(retention_to).into(),
         keep_logs: j.keep_logs,
         log_count: j.log_count,
-        dead_letter: j.dead_letter.clone(),
-        headers: j.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        dead_letter: j.dead_letter,
+        headers: j.headers.into_iter().collect(),
         ..Default::default()
     }
 }
@@ -283,14 +285,8 @@ pub fn rate_limit(r: pb::RateLimit) -> RateLimit {
     RateLimit { max: r.max, duration_ms: r.duration_ms }
 }
 
-fn lease(l: &Lease) -> pb::Lease {
-    pb::Lease {
-        job: job(&l.job).into(),
-        epoch: l.epoch,
-        token: l.token.clone(),
-        deadline: l.deadline,
-        ..Default::default()
-    }
+fn lease(l: Lease) -> pb::Lease {
+    pb::Lease { job: job(l.job).into(), epoch: l.epoch, token: l.token, deadline: l.deadline, ..Default::default() }
 }
 
 fn lease_info(i: &LeaseInfo) -> pb::LeaseInfo {
@@ -303,8 +299,12 @@ fn lease_info(i: &LeaseInfo) -> pb::LeaseInfo {
     }
 }
 
-pub fn leased(l: &Leased) -> pb::Leased {
-    pb::Leased { leases: l.leases.iter().map(lease).collect(), info: lease_info(&l.info).into(), ..Default::default() }
+pub fn leased(l: Leased) -> pb::Leased {
+    pb::Leased {
+        leases: l.leases.into_iter().map(lease).collect(),
+        info: lease_info(&l.info).into(),
+        ..Default::default()
+    }
 }
 
 /// A fence is required: a write to a leased job must say whose lease it holds.
@@ -359,13 +359,13 @@ pub fn complete_options(o: Option<pb::CompleteOptions>) -> Res<CompleteOptions> 
     })
 }
 
-pub fn completed(c: &Completed) -> pb::Completed {
+pub fn completed(c: Completed) -> pb::Completed {
     pb::Completed {
         // Unspecified when retention removed the job (the proto's contract).
         state: c.state.filter(|_| !c.removed).map(state_to_pb).unwrap_or_default(),
         finished_on: c.finished_on,
         moved: c.moved,
-        next: c.next.as_ref().map(leased).into(),
+        next: c.next.map(leased).into(),
         ..Default::default()
     }
 }

@@ -326,7 +326,7 @@ impl JobsSvc {
         .map_err(core_err)?;
         self.metrics.leased(&c.ns, &req.queue, leased.leases.len() as u64, started.elapsed());
         self.metrics.failed_by_lease(&c.ns, &req.queue, &leased.info);
-        Ok(pb::LeaseResponse { leased: convert::leased(&leased).into(), ..Default::default() })
+        Ok(pb::LeaseResponse { leased: convert::leased(leased).into(), ..Default::default() })
     }
 
     async fn do_extend(&self, c: Caller, req: pb::ExtendRequest) -> Result<pb::ExtendResponse, ConnectError> {
@@ -378,7 +378,7 @@ impl JobsSvc {
             // moveJobFromActiveToWait found not active, a parent with no
             // children left to wait for).
             return Ok(pb::CompleteResponse {
-                completed: convert::completed(&done).into(),
+                completed: convert::completed(done).into(),
                 rate_limit_ttl_ms: ttl,
                 ..Default::default()
             });
@@ -392,7 +392,7 @@ impl JobsSvc {
             self.metrics.failed_by_lease(&c.ns, &req.queue, &next.info);
         }
         Ok(pb::CompleteResponse {
-            completed: convert::completed(&done).into(),
+            completed: convert::completed(done).into(),
             rate_limit_ttl_ms: ttl,
             ..Default::default()
         })
@@ -684,7 +684,7 @@ impl JobsSvc {
                         let mut slots = Vec::with_capacity(j.ids.len().min(1024));
                         for id in &j.ids {
                             let job = query::get_job(tx, q, id)?;
-                            let slot = pb::JobSlot { job: job.as_ref().map(convert::job).into(), ..Default::default() };
+                            let slot = pb::JobSlot { job: job.map(convert::job).into(), ..Default::default() };
                             if !size.fits(&slot) {
                                 break;
                             }
@@ -730,8 +730,7 @@ impl JobsSvc {
                         let mut slots = Vec::new();
                         if d.with_jobs {
                             for child in query::dependency_jobs(tx, q, &deps) {
-                                let slot =
-                                    pb::JobSlot { job: child?.as_ref().map(convert::job).into(), ..Default::default() };
+                                let slot = pb::JobSlot { job: child?.map(convert::job).into(), ..Default::default() };
                                 if !size.fits(&slot) {
                                     break;
                                 }
