@@ -3208,16 +3208,23 @@ fn only_bullmqs_unchecked_move_to_wait_leaves_a_job_that_is_not_active_alone() {
 
 /// A job record is encoded into a buffer of its size: grown by doubling, a
 /// large payload's record kept up to twice its size in memory, in every
-/// batch and snapshot layer that holds it.
+/// batch and snapshot layer that holds it. Long texts and many small ones
+/// (headers) count too.
 #[test]
 fn a_job_record_is_encoded_into_a_buffer_of_its_size() {
     let (jobs, _) = core();
     let data = vec![7u8; 1 << 20];
     jobs.enqueue("ns", "q", EnqueueRequest { data: data.clone(), ..job("big") }).wait().unwrap();
-    let mut record = jobs.get_job("ns", "q", "1").unwrap().unwrap();
-    assert_eq!(record.data, data);
-    record.return_value = Some(vec![1u8; 1 << 19]);
-    let bytes = record.encode();
-    assert_eq!(bytes, model::encode(&record));
-    assert!(bytes.capacity() < bytes.len() + 1024, "{} bytes in a buffer of {}", bytes.len(), bytes.capacity());
+    let plain = jobs.get_job("ns", "q", "1").unwrap().unwrap();
+    assert_eq!(plain.data, data);
+    let finished = JobRecord { return_value: Some(vec![1u8; 1 << 19]), ..plain.clone() };
+    let named = JobRecord { name: "n".repeat(1000), id: "i".repeat(1000), ..plain.clone() };
+    let headers = (0..300).map(|i| (format!("h{i}"), format!("v{i}"))).collect();
+    let with_headers = JobRecord { headers, ..plain.clone() };
+    for record in [plain, finished, named, with_headers] {
+        let bytes = record.encode();
+        assert_eq!(bytes, model::encode(&record));
+        let spare = bytes.capacity() - bytes.len();
+        assert!(spare < 64 * 1024, "{} bytes in a buffer of {}", bytes.len(), bytes.capacity());
+    }
 }

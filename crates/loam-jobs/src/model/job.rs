@@ -233,20 +233,36 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
-    /// The record's encoding, in a buffer sized for its payloads at once:
-    /// grown by doubling from a small one, the record of a 64 MiB job ended
-    /// in a 128 MiB buffer, and copied its payload on the way.
+    /// The record's encoding, in a buffer of its size at once: grown by
+    /// doubling from a small one, the record of a 64 MiB job ended in a
+    /// 128 MiB buffer, and copied its payload on the way.
     pub fn encode(&self) -> Vec<u8> {
-        let texts = |t: &Option<String>| t.as_ref().map_or(0, String::len);
-        let payloads = self.data.len()
-            + self.opts.len()
-            + self.return_value.as_ref().map_or(0, Vec::len)
-            + texts(&self.progress)
-            + texts(&self.failed_reason)
-            + self.stacktrace.iter().map(String::len).sum::<usize>()
-            + self.headers.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>();
-        // The other fields take a few hundred bytes.
-        encode_with_capacity(self, payloads + 512)
+        // Each text's bytes, and a few more for its length and for what is
+        // not text (numbers take at most 9 bytes each).
+        const EACH: usize = 9;
+        let text = |t: &str| t.len() + EACH;
+        let some = |t: &Option<String>| t.as_deref().map_or(EACH, text);
+        let texts = [&self.id, &self.name, &self.opts].map(|t| text(t)).iter().sum::<usize>()
+            + [
+                &self.processed_by,
+                &self.progress,
+                &self.failed_reason,
+                &self.deferred_failure,
+                &self.scheduler_id,
+                &self.dead_letter,
+                &self.ended_by,
+            ]
+            .map(some)
+            .iter()
+            .sum::<usize>();
+        let payloads = self.data.len() + self.return_value.as_ref().map_or(0, Vec::len);
+        let lists = self.stacktrace.iter().map(|t| text(t)).sum::<usize>()
+            + self.headers.iter().map(|(k, v)| text(k) + text(v)).sum::<usize>();
+        let links = self.lock.as_ref().map_or(0, |l| text(&l.token) + l.taken_by.as_deref().map_or(0, text))
+            + self.parent.as_ref().map_or(0, |p| text(&p.queue) + text(&p.id) + text(&p.prefix))
+            + self.dedup.as_ref().map_or(0, |d| text(&d.id));
+        // The numbers and flags: about forty fields.
+        encode_with_capacity(self, payloads + texts + lists + links + 40 * EACH)
     }
 
     pub fn is_prioritized(&self) -> bool {
