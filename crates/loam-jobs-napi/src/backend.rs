@@ -79,9 +79,11 @@ struct BackendOptions {
     durability: Option<String>,
     flush_interval_ms: Option<f64>,
     queue: String,
-    lock_duration: Option<f64>,
+    /// With BullMQ's default where a backend has none (`WORKER_DEFAULTS`, in
+    /// `src/common.ts`).
+    lock_duration: f64,
     limiter: Option<LimiterOpt>,
-    max_stalled_count: Option<f64>,
+    max_stalled_count: f64,
     metrics: Option<MetricsOpt>,
     remove_on_complete: Option<KeepOpt>,
     remove_on_fail: Option<KeepOpt>,
@@ -115,12 +117,12 @@ fn flush_interval_ms(given: Option<f64>) -> Result<u64> {
 impl WorkerSettings {
     fn from_options(o: &BackendOptions) -> Self {
         Self {
-            lock_duration_ms: o.lock_duration.map_or(30_000, whole),
+            lock_duration_ms: whole(o.lock_duration),
             limiter: o
                 .limiter
                 .map(|l| RateLimit { max: whole(l.max), duration_ms: whole(l.duration) })
                 .filter(|l| l.max > 0),
-            max_stalled: o.max_stalled_count.map_or(1, |n| whole(n).min(u64::from(u32::MAX)) as u32),
+            max_stalled: whole(o.max_stalled_count).min(u64::from(u32::MAX)) as u32,
             metrics_max_points: o.metrics.and_then(|m| m.max_data_points).map(whole).filter(|n| *n > 0),
             remove_on_complete: o.remove_on_complete.map(KeepOpt::to_core),
             remove_on_fail: o.remove_on_fail.map(KeepOpt::to_core),

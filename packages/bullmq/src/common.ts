@@ -226,6 +226,13 @@ export function rateLimitMs(ms: number): number {
 }
 
 /**
+ * BullMQ's defaults for the Worker settings a backend applies, where its
+ * factory options give none (a Queue's or a FlowProducer's backend): the
+ * lock a lease takes, and how often a job may stall before it fails.
+ */
+export const WORKER_DEFAULTS = Object.freeze({ lockDuration: 30_000, maxStalledCount: 1 });
+
+/**
  * Refuses Worker settings that are NaN, and a lock duration past 2^53 ms,
  * as Redis refuses them: a lock held for ever would keep a dead worker's
  * job active for ever. The others may be `Infinity` (no limit), which both

@@ -64,6 +64,7 @@ import {
   reportBackgroundError,
   schedulerRepeat,
   Siblings,
+  WORKER_DEFAULTS,
   type ClientSeen,
   type NextJobTuple,
 } from './common.js';
@@ -161,12 +162,12 @@ export function workerSettings(opts: FactoryOptions): WorkerSettings {
   checkWorkerNumbers(opts);
   const maxPoints = u64(opts.metrics?.maxDataPoints);
   return {
-    lockDurationMs: opts.lockDuration === undefined ? 30_000n : u64(opts.lockDuration),
+    lockDurationMs: u64(opts.lockDuration ?? WORKER_DEFAULTS.lockDuration),
     limiter:
       opts.limiter && u64(opts.limiter.max) > 0n
         ? { max: u64(opts.limiter.max), durationMs: u64(opts.limiter.duration) }
         : undefined,
-    maxStalled: opts.maxStalledCount === undefined ? 1 : u32(opts.maxStalledCount),
+    maxStalled: u32(opts.maxStalledCount ?? WORKER_DEFAULTS.maxStalledCount),
     metricsMaxPoints: maxPoints > 0n ? maxPoints : undefined,
     removeOnComplete: retention(opts.removeOnComplete),
     removeOnFail: retention(opts.removeOnFail),
