@@ -1003,22 +1003,22 @@ impl LoamQueue {
         Ok(job.is_some_and(|j| j.state == wanted))
     }
 
-    /// `isFinished`: JSON of `[code, value]`, the value `null` where there is
-    /// none (a job missing or not finished); `src/common.ts`'s
-    /// `isFinishedAnswer` shapes it as BullMQ's `code` or `[code, value]`.
+    /// `isFinished`: JSON of the job's state, return value and failure
+    /// reason, or `null` for a job missing; `src/common.ts`'s
+    /// `isFinishedAnswer` makes BullMQ's `code` or `[code, value]` of them,
+    /// for both backends.
     #[napi]
     pub async fn is_finished(&self, host_now: f64, job_id: String) -> Result<String> {
         self.store.observe(host_now);
         let job = self.read(Op::new("isFinished").job(&job_id), |tx, q| query::get_job(tx, q, &job_id))?;
-        let answer: (i32, Option<String>) = match &job {
-            None => (-1, None),
-            Some(j) if j.state == JobState::Completed => {
-                (1, Some(j.return_value.as_deref().map_or("null".into(), |v| String::from_utf8_lossy(v).into_owned())))
-            }
-            Some(j) if j.state == JobState::Failed => (2, Some(j.failed_reason.clone().unwrap_or_default())),
-            Some(_) => (0, None),
-        };
-        Ok(json(&answer))
+        let fields = job.map(|j| {
+            serde_json::json!({
+                "state": j.state.as_str(),
+                "returnValue": j.return_value.as_deref().map(String::from_utf8_lossy),
+                "failedReason": j.failed_reason,
+            })
+        });
+        Ok(json(&fields))
     }
 
     /// `getCounts`: one count per type; delayed jobs only when due before

@@ -60,6 +60,7 @@ import {
   WORKER_DEFAULTS,
   type Activity,
   type ChildrenByCategory,
+  type FinishedFields,
   type FinishedResult,
   type MetricsRecord,
 } from './common.js';
@@ -450,8 +451,8 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   }
 
   async isFinished(jobId: string, returnValue = false): Promise<number | [number, string]> {
-    const [code, value] = JSON.parse(await this.native.isFinished(Date.now(), String(jobId))) as [number, string | null];
-    return isFinishedAnswer(code, value ?? undefined, returnValue, `${this.qualifiedName}:${jobId}`);
+    const job = JSON.parse(await this.native.isFinished(Date.now(), String(jobId))) as FinishedFields | null;
+    return isFinishedAnswer(job ?? undefined, returnValue, `${this.qualifiedName}:${jobId}`);
   }
 
   isJobInState(state: string, jobId: string): Promise<boolean> {

@@ -24,21 +24,33 @@ export function finishedNext(next: NextJobTuple | undefined): NextJobTuple | [] 
   return next;
 }
 
+/** What `isFinished` needs of a job: its state (BullMQ's name), its return value's JSON, its failure reason. */
+export interface FinishedFields {
+  state: string;
+  returnValue?: string | null;
+  failedReason?: string | null;
+}
+
 /**
- * BullMQ's `isFinished` answer: `code`, or `[code, value]` when the value is
- * asked for (-1 missing, with Redis's text naming `key`; 0 not finished, with
- * no value; 1 completed, with the return value's JSON; 2 failed, with the
- * reason).
+ * BullMQ's `isFinished` answer for `job` (undefined when missing): `code`,
+ * or `[code, value]` when the value is asked for (-1 missing, with Redis's
+ * text naming `key`; 0 not finished, with no value; 1 completed, with the
+ * return value's JSON; 2 failed, with the reason).
  */
 export function isFinishedAnswer(
-  code: number,
-  value: string | undefined,
+  job: FinishedFields | undefined,
   returnValue: boolean,
   key: string,
 ): number | [number, string] {
+  const [code, value]: [number, string | undefined] = !job
+    ? [-1, finishedErrorText(-1, { command: 'isFinished', jobId: key })]
+    : job.state === 'completed'
+      ? [1, job.returnValue ?? 'null']
+      : job.state === 'failed'
+        ? [2, job.failedReason ?? '']
+        : [0, undefined];
   if (!returnValue) return code;
-  const shown = code === -1 ? finishedErrorText(-1, { command: 'isFinished', jobId: key }) : value;
-  return (shown === undefined ? [code] : [code, shown]) as [number, string];
+  return (value === undefined ? [code] : [code, value]) as [number, string];
 }
 
 /** A queue's metrics of one kind, with the points asked for (numbers, or the wire's 64-bit integers). */

@@ -1104,14 +1104,12 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** BullMQ's `code` or `[code, value]`: -1 missing, 0 not finished, 1 completed, 2 failed. */
   async isFinished(jobId: string, returnValue = false): Promise<number | [number, string]> {
     const job = await this.job({ command: 'isFinished', jobId }, jobId);
-    const key = `${this.qualifiedName}:${jobId}`;
-    if (!job) return isFinishedAnswer(-1, undefined, returnValue, key);
-    if (job.state === JobState.COMPLETED) {
-      const value = job.returnValue !== undefined ? asJsonText(text(job.returnValue)) : 'null';
-      return isFinishedAnswer(1, value, returnValue, key);
-    }
-    if (job.state === JobState.FAILED) return isFinishedAnswer(2, job.failedReason ?? '', returnValue, key);
-    return isFinishedAnswer(0, undefined, returnValue, key);
+    const finished = job && {
+      state: stateName(job.state),
+      returnValue: job.returnValue !== undefined ? asJsonText(text(job.returnValue)) : undefined,
+      failedReason: job.failedReason,
+    };
+    return isFinishedAnswer(finished, returnValue, `${this.qualifiedName}:${jobId}`);
   }
 
   async isJobInState(state: string, jobId: string): Promise<boolean> {
