@@ -63,43 +63,26 @@ fn encode_into<T: Serialize>(out: &mut Vec<u8>, value: &T) {
 /// Feeds `value`'s encoding to `hasher`, the same bytes [`encode`] returns,
 /// without holding them whole: an idempotency key's hash covers the whole
 /// request, and built first, the encoding of a 64 MiB payload took 128 MiB
-/// more for a moment. The encoder's small writes are gathered in a buffer
-/// (fed one by one, they made a small request's hash half as slow again),
-/// and a large one goes to the hasher as it is; the hash is the same however
-/// its input is cut.
+/// more for a moment. A `BufWriter` gathers the encoder's small writes (fed
+/// one by one, they made a small request's hash half as slow again) and
+/// passes a large one through as it is; the hash is the same however its
+/// input is cut.
 pub(crate) fn hash_encoding<T: Serialize>(hasher: &mut impl Hasher, value: &T) {
-    const GATHER: usize = 4096;
-    struct Feed<'a, H> {
-        hasher: &'a mut H,
-        gathered: Vec<u8>,
-    }
-    impl<H: Hasher> Feed<'_, H> {
-        fn flush_gathered(&mut self) {
-            self.hasher.write(&self.gathered);
-            self.gathered.clear();
-        }
-    }
+    struct Feed<'a, H>(&'a mut H);
     impl<H: Hasher> std::io::Write for Feed<'_, H> {
         fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            if bytes.len() >= GATHER {
-                self.flush_gathered();
-                self.hasher.write(bytes);
-            } else {
-                self.gathered.extend_from_slice(bytes);
-                if self.gathered.len() >= GATHER {
-                    self.flush_gathered();
-                }
-            }
+            self.0.write(bytes);
             Ok(bytes.len())
         }
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
     }
-    let mut feed = Feed { hasher, gathered: Vec::with_capacity(256) };
-    // Serializing plain structs into a hasher cannot fail either.
+    let mut feed = std::io::BufWriter::with_capacity(4096, Feed(hasher));
+    // Serializing plain structs into a hasher cannot fail, nor can flushing
+    // what was gathered into it.
     let _ = rmp_serde::encode::write(&mut feed, value);
-    feed.flush_gathered();
+    let _ = std::io::Write::flush(&mut feed);
 }
 
 pub fn decode<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, StoreError> {

@@ -139,7 +139,7 @@ impl Wal {
 
     /// Whether `record` fits in what is left of the generation's region.
     pub(crate) fn fits(&self, record: &[u8]) -> bool {
-        self.end + record.len() as u64 <= self.region
+        record.len() as u64 <= self.room()
     }
 
     /// Appends an encoded record that [fits](Wal::fits) (not yet durable:
