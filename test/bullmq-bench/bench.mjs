@@ -1,7 +1,7 @@
 // BullMQ on @loam/bullmq beside BullMQ on Redis: the same scenarios, in one
 // run, with the ratios printed. Not a test: figures vary with machine load.
 //
-//   node bench.mjs [--only loam|remote|redis|ceiling[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
+//   node bench.mjs [--only loam|remote|redis|ceiling[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 2]
 //                  [--scale 0.5] [--remote 'name;...'] [--json out.json] [--help]
 //
 // Each round runs every scenario on every backend back to back; the tables
@@ -10,7 +10,16 @@
 // and are printed but not counted: they are where V8 compiles BullMQ's code
 // (and each backend's) on its way to the code a long-running process runs.
 // A fresh process's first thousands of `Queue.add` calls ran at about two
-// thirds of the speed of the later ones.
+// thirds of the speed of the later ones; in a process of its own (below), the
+// ceiling's flows ran a quarter faster after four warm-up rounds than after
+// one, hence two by default.
+//
+// Each backend runs in a Node process of its own (this script, forked, told
+// its backend in LOAM_BENCH_BACKEND), which this one drives scenario by
+// scenario, as an application runs BullMQ over one backend. Run together in
+// one process, sharing V8's compiled BullMQ code and one heap, BullMQ on
+// Redis and on Loam in-process ran slower than either runs alone
+// (docs/benchmarks.md, How to run).
 //
 // Redis is started here (redis-server from the machine, on a free loopback
 // port, with no persistence: no RDB snapshots, no AOF). Loam uses its default
@@ -26,7 +35,7 @@
 // `cargo build --release -p loam-jobs-server`), for the scenarios named in
 // --remote (default: process at concurrency 100). It runs when the binary
 // exists, or when --only names it.
-import { spawn } from 'node:child_process';
+import { fork, spawn } from 'node:child_process';
 import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir, loadavg, cpus } from 'node:os';
@@ -38,11 +47,11 @@ import { FlowProducer, Queue, Worker, setDefaultBackendFactory } from 'bullmq';
 import { loamBackend } from '@loam/bullmq';
 import { ceilingBackend, ceilingScenarios, forgetCeilingJobs } from './ceiling.mjs';
 
-const usage = `usage: node bench.mjs [--only loam|remote|redis|ceiling[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 1]
+const usage = `usage: node bench.mjs [--only loam|remote|redis|ceiling[,...]] [--scenarios 'name;...'] [--rounds 3] [--warmup 2]
                       [--scale 1] [--remote 'name;...'] [--json out.json] [--help]
   --only       the backends to run (default: all; remote when target/release/loam-jobs exists)
   --scenarios  the scenarios to run, by their printed names, separated by ';' (default: all)
-  --rounds     counted rounds (default 3); --warmup: rounds before them, printed, not counted (default 1)
+  --rounds     counted rounds (default 3); --warmup: rounds before them, printed, not counted (default 2)
   --scale      multiplies every scenario's job count (default 1)
   --remote     the scenarios that also run through loamBackend({ url }), separated by ';', '' for none (default: process at concurrency 100)
   --json       writes every run and the medians to this file
@@ -55,7 +64,7 @@ try {
       only: { type: 'string', default: '' },
       scenarios: { type: 'string', default: '' },
       rounds: { type: 'string', default: '3' },
-      warmup: { type: 'string', default: '1' },
+      warmup: { type: 'string', default: '2' },
       scale: { type: 'string', default: '1' },
       remote: { type: 'string', default: 'process at concurrency 100' },
       json: { type: 'string', default: '' },
@@ -215,7 +224,7 @@ function completions(worker, count) {
 const scenarios = {
   async 'add one at a time'(b) {
     const q = new Queue(queueName('add'), b.opts);
-    const count = n(2000);
+    const count = n(10000);
     const r = await measure(b, count, async () => {
       for (let i = 0; i < count; i++) await q.add('job', { i });
     });
@@ -417,6 +426,87 @@ function refuseUnknown(flag, given, known) {
   if (unknown.length > 0) refuse(`${flag}: unknown ${unknown.map((u) => `'${u}'`).join(', ')}; known: ${known.join('; ')}`);
 }
 
+/**
+ * Forks this script to run one backend's scenarios in a process of its own
+ * (see the header), and waits until that process has its backend ready.
+ * `target` names the backend (`label`) and where it is; `stopTarget` stops
+ * what the backend used (its server, its data directory) once the process
+ * has exited.
+ */
+async function startBackend(target, names, stopTarget) {
+  const child = fork(fileURLToPath(import.meta.url), process.argv.slice(2), {
+    env: { ...process.env, LOAM_BENCH_BACKEND: JSON.stringify(target) },
+    stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
+  });
+  const kill = undoOnExit(() => child.kill('SIGKILL'));
+  let exitedWith = null;
+  const exited = new Promise((resolve) =>
+    child.once('exit', (code, signal) => {
+      exitedWith = signal ?? code;
+      resolve();
+    }),
+  );
+  /** The next message from the child, or a rejection once it has exited. */
+  const reply = () =>
+    new Promise((resolve, reject) => {
+      exited.then(() => reject(new Error(`the ${target.label} backend's process exited (${exitedWith})`)));
+      child.once('message', (message) => {
+        if (message.error) reject(new Error(`${target.label}: ${message.error}`));
+        else resolve(message.result);
+      });
+    });
+  await reply();
+  return {
+    label: target.label,
+    names,
+    run: (scenario) => {
+      const answer = reply();
+      // A send to a process that has exited fails here; `answer` says why.
+      if (child.connected) child.send({ scenario }, () => {});
+      return answer;
+    },
+    stop: async () => {
+      if (child.connected) child.disconnect();
+      await exited;
+      kill();
+      stopTarget();
+    },
+  };
+}
+
+/**
+ * The forked side of `startBackend`: points BullMQ at this process's backend,
+ * says it is ready, then runs each scenario the parent names and answers its
+ * figures, until the parent disconnects.
+ */
+async function serveBackend(target) {
+  let opts = { connection: {} };
+  let after = () => {};
+  if (target.label === 'loam') {
+    // BullMQ's own classes, unchanged, over the Loam backend.
+    setDefaultBackendFactory(loamBackend({ dataDir: target.dataDir, durability }));
+  } else if (target.label === 'remote') {
+    setDefaultBackendFactory(loamBackend({ url: target.url, calls }));
+  } else if (target.label === 'redis') {
+    opts = { connection: { host: '127.0.0.1', port: target.port, maxRetriesPerRequest: null } };
+  } else {
+    setDefaultBackendFactory(ceilingBackend());
+    after = forgetCeilingJobs;
+  }
+  const b = { opts, serverPid: target.serverPid ?? 0 };
+  process.on('disconnect', () => process.exit(0));
+  process.on('message', async ({ scenario }) => {
+    try {
+      const result = await scenarios[scenario](b);
+      after();
+      process.send({ result });
+    } catch (e) {
+      process.send({ error: e instanceof Error ? (e.stack ?? e.message) : String(e) });
+    }
+  });
+  process.send({ result: 'ready' });
+}
+
 async function main() {
   const rounds = Math.max(1, Number(options.rounds));
   const warmup = Math.max(0, Number(options.warmup));
@@ -434,53 +524,26 @@ async function main() {
       `remote calls on ${calls === 'unary' ? 'streams of their own' : 'a session'}`,
   );
   const report = { cpus: cpus().length, loadBefore: loadavg(), scale, rounds, warmup, durability, calls, results: {}, warmups: {}, medians: {} };
-  /** Each backend: how BullMQ is pointed at it, and the scenarios it runs. */
+  /** Each backend: its process, and the scenarios it runs. */
   const backends = [];
   try {
     if (wants('loam')) {
       const dataDir = mkdtempSync(join(tmpdir(), 'bench-loam-'));
-      // BullMQ's own classes, unchanged, over the Loam backend.
-      const factory = loamBackend({ dataDir, durability });
-      backends.push({
-        label: 'loam',
-        b: { opts: { connection: {} }, serverPid: 0 },
-        use: () => setDefaultBackendFactory(factory),
-        names,
-        stop: undoOnExit(() => rmSync(dataDir, { recursive: true, force: true })),
-      });
+      const removeDir = undoOnExit(() => rmSync(dataDir, { recursive: true, force: true }));
+      backends.push(await startBackend({ label: 'loam', dataDir }, names, removeDir));
     }
     if (wants('remote') && (only !== '' || existsSync(serverBin))) {
       const server = await startLoamServer();
-      const factory = loamBackend({ url: server.url, calls });
-      backends.push({
-        label: 'remote',
-        b: { opts: { connection: {} }, serverPid: server.pid },
-        use: () => setDefaultBackendFactory(factory),
-        names: names.filter((name) => remoteScenarios.includes(name)),
-        stop: server.stop,
-      });
+      const remoteNames = names.filter((name) => remoteScenarios.includes(name));
+      backends.push(await startBackend({ label: 'remote', url: server.url, serverPid: server.pid }, remoteNames, server.stop));
     }
     if (wants('redis')) {
       const redis = await startRedis();
-      const connection = { host: '127.0.0.1', port: redis.port, maxRetriesPerRequest: null };
-      backends.push({
-        label: 'redis',
-        b: { opts: { connection }, serverPid: redis.pid },
-        use: () => setDefaultBackendFactory(),
-        names,
-        stop: redis.stop,
-      });
+      backends.push(await startBackend({ label: 'redis', port: redis.port, serverPid: redis.pid }, names, redis.stop));
     }
     if (wants('ceiling')) {
-      const factory = ceilingBackend();
-      backends.push({
-        label: 'ceiling',
-        b: { opts: { connection: {} }, serverPid: 0 },
-        use: () => setDefaultBackendFactory(factory),
-        names: names.filter((name) => ceilingScenarios.includes(name)),
-        after: forgetCeilingJobs,
-        stop: () => {},
-      });
+      const ceilingNames = names.filter((name) => ceilingScenarios.includes(name));
+      backends.push(await startBackend({ label: 'ceiling' }, ceilingNames, () => {}));
     }
     for (const backend of backends) {
       report.results[backend.label] = {};
@@ -495,17 +558,14 @@ async function main() {
         for (let k = 0; k < backends.length; k++) {
           const backend = backends[(k + round) % backends.length];
           if (!backend.names.includes(name)) continue;
-          backend.use();
-          const x = await scenarios[name](backend.b);
-          backend.after?.();
+          const x = await backend.run(name);
           ((counted ? report.results : report.warmups)[backend.label][name] ??= []).push(x);
           printRun(counted ? backend.label : `${backend.label} (warm-up)`, name, x);
         }
       }
     }
   } finally {
-    setDefaultBackendFactory();
-    for (const backend of backends) backend.stop();
+    for (const backend of backends) await backend.stop();
   }
   for (const [label, byName] of Object.entries(report.results)) {
     report.medians[label] = Object.fromEntries(Object.entries(byName).map(([name, runs]) => [name, medians(runs)]));
@@ -520,7 +580,8 @@ async function main() {
   process.exit(0);
 }
 
-main().catch((e) => {
+const forked = process.env.LOAM_BENCH_BACKEND;
+(forked ? serveBackend(JSON.parse(forked)) : main()).catch((e) => {
   console.error(e);
   process.exit(1);
 });
