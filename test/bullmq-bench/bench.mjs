@@ -10,9 +10,8 @@
 // and are printed but not counted: they are where V8 compiles BullMQ's code
 // (and each backend's) on its way to the code a long-running process runs.
 // A fresh process's first thousands of `Queue.add` calls ran at about two
-// thirds of the speed of the later ones; in a process of its own (below), the
-// ceiling's flows ran a quarter faster after four warm-up rounds than after
-// one, hence two by default.
+// thirds of the speed of the later ones, and Redis's one-at-a-time adds sped
+// up for their first 12,000 or so; two warm-up rounds add 20,000.
 //
 // Each backend runs in a Node process of its own (this script, forked, told
 // its backend in LOAM_BENCH_BACKEND), which this one drives scenario by
@@ -108,7 +107,15 @@ function undoOnExit(undo) {
   return once;
 }
 process.on('exit', () => {
-  for (const undo of [...undos]) undo();
+  // Newest first: a backend's process is killed before its server stops and
+  // its data directory goes. One that fails does not keep the rest from running.
+  for (const undo of [...undos].reverse()) {
+    try {
+      undo();
+    } catch (e) {
+      console.error(e);
+    }
+  }
 });
 for (const [signal, code] of [['SIGINT', 130], ['SIGTERM', 143], ['SIGHUP', 129]]) {
   process.on(signal, () => process.exit(code));
@@ -436,7 +443,11 @@ function refuseUnknown(flag, given, known) {
 async function startBackend(target, names, stopTarget) {
   const child = fork(fileURLToPath(import.meta.url), process.argv.slice(2), {
     env: { ...process.env, LOAM_BENCH_BACKEND: JSON.stringify(target) },
+    // Node's own flags carry over, but not an inspector's port, which only one process can hold.
+    execArgv: process.execArgv.filter((flag) => !flag.startsWith('--inspect')),
     stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
+    // Figures such as NaN cross as they are (JSON would make them null).
+    serialization: 'advanced',
   });
   const kill = undoOnExit(() => child.kill('SIGKILL'));
   let exitedWith = null;
@@ -532,9 +543,9 @@ async function main() {
       const removeDir = undoOnExit(() => rmSync(dataDir, { recursive: true, force: true }));
       backends.push(await startBackend({ label: 'loam', dataDir }, names, removeDir));
     }
-    if (wants('remote') && (only !== '' || existsSync(serverBin))) {
+    const remoteNames = names.filter((name) => remoteScenarios.includes(name));
+    if (wants('remote') && (only !== '' || existsSync(serverBin)) && remoteNames.length > 0) {
       const server = await startLoamServer();
-      const remoteNames = names.filter((name) => remoteScenarios.includes(name));
       backends.push(await startBackend({ label: 'remote', url: server.url, serverPid: server.pid }, remoteNames, server.stop));
     }
     if (wants('redis')) {
@@ -543,7 +554,7 @@ async function main() {
     }
     if (wants('ceiling')) {
       const ceilingNames = names.filter((name) => ceilingScenarios.includes(name));
-      backends.push(await startBackend({ label: 'ceiling' }, ceilingNames, () => {}));
+      if (ceilingNames.length > 0) backends.push(await startBackend({ label: 'ceiling' }, ceilingNames, () => {}));
     }
     for (const backend of backends) {
       report.results[backend.label] = {};
@@ -565,7 +576,7 @@ async function main() {
       }
     }
   } finally {
-    for (const backend of backends) await backend.stop();
+    for (const backend of backends) await backend.stop().catch((e) => console.error(e));
   }
   for (const [label, byName] of Object.entries(report.results)) {
     report.medians[label] = Object.fromEntries(Object.entries(byName).map(([name, runs]) => [name, medians(runs)]));
@@ -580,7 +591,9 @@ async function main() {
   process.exit(0);
 }
 
-const forked = process.env.LOAM_BENCH_BACKEND;
+// A process forked by `startBackend` has an IPC channel; one started by hand
+// with LOAM_BENCH_BACKEND in its environment is the bench itself.
+const forked = process.send !== undefined ? process.env.LOAM_BENCH_BACKEND : undefined;
 (forked ? serveBackend(JSON.parse(forked)) : main()).catch((e) => {
   console.error(e);
   process.exit(1);

@@ -67,8 +67,8 @@ const queues = new Map();
 
 /**
  * Drops every queue's jobs, between scenarios: the jobs one scenario left
- * (added and never processed) would otherwise stay in the heap that the
- * other backends' runs share with this one.
+ * (added and never processed) would otherwise stay in the heap the later
+ * scenarios run in.
  */
 export function forgetCeilingJobs() {
   queues.clear();
