@@ -821,6 +821,20 @@ fn events_have_bullmq_names_fields_and_a_resumable_cursor() {
     assert_eq!(after_two.first().map(|e| e.name.as_str()), Some("active"));
 }
 
+/// A client other than BullMQ may complete with any bytes: the job keeps them
+/// as they are, and only the event's text (which must be text) is mended.
+#[test]
+fn a_result_that_is_not_utf8_is_kept_whole_and_mended_in_its_event() {
+    let (jobs, _) = core();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    let result = vec![b'"', 0xff, b'x', b'"'];
+    finish(&jobs, "q", &l, Outcome::Ok { result: Some(result.clone()) }).unwrap();
+    assert_eq!(jobs.get_job("ns", "q", "1").unwrap().unwrap().return_value, Some(result));
+    let completed = events(&jobs, "q").into_iter().find(|(name, _)| name == "completed").unwrap();
+    assert_eq!(completed.1[1], ("returnvalue".into(), "\"\u{fffd}x\"".into()));
+}
+
 #[test]
 fn a_lastevent_id_is_read_as_xread_reads_a_stream_id() {
     let (jobs, clock) = core();
