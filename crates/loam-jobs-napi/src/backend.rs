@@ -22,7 +22,7 @@ use loam_jobs::ops::{admin, complete, enqueue, lease, query, schedule};
 use loam_jobs::tx::Tx;
 use loam_jobs::{
     CompleteOptions, Completed, DependencyStatus, Durability, Event, FlowNode, Interrupt, JobState, Jobs, JobsError,
-    LeaseRequest, MetricsKind, Outcome, Pending, RateLimit, Retention, SchedulerSpec,
+    LeaseRequest, MetricsKind, Outcome, Pending, RateLimit, Retention, SchedulerSpec, as_text,
 };
 
 use crate::convert::{self, FailureFields, Finished, KeepOpt, NewJob, NextJob, StreamEntry, whole};
@@ -1014,7 +1014,7 @@ impl LoamQueue {
         let fields = job.map(|j| {
             serde_json::json!({
                 "state": j.state.as_str(),
-                "returnValue": j.return_value.as_deref().map(String::from_utf8_lossy),
+                "returnValue": j.return_value.as_deref().map(as_text),
                 "failedReason": j.failed_reason,
             })
         });

@@ -10,7 +10,7 @@ use serde_json::value::RawValue;
 
 use loam_jobs::{
     Backoff, Dedup, EnqueueRequest, Event, JobError, JobRecord, Keep, Lease, Leased, OnChildFailure, ParentRef,
-    Retention,
+    Retention, as_text,
 };
 
 /// A count or a length of time BullMQ passes, which JavaScript may hand over
@@ -430,7 +430,7 @@ impl<'a> JobJson<'a> {
         JobJson {
             id: &job.id,
             name: &job.name,
-            data: String::from_utf8_lossy(&job.data),
+            data: as_text(&job.data),
             opts: raw_or(Some(&job.opts), "{}"),
             progress: raw_or(job.progress.as_deref(), "0"),
             delay: job.delay,
@@ -444,7 +444,7 @@ impl<'a> JobJson<'a> {
             processed_by: job.processed_by.as_deref(),
             failed_reason: job.failed_reason.as_deref(),
             stacktrace: serde_json::to_string(&job.stacktrace).unwrap_or_else(|_| "[]".into()),
-            returnvalue: job.return_value.as_deref().map(String::from_utf8_lossy),
+            returnvalue: job.return_value.as_deref().map(as_text),
             parent_key: job.parent.as_ref().map(ParentRef::node_key),
             parent,
             repeat_job_key: job.scheduler_id.as_deref(),

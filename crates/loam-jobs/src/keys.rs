@@ -47,6 +47,7 @@ const STATS: u8 = b's';
 const LOG: u8 = b'l';
 const DEPENDENCY: u8 = b'D';
 const CHILD_COUNTS: u8 = b'n';
+const JOB_DATA: u8 = b'P';
 const DEDUP: u8 = b'x';
 const IDEMPOTENCY: u8 = b'k';
 const SCHEDULER: u8 = b'S';
@@ -343,6 +344,11 @@ impl QueueKeys {
     /// How many of a parent's children are pending and have failed it.
     pub fn child_counts(&self, parent: &str) -> Key {
         self.tagged_str(CHILD_COUNTS, parent)
+    }
+    /// A job's data, when it is kept apart from its record (see
+    /// [`crate::model::JobRecord::data_apart`]).
+    pub fn job_data(&self, id: &str) -> Key {
+        self.tagged_str(JOB_DATA, id)
     }
 
     pub fn dedup(&self, id: &str) -> Key {

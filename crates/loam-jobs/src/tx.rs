@@ -305,6 +305,10 @@ impl<'a> Tx<'a> {
                 (job.pending_children, job.failed_children) = (counts.pending, counts.failed);
             }
         }
+        if job.data_apart {
+            let data_key = self.cache(q)?.keys.job_data(id);
+            job.data = self.get(&data_key)?.unwrap_or_default();
+        }
         Ok(Some(job))
     }
 
@@ -312,14 +316,36 @@ impl<'a> Tx<'a> {
         self.load_job(q, id)?.ok_or_else(|| JobsError::job_missing(id))
     }
 
-    pub fn save_job(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    /// Writes the record, its children's counts, and its data when it was
+    /// set (see [`JobRecord::data_apart`]).
+    pub fn save_job(&mut self, q: &QueueId, job: &mut JobRecord) -> Result<(), JobsError> {
         if job.children_counted {
             let counts = ChildCounts { pending: job.pending_children, failed: job.failed_children };
             let counts_key = self.cache(q)?.keys.child_counts(&job.id);
             self.put_record(&counts_key, &counts)?;
         }
+        if job.data_changed {
+            let was_apart = job.data_apart;
+            job.data_apart = job.data.len() >= model::DATA_APART_BYTES;
+            let data_key = self.cache(q)?.keys.job_data(&job.id);
+            if job.data_apart {
+                self.put(&data_key, job.data.clone())?;
+            } else if was_apart {
+                self.delete(&data_key)?;
+            }
+            job.data_changed = false;
+        }
         let key = self.cache(q)?.keys.job(&job.id);
-        self.put(&key, job.encode())
+        let record = if job.data_apart {
+            // Encoded without its data, which is put back after.
+            let data = std::mem::take(&mut job.data);
+            let record = job.encode();
+            job.data = data;
+            record
+        } else {
+            job.encode()
+        };
+        self.put(&key, record)
     }
 
     /// Changes the counts of a parent's children with `change` and returns
@@ -346,7 +372,7 @@ impl<'a> Tx<'a> {
         change(&mut counts);
         job.children_counted = true;
         (job.pending_children, job.failed_children) = (counts.pending, counts.failed);
-        self.save_job(q, &job)?;
+        self.save_job(q, &mut job)?;
         Ok(Some(counts))
     }
 

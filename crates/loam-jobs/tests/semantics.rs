@@ -163,6 +163,68 @@ fn child_counts(jobs: &Jobs, id: &str) -> (u32, u32) {
     (p.pending_children, p.failed_children)
 }
 
+/// The sizes of job `id`'s record and of its data's own key (0 when absent).
+fn stored_sizes(jobs: &Jobs, queue: &str, id: &str) -> (usize, usize) {
+    let (queue, id) = (queue.to_string(), id.to_string());
+    jobs.write("ns", false, move |tx| {
+        let keys = keys::QueueKeys::new(&QueueId::new("ns".to_string(), queue.clone()));
+        let size = |v: Option<Vec<u8>>| v.map_or(0, |v| v.len());
+        Ok((size(tx.get(&keys.job(&id))?), size(tx.get(&keys.job_data(&id))?)))
+    })
+    .wait()
+    .unwrap()
+}
+
+/// Large data lives under a key of its own, so a lease and a completion
+/// rewrite a small record; whatever reads the job sees the data as before.
+#[test]
+fn large_data_is_kept_apart_from_its_record_through_a_jobs_life() {
+    let (jobs, _) = core();
+    let big = vec![b'x'; DATA_APART_BYTES];
+    let data = |jobs: &Jobs| jobs.get_job("ns", "q", "1").unwrap().unwrap().data;
+    jobs.enqueue("ns", "q", EnqueueRequest { data: big.clone(), ..job("a") }).wait().unwrap();
+    let (record, apart) = stored_sizes(&jobs, "q", "1");
+    assert!(record < 1024 && apart == big.len(), "record {record} bytes, data apart {apart}");
+    let l = lease_one(&jobs, "q").unwrap();
+    assert_eq!(l.job.data, big);
+    assert_eq!(data(&jobs), big);
+    assert!(stored_sizes(&jobs, "q", "1").0 < 1024);
+    let fence = || Fence::Epoch(l.epoch);
+    // Made small, the data goes back into the record; made large, out again.
+    jobs.report("ns", "q", "1", fence(), Report::Data(b"{}".to_vec()), None).wait().unwrap();
+    assert_eq!((data(&jobs), stored_sizes(&jobs, "q", "1").1), (b"{}".to_vec(), 0));
+    let bigger = vec![b'y'; 2 * DATA_APART_BYTES];
+    jobs.report("ns", "q", "1", fence(), Report::Data(bigger.clone()), None).wait().unwrap();
+    assert_eq!((data(&jobs), stored_sizes(&jobs, "q", "1").1), (bigger.clone(), bigger.len()));
+    let options = CompleteOptions { remove_on_complete: Some(Retention::RemoveImmediately), ..Default::default() };
+    jobs.complete("ns", "q", "1", fence(), Outcome::Ok { result: None }, options).wait().unwrap();
+    assert_eq!(stored_sizes(&jobs, "q", "1"), (0, 0));
+}
+
+/// A record an older build wrote holds its data, however large: it still
+/// reads, leases and completes with it.
+#[test]
+fn large_data_in_a_record_of_an_older_build_still_reads() {
+    let (jobs, _) = core();
+    let big = vec![b'x'; 2 * DATA_APART_BYTES];
+    jobs.enqueue("ns", "q", EnqueueRequest { data: big.clone(), ..job("a") }).wait().unwrap();
+    jobs.write("ns", true, |tx| {
+        let q = QueueId::new("ns".to_string(), "q".to_string());
+        let keys = keys::QueueKeys::new(&q);
+        let mut old = tx.require_job(&q, "1")?;
+        old.data_apart = false;
+        tx.put(&keys.job("1"), old.encode())?;
+        tx.delete(&keys.job_data("1"))
+    })
+    .wait()
+    .unwrap();
+    assert_eq!(stored_sizes(&jobs, "q", "1").1, 0);
+    let l = lease_one(&jobs, "q").unwrap();
+    assert_eq!(l.job.data, big);
+    ok(&jobs, "q", &l, "1");
+    assert_eq!(jobs.get_job("ns", "q", "1").unwrap().unwrap().data, big);
+}
+
 /// A parent that an older build wrote (its children's counts in its record,
 /// not in a key of their own) waits for its children as before: the first
 /// child to end moves the counts to the key, the last releases it.
@@ -174,7 +236,7 @@ fn a_parent_counting_children_in_its_record_still_waits_for_them() {
         let q = QueueId::new("ns".to_string(), "parents".to_string());
         let mut p = tx.require_job(&q, "p")?;
         p.children_counted = false;
-        tx.save_job(&q, &p)?;
+        tx.save_job(&q, &mut p)?;
         tx.delete(&keys::QueueKeys::new(&q).child_counts("p"))
     })
     .wait()

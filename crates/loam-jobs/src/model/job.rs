@@ -230,7 +230,24 @@ pub struct JobRecord {
     /// it is leased again: that completion, sent again, is recognized by it.
     #[serde(default)]
     pub ended_by: Option<String>,
+    /// `data` lives under a key of its own ([`crate::keys::QueueKeys::job_data`]),
+    /// which `Tx::load_job` reads into `data`, and the record holds none: a
+    /// lease and a completion rewrite the record, and with the data in it
+    /// they rewrote (logged, wrote and checksummed) a large payload twice a
+    /// job for nothing. Set for data of [`DATA_APART_BYTES`] or more, when it
+    /// is stored; a record of an older build (false) holds its data.
+    #[serde(default)]
+    pub data_apart: bool,
+    /// `data` was set since the record was read, and `Tx::save_job` stores
+    /// it (see [`JobRecord::set_data`]). Not stored.
+    #[serde(skip)]
+    pub data_changed: bool,
 }
+
+/// The size from which a job's data is kept apart from its record (see
+/// [`JobRecord::data_apart`]). Below it a key of its own costs more than the
+/// rewrites it saves: one more write an add, read a load and delete a purge.
+pub const DATA_APART_BYTES: usize = 4 << 10;
 
 impl JobRecord {
     /// The record's encoding, in a buffer of its size at once: grown by
@@ -263,6 +280,12 @@ impl JobRecord {
             + self.dedup.as_ref().map_or(0, |d| text(&d.id));
         // The numbers and flags: about forty fields.
         encode_with_capacity(self, payloads + texts + lists + links + 40 * EACH)
+    }
+
+    /// Sets the job's data, stored by the next `Tx::save_job`.
+    pub fn set_data(&mut self, data: Vec<u8>) {
+        self.data = data;
+        self.data_changed = true;
     }
 
     pub fn is_prioritized(&self) -> bool {

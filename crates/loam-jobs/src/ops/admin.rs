@@ -27,6 +27,9 @@ pub fn purge_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsEr
     if job.children_counted {
         tx.delete(&keys.child_counts(&job.id))?;
     }
+    if job.data_apart {
+        tx.delete(&keys.job_data(&job.id))?;
+    }
     tx.delete_range(&keys.logs(&job.id))?;
     tx.delete_range(&keys.dependencies(&job.id))?;
     Ok(())
@@ -616,7 +619,7 @@ pub fn promote_jobs(tx: &mut Tx, q: &QueueId, count: u64) -> Result<bool, JobsEr
         // job's own promotion and a due one set it to 0.
         if job.delay != delay {
             job.delay = delay;
-            tx.save_job(q, &job)?;
+            tx.save_job(q, &mut job)?;
         }
     }
     Ok(moved == count)
@@ -631,7 +634,7 @@ pub fn change_delay(tx: &mut Tx, q: &QueueId, id: &str, delay_ms: u64) -> Result
     job.delay = delay_ms;
     job.due = tx.now.saturating_add(delay_ms);
     tx.index(q, &job)?;
-    tx.save_job(q, &job)?;
+    tx.save_job(q, &mut job)?;
     tx.event(q, "delayed", &[("jobId", id), ("delay", &job.due.to_string())])?;
     Ok(())
 }
@@ -651,15 +654,15 @@ pub fn change_priority(tx: &mut Tx, q: &QueueId, id: &str, priority: u32, lifo: 
         job.state = Tx::ready_state(&job);
         tx.index(q, &job)?;
     }
-    tx.save_job(q, &job)
+    tx.save_job(q, &mut job)
 }
 
 pub fn update_data(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, data: Vec<u8>) -> Result<(), JobsError> {
     tx.check_payload(data.len())?;
     let mut job = tx.require_job(q, id)?;
     lease::check_fence(&job, fence)?;
-    job.data = data;
-    tx.save_job(q, &job)
+    job.set_data(data);
+    tx.save_job(q, &mut job)
 }
 
 /// Applies `report` to job `id`; returns the log lines kept (0 for progress
@@ -698,7 +701,7 @@ pub fn update_progress(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, progre
     lease::check_fence(&job, fence)?;
     tx.event(q, "progress", &[("jobId", id), ("data", &progress)])?;
     job.progress = Some(progress);
-    tx.save_job(q, &job)
+    tx.save_job(q, &mut job)
 }
 
 /// Appends a log line, keeping the newest `keep` (or the job's `keepLogs`, or
@@ -720,7 +723,7 @@ pub fn add_log(
     job.log_count += 1;
     let cap = keep.or(job.keep_logs).unwrap_or(tx.config.max_logs_per_job);
     trim_logs(tx, &keys, &mut job, cap)?;
-    tx.save_job(q, &job)?;
+    tx.save_job(q, &mut job)?;
     Ok(job.log_count)
 }
 
@@ -739,7 +742,7 @@ pub fn clear_logs(tx: &mut Tx, q: &QueueId, id: &str, keep: Option<u64>) -> Resu
     let Some(mut job) = tx.load_job(q, id)? else { return Ok(()) };
     let keys = QueueKeys::new(q);
     trim_logs(tx, &keys, &mut job, keep.unwrap_or(0))?;
-    tx.save_job(q, &job)
+    tx.save_job(q, &mut job)
 }
 
 /// `job.removeChildDependency()`: detaches the job from the parent BullMQ
@@ -764,7 +767,7 @@ pub fn remove_child_dependency(tx: &mut Tx, q: &QueueId, id: &str, parent_key: &
         return Ok(false);
     }
     job.parent = None;
-    tx.save_job(q, &job)?;
+    tx.save_job(q, &mut job)?;
     Ok(true)
 }
 

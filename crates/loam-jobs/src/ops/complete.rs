@@ -1,7 +1,6 @@
 //! Ending a lease: every outcome, and what a finished job does to its
 //! parent, its dedup key, its queue's retention and metrics.
 
-use std::borrow::Cow;
 use std::collections::VecDeque;
 
 use crate::error::{JobsError, Precondition};
@@ -281,7 +280,7 @@ fn finish_ok(
     tx.unindex(q, &job)?;
     let value = result.unwrap_or_else(|| b"null".to_vec());
     release_dedup_on_finish(tx, q, &job)?;
-    child_finished(tx, q, &job, ChildEnd::Completed(&as_text(&value)))?;
+    child_finished(tx, q, &job, ChildEnd::Completed(&crate::model::as_text(&value)))?;
     job.attempts_made += 1;
     job.state = JobState::Completed;
     job.finished_on = Some(tx.now);
@@ -289,7 +288,7 @@ fn finish_ok(
     job.return_value = Some(value);
     let kept = retention(&job, opts, JobState::Completed);
     keep_or_purge(tx, q, &mut job, kept)?;
-    let value = as_text(job.return_value.as_deref().unwrap_or_default());
+    let value = crate::model::as_text(job.return_value.as_deref().unwrap_or_default());
     tx.event(q, "completed", &[("jobId", &job.id), ("returnvalue", &value), ("prev", prev.as_str())])?;
     collect_metrics(tx, q, MetricsKind::Completed, opts.metrics_max_points)?;
     Ok(job)
@@ -415,7 +414,7 @@ fn park_delayed(tx: &mut Tx, q: &QueueId, mut job: JobRecord, due: u64) -> Resul
     job.due = due;
     job.seq = tx.next_seq(q, false)?;
     tx.index(q, &job)?;
-    tx.save_job(q, &job)?;
+    tx.save_job(q, &mut job)?;
     tx.event(q, "delayed", &[("jobId", &job.id), ("delay", &due.to_string())])?;
     Ok(job)
 }
@@ -442,7 +441,7 @@ fn park_for_children(tx: &mut Tx, q: &QueueId, mut job: JobRecord) -> Result<Job
     job.state = JobState::WaitingChildren;
     job.lock = None;
     tx.index(q, &job)?;
-    tx.save_job(q, &job)?;
+    tx.save_job(q, &mut job)?;
     tx.event(q, "waiting-children", &[("jobId", &job.id), ("prev", "active")])?;
     Ok(job)
 }
@@ -545,14 +544,6 @@ enum ChildEnd<'a> {
     Failed(&'a str),
 }
 
-/// A return value as text. It is JSON from BullMQ, so UTF-8, and checked
-/// that way first: `from_utf8_lossy` alone checks byte by byte, and at 100 KB
-/// values its two calls a completion were half of the executor's time. Other
-/// clients' bytes may be anything, and are mended (U+FFFD) in the text only.
-fn as_text(bytes: &[u8]) -> Cow<'_, str> {
-    std::str::from_utf8(bytes).map_or_else(|_| String::from_utf8_lossy(bytes), Cow::Borrowed)
-}
-
 /// Updates the parent of a child that finished, by the child's failure policy,
 /// and releases (or fails) the parent when that is due.
 fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd<'_>) -> Result<(), JobsError> {
@@ -618,7 +609,7 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd<'_>
             JobState::Failed | JobState::Completed => {}
             _ => {
                 pjob.deferred_failure = Some(reason);
-                tx.save_job(&pq, &pjob)?;
+                tx.save_job(&pq, &mut pjob)?;
             }
         }
         return Ok(());

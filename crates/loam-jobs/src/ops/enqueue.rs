@@ -272,6 +272,8 @@ fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) 
         headers: req.headers.clone(),
         children_counted: matches!(placement, Placement::WaitChildren),
         ended_by: None,
+        data_apart: false,
+        data_changed: true,
     };
     job.state = match placement {
         Placement::WaitChildren => JobState::WaitingChildren,
@@ -283,7 +285,7 @@ fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) 
     // Redis's delayed set (each gets a new place when it becomes ready).
     let waits = matches!(job.state, JobState::Delayed | JobState::WaitingChildren);
     job.seq = tx.next_seq(q, job.queues_lifo() && !waits)?;
-    tx.save_job(q, &job)?;
+    tx.save_job(q, &mut job)?;
     tx.index(q, &job)?;
     tx.event(q, "added", &[("jobId", &id), ("name", &job.name)])?;
     match job.state {
@@ -438,7 +440,7 @@ fn adopt(
     record_child(tx, parent, &keys_node(q, &job.id, parent), dep)?;
     job.parent = Some(parent.clone());
     job.on_child_failure = policy;
-    tx.save_job(q, &job)
+    tx.save_job(q, &mut job)
 }
 
 /// Applies BullMQ's deduplication; returns the existing job when the add is

@@ -204,7 +204,7 @@ pub fn lease_taken_by(
                 job.processed_by = Some(w.clone());
             }
             tx.index(q, &job)?;
-            tx.save_job(q, &job)?;
+            tx.save_job(q, &mut job)?;
             tx.event(q, "active", &[("jobId", &job.id), ("prev", prev_name(prev))])?;
             window.count += 1;
             out.leases.push(Lease { epoch: job.epoch, token, deadline: tx.lease_now.saturating_add(held_ms), job });
@@ -318,7 +318,7 @@ pub fn requeue(
     job.state = Tx::ready_state(&job);
     job.lock = None;
     tx.index(q, &job)?;
-    tx.save_job(q, &job)?;
+    tx.save_job(q, &mut job)?;
     if let Some(prev) = prev {
         tx.event(q, "waiting", &[("jobId", &job.id), ("prev", prev)])?;
     }
@@ -358,7 +358,7 @@ pub fn extend(tx: &mut Tx, q: &QueueId, id: &str, fence: &Fence, duration_ms: u6
         lock.duration_ms = duration_ms;
     }
     tx.index(q, &job)?;
-    tx.save_job(q, &job)?;
+    tx.save_job(q, &mut job)?;
     Ok(deadline)
 }
 
