@@ -11,3 +11,15 @@ pub fn result_of(id: &str) -> Vec<u8> {
     }
     result
 }
+
+/// The data the writer adds job `id` with: its id, and for one job in five
+/// enough more to be kept apart from its record
+/// ([`loam_jobs::DATA_APART_BYTES`]), so that the crash test reads both
+/// kinds back.
+pub fn data_of(id: &str) -> Vec<u8> {
+    let mut data = id.as_bytes().to_vec();
+    if id.ends_with(['1', '6']) {
+        data.resize(data.len() + loam_jobs::DATA_APART_BYTES, b'd');
+    }
+    data
+}

@@ -25,7 +25,7 @@ use loam_jobs::{
     CompleteOptions, Config, EnqueueRequest, Fence, JobError, JobState, Jobs, JobsError, LeaseRequest, Outcome,
     QueueConfig, SystemClock,
 };
-use loam_jobs_stress::result_of;
+use loam_jobs_stress::{data_of, result_of};
 use parking_lot::Mutex;
 use rand::Rng;
 
@@ -140,7 +140,7 @@ fn producer(shared: &Shared, thread: usize) {
         let roll = rng.random_range(0..100u32);
         let req = EnqueueRequest {
             name: "stress".into(),
-            data: id.clone().into_bytes(),
+            data: data_of(&id),
             job_id: Some(id.clone()),
             attempts: 3,
             // Some jobs take the prioritized band, some start delayed.
@@ -190,8 +190,8 @@ fn worker(shared: &Shared, thread: usize) {
         };
         for lease in leased.leases {
             let id = lease.job.id.clone();
-            if lease.job.data != id.as_bytes() {
-                shared.error(&format!("job {id}: data {:?} is not its id", String::from_utf8_lossy(&lease.job.data)));
+            if lease.job.data != data_of(&id) {
+                shared.error(&format!("job {id}: leased with {} bytes of data not its own", lease.job.data.len()));
             }
             let fence = Fence::Epoch(lease.epoch);
             let roll = rng.random_range(0..100u32);

@@ -35,7 +35,7 @@ use loam_jobs::ops::query::state_range;
 use loam_jobs::store::redb::{RedbOptions, RedbStore};
 use loam_jobs::tx::Tx;
 use loam_jobs::*;
-use loam_jobs_stress::result_of;
+use loam_jobs_stress::{data_of, result_of};
 use rand::Rng;
 
 const NS: &str = "stress";
@@ -114,8 +114,10 @@ fn snapshot(jobs: &Jobs) -> Snapshot {
             let keys = QueueKeys::new(q);
             let mut records = HashMap::new();
             for (_, v) in tx.scan(&keys.jobs(), usize::MAX, false)? {
-                let job: JobRecord = decode(&v)?;
-                records.insert(job.id.clone(), job);
+                // Read again as the core reads a job, its data with it.
+                let id = decode::<JobRecord>(&v)?.id;
+                let job = tx.require_job(q, &id)?;
+                records.insert(id, job);
             }
             let mut index = Vec::new();
             for state in JobState::ALL {
@@ -149,7 +151,7 @@ fn check(jobs: &Jobs, logs: &Logs, when: &str) -> Snapshot {
     for (id, job) in &snap.jobs {
         let n = listed.get(id.as_str()).copied().unwrap_or(0);
         assert_eq!(n, 1, "{when}: job {id} ({}) is listed in {n} indexes", job.state);
-        assert_eq!(job.data, id.as_bytes(), "{when}: job {id} data");
+        assert_eq!(job.data, data_of(id), "{when}: job {id} data");
         match job.state {
             JobState::Active => assert!(job.lock.is_some(), "{when}: active job {id} has no lock"),
             JobState::Completed | JobState::Failed => {
