@@ -1,6 +1,7 @@
 //! Ending a lease: every outcome, and what a finished job does to its
 //! parent, its dedup key, its queue's retention and metrics.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 
 use crate::error::{JobsError, Precondition};
@@ -280,7 +281,7 @@ fn finish_ok(
     tx.unindex(q, &job)?;
     let value = result.unwrap_or_else(|| b"null".to_vec());
     release_dedup_on_finish(tx, q, &job)?;
-    child_finished(tx, q, &job, ChildEnd::Completed(&crate::model::as_text(&value)))?;
+    child_finished(tx, q, &job, ChildEnd::Completed(&value))?;
     job.attempts_made += 1;
     job.state = JobState::Completed;
     job.finished_on = Some(tx.now);
@@ -540,7 +541,8 @@ fn release_dedup_on_finish(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<
 }
 
 enum ChildEnd<'a> {
-    Completed(&'a str),
+    /// The return value, made text only for a parent waiting on it.
+    Completed(&'a [u8]),
     Failed(&'a str),
 }
 
@@ -554,7 +556,7 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd<'_>
     };
     let Some(dep) = dep.filter(|d| d.status == DependencyStatus::Pending) else { return Ok(()) };
     let (status, value, release_now) = match end {
-        ChildEnd::Completed(v) => (Some(DependencyStatus::Processed), Some(v.to_owned()), false),
+        ChildEnd::Completed(v) => (Some(DependencyStatus::Processed), Some(crate::model::as_text(v)), false),
         ChildEnd::Failed(reason) => match child.on_child_failure {
             OnChildFailure::Wait => {
                 if tx.load_job(&pq, &parent.id)?.is_none() {
@@ -562,9 +564,9 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd<'_>
                 }
                 return Ok(());
             }
-            OnChildFailure::FailParent => (Some(DependencyStatus::Failed), Some(reason.to_owned()), false),
-            OnChildFailure::ContinueParent => (Some(DependencyStatus::Ignored), Some(reason.to_owned()), true),
-            OnChildFailure::Ignore => (Some(DependencyStatus::Ignored), Some(reason.to_owned()), false),
+            OnChildFailure::FailParent => (Some(DependencyStatus::Failed), Some(reason.into()), false),
+            OnChildFailure::ContinueParent => (Some(DependencyStatus::Ignored), Some(reason.into()), true),
+            OnChildFailure::Ignore => (Some(DependencyStatus::Ignored), Some(reason.into()), false),
             OnChildFailure::Remove => (None, None, false),
         },
     };
@@ -582,7 +584,7 @@ fn child_finished(tx: &mut Tx, q: &QueueId, child: &JobRecord, end: ChildEnd<'_>
         return Ok(());
     };
     match status {
-        Some(status) => tx.put_record(&dep_key, &Dependency { status, value, ..dep })?,
+        Some(status) => tx.put_record(&dep_key, &Dependency { status, value: value.map(Cow::into_owned), ..dep })?,
         None => tx.delete(&dep_key)?,
     }
     if failed {

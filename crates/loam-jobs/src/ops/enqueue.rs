@@ -432,7 +432,7 @@ fn adopt(
         child_queue: q.name.clone(),
         child_id: job.id.clone(),
         value: if completed {
-            job.return_value.as_ref().map(|v| String::from_utf8_lossy(v).into_owned())
+            job.return_value.as_deref().map(|v| crate::model::as_text(v).into_owned())
         } else {
             None
         },
