@@ -228,6 +228,27 @@ function completions(worker, count) {
   });
 }
 
+/**
+ * 2,000 jobs of `data(i)`, added in bulk and then processed by `processor` at
+ * concurrency 10, every job kept as it finishes; the queue is obliterated
+ * after the measure.
+ */
+async function processKept(b, label, data, processor) {
+  const name = queueName(label);
+  const q = new Queue(name, b.opts);
+  const count = n(2000);
+  await q.addBulk(Array.from({ length: count }, (_, i) => ({ name: 'job', data: data(i) })));
+  let worker;
+  const r = await measure(b, count, async () => {
+    worker = new Worker(name, processor, { ...b.opts, concurrency: 10 });
+    await completions(worker, count);
+  });
+  await worker.close();
+  await q.obliterate({ force: true });
+  await q.close();
+  return r;
+}
+
 const scenarios = {
   async 'add one at a time'(b) {
     const q = new Queue(queueName('add'), b.opts);
@@ -277,40 +298,16 @@ const scenarios = {
   // its `completed` event. Loam once copied a page of up to 64 such events at
   // every completion (0.4 times Redis at 100 KB).
   async 'process at concurrency 10, 100 KB results'(b) {
-    const name = queueName('results');
-    const q = new Queue(name, b.opts);
-    const count = n(2000);
     const result = 'r'.repeat(100 << 10);
-    await q.addBulk(Array.from({ length: count }, (_, i) => ({ name: 'job', data: { i } })));
-    let worker;
-    const r = await measure(b, count, async () => {
-      worker = new Worker(name, async () => result, { ...b.opts, concurrency: 10 });
-      await completions(worker, count);
-    });
-    await worker.close();
-    await q.obliterate({ force: true });
-    await q.close();
-    return r;
+    return processKept(b, 'results', (i) => ({ i }), async () => result);
   },
 
   // Large data: each lease hands the job's data over, and a lease and a
   // completion rewrite the job. Loam rewrote the data with the record each
   // time (0.5 times Redis at 100 KB) until it kept large data apart.
   async 'process at concurrency 10, 100 KB data'(b) {
-    const name = queueName('data');
-    const q = new Queue(name, b.opts);
-    const count = n(2000);
     const pad = 'd'.repeat(100 << 10);
-    await q.addBulk(Array.from({ length: count }, (_, i) => ({ name: 'job', data: { i, pad } })));
-    let worker;
-    const r = await measure(b, count, async () => {
-      worker = new Worker(name, async (job) => job.data.i, { ...b.opts, concurrency: 10 });
-      await completions(worker, count);
-    });
-    await worker.close();
-    await q.obliterate({ force: true });
-    await q.close();
-    return r;
+    return processKept(b, 'data', (i) => ({ i, pad }), async (job) => job.data.i);
   },
 
   async 'add-to-start latency at 200 jobs/s'(b) {
