@@ -12,21 +12,45 @@ import { freshLoam, itInProcess, until } from './helpers.js';
 const loam = freshLoam();
 const { Queue, Worker } = loam;
 const connection = {};
-const entry = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../dist/index.js');
+const here = path.dirname(fileURLToPath(import.meta.url));
+const entry = path.resolve(here, '../dist/index.js');
+const examples = path.resolve(here, '../../../examples');
 
 afterAll(() => loam.cleanup());
 
-/** Runs an ES module snippet in a fresh Node process; resolves with its output. */
-function runNode(code: string, onLine?: (line: string, kill: () => void) => void) {
+/**
+ * Runs Node with `args` in a fresh process; resolves with its output.
+ * `onLine` sees each line of its output, with a way to signal it (SIGKILL
+ * unless told); a process still running after `killAfterMs` is killed.
+ */
+function runProcess(
+  args: string[],
+  opts: {
+    onLine?: (line: string, kill: (signal?: NodeJS.Signals) => void) => void;
+    env?: NodeJS.ProcessEnv;
+    killAfterMs?: number;
+  } = {},
+) {
   return new Promise<{ out: string; signal: NodeJS.Signals | null; code: number | null }>(resolve => {
-    const child = spawn(process.execPath, ['--input-type=module', '-e', code], { stdio: ['ignore', 'pipe', 'inherit'] });
+    const child = spawn(process.execPath, args, { stdio: ['ignore', 'pipe', 'inherit'], env: opts.env });
+    const deadline = opts.killAfterMs === undefined ? undefined : setTimeout(() => child.kill('SIGKILL'), opts.killAfterMs);
     let out = '';
     child.stdout.on('data', chunk => {
       out += chunk;
-      for (const line of String(chunk).split('\n').filter(Boolean)) onLine?.(line, () => child.kill('SIGKILL'));
+      for (const line of String(chunk).split('\n').filter(Boolean)) {
+        opts.onLine?.(line, signal => child.kill(signal ?? 'SIGKILL'));
+      }
     });
-    child.on('exit', (code, signal) => resolve({ out, signal, code }));
+    child.on('exit', (code, signal) => {
+      clearTimeout(deadline);
+      resolve({ out, signal, code });
+    });
   });
+}
+
+/** Runs an ES module snippet in a fresh Node process; resolves with its output. */
+function runNode(code: string, onLine?: (line: string, kill: () => void) => void) {
+  return runProcess(['--input-type=module', '-e', code], { onLine });
 }
 
 describe('processes', () => {
@@ -180,6 +204,47 @@ describe('processes', () => {
       `);
       expect({ code, signal }).toEqual({ code: 0, signal: null });
       expect(out.trim().split('\n')).toEqual(['count 200', 'count 400', 'count 600', 'count 800', 'done']);
+    } finally {
+      rmSync(dataDir, { recursive: true, force: true });
+    }
+  });
+
+  itInProcess("the README's quick start: the example producer, then the example worker, each with one command", async () => {
+    const dataDir = mkdtempSync(path.join(tmpdir(), 'loam-examples-'));
+    try {
+      const env = { ...process.env, LOAM_DATA_DIR: dataDir };
+      const produced = await runProcess([path.join(examples, 'producer.mjs')], { env, killAfterMs: 10_000 });
+      expect({ code: produced.code, signal: produced.signal }).toEqual({ code: 0, signal: null });
+      const added = produced.out.trim().split('\n');
+      expect(added.slice(0, 4)).toEqual([
+        'added job 1 for ada@example.com',
+        'added job 2 for grace@example.com',
+        'added job 3 for edsger@example.com',
+        'added job 4, due in 2 s',
+      ]);
+      expect(added[4]).toBe('counts: {');
+      expect(produced.out).toMatch(/delayed: 1,\s+failed: 0,\s+prioritized: 0,\s+waiting: 3,/);
+
+      // Ctrl-C once the delayed job is done too: the worker closes and exits 0.
+      const done: string[] = [];
+      const worked = await runProcess([path.join(examples, 'worker.mjs')], {
+        onLine: (line, signal) => {
+          if (!line.includes(' done: ')) return;
+          done.push(line);
+          if (done.length === 4) signal('SIGINT');
+        },
+        env,
+        killAfterMs: 15_000,
+      });
+      expect({ code: worked.code, signal: worked.signal }).toEqual({ code: 0, signal: null });
+      expect(worked.out).toContain('worker waiting for jobs on "emails"');
+      expect(done.sort()).toEqual([
+        "job 1 done: { sent: true, to: 'ada@example.com' }",
+        "job 2 done: { sent: true, to: 'grace@example.com' }",
+        "job 3 done: { sent: true, to: 'edsger@example.com' }",
+        "job 4 done: { sent: true, to: 'later@example.com' }",
+      ]);
+      expect(worked.out).not.toContain('failed');
     } finally {
       rmSync(dataDir, { recursive: true, force: true });
     }
