@@ -458,9 +458,10 @@ impl LoamQueue {
         settle(env, Op::new("addJob"), pending, |added| added.into_iter().map(|e| e.id).collect())
     }
 
-    /// `addFlow`: the whole tree in one transaction. Returns BullMQ's
-    /// `[error, idOrCode][]` as JSON; a refusal BullMQ has a code for is
-    /// reported as that code on every entry (nothing was inserted).
+    /// `addFlow`: every tree of the call in one transaction, in BullMQ's
+    /// order ([`Jobs::flows`]). Returns BullMQ's `[error, idOrCode][]` as
+    /// JSON; a refusal BullMQ has a code for is reported as that code on
+    /// every entry of the refused tree (nothing of it was inserted).
     #[napi(catch_unwind)]
     pub fn add_flow<'env>(&self, env: &'env Env, host_now: f64, entries: String) -> Result<PromiseRaw<'env, String>> {
         self.store.observe(host_now);

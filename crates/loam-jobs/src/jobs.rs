@@ -420,28 +420,58 @@ impl Jobs {
     /// Inserts a flow tree atomically: all of it, or none of it.
     pub fn flow(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> Pending<Vec<Enqueued>> {
         let brief = nodes.len() <= BRIEF_JOBS;
-        self.flow_write(ns, nodes, brief)
+        self.flow_write(ns, Arc::new(nodes), brief)
     }
 
-    fn flow_write(&self, ns: &str, nodes: Vec<enqueue::FlowNode>, brief: bool) -> Pending<Vec<Enqueued>> {
-        self.submit_write(ns, Durable::UnlessRelaxed, brief, move |tx| enqueue::flow(tx, nodes.clone()))
+    fn flow_write(&self, ns: &str, nodes: Arc<Vec<enqueue::FlowNode>>, brief: bool) -> Pending<Vec<Enqueued>> {
+        self.submit_write(ns, Durable::UnlessRelaxed, brief, move |tx| enqueue::flow(tx, nodes.to_vec()))
     }
 
-    /// Inserts several flows, each tree atomically on its own: one tree's
-    /// failure leaves the others in (a FlowProducer.addBulk on Redis does the
-    /// same). Resolves to one result per node, in the nodes' order.
+    /// Inserts several flows (BullMQ's `FlowProducer.addBulk`): all of them
+    /// in one write, in the nodes' order, as Redis's MULTI adds them (a
+    /// worker sees none of them before it sees all, and the jobs queue in
+    /// that order, not tree after tree). If a tree is refused, that write
+    /// keeps nothing, and each tree is then written on its own, so that the
+    /// others go in (on Redis one refused add leaves the rest in). Resolves
+    /// to one result per node, in the nodes' order.
     pub fn flows(&self, ns: &str, nodes: Vec<enqueue::FlowNode>) -> Pending<Vec<Result<Enqueued, JobsError>>> {
         let count = nodes.len();
-        // Brief only if all the trees together are: each tree is a write of
-        // its own, and many small ones run one after the other would add up.
         let brief = count <= BRIEF_JOBS;
-        let trees = enqueue::flow_trees(&nodes);
-        let mut slots: Vec<Option<enqueue::FlowNode>> = nodes.into_iter().map(Some).collect();
+        let nodes = Arc::new(nodes);
+        let whole = self.flow_write(ns, Arc::clone(&nodes), brief);
+        let (settle, out) = crate::pending::pending();
+        let jobs = self.clone();
+        let ns = ns.to_string();
+        whole.then(move |result| match result {
+            Ok(added) => settle.settle(Ok(added.into_iter().map(Ok).collect())),
+            Err(refused) => {
+                let trees = enqueue::flow_trees(&nodes);
+                if trees.len() <= 1 {
+                    settle.settle(Ok((0..count).map(|_| Err(refused.clone())).collect()));
+                } else {
+                    // Not brief: this runs on the thread that settled the
+                    // write, the store's own.
+                    jobs.each_flow_tree(&ns, &nodes, trees).then(move |each| settle.settle(each));
+                }
+            }
+        });
+        out
+    }
+
+    /// Writes each of `trees` (positions in `nodes`) on its own; one result
+    /// per node, in the nodes' order.
+    fn each_flow_tree(
+        &self,
+        ns: &str,
+        nodes: &[enqueue::FlowNode],
+        trees: Vec<Vec<usize>>,
+    ) -> Pending<Vec<Result<Enqueued, JobsError>>> {
+        let count = nodes.len();
         let (positions, writes): (Vec<Vec<usize>>, Vec<Pending<Vec<Enqueued>>>) = trees
             .into_iter()
             .map(|positions| {
-                let tree = positions.iter().filter_map(|&i| slots[i].take()).collect();
-                let write = self.flow_write(ns, tree, brief);
+                let tree = positions.iter().map(|&i| nodes[i].clone()).collect();
+                let write = self.flow_write(ns, Arc::new(tree), false);
                 (positions, write)
             })
             .unzip();

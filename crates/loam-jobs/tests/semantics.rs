@@ -2125,8 +2125,34 @@ fn removing_a_parent_removes_its_grandchildren_without_releasing_anything() {
     assert_eq!(jobs.counts("ns", "kids", &[JobState::Waiting, JobState::WaitingChildren]).unwrap(), vec![0, 0]);
 }
 
+/// BullMQ's FlowProducer.addBulk hands its trees level by level (every root,
+/// then every root's children): Redis adds them in that order, in one MULTI.
 #[test]
-fn a_batch_of_flows_inserts_each_tree_on_its_own() {
+fn a_batch_of_flows_goes_in_as_one_write_in_its_nodes_order() {
+    let (jobs, _) = core();
+    let of_b2 = || Some(parent("q", "B2"));
+    let nodes = vec![
+        flow_node("q", "B1", None, false),
+        flow_node("q", "B2", None, true),
+        flow_node("q", "B3", None, false),
+        flow_node("q", "bc", of_b2(), false),
+        flow_node("q", "bd", of_b2(), false),
+    ];
+    let results = jobs.flows("ns", nodes).wait().unwrap();
+    let ids: Vec<String> = results.into_iter().map(|r| r.unwrap().id).collect();
+    assert_eq!(ids, ["B1", "B2", "B3", "bc", "bd"]);
+    let added: Vec<String> = events(&jobs, "q")
+        .into_iter()
+        .filter(|(name, _)| name == "added")
+        .filter_map(|(_, fields)| fields.into_iter().find(|(k, _)| k == "jobId").map(|(_, v)| v))
+        .collect();
+    assert_eq!(added, ["B1", "B2", "B3", "bc", "bd"]);
+    assert_eq!(leased_names(&jobs, "q", 4), ["B1", "B3", "bc", "bd"]);
+    assert_eq!(state(&jobs, "q", "B2"), Some(JobState::WaitingChildren));
+}
+
+#[test]
+fn a_batch_of_flows_with_a_refused_tree_inserts_each_other_tree_on_its_own() {
     let (jobs, _) = core();
     let nodes = vec![
         FlowNode {

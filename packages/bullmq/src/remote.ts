@@ -680,8 +680,9 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
       job: this.keyedSpec(entry),
       waitChildren: entry.addToWaitingChildren,
     }));
-    // Each tree goes in atomically on its own; a refused one answers, per
-    // node, BullMQ's code (or an error when BullMQ has none), as Redis does.
+    // Every tree goes in at once, in BullMQ's order; a refused one leaves the
+    // others in and answers, per node, BullMQ's code (or an error when BullMQ
+    // has none), as Redis does.
     // Each node under a key of its own, as an add: sent again, the flow adds
     // none twice.
     const r = await this.send({ command: 'addJob' }, (c, o) => c.flow({ nodes, eachTree: true }, o), {

@@ -127,7 +127,23 @@ describe('flows', () => {
     }
   });
 
-  it('adds each tree of a FlowProducer.addBulk on its own, as Redis does', async () => {
+  it("adds a FlowProducer.addBulk's flows at once, in BullMQ's order: every root, then their children", async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const flow = new FlowProducer({ connection });
+    await flow.addBulk([
+      { name: 'B1', queueName: name },
+      { name: 'B2', queueName: name, children: ['bc', 'bd'].map(kid => ({ name: kid, queueName: name })) },
+      { name: 'B3', queueName: name },
+    ]);
+    // As Redis's MULTI adds the nodes: B1, B2, B3, then B2's children.
+    const waiting = await queue.getJobs(['waiting'], 0, -1, true);
+    expect(waiting.map(job => job.name)).toEqual(['B1', 'B3', 'bc', 'bd']);
+    await flow.close();
+    await queue.close();
+  });
+
+  it('adds the other trees of a FlowProducer.addBulk when one is refused, as Redis does', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });
     const flow = new FlowProducer({ connection });
