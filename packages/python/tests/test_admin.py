@@ -222,6 +222,19 @@ def test_result_store(client: Client, queue: str) -> None:
     assert client.result_get(f"{key}:raw") is None
 
 
+def test_a_result_ttl_of_0_is_refused_before_sending(client: Client, queue: str) -> None:
+    # The server counts a ttl from the write: 0 stored a value already
+    # expired, read back as missing.
+    key = f"{queue}:ttl"
+    with pytest.raises(InvalidArgumentError, match="ttl_ms must be at least 1"):
+        client.result_set(key, "v", ttl_ms=0)
+    with pytest.raises(InvalidArgumentError, match="ttl_ms must be at least 1"):
+        client.result_incr(key, "member", ttl_ms=0)
+    assert client.result_get(key) is None
+    client.result_set(key, "v", ttl_ms=60_000)
+    assert client.result_get_json(key) == "v"
+
+
 def test_result_store_json_round_trip(client: Client, queue: str) -> None:
     values = [{"answer": 42}, [1, "two"], "text", 3.5, True, None]
     keys = [f"{queue}:{i}" for i in range(len(values))]

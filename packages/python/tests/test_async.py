@@ -13,6 +13,7 @@ import pytest
 
 from loam_jobs import (
     AsyncClient,
+    Client,
     ClientClosedError,
     DeadlineExceededError,
     FencedError,
@@ -157,6 +158,50 @@ async def test_a_cancelled_long_poll_that_caught_nothing_stops_waiting(server: S
         assert (job.state, job.attempts_started) == (JobState.WAITING, 0)
 
 
+async def test_closing_an_async_client_ends_a_lease_waiting_in_another_task_and_takes_no_job(
+    server: Server, queue: str
+) -> None:
+    # The lease waited on after close(): the job that came next was handed to
+    # a caller whose complete() raised ClientClosedError, and stayed active
+    # until its lock expired.
+    async with AsyncClient(server.url) as other:
+        closing = AsyncClient(server.url)
+        waiting = asyncio.create_task(closing.lease(queue, wait_ms=10_000))
+        await asyncio.sleep(0.5)  # into the long-poll
+        closed = time.monotonic()
+        await asyncio.wait_for(closing.close(), 2)
+        with pytest.raises(ClientClosedError):
+            await asyncio.wait_for(waiting, 1)
+        assert time.monotonic() - closed < 1
+        added = await other.enqueue(queue, "after-close")
+        await asyncio.sleep(0.5)
+        job = await other.get_job(queue, added.id)
+        assert job is not None
+        assert (job.state, job.attempts_started) == (JobState.WAITING, 0)
+        assert await other.counts(queue, "wait", "active") == {"wait": 1, "active": 0}
+
+
+async def test_closing_an_async_client_gives_back_what_a_waiting_lease_took_as_it_closed(
+    server: Server, queue: str
+) -> None:
+    # The answer is in (the event loop is held while the server answers)
+    # when close() gives the lease up: its job goes back, not to the caller.
+    async with AsyncClient(server.url) as other:
+        closing = AsyncClient(server.url)
+        waiting = asyncio.create_task(closing.lease(queue, wait_ms=10_000))
+        await asyncio.sleep(0.5)  # into the long-poll
+        with Client(server.url) as producer:
+            added = producer.enqueue(queue, "as-it-closes")
+        time.sleep(0.3)
+        await asyncio.wait_for(closing.close(), 5)
+        with pytest.raises(ClientClosedError):
+            await asyncio.wait_for(waiting, 1)
+        job = await other.get_job(queue, added.id)
+        assert job is not None
+        assert (job.state, job.attempts_made) == (JobState.WAITING, 0)
+        assert await other.counts(queue, "wait", "active") == {"wait": 1, "active": 0}
+
+
 async def test_a_lease_fails_a_stalled_job_on_the_server_in_its_own_call(server: Server, queue: str) -> None:
     async with AsyncClient(server.url) as client:
         poison = await client.enqueue(queue, "poison")
@@ -211,6 +256,32 @@ async def test_an_async_watch_closed_from_another_task_stops_waiting(server: Ser
             reader.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await reader
+
+
+async def test_an_event_read_as_an_async_watch_is_closed_is_not_skipped_by_its_cursor(
+    server: Server, queue: str
+) -> None:
+    # The event was read, and the iterating task not yet back, when close()
+    # ran: the task moved the cursor past the event, then dropped it, and a
+    # watch resumed from the cursor never saw it.
+    async with AsyncClient(server.url) as client:
+        watch = client.watch(queue)
+        await watch.__aenter__()
+        consumer = asyncio.create_task(anext(watch, None))
+        await asyncio.sleep(0.3)  # into its read
+        read = watch._read
+        assert read is not None
+        # What close() does first, as the read ends: the iterating task only
+        # runs after this callback (a close() task of its own would run after
+        # it, so the moment cannot be met otherwise).
+        read.add_done_callback(lambda _: setattr(watch, "_closed", True))
+        added = await client.enqueue(queue, "as-it-closes")
+        await asyncio.wait_for(asyncio.wait([read]), 5)
+        await watch.close()
+        assert await asyncio.wait_for(consumer, 2) is None
+        async with client.watch(queue, after=watch.cursor) as resumed:
+            event = await asyncio.wait_for(anext(resumed), 5)
+        assert (event.name, event.job_id) == ("added", added.id)
 
 
 async def test_tasks_iterating_one_async_watch_take_each_event_once(server: Server, queue: str) -> None:

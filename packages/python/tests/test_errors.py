@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
 
 import loam_jobs
 from loam_jobs import (
@@ -38,6 +40,7 @@ from loam_jobs import (
 from loam_jobs._gen.loam.jobs.v1.jobs_pb import EnqueueBulkResponse, EnqueueResponse, EnqueueResult
 from loam_jobs._ops import Call
 from loam_jobs.client import _Reconnect, _release
+from loam_jobs.errors import from_connect_error
 
 from .conftest import (
     ALPHA_TOKEN,
@@ -337,6 +340,16 @@ def test_every_error_is_a_loam_jobs_error(client: Client) -> None:
         client.enqueue("", "a", None)
 
 
+def test_every_connect_code_has_an_error_class_of_its_own_that_the_package_exports() -> None:
+    # `unknown`, `unimplemented`, `aborted` and `data_loss` were bare LoamJobsErrors.
+    for code in Code:
+        err = from_connect_error(ConnectError(code, "m"))
+        assert type(err) is not LoamJobsError, code
+        assert err.code == code.value
+        assert getattr(loam_jobs, type(err).__name__) is type(err)
+        assert type(err).__name__ in loam_jobs.__all__
+
+
 @pytest.mark.parametrize("make", [loam_jobs.Client, loam_jobs.AsyncClient])
 def test_a_token_or_namespace_no_header_can_carry_is_refused_at_once(make: Callable[..., object]) -> None:
     bad: list[dict[str, str]] = [{"token": "a\nb"}, {"namespace": "ns\r\nx-evil: 1"}, {"namespace": "naïve"}]
@@ -415,6 +428,45 @@ def test_an_operation_under_way_when_its_client_closes_ends_as_it_would_have(
     runner.join(60)
     assert failed == []
     assert client.counts(queue, "delayed", "wait") == {"delayed": 0, "wait": 300}
+
+
+def test_closing_a_client_ends_a_lease_waiting_in_another_thread_and_gives_back_what_it_takes(
+    client: Client, queue: str
+) -> None:
+    # The lease waited out its whole wait: a job that came meanwhile was
+    # handed to a caller whose complete() then raised ClientClosedError, and
+    # stayed active until its lock expired (a stall); and shutdown waited.
+    closing = Client(client.url)
+    outcome: list[object] = []
+
+    def lease() -> None:
+        try:
+            outcome.append(closing.lease(queue, wait_ms=10_000))
+        except BaseException as err:
+            outcome.append(err)
+
+    waiting = threading.Thread(target=lease, daemon=True)
+    waiting.start()
+    time.sleep(0.5)  # into the long-poll
+    closed = time.monotonic()
+    closing.close()
+    waiting.join(timeout=5)
+    assert not waiting.is_alive(), "close() did not end the lease waiting in another thread"
+    assert time.monotonic() - closed < 1
+    assert len(outcome) == 1 and isinstance(outcome[0], loam_jobs.ClientClosedError), outcome
+
+    # The long-poll left at the server takes the job that comes now, and gives it back.
+    added = client.enqueue(queue, "after-close")
+    stored: Job | None = None
+    for _ in range(100):
+        stored = client.get_job(queue, added.id)
+        assert stored is not None
+        if stored.attempts_started and stored.state == loam_jobs.JobState.WAITING:
+            break
+        time.sleep(0.05)
+    assert stored is not None
+    assert (stored.state, stored.attempts_started, stored.attempts_made) == (loam_jobs.JobState.WAITING, 1, 0)
+    assert client.counts(queue, "wait", "active") == {"wait": 1, "active": 0}
 
 
 def test_an_answer_without_its_job_is_an_internal_error() -> None:

@@ -133,8 +133,8 @@ def test_a_cursor_behind_the_trimmed_log_is_refused(client: Client, queue: str) 
         assert [e.seq for e in islice(watch, 2)] == [oldest, oldest + 1]
 
 
-def test_a_watch_closed_from_another_thread_stops_within_a_heartbeat(client: Client, queue: str) -> None:
-    watch = client.watch(queue)
+def _read_in_a_thread(watch: Watch) -> tuple[threading.Thread, list[object]]:
+    """A thread that iterates `watch` to its end: its events, then "ended" or the error that ended it."""
     outcome: list[object] = []
 
     def read() -> None:
@@ -146,12 +146,58 @@ def test_a_watch_closed_from_another_thread_stops_within_a_heartbeat(client: Cli
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    time.sleep(0.3)
+    return reader, outcome
+
+
+def _closed_from_another_thread_stops_at_once(watch: Watch) -> None:
+    reader, outcome = _read_in_a_thread(watch)
+    time.sleep(0.3)  # into its read
+    closed = time.monotonic()
     watch.close()
-    # The server's heartbeat (every 5 s on an idle watch) wakes the reader.
     reader.join(timeout=8)
     assert not reader.is_alive(), "close() did not stop the reading thread"
+    assert time.monotonic() - closed < 1
     assert outcome == ["ended"]
+
+
+def test_a_watch_closed_from_another_thread_stops_at_once(client: Client, queue: str) -> None:
+    # The reader went on waiting for the server's next message, a heartbeat
+    # up to 5 s away on an idle queue.
+    _closed_from_another_thread_stops_at_once(client.watch(queue))
+
+
+def test_a_watch_of_a_frozen_server_closed_from_another_thread_stops_at_once(tmp_path: Path) -> None:
+    # With no idle timeout, the reader waited for as long as the server was frozen.
+    server = start_server(tmp_path / "data")
+    try:
+        with Client(server.url) as client:
+            watch = client.watch("frozen", idle_timeout_ms=None)
+            # A server that stops answering without closing anything: SIGSTOP.
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                _closed_from_another_thread_stops_at_once(watch)
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+    finally:
+        stop_server(server)
+
+
+def test_an_event_that_comes_as_a_watch_is_closed_is_not_skipped_by_its_cursor(
+    client: Client, queue: str
+) -> None:
+    # The reader, still in its read when close() returned, moved the cursor
+    # past the event that ended the read, then dropped it: a watch resumed
+    # from the cursor never saw it.
+    watch = client.watch(queue)
+    reader, outcome = _read_in_a_thread(watch)
+    time.sleep(0.3)  # into its read
+    watch.close()
+    added = client.enqueue(queue, "as-it-closes")
+    reader.join(timeout=8)
+    assert outcome == ["ended"]
+    with client.watch(queue, after=watch.cursor) as resumed:
+        event = next(resumed)
+    assert (event.name, event.job_id) == ("added", added.id)
 
 
 def test_threads_iterating_one_watch_take_each_event_once(client: Client, queue: str) -> None:

@@ -11,9 +11,11 @@ for leased in jobs.lease("emails", max_jobs=10, wait_ms=5_000):
 from ._ops import Dependencies, IncrResult, LogPage, ScheduleResult
 from .client import DEFAULT_URL, AsyncClient, AsyncWatch, Client, Watch
 from .errors import (
+    AbortedError,
     AlreadyExistsError,
     CanceledError,
     ClientClosedError,
+    DataLossError,
     DeadlineExceededError,
     EventsTrimmedError,
     FailedPreconditionError,
@@ -33,6 +35,8 @@ from .errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    UnimplementedError,
+    UnknownError,
 )
 from .models import (
     Backoff,
@@ -78,6 +82,7 @@ from .models import (
 
 __all__ = [
     "DEFAULT_URL",
+    "AbortedError",
     "AlreadyExistsError",
     "AsyncClient",
     "AsyncWatch",
@@ -86,6 +91,7 @@ __all__ = [
     "CanceledError",
     "Client",
     "CompleteResult",
+    "DataLossError",
     "DeadlineExceededError",
     "Dedup",
     "Delay",
@@ -138,6 +144,8 @@ __all__ = [
     "TickJobOptions",
     "UnauthenticatedError",
     "UnavailableError",
+    "UnimplementedError",
+    "UnknownError",
     "Watch",
     "WaitChildren",
     "WorkerSeen",

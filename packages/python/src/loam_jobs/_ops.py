@@ -787,6 +787,21 @@ def result_set(key: str, value: Any, ttl_ms: int | None) -> Op[None]:
     return None
 
 
+def _result_ttl(ttl_ms: int | None) -> int | None:
+    """A result-store entry's `ttl_ms`: None (no expiry, the field unset) or
+    a whole number of ms, at least 1: the server counts it from the write,
+    so 0 stored an entry already expired, read back as missing."""
+    if ttl_ms is None:
+        return None
+    ms = whole_ms(ttl_ms, "ttl_ms")
+    if ms == 0:
+        raise InvalidArgumentError(
+            "request not sent: ttl_ms must be at least 1 ms (None: no expiry); 0 would store an entry "
+            "already expired"
+        )
+    return ms
+
+
 def result_delete(key: str) -> Op[bool]:
     resp: ResultDeleteResponse = yield Call("result_delete", ResultDeleteRequest(key=key))
     return resp.deleted
@@ -1468,15 +1483,17 @@ class Operations(ABC):
     def result_set(self, key: str, value: Any, *, ttl_ms: int | None = None) -> None:
         """Stores `value`, expiring after `ttl_ms`: bytes as they are (read
         them back with `result_get`), anything else as JSON, None as null
-        (read it back with `result_get_json`)."""
-        return self._run(result_set(key, value, ttl_ms))
+        (read it back with `result_get_json`). `ttl_ms` is at least 1 (None:
+        no expiry): 0 would store a value already expired."""
+        return self._run(result_set(key, value, _result_ttl(ttl_ms)))
 
     def result_delete(self, key: str) -> bool:
         return self._run(result_delete(key))
 
     def result_incr(self, key: str, member: str, *, ttl_ms: int | None = None) -> IncrResult:
-        """Counts `member` once in the counter at `key` (a repeat adds nothing)."""
-        return self._run(result_incr(key, member, ttl_ms))
+        """Counts `member` once in the counter at `key` (a repeat adds
+        nothing), which expires after `ttl_ms` (at least 1; None: no expiry)."""
+        return self._run(result_incr(key, member, _result_ttl(ttl_ms)))
 
     def result_expire(self, key: str, ttl_ms: int) -> bool:
         """Sets a key's expiry; False when the key does not exist."""

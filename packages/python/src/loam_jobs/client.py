@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from queue import Empty, SimpleQueue
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
@@ -96,8 +97,11 @@ _forked_after_client = False
 
 
 def _after_fork_in_child() -> None:
-    global _forked_after_client
+    global _forked_after_client, _idle_helpers_lock
     _forked_after_client = _forked_after_client or _client_made
+    # The parent's helper threads are not in the child: work handed to one would wait for ever.
+    _idle_helpers.clear()
+    _idle_helpers_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -135,7 +139,11 @@ def _callable(client: Client | AsyncClient) -> None:
     """Refuses a call on a client that was closed, or in a forked process."""
     _not_forked()
     if client._closed:
-        raise ClientClosedError("this loam_jobs client was closed; make a new one for further calls")
+        raise _client_closed()
+
+
+def _client_closed() -> ClientClosedError:
+    return ClientClosedError("this loam_jobs client was closed; make a new one for further calls")
 
 
 def _not_forked() -> None:
@@ -262,6 +270,119 @@ def _silent_stream(seconds: float) -> ConnectError:
     return ConnectError(Code.UNAVAILABLE, f"the watch stream brought nothing for {seconds:g} s")
 
 
+# How long a helper thread with nothing to do waits for more before it ends.
+_HELPER_IDLE_SECONDS = 1.0
+# The helper threads waiting for something to do; a handoff to one costs
+# a tenth of starting a thread, which a watch would pay for each message.
+_idle_helpers: list[_Helper] = []
+_idle_helpers_lock = threading.Lock()
+
+
+class _Helper(threading.Thread):
+    """A daemon thread that runs what it is handed, one thing at a time, and
+    ends once it has waited `_HELPER_IDLE_SECONDS` for more."""
+
+    def __init__(self) -> None:
+        super().__init__(name="loam-jobs helper", daemon=True)
+        self._inbox: SimpleQueue[Callable[[], None]] = SimpleQueue()
+
+    @staticmethod
+    def start_soon(work: Callable[[], None]) -> None:
+        """Runs `work` on an idle helper thread, or on a new one."""
+        with _idle_helpers_lock:
+            helper = _idle_helpers.pop() if _idle_helpers else None
+        if helper is None:
+            helper = _Helper()
+            helper.start()
+        helper._inbox.put(work)
+
+    def run(self) -> None:
+        while True:
+            try:
+                work = self._inbox.get(timeout=_HELPER_IDLE_SECONDS)
+            except Empty:
+                with _idle_helpers_lock:
+                    if self in _idle_helpers:
+                        _idle_helpers.remove(self)
+                        return
+                continue  # taken from the idle list as it timed out: its work is on the way
+            work()
+            with _idle_helpers_lock:
+                _idle_helpers.append(self)
+
+
+class _Waits:
+    """Blocking calls that run on helper threads while their callers wait
+    where they can leave at once: on Ctrl-C (the HTTP runtime's blocking
+    call holds signals off until it returns: up to 30 s for a long-poll, for
+    ever for a watch's read of a frozen server), or when `close()` is called
+    from another thread. A call left so runs on, and `abandoned` gets its
+    outcome as it ends, on a helper thread (to give back the jobs it took,
+    or close the stream it read)."""
+
+    def __init__(self, closed_error: Callable[[], BaseException]) -> None:
+        self._closed_error = closed_error
+        self._lock = threading.Lock()
+        self._closed = False
+        # Set as each waiting call ends, or by `close()`.
+        self._waiting: set[threading.Event] = set()
+
+    def close(self) -> None:
+        """Ends every wait under way and refuses later ones, each with `closed_error()`."""
+        with self._lock:
+            self._closed = True
+            waiting = list(self._waiting)
+        for done in waiting:
+            done.set()
+
+    def run(self, send: Callable[[], Any], abandoned: Callable[[tuple[bool, Any]], None]) -> tuple[bool, Any]:
+        """`send()`'s outcome: (True, what it returned) or (False, what it
+        raised). Raises what ended the wait when the caller left first (a
+        KeyboardInterrupt, `closed_error()`)."""
+        done = threading.Event()
+        lock = threading.Lock()
+        outcome: list[tuple[bool, Any]] = []
+        given_up = False
+        with self._lock:
+            if self._closed:
+                raise self._closed_error()
+            self._waiting.add(done)
+
+        def call() -> None:
+            try:
+                answer = (True, send())
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                answer = (False, err)
+            with lock:
+                outcome.append(answer)
+                left = given_up
+            done.set()
+            if left:
+                abandoned(answer)
+
+        try:
+            _Helper.start_soon(call)
+            done.wait()
+            if self._closed:
+                # An answer in as the waits closed is not handed out either.
+                raise self._closed_error()
+        except BaseException:
+            with lock:
+                given_up = True
+                answered = outcome[0] if outcome else None
+            if answered is not None:
+                _Helper.start_soon(functools.partial(abandoned, answered))
+            raise
+        finally:
+            with self._lock:
+                self._waiting.discard(done)
+        return outcome[0]
+
+
+class _WatchClosed(Exception):
+    """Ends a sync watch's read when the watch is closed."""
+
+
 class _Reconnect:
     """When a watch reconnects: after a transport failure, with a growing
     pause, until `max_attempts` failures in a row. Any message resets it:
@@ -343,6 +464,8 @@ class Client(Operations):
         self._bulk_keys = BulkKeys()
         self._compress_requests = compress_requests
         self._closed = False
+        # The long-polls under way, which `close()` ends.
+        self._waits = _Waits(_client_closed)
         self.stub = _stub(JobsServiceClientSync, self.url, compress_requests)
 
     def _call(self, call: Call) -> Any:
@@ -351,51 +474,21 @@ class Client(Operations):
         timeout_ms = _timeout(self._timeout_ms, call)
         try:
             if call.wait_ms > 0:
-                return self._wait_interruptibly(
-                    call, lambda: method(call.request, headers=self._headers, timeout_ms=timeout_ms)
+                # A long-poll is waited for where Ctrl-C and `close()` reach the
+                # caller at once (`_Waits`); a lease so given up runs on, and
+                # the jobs it takes are given back (`Release`) as it returns,
+                # if the process lives on (else they run again once their
+                # locks expire).
+                ok, answer = self._waits.run(
+                    lambda: method(call.request, headers=self._headers, timeout_ms=timeout_ms),
+                    functools.partial(self._give_back, call),
                 )
+                if ok:
+                    return answer
+                raise answer
             return method(call.request, headers=self._headers, timeout_ms=timeout_ms)
         except ConnectError as err:
             raise from_connect_error(err, call.request) from None
-
-    def _wait_interruptibly(self, call: Call, send: Callable[[], Any]) -> Any:
-        """Sends a long-poll from a thread of its own and waits for it where
-        Ctrl-C reaches the caller at once: the HTTP runtime's blocking call
-        holds off signals until it returns (up to 30 s). A lease given up so
-        is let run on, and the jobs it takes are given back (`Release`) as
-        it returns, if the process lives on; else they run again once their
-        locks expire."""
-        done = threading.Event()
-        lock = threading.Lock()
-        outcome: list[tuple[bool, Any]] = []
-        given_up = False
-
-        def poll() -> None:
-            try:
-                answer = (True, send())
-            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-                answer = (False, err)
-            with lock:
-                outcome.append(answer)
-                abandoned = given_up
-            done.set()
-            if abandoned:
-                self._give_back(call, answer)
-
-        threading.Thread(target=poll, name=f"loam-jobs {call.rpc}", daemon=True).start()
-        try:
-            done.wait()
-        except BaseException:
-            with lock:
-                given_up = True
-                answered = outcome[0] if outcome else None
-            if answered is not None:
-                threading.Thread(target=self._give_back, args=(call, answered), daemon=True).start()
-            raise
-        ok, value = outcome[0]
-        if ok:
-            return value
-        raise value
 
     def _give_back(self, call: Call, answer: tuple[bool, Any]) -> None:
         """Releases the jobs of a lease whose caller gave up waiting for it."""
@@ -454,8 +547,9 @@ class Client(Operations):
         watch reconnects, as after any failure; None waits for ever. `job_id`
         keeps only that job's events (the cursor still moves past the
         others'). Close it (or use `with`) to stop; a `close()` from another
-        thread ends the iteration at the server's next message, within a few
-        seconds. An iteration that ends with an error closes the watch's own
+        thread ends the iteration at once (as Ctrl-C does), and an event that
+        arrives meanwhile is neither handed out nor counted in the cursor.
+        An iteration that ends with an error closes the watch's own
         connections too (iterated again, it opens new ones). `after=0` starts
         at the oldest event the log holds; a cursor the log has trimmed past
         raises `EventsTrimmedError` (events were lost).
@@ -468,11 +562,15 @@ class Client(Operations):
         return Watch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     def close(self) -> None:
-        """Ends the client. An operation under way ends as it would have;
-        one started later, or a watch's reconnect, raises `ClientClosedError`.
+        """Ends the client. A long-poll under way (`lease`, `events` or
+        `wait_for_job` with a wait, from another thread) raises
+        `ClientClosedError` at once, and the jobs such a lease takes are
+        given back; any other operation under way ends as it would have. One
+        started later, or a watch's reconnect, raises `ClientClosedError`.
         Its connections are the process's pool, shared by every client (see
         the README's "Processes, signals and closing")."""
         self._closed = True
+        self._waits.close()
         self.stub.close()
 
     def __enter__(self) -> Self:
@@ -513,9 +611,11 @@ class Watch(Iterator[QueueEvent]):
         # The request of the stream opened last, for the error a refusal to encode it raises.
         self._request: WatchRequest | None = None
         self._closed = False
-        # Whether a thread is inside `next(self._stream)`: a generator cannot
-        # be closed from another thread while it runs.
+        # Whether a read of `_stream` is under way (on a helper thread, see
+        # `_read`): a generator cannot be closed from another thread while it runs.
         self._reading = False
+        # The read under way, which `close()` ends at once.
+        self._waits = _Waits(_WatchClosed)
         # Guards `_closed`, `_reading`, `_stream` and the connections
         # together: a reader must not start on a stream that `close()` is
         # closing (it met `None`, or a generator already executing), and each
@@ -574,10 +674,12 @@ class Watch(Iterator[QueueEvent]):
                     stream = self._stream
                     self._reading = True
                 try:
-                    response = next(stream)
+                    response = self._read(stream)
                 finally:
                     with self._lock:
                         self._reading = False
+            except _WatchClosed:
+                break
             except StopIteration:
                 # The server ended the stream (it is shutting down): reconnect.
                 self._stream = None
@@ -594,21 +696,55 @@ class Watch(Iterator[QueueEvent]):
                     err = _silent_stream(self._idle_timeout)
                 time.sleep(self._reconnect.pause_after(from_connect_error(err, self._request)))
                 continue
-            # An event read as the watch was closed (from another
-            # thread) is not handed out after `close()` returned.
-            if (event := _receive(self, response)) and not self._closed:
+            # A message read as the watch was closed (from another thread)
+            # is dropped, and the cursor stays before it: an event is not
+            # handed out after `close()` returned, and a watch from the
+            # cursor brings it.
+            with self._lock:
+                if self._closed:
+                    break
+                event = _receive(self, response)
+            if event is not None:
                 return event
         raise StopIteration
 
+    def _read(self, stream: Iterator[Any]) -> Any:
+        """The stream's next message, read on a helper thread while this one
+        waits where `close()` and Ctrl-C reach it at once (`_Waits`). A read
+        so given up runs on, and its stream and connections are left to it
+        to close as it ends (the next iteration, if any, opens new ones)."""
+        transport = self._transport
+
+        def let_go(_: tuple[bool, Any]) -> None:
+            with contextlib.suppress(Exception):
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    close()
+            if transport is not None:
+                transport.close()
+
+        try:
+            ok, response = self._waits.run(functools.partial(next, stream), let_go)
+        except BaseException:
+            with self._lock:
+                if self._stream is stream:
+                    self._stream = self._transport = self._own_stub = None
+            raise
+        if ok:
+            return response
+        raise response
+
     def close(self) -> None:
-        """Stops the watch. From the thread iterating it (or with no
-        iteration under way), at once; from another thread, the iterating one
-        stops at the stream's next message. Closing again does nothing."""
+        """Stops the watch, from the thread iterating it or another: an
+        iteration under way ends (StopIteration) at once, without the event
+        it was waiting for (the cursor stays before it). Closing again does
+        nothing."""
         with self._lock:
             self._closed = True
             reading = self._reading
+        self._waits.close()
         if not reading:
-            # Else the reading thread lets go as its read ends.
+            # Else the iterating thread lets go as it leaves its read.
             self._let_go()
 
     def _let_go(self) -> None:
@@ -702,10 +838,16 @@ class AsyncClient(AsyncOperations):
         # give-backs: held here, as asyncio holds tasks only weakly.
         self._abandoned: set[asyncio.Future[Any]] = set()
         self._giving_back: set[asyncio.Future[Any]] = set()
+        # The long-polls under way, which `close()` gives up: set to end its
+        # caller's wait, and the call it waits for.
+        self._long_polls: dict[asyncio.Future[None], tuple[Call, asyncio.Future[Any]]] = {}
 
     async def _call(self, call: Call) -> Any:
         _not_forked()
         method = getattr(self.stub, call.rpc)
+        if call.wait_ms > 0 and self._closed:
+            # A long-poll of an operation under way as the client closed.
+            raise _client_closed()
         # The request runs as a task of its own, so that a cancellation
         # reaches the caller at once, as itself: on Python 3.11 connectrpc's
         # `asyncio.wait_for` could swallow one that came with the answer, and
@@ -714,22 +856,39 @@ class AsyncClient(AsyncOperations):
             method(call.request, headers=self._headers, timeout_ms=_timeout(self._timeout_ms, call))
         )
         sent.add_done_callback(_async_call_settled)
+        # Set by `close()`, which gives up a long-poll under way as a
+        # cancellation does (`_abandon`): its caller raises ClientClosedError.
+        closing: asyncio.Future[None] | None = None
         try:
+            if call.wait_ms > 0:
+                closing = asyncio.get_running_loop().create_future()
+                self._long_polls[closing] = (call, sent)
+                try:
+                    await asyncio.wait([sent, closing], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    del self._long_polls[closing]
+                if closing.done():
+                    raise _client_closed()
             return await asyncio.shield(sent)
         except asyncio.CancelledError:
-            if _takes_jobs(call):
-                # Its answer may be on its way, and a job leased to nobody
-                # would wait for its lock to expire (and count a stall): let
-                # it end, and give back what it took (`Release`).
-                self._give_back_once_answered(call, sent)
-            else:
-                sent.cancel()
-                sent.add_done_callback(_take_outcome)
+            if closing is None or not closing.done():  # else `close()` gave it up already
+                self._abandon(call, sent)
             raise
         except ConnectError as err:
             if cancelled := _cancellation(err):
                 raise cancelled from None
             raise from_connect_error(err, call.request) from None
+
+    def _abandon(self, call: Call, sent: asyncio.Future[Any]) -> None:
+        """Gives up `call`, `sent` as `sent`, for a caller that no longer waits for it."""
+        if _takes_jobs(call):
+            # Its answer may be on its way, and a job leased to nobody
+            # would wait for its lock to expire (and count a stall): let
+            # it end, and give back what it took (`Release`).
+            self._give_back_once_answered(call, sent)
+        else:
+            sent.cancel()
+            sent.add_done_callback(_take_outcome)
 
     def _give_back_once_answered(self, call: Call, sent: asyncio.Future[Any]) -> None:
         if call.wait_ms > 0:
@@ -832,7 +991,8 @@ class AsyncClient(AsyncOperations):
     ) -> AsyncWatch:
         """Like `Client.watch`, as an async iterator. With `after=None`, "now"
         is when `async with` enters it (or, without `async with`, the first
-        iteration). A stream that brings nothing for `idle_timeout_ms` is taken
+        iteration), not this call: `after=await client.last_event_seq(queue)`
+        starts from the call. A stream that brings nothing for `idle_timeout_ms` is taken
         for dead (a frozen server, a connection lost without a word: the
         server sends a heartbeat at least every 5 s, so it must be at least
         6 000) and the watch reconnects, as after any failure; None waits for
@@ -841,12 +1001,22 @@ class AsyncClient(AsyncOperations):
         return AsyncWatch(self, queue, after, job_id, _Reconnect(max_reconnects), idle)
 
     async def close(self) -> None:
-        """Like `Client.close`; also cancels the long-polls that cancelled
-        calls left to answer (a job one took at that moment waits for its
-        lock to expire), and waits for the give-backs of what they took."""
+        """Like `Client.close`: a long-poll under way raises
+        `ClientClosedError` at once, and is cancelled a moment later (the
+        jobs it took meanwhile are given back). Also cancels the long-polls
+        that cancelled calls left to answer (a job one took at that moment
+        waits for its lock to expire), and waits for the give-backs of what
+        they took."""
         self._closed = True
         for abandoned in list(self._abandoned):
             abandoned.cancel()
+        # The long-polls under way: their callers raise ClientClosedError now,
+        # and each is given up as a cancelled one is, let run for a moment
+        # (an answer on its way brings jobs to give back), then cancelled.
+        for closing, (call, sent) in list(self._long_polls.items()):
+            if not closing.done():  # else a close() under way gave it up
+                closing.set_result(None)
+                self._abandon(call, sent)
         # The give-backs end before the client does: a request still in
         # flight when the interpreter exits lets the HTTP runtime's thread
         # call into it as it finalizes, which aborts the process. A call that
@@ -974,8 +1144,11 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
                 # From pinning the cursor (last_event_seq), before the stream opens.
                 await asyncio.sleep(self._reconnect.pause_after(err))
                 continue
-            # As `Watch`: nothing handed out after `close()`.
-            if (event := _receive(self, response)) and not self._closed:
+            # As `Watch`: nothing handed out after `close()`, and the cursor
+            # stays before what was not.
+            if self._closed:
+                break
+            if (event := _receive(self, response)) is not None:
                 return event
         raise StopAsyncIteration
 

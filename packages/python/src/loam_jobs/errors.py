@@ -40,6 +40,10 @@ __all__ = [
     "PermissionDeniedError",
     "InternalError",
     "CanceledError",
+    "UnknownError",
+    "UnimplementedError",
+    "AbortedError",
+    "DataLossError",
     "OutOfRangeError",
     "EventsTrimmedError",
     "InvalidJsonError",
@@ -175,6 +179,10 @@ class UnavailableError(LoamJobsError):
 
 
 class QueuePausedError(UnavailableError):
+    """A refusal with the reason `queue_paused`. The server gives it no call
+    today: a `lease` of a paused queue returns an empty batch with
+    `paused=True` instead (and a watch of one goes on)."""
+
     code = "unavailable"
 
 
@@ -220,6 +228,30 @@ class CanceledError(LoamJobsError):
     code = "canceled"
 
 
+class UnknownError(LoamJobsError):
+    """A failure the server or the transport could not put a code on."""
+
+    code = "unknown"
+
+
+class UnimplementedError(LoamJobsError):
+    """A call the server does not have (a server older than this client)."""
+
+    code = "unimplemented"
+
+
+class AbortedError(LoamJobsError):
+    """A call the server gave up on part way (a conflict with another)."""
+
+    code = "aborted"
+
+
+class DataLossError(LoamJobsError):
+    """The server found stored data lost or corrupt."""
+
+    code = "data_loss"
+
+
 _BY_CODE: dict[str, type[LoamJobsError]] = {
     cls.code: cls
     for cls in (
@@ -234,6 +266,10 @@ _BY_CODE: dict[str, type[LoamJobsError]] = {
         PermissionDeniedError,
         InternalError,
         CanceledError,
+        UnknownError,
+        UnimplementedError,
+        AbortedError,
+        DataLossError,
         OutOfRangeError,
     )
 }
