@@ -1,5 +1,5 @@
 """Several producer and worker processes on one queue: every job completes exactly once. A blocking
-lease interrupted by Ctrl-C. A process that used AsyncClients exits cleanly."""
+lease and a watch interrupted by Ctrl-C. A process that used AsyncClients exits cleanly."""
 
 from __future__ import annotations
 
@@ -110,6 +110,42 @@ def test_ctrl_c_interrupts_a_waiting_lease_at_once_and_its_job_is_given_back(
     # Given back, not held until its lock expires (30 s).
     leased = client.lease(queue, wait_ms=2_000)
     assert [job.name for job in leased] == ["after"]
+
+
+_INTERRUPTED_WATCH = """
+import sys
+import loam_jobs
+
+url, queue = sys.argv[1:3]
+with loam_jobs.Client(url) as client:
+    watch = client.watch(queue, idle_timeout_ms=None)
+    print("watching", flush=True)
+    try:
+        for _ in watch:
+            pass
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_a_watch_waiting_for_its_next_message_at_once(server: Server, queue: str) -> None:
+    # The HTTP runtime's blocking read held Ctrl-C off until the server's
+    # next message: a heartbeat, up to 5 s away on an idle queue (for ever
+    # from a frozen server).
+    child = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_WATCH, server.url, queue], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == "watching\n"
+        time.sleep(0.5)  # into its read
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        assert child.stdout.readline() == "interrupted\n"
+        assert time.monotonic() - sent < 2
+        assert child.wait(timeout=20) == 0
+    finally:
+        child.kill()
 
 
 def test_a_process_that_used_async_clients_exits_cleanly(server: Server, queue: str) -> None:

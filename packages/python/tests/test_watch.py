@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import threading
 import time
@@ -149,15 +150,51 @@ def _read_in_a_thread(watch: Watch) -> tuple[threading.Thread, list[object]]:
     return reader, outcome
 
 
-def test_a_watch_closed_from_another_thread_stops_within_a_heartbeat(client: Client, queue: str) -> None:
-    watch = client.watch(queue)
+def _closed_from_another_thread_stops_at_once(watch: Watch) -> None:
     reader, outcome = _read_in_a_thread(watch)
-    time.sleep(0.3)
+    time.sleep(0.3)  # into its read
+    closed = time.monotonic()
     watch.close()
-    # The server's heartbeat (every 5 s on an idle watch) wakes the reader.
     reader.join(timeout=8)
     assert not reader.is_alive(), "close() did not stop the reading thread"
+    assert time.monotonic() - closed < 1
     assert outcome == ["ended"]
+
+
+def test_a_watch_closed_from_another_thread_stops_at_once(client: Client, queue: str) -> None:
+    # The reader went on waiting for the server's next message, a heartbeat
+    # up to 5 s away on an idle queue.
+    _closed_from_another_thread_stops_at_once(client.watch(queue))
+
+
+def test_a_watch_of_a_frozen_server_closed_from_another_thread_stops_at_once(tmp_path: Path) -> None:
+    # With no idle timeout, the reader waited for as long as the server was frozen.
+    server = start_server(tmp_path / "data")
+    try:
+        with Client(server.url) as client:
+            watch = client.watch("frozen", idle_timeout_ms=None)
+            # A server that stops answering without closing anything: SIGSTOP.
+            server.process.send_signal(signal.SIGSTOP)
+            try:
+                _closed_from_another_thread_stops_at_once(watch)
+            finally:
+                server.process.send_signal(signal.SIGCONT)
+    finally:
+        stop_server(server)
+
+
+def test_a_watch_left_with_break_and_dropped_stops_reading_its_stream(client: Client, queue: str) -> None:
+    # Its stream is read on a thread of its own: dropped without close(), the
+    # watch must stop that thread as it is collected (its stream was closed then).
+    client.enqueue(queue, "one")
+    watch = client.watch(queue, after=0)
+    for _event in watch:
+        break
+    pump = watch._pump
+    assert pump is not None
+    del watch, _event
+    gc.collect()
+    assert pump._stopped.is_set()
 
 
 def test_an_event_that_comes_as_a_watch_is_closed_is_not_skipped_by_its_cursor(

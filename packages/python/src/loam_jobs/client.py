@@ -15,8 +15,9 @@ import functools
 import os
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
-from queue import Empty, SimpleQueue
+from queue import Empty, Full, Queue, SimpleQueue
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
@@ -317,8 +318,7 @@ class _Waits:
     signals off until it returns, up to 30 s), or when `close()` is called
     from another thread. A call left so runs on, and `abandoned` gets its
     outcome as it ends, on a helper thread (to give back the jobs it took).
-    (Not a watch's reads: a hand-off to a helper thread per message cut a
-    watch's rate to a third.)"""
+    A watch's reads have their own (`_Pump`)."""
 
     def __init__(self, closed_error: Callable[[], BaseException]) -> None:
         self._closed_error = closed_error
@@ -377,6 +377,85 @@ class _Waits:
             with self._lock:
                 self._waiting.discard(done)
         return outcome[0]
+
+
+# The most messages a watch's pump reads ahead of its iterating thread: the
+# server's flow control paces the stream beyond that.
+_PUMP_AHEAD = 256
+# How often a pump held up by a full queue looks whether it was stopped.
+_PUMP_STOP_POLL_SECONDS = 0.1
+
+
+class _Pump:
+    """Reads a blocking watch's stream on a helper thread, ahead of the thread
+    iterating the watch, which waits for each message where `close()` from
+    another thread and Ctrl-C reach it at once (the HTTP runtime's blocking
+    read holds both off until the server's next message: a heartbeat, up to
+    5 s away, or for ever from a frozen server). Reading ahead, the stream
+    costs a hand-off between threads only when the iterating thread waits
+    (one per message cut a watch's rate to a third). Stopped, the read under
+    way ends on its own thread, which then closes the stream, and the
+    connections handed to `stop`."""
+
+    def __init__(self, stream: Iterator[Any]) -> None:
+        self._stream = stream
+        # (True, message), or (False, what ended the stream: StopIteration, an error).
+        self._messages: Queue[tuple[bool, Any]] = Queue(maxsize=_PUMP_AHEAD)
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._ended = False
+        self._transport: SyncHTTPTransport | None = None
+        _Helper.start_soon(self._run)
+
+    def _run(self) -> None:
+        try:
+            ended = False
+            while not ended and not self._stopped.is_set():
+                try:
+                    item: tuple[bool, Any] = (True, next(self._stream))
+                except BaseException as err:  # noqa: BLE001 - handed to the iterating thread
+                    item, ended = (False, err), True
+                while not self._stopped.is_set():
+                    try:
+                        self._messages.put(item, timeout=_PUMP_STOP_POLL_SECONDS)
+                        break
+                    except Full:
+                        continue
+        finally:
+            with contextlib.suppress(Exception):
+                close = getattr(self._stream, "close", None)
+                if close is not None:
+                    close()
+            with self._lock:
+                self._ended = True
+                transport, self._transport = self._transport, None
+            if transport is not None:
+                transport.close()
+
+    def next_message(self) -> Any:
+        """The stream's next message; raises what ended it (StopIteration, a
+        ConnectError), or `_WatchStopped` once stopped."""
+        ok, value = self._messages.get()
+        if ok:
+            return value
+        raise value
+
+    def stop(self, transport: SyncHTTPTransport | None = None) -> None:
+        """Ends the pump, and wakes a thread waiting in `next_message`;
+        `transport` is closed once the read under way has ended."""
+        self._stopped.set()
+        with self._lock:
+            ended = self._ended
+            if not ended:
+                self._transport = transport
+        if ended and transport is not None:
+            transport.close()
+        with contextlib.suppress(Full):
+            self._messages.put_nowait((False, _WatchStopped()))
+
+
+class _WatchStopped(Exception):
+    """What a stopped pump hands a thread waiting for its next message."""
 
 
 class _Reconnect:
@@ -543,9 +622,8 @@ class Client(Operations):
         watch reconnects, as after any failure; None waits for ever. `job_id`
         keeps only that job's events (the cursor still moves past the
         others'). Close it (or use `with`) to stop; a `close()` from another
-        thread ends the iteration at the server's next message, within a few
-        seconds, and that message's event is neither handed out nor counted
-        in the cursor.
+        thread ends the iteration at once (as Ctrl-C does), and an event that
+        arrives meanwhile is neither handed out nor counted in the cursor.
         An iteration that ends with an error closes the watch's own
         connections too (iterated again, it opens new ones). `after=0` starts
         at the oldest event the log holds; a cursor the log has trimmed past
@@ -604,25 +682,24 @@ class Watch(Iterator[QueueEvent]):
         self._transport: SyncHTTPTransport | None = None
         self._own_stub: JobsServiceClientSync | None = None
         self._reconnect = reconnect
-        self._stream: Iterator[Any] | None = None
+        # The open stream, read on a thread of its own (`_Pump`), which a
+        # watch dropped without `close()` (a `for` loop left with `break`)
+        # stops as it is collected, as its stream was closed then.
+        self._pump: _Pump | None = None
+        self._pump_finalizer: weakref.finalize[Any, Any] | None = None
         # The request of the stream opened last, for the error a refusal to encode it raises.
         self._request: WatchRequest | None = None
         self._closed = False
-        # Whether a thread is inside `next(self._stream)`: a generator cannot
-        # be closed from another thread while it runs.
-        self._reading = False
-        # Guards `_closed`, `_reading`, `_stream` and the connections
-        # together: a reader must not start on a stream that `close()` is
-        # closing (it met `None`, or a generator already executing), and each
-        # is closed once, by whichever thread lets go first.
+        # Guards `_closed`, `_pump` and the connections together: a stream
+        # must not open once `close()` has run, and each is let go once, by
+        # whichever thread gets there first.
         self._lock = threading.Lock()
         # Held by the thread taking the next event: threads that iterate one
-        # watch take its events in turns, each event once, where a second
-        # thread's read of the stream under way raised "generator already
-        # executing". Not `_lock`, which `close()` takes during a read.
+        # watch take its events in turns, each event once. Not `_lock`, which
+        # `close()` takes while a thread waits for the next message.
         self._turn = threading.Lock()
 
-    def _open(self) -> Iterator[Any]:
+    def _open(self) -> _Pump:
         """A stream from the cursor on; called under `_lock`."""
         request = self._request = WatchRequest(queue=self.queue, after=self.cursor, job_id=self.job_id)
         _callable(self._client)
@@ -636,7 +713,11 @@ class Watch(Iterator[QueueEvent]):
                     JobsServiceClientSync, client.url, client._compress_requests, http_client
                 )
             stub = self._own_stub
-        return stub.watch(request, headers=self._client._headers, timeout_ms=None)
+        pump = _Pump(stub.watch(request, headers=self._client._headers, timeout_ms=None))
+        if self._pump_finalizer is not None:
+            self._pump_finalizer.detach()  # its pump has ended
+        self._pump_finalizer = weakref.finalize(self, pump.stop)
+        return pump
 
     def __next__(self) -> QueueEvent:
         # The turn is held until the stream is let go too: let go after it,
@@ -664,24 +745,21 @@ class Watch(Iterator[QueueEvent]):
                 with self._lock:
                     if self._closed:
                         break
-                    if self._stream is None:
-                        self._stream = self._open()
-                    stream = self._stream
-                    self._reading = True
-                try:
-                    response = next(stream)
-                finally:
-                    with self._lock:
-                        self._reading = False
+                    if self._pump is None:
+                        self._pump = self._open()
+                    pump = self._pump
+                response = pump.next_message()
+            except _WatchStopped:
+                break
             except StopIteration:
                 # The server ended the stream (it is shutting down): reconnect.
-                self._stream = None
+                self._pump = None
                 if self._closed:
                     break
                 time.sleep(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
                 continue
             except ConnectError as err:
-                self._stream = None
+                self._pump = None
                 if self._closed:
                     break
                 if err.code == Code.DEADLINE_EXCEEDED and self._idle_timeout is not None:
@@ -702,38 +780,29 @@ class Watch(Iterator[QueueEvent]):
         raise StopIteration
 
     def close(self) -> None:
-        """Stops the watch. From the thread iterating it (or with no
-        iteration under way), at once; from another thread, the iterating one
-        stops at the stream's next message. Closing again does nothing."""
+        """Stops the watch, from the thread iterating it or another: an
+        iteration waiting for the server's next message ends at once
+        (StopIteration), and the cursor stays before that message. Closing
+        again does nothing."""
         with self._lock:
             self._closed = True
-            reading = self._reading
-        if not reading:
-            # Else the reading thread lets go as its read ends.
-            self._let_go()
+        self._let_go()
 
     def _let_go(self) -> None:
-        """Closes the stream and the watch's own connections, each once,
-        whichever threads get here."""
-        # Both taken in one step: a thread that finds the stream gone must not
-        # close the connections under a stream another is still closing.
+        """Stops the stream's pump, and closes the watch's own connections
+        once its read under way has ended; each once, whichever threads get
+        here."""
         with self._lock:
-            stream, self._stream = self._stream, None
+            pump, self._pump = self._pump, None
             transport, self._transport = self._transport, None
-            own_stub, self._own_stub = self._own_stub, None
-        close = getattr(stream, "close", None)
-        try:
-            if close is not None:
-                close()
-        except ValueError:
-            # Another thread is reading it, over these connections; that thread lets go.
-            with self._lock:
-                self._stream, self._transport, self._own_stub = stream, transport, own_stub
-            transport = None
-        finally:
-            # Whatever closing the stream raised, the connections go.
-            if transport is not None:
-                transport.close()
+            self._own_stub = None
+            finalizer, self._pump_finalizer = self._pump_finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+        if pump is not None:
+            pump.stop(transport)
+        elif transport is not None:
+            transport.close()
 
     def __enter__(self) -> Self:
         return self
