@@ -102,6 +102,7 @@ from .models import (
     idempotent,
     job,
     lease_options,
+    optional_ms_not_zero,
     own_key,
     retention,
     text_list,
@@ -788,18 +789,9 @@ def result_set(key: str, value: Any, ttl_ms: int | None) -> Op[None]:
 
 
 def _result_ttl(ttl_ms: int | None) -> int | None:
-    """A result-store entry's `ttl_ms`: None (no expiry, the field unset) or
-    a whole number of ms, at least 1: the server counts it from the write,
+    """A result-store entry's `ttl_ms`: the server counts it from the write,
     so 0 stored an entry already expired, read back as missing."""
-    if ttl_ms is None:
-        return None
-    ms = whole_ms(ttl_ms, "ttl_ms")
-    if ms == 0:
-        raise InvalidArgumentError(
-            "request not sent: ttl_ms must be at least 1 ms (None: no expiry); 0 would store an entry "
-            "already expired"
-        )
-    return ms
+    return optional_ms_not_zero(ttl_ms, "ttl_ms", "no expiry", "store an entry already expired")
 
 
 def result_delete(key: str) -> Op[bool]:

@@ -47,7 +47,7 @@ from .errors import (
     UnavailableError,
     from_connect_error,
 )
-from .models import LeaseBatch, LeasedJob, QueueEvent, Release, whole_ms
+from .models import LeaseBatch, LeasedJob, QueueEvent, Release, optional_ms_not_zero, whole_ms
 
 __all__ = ["AsyncClient", "AsyncWatch", "Client", "Watch", "DEFAULT_URL"]
 
@@ -175,17 +175,9 @@ def _idle_seconds(idle_timeout_ms: int | None) -> float | None:
 
 
 def _client_timeout(timeout_ms: int | None) -> int | None:
-    """`timeout_ms` as a client takes it: None, or a whole number of ms, at
-    least 1 (0 failed every call before it was sent, and with retries only
-    after the whole retry budget)."""
-    if timeout_ms is None:
-        return None
-    ms = whole_ms(timeout_ms, "timeout_ms")
-    if ms == 0:
-        raise InvalidArgumentError(
-            "timeout_ms must be at least 1 ms (None: no bound): 0 would fail every call"
-        )
-    return ms
+    """`timeout_ms` as a client takes it (0 failed every call before it was
+    sent, and with retries only after the whole retry budget)."""
+    return optional_ms_not_zero(timeout_ms, "timeout_ms", "no bound", "fail every call")
 
 
 def _timeout(client_timeout_ms: int | None, call: Call) -> int | None:

@@ -133,6 +133,20 @@ def whole_ms(value: int, what: str) -> int:
     return ms
 
 
+def optional_ms_not_zero(value: int | None, what: str, none_means: str, zero_would: str) -> int | None:
+    """`value` as None or a whole number of ms, at least 1 (see `whole_ms`),
+    for a setting where 0 would be a mistake: `zero_would` says what it
+    would do, `none_means` what to pass instead."""
+    if value is None:
+        return None
+    ms = whole_ms(value, what)
+    if ms == 0:
+        raise InvalidArgumentError(
+            f"request not sent: {what} must be at least 1 ms (None: {none_means}); 0 would {zero_would}"
+        )
+    return ms
+
+
 def text_list(values: Iterable[str], what: str) -> list[str]:
     """`values` as a list; one string where a list of them goes (which would
     be taken as its characters) raises InvalidArgumentError("request not
