@@ -680,7 +680,7 @@ impl LoamQueue {
         let op = Op::new("moveToDelayed").job(&job_id).state("active");
         let token = token.unwrap_or_default();
         let outcome = if o.skip_attempt {
-            Outcome::Delay { until: whole(timestamp).saturating_add(whole(delay)) }
+            Outcome::Delay { until: whole(timestamp).saturating_add(whole(delay)), delay_ms: Some(whole(delay)) }
         } else {
             Outcome::Retry { error: o.fields_to_update.map(|f| f.to_error(None)), after_ms: Some(whole(delay)) }
         };

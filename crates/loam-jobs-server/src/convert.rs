@@ -337,7 +337,7 @@ pub fn outcome(o: Option<pb::Outcome>) -> Res<Outcome> {
             Outcome::Fail { error: job_error(f.error.into_option()).unwrap_or_default(), dead_letter: f.dead_letter }
         }
         Some(Kind::Release(r)) => Outcome::Release { after_ms: r.after_ms },
-        Some(Kind::Delay(d)) => Outcome::Delay { until: d.until },
+        Some(Kind::Delay(d)) => Outcome::Delay { until: d.until, delay_ms: d.delay_ms },
         Some(Kind::WaitChildren(w)) => Outcome::WaitChildren { child: w.child },
         Some(Kind::RateLimited(r)) => Outcome::RateLimited { for_ms: r.for_ms },
         None => return Err(JobsError::invalid("an outcome is required")),

@@ -102,7 +102,7 @@ impl OutcomeSpec {
             OutcomeSpec::Retry(after_ms) => Outcome::Retry { error: Some(JobError::new("boom")), after_ms: *after_ms },
             OutcomeSpec::Fail => Outcome::Fail { error: JobError::new("fatal"), dead_letter: false },
             OutcomeSpec::Release(after_ms) => Outcome::Release { after_ms: *after_ms },
-            OutcomeSpec::Delay(offset) => Outcome::Delay { until: now.saturating_add_signed(*offset) },
+            OutcomeSpec::Delay(offset) => Outcome::Delay { until: now.saturating_add_signed(*offset), delay_ms: None },
             OutcomeSpec::RateLimited(ms) => Outcome::RateLimited { for_ms: *ms },
         }
     }

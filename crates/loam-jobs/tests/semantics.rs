@@ -1922,6 +1922,22 @@ fn retention_by_an_age_of_0_removes_the_job_as_it_finishes_and_those_before() {
 
 /// Delayed jobs due in the same millisecond run in the order they were
 /// added, a LIFO one among them too, as Redis's delayed set orders them.
+/// BullMQ's `job.moveToDelayed(ts)` counts the delay from its own clock; a
+/// server's clock is another (skewed, and read after the call's travel).
+#[test]
+fn a_job_moved_to_delayed_records_the_delay_its_caller_counted() {
+    let (jobs, clock) = core();
+    for (id, delay_ms, recorded) in [("given", Some(5_000), 5_000), ("counted", None, 4_990)] {
+        jobs.enqueue("ns", "q", EnqueueRequest { job_id: Some(id.into()), ..job(id) }).wait().unwrap();
+        let l = lease_one(&jobs, "q").unwrap();
+        // The caller's clock read 10 ms before the store's.
+        let until = clock.now_ms() - 10 + 5_000;
+        finish(&jobs, "q", &l, Outcome::Delay { until, delay_ms }).unwrap();
+        let job = jobs.get_job("ns", "q", id).unwrap().unwrap();
+        assert_eq!((job.state, job.delay, job.due), (JobState::Delayed, recorded, until), "{id}");
+    }
+}
+
 #[test]
 fn delayed_jobs_due_together_keep_their_order_lifo_or_not() {
     let (jobs, clock) = core();
@@ -3193,7 +3209,7 @@ fn stale_leases_are_fenced_on_every_write() {
         Outcome::Retry { error: None, after_ms: Some(0) },
         Outcome::Retry { error: None, after_ms: Some(10) },
         Outcome::Release { after_ms: None },
-        Outcome::Delay { until: clock.now_ms() + 10 },
+        Outcome::Delay { until: clock.now_ms() + 10, delay_ms: None },
         Outcome::RateLimited { for_ms: 10 },
     ];
     for stale in [Fence::Epoch(old.epoch), Fence::Token(old.token.clone())] {

@@ -872,7 +872,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     opts: MoveToDelayedOpts = {},
   ): Promise<void | any[]> {
     const outcome: OutcomeInit['kind'] = opts.skipAttempt
-      ? { case: 'delay', value: { until: u64Sum(u64(timestamp), u64(delay)) } }
+      ? { case: 'delay', value: { until: u64Sum(u64(timestamp), u64(delay)), delayMs: u64(delay) } }
       : {
           case: 'retry',
           value: {

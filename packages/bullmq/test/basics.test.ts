@@ -83,6 +83,31 @@ describe('Queue and Worker on Loam', () => {
     await queue.close();
   });
 
+  it('records the delay BullMQ counted when a job is moved to delayed, not one counted again by the store', async () => {
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const worker = new Worker(name, null, { connection, autorun: false });
+    await queue.add('later', {});
+    const job = await worker.getNextJob('tok');
+    const realNow = Date.now;
+    const due = realNow() + 5_000;
+    // A clock that moves 7 ms at each reading, so that the store's now (the
+    // backend reads the clock again) is not the one BullMQ counted from.
+    let readings = 0;
+    Date.now = () => realNow() + 7 * readings++;
+    try {
+      await job.moveToDelayed(due, 'tok');
+    } finally {
+      Date.now = realNow;
+    }
+    expect(readings).toBeGreaterThan(1);
+    const stored = (await queue.getJob(job.id!))!;
+    expect(stored.delay).toBe(job.delay);
+    expect(await stored.getState()).toBe('delayed');
+    await worker.close();
+    await queue.close();
+  });
+
   it("keeps a job's repeatJobKey (the scheduler it belongs to)", async () => {
     const queue = new Queue(loam.queueName(), { connection });
     const job = await queue.add('tick', {}, { repeatJobKey: 'every-minute' });

@@ -39,9 +39,12 @@ pub enum Outcome {
     Release {
         after_ms: Option<u64>,
     },
-    /// Park the job until `until` (BullMQ moveToDelayed).
+    /// Park the job until `until` (BullMQ moveToDelayed), recording
+    /// `delay_ms` as its delay (BullMQ counts it from its own clock), or,
+    /// without it, `until` less the transaction's now.
     Delay {
         until: u64,
+        delay_ms: Option<u64>,
     },
     /// Park a parent until its children finish (BullMQ moveToWaitingChildren),
     /// or, with `child` (its node key), until that one child finishes.

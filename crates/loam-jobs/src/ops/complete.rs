@@ -220,8 +220,8 @@ fn complete_job(
             done.state = Some(job.state);
             false
         }
-        Outcome::Delay { until } => {
-            let job = delay_until(tx, q, job, until)?;
+        Outcome::Delay { until, delay_ms } => {
+            let job = delay_until(tx, q, job, until, delay_ms)?;
             done.state = Some(job.state);
             true
         }
@@ -432,8 +432,14 @@ fn release(tx: &mut Tx, q: &QueueId, mut job: JobRecord, after_ms: Option<u64>) 
 }
 
 /// BullMQ's manual moveToDelayed: no attempt is spent.
-fn delay_until(tx: &mut Tx, q: &QueueId, mut job: JobRecord, until: u64) -> Result<JobRecord, JobsError> {
-    job.delay = until.saturating_sub(tx.now);
+fn delay_until(
+    tx: &mut Tx,
+    q: &QueueId,
+    mut job: JobRecord,
+    until: u64,
+    delay_ms: Option<u64>,
+) -> Result<JobRecord, JobsError> {
+    job.delay = delay_ms.unwrap_or_else(|| until.saturating_sub(tx.now));
     park_delayed(tx, q, job, until.max(tx.now))
 }
 
