@@ -1920,8 +1920,6 @@ fn retention_by_an_age_of_0_removes_the_job_as_it_finishes_and_those_before() {
     }
 }
 
-/// Delayed jobs due in the same millisecond run in the order they were
-/// added, a LIFO one among them too, as Redis's delayed set orders them.
 /// BullMQ's `job.moveToDelayed(ts)` counts the delay from its own clock; a
 /// server's clock is another (skewed, and read after the call's travel).
 #[test]
@@ -1938,6 +1936,8 @@ fn a_job_moved_to_delayed_records_the_delay_its_caller_counted() {
     }
 }
 
+/// Delayed jobs due in the same millisecond run in the order they were
+/// added, a LIFO one among them too, as Redis's delayed set orders them.
 #[test]
 fn delayed_jobs_due_together_keep_their_order_lifo_or_not() {
     let (jobs, clock) = core();
