@@ -18,6 +18,10 @@ pub enum StoreError {
     Locked(String),
     #[error("the store is closed")]
     Closed,
+    /// A write reached a snapshot that only reads (a query's): a fault in the
+    /// core, not in the storage, so it is not worth asking again.
+    #[error("a write in a read-only query")]
+    ReadOnly,
     /// An optimistic transaction lost a race; the engine retries it.
     #[error("transaction conflict")]
     Conflict,
@@ -211,6 +215,7 @@ impl From<StoreError> for JobsError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::Corrupt(m) => JobsError::Internal(format!("corrupt record: {m}")),
+            e @ StoreError::ReadOnly => JobsError::Internal(e.to_string()),
             other => JobsError::Unavailable(other.to_string()),
         }
     }

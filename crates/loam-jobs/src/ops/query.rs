@@ -27,10 +27,10 @@ impl KvRead for ReadOnly {
 
 impl KvTxn for ReadOnly {
     fn put(&mut self, _: &[u8], _: Value) -> Result<(), StoreError> {
-        Err(StoreError::Io("write in a read-only query".into()))
+        Err(StoreError::ReadOnly)
     }
     fn delete(&mut self, _: &[u8]) -> Result<(), StoreError> {
-        Err(StoreError::Io("write in a read-only query".into()))
+        Err(StoreError::ReadOnly)
     }
 }
 
@@ -370,4 +370,33 @@ pub fn all_queues(tx: &mut Tx) -> Result<Vec<QueueId>, JobsError> {
 fn registered(tx: &mut Tx, prefix: crate::kv::Key) -> Result<Vec<QueueId>, JobsError> {
     let range = keys::prefix_range(prefix);
     Ok(tx.scan(&range, usize::MAX, false)?.into_iter().filter_map(|(k, _)| keys::parse_registry(&k)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Nothing;
+
+    impl KvRead for Nothing {
+        fn get(&mut self, _: &[u8]) -> Result<Option<Value>, StoreError> {
+            Ok(None)
+        }
+        fn scan(&mut self, _: &KeyRange, _: usize, _: bool) -> Result<Vec<(Key, Value)>, StoreError> {
+            Ok(Vec::new())
+        }
+    }
+
+    /// A query that writes is the core's fault: callers get `internal`, which
+    /// they do not retry, not the `unavailable` of a storage failure.
+    #[test]
+    fn a_write_in_a_query_is_an_internal_error() {
+        let mut snapshot = ReadOnly(Box::new(Nothing));
+        let put = snapshot.put(b"k", Vec::new()).unwrap_err();
+        let delete = snapshot.delete(b"k").unwrap_err();
+        for e in [put, delete] {
+            assert_eq!(e, StoreError::ReadOnly);
+            assert_eq!(JobsError::from(e).connect_code(), "internal");
+        }
+    }
 }
