@@ -191,7 +191,6 @@ async function startLoamServer() {
   };
 }
 
-/** Measures one scenario: wall time, jobs, and the CPU of this process and the server. */
 /**
  * The machine's busy time so far, in ms, from /proc/stat: every core's CPU
  * time, and its time idle waiting for this machine's own I/O (a store's
@@ -205,14 +204,15 @@ function machineBusyMs() {
 
 /**
  * Waits, up to 5 s, until the machine is quiet: a fifth of a core or less
- * busy over 100 ms (/proc/stat counts in 10 ms ticks). A backend may still be working on what a scenario's set-up
- * gave it when the set-up's last call returned: Loam under relaxed
- * durability answers an add before the store has written it into its file,
- * and 2,000 adds of 100 KB took the store about a second of CPU after their
- * `addBulk` returned, which the measure then counted as processing (and so
- * would the next backend's measure, on the same two cores). Every backend
- * gets the same wait; Redis, which keeps nothing to do after an answer, ends
- * it at once. Returns the milliseconds waited.
+ * busy over 100 ms (/proc/stat counts in 10 ms ticks). A backend may still
+ * be working on what a scenario's set-up gave it when the set-up's last call
+ * returned: Loam under relaxed durability answers an add before the store
+ * has written it into its file, and after an `addBulk` of 2,000 jobs of
+ * 100 KB the store went on writing for about a second, which the measure
+ * then counted as processing (and so would the next backend's measure, on
+ * the same two cores). Every backend gets the same wait; Redis, which keeps
+ * nothing to do after an answer, ends it at the first look. Returns the
+ * milliseconds waited.
  */
 async function settle() {
   const start = performance.now();
@@ -226,6 +226,7 @@ async function settle() {
   return performance.now() - start;
 }
 
+/** Measures one scenario from a quiet machine: wall time, jobs, and the CPU of this process and the server. */
 async function measure(backend, jobs, body) {
   const settleMs = await settle();
   const cpu0 = process.cpuUsage();
