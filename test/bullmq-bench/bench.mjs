@@ -202,7 +202,11 @@ function machineBusyMs() {
   return (user + nice + system + iowait + irq + softirq) * 10;
 }
 
+// The quiet-machine wait (`settle`): at most this long, looking at windows of
+// this length, until one shows at most this much busy time (a fifth of a core).
 const SETTLE_MAX_MS = 5000;
+const SETTLE_WINDOW_MS = 100;
+const SETTLE_QUIET_BUSY_MS = 20;
 
 /**
  * Waits, up to 5 s, until the machine is quiet: a fifth of a core or less
@@ -220,9 +224,9 @@ async function settle() {
   const start = performance.now();
   let busy = machineBusyMs();
   while (performance.now() - start < SETTLE_MAX_MS) {
-    await new Promise((resolve) => setTimeout(resolve, 100));
+    await new Promise((resolve) => setTimeout(resolve, SETTLE_WINDOW_MS));
     const now = machineBusyMs();
-    if (now - busy <= 20) break;
+    if (now - busy <= SETTLE_QUIET_BUSY_MS) break;
     busy = now;
   }
   return performance.now() - start;
