@@ -10,7 +10,7 @@ use crate::error::JobsError;
 use crate::keys::EVENTS_PER_PAGE;
 use crate::keys::{self, QueueId, QueueKeys};
 use crate::kv::{Key, KeyRange, KvTxn, Value};
-use crate::model::{self, ChildCounts, EventRef, JobRecord, JobState, QueueRemains, QueueStats};
+use crate::model::{self, ChildCounts, EventPlacement, EventRef, JobRecord, JobState, QueueRemains, QueueStats};
 
 /// A meta field's text as a count: a whole number, 0 or more (BullMQ writes
 /// some as floats, `5.0`); None for anything else. What the store reads a
@@ -466,6 +466,41 @@ impl<'a> Tx<'a> {
     /// Appends an event to the queue's log, trimming the log to its length.
     /// Returns its sequence number (its id is [`model::Event::id_of`] it and `now`).
     pub fn event(&mut self, q: &QueueId, name: &str, fields: &[(&str, &str)]) -> Result<u64, JobsError> {
+        let size: usize = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
+        let placement = if size > model::INLINE_EVENT_BYTES { EventPlacement::Body } else { EventPlacement::Inline };
+        self.append_event(q, name, fields, placement)
+    }
+
+    /// The `completed` event of a kept job whose return value is larger than
+    /// an event keeps in its page: the value is read from the job's record
+    /// ([`EventPlacement::LentValue`]), which the caller points at the
+    /// returned sequence number and saves.
+    pub fn completed_event_lent_value(&mut self, q: &QueueId, id: &str, prev: &str) -> Result<u64, JobsError> {
+        let fields = [("jobId", id), (model::RETURN_VALUE_FIELD, ""), ("prev", prev)];
+        self.append_event(q, "completed", &fields, EventPlacement::LentValue)
+    }
+
+    /// Gives the return value `job` lent to its `completed` event to that
+    /// event, as the record is deleted or forgets the value: the event keeps
+    /// it under its own key, as text. Nothing to do when the value was not
+    /// lent, or when the event has left the log.
+    pub fn give_back_lent_value(&mut self, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+        let Some(seq) = job.return_value_event else { return Ok(()) };
+        if seq < self.stats(q)?.first_event {
+            return Ok(());
+        }
+        let value = model::as_text(job.return_value.as_deref().unwrap_or(b"null")).into_owned();
+        let key = self.cache(q)?.keys.event_body(seq);
+        self.put(&key, value.into_bytes())
+    }
+
+    fn append_event(
+        &mut self,
+        q: &QueueId,
+        name: &str,
+        fields: &[(&str, &str)],
+        placement: EventPlacement,
+    ) -> Result<u64, JobsError> {
         let now = self.now;
         let max = self.max_events(q)?;
         let c = self.counted(q)?;
@@ -477,11 +512,10 @@ impl<'a> Tx<'a> {
         let seq = stats.last_event;
         let over = stats.events_over(max) > 0;
         let (key, body) = (c.keys.event_page(seq), c.keys.event_body(seq));
-        let event = EventRef { seq, ts: now, name, fields, body: false };
-        let size: usize = fields.iter().map(|(k, v)| k.len() + v.len()).sum();
-        if size > model::INLINE_EVENT_BYTES {
-            self.kv.put(&body, model::encode(&event))?;
-            let stub = EventRef { fields: &[], body: true, ..event };
+        let event = EventRef { seq, ts: now, name, fields, placement };
+        if placement == EventPlacement::Body {
+            self.kv.put(&body, model::encode(&EventRef { placement: EventPlacement::Inline, ..event }))?;
+            let stub = EventRef { fields: &[], ..event };
             self.kv.append(&key, &mut |page| model::append_to_page(page, &stub))?;
         } else {
             self.kv.append(&key, &mut |page| model::append_to_page(page, &event))?;

@@ -1083,6 +1083,86 @@ fn large_events_read_back_whole_and_go_with_their_page() {
     assert_eq!(bodies(&jobs), 0);
 }
 
+/// A large return value of a job that is kept is written once, in the job's
+/// record, and its `completed` event reads it from there; a record that goes
+/// or forgets its value (removed, retried, dropped by retention, its queue
+/// obliterated) gives it to the event first, which reads the same after.
+#[test]
+fn a_large_return_value_is_written_once_and_its_event_reads_it_whatever_the_job_becomes() {
+    let (jobs, _) = core();
+    let qid = QueueId::new("ns", "q");
+    let bodies = |jobs: &Jobs| {
+        let range = keys::QueueKeys::new(&qid).event_bodies(0, u64::MAX);
+        jobs.read("ns", |tx| tx.scan(&range, 10_000, false)).unwrap().len()
+    };
+    let value = |tag: &str| format!("\"{tag}{}\"", "x".repeat(10_000));
+    let run = |id: &str, result: &[u8], retention: Option<Retention>| {
+        let req = EnqueueRequest { job_id: Some(id.into()), remove_on_complete: retention, ..job(id) };
+        jobs.enqueue("ns", "q", req).wait().unwrap();
+        let l = lease_one(&jobs, "q").unwrap();
+        finish(&jobs, "q", &l, Outcome::Ok { result: Some(result.to_vec()) }).unwrap();
+    };
+    let completed = |jobs: &Jobs| -> Vec<(String, String)> {
+        let all = jobs.read_events_blocking("ns", "q", Some(0), 10_000, Duration::ZERO).unwrap();
+        all.into_iter()
+            .filter(|e| e.name == "completed")
+            .map(|e| (e.fields[0].1.clone(), e.fields[1].1.clone()))
+            .collect()
+    };
+    for id in ["kept", "removed", "retried", "readded"] {
+        run(id, value(id).as_bytes(), None);
+    }
+    // Not one copy in an event: the values are the records'.
+    assert_eq!(bodies(&jobs), 0);
+    let first: Vec<(String, String)> =
+        ["kept", "removed", "retried", "readded"].iter().map(|id| (id.to_string(), value(id))).collect();
+    assert_eq!(completed(&jobs), first);
+
+    assert!(jobs.admin("ns", "q", |tx, q| admin::remove_job(tx, q, "removed", false)).wait().unwrap());
+    jobs.admin("ns", "q", |tx, q| admin::retry_finished(tx, q, "retried", JobState::Completed, false, false))
+        .wait()
+        .unwrap();
+    let l = lease_one(&jobs, "q").unwrap();
+    finish(&jobs, "q", &l, Outcome::Ok { result: Some(value("again").into_bytes()) }).unwrap();
+    assert!(jobs.admin("ns", "q", |tx, q| admin::remove_job(tx, q, "readded", false)).wait().unwrap());
+    run("readded", value("anew").as_bytes(), None);
+    // Given to their events: the removed job's, the retried job's first and
+    // the readded job's first.
+    assert_eq!(bodies(&jobs), 3);
+    // Kept by count: this completion drops every older job but itself, each
+    // giving its value to its event (kept's, retried's second, readded's second).
+    let keep_one = Retention::Keep(Keep { count: Some(1), ..Default::default() });
+    // Not valid UTF-8: the record keeps the bytes, the event reads them mended.
+    let mut raw = value("raw").into_bytes();
+    raw[1] = 0xff;
+    run("raw", &raw, Some(keep_one));
+    assert_eq!(bodies(&jobs), 6);
+    assert_eq!(jobs.get_job("ns", "q", "raw").unwrap().unwrap().return_value, Some(raw.clone()));
+    let mended = String::from_utf8_lossy(&raw).into_owned();
+    let mut want = first;
+    want.extend([("retried", value("again")), ("readded", value("anew")), ("raw", mended)].map(|(k, v)| (k.into(), v)));
+    assert_eq!(completed(&jobs), want);
+    // Removed at once: the value goes in its event, as any large event's fields.
+    run("gone", value("gone").as_bytes(), Some(Retention::RemoveImmediately));
+    assert_eq!(bodies(&jobs), 7);
+    want.push(("gone".into(), value("gone")));
+    assert_eq!(completed(&jobs), want);
+
+    // An event that left the log takes nothing with it; a job that goes after
+    // its event did gives nothing back.
+    jobs.set_meta("ns", "q", BTreeMap::from([("opts.maxLenEvents".to_string(), "1".to_string())])).wait().unwrap();
+    run("late", value("late").as_bytes(), None);
+    jobs.admin("ns", "q", |tx, q| admin::publish_event(tx, q, "mine", &[], 1)).wait().unwrap();
+    assert!(completed(&jobs).is_empty());
+    let before = bodies(&jobs);
+    assert!(jobs.admin("ns", "q", |tx, q| admin::remove_job(tx, q, "late", false)).wait().unwrap());
+    assert_eq!(bodies(&jobs), before);
+    assert_eq!(jobs.get_job("ns", "q", "raw").unwrap().unwrap().return_value, Some(raw));
+    jobs.admin("ns", "q", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
+    jobs.admin("ns", "q", |tx, q| admin::obliterate(tx, q, true, u64::MAX)).wait().unwrap();
+    assert_eq!(bodies(&jobs), 0);
+}
+
 /// A read of the log takes about 8 MiB of events at most, one at least,
 /// however many it may take: readers go on from the last one they got.
 #[test]

@@ -181,6 +181,38 @@ describe('Queue and Worker on Loam', () => {
     await queue.close();
   });
 
+  it("gives QueueEvents each large return value of its completion, after its job was retried and removed", async () => {
+    // A large value of a kept job is stored once, with the job, and lent to its
+    // event: the event must still read its own value once the job has moved on.
+    const name = loam.queueName();
+    const queue = new Queue(name, { connection });
+    const returned: [string, string][] = [];
+    const worker = new Worker(
+      name,
+      async (job: Job) => {
+        const value = `${job.id}:${returned.length}:${'x'.repeat(10_000)}`;
+        returned.push([job.id!, value]);
+        return value;
+      },
+      { connection },
+    );
+    const [a, b] = await queue.addBulk([{ name: 'a', data: {} }, { name: 'b', data: {} }]);
+    await until(async () => (await queue.getJobCounts('completed')).completed === 2);
+    await (await queue.getJob(a.id!))!.retry('completed');
+    await until(async () => returned.length === 3 && (await queue.getJobCounts('completed')).completed === 2);
+    await (await queue.getJob(b.id!))!.remove();
+    expect((await queue.getJob(a.id!))?.returnvalue).toBe(returned[2][1]);
+
+    const events = new QueueEvents(name, { connection, lastEventId: '0-0' });
+    const heard: [string, string][] = [];
+    events.on('completed', ({ jobId, returnvalue }) => heard.push([jobId, returnvalue as unknown as string]));
+    await until(() => heard.length === 3);
+    expect(heard).toEqual(returned);
+    await worker.close();
+    await events.close();
+    await queue.close();
+  });
+
   it('answers waitUntilFinished for a job already finished, or gone, as Redis does', async () => {
     const name = loam.queueName();
     const queue = new Queue(name, { connection });

@@ -18,36 +18,77 @@ pub struct Event {
 }
 
 /// An event as it is written: the same encoding as [`Event`], from borrowed
-/// fields. In its page, an event whose fields are larger than
-/// [`INLINE_EVENT_BYTES`] is this record without them and with `body` set;
-/// its fields, the whole record, are kept under their own key
-/// (`QueueKeys::event_body`). A page is written whole at each append, so
-/// pages of large events (a completed job's return value, a progress report
-/// with data) made each event copy up to 64 of them.
-#[derive(Serialize)]
+/// fields, and after them where the fields are kept ([`EventPlacement`]): nothing
+/// for fields in the page, as events were written before the others existed.
 pub(crate) struct EventRef<'a> {
     pub seq: u64,
     pub ts: u64,
     pub name: &'a str,
     pub fields: &'a [(&'a str, &'a str)],
-    /// Only the last field may be skipped: the record is an array.
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub body: bool,
+    pub placement: EventPlacement,
 }
 
-/// Most bytes of fields an event keeps in its page (see [`EventRef`]).
+/// Where an event's fields are kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EventPlacement {
+    /// In its page.
+    Inline,
+    /// Under their own key (`QueueKeys::event_body`), the whole record there
+    /// and in the page a record without them. A page is written whole at
+    /// each append, so pages of large events (a completed job's return
+    /// value, a progress report with data) made each event copy up to 64 of
+    /// them. For fields larger than [`INLINE_EVENT_BYTES`].
+    Body,
+    /// In its page, but for [`RETURN_VALUE_FIELD`], which is the job's
+    /// record's value, lent while the record holds it
+    /// ([`super::JobRecord::return_value_event`]), and after that under the
+    /// event's own key as text. For a large return value of a job that is
+    /// kept: written once, not in the record and again in the event.
+    LentValue,
+}
+
+impl Serialize for EventRef<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        // An array, as the derived encoding of `PagedEvent`'s fields; the
+        // flags that are false at its end are left out.
+        let flags: &[bool] = match self.placement {
+            EventPlacement::Inline => &[],
+            EventPlacement::Body => &[true],
+            EventPlacement::LentValue => &[false, true],
+        };
+        let mut record = serializer.serialize_tuple(4 + flags.len())?;
+        record.serialize_element(&self.seq)?;
+        record.serialize_element(&self.ts)?;
+        record.serialize_element(self.name)?;
+        record.serialize_element(self.fields)?;
+        for flag in flags {
+            record.serialize_element(flag)?;
+        }
+        record.end()
+    }
+}
+
+/// Most bytes of fields an event keeps in its page (see [`EventPlacement`]).
 pub(crate) const INLINE_EVENT_BYTES: usize = 2048;
 
+/// The field of a `completed` event that holds the job's return value.
+pub(crate) const RETURN_VALUE_FIELD: &str = "returnvalue";
+
 /// An event's record as its page holds it (see [`EventRef`]); records
-/// written before `body` existed read as inline.
+/// written before `body` or `lent_value` existed read as inline.
 #[derive(Deserialize)]
 pub(crate) struct PagedEvent {
     pub seq: u64,
     pub ts: u64,
     pub name: String,
     pub fields: Vec<(String, String)>,
+    /// [`EventPlacement::Body`].
     #[serde(default)]
     pub body: bool,
+    /// [`EventPlacement::LentValue`].
+    #[serde(default)]
+    pub lent_value: bool,
 }
 
 impl From<PagedEvent> for Event {

@@ -238,6 +238,13 @@ pub struct JobRecord {
     /// is stored; a record of an older build (false) holds its data.
     #[serde(default)]
     pub data_apart: bool,
+    /// The `completed` event that reads its return value from this record
+    /// (see [`super::EventPlacement::LentValue`]): a large value of a job that is
+    /// kept is written once, here. A record that goes, or forgets its value
+    /// (a retry), gives the value to that event first, if the event is still
+    /// in the log (`Tx::give_back_lent_value`).
+    #[serde(default)]
+    pub return_value_event: Option<u64>,
     /// `data` was set since the record was read, and `Tx::save_job` stores
     /// it (see [`JobRecord::set_data`]). Not stored.
     #[serde(skip)]

@@ -38,15 +38,18 @@ fn inline_events_keep_the_encoding_from_before_bodies() {
     #[derive(Serialize)]
     struct Before<'a>(u64, u64, &'a str, &'a [(&'a str, &'a str)]);
     let fields = [("jobId", "7")];
-    let now = EventRef { seq: 3, ts: 9, name: "added", fields: &fields, body: false };
+    let now = EventRef { seq: 3, ts: 9, name: "added", fields: &fields, placement: EventPlacement::Inline };
     let before = encode(&Before(3, 9, "added", &fields));
     assert_eq!(encode(&now), before);
     let read: PagedEvent = decode(&before).unwrap_or_else(|e| panic!("old record: {e}"));
-    assert!(!read.body);
+    assert!(!read.body && !read.lent_value);
     assert_eq!(Event::from(read).fields, vec![("jobId".to_string(), "7".to_string())]);
-    let stub: PagedEvent =
-        decode(&encode(&EventRef { fields: &[], body: true, ..now })).unwrap_or_else(|e| panic!("{e}"));
-    assert!(stub.body && stub.fields.is_empty());
+    let stub: PagedEvent = decode(&encode(&EventRef { fields: &[], placement: EventPlacement::Body, ..now }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(stub.body && !stub.lent_value && stub.fields.is_empty());
+    let lent: PagedEvent =
+        decode(&encode(&EventRef { placement: EventPlacement::LentValue, ..now })).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!lent.body && lent.lent_value && lent.fields.len() == 1);
 }
 
 /// An idempotency record written before `hash_version` existed reads as

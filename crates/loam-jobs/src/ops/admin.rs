@@ -14,11 +14,13 @@ use crate::ops::lease::{self, Line};
 use crate::ops::{enqueue, idempotency, query};
 use crate::tx::Tx;
 
-/// Deletes a job's record, logs and dependency records. The caller has
+/// Deletes a job's record, logs and dependency records; a return value it
+/// lent to its `completed` event goes to the event. The caller has
 /// already taken it out of its index. Its epoch stays behind as the queue's
 /// floor, so a job added again under its id never hands out a lease epoch
 /// (and default token) that a worker of the old one may still hold.
 pub fn purge_job(tx: &mut Tx, q: &QueueId, job: &JobRecord) -> Result<(), JobsError> {
+    tx.give_back_lent_value(q, job)?;
     if job.epoch > tx.stats(q)?.epoch_floor {
         tx.stats_mut(q)?.epoch_floor = job.epoch;
     }
@@ -511,7 +513,7 @@ pub fn retry_finished(
     }
     reattach_to_parent(tx, q, &job)?;
     tx.unindex(q, &job)?; // before the finish time that names its index entry is cleared
-    forget_finish(&mut job, from);
+    forget_finish(tx, q, &mut job, from)?;
     if reset_attempts_made {
         job.attempts_made = 0;
     }
@@ -526,13 +528,17 @@ pub fn retry_finished(
 /// its times and the result of that state only. A completed job that had
 /// failed an attempt first keeps that attempt's reason, as BullMQ's scripts
 /// delete only the finished state's own field.
-fn forget_finish(job: &mut JobRecord, state: JobState) {
+fn forget_finish(tx: &mut Tx, q: &QueueId, job: &mut JobRecord, state: JobState) -> Result<(), JobsError> {
     job.finished_on = None;
     job.processed_on = None;
     match state {
-        JobState::Completed => job.return_value = None,
+        JobState::Completed => {
+            tx.give_back_lent_value(q, job)?;
+            (job.return_value, job.return_value_event) = (None, None);
+        }
         _ => job.failed_reason = None,
     }
+    Ok(())
 }
 
 /// A child that runs again is pending for its parent again, if its parent
@@ -589,7 +595,7 @@ pub fn retry_finished_jobs(
         }
         reattach_to_parent(tx, q, &job)?;
         tx.unindex(q, &job)?;
-        forget_finish(&mut job, state);
+        forget_finish(tx, q, &mut job, state)?;
         lease::requeue(tx, q, job, Some(state.as_str()), Line::Back)?;
         moved += 1;
     }

@@ -7,9 +7,9 @@ use std::collections::VecDeque;
 use crate::error::{JobsError, Precondition};
 use crate::keys::{QueueId, QueueKeys};
 use crate::model::{
-    AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, Fence, Idempotency, JobError,
-    JobRecord, JobState, Keep, Lease, LeaseInfo, Leased, LimiterWindow, MAX_METRICS_POINTS, MetricsKind, MetricsRecord,
-    OnChildFailure, Outcome, RateLimit, Retention,
+    self, AttemptRun, CompleteOptions, Completed, DedupRecord, Dependency, DependencyStatus, Fence, Idempotency,
+    JobError, JobRecord, JobState, Keep, Lease, LeaseInfo, Leased, LimiterWindow, MAX_METRICS_POINTS, MetricsKind,
+    MetricsRecord, OnChildFailure, Outcome, RateLimit, Retention,
 };
 use crate::ops::idempotency::CallHash;
 use crate::ops::lease::{self, Line};
@@ -286,11 +286,19 @@ fn finish_ok(
     job.state = JobState::Completed;
     job.finished_on = Some(tx.now);
     job.lock = None;
-    job.return_value = Some(value);
     let kept = retention(&job, opts, JobState::Completed);
-    keep_or_purge(tx, q, &mut job, kept)?;
-    let value = crate::model::as_text(job.return_value.as_deref().unwrap_or_default());
-    tx.event(q, "completed", &[("jobId", &job.id), ("returnvalue", &value), ("prev", prev.as_str())])?;
+    // A large value of a job that stays is written once, in its record, and
+    // lent to the event: in both, it was half of what such a completion wrote.
+    let lend = !removes_at_once(&kept) && value.len() > model::INLINE_EVENT_BYTES;
+    job.return_value = Some(value);
+    if lend {
+        job.return_value_event = Some(tx.completed_event_lent_value(q, &job.id, prev.as_str())?);
+        keep_or_purge(tx, q, &mut job, kept)?;
+    } else {
+        keep_or_purge(tx, q, &mut job, kept)?;
+        let value = model::as_text(job.return_value.as_deref().unwrap_or_default());
+        tx.event(q, "completed", &[("jobId", &job.id), (model::RETURN_VALUE_FIELD, &value), ("prev", prev.as_str())])?;
+    }
     collect_metrics(tx, q, MetricsKind::Completed, opts.metrics_max_points)?;
     Ok(job)
 }

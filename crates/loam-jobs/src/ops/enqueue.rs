@@ -273,6 +273,7 @@ fn add(tx: &mut Tx, q: &QueueId, mut req: EnqueueRequest, placement: Placement) 
         children_counted: matches!(placement, Placement::WaitChildren),
         ended_by: None,
         data_apart: false,
+        return_value_event: None,
         data_changed: true,
     };
     job.state = match placement {

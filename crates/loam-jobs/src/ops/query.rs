@@ -203,32 +203,53 @@ pub fn events_after(tx: &mut Tx, q: &QueueId, after: u64, limit: usize) -> Resul
         for record in model::page_records(&page) {
             let record = record?;
             let event: model::PagedEvent = model::decode(record)?;
-            if event.seq > after {
-                let body = if event.body {
-                    let key = QueueKeys::new(q).event_body(event.seq);
-                    Some(tx.get(&key)?.ok_or_else(|| {
-                        JobsError::Internal(format!("event {} of queue {} has lost its fields", event.seq, q.name))
-                    })?)
-                } else {
-                    None
-                };
-                // Sized before a body is decoded: one past the bound stays unread.
-                let size = body.as_ref().map_or(record.len(), Vec::len);
-                if !out.is_empty() && bytes.saturating_add(size) > MAX_EVENT_BYTES_PER_READ {
-                    return Ok(out);
-                }
-                bytes = bytes.saturating_add(size);
-                out.push(match body {
-                    Some(body) => model::decode::<model::PagedEvent>(&body)?.into(),
-                    None => event.into(),
-                });
-                if out.len() == limit {
-                    return Ok(out);
-                }
+            if event.seq <= after {
+                continue;
+            }
+            let (event, size) = read_event(tx, q, event, record.len())?;
+            if !out.is_empty() && bytes.saturating_add(size) > MAX_EVENT_BYTES_PER_READ {
+                return Ok(out);
+            }
+            bytes = bytes.saturating_add(size);
+            out.push(event);
+            if out.len() == limit {
+                return Ok(out);
             }
         }
     }
     Ok(out)
+}
+
+/// An event whole, from its record in its page, and its size: the bytes read
+/// for it (see [`model::EventPlacement`]).
+fn read_event(tx: &mut Tx, q: &QueueId, event: model::PagedEvent, in_page: usize) -> Result<(Event, usize), JobsError> {
+    let lost = |what: &str| JobsError::Internal(format!("event {} of queue {} has lost its {what}", event.seq, q.name));
+    let keys = QueueKeys::new(q);
+    if event.body {
+        let body = tx.get(&keys.event_body(event.seq))?.ok_or_else(|| lost("fields"))?;
+        return Ok((model::decode::<model::PagedEvent>(&body)?.into(), body.len()));
+    }
+    if !event.lent_value {
+        return Ok((event.into(), in_page));
+    }
+    // Given back to the event under its own key once the job went or forgot
+    // it; until then, the job's record's.
+    let value = match tx.get(&keys.event_body(event.seq))? {
+        Some(given) => given,
+        None => {
+            let id = event.fields.iter().find(|(k, _)| k == "jobId").map(|(_, v)| v.as_str()).unwrap_or_default();
+            let job = tx.get_record::<JobRecord>(&keys.job(id))?;
+            let value = job.filter(|j| j.return_value_event == Some(event.seq)).and_then(|j| j.return_value);
+            value.ok_or_else(|| lost("return value"))?
+        }
+    };
+    let value = String::from_utf8(value).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+    let size = in_page + value.len();
+    let mut event: Event = event.into();
+    if let Some((_, field)) = event.fields.iter_mut().find(|(k, _)| k == model::RETURN_VALUE_FIELD) {
+        *field = value;
+    }
+    Ok((event, size))
 }
 
 pub fn last_event_seq(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError> {
