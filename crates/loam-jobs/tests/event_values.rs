@@ -24,6 +24,9 @@ use loam_jobs::store::redb::{RedbOptions, RedbStore};
 use loam_jobs::*;
 use proptest::prelude::*;
 
+#[path = "support/cases.rs"]
+mod cases;
+
 const NS: &str = "ns";
 const Q: &str = "q";
 const IDS: [&str; 3] = ["a", "b", "c"];
@@ -184,14 +187,8 @@ fn run_steps(steps: &[Step]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
-    // No regression files: this test writes nothing into the source tree.
-    ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() }
-}
-
 proptest! {
-    #![proptest_config(config())]
+    #![proptest_config(cases::config())]
 
     #[test]
     fn completed_events_read_their_completions_value(steps in proptest::collection::vec(step_strategy(), 1..80)) {

@@ -49,6 +49,9 @@ use loam_jobs::*;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
+#[path = "support/cases.rs"]
+mod cases;
+
 const NS: &str = "ns";
 const Q: &str = "q";
 const START_MS: u64 = 1_000_000;
@@ -1067,14 +1070,8 @@ fn run_steps(steps: &[Step], writes: Writes) -> Result<(), TestCaseError> {
     result
 }
 
-fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
-    // No regression files: this test writes nothing into the source tree.
-    ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() }
-}
-
 proptest! {
-    #![proptest_config(config())]
+    #![proptest_config(cases::config())]
 
     /// Design 26 §6 over random interleavings, with clean restarts.
     #[test]
