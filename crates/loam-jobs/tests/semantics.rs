@@ -1183,6 +1183,30 @@ fn a_read_of_large_events_stops_at_its_byte_bound() {
     assert_eq!(query::MAX_EVENT_BYTES_PER_READ, 8 << 20);
 }
 
+/// A return value lent to its event counts toward a read's bound as any
+/// large event's fields: two of 3 MiB fit in 8 MiB, the third is read next.
+#[test]
+fn a_read_of_lent_return_values_stops_at_its_byte_bound() {
+    let (jobs, _) = core();
+    let value = |i: usize| format!("\"{i}{}\"", "x".repeat(3 << 20));
+    for i in 0..3 {
+        jobs.enqueue("ns", "q", job(&format!("j{i}"))).wait().unwrap();
+    }
+    for i in 0..3 {
+        let l = lease_one(&jobs, "q").unwrap();
+        ok(&jobs, "q", &l, &value(i));
+    }
+    let values = |events: &[Event]| -> Vec<String> {
+        let completed = events.iter().filter(|e| e.name == "completed");
+        completed.map(|e| e.fields[1].1.clone()).collect()
+    };
+    let first = jobs.read_events_blocking("ns", "q", Some(0), 1_000, Duration::ZERO).unwrap();
+    assert_eq!(values(&first), [value(0), value(1)]);
+    let after = first.last().unwrap().seq;
+    let rest = jobs.read_events_blocking("ns", "q", Some(after), 1_000, Duration::ZERO).unwrap();
+    assert_eq!(values(&rest), [value(2)]);
+}
+
 #[test]
 fn read_events_waits_for_the_next_event() {
     let (jobs, _) = core();

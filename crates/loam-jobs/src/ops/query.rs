@@ -206,10 +206,9 @@ pub fn events_after(tx: &mut Tx, q: &QueueId, after: u64, limit: usize) -> Resul
             if event.seq <= after {
                 continue;
             }
-            let (event, size) = read_event(tx, q, event, record.len())?;
-            if !out.is_empty() && bytes.saturating_add(size) > MAX_EVENT_BYTES_PER_READ {
-                return Ok(out);
-            }
+            // One event at least, whatever its size.
+            let room = if out.is_empty() { usize::MAX } else { MAX_EVENT_BYTES_PER_READ.saturating_sub(bytes) };
+            let Some((event, size)) = read_event(tx, q, event, record.len(), room)? else { return Ok(out) };
             bytes = bytes.saturating_add(size);
             out.push(event);
             if out.len() == limit {
@@ -221,16 +220,26 @@ pub fn events_after(tx: &mut Tx, q: &QueueId, after: u64, limit: usize) -> Resul
 }
 
 /// An event whole, from its record in its page, and its size: the bytes read
-/// for it (see [`model::EventPlacement`]).
-fn read_event(tx: &mut Tx, q: &QueueId, event: model::PagedEvent, in_page: usize) -> Result<(Event, usize), JobsError> {
+/// for it (see [`model::EventPlacement`]). None when it is larger than `room`:
+/// sized before its fields are decoded, an event past a read's bound stays unread.
+fn read_event(
+    tx: &mut Tx,
+    q: &QueueId,
+    event: model::PagedEvent,
+    in_page: usize,
+    room: usize,
+) -> Result<Option<(Event, usize)>, JobsError> {
     let lost = |what: &str| JobsError::Internal(format!("event {} of queue {} has lost its {what}", event.seq, q.name));
     let keys = QueueKeys::new(q);
     if event.body {
         let body = tx.get(&keys.event_body(event.seq))?.ok_or_else(|| lost("fields"))?;
-        return Ok((model::decode::<model::PagedEvent>(&body)?.into(), body.len()));
+        if body.len() > room {
+            return Ok(None);
+        }
+        return Ok(Some((model::decode::<model::PagedEvent>(&body)?.into(), body.len())));
     }
     if !event.lent_value {
-        return Ok((event.into(), in_page));
+        return Ok((in_page <= room).then(|| (event.into(), in_page)));
     }
     // Given back to the event under its own key once the job went or forgot
     // it; until then, the job's record's.
@@ -243,13 +252,16 @@ fn read_event(tx: &mut Tx, q: &QueueId, event: model::PagedEvent, in_page: usize
             value.ok_or_else(|| lost("return value"))?
         }
     };
-    let value = String::from_utf8(value).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
     let size = in_page + value.len();
+    if size > room {
+        return Ok(None);
+    }
+    let value = String::from_utf8(value).unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
     let mut event: Event = event.into();
     if let Some((_, field)) = event.fields.iter_mut().find(|(k, _)| k == model::RETURN_VALUE_FIELD) {
         *field = value;
     }
-    Ok((event, size))
+    Ok(Some((event, size)))
 }
 
 pub fn last_event_seq(tx: &mut Tx, q: &QueueId) -> Result<u64, JobsError> {
