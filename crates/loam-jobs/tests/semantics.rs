@@ -48,6 +48,13 @@ fn events(jobs: &Jobs, q: &str) -> Vec<(String, Vec<(String, String)>)> {
         .collect()
 }
 
+/// How many events of `q` keep their fields, or a given-back return value,
+/// under a key of their own.
+fn event_bodies(jobs: &Jobs, q: &str) -> usize {
+    let range = keys::QueueKeys::new(&QueueId::new("ns", q)).event_bodies(0, u64::MAX);
+    jobs.read("ns", |tx| tx.scan(&range, 10_000, false)).unwrap().len()
+}
+
 fn event_names(jobs: &Jobs, q: &str) -> Vec<String> {
     events(jobs, q).into_iter().map(|(n, _)| n).collect()
 }
@@ -1055,10 +1062,6 @@ fn large_events_read_back_whole_and_go_with_their_page() {
     for i in 0..300 {
         publish(i);
     }
-    let bodies = |jobs: &Jobs| {
-        let range = keys::QueueKeys::new(&QueueId::new("ns", "q")).event_bodies(0, u64::MAX);
-        jobs.read("ns", |tx| tx.scan(&range, 10_000, false)).unwrap().len()
-    };
     let kept = jobs.read_events_blocking("ns", "q", Some(0), 10_000, Duration::ZERO).unwrap();
     assert_eq!(kept.iter().map(|e| e.seq).collect::<Vec<_>>(), (201..=300).collect::<Vec<_>>());
     for e in &kept {
@@ -1075,12 +1078,12 @@ fn large_events_read_back_whole_and_go_with_their_page() {
     assert_eq!(paged.last(), Some(&300));
     // The trimmed pages (events 1 to 191, three pages) took their bodies with
     // them: what is left are those of the pages still read (192 to 300).
-    let left = bodies(&jobs);
+    let left = event_bodies(&jobs, "q");
     assert_eq!(left, (192..=300).filter(|s: &usize| (s - 1).is_multiple_of(3)).count(), "bodies of trimmed pages kept");
     // Obliterate takes the rest.
     jobs.admin("ns", "q", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
     jobs.admin("ns", "q", |tx, q| admin::obliterate(tx, q, true, u64::MAX)).wait().unwrap();
-    assert_eq!(bodies(&jobs), 0);
+    assert_eq!(event_bodies(&jobs, "q"), 0);
 }
 
 /// A large return value of a job that is kept is written once, in the job's
@@ -1090,11 +1093,6 @@ fn large_events_read_back_whole_and_go_with_their_page() {
 #[test]
 fn a_large_return_value_is_written_once_and_its_event_reads_it_whatever_the_job_becomes() {
     let (jobs, _) = core();
-    let qid = QueueId::new("ns", "q");
-    let bodies = |jobs: &Jobs| {
-        let range = keys::QueueKeys::new(&qid).event_bodies(0, u64::MAX);
-        jobs.read("ns", |tx| tx.scan(&range, 10_000, false)).unwrap().len()
-    };
     let value = |tag: &str| format!("\"{tag}{}\"", "x".repeat(10_000));
     let run = |id: &str, result: &[u8], retention: Option<Retention>| {
         let req = EnqueueRequest { job_id: Some(id.into()), remove_on_complete: retention, ..job(id) };
@@ -1102,18 +1100,16 @@ fn a_large_return_value_is_written_once_and_its_event_reads_it_whatever_the_job_
         let l = lease_one(&jobs, "q").unwrap();
         finish(&jobs, "q", &l, Outcome::Ok { result: Some(result.to_vec()) }).unwrap();
     };
+    // Each `completed` event's job id and return value.
     let completed = |jobs: &Jobs| -> Vec<(String, String)> {
-        let all = jobs.read_events_blocking("ns", "q", Some(0), 10_000, Duration::ZERO).unwrap();
-        all.into_iter()
-            .filter(|e| e.name == "completed")
-            .map(|e| (e.fields[0].1.clone(), e.fields[1].1.clone()))
-            .collect()
+        let all = events(jobs, "q").into_iter().filter(|(name, _)| name == "completed");
+        all.map(|(_, mut fields)| (std::mem::take(&mut fields[0].1), std::mem::take(&mut fields[1].1))).collect()
     };
     for id in ["kept", "removed", "retried", "readded"] {
         run(id, value(id).as_bytes(), None);
     }
     // Not one copy in an event: the values are the records'.
-    assert_eq!(bodies(&jobs), 0);
+    assert_eq!(event_bodies(&jobs, "q"), 0);
     let first: Vec<(String, String)> =
         ["kept", "removed", "retried", "readded"].iter().map(|id| (id.to_string(), value(id))).collect();
     assert_eq!(completed(&jobs), first);
@@ -1128,7 +1124,7 @@ fn a_large_return_value_is_written_once_and_its_event_reads_it_whatever_the_job_
     run("readded", value("anew").as_bytes(), None);
     // Given to their events: the removed job's, the retried job's first and
     // the readded job's first.
-    assert_eq!(bodies(&jobs), 3);
+    assert_eq!(event_bodies(&jobs, "q"), 3);
     // Kept by count: this completion drops every older job but itself, each
     // giving its value to its event (kept's, retried's second, readded's second).
     let keep_one = Retention::Keep(Keep { count: Some(1), ..Default::default() });
@@ -1136,7 +1132,7 @@ fn a_large_return_value_is_written_once_and_its_event_reads_it_whatever_the_job_
     let mut raw = value("raw").into_bytes();
     raw[1] = 0xff;
     run("raw", &raw, Some(keep_one));
-    assert_eq!(bodies(&jobs), 6);
+    assert_eq!(event_bodies(&jobs, "q"), 6);
     assert_eq!(jobs.get_job("ns", "q", "raw").unwrap().unwrap().return_value, Some(raw.clone()));
     let mended = String::from_utf8_lossy(&raw).into_owned();
     let mut want = first;
@@ -1144,7 +1140,7 @@ fn a_large_return_value_is_written_once_and_its_event_reads_it_whatever_the_job_
     assert_eq!(completed(&jobs), want);
     // Removed at once: the value goes in its event, as any large event's fields.
     run("gone", value("gone").as_bytes(), Some(Retention::RemoveImmediately));
-    assert_eq!(bodies(&jobs), 7);
+    assert_eq!(event_bodies(&jobs, "q"), 7);
     want.push(("gone".into(), value("gone")));
     assert_eq!(completed(&jobs), want);
 
@@ -1154,13 +1150,13 @@ fn a_large_return_value_is_written_once_and_its_event_reads_it_whatever_the_job_
     run("late", value("late").as_bytes(), None);
     jobs.admin("ns", "q", |tx, q| admin::publish_event(tx, q, "mine", &[], 1)).wait().unwrap();
     assert!(completed(&jobs).is_empty());
-    let before = bodies(&jobs);
+    let before = event_bodies(&jobs, "q");
     assert!(jobs.admin("ns", "q", |tx, q| admin::remove_job(tx, q, "late", false)).wait().unwrap());
-    assert_eq!(bodies(&jobs), before);
+    assert_eq!(event_bodies(&jobs, "q"), before);
     assert_eq!(jobs.get_job("ns", "q", "raw").unwrap().unwrap().return_value, Some(raw));
     jobs.admin("ns", "q", |tx, q| admin::set_paused(tx, q, true)).wait().unwrap();
     jobs.admin("ns", "q", |tx, q| admin::obliterate(tx, q, true, u64::MAX)).wait().unwrap();
-    assert_eq!(bodies(&jobs), 0);
+    assert_eq!(event_bodies(&jobs, "q"), 0);
 }
 
 /// A read of the log takes about 8 MiB of events at most, one at least,
