@@ -476,7 +476,7 @@ impl<'a> Tx<'a> {
     /// ([`EventPlacement::LentValue`]), which the caller points at the
     /// returned sequence number and saves.
     pub fn completed_event_lent_value(&mut self, q: &QueueId, id: &str, prev: &str) -> Result<u64, JobsError> {
-        let fields = [("jobId", id), (model::RETURN_VALUE_FIELD, ""), ("prev", prev)];
+        let fields = [(model::JOB_ID_FIELD, id), (model::RETURN_VALUE_FIELD, ""), ("prev", prev)];
         self.append_event(q, "completed", &fields, EventPlacement::LentValue)
     }
 

@@ -75,6 +75,10 @@ pub(crate) const INLINE_EVENT_BYTES: usize = 2048;
 /// The field of a `completed` event that holds the job's return value.
 pub(crate) const RETURN_VALUE_FIELD: &str = "returnvalue";
 
+/// The field of a job's event that holds its id: a lent return value is read
+/// from the record it names.
+pub(crate) const JOB_ID_FIELD: &str = "jobId";
+
 /// An event's record as its page holds it (see [`EventRef`]); records
 /// written before `body` or `lent_value` existed read as inline.
 #[derive(Deserialize)]

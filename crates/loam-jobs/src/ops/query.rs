@@ -246,7 +246,12 @@ fn read_event(
     let value = match tx.get(&keys.event_body(event.seq))? {
         Some(given) => given,
         None => {
-            let id = event.fields.iter().find(|(k, _)| k == "jobId").map(|(_, v)| v.as_str()).unwrap_or_default();
+            let id = event
+                .fields
+                .iter()
+                .find(|(k, _)| k == model::JOB_ID_FIELD)
+                .map(|(_, v)| v.as_str())
+                .unwrap_or_default();
             let job = tx.get_record::<JobRecord>(&keys.job(id))?;
             let value = job.filter(|j| j.return_value_event == Some(event.seq)).and_then(|j| j.return_value);
             value.ok_or_else(|| lost("return value"))?
