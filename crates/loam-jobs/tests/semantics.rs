@@ -1993,6 +1993,35 @@ fn retention_by_age_removes_old_finished_jobs() {
     assert_eq!(kept, ["2", "3"]);
 }
 
+/// Past its `limit`, the removal by age takes the newest expired jobs first
+/// and leaves the oldest for a later finish, as Redis's does (a reverse range
+/// of the expired ones); a `count` then trims the oldest of what it left.
+#[test]
+fn retention_by_age_with_a_limit_removes_the_newest_expired_first_then_the_count_the_oldest() {
+    for (state, count, kept) in [
+        (JobState::Completed, None, ["1", "2", "4"].as_slice()),
+        (JobState::Failed, None, &["1", "2", "4"]),
+        (JobState::Completed, Some(2), &["2", "4"]),
+        (JobState::Failed, Some(2), &["2", "4"]),
+    ] {
+        let (jobs, clock) = core();
+        let keep = Retention::Keep(Keep { age_ms: Some(1000), limit: Some(1), count });
+        let end = |l: &Lease| if state == JobState::Completed { ok(&jobs, "q", l, "1") } else { fail(&jobs, "q", l) };
+        for i in 0..4 {
+            if i == 3 {
+                clock.advance(1100);
+            }
+            let request =
+                EnqueueRequest { remove_on_complete: Some(keep), remove_on_fail: Some(keep), ..job(&format!("j{i}")) };
+            jobs.enqueue("ns", "q", request).wait().unwrap();
+            end(&lease_one(&jobs, "q").unwrap());
+            clock.advance(10);
+        }
+        let left = jobs.query("ns", "q", |tx, q| query::range(tx, q, state, 0, -1, true)).unwrap();
+        assert_eq!(left, kept, "{state:?}, count {count:?}");
+    }
+}
+
 /// An age of 0 keeps no finished job, the one finishing included, as Redis
 /// removes every job finished at or before now; a limit of 0 removes none.
 #[test]

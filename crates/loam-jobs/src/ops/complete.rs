@@ -503,24 +503,26 @@ fn keep_or_purge(tx: &mut Tx, q: &QueueId, job: &mut JobRecord, retention: Reten
             keys.failed(cutoff, u64::MAX)
         };
         let expired = crate::kv::KeyRange::new(range.start.clone(), upto);
-        old.extend(tx.scan(&expired, limit, false)?.into_iter().map(|(_, v)| String::from_utf8_lossy(&v).into_owned()));
+        // The newest expired first, as Redis's removal by age takes them: past
+        // `limit`, the oldest wait for a later finish.
+        old.extend(tx.scan(&expired, limit, true)?.into_iter().map(|(_, v)| String::from_utf8_lossy(&v).into_owned()));
     }
     if let Some(count) = keep.count
-        && let excess = tx.stats(q)?.count(job.state).saturating_sub(count) as usize
+        && let excess = tx.stats(q)?.count(job.state).saturating_sub(old.len() as u64).saturating_sub(count) as usize
         && excess > 0
     {
-        // Both rules drop the oldest first, so the union is a prefix. This
-        // job stays, and may sort among the oldest (finished in the same
-        // millisecond as jobs added after it): one more is read, so that
-        // `count` are still all that is kept.
-        let oldest = tx.scan(&range, excess + 1, false)?;
-        let others =
-            oldest.into_iter().map(|(_, v)| String::from_utf8_lossy(&v).into_owned()).filter(|id| *id != job.id);
-        for id in others.take(excess) {
-            if !old.contains(&id) {
-                old.push(id);
-            }
-        }
+        // Then, as in Redis, the oldest of what the age left, past `count`.
+        // This job stays, and may sort among the oldest (finished in the same
+        // millisecond as jobs added after it): the scan reads past it and past
+        // every job the age took, so that `count` are still all that is kept.
+        let oldest = tx.scan(&range, excess + old.len() + 1, false)?;
+        let others: Vec<String> = oldest
+            .into_iter()
+            .map(|(_, v)| String::from_utf8_lossy(&v).into_owned())
+            .filter(|id| *id != job.id && !old.contains(id))
+            .take(excess)
+            .collect();
+        old.extend(others);
     }
     // The removal by age takes this job too when it finished at or before the
     // cutoff (an age of 0), as Redis's does; the one by count never does.
