@@ -1343,6 +1343,26 @@ fn expired_idempotency_records_are_purged_and_live_ones_kept() {
     assert_eq!(purge().unwrap(), 0, "each record is purged once");
 }
 
+/// A key's ttl runs on the core's clock, as a key's TTL does on Redis, not
+/// on its caller's: a remote client five minutes behind had its add's record
+/// purged as soon as it was written, and its repeat added the job twice.
+#[test]
+fn an_idempotency_key_lives_its_ttl_whatever_its_callers_clock_says() {
+    let (jobs, clock) = core();
+    let purge = || jobs.write("", true, |tx| loam_jobs::ops::idempotency::purge_expired(tx, 100)).wait().unwrap();
+    let keyed = EnqueueRequest { idempotency: Some(Idempotency { key: "k".into(), ttl_ms: Some(60_000) }), ..job("a") };
+    let behind = jobs.at(clock.now_ms() - 300_000);
+    assert!(behind.enqueue("ns", "q", keyed.clone()).wait().unwrap().created);
+    assert_eq!(purge(), 0, "the key is a minute old by nobody's clock");
+    clock.advance(30_000);
+    assert!(!jobs.at(clock.now_ms() - 300_000).enqueue("ns", "q", keyed.clone()).wait().unwrap().created);
+    // Nor does a caller's clock ahead end it early.
+    assert!(!jobs.at(clock.now_ms() + 300_000).enqueue("ns", "q", keyed.clone()).wait().unwrap().created);
+    assert_eq!(jobs.counts("ns", "q", &[JobState::Waiting]).unwrap(), vec![1]);
+    clock.advance(31_000);
+    assert_eq!(purge(), 1);
+}
+
 /// A bulk add under a key for the whole call, sent again, answers each job
 /// the first call made and adds none twice; a job it refused is tried again,
 /// and answered as made from then on. One record keeps the call.
@@ -1478,13 +1498,77 @@ fn a_completion_made_again_under_its_key_gives_its_first_answer() {
             assert!(matches!(complete_a(Some("k1")), Err(JobsError::NotFound(Missing::Job(_)))));
         }
         if !removed {
-            // Run again and leased by another worker, `a` no longer answers to the key.
+            // Run again and leased by another worker, `a` still knows the key
+            // (its completion was applied), and any other completion is fenced.
             jobs.admin("ns", "q", |tx, q| admin::retry_finished(tx, q, "1", JobState::Completed, false, false))
                 .wait()
                 .unwrap();
             let other = LeaseRequest { max: 2, token: "w2".into(), ..Default::default() };
-            assert!(jobs.lease("ns", "q", other).wait().unwrap().leases.iter().any(|l| l.job.id == "1"));
-            assert!(matches!(complete_a(Some("k1")), Err(JobsError::Fenced { .. })));
+            let leased = jobs.lease("ns", "q", other).wait().unwrap().leases;
+            let a_again = leased.iter().find(|l| l.job.id == "1").unwrap();
+            // Still its first answer: it was applied, and it is not again.
+            let late = complete_a(Some("k1")).unwrap();
+            assert!(late.replayed && late.state == Some(JobState::Active), "{late:?}");
+            let a_now = jobs.get_job("ns", "q", "1").unwrap().unwrap();
+            assert_eq!((a_now.state, a_now.epoch), (JobState::Active, a_again.epoch));
+            assert!(matches!(complete_a(Some("k3")), Err(JobsError::Fenced { .. })));
+        }
+    }
+}
+
+/// A retry or delay sent again under its key after its job was leased anew
+/// (its answer was lost, and the worker's resend came later) answers what it
+/// first did and is not applied again: the attempt is counted once and the
+/// new lease stands. With BullMQ's manual processing the new lease may carry
+/// the old one's token (`lease_one` always takes "w"), which the fence lets
+/// through, and a token-less `moveToDelayed` is not fenced at all. So too
+/// when another keyed completion ended the job in between.
+#[test]
+fn a_completion_made_again_after_its_job_was_leased_anew_is_not_applied_twice() {
+    let retry = || Outcome::Retry { error: Some(JobError::new("again")), after_ms: Some(0) };
+    for delay in [false, true] {
+        let case = if delay { "delay, unfenced" } else { "retry, same token" };
+        let fence = if delay { Fence::Unchecked } else { Fence::Token("w".into()) };
+        let outcome = |now: u64| {
+            if delay {
+                Outcome::Delay { until: now + 100, delay_ms: None }
+            } else {
+                Outcome::Retry { error: None, after_ms: Some(0) }
+            }
+        };
+        for ended_between in [false, true] {
+            let (jobs, clock) = core();
+            jobs.enqueue("ns", "q", EnqueueRequest { attempts: 5, ..job("a") }).wait().unwrap();
+            let keyed = |key: &str| CompleteOptions {
+                idempotency: Some(Idempotency { key: key.into(), ttl_ms: None }),
+                ..Default::default()
+            };
+            let first_lease = lease_one(&jobs, "q").unwrap();
+            let complete =
+                |fence: Fence, outcome, key| jobs.complete("ns", "q", "1", fence, outcome, keyed(key)).wait();
+            let first = complete(fence.clone(), outcome(clock.now_ms()), "k1").unwrap();
+            assert!(!first.replayed, "{case}");
+            clock.advance(200);
+            let mut lease = lease_one(&jobs, "q").unwrap();
+            if ended_between {
+                // Another keyed completion ends the job, and it is leased again.
+                complete(Fence::Epoch(lease.epoch), retry(), "k2").unwrap();
+                lease = lease_one(&jobs, "q").unwrap();
+            }
+            assert!(lease.epoch > first_lease.epoch);
+            let before = jobs.get_job("ns", "q", "1").unwrap().unwrap();
+            let again = complete(fence.clone(), outcome(clock.now_ms()), "k1").unwrap();
+            assert!(again.replayed, "{case}, ended between {ended_between}");
+            assert_eq!(again.state, Some(JobState::Active), "{case}, ended between {ended_between}");
+            let after = jobs.get_job("ns", "q", "1").unwrap().unwrap();
+            assert_eq!(
+                (after.state, after.epoch, after.attempts_made, after.attempts_started),
+                (JobState::Active, lease.epoch, before.attempts_made, before.attempts_started),
+                "{case}, ended between {ended_between}: applied again"
+            );
+            // The lease it did not disturb ends as usual.
+            finish(&jobs, "q", &lease, Outcome::Ok { result: None }).unwrap();
+            assert_eq!(state(&jobs, "q", "1"), Some(JobState::Completed), "{case}");
         }
     }
 }

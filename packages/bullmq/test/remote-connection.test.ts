@@ -571,6 +571,53 @@ describeRemote('remote connection failures', () => {
     expect((await queue.getJob(second.id!))?.stalledCounter).toBe(0);
   });
 
+  // Its answer lost, a retry or delay is sent again once the connection is
+  // back, by when its job may have been leased anew: the job's record keeps
+  // the completion's key through the new lease, so the repeat is its first
+  // answer again. Before, BullMQ's manual processing (one token for every
+  // job) had the attempt counted twice, another worker's token had the
+  // applied retry reported as a lock mismatch, and a token-less
+  // `moveToDelayed` took the job from the worker that held it.
+  it.each([
+    ['a retry, the job leased anew under the same token', 'same token'],
+    ['a retry, the job leased anew by another worker', 'other token'],
+    ['a token-less delay, the job leased anew when due', 'delay'],
+  ] as const)('%s: sent again, it gives its first answer and is not applied twice', async (_, kind) => {
+    const link = await proxy();
+    const { through, direct } = classes({ url: link.url });
+    const name = `q-${randomUUID()}`;
+    const queue = new direct.Queue(name, { connection: {} });
+    const held = new through.Worker(name, null, { connection: {}, autorun: false });
+    const next = new direct.Worker(name, null, { connection: {}, autorun: false });
+    onTestFinished(async () => {
+      await Promise.all([held.close(), next.close(), queue.close()]);
+    });
+    await Promise.all([held.waitUntilReady(), next.waitUntilReady()]);
+    const added = await queue.add('j', {}, { attempts: 3 });
+    const token = 'manual';
+    const job = await held.getNextJob(token, { block: false });
+    expect(job?.id).toBe(added.id);
+    link.holdReplies();
+    const ending =
+      kind === 'delay' ? job.moveToDelayed(Date.now() + 200) : job.moveToFailed(new Error('again'), token);
+    ending.catch(() => undefined);
+    const parked = kind === 'delay' ? 'delayed' : 'waiting';
+    await vi.waitFor(async () => expect(await queue.getJobState(added.id!)).toBe(parked), { interval: 20 });
+    const attemptsMade = (await queue.getJob(added.id!))?.attemptsMade;
+    await vi.waitFor(
+      async () => expect((await next.getNextJob(kind === 'other token' ? 'other' : token, { block: false }))?.id).toBe(added.id),
+      { timeout: 5_000, interval: 50 },
+    );
+    link.cut();
+    link.passReplies();
+    await ending;
+    const after = await queue.getJob(added.id!);
+    expect({ state: await queue.getJobState(added.id!), attemptsMade: after?.attemptsMade }).toEqual({
+      state: 'active',
+      attemptsMade,
+    });
+  });
+
   it("a lease whose connection is cut is sent again, not failed (BullMQ's Worker then waited 15 s)", async () => {
     const { link, through, name, queue, first, second } = await twoJobsBehindProxy();
     const worker = new through.Worker(name, null, { connection: {}, autorun: false });

@@ -226,8 +226,9 @@ pub struct JobRecord {
     /// its counts in those fields until its next child moves them out.
     #[serde(default)]
     pub children_counted: bool,
-    /// The idempotency key of the completion that ended its last lease, until
-    /// it is leased again: that completion, sent again, is recognized by it.
+    /// The idempotency key of the last keyed completion that ended a lease of
+    /// it, kept through later leases: that completion, sent again, is
+    /// recognized by it (see `complete::complete`).
     #[serde(default)]
     pub ended_by: Option<String>,
     /// `data` lives under a key of its own ([`crate::keys::QueueKeys::job_data`]),

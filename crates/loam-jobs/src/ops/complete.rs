@@ -34,14 +34,18 @@ pub fn check_children(job: &JobRecord) -> Result<(), JobsError> {
 ///
 /// With an idempotency key in `opts`, a completion sent again after its
 /// answer was lost answers what it first did: the key stays on the job it
-/// ended (`ended_by`, until the job is leased again) and on the leases it
-/// took for the next jobs (`taken_by`), records written anyway. So the
-/// worker gets its next job back instead of leaving it to stall. A job that
-/// retention removed at once leaves the key in an idempotency record of its
-/// own (its record is gone), for the key's ttl. (One that a later
-/// completion's retention trimmed before the repeat came is known only by
-/// the next jobs its completion took; if it took none, the repeat is
-/// answered as any call on a missing job is.)
+/// ended (`ended_by`, through later leases, until another keyed completion
+/// ends the job) and on the leases it took for the next jobs (`taken_by`),
+/// records written anyway. So the worker gets its next job back instead of
+/// leaving it to stall, and a retry or delay sent again after the job was
+/// leased anew is not applied twice (with BullMQ's manual processing the new
+/// lease may have the old one's token, which the fence would let through).
+/// The key moves to an idempotency record of its own, for the key's ttl,
+/// when the job goes (retention removed it at once) or when a later keyed
+/// completion takes its place on the job. (One that a later completion's
+/// retention trimmed before the repeat came is known only by the next jobs
+/// its completion took; if it took none, the repeat is answered as any call
+/// on a missing job is.)
 pub fn complete(
     tx: &mut Tx,
     q: &QueueId,
@@ -65,8 +69,17 @@ pub fn complete(
     }
     let mut job = job.ok_or_else(|| JobsError::job_missing(id))?;
     let key = opts.idempotency.as_ref().map(|i| i.key.as_str());
-    job.ended_by = key.map(str::to_string);
-    complete_job(tx, q, job, fence, outcome, opts, key)
+    let earlier = std::mem::replace(&mut job.ended_by, key.map(str::to_string));
+    let done = complete_job(tx, q, job, fence, outcome, opts, key)?;
+    if let (Some(earlier), Some(idem)) = (earlier, &opts.idempotency)
+        && earlier != idem.key
+    {
+        // The earlier completion may still be sent again (its answer lost).
+        let earlier = Idempotency { key: earlier, ttl_ms: idem.ttl_ms };
+        let answer = idempotency::Answer { finished_on: done.finished_on, ..Default::default() };
+        idempotency::remember(tx, q, &earlier, CallHash::of(completion_hash(id)), id, answer)?;
+    }
+    Ok(done)
 }
 
 /// [`complete`], then, in the same transaction, how long the queue stays rate
@@ -121,13 +134,17 @@ fn completed_before(
     idem: &Idempotency,
 ) -> Result<Option<Completed>, JobsError> {
     let key = idem.key.as_str();
-    let ended = job.is_some_and(|j| j.ended_by.as_deref() == Some(key));
-    if job.is_some() && !ended {
-        return Ok(None);
-    }
-    let removed = match job {
-        Some(_) => None,
-        None => idempotency::recall(tx, q, idem, CallHash::of(completion_hash(id)), None)?,
+    let call = CallHash::of(completion_hash(id));
+    // The job holds the key of the keyed completion that ended it last; an
+    // earlier one's key is in a record of its own, as a removed job's is.
+    let (ended, removed) = match job {
+        Some(j) if j.ended_by.as_deref() == Some(key) => (true, None),
+        Some(j) if j.ended_by.is_none() => return Ok(None),
+        Some(_) => match idempotency::recall(tx, q, idem, call, None)? {
+            Some(_) => (true, None),
+            None => return Ok(None),
+        },
+        None => (false, idempotency::recall(tx, q, idem, call, None)?),
     };
     let mut leases = Vec::new();
     for (_, id) in tx.scan(&QueueKeys::new(q).active_all(), usize::MAX, false)? {

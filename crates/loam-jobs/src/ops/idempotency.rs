@@ -8,7 +8,11 @@
 //! Adds and reports leave a record under their key (a bulk add under a key
 //! for the whole call, one record for all its jobs), which lives for the
 //! key's ttl (the client sets it to the time it may still send again);
-//! [`purge_expired`] takes the space back after. A completion, on the hot
+//! [`purge_expired`] takes the space back after. The ttl runs on the core's
+//! real-time clock (`Tx::ttl_now`), as a key's TTL runs on Redis: counted
+//! from a remote caller's clock minutes behind, a record's expiry was already
+//! past by the core's clock, which the purge goes by, and the caller's
+//! repeat added its job twice. A completion, on the hot
 //! path, leaves its key in the job records it writes anyway instead (see
 //! `complete::complete`): a record of its own was two more B-tree inserts
 //! and, later, two deletes per job.
@@ -73,7 +77,7 @@ pub fn recall(
     let Some(rec) = tx.get_record::<IdempotencyRecord>(&QueueKeys::new(q).idempotency(&idem.key))? else {
         return Ok(None);
     };
-    if rec.expires_at <= tx.now {
+    if rec.expires_at <= tx.ttl_now() {
         return Ok(None);
     }
     if !call.matches(&rec, version_0) {
@@ -106,7 +110,7 @@ pub fn remember(
     answer: Answer,
 ) -> Result<(), JobsError> {
     let ttl = idem.ttl_ms.unwrap_or(tx.config.idempotency_ttl_ms);
-    let expires_at = tx.now.saturating_add(ttl);
+    let expires_at = tx.ttl_now().saturating_add(ttl);
     let Answer { log_count, finished_on, deduplicated, bulk } = answer;
     let rec = IdempotencyRecord {
         request_hash: call.hash,
@@ -139,13 +143,13 @@ pub fn hash_of(request: &impl Serialize) -> u64 {
 /// already ignores them, and this takes back their space. A record written
 /// again under its key since (a later expiry) stays. Returns how many went.
 pub fn purge_expired(tx: &mut Tx, limit: usize) -> Result<u64, JobsError> {
-    let due = tx.scan(&crate::keys::idempotency_expiry_due(tx.now), limit, false)?;
+    let due = tx.scan(&crate::keys::idempotency_expiry_due(tx.ttl_now()), limit, false)?;
     let mut purged = 0;
     for (entry, _) in due {
         tx.delete(&entry)?;
         let Some(record) = crate::keys::idempotency_record_of(&entry) else { continue };
         let rec: Option<IdempotencyRecord> = tx.get_record(record)?;
-        if rec.is_some_and(|r| r.expires_at <= tx.now) {
+        if rec.is_some_and(|r| r.expires_at <= tx.ttl_now()) {
             tx.delete(record)?;
             purged += 1;
         }

@@ -193,7 +193,6 @@ pub fn lease_taken_by(
                 duration_ms: lock_ms,
                 taken_by: taken_by.map(str::to_string),
             });
-            job.ended_by = None;
             // Never before it was due: a job made ready by the core's clock,
             // or by a caller whose clock runs ahead, may be leased by a caller
             // whose clock is behind (a remote worker's, by its message's time
