@@ -30,6 +30,8 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use base64::Engine;
 use connectrpc::{ConnectError, InboundStream, RequestContext, ServiceStream};
@@ -49,7 +51,7 @@ type CallResult = Result<oneof::session_response::Result, ConnectError>;
 
 /// Most answers a session keeps that its client has not read.
 const MAX_UNSENT_ANSWERS: usize = 64;
-/// Most calls in flight on one session (long-polls included).
+/// Most calls in flight on one session, long-polls included.
 const MAX_CALLS: usize = 4096;
 
 /// Opens a session: checks the caller once, then reads requests until the
@@ -85,7 +87,7 @@ async fn read(
     // they hold no budget, and run on only while the client reads answers, so
     // a client that stops reading is handed no job it would not see.
     let mut polls = FuturesUnordered::new();
-    let mut stops: HashMap<u64, AbortHandle> = HashMap::new();
+    let mut stops: HashMap<u64, Stop> = HashMap::new();
     let mut reading = true;
     let mut waiting: Option<Waiting> = None;
     // Answers of calls that finished while the client read none. Other calls
@@ -139,13 +141,13 @@ async fn read(
             }, if waiting.is_some() => {
                 if let Some(Waiting { id, call, .. }) = waiting.take() {
                     match held {
-                        Ok(held) => calls.push(start(&svc, &mut stops, &mut writes, id, call, Some(held))),
+                        Ok(held) => calls.push(start(&svc, &ns, &mut stops, &mut writes, id, call, Some(held))),
                         Err(o) if room => answer(&answers, id, Err(overloaded(&o))),
                         Err(o) => unsent.push_back((id, Err(overloaded(&o)))),
                     }
                 }
             }
-            next = requests.next(), if reading && waiting.is_none() && room && calls.len() < MAX_CALLS => match next {
+            next = requests.next(), if reading && waiting.is_none() && room && calls.len() + polls.len() < MAX_CALLS => match next {
                 None => reading = false,
                 Some(Err(e)) => {
                     reading = false;
@@ -159,12 +161,16 @@ async fn read(
                     let id = request.id;
                     match request.call {
                         None => answer(&answers, id, Err(invalid("a session request names no call"))),
-                        Some(oneof::session_request::Call::Cancel(_)) => {
-                            if let Some(stop) = stops.remove(&id) {
-                                stop.abort();
+                        Some(oneof::session_request::Call::Cancel(_)) => match stops.get(&id) {
+                            Some(Stop::Abort(_)) => {
+                                if let Some(Stop::Abort(stop)) = stops.remove(&id) {
+                                    stop.abort();
+                                }
                                 answer(&answers, id, Err(ConnectError::canceled("the call was canceled")));
                             }
-                        }
+                            Some(Stop::Abandon(abandoned)) => abandoned.store(true, Ordering::Relaxed),
+                            None => {}
+                        },
                         Some(_) if stops.contains_key(&id) => {
                             answer(&answers, id, Err(invalid(format!("call id {id} is already in flight on this session"))));
                         }
@@ -173,9 +179,9 @@ async fn read(
                             let long_poll = is_long_poll(&call);
                             let call = Call { caller: svc.session_caller(&ns, request.now_ms, peer), call, long_poll };
                             if long_poll {
-                                polls.push(start(&svc, &mut stops, &mut writes, id, call, None));
+                                polls.push(start(&svc, &ns, &mut stops, &mut writes, id, call, None));
                             } else if let Some(held) = svc.budget().try_take(size) {
-                                calls.push(start(&svc, &mut stops, &mut writes, id, call, Some(held)));
+                                calls.push(start(&svc, &ns, &mut stops, &mut writes, id, call, Some(held)));
                             } else {
                                 waiting = Some(Waiting { id, taking: Box::pin(svc.budget().take(size)), call });
                             }
@@ -225,7 +231,7 @@ struct Call {
 /// a call cancelled (answered when it was cancelled).
 fn finish(
     answers: &Answers,
-    stops: &mut HashMap<u64, AbortHandle>,
+    stops: &mut HashMap<u64, Stop>,
     unsent: &mut VecDeque<(u64, CallResult)>,
     room: bool,
     id: u64,
@@ -251,6 +257,16 @@ fn is_long_poll(call: &oneof::session_request::Call) -> bool {
         C::Lease(l) => crate::service::lease_waits(l),
         C::Query(q) => crate::service::query_waits(q),
         _ => false,
+    }
+}
+
+/// The queue a write leases jobs from for its caller, if it may.
+fn leasing_queue(call: &oneof::session_request::Call) -> Option<String> {
+    use oneof::session_request::Call as C;
+    match call {
+        C::Lease(l) => Some(l.queue.clone()),
+        C::Complete(c) if c.options.as_option().is_some_and(|o| o.fetch_next.is_set()) => Some(c.queue.clone()),
+        _ => None,
     }
 }
 
@@ -297,13 +313,28 @@ impl Writes {
     }
 }
 
+/// How a cancel stops a call in flight.
+enum Stop {
+    /// A read or a long-poll: dropped, and answered `canceled` at once; a
+    /// long-poll's lease goes back as it is dropped.
+    Abort(AbortHandle),
+    /// A write: its first poll handed it to the core, so it runs to its end
+    /// and is answered then, with the jobs it leased for its caller (a Lease
+    /// that does not wait, a Complete's next job) given back, since the
+    /// caller will not run them. Dropped and answered `canceled`, as it once
+    /// was, it was applied all the same, and a read sent behind it no longer
+    /// waited for it and missed it.
+    Abandon(Arc<AtomicBool>),
+}
+
 /// `call` made ready to run: it holds `held` of the budget until it has
-/// answered, and stops when its handle in `stops` is aborted. A write is
-/// numbered in `writes` (returned with its answer, to be finished there); a
-/// read waits for the writes started before it.
+/// answered, and stops as its entry in `stops` says. A write is numbered in
+/// `writes` (returned with its answer, to be finished there); a read waits
+/// for the writes started before it.
 fn start<'a>(
     svc: &'a JobsSvc,
-    stops: &mut HashMap<u64, AbortHandle>,
+    ns: &'a str,
+    stops: &mut HashMap<u64, Stop>,
     writes: &mut Writes,
     id: u64,
     call: Call,
@@ -312,15 +343,24 @@ fn start<'a>(
     let read = is_read(&call.call);
     let write = (!read && !call.long_poll).then(|| writes.start());
     let before = if read { writes.before_read() } else { None };
+    let abandoned = write.map(|_| Arc::new(AtomicBool::new(false)));
+    let leases_in = abandoned.as_ref().and_then(|_| leasing_queue(&call.call));
+    let abandoned_here = abandoned.clone();
     let run = async move {
         if let Some((mut done, after)) = before {
             // Its sender goes only with the session, whose calls go with it.
             let _ = done.wait_for(|done| *done >= after).await;
         }
-        svc.dispatch(call.caller, call.call).await
+        let mut result = svc.dispatch(call.caller, call.call).await;
+        if let (Some(queue), Ok(answer)) = (leases_in, result.as_mut())
+            && abandoned_here.is_some_and(|a| a.load(Ordering::Relaxed))
+        {
+            svc.give_back_leased(ns, &queue, answer);
+        }
+        result
     };
     let (run, stop) = futures::future::abortable(run);
-    stops.insert(id, stop);
+    stops.insert(id, abandoned.map_or(Stop::Abort(stop), Stop::Abandon));
     run.map(move |result| {
         drop(held);
         (id, write, result)

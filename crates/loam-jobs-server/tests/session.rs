@@ -201,6 +201,36 @@ async fn a_cancelled_lease_leaves_no_job_without_a_holder() {
     assert!(cancelled > 0);
 }
 
+/// A Lease that does not wait is a write: cancelled while it runs, it is not
+/// dropped but answered as it ends, and the job it took goes back at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_lease_that_does_not_wait_gives_back_its_job_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let client = http2_client(&server);
+    let plain = server.client();
+    let mut session = client.session().await.unwrap();
+    let mut cancelled = 0;
+    for i in 0..30u64 {
+        let q = format!("n{i}");
+        plain.enqueue(enqueue_req(&q, job("x", b"{}"))).await.unwrap();
+        session.send(request(i, lease_req(&q, 1, 0, 600_000))).await.unwrap();
+        session.send(request(i, pb::SessionCancel::default())).await.unwrap();
+        let answer = session.message().await.unwrap().unwrap().to_owned_message();
+        let Some(Answer::Lease(l)) = answer.result else { panic!("round {i}: {:?}", answer.result) };
+        if l.leased.as_option().map_or(0, |l| l.leases.len()) == 1 {
+            continue; // answered before the cancel came: the job is ours
+        }
+        cancelled += 1;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while counts(&plain, &q, &["active", "wait"]).await != [0, 1] {
+            assert!(Instant::now() < deadline, "round {i}: a cancelled lease left its job active");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    assert!(cancelled > 0, "no lease was cancelled in flight");
+}
+
 async fn lease_one(c: &Client, q: &str) -> (String, u64) {
     let r = c.lease(lease_req(q, 1, 0, 600_000)).await.unwrap().into_owned();
     let l = r.leased.into_option().unwrap().leases.remove(0);
@@ -218,9 +248,10 @@ fn complete_fetch_next(q: &str, id: &str, epoch_: u64) -> pb::CompleteRequest {
 }
 
 /// The next job a Complete fetched is a lease too: when that call is
-/// cancelled after the server took it, the job it completed stays done, and
-/// the one it leased goes back at once instead of staying active with nobody
-/// holding it (as a cancelled Lease's does).
+/// cancelled after the server took it, the job it completed stays done (a
+/// write runs to its end, and is answered so), and the one it leased goes
+/// back at once instead of staying active with nobody holding it (as a
+/// cancelled Lease's does), and out of its answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_completion_gives_back_the_job_it_fetched() {
     cancelled_completions_give_back_what_they_fetched(|req| req).await;
@@ -254,15 +285,17 @@ async fn cancelled_completions_give_back_what_they_fetched(shape: fn(pb::Complet
         session.send(request(i * 10 + 1, shape(complete_fetch_next(&q, &id, ep)))).await.unwrap();
         session.send(request(i * 10 + 1, pb::SessionCancel::default())).await.unwrap();
         let answer = session.message().await.unwrap().unwrap().to_owned_message();
-        if !matches!(answer.result, Some(Answer::Error(ref e)) if e.code == "canceled") {
-            continue; // answered before the cancel came
+        let Some(Answer::Complete(done)) = answer.result else { panic!("round {i}: {:?}", answer.result) };
+        let next = done.completed.as_option().and_then(|c| c.next.as_option()).map_or(0, |n| n.leases.len());
+        if next == 1 {
+            continue; // answered before the cancel came: the next job is ours
         }
         cancelled += 1;
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let c = counts(&plain, &q, &["completed", "active", "wait"]).await;
-            if c[0] == 0 || c == [1, 0, 1] {
-                break; // not taken at all, or completed with its next job given back
+            if c == [1, 0, 1] {
+                break; // completed, with its next job given back
             }
             assert!(Instant::now() < deadline, "round {i}: completed/active/wait {c:?}: a fetched job has no holder");
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -364,6 +397,45 @@ async fn a_read_sees_the_writes_sent_before_it_on_its_session() {
     }
     assert_eq!(seen, 30);
     assert!(started.elapsed() < Duration::from_secs(10), "the reads waited for the long poll");
+}
+
+/// A cancel of a write in flight does not stop it: the core has it from its
+/// first poll, so a `canceled` answer hid that it was applied, and a read
+/// sent behind it, no longer waiting for it, missed it (30 of 30 before).
+/// The write is answered as it ends, and the read sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_in_flight_is_not_cancelled_and_a_read_behind_it_sees_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &[], &[]);
+    let client = http2_client(&server);
+    let mut session = client.session().await.unwrap();
+    for i in 0..30u64 {
+        let id = format!("j{i}");
+        let add = pb::JobSpec { job_id: Some(id.clone()), ..job("send", b"{}") };
+        session.send(request(100 + 2 * i, enqueue_req("own", add))).await.unwrap();
+        session.send(request(100 + 2 * i, pb::SessionCancel::default())).await.unwrap();
+        let jobs = pb::query_request::Jobs { ids: vec![id], ..Default::default() };
+        session.send(request(101 + 2 * i, query_req("own", jobs.into()))).await.unwrap();
+    }
+    let (mut added, mut seen) = (0, 0);
+    for _ in 0..60 {
+        let answer = session.message().await.unwrap().unwrap().to_owned_message();
+        match answer.result {
+            Some(Answer::Enqueue(e)) => {
+                assert!(e.enqueued.as_option().is_some_and(|e| e.created), "call {}", answer.id);
+                added += 1;
+            }
+            Some(Answer::Query(q)) => {
+                let Some(oneof::query_response::Result::Jobs(jobs)) = q.result else { panic!("jobs") };
+                assert!(jobs.slots[0].job.as_option().is_some(), "call {} missed the add sent ahead of it", answer.id);
+                seen += 1;
+            }
+            other => panic!("call {}: expected its add or its read, got {other:?}", answer.id),
+        }
+    }
+    assert_eq!((added, seen), (30, 30));
+    session.close_send();
+    assert!(session.message().await.unwrap().is_none(), "no answer beyond the calls'");
 }
 
 /// A session whose long-poll is ended by the shutdown answers it, then ends:

@@ -160,7 +160,8 @@ export class Session {
       stream.write(framed);
       if (signal) {
         onAbort = () => {
-          // The server stops the call; its answer (canceled) finds nobody waiting.
+          // The server stops a read or a long-poll (a write it has begun runs to
+          // its end); either answer finds nobody waiting.
           const waiter = this.waiting.get(id);
           if (!waiter) return;
           this.waiting.delete(id);

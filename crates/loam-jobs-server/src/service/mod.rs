@@ -14,7 +14,8 @@ use buffa::view::HasMessageView;
 use connectrpc::{ConnectError, InboundStream, RequestContext, Response, ServiceRequest, ServiceResult, ServiceStream};
 use loam_jobs::ops::{admin, idempotency, lease, query, results, schedule};
 use loam_jobs::{
-    Enqueued, Event, FlowNode, Interrupt, JobState, Jobs, JobsError, LeaseRequest, MetricsKind, Outcome, QueueId,
+    CompleteOptions, Enqueued, Event, Fence, FlowNode, Interrupt, JobState, Jobs, JobsError, LeaseRequest, MetricsKind,
+    Outcome, QueueId,
 };
 use loam_jobs_proto::loam::jobs::v1 as pb;
 use parking_lot::Mutex;
@@ -951,6 +952,27 @@ impl JobsSvc {
             }
             C::Cancel(_) => return Err(invalid("a cancel is not a call")),
         })
+    }
+
+    /// The jobs a session's call leased for a caller that cancelled it while
+    /// it ran (a Lease that does not wait, or a Complete's next job): its
+    /// write runs to its end (see `session`), and these go back at once, as a
+    /// dropped lease's do, and out of its answer.
+    pub(crate) fn give_back_leased(&self, ns: &str, queue: &str, answer: &mut oneof::session_response::Result) {
+        use oneof::session_response::Result as R;
+        let leased = match answer {
+            R::Lease(r) => r.leased.as_option_mut(),
+            R::Complete(r) => r.completed.as_option_mut().and_then(|c| c.next.as_option_mut()),
+            _ => None,
+        };
+        for lease in leased.map(|l| std::mem::take(&mut l.leases)).unwrap_or_default() {
+            let Some(job) = lease.job.into_option() else { continue };
+            // Fenced by the lease's epoch: a job the sweep took back is left alone.
+            let back = Outcome::Release { after_ms: None };
+            self.jobs
+                .complete(ns, queue, &job.id, Fence::Epoch(lease.epoch), back, CompleteOptions::default())
+                .then(|_| {});
+        }
     }
 
     /// The namespace of a session, checked once when it opens.
