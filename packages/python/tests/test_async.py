@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
 
 from loam_jobs import (
     AsyncClient,
@@ -334,6 +336,24 @@ async def test_an_async_watch_takes_a_silent_stream_for_dead(
         stop_server(server)
 
 
+async def test_an_async_watch_closed_between_reconnects_stops_at_once(tmp_path: Path) -> None:
+    # As `Watch`: the pause before a reconnect ran its course first.
+    server = start_server(tmp_path / "data")
+    async with AsyncClient(server.url) as client:
+        watch = client.watch("gone", after=0, max_reconnects=None)
+        stop_server(server)
+
+        async def read() -> list[Any]:
+            return [e async for e in watch]
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(3)
+        closed = time.monotonic()
+        await watch.close()
+        assert await asyncio.wait_for(reader, 5) == []
+        assert time.monotonic() - closed < 0.3
+
+
 async def test_a_closed_async_client_refuses_every_later_call(server: Server, queue: str) -> None:
     async with AsyncClient(server.url) as closed:
         await closed.enqueue(queue, "before", None)
@@ -445,6 +465,123 @@ async def test_a_completion_cancelled_while_it_waits_to_resend_gives_back_what_i
                 break
             await asyncio.sleep(0.05)
         assert counts == {"wait": 1, "active": 0, "completed": 1}
+
+
+async def _counts_once_settled(client: AsyncClient, queue: str) -> dict[str, int]:
+    """The queue's counts once no job is active, or after 2 s."""
+    counts: dict[str, int] = {}
+    for _ in range(40):
+        counts = await client.counts(queue, "wait", "active", "completed")
+        if counts["active"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    return counts
+
+
+async def test_a_completion_cancelled_in_its_retry_pause_as_the_server_restarts_gives_back_its_next_job(
+    tmp_path: Path,
+) -> None:
+    # As above, with the server away when the answer was lost (why it was),
+    # as a restart does: the completion sent again to learn what it fetched
+    # is retried until the server is back. Sent once, it failed, and the
+    # next job stayed with nobody until its lock expired.
+    data_dir = tmp_path / "data"
+    server = start_server(data_dir)
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        async with AsyncClient(server.url) as client:
+            await client.enqueue("q", "first")
+            await client.enqueue("q", "second")
+            first = (await client.lease("q", max_jobs=1))[0]
+            send = client._call
+            lost = asyncio.Event()
+
+            async def losing_as_the_server_stops(call: Any) -> Any:
+                if call.rpc != "complete" or lost.is_set():
+                    return await send(call)
+                await send(call)
+                await asyncio.to_thread(stop_server, server)
+                lost.set()
+                raise UnavailableError("the connection was reset")
+
+            client._call = losing_as_the_server_stops  # type: ignore[method-assign]
+            task = asyncio.create_task(
+                client.complete(first, Success(), fetch_next=1, fetch_next_lock_duration_ms=60_000)
+            )
+            await lost.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.5)
+            server = await asyncio.to_thread(start_server, data_dir, None, port)
+            assert await _counts_once_settled(client, "q") == {"wait": 1, "active": 0, "completed": 1}
+    finally:
+        stop_server(server)
+
+
+async def test_a_completion_cancelled_in_flight_whose_answer_is_then_lost_gives_back_what_it_fetched(
+    server: Server, queue: str
+) -> None:
+    # Cancelled while its request is out, the completion runs on to give back
+    # the job it fetches; its answer lost, it is sent again to learn which.
+    async with AsyncClient(server.url) as client:
+        await client.enqueue(queue, "first")
+        await client.enqueue(queue, "second")
+        first = (await client.lease(queue, max_jobs=1))[0]
+        send = client.stub.complete
+        applied = asyncio.Event()
+
+        async def answer_lost_later(*args: Any, **kwargs: Any) -> Any:
+            answer = await send(*args, **kwargs)
+            if applied.is_set():
+                return answer
+            applied.set()
+            await asyncio.sleep(0.3)
+            raise ConnectError(Code.UNAVAILABLE, "the connection was reset")
+
+        client.stub.complete = answer_lost_later  # type: ignore[method-assign]
+        task = asyncio.create_task(
+            client.complete(first, Success(), fetch_next=1, fetch_next_lock_duration_ms=60_000)
+        )
+        await applied.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.5)
+        assert await _counts_once_settled(client, queue) == {"wait": 1, "active": 0, "completed": 1}
+
+
+async def test_closing_an_async_client_lets_a_cancelled_completion_answer_and_gives_back_its_next_job(
+    server: Server, queue: str
+) -> None:
+    # Cancel the workers, then close the client: a completion fetching the
+    # next job, in flight as its task was cancelled, is not cancelled by
+    # `close()` (only long-polls still waiting are); it answers, and the job
+    # it fetched goes back. Cancelled, it left that job with nobody.
+    client = AsyncClient(server.url)
+    await client.enqueue(queue, "first")
+    await client.enqueue(queue, "second")
+    first = (await client.lease(queue, max_jobs=1))[0]
+    send = client.stub.complete
+    applied = asyncio.Event()
+
+    async def answer_on_its_way(*args: Any, **kwargs: Any) -> Any:
+        answer = await send(*args, **kwargs)
+        applied.set()
+        await asyncio.sleep(0.3)
+        return answer
+
+    client.stub.complete = answer_on_its_way  # type: ignore[method-assign]
+    task = asyncio.create_task(
+        client.complete(first, Success(), fetch_next=1, fetch_next_lock_duration_ms=60_000)
+    )
+    await applied.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await client.close()
+    async with AsyncClient(server.url) as check:
+        assert await _counts_once_settled(check, queue) == {"wait": 1, "active": 0, "completed": 1}
 
 
 async def test_a_lease_cancelled_while_it_waits_to_resend_is_not_sent_again(

@@ -382,6 +382,75 @@ def test_a_process_forked_after_a_client_was_made_is_refused_not_hung(client: Cl
     client.queues()  # the parent's client is unaffected
 
 
+def test_a_watch_open_when_the_process_forked_is_refused_in_the_child_not_hung(
+    client: Client, queue: str
+) -> None:
+    # Its stream is read by a thread of the parent's: in the child, the watch
+    # handed out what that thread had read, then waited for ever.
+    watch = client.watch(queue)
+    client.enqueue(queue, "a")
+    assert next(watch).name == "added"
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            for _ in range(5):
+                next(watch)
+        except loam_jobs.ForkedProcessError:
+            code = 0
+        except BaseException:
+            code = 2
+        os._exit(code)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    assert next(watch).name == "waiting"  # the parent's watch goes on
+    watch.close()
+
+
+def test_ctrl_c_in_the_pause_before_a_completions_retry_gives_back_what_it_fetched(
+    client: Client, queue: str
+) -> None:
+    # The first try completed the job and fetched the next, and its answer was
+    # lost; Ctrl-C comes in the pause before the retry. The completion is sent
+    # again under its key on a helper thread, and the job it fetched goes back
+    # to waiting rather than to nobody until its lock expires.
+    import _thread
+
+    client.enqueue(queue, "first")
+    client.enqueue(queue, "second")
+    first = client.lease(queue, max_jobs=1)[0]
+    send = client._call
+    tries = 0
+
+    def losing_the_first_answer(call: Any) -> Any:
+        nonlocal tries
+        answer = send(call)
+        if call.rpc == "complete":
+            tries += 1
+            if tries == 1:
+                threading.Timer(0.02, _thread.interrupt_main).start()
+                raise UnavailableError("the answer was lost")
+        return answer
+
+    client._call = losing_the_first_answer  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        client.complete(first, Success(), fetch_next=1, fetch_next_lock_duration_ms=60_000)
+    counts: dict[str, int] = {}
+    for _ in range(40):
+        counts = client.counts(queue, "wait", "active", "completed")
+        if counts["active"] == 0:
+            break
+        time.sleep(0.05)
+    # The first try, the one sent again to learn what it fetched, and the release.
+    assert (counts, tries) == ({"wait": 1, "active": 0, "completed": 1}, 3)
+
+
 def test_job_data_that_is_not_json_raises_invalid_json_about_the_job(client: Client, queue: str) -> None:
     client.enqueue(queue, "raw", b"\xff not json")
     leased = client.lease(queue)

@@ -167,6 +167,24 @@ def test_a_watch_closed_from_another_thread_stops_at_once(client: Client, queue:
     _closed_from_another_thread_stops_at_once(client.watch(queue))
 
 
+def test_a_watch_closed_between_reconnects_stops_at_once(tmp_path: Path) -> None:
+    # Its server gone, the watch pauses before each reconnect, longer each
+    # time (up to 2 s): `close()` ended the iteration only once the pause
+    # under way was over.
+    server = start_server(tmp_path / "data")
+    with Client(server.url) as client:
+        watch = client.watch("gone", max_reconnects=None)
+        stop_server(server)
+        reader, outcome = _read_in_a_thread(watch)
+        time.sleep(3)  # several reconnects: the pauses are 0.5 s and more
+        closed = time.monotonic()
+        watch.close()
+        reader.join(timeout=5)
+        assert not reader.is_alive(), "close() did not stop the reading thread"
+        assert time.monotonic() - closed < 0.3
+        assert outcome == ["ended"]
+
+
 def test_a_watch_of_a_frozen_server_closed_from_another_thread_stops_at_once(tmp_path: Path) -> None:
     # With no idle timeout, the reader waited for as long as the server was frozen.
     server = start_server(tmp_path / "data")

@@ -34,12 +34,14 @@ from ._ops import (
     Op,
     Operations,
     Pause,
+    _retried,
     complete,
     own_key_ttl_ms,
     retry_pause,
 )
 from .errors import (
     ClientClosedError,
+    DeadlineExceededError,
     ForkedProcessError,
     InvalidArgumentError,
     LoamJobsError,
@@ -573,6 +575,10 @@ class Client(Operations):
         return self._drive(op)
 
     def _drive(self, op: Op[T]) -> T:
+        # As `AsyncClient._drive`: a completion fetching the next job whose
+        # outcome is unknown (its answer lost), while the operation pauses to
+        # send it again.
+        unknown: Call | None = None
         try:
             step = next(op)
             while True:
@@ -581,17 +587,33 @@ class Client(Operations):
                     if wait is None and step.cause is not None:
                         step = op.throw(step.cause)
                         continue
-                    time.sleep(wait or 0)
+                    try:
+                        time.sleep(wait or 0)
+                    except KeyboardInterrupt:
+                        # Ctrl-C in the pause: the caller will not have the
+                        # jobs the lost try may have fetched, so they go back.
+                        if unknown is not None:
+                            _Helper.start_soon(functools.partial(self._take_back, unknown))
+                        raise
                     step = op.send(None)
                     continue
+                unknown = None
                 try:
                     response = self._call(step)
                 except LoamJobsError as err:
+                    if _takes_jobs(step) and step.rpc == "complete":
+                        unknown = step
                     step = op.throw(err)
                 else:
                     step = op.send(response)
         except StopIteration as done:
             return cast(T, done.value)
+
+    def _take_back(self, call: Call) -> None:
+        """As `AsyncClient._take_back`, on a helper thread: `call` sent again
+        under its key, and the jobs its answer names given back."""
+        with contextlib.suppress(LoamJobsError):
+            self._give_back(call, (True, self._drive(_retried(call))))
 
     def watch(
         self,
@@ -682,6 +704,8 @@ class Watch(Iterator[QueueEvent]):
         # The request of the stream opened last, for the error a refusal to encode it raises.
         self._request: WatchRequest | None = None
         self._closed = False
+        # Set by `close()`: ends a pause before a reconnect at once.
+        self._stopped = threading.Event()
         # Guards `_closed`, `_pump` and the connections together: a stream
         # must not open once `close()` has run, and each is let go once, by
         # whichever thread gets there first.
@@ -712,6 +736,11 @@ class Watch(Iterator[QueueEvent]):
         return pump
 
     def __next__(self) -> QueueEvent:
+        # Before the turn, and before anything is let go: in a process forked
+        # while a stream was open, its pump is the parent's (no thread here
+        # to fill it) and so are its connections, and the turn may have been
+        # held by a thread of the parent's.
+        _not_forked()
         # The turn is held until the stream is let go too: let go after it,
         # a failing thread could close the stream another thread had opened.
         with self._turn:
@@ -748,7 +777,7 @@ class Watch(Iterator[QueueEvent]):
                 self._pump = None
                 if self._closed:
                     break
-                time.sleep(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
+                self._stopped.wait(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
                 continue
             except ConnectError as err:
                 self._pump = None
@@ -757,7 +786,7 @@ class Watch(Iterator[QueueEvent]):
                 if err.code == Code.DEADLINE_EXCEEDED and self._idle_timeout is not None:
                     # The stream has no deadline: a read ran past the idle timeout.
                     err = _silent_stream(self._idle_timeout)
-                time.sleep(self._reconnect.pause_after(from_connect_error(err, self._request)))
+                self._stopped.wait(self._reconnect.pause_after(from_connect_error(err, self._request)))
                 continue
             # A message read as the watch was closed (from another thread)
             # is dropped, and the cursor stays before it: an event is not
@@ -778,6 +807,7 @@ class Watch(Iterator[QueueEvent]):
         again does nothing."""
         with self._lock:
             self._closed = True
+        self._stopped.set()
         self._let_go()
 
     def _let_go(self) -> None:
@@ -860,9 +890,10 @@ class AsyncClient(AsyncOperations):
         self._bulk_keys = BulkKeys()
         self._closed = False
         self.stub = _stub(JobsServiceClient, self.url, compress_requests)
-        # Calls given up on that run on to give back what they take, and the
-        # give-backs: held here, as asyncio holds tasks only weakly.
-        self._abandoned: set[asyncio.Future[Any]] = set()
+        # Calls given up on that run on to give back what they take (with
+        # each, its call), and the give-backs: held here, as asyncio holds
+        # tasks only weakly.
+        self._abandoned: dict[asyncio.Future[Any], Call] = {}
         self._giving_back: set[asyncio.Future[Any]] = set()
         # The long-polls under way, which `close()` gives up: set to end its
         # caller's wait, and the call it waits for.
@@ -925,24 +956,34 @@ class AsyncClient(AsyncOperations):
             asyncio.get_running_loop().call_later(_LONG_POLL_GRACE_SECONDS, sent.cancel)
 
         def answered(done: asyncio.Future[Any]) -> None:
-            self._abandoned.discard(done)
-            if done.cancelled() or done.exception() is not None:
+            self._abandoned.pop(done, None)
+            if done.cancelled():
+                return
+            if (err := done.exception()) is not None:
+                # Its answer lost on the way (the server may have applied it):
+                # a keyed completion is sent again to learn what it fetched.
+                unknown = isinstance(err, ConnectError) and isinstance(
+                    from_connect_error(err, call.request), (UnavailableError, DeadlineExceededError)
+                )
+                if unknown and call.rpc == "complete":
+                    self._take_back(call)
                 return
             self._give_back(_taken(call, done.result()))
 
-        self._abandoned.add(sent)
+        self._abandoned[sent] = call
         sent.add_done_callback(answered)
 
     def _take_back(self, call: Call) -> None:
-        """Sends `call` once more and gives back the jobs its answer names. It
-        is keyed (only keyed calls are sent again), so the server answers
-        with what the lost try did, the jobs it fetched among it; left
-        unsent, those jobs would be held by nobody until their locks expired,
-        and count a stall."""
+        """Sends `call` again, with the retries of any keyed call (its outcome
+        unknown most often because the server is away), and gives back the
+        jobs its answer names. It is keyed (only keyed calls are sent again),
+        so the server answers with what the lost try did, the jobs it fetched
+        among it; left unsent, those jobs would be held by nobody until their
+        locks expired, and count a stall."""
 
         async def again() -> None:
             with contextlib.suppress(LoamJobsError):
-                self._give_back(_taken(call, await self._call(call)))
+                self._give_back(_taken(call, await self._drive(_retried(call))))
 
         task = asyncio.ensure_future(again())
         self._giving_back.add(task)
@@ -1031,11 +1072,14 @@ class AsyncClient(AsyncOperations):
         `ClientClosedError` at once, and is cancelled a moment later (the
         jobs it took meanwhile are given back). Also cancels the long-polls
         that cancelled calls left to answer (a job one took at that moment
-        waits for its lock to expire), and waits for the give-backs of what
-        they took."""
+        waits for its lock to expire), and waits for the other calls they
+        left (a lease that does not wait, a completion fetching the next job:
+        the server has them, and the jobs they took must go back) and for the
+        give-backs of what they took."""
         self._closed = True
-        for abandoned in list(self._abandoned):
-            abandoned.cancel()
+        for abandoned, call in list(self._abandoned.items()):
+            if call.wait_ms > 0:
+                abandoned.cancel()
         # The long-polls under way: their callers raise ClientClosedError now,
         # and each is given up as a cancelled one is, let run for a moment
         # (an answer on its way brings jobs to give back), then cancelled.
@@ -1088,6 +1132,8 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         self._stream: AsyncIterator[Any] | None = None
         self._request: WatchRequest | None = None  # as `Watch._request`
         self._closed = False
+        # Set by `close()`: ends a pause before a reconnect at once.
+        self._stopped = asyncio.Event()
         # The read under way, in a task of its own so that `close()` from
         # another task can cancel it (an async generator that is running
         # cannot be closed).
@@ -1154,7 +1200,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
                 self._stream = None
                 if self._closed:
                     break
-                await asyncio.sleep(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
+                await self._pause(self._reconnect.pause_after(UnavailableError("the watch stream ended")))
                 continue
             except ConnectError as err:
                 self._stream = None
@@ -1164,11 +1210,11 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
                     raise cancelled from None
                 if self._closed:
                     break
-                await asyncio.sleep(self._reconnect.pause_after(from_connect_error(err, self._request)))
+                await self._pause(self._reconnect.pause_after(from_connect_error(err, self._request)))
                 continue
             except LoamJobsError as err:
                 # From pinning the cursor (last_event_seq), before the stream opens.
-                await asyncio.sleep(self._reconnect.pause_after(err))
+                await self._pause(self._reconnect.pause_after(err))
                 continue
             # As `Watch`: nothing handed out after `close()`, and the cursor
             # stays before what was not.
@@ -1177,6 +1223,11 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
             if (event := _receive(self, response)) is not None:
                 return event
         raise StopAsyncIteration
+
+    async def _pause(self, seconds: float) -> None:
+        """Waits `seconds` before a reconnect, or until `close()`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopped.wait(), seconds)
 
     async def _pin(self) -> None:
         # "From now on" becomes a sequence, so that a reconnect before the
@@ -1188,6 +1239,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         """Stops the watch, from its own task or another: an iteration under
         way ends (StopAsyncIteration) instead of waiting for an event."""
         self._closed = True
+        self._stopped.set()
         read = self._read
         if read is not None:
             read.cancel()
