@@ -12,7 +12,7 @@
 //! a schedule of every 50 ms is always a few ticks behind). Ticks missed for
 //! longer, while the server was down or the ticker far behind, are not made
 //! up one by one: the pending tick, whose job is already enqueued, runs late
-//! once and the schedule goes on from the first tick after now, as a Celery
+//! once and the schedule goes on from the first tick at or after now, as a Celery
 //! beat entry or a BullMQ job scheduler does. Made up one by one, a schedule
 //! of every second down for a day enqueued 86,400 jobs at restart.
 
@@ -97,10 +97,15 @@ fn tick_after(rec: &SchedulerRecord, prev: u64, at: u64) -> Result<u64, JobsErro
 pub const MISSED_AFTER: Duration = Duration::from_secs(60);
 
 /// The tick to follow `prev`: the tick after it, or, when that one came by
-/// more than [`MISSED_AFTER`] before `now`, the first tick after `now`.
+/// more than [`MISSED_AFTER`] before `now`, the first tick at or after `now`.
 fn next_tick(rec: &SchedulerRecord, prev: u64, now: u64) -> Result<u64, JobsError> {
     let next = tick_after(rec, prev, prev)?;
-    if next.saturating_add(MISSED_AFTER.as_millis() as u64) > now { Ok(next) } else { tick_after(rec, prev, now) }
+    if next.saturating_add(MISSED_AFTER.as_millis() as u64) > now {
+        Ok(next)
+    } else {
+        // At or after now: one falling on now is not missed.
+        tick_after(rec, prev, now.saturating_sub(1))
+    }
 }
 
 /// A ServerSchedule as the core's scheduler spec and the server's
@@ -154,7 +159,11 @@ pub fn prepare(s: pb::ServerSchedule, now: u64) -> Result<(SchedulerSpec, BTreeM
         // Parsed either way: a pattern that cannot tick is refused now, not
         // after its first job.
         Some(p) => {
-            let first = cron_next(p, s.tz.as_deref(), base, true)?;
+            // At or after a start date still ahead; strictly after now
+            // otherwise: replaced at the very millisecond of a tick it had
+            // just run (as the upsert caught up), a schedule started again
+            // at that tick, under a second id, and ran it twice.
+            let first = cron_next(p, s.tz.as_deref(), base, base > now)?;
             Some(if s.immediately { base } else { first })
         }
         None => None,
@@ -188,29 +197,72 @@ type Key = (String, String, String);
 /// that are due.
 #[derive(Default)]
 pub struct Index {
-    entries: Mutex<BTreeMap<Key, Option<u64>>>,
+    entries: Mutex<Entries>,
+}
+
+#[derive(Default)]
+struct Entries {
+    by_key: BTreeMap<Key, Entry>,
+    /// Numbers each `add`, so that what a pass learnt from a read made before
+    /// it does not stand over it.
+    added: u64,
+}
+
+struct Entry {
+    /// Its pending tick's time; None until read.
+    due: Option<u64>,
+    /// The `add` that made it what it is.
+    added: u64,
+}
+
+/// A schedule a pass reads, as the index had it then.
+struct Seen {
+    key: Key,
+    added: u64,
 }
 
 impl Index {
     /// A new or changed schedule: read it on the next pass.
     pub fn add(&self, ns: &str, queue: &str, id: &str) {
-        self.entries.lock().insert((ns.into(), queue.into(), id.into()), None);
+        let mut e = self.entries.lock();
+        e.added += 1;
+        let entry = Entry { due: None, added: e.added };
+        e.by_key.insert((ns.into(), queue.into(), id.into()), entry);
     }
 
     pub fn remove(&self, ns: &str, queue: &str, id: &str) {
-        self.entries.lock().remove(&(ns.to_string(), queue.to_string(), id.to_string()));
+        self.entries.lock().by_key.remove(&(ns.to_string(), queue.to_string(), id.to_string()));
     }
 
-    fn set_due(&self, key: &Key, due: u64) {
-        if let Some(slot) = self.entries.lock().get_mut(key) {
-            *slot = Some(due);
+    /// What a pass read of `seen`, unless the schedule was added (changed)
+    /// since: a pass whose read came before an upsert's commit would
+    /// otherwise put off the new schedule's next read to the old one's tick,
+    /// or drop from the index one the upsert had started again.
+    fn after_read(&self, seen: &Seen, due: Option<u64>) {
+        let mut e = self.entries.lock();
+        if e.by_key.get(&seen.key).is_none_or(|entry| entry.added != seen.added) {
+            return;
+        }
+        match due {
+            Some(due) => {
+                if let Some(entry) = e.by_key.get_mut(&seen.key) {
+                    entry.due = Some(due);
+                }
+            }
+            None => {
+                e.by_key.remove(&seen.key);
+            }
         }
     }
 
     /// The schedules whose tick may have come by `now`.
-    fn due(&self, now: u64) -> Vec<Key> {
+    fn due(&self, now: u64) -> Vec<Seen> {
         let e = self.entries.lock();
-        e.iter().filter(|(_, due)| due.is_none_or(|d| d <= now)).map(|(k, _)| k.clone()).collect()
+        e.by_key
+            .iter()
+            .filter(|(_, entry)| entry.due.is_none_or(|d| d <= now))
+            .map(|(key, entry)| Seen { key: key.clone(), added: entry.added })
+            .collect()
     }
 
     /// Finds the server schedules in the store (at start).
@@ -239,24 +291,24 @@ pub async fn run(jobs: Jobs, index: Arc<Index>, metrics: Arc<crate::metrics::Met
         // every schedule is due, and all of them at once would queue their
         // writes ahead of every caller's.
         let due = index.due(jobs.now_ms());
-        futures::stream::iter(&due).for_each_concurrent(TICKING, |key| tick_due(&jobs, &index, &metrics, key)).await;
+        futures::stream::iter(&due).for_each_concurrent(TICKING, |seen| tick_due(&jobs, &index, &metrics, seen)).await;
         tokio::time::sleep(PASS).await;
     }
 }
 
 /// Makes the ticks of one schedule that are due, up to [`CATCH_UP_PER_PASS`].
-async fn tick_due(jobs: &Jobs, index: &Index, metrics: &crate::metrics::Metrics, key: &Key) {
-    let (ns, queue, id) = key;
+async fn tick_due(jobs: &Jobs, index: &Index, metrics: &crate::metrics::Metrics, seen: &Seen) {
+    let (ns, queue, id) = &seen.key;
     let q = QueueId::new(ns.clone(), queue.clone());
     for _ in 0..CATCH_UP_PER_PASS {
         match tick(jobs, &q, id).await {
             Ok(Tick::Advanced) => metrics.enqueued(ns, queue, 1),
             Ok(Tick::Idle(due)) => {
-                index.set_due(key, due);
+                index.after_read(seen, Some(due));
                 break;
             }
             Ok(Tick::Gone) => {
-                index.remove(ns, queue, id);
+                index.after_read(seen, None);
                 break;
             }
             // A schedule stored before its pattern was checked can never
@@ -264,7 +316,7 @@ async fn tick_due(jobs: &Jobs, index: &Index, metrics: &crate::metrics::Metrics,
             // Schedule replaces it), instead of failing every pass.
             Err(e @ JobsError::InvalidArgument(_)) => {
                 tracing::error!(ns, queue, schedule = id, error = %e, "schedule cannot tick; not run until replaced");
-                index.remove(ns, queue, id);
+                index.after_read(seen, None);
                 break;
             }
             Err(e) => {
@@ -355,6 +407,27 @@ mod tests {
 
     /// A worker's scheduler of the same id drops every server mark by this
     /// prefix (`schedule::upsert`), the job template among them.
+    /// What a pass read before an upsert's commit does not stand over the
+    /// upsert's `add`: the changed schedule is read on the next pass, and
+    /// one the pass found finished but the upsert started again stays.
+    #[test]
+    fn a_read_from_before_an_add_does_not_undo_it() {
+        let index = Index::default();
+        index.add("ns", "q", "s");
+        let [seen] = <[Seen; 1]>::try_from(index.due(0)).ok().unwrap();
+        index.add("ns", "q", "s");
+        index.after_read(&seen, Some(u64::MAX));
+        assert_eq!(index.due(0).len(), 1, "still read on the next pass");
+        index.after_read(&seen, None);
+        let [again] = <[Seen; 1]>::try_from(index.due(0)).ok().unwrap();
+        // A read made since the last add stands.
+        index.after_read(&again, Some(1_000));
+        assert!(index.due(999).is_empty());
+        assert_eq!(index.due(1_000).len(), 1);
+        index.after_read(&again, None);
+        assert!(index.due(u64::MAX).is_empty());
+    }
+
     #[test]
     fn the_template_is_a_server_mark() {
         assert!(
@@ -385,8 +458,9 @@ mod tests {
         // Ticks behind by less than MISSED_AFTER are each made.
         assert_eq!(next_tick(&rec, 5000, 5500).unwrap(), 6000);
         assert_eq!(next_tick(&rec, 5000, 9500).unwrap(), 6000);
-        // 6000 came by MISSED_AFTER ago: on from the first tick after now, on the grid.
-        assert_eq!(next_tick(&rec, 5000, 6000 + missed).unwrap(), 7000 + missed);
+        // 6000 came by MISSED_AFTER ago: on from the first tick at or after
+        // now, on the grid (one falling on now is not missed).
+        assert_eq!(next_tick(&rec, 5000, 6000 + missed).unwrap(), 6000 + missed);
         assert_eq!(next_tick(&rec, 5000, 6500 + missed).unwrap(), 7000 + missed);
         let rec = SchedulerRecord { pattern: Some("*/10 * * * * *".into()), ..Default::default() };
         let t0 = 1_767_225_600_000;

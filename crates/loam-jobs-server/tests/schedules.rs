@@ -188,6 +188,29 @@ async fn an_upsert_just_after_a_tick_fell_due_keeps_that_tick() {
     assert_eq!(ticks(&server.client(), "q", "h").await, vec![tick.to_string(), (tick + 3_600_000).to_string()]);
 }
 
+/// The same upsert at the very millisecond of the tick: the first tick it
+/// looked for was at or after now, which found the tick just run (as the
+/// upsert caught up with it), and enqueued it again under a second id (39
+/// schedules in 40 before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upsert_at_the_very_millisecond_of_a_tick_runs_that_tick_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_in(dir.path(), &["--follow-client-clock"], &[]);
+    for i in 0..5u64 {
+        let (id, queue) = (format!("m{i}"), format!("q{i}"));
+        let minutely = pb::ServerSchedule { id: id.clone(), cron: Some("* * * * *".into()), ..Default::default() };
+        // 12:01:00 plus i hours: a whole minute, ten seconds on.
+        let tick = T + 30_000 + i * 3_600_000;
+        client_at(&server, tick - 10_000).schedule(schedule_req(&queue, minutely.clone())).await.unwrap();
+        client_at(&server, tick).schedule(schedule_req(&queue, minutely)).await.unwrap();
+        assert_eq!(
+            ticks(&server.client(), &queue, &id).await,
+            vec![tick.to_string(), (tick + 60_000).to_string()],
+            "schedule {id}"
+        );
+    }
+}
+
 /// Ticks missed for longer than a minute (a server down, here a clock moved
 /// on a day) are not made up one by one: the pending tick runs late once and
 /// the schedule goes on from the first tick after now.
