@@ -201,36 +201,6 @@ async fn a_cancelled_lease_leaves_no_job_without_a_holder() {
     assert!(cancelled > 0);
 }
 
-/// A Lease that does not wait is a write: cancelled while it runs, it is not
-/// dropped but answered as it ends, and the job it took goes back at once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cancelled_lease_that_does_not_wait_gives_back_its_job_and_says_so() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start_in(dir.path(), &[], &[]);
-    let client = http2_client(&server);
-    let plain = server.client();
-    let mut session = client.session().await.unwrap();
-    let mut cancelled = 0;
-    for i in 0..30u64 {
-        let q = format!("n{i}");
-        plain.enqueue(enqueue_req(&q, job("x", b"{}"))).await.unwrap();
-        session.send(request(i, lease_req(&q, 1, 0, 600_000))).await.unwrap();
-        session.send(request(i, pb::SessionCancel::default())).await.unwrap();
-        let answer = session.message().await.unwrap().unwrap().to_owned_message();
-        let Some(Answer::Lease(l)) = answer.result else { panic!("round {i}: {:?}", answer.result) };
-        if l.leased.as_option().map_or(0, |l| l.leases.len()) == 1 {
-            continue; // answered before the cancel came: the job is ours
-        }
-        cancelled += 1;
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while counts(&plain, &q, &["active", "wait"]).await != [0, 1] {
-            assert!(Instant::now() < deadline, "round {i}: a cancelled lease left its job active");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-    assert!(cancelled > 0, "no lease was cancelled in flight");
-}
-
 async fn lease_one(c: &Client, q: &str) -> (String, u64) {
     let r = c.lease(lease_req(q, 1, 0, 600_000)).await.unwrap().into_owned();
     let l = r.leased.into_option().unwrap().leases.remove(0);
@@ -247,6 +217,14 @@ fn complete_fetch_next(q: &str, id: &str, epoch_: u64) -> pb::CompleteRequest {
     req
 }
 
+/// A Lease that does not wait is a write: cancelled while it runs, it is not
+/// dropped but answered as it ends, and the job it took goes back at once
+/// and out of its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_lease_that_does_not_wait_gives_back_its_job_and_says_so() {
+    cancelled_writes_give_back_what_they_leased(Leasing::Lease).await;
+}
+
 /// The next job a Complete fetched is a lease too: when that call is
 /// cancelled after the server took it, the job it completed stays done (a
 /// write runs to its end, and is answered so), and the one it leased goes
@@ -254,7 +232,7 @@ fn complete_fetch_next(q: &str, id: &str, epoch_: u64) -> pb::CompleteRequest {
 /// cancelled Lease's does), and out of its answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_completion_gives_back_the_job_it_fetched() {
-    cancelled_completions_give_back_what_they_fetched(|req| req).await;
+    cancelled_writes_give_back_what_they_leased(Leasing::Complete(|req| req)).await;
 }
 
 /// The same for a Complete that also asks for the rate limiter's ttl (as a
@@ -262,46 +240,69 @@ async fn a_cancelled_completion_gives_back_the_job_it_fetched() {
 /// another way that did not give the job back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_rate_limited_completion_gives_back_the_job_it_fetched() {
-    cancelled_completions_give_back_what_they_fetched(|mut req| {
+    cancelled_writes_give_back_what_they_leased(Leasing::Complete(|mut req| {
         req.rate_limit_ttl_for = pb::RateLimit { max: 1000, duration_ms: 1000, ..Default::default() }.into();
         req
-    })
+    }))
     .await;
 }
 
-async fn cancelled_completions_give_back_what_they_fetched(shape: fn(pb::CompleteRequest) -> pb::CompleteRequest) {
+/// A write that leases jobs for its caller.
+#[derive(Clone, Copy)]
+enum Leasing {
+    /// A Lease that does not wait.
+    Lease,
+    /// A Complete fetching the next job, shaped.
+    Complete(fn(pb::CompleteRequest) -> pb::CompleteRequest),
+}
+
+/// Rounds of two jobs and a `leasing` write cancelled as it is sent: each
+/// one the cancel reached in flight answers with no job leased, and leaves
+/// none active.
+async fn cancelled_writes_give_back_what_they_leased(leasing: Leasing) {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &[], &[]);
     let client = http2_client(&server);
     let plain = server.client();
     let mut session = client.session().await.unwrap();
     let mut cancelled = 0;
-    for i in 0..20u64 {
+    for i in 0..30u64 {
         let q = format!("f{i}");
         for _ in 0..2 {
             plain.enqueue(enqueue_req(&q, job("x", b"{}"))).await.unwrap();
         }
-        let (id, ep) = lease_one(&plain, &q).await;
-        session.send(request(i * 10 + 1, shape(complete_fetch_next(&q, &id, ep)))).await.unwrap();
-        session.send(request(i * 10 + 1, pb::SessionCancel::default())).await.unwrap();
+        let (call, settled) = match leasing {
+            Leasing::Lease => (Call::from(lease_req(&q, 1, 0, 600_000)), [0, 0, 2]),
+            Leasing::Complete(shape) => {
+                let (id, ep) = lease_one(&plain, &q).await;
+                (Call::from(shape(complete_fetch_next(&q, &id, ep))), [1, 0, 1])
+            }
+        };
+        session.send(request(i, call)).await.unwrap();
+        session.send(request(i, pb::SessionCancel::default())).await.unwrap();
         let answer = session.message().await.unwrap().unwrap().to_owned_message();
-        let Some(Answer::Complete(done)) = answer.result else { panic!("round {i}: {:?}", answer.result) };
-        let next = done.completed.as_option().and_then(|c| c.next.as_option()).map_or(0, |n| n.leases.len());
-        if next == 1 {
-            continue; // answered before the cancel came: the next job is ours
+        let leased = match answer.result {
+            Some(Answer::Lease(l)) => l.leased.as_option().map(|l| l.leases.len()),
+            Some(Answer::Complete(done)) => {
+                done.completed.as_option().and_then(|c| c.next.as_option()).map(|n| n.leases.len())
+            }
+            other => panic!("round {i}: {other:?}"),
+        };
+        if leased == Some(1) {
+            continue; // answered before the cancel came: the job is ours
         }
         cancelled += 1;
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let c = counts(&plain, &q, &["completed", "active", "wait"]).await;
-            if c == [1, 0, 1] {
-                break; // completed, with its next job given back
+            if c == settled {
+                break; // what it leased given back
             }
-            assert!(Instant::now() < deadline, "round {i}: completed/active/wait {c:?}: a fetched job has no holder");
+            assert!(Instant::now() < deadline, "round {i}: completed/active/wait {c:?}: a leased job has no holder");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    assert!(cancelled > 0, "no completion was cancelled in flight");
+    assert!(cancelled > 0, "no write was cancelled in flight");
 }
 
 /// A client that sends calls and reads none of their answers cannot make the

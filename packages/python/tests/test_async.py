@@ -22,6 +22,7 @@ from loam_jobs import (
     InvalidArgumentError,
     InvalidJsonError,
     JobState,
+    LeasedJob,
     LoamJobsError,
     Retry,
     Success,
@@ -458,13 +459,7 @@ async def test_a_completion_cancelled_while_it_waits_to_resend_gives_back_what_i
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        counts: dict[str, int] = {}
-        for _ in range(40):
-            counts = await client.counts(queue, "wait", "active", "completed")
-            if counts["active"] == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert counts == {"wait": 1, "active": 0, "completed": 1}
+        assert await _counts_once_settled(client, queue) == {"wait": 1, "active": 0, "completed": 1}
 
 
 async def _counts_once_settled(client: AsyncClient, queue: str) -> dict[str, int]:
@@ -476,6 +471,26 @@ async def _counts_once_settled(client: AsyncClient, queue: str) -> dict[str, int
             break
         await asyncio.sleep(0.05)
     return counts
+
+
+async def _first_of_two_leased(client: AsyncClient, queue: str) -> LeasedJob:
+    """Two jobs added, and the first leased."""
+    await client.enqueue(queue, "first")
+    await client.enqueue(queue, "second")
+    return (await client.lease(queue, max_jobs=1))[0]
+
+
+async def _complete_fetching_next_cancelled_once(
+    client: AsyncClient, first: LeasedJob, when: asyncio.Event
+) -> None:
+    """`first` completed, fetching the next job, in a task cancelled once `when` is set."""
+    task = asyncio.create_task(
+        client.complete(first, Success(), fetch_next=1, fetch_next_lock_duration_ms=60_000)
+    )
+    await when.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
 async def test_a_completion_cancelled_in_its_retry_pause_as_the_server_restarts_gives_back_its_next_job(
@@ -490,9 +505,7 @@ async def test_a_completion_cancelled_in_its_retry_pause_as_the_server_restarts_
     port = int(server.url.rsplit(":", 1)[1])
     try:
         async with AsyncClient(server.url) as client:
-            await client.enqueue("q", "first")
-            await client.enqueue("q", "second")
-            first = (await client.lease("q", max_jobs=1))[0]
+            first = await _first_of_two_leased(client, "q")
             send = client._call
             lost = asyncio.Event()
 
@@ -505,13 +518,7 @@ async def test_a_completion_cancelled_in_its_retry_pause_as_the_server_restarts_
                 raise UnavailableError("the connection was reset")
 
             client._call = losing_as_the_server_stops  # type: ignore[method-assign]
-            task = asyncio.create_task(
-                client.complete(first, Success(), fetch_next=1, fetch_next_lock_duration_ms=60_000)
-            )
-            await lost.wait()
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await _complete_fetching_next_cancelled_once(client, first, lost)
             await asyncio.sleep(0.5)
             server = await asyncio.to_thread(start_server, data_dir, None, port)
             assert await _counts_once_settled(client, "q") == {"wait": 1, "active": 0, "completed": 1}
@@ -525,9 +532,7 @@ async def test_a_completion_cancelled_in_flight_whose_answer_is_then_lost_gives_
     # Cancelled while its request is out, the completion runs on to give back
     # the job it fetches; its answer lost, it is sent again to learn which.
     async with AsyncClient(server.url) as client:
-        await client.enqueue(queue, "first")
-        await client.enqueue(queue, "second")
-        first = (await client.lease(queue, max_jobs=1))[0]
+        first = await _first_of_two_leased(client, queue)
         send = client.stub.complete
         applied = asyncio.Event()
 
@@ -540,13 +545,7 @@ async def test_a_completion_cancelled_in_flight_whose_answer_is_then_lost_gives_
             raise ConnectError(Code.UNAVAILABLE, "the connection was reset")
 
         client.stub.complete = answer_lost_later  # type: ignore[method-assign]
-        task = asyncio.create_task(
-            client.complete(first, Success(), fetch_next=1, fetch_next_lock_duration_ms=60_000)
-        )
-        await applied.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await _complete_fetching_next_cancelled_once(client, first, applied)
         await asyncio.sleep(0.5)
         assert await _counts_once_settled(client, queue) == {"wait": 1, "active": 0, "completed": 1}
 
@@ -559,9 +558,7 @@ async def test_closing_an_async_client_lets_a_cancelled_completion_answer_and_gi
     # `close()` (only long-polls still waiting are); it answers, and the job
     # it fetched goes back. Cancelled, it left that job with nobody.
     client = AsyncClient(server.url)
-    await client.enqueue(queue, "first")
-    await client.enqueue(queue, "second")
-    first = (await client.lease(queue, max_jobs=1))[0]
+    first = await _first_of_two_leased(client, queue)
     send = client.stub.complete
     applied = asyncio.Event()
 
@@ -572,13 +569,7 @@ async def test_closing_an_async_client_lets_a_cancelled_completion_answer_and_gi
         return answer
 
     client.stub.complete = answer_on_its_way  # type: ignore[method-assign]
-    task = asyncio.create_task(
-        client.complete(first, Success(), fetch_next=1, fetch_next_lock_duration_ms=60_000)
-    )
-    await applied.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await _complete_fetching_next_cancelled_once(client, first, applied)
     await client.close()
     async with AsyncClient(server.url) as check:
         assert await _counts_once_settled(check, queue) == {"wait": 1, "active": 0, "completed": 1}

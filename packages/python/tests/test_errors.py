@@ -358,14 +358,14 @@ def test_a_token_or_namespace_no_header_can_carry_is_refused_at_once(make: Calla
             make("http://127.0.0.1:1", **given)
 
 
-def test_a_process_forked_after_a_client_was_made_is_refused_not_hung(client: Client) -> None:
-    # Every call in such a child hung before, with no error: the HTTP runtime
-    # under the clients does not survive fork.
+def _refused_in_a_forked_child(call: Callable[[], object]) -> None:
+    """Runs `call` in a forked child, which must raise `ForkedProcessError`
+    there, not hang or do anything else."""
     pid = os.fork()
     if pid == 0:
         code = 3
         try:
-            Client(client.url).queues()
+            call()
         except loam_jobs.ForkedProcessError:
             code = 0
         except BaseException:
@@ -379,6 +379,12 @@ def test_a_process_forked_after_a_client_was_made_is_refused_not_hung(client: Cl
             pytest.fail("the forked child hung")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_a_process_forked_after_a_client_was_made_is_refused_not_hung(client: Client) -> None:
+    # Every call in such a child hung before, with no error: the HTTP runtime
+    # under the clients does not survive fork.
+    _refused_in_a_forked_child(lambda: Client(client.url).queues())
     client.queues()  # the parent's client is unaffected
 
 
@@ -390,25 +396,7 @@ def test_a_watch_open_when_the_process_forked_is_refused_in_the_child_not_hung(
     watch = client.watch(queue)
     client.enqueue(queue, "a")
     assert next(watch).name == "added"
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            for _ in range(5):
-                next(watch)
-        except loam_jobs.ForkedProcessError:
-            code = 0
-        except BaseException:
-            code = 2
-        os._exit(code)
-    deadline = time.monotonic() + 20
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung")
-        time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(done[1]) == 0
+    _refused_in_a_forked_child(lambda: [next(watch) for _ in range(5)])
     assert next(watch).name == "waiting"  # the parent's watch goes on
     watch.close()
 
