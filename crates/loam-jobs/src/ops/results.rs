@@ -5,7 +5,8 @@
 //! members that counted (Celery's chord counter: one member per header task),
 //! so a redelivered task that counts again adds nothing. Expired entries read
 //! as missing at once and are deleted by [`purge_expired`], which walks an
-//! expiry index instead of every entry.
+//! expiry index instead of every entry. Expiry runs on the core's real-time
+//! clock (`Tx::ttl_now`), not a caller's, as a key's TTL does on Redis.
 
 use std::collections::BTreeSet;
 
@@ -54,7 +55,7 @@ fn check_key(tx: &Tx, key: &str) -> Result<(), JobsError> {
 /// The live entry at `key`, or None when it is missing or expired.
 fn load(tx: &mut Tx, key: &str) -> Result<Option<ResultRecord>, JobsError> {
     check_key(tx, key)?;
-    let now = tx.now;
+    let now = tx.ttl_now();
     let rec: Option<ResultRecord> = tx.get_record(&keys::result_entry(&tx.ns.clone(), key))?;
     Ok(rec.filter(|r| r.expires_at.is_none_or(|at| at > now)))
 }
@@ -80,7 +81,7 @@ fn stored_expiry(tx: &mut Tx, key: &str) -> Result<Option<u64>, JobsError> {
 }
 
 fn expiry(tx: &Tx, ttl_ms: Option<u64>) -> Option<u64> {
-    ttl_ms.map(|t| tx.now.saturating_add(t))
+    ttl_ms.map(|t| tx.ttl_now().saturating_add(t))
 }
 
 pub fn get(tx: &mut Tx, key: &str) -> Result<Option<Vec<u8>>, JobsError> {
@@ -142,7 +143,7 @@ pub fn expire(tx: &mut Tx, key: &str, ttl_ms: u64) -> Result<bool, JobsError> {
 /// Deletes up to `limit` expired entries of every namespace; returns how
 /// many. Runs in any namespace's transaction.
 pub fn purge_expired(tx: &mut Tx, limit: usize) -> Result<u64, JobsError> {
-    let due = tx.scan(&keys::result_expiry_due(tx.now), limit, false)?;
+    let due = tx.scan(&keys::result_expiry_due(tx.ttl_now()), limit, false)?;
     let mut n = 0;
     for (k, _) in due {
         tx.delete(&k)?;
@@ -151,7 +152,7 @@ pub fn purge_expired(tx: &mut Tx, limit: usize) -> Result<u64, JobsError> {
             // A rewrite with a later expiry left this index entry behind only
             // if it failed to delete it; the entry's own expiry decides.
             let rec: Option<ResultRecord> = tx.get_record(&entry)?;
-            if rec.is_some_and(|r| r.expires_at.is_some_and(|at| at <= tx.now)) {
+            if rec.is_some_and(|r| r.expires_at.is_some_and(|at| at <= tx.ttl_now())) {
                 tx.delete(&entry)?;
                 n += 1;
             }
@@ -210,6 +211,22 @@ mod tests {
         assert!(raw.is_none());
         assert!(get_in(&jobs, "a", "keep").is_some());
         assert_eq!(jobs.write("x", true, |tx| purge_expired(tx, 100)).wait().unwrap(), 0);
+    }
+
+    /// An entry's ttl runs on the core's clock, as a key's TTL does on
+    /// Redis: counted from a remote caller's clock minutes behind, the
+    /// expiry was already past, and the purge took the entry at once.
+    #[test]
+    fn a_ttl_runs_on_the_cores_clock_whatever_its_callers_clock_says() {
+        let (jobs, clock) = core();
+        let behind = jobs.at(jobs.now_ms() - 300_000);
+        behind.write("a", true, |tx| set(tx, "k", b"v".to_vec(), Some(60_000))).wait().unwrap();
+        assert_eq!(jobs.write("x", true, |tx| purge_expired(tx, 100)).wait().unwrap(), 0);
+        clock.advance(59_000);
+        assert!(get_in(&jobs.at(jobs.now_ms() + 300_000), "a", "k").is_some(), "nor does a clock ahead end it");
+        clock.advance(1_000);
+        assert_eq!(get_in(&jobs, "a", "k"), None);
+        assert_eq!(jobs.write("x", true, |tx| purge_expired(tx, 100)).wait().unwrap(), 1);
     }
 
     #[test]
