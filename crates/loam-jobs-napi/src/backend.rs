@@ -234,7 +234,10 @@ pub struct LoamQueue {
     owns_store: bool,
     /// Closed: its calls are refused, as Redis refuses a closed connection's,
     /// though another backend of the process keeps the store open.
-    closed: AtomicBool,
+    closed: Arc<AtomicBool>,
+    /// A sibling's (`forQueue`) owner's: closed with it, as on Redis, where
+    /// the siblings share their owner's connection.
+    owner_closed: Option<Arc<AtomicBool>>,
     /// Cuts `waitForJob` short (BullMQ's `disconnectBlocking`).
     blocking: Interrupt,
     /// Cuts `readEvents` short (`disconnect` / `close` of a QueueEvents).
@@ -243,7 +246,7 @@ pub struct LoamQueue {
 
 impl LoamQueue {
     fn jobs(&self) -> Result<Jobs> {
-        if self.closed.load(Ordering::SeqCst) {
+        if self.is_closed() {
             return Err(napi::Error::from_reason("[loam:unavailable] the backend is closed"));
         }
         self.store.jobs()
@@ -334,6 +337,10 @@ impl LoamQueue {
         }
     }
 
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst) || self.owner_closed.as_ref().is_some_and(|o| o.load(Ordering::SeqCst))
+    }
+
     fn sibling(&self, queue: String) -> Self {
         LoamQueue {
             store: Arc::clone(&self.store),
@@ -341,7 +348,8 @@ impl LoamQueue {
             queue,
             settings: Arc::clone(&self.settings),
             owns_store: false,
-            closed: AtomicBool::new(false),
+            closed: Arc::new(AtomicBool::new(false)),
+            owner_closed: Some(self.owner_closed.clone().unwrap_or_else(|| Arc::clone(&self.closed))),
             blocking: Interrupt::new(),
             events: Interrupt::new(),
         }
@@ -378,15 +386,19 @@ impl LoamQueue {
             queue: o.queue.clone(),
             settings: Arc::new(WorkerSettings::from_options(&o)),
             owns_store: true,
-            closed: AtomicBool::new(false),
+            closed: Arc::new(AtomicBool::new(false)),
+            owner_closed: None,
             blocking: Interrupt::new(),
             events: Interrupt::new(),
         })
     }
 
     /// A backend for another queue on the same store (FlowProducer); closing
-    /// it does not close the store. The core names queues without BullMQ's
-    /// prefix, which only the JavaScript side's keys carry.
+    /// it does not close the store, closing this one closes it (made once
+    /// this one is closed, as BullMQ makes them for the Jobs of a
+    /// FlowProducer closed right after an add, its calls are refused). The
+    /// core names queues without BullMQ's prefix, which only the JavaScript
+    /// side's keys carry.
     #[napi(catch_unwind)]
     pub fn for_queue(&self, queue: String) -> LoamQueue {
         self.sibling(queue)
@@ -1356,7 +1368,9 @@ impl LoamQueue {
         // Resolved now (a read never waits): the write's thread reads after it.
         let cursor = self.read(Op::new("readEvents"), |tx, q| query::event_cursor(tx, q, &id))?;
         let after = cursor.after;
-        let wait = Duration::from_millis(whole(block_ms));
+        // 0 (or less) waits until an event comes, as Redis's `XREAD BLOCK 0`
+        // does: answered at once, a QueueEvents asked again at once, for ever.
+        let wait = if block_ms > 0.0 { Duration::from_millis(whole(block_ms)) } else { Duration::MAX };
         let (resolver, promise) = crate::promise::promise(env, crate::promise::Kind::Wait)?;
         // Settled by whichever comes first with events: the write's thread,
         // or the wait itself (which also answers none at its end).

@@ -43,10 +43,16 @@ pub struct SharedStore {
     /// The core's time, which follows the host's `Date.now()` (BullMQ's Redis
     /// scripts take their time from the caller, and its tests fake it).
     clock: Arc<FollowingClock>,
-    /// The `Date.now()` the current call reported (0 = none yet): its
-    /// operations run at exactly that time, as Redis scripts do.
-    host_now_ms: std::sync::atomic::AtomicU64,
     pub dir: PathBuf,
+}
+
+thread_local! {
+    /// The `Date.now()` the call under way on this thread reported (0 = none
+    /// yet): its operations run at exactly that time, as Redis scripts do.
+    /// Per thread, not per store: writes report theirs on the JavaScript
+    /// thread, but reads on napi's runtime threads, and one store-wide value
+    /// let a read's time land between a write's report and its use.
+    static CALL_NOW_MS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 impl SharedStore {
@@ -54,7 +60,7 @@ impl SharedStore {
     pub fn observe(&self, host_now_ms: f64) {
         if host_now_ms.is_finite() && host_now_ms >= 0.0 {
             self.clock.observe(host_now_ms as u64);
-            self.host_now_ms.store(host_now_ms as u64, std::sync::atomic::Ordering::SeqCst);
+            CALL_NOW_MS.set(host_now_ms as u64);
         }
     }
 
@@ -65,9 +71,9 @@ impl SharedStore {
             .lock()
             .clone()
             .ok_or_else(|| napi::Error::from_reason("[loam:unavailable] the backend is closed"))?;
-        // Every call reports its time before it asks for the core, on the one
-        // JavaScript thread, so this is the current call's time.
-        Ok(match self.host_now_ms.load(std::sync::atomic::Ordering::SeqCst) {
+        // Every call reports its time before it asks for the core, on the
+        // thread it asks on, with no await between: this is its time.
+        Ok(match CALL_NOW_MS.get() {
             0 => jobs,
             now => jobs.at(now),
         })
@@ -178,12 +184,7 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
         config,
     )
     .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot start the queue core in {shown}: {e}")))?;
-    let store = Arc::new(SharedStore {
-        jobs: Mutex::new(Some(jobs)),
-        clock,
-        host_now_ms: std::sync::atomic::AtomicU64::new(0),
-        dir: canonical.clone(),
-    });
+    let store = Arc::new(SharedStore { jobs: Mutex::new(Some(jobs)), clock, dir: canonical.clone() });
     open.insert(canonical, Entry { store: Arc::clone(&store), users: 1, durability: options.durability });
     Ok(store)
 }

@@ -65,7 +65,7 @@ import {
   type MetricsRecord,
 } from './common.js';
 import { fromNative } from './errors.js';
-import { nativeCalls } from './native-calls.js';
+import { nativeCalls, ReadsAfterWrites } from './native-calls.js';
 
 /** The core namespace of a backend whose settings name none. */
 export const DEFAULT_NAMESPACE = 'default';
@@ -93,6 +93,16 @@ interface FactoryOptions {
   removeOnComplete?: boolean | number | KeepJobs;
   removeOnFail?: boolean | number | KeepJobs;
 }
+
+/**
+ * Owners BullMQ made and let go of unclosed: a Worker whose constructor
+ * threw after it made its backend (`stalledInterval: 0`, a missing processor
+ * file) left the store open, and locked to other processes, for the life of
+ * the process. Each gives its use back once collected.
+ */
+const unclosed = new FinalizationRegistry<LoamQueue>(native => {
+  native.close().catch(() => undefined);
+});
 
 export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   closing: Promise<void> | undefined;
@@ -125,19 +135,29 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   /** Where a QueueEvents started reading (`'$'` resolved at construction). */
   private eventsStart: Promise<string> | undefined;
   private readonly siblings = new Siblings<LoamQueueBackend>();
+  /** This backend's calls, and its siblings': one connection's, as on Redis. */
+  private readonly reads: ReadsAfterWrites;
 
   constructor(
     native: LoamQueue,
     private readonly queueName: string,
     private readonly prefix: string,
     private readonly owner: boolean,
-    options: { blocking?: boolean; withBlockingConnection?: boolean; workerName?: string; namespace?: string } = {},
+    options: {
+      blocking?: boolean;
+      withBlockingConnection?: boolean;
+      workerName?: string;
+      namespace?: string;
+      reads?: ReadsAfterWrites;
+    } = {},
   ) {
     super();
     this.namespace = options.namespace ?? DEFAULT_NAMESPACE;
     this.clients = clientsKey(native.dataDir, this.namespace);
+    this.reads = options.reads ?? new ReadsAfterWrites();
     // Every call of `this.native` fails in BullMQ's form, its writes settle in order.
-    this.native = nativeCalls(native, native.dataDir, this.activity);
+    this.native = nativeCalls(native, native.dataDir, this.activity, this.reads);
+    if (owner) unclosed.register(this, this.native, this);
     if (options.withBlockingConnection) {
       // Redis names a worker's blocking connection so getWorkers finds it.
       const suffix = options.workerName ? `:w:${options.workerName}` : '';
@@ -177,6 +197,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     if (!this.closing) {
       this.blockingCuts++;
       this.releaseName?.();
+      unclosed.unregister(this);
       this.closing = (this.owner ? this.native.close() : Promise.resolve()).then(() => {
         this.emit('close');
       });
@@ -214,7 +235,10 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   forQueue(queueName: string, prefix?: string): IQueueBackend {
     const p = prefix ?? this.prefix;
     return this.siblings.get(queueName, p, () =>
-      new LoamQueueBackend(this.native.forQueue(queueName), queueName, p, false, { namespace: this.namespace }),
+      new LoamQueueBackend(this.native.forQueue(queueName), queueName, p, false, {
+        namespace: this.namespace,
+        reads: this.reads,
+      }),
     );
   }
 

@@ -383,7 +383,10 @@ export function paginateTarget(key: string, qualifiedName: string): { parentId: 
   const match = /^(.*):(dependencies|processed)$/.exec(key);
   const own = `${qualifiedName}:`;
   if (!match || !match[1].startsWith(own)) {
-    throw new Error(`cannot paginate key ${key}: only a parent's dependencies or processed children of this queue`);
+    throw loamError(
+      'invalid_argument',
+      `cannot paginate key ${key}: only a parent's dependencies or processed children of this queue`,
+    );
   }
   return { parentId: match[1].slice(own.length), processed: match[2] === 'processed' };
 }

@@ -20,11 +20,17 @@
  * settled, as a command queued behind others on one Redis connection runs
  * after them: reads run on the store's latest snapshot at once, and
  * `getJob` called right behind an un-awaited `add` missed the job 198 times
- * in 200. The blocking waits (`waitForJob`, `readEvents`) wait for something
- * to happen instead, and neither they nor `ready` and `close` wait for writes.
+ * in 200. A backend and its siblings (`forQueue`: a FlowProducer's, for the
+ * Jobs it returns) count as one connection, as on Redis they share one. The
+ * blocking waits (`waitForJob`, `readEvents`) wait for something to happen
+ * instead, and neither they nor `ready` wait for writes. `close` ends the
+ * blocking waits at once and closes once the backend's other calls made
+ * before it are answered, as Redis answers the commands sent before a
+ * `QUIT` (closed at once, it had a read called just before it refused), and
+ * a call made after it is refused at once.
  */
 import type { Activity } from './common.js';
-import { callSync, fromNative } from './errors.js';
+import { callSync, fromNative, loamError } from './errors.js';
 
 /** The native methods that answer synchronously; every other one returns a promise. */
 const SYNC_METHODS: ReadonlySet<string> = new Set([
@@ -47,25 +53,32 @@ export const WRITE_METHODS: ReadonlySet<string> = new Set([
 
 /**
  * The native methods not ordered behind writes: the blocking waits, which
- * wait for something to happen, and the lifecycle calls (`ready`, `close`),
- * which read nothing the writes leave.
+ * wait for something to happen, and `ready`, which reads nothing the writes
+ * leave. (`close` has an order of its own: see the module comment.)
  */
-const UNORDERED: ReadonlySet<string> = new Set(['waitForJob', 'readEvents', 'ready', 'close']);
+const UNORDERED: ReadonlySet<string> = new Set(['waitForJob', 'readEvents', 'ready']);
 
 type Method = (...args: unknown[]) => unknown;
 
 /**
- * One backend's writes, counted as they are made and as they settle, and the
- * reads waiting for those made before them. Writes settle in the order they
+ * One connection's calls (a backend's, with its siblings'): its writes,
+ * counted as they are made and as they settle, the reads waiting for those
+ * made before them, and the reads in flight. Writes settle in the order they
  * were made (`WriteOrder`), so a read waits for a count, not for each write:
  * under a steady stream of writes (a worker at concurrency 100) it waits for
  * those before it only, never for the stream to stop.
  */
-class ReadsAfterWrites {
+export class ReadsAfterWrites {
+  /** `close` was called: later calls are refused at once, as a closing Redis connection's are. */
+  closing = false;
   private made = 0;
   private settled = 0;
   /** Reads waiting, each for `settled` to reach its count, in the order they were made. */
   private readonly waiting: { until: number; start: () => void }[] = [];
+  /** Reads called and not settled. */
+  private reading = 0;
+  /** Closes waiting, each for `settled` to reach its count with no read in flight. */
+  private readonly drains: { until: number; resolve: () => void }[] = [];
 
   made1(): void {
     this.made++;
@@ -74,12 +87,31 @@ class ReadsAfterWrites {
   settled1(): void {
     this.settled++;
     while (this.waiting.length > 0 && this.waiting[0].until <= this.settled) this.waiting.shift()!.start();
+    if (this.drains.length > 0) this.drain();
   }
 
   /** Runs `read` now, or once every write made before it has settled. */
   after<T>(read: () => Promise<T>): Promise<T> {
-    if (this.settled === this.made) return read();
-    return new Promise<void>(start => this.waiting.push({ until: this.made, start })).then(read);
+    this.reading++;
+    const started =
+      this.settled === this.made ? read() : new Promise<void>(start => this.waiting.push({ until: this.made, start })).then(read);
+    return started.finally(() => {
+      this.reading--;
+      if (this.drains.length > 0) this.drain();
+    });
+  }
+
+  /** Resolves once every write made so far has settled and no read is in flight. */
+  drained(): Promise<void> {
+    return new Promise<void>(resolve => {
+      this.drains.push({ until: this.made, resolve });
+      this.drain();
+    });
+  }
+
+  private drain(): void {
+    if (this.reading > 0) return;
+    while (this.drains.length > 0 && this.drains[0].until <= this.settled) this.drains.shift()!.resolve();
   }
 }
 
@@ -189,6 +221,9 @@ class WriteOrder {
 /** Each store's writes in flight (by data dir). */
 const orders = new Map<string, WriteOrder>();
 
+/** A call made once its backend's `close` was called. */
+const closed = (): Promise<never> => Promise.reject(loamError('unavailable', 'the backend is closed'));
+
 const inBullmqForm = (err: unknown): never => {
   throw fromNative(err);
 };
@@ -202,13 +237,18 @@ function inOrder<T>(store: string, write: Promise<T>, handsOutJob: boolean, read
 
 /**
  * Wraps the methods of a native queue (in place) as the module comment says;
- * `store` is its data dir. Each call sets `activity.at` to its time (a named
- * client's idle time in `getWorkers`).
+ * `store` is its data dir, `reads` its connection's calls (a sibling shares
+ * its owner's). Each call sets `activity.at` to its time (a named client's
+ * idle time in `getWorkers`).
  */
-export function nativeCalls<N extends object>(native: N, store: string, activity: Activity = { at: 0 }): N {
+export function nativeCalls<N extends object>(
+  native: N,
+  store: string,
+  activity: Activity = { at: 0 },
+  reads: ReadsAfterWrites = new ReadsAfterWrites(),
+): N {
   const methods = native as unknown as Record<string, Method>;
   const prototype = Object.getPrototypeOf(native) as object;
-  const reads = new ReadsAfterWrites();
   for (const name of WRITE_METHODS) {
     if (typeof methods[name] !== 'function') throw new Error(`the native addon has no write method ${name}`);
   }
@@ -233,16 +273,30 @@ export function nativeCalls<N extends object>(native: N, store: string, activity
     };
     if (write) {
       methods[name] = (...args) => {
+        if (reads.closing) return closed();
         activity.at = Date.now();
         return inOrder(store, call(args), handsOutJob, reads);
       };
+    } else if (name === 'close') {
+      methods[name] = (...args) => {
+        activity.at = Date.now();
+        reads.closing = true;
+        methods.interruptBlocking();
+        methods.interruptEvents();
+        return reads
+          .drained()
+          .then(() => call(args))
+          .catch(inBullmqForm);
+      };
     } else if (UNORDERED.has(name)) {
       methods[name] = (...args) => {
+        if (reads.closing) return closed();
         activity.at = Date.now();
         return call(args).catch(inBullmqForm);
       };
     } else {
       methods[name] = (...args) => {
+        if (reads.closing) return closed();
         activity.at = Date.now();
         return reads.after(() => call(args)).catch(inBullmqForm);
       };

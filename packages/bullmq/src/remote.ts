@@ -263,6 +263,8 @@ interface InFlight {
 
 export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   closing: Promise<void> | undefined;
+  /** The backend whose siblings this one is of (see the constructor's `family`). */
+  private readonly family: RemoteQueueBackend | undefined;
   readonly keys: KeysMap = {};
   /** The server wakes waiters on its own notifications; any timeout works. */
   readonly minimumBlockTimeout = 0.001;
@@ -303,10 +305,17 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
     private readonly prefix: string,
     private readonly owner: boolean,
     private readonly settings: WorkerSettings,
-    options: { blocking?: boolean; withBlockingConnection?: boolean; workerName?: string } = {},
+    options: {
+      blocking?: boolean;
+      withBlockingConnection?: boolean;
+      workerName?: string;
+      /** A sibling's (`forQueue`): closed with it, as on Redis, where siblings share their owner's connection. */
+      family?: RemoteQueueBackend;
+    } = {},
   ) {
     super();
     if (owner) channel.retain();
+    this.family = options.family;
     const started: Promise<unknown>[] = [];
     if (options.withBlockingConnection) {
       // Redis names a worker's blocking connection so getWorkers finds it.
@@ -375,7 +384,7 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   ): Promise<T> {
     // As the in-process backend's closed store refuses it (a shutdown race in
     // the caller's code would otherwise still add work: the channel reconnects).
-    if (this.closing) return Promise.reject(loamError('unavailable', 'the backend is closed'));
+    if (this.closing ?? this.family?.closing) return Promise.reject(loamError('unavailable', 'the backend is closed'));
     const start = (hooks: CallHooks = {}) => {
       const stopRetrying = recordsOutcome ? undefined : this.blocking.signal;
       return deadlineMs === undefined || !signal
@@ -603,7 +612,13 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
 
   forQueue(queueName: string, prefix?: string): IQueueBackend {
     const p = prefix ?? this.prefix;
-    return this.siblings.get(queueName, p, () => new RemoteQueueBackend(this.channel, queueName, p, false, this.settings));
+    // Made once its owner is closed (BullMQ makes them for the Jobs of a
+    // FlowProducer closed right after an add), a sibling's calls are refused.
+    return this.siblings.get(
+      queueName,
+      p,
+      () => new RemoteQueueBackend(this.channel, queueName, p, false, this.settings, { family: this.family ?? this }),
+    );
   }
 
   get qualifiedName(): string {
@@ -1425,7 +1440,10 @@ export class RemoteQueueBackend extends EventEmitter implements IQueueBackend {
   /** The entries after `id` (`$` = from now), in XREAD's shape, or null when none came in time. */
   async readEvents(id: string, blockTimeout: number): Promise<StreamReadRaw> {
     if (this.events.signal.aborted && !this.closing) throw disconnectedRead('readEvents');
-    const waitMs = Math.min(MAX_WAIT_MS, u32(blockTimeout));
+    // 0 (or less) waits until an event comes, as Redis's `XREAD BLOCK 0`
+    // does (here the longest wait, asked again); a read answered at once had
+    // the QueueEvents ask again at once, for ever.
+    const waitMs = blockTimeout > 0 ? Math.min(MAX_WAIT_MS, u32(blockTimeout)) : MAX_WAIT_MS;
     let events;
     try {
       const from = id === '$' && this.eventsStart ? await this.eventsFrom(this.eventsStart) : id;

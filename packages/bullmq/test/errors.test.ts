@@ -267,6 +267,65 @@ describe('errors', () => {
     await reopened.close();
   });
 
+  // As Redis answers the commands sent before a QUIT; in-process the close
+  // ran at once and refused such a read (LOAM_UNAVAILABLE), 40 times in 40.
+  it('answers a read called just before close(), and refuses one called after it', async () => {
+    const name = loam.queueName();
+    const other = new Queue(name, { connection });
+    await other.add('a', {});
+    for (let i = 0; i < 20; i++) {
+      const queue = new Queue(name, { connection });
+      await queue.waitUntilReady();
+      const added = queue.add('b', {});
+      const counted = queue.count();
+      const closed = queue.close();
+      const late = queue.count().then(
+        () => 'answered',
+        (err: Error & { code?: string }) => err.code,
+      );
+      await added;
+      expect(await counted).toBe(i + 2);
+      await closed;
+      expect(await late).toBe('LOAM_UNAVAILABLE');
+    }
+    await other.close();
+  });
+
+  // On Redis the Jobs a FlowProducer returns share its connection, closed
+  // with it; in-process they went on writing to the store.
+  it('refuses the calls of the Jobs a FlowProducer returned once it is closed', async () => {
+    const keeper = new Queue(loam.queueName(), { connection });
+    await keeper.waitUntilReady();
+    const flows = new loam.FlowProducer({ connection });
+    const { job, children } = await flows.add({
+      name: 'parent',
+      queueName: loam.queueName(),
+      children: [{ name: 'child', queueName: loam.queueName() }],
+    });
+    await flows.close();
+    await expect(job.updateProgress(42)).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE' });
+    await expect(children![0].job.remove()).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE' });
+    await expect(job.getState()).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE' });
+    await keeper.close();
+  });
+
+  // As Redis's `XREAD BLOCK 0`; answered at once, an idle QueueEvents with
+  // blockingTimeout 0 asked again at once, about 5,800 times a second.
+  it('waits for an event when a read of events blocks for 0 ms', async () => {
+    const queue = new Queue(loam.queueName(), { connection });
+    const backend = queue.getBackend() as LoamQueueBackend;
+    let answered = false;
+    const read = backend.readEvents('$', 0).then(entries => {
+      answered = true;
+      return entries;
+    });
+    await new Promise(resolve => setTimeout(resolve, 300));
+    expect(answered).toBe(false);
+    await queue.add('a', {});
+    expect(await read).not.toBeNull();
+    await queue.close();
+  });
+
   it('closing a Queue as soon as it is made raises no error', async () => {
     const errors: Error[] = [];
     // It came from the backend's own readiness check, about once in 40.

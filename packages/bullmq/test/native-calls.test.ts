@@ -1,6 +1,6 @@
 import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
-import { nativeCalls, WRITE_METHODS } from '../src/native-calls.js';
+import { nativeCalls, ReadsAfterWrites, WRITE_METHODS } from '../src/native-calls.js';
 
 /** A write's promise and the hands that settle it. */
 interface Settleable {
@@ -22,14 +22,24 @@ function settleable(): Settleable {
 /**
  * A stand-in for a native queue: every write method hands out a promise the
  * test settles (in `calls`, in call order); `getState` is a read,
- * `waitForJob` a blocking wait and `close` a lifecycle call; a write
- * called with `'refuse'` throws at once, as the addon does with arguments it
- * cannot read.
+ * `waitForJob` a blocking wait and `close` a lifecycle call; the
+ * interrupts of the waits are counted in `interrupts`; a write called with
+ * `'refuse'` throws at once, as the addon does with arguments it cannot read.
  */
-function fakeNative(): { native: Record<string, (...args: unknown[]) => Promise<unknown>>; calls: Settleable[] } {
+function fakeNative(): {
+  native: Record<string, (...args: unknown[]) => Promise<unknown>>;
+  calls: Settleable[];
+  interrupts: string[];
+} {
   const calls: Settleable[] = [];
+  const interrupts: string[] = [];
   class FakeQueue {}
   const prototype = FakeQueue.prototype as Record<string, unknown>;
+  for (const name of ['interruptBlocking', 'interruptEvents']) {
+    prototype[name] = () => {
+      interrupts.push(name);
+    };
+  }
   for (const name of [...WRITE_METHODS, 'getState', 'waitForJob', 'close']) {
     prototype[name] = (...args: unknown[]) => {
       if (args[0] === 'refuse') throw new Error('[bullmq:-1] {"command":"addJob","jobId":"1"}');
@@ -38,7 +48,7 @@ function fakeNative(): { native: Record<string, (...args: unknown[]) => Promise<
       return call.promise;
     };
   }
-  return { native: new FakeQueue() as never, calls };
+  return { native: new FakeQueue() as never, calls, interrupts };
 }
 
 /** Lets every pending promise reaction run. */
@@ -98,31 +108,73 @@ describe("native calls' writes", () => {
     await drain();
     // Not asked yet: the write before it is in flight.
     expect(calls).toHaveLength(2);
-    // A blocking wait and a lifecycle call do not wait for writes.
+    // A blocking wait does not wait for writes.
     void queue.waitForJob();
-    void queue.close();
-    expect(calls).toHaveLength(4);
+    expect(calls).toHaveLength(3);
     calls[0].resolve(undefined);
     await drain();
     // Asked now, while the write made after it is still in flight.
-    expect(calls).toHaveLength(5);
-    calls[4].resolve('waiting');
+    expect(calls).toHaveLength(4);
+    calls[3].resolve('waiting');
     await read;
     expect(order).toEqual(['first write', 'read waiting']);
     calls[1].resolve(undefined);
     await second;
     // With nothing in flight, a read is asked at once.
     void queue.getState();
-    expect(calls).toHaveLength(6);
+    expect(calls).toHaveLength(5);
     // A refused write counts as settled.
     const refused = queue.addJob('refuse').catch(() => order.push('refused'));
     const after = queue.getState();
     await refused;
     await drain();
-    expect(calls).toHaveLength(7);
-    calls[6].resolve('done');
+    expect(calls).toHaveLength(6);
+    calls[5].resolve('done');
     expect(await after).toBe('done');
     await first;
+  });
+
+  // As Redis answers the commands sent before a QUIT: closed at once, a read
+  // called just before it was refused (`LOAM_UNAVAILABLE`), 40 times in 40.
+  it('close the backend once the calls made before it are answered, its blocking waits ended at once', async () => {
+    const { native, calls, interrupts } = fakeNative();
+    const queue = nativeCalls(native, 'store-c');
+    const write = queue.addJob();
+    const read = queue.getState();
+    void queue.waitForJob();
+    const closed = queue.close();
+    await drain();
+    expect(interrupts).toEqual(['interruptBlocking', 'interruptEvents']);
+    // The write, and the wait; the read waits for the write, and the close for both.
+    expect(calls).toHaveLength(2);
+    calls[0].resolve(undefined);
+    await write;
+    await drain();
+    expect(calls).toHaveLength(3);
+    calls[2].resolve('waiting');
+    expect(await read).toBe('waiting');
+    await drain();
+    expect(calls).toHaveLength(4);
+    calls[3].resolve(undefined);
+    await closed;
+  });
+
+  it("share one connection's order between a backend and its siblings", async () => {
+    const owner = fakeNative();
+    const sibling = fakeNative();
+    const reads = new ReadsAfterWrites();
+    const a = nativeCalls(owner.native, 'store-s', undefined, reads);
+    const b = nativeCalls(sibling.native, 'store-s', undefined, reads);
+    const write = a.addJob();
+    const read = b.getState();
+    await drain();
+    expect(sibling.calls).toHaveLength(0);
+    owner.calls[0].resolve(undefined);
+    await write;
+    await drain();
+    expect(sibling.calls).toHaveLength(1);
+    sibling.calls[0].resolve('waiting');
+    expect(await read).toBe('waiting');
   });
 
   it("hand a worker a job no earlier than the turn after a producer's write resolved", async () => {

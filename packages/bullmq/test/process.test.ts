@@ -72,6 +72,52 @@ describe('processes', () => {
     await queue.close();
   });
 
+  // BullMQ's Worker makes its backend before it checks its options: one whose
+  // constructor threw left the store open, and locked to other processes,
+  // for the life of the process.
+  itInProcess('a backend BullMQ made and let go of unclosed gives the store back once collected', async () => {
+    const dir = mkdtempSync(path.join(tmpdir(), 'loam-abandoned-'));
+    try {
+      let opened: Promise<string> | undefined;
+      await runProcess(
+        [
+          '--expose-gc',
+          '--input-type=module',
+          '-e',
+          `
+          const { withBackend, loamBackend } = await import(${JSON.stringify(entry)});
+          const { Worker } = withBackend(loamBackend({ dataDir: ${JSON.stringify(dir)} }));
+          try { new Worker('q', async () => {}, { connection: {}, stalledInterval: 0 }); } catch { console.log('threw'); }
+          for (let i = 0; i < 5; i++) { globalThis.gc(); await new Promise(r => setTimeout(r, 50)); }
+          console.log('collected');
+          await new Promise(r => setTimeout(r, 10_000));
+          `,
+        ],
+        {
+          killAfterMs: 20_000,
+          onLine: (line, kill) => {
+            if (line !== 'collected') return;
+            opened = (async () => {
+              const { Queue } = withBackend(loamBackend({ dataDir: dir }));
+              const queue = new Queue('q', { connection: {} });
+              try {
+                return String(await queue.count());
+              } catch (err) {
+                return (err as { code?: string }).code ?? String(err);
+              } finally {
+                await queue.close().catch(() => undefined);
+                kill();
+              }
+            })();
+          },
+        },
+      );
+      expect(await opened).toBe('0');
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
   itInProcess('a data dir that is a file is a setting to fix, not a store that is away', () => {
     const dir = mkdtempSync(path.join(tmpdir(), 'loam-file-dir-'));
     try {
