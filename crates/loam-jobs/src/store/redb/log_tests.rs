@@ -515,3 +515,27 @@ fn acknowledged_writes_are_replayed_from_the_log_after_a_kill() {
     let mut snapshot = bare.snapshot().unwrap();
     assert!(["a", "b", "c"].iter().any(|k| snapshot.get(k.as_bytes()).unwrap().is_none()));
 }
+
+/// A `jobs.redb` deleted to start over, its log left beside it: the new file
+/// replayed the old store's records (every file counts its log's generations
+/// from the same start), after a crash right after its open, and even after a
+/// clean close once the old store had reached the generation the new one
+/// closed at. A file that never logged now starts with a log of its own.
+#[test]
+fn a_new_file_does_not_replay_a_log_left_by_another_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.redb");
+    let eager = RedbOptions { checkpoint_interval: Duration::ZERO, ..Default::default() };
+    let store = RedbStore::open(&path, eager).unwrap();
+    put_value(&store, "first".into(), b"1".to_vec()); // generation 2; a checkpoint to 3 starts
+    std::thread::sleep(Duration::from_millis(50));
+    put_value(&store, "old".into(), b"from the deleted store".to_vec()); // generation 3
+    drop(store);
+    std::fs::remove_file(&path).unwrap();
+    for reopen in 0..2 {
+        let store = RedbStore::open(&path, RedbOptions::default()).unwrap();
+        let old = store.snapshot().unwrap().get(b"old").unwrap();
+        assert_eq!(old, None, "open {reopen}: the deleted store's write came back");
+        drop(store); // a clean close: the next open starts at generation 3
+    }
+}

@@ -260,11 +260,25 @@ fn recover(db: &Database, path: &Path) -> Result<Wal, StoreError> {
     let generation = {
         let txn = db.begin_read().map_err(io)?;
         match txn.open_table(LOG_TABLE) {
-            Ok(table) => table.get(LOG_GENERATION).map_err(io)?.map_or(0, |g| g.value()),
-            Err(redb::TableError::TableDoesNotExist(_)) => 0,
+            Ok(table) => table.get(LOG_GENERATION).map_err(io)?.map(|g| g.value()),
+            Err(redb::TableError::TableDoesNotExist(_)) => None,
             Err(e) => return Err(io(e)),
         }
     };
+    if generation.is_none() {
+        // A file that never logged (its first open stores a generation
+        // durably before anything is logged) has no log of its own. One
+        // beside it is another store's (a `jobs.redb` deleted to start over,
+        // its log left), whose records pass for this file's generations,
+        // which every file counts from the same start: replayed, the deleted
+        // store's writes came back. It goes, and a log is made afresh.
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(e)),
+        }
+    }
+    let generation = generation.unwrap_or(0);
     let (mut wal, records) = Wal::open(path, generation, LOG_CAPACITY).map_err(io)?;
     let txn = db.begin_write().map_err(io)?;
     {
