@@ -62,6 +62,39 @@ fn relaxed_ack_is_fsynced_within_the_flush_interval_during_a_slow_checkpoint() {
     slow_checkpoint(false);
 }
 
+/// The same on the other way to a checkpoint: a group too large for the
+/// log's room is committed durably to redb, and the committer waits for that
+/// commit (and for any checkpoint under way before it). It flushes the log
+/// first: it waited unflushed, and the writes relaxed durability had
+/// answered before the group stayed unsynced for as long as redb's commit
+/// took, past the flush interval.
+#[test]
+fn relaxed_acks_are_fsynced_before_a_group_too_large_for_the_log_is_checkpointed() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log");
+    let (db, switch) = GatedDisk::database();
+    let mut wal = recover(&db, &log).unwrap();
+    let failing = Arc::new(AtomicBool::new(false));
+    wal.fail_syncs_while(Arc::clone(&failing));
+    let options = RedbOptions {
+        durability: Durability::Relaxed { flush_interval_ms: 100 },
+        checkpoint_interval: Duration::from_secs(3600),
+        ..Default::default()
+    };
+    let store = RedbStore::start(db, &options, Some(wal)).unwrap();
+    let gate = switch.hold();
+    assert!(submit(&store, "a", b"1".to_vec(), true).recv().unwrap());
+    // From here a log fsync fails: if the committer tries one, the relaxed
+    // store breaks and refuses reads.
+    failing.store(true, Ordering::SeqCst);
+    let _big = submit(&store, "big", vec![7u8; (LOG_CAPACITY + 1024) as usize], true);
+    std::thread::sleep(Duration::from_millis(400)); // four flush intervals, redb's commit held
+    let attempted = store.snapshot().is_err();
+    gate.release();
+    drop(store);
+    assert!(attempted, "no log fsync for a within 400 ms of its acknowledgement, while the large group waited");
+}
+
 /// Under relaxed durability a write that waits for its fsync, followed by
 /// one answered at once, is readable once it is answered: published in
 /// the order the batches ran, not left behind the later one's mark.

@@ -236,6 +236,12 @@ impl Committer {
     /// made before this returns, after any under way: the log starts over
     /// under the next generation.
     pub(super) fn checkpoint(&mut self, group: Option<Group>) -> Result<(), StoreError> {
+        // What relaxed durability answered is made durable first: the waits
+        // below (a checkpoint under way, then this one's durable commit) may
+        // outlast the flush interval, and nobody flushes the log meanwhile.
+        if matches!(self.file, File::Logged { .. }) {
+            self.flush();
+        }
         self.checkpoint_done(true);
         if let Some(e) = self.broken.clone() {
             // The file writer is done with the group's batches, which fail.
