@@ -240,15 +240,9 @@ impl Index {
     /// or drop from the index one the upsert had started again.
     fn after_read(&self, seen: &Seen, due: Option<u64>) {
         let mut e = self.entries.lock();
-        if e.by_key.get(&seen.key).is_none_or(|entry| entry.added != seen.added) {
-            return;
-        }
+        let Some(entry) = e.by_key.get_mut(&seen.key).filter(|entry| entry.added == seen.added) else { return };
         match due {
-            Some(due) => {
-                if let Some(entry) = e.by_key.get_mut(&seen.key) {
-                    entry.due = Some(due);
-                }
-            }
+            Some(due) => entry.due = Some(due),
             None => {
                 e.by_key.remove(&seen.key);
             }
@@ -405,8 +399,6 @@ pub fn catch_up(tx: &mut loam_jobs::tx::Tx, q: &QueueId, id: &str, now: u64) -> 
 mod tests {
     use super::*;
 
-    /// A worker's scheduler of the same id drops every server mark by this
-    /// prefix (`schedule::upsert`), the job template among them.
     /// What a pass read before an upsert's commit does not stand over the
     /// upsert's `add`: the changed schedule is read on the next pass, and
     /// one the pass found finished but the upsert started again stays.
@@ -428,6 +420,8 @@ mod tests {
         assert!(index.due(u64::MAX).is_empty());
     }
 
+    /// A worker's scheduler of the same id drops every server mark by this
+    /// prefix (`schedule::upsert`), the job template among them.
     #[test]
     fn the_template_is_a_server_mark() {
         assert!(
