@@ -1,11 +1,36 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::log_tests::{submit_put, submit_put_durable};
-use super::tests::GatedDisk;
+use super::tests::{GateSwitch, GatedDisk};
 use super::*;
 
 fn submit(store: &RedbStore, key: &str, value: Vec<u8>, sync: bool) -> mpsc::Receiver<bool> {
     submit_put(store, key.to_string(), value, sync)
+}
+
+/// A store under relaxed durability (a flush every 100 ms) on a disk whose
+/// redb fsyncs the test holds with the switch, over the log at `log`, whose
+/// fsyncs fail while the flag is set, and its appends too unless
+/// `syncs_only`.
+fn relaxed_on_a_gated_disk(
+    log: &Path,
+    checkpoint_interval: Duration,
+    syncs_only: bool,
+) -> (RedbStore, GateSwitch, Arc<AtomicBool>) {
+    let (db, switch) = GatedDisk::database();
+    let mut wal = recover(&db, log).unwrap();
+    let failing = Arc::new(AtomicBool::new(false));
+    if syncs_only {
+        wal.fail_syncs_while(Arc::clone(&failing));
+    } else {
+        wal.fail_while(Arc::clone(&failing));
+    }
+    let options = RedbOptions {
+        durability: Durability::Relaxed { flush_interval_ms: 100 },
+        checkpoint_interval,
+        ..Default::default()
+    };
+    (RedbStore::start(db, &options, Some(wal)).unwrap(), switch, failing)
 }
 
 /// Relaxed durability loses at most the last flush interval (100 ms) of
@@ -15,16 +40,7 @@ fn submit(store: &RedbStore, key: &str, value: Vec<u8>, sync: bool) -> mpsc::Rec
 fn slow_checkpoint(kill: bool) {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("log");
-    let (db, switch) = GatedDisk::database();
-    let mut wal = recover(&db, &log).unwrap();
-    let failing = Arc::new(AtomicBool::new(false));
-    wal.fail_while(Arc::clone(&failing));
-    let options = RedbOptions {
-        durability: Durability::Relaxed { flush_interval_ms: 100 },
-        checkpoint_interval: Duration::from_millis(1),
-        ..Default::default()
-    };
-    let store = RedbStore::start(db, &options, Some(wal)).unwrap();
+    let (store, switch, failing) = relaxed_on_a_gated_disk(&log, Duration::from_millis(1), false);
     // From now on redb's fsync takes as long as the test wants (a slow disk).
     let gate = switch.hold();
     assert!(submit(&store, "a", b"1".to_vec(), true).recv().unwrap());
@@ -71,17 +87,7 @@ fn relaxed_ack_is_fsynced_within_the_flush_interval_during_a_slow_checkpoint() {
 #[test]
 fn relaxed_acks_are_fsynced_before_a_group_too_large_for_the_log_is_checkpointed() {
     let dir = tempfile::tempdir().unwrap();
-    let log = dir.path().join("log");
-    let (db, switch) = GatedDisk::database();
-    let mut wal = recover(&db, &log).unwrap();
-    let failing = Arc::new(AtomicBool::new(false));
-    wal.fail_syncs_while(Arc::clone(&failing));
-    let options = RedbOptions {
-        durability: Durability::Relaxed { flush_interval_ms: 100 },
-        checkpoint_interval: Duration::from_secs(3600),
-        ..Default::default()
-    };
-    let store = RedbStore::start(db, &options, Some(wal)).unwrap();
+    let (store, switch, failing) = relaxed_on_a_gated_disk(&dir.path().join("log"), Duration::from_secs(3600), true);
     let gate = switch.hold();
     assert!(submit(&store, "a", b"1".to_vec(), true).recv().unwrap());
     // From here a log fsync fails: if the committer tries one, the relaxed
