@@ -208,8 +208,12 @@ _LONG_POLL_GRACE_SECONDS = 0.25
 def _takes_jobs(call: Call) -> bool:
     """Whether `call` may lease jobs: a lease, or a completion that fetches
     the next ones."""
-    if call.rpc == "lease":
-        return True
+    return call.rpc == "lease" or _fetches_next(call)
+
+
+def _fetches_next(call: Call) -> bool:
+    """Whether `call` is a completion that fetches the next jobs: keyed, so
+    sent again after its answer was lost it tells what it fetched."""
     if call.rpc != "complete":
         return False
     options = cast(CompleteRequest, call.request).options
@@ -601,7 +605,7 @@ class Client(Operations):
                 try:
                     response = self._call(step)
                 except LoamJobsError as err:
-                    if _takes_jobs(step) and step.rpc == "complete":
+                    if _fetches_next(step):
                         unknown = step
                     step = op.throw(err)
                 else:
@@ -965,7 +969,7 @@ class AsyncClient(AsyncOperations):
                 unknown = isinstance(err, ConnectError) and isinstance(
                     from_connect_error(err, call.request), (UnavailableError, DeadlineExceededError)
                 )
-                if unknown and call.rpc == "complete":
+                if unknown and _fetches_next(call):
                     self._take_back(call)
                 return
             self._give_back(_taken(call, done.result()))
@@ -1027,7 +1031,7 @@ class AsyncClient(AsyncOperations):
                 try:
                     response = await self._call(step)
                 except LoamJobsError as err:
-                    if _takes_jobs(step) and step.rpc == "complete":
+                    if _fetches_next(step):
                         unknown = step
                     step = op.throw(err)
                 else:
