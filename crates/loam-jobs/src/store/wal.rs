@@ -17,6 +17,18 @@
 //! harmless: records are replayed in order and each sets keys to the values
 //! they had after it.
 //!
+//! The crc also covers the log's salt, a random number stored in the redb
+//! file with the generation and drawn afresh at every open. Generation and
+//! sequence numbers are predictable, and the bytes past a generation's last
+//! record can be anything an earlier pass over the region wrote there,
+//! including a job's data, which a client chooses: without the salt, a client
+//! could put a well-formed next record inside a job and have it replayed as a
+//! commit after a crash. The salt is in no record and never leaves the files,
+//! so a record made by anyone but this log fails the crc (but for a chance of
+//! one in 2^32), whatever its bytes. A log written before the salt (a file with
+//! a generation and no salt) is read without it once, and the open that
+//! replays it starts the salted log.
+//!
 //! The log has two regions, and generation `g` writes region `g % 2`, so a
 //! checkpoint need not stop the commits behind it: the committer asks for it
 //! and goes on appending the next generation in the other region while the
@@ -45,6 +57,8 @@ pub(crate) struct Wal {
     /// Whether records were appended since the last fsync.
     unsynced: bool,
     generation: u64,
+    /// What the crc covers besides the record (None: a log from before salts).
+    salt: Option<u64>,
     next_seq: u64,
     /// Tests: appends and fsyncs (or fsyncs only, when true) fail while this is set.
     #[cfg(test)]
@@ -54,9 +68,15 @@ pub(crate) struct Wal {
 impl Wal {
     /// Opens the log at `path` (creating it zero-filled, two regions of
     /// `region` bytes), and reads the writes of its records of `generation`
-    /// and then of `generation + 1`, oldest first. It goes on in
-    /// `generation` (to be [restarted](Wal::restart) once they are applied).
-    pub(crate) fn open(path: &Path, generation: u64, region: u64) -> io::Result<(Self, Vec<Writes>)> {
+    /// and then of `generation + 1` under `salt`, oldest first. It goes on
+    /// in `generation` (to be [restarted](Wal::restart_salted) once they are
+    /// applied).
+    pub(crate) fn open(
+        path: &Path,
+        generation: u64,
+        salt: Option<u64>,
+        region: u64,
+    ) -> io::Result<(Self, Vec<Writes>)> {
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
         let len = file.metadata()?.len();
         let capacity = 2 * region;
@@ -76,19 +96,20 @@ impl Wal {
             }
         }
         let start = |g: u64| region_start(g, region);
-        let mut records = read_records(&file, start(generation), region, generation)?;
+        let mut records = read_records(&file, start(generation), region, generation, salt)?;
         if records.is_empty() {
             // A log of one region (before the log had two) holds every
             // generation at its start.
-            records = read_records(&file, start(generation + 1), region, generation)?;
+            records = read_records(&file, start(generation + 1), region, generation, salt)?;
         }
-        records.extend(read_records(&file, start(generation + 1), region, generation + 1)?);
+        records.extend(read_records(&file, start(generation + 1), region, generation + 1, salt)?);
         let wal = Self {
             file,
             region,
             end: 0,
             unsynced: false,
             generation,
+            salt,
             next_seq: 1,
             #[cfg(test)]
             failing: None,
@@ -161,7 +182,7 @@ impl Wal {
         record[0..4].copy_from_slice(&payload_len.to_le_bytes());
         record[4..12].copy_from_slice(&self.generation.to_le_bytes());
         record[12..20].copy_from_slice(&seq.to_le_bytes());
-        let crc = checksum(self.generation, seq, &record[HEADER..]);
+        let crc = checksum(self.salt, self.generation, seq, &record[HEADER..]);
         record[20..24].copy_from_slice(&crc.to_le_bytes());
         self.check(false)?;
         self.file.write_all_at(&record, region_start(self.generation, self.region) + self.end)?;
@@ -214,13 +235,25 @@ impl Wal {
     /// without this one's last (written back later by the kernel, or not at
     /// all before a power cut) would replay a state no commits made.
     pub(crate) fn restart(&mut self, generation: u64) -> io::Result<()> {
+        self.restart_salted(generation, self.salt)
+    }
+
+    /// [`Wal::restart`] under a new salt: at an open, once the redb file
+    /// holds both durably, so every record of an earlier open fails the crc.
+    pub(crate) fn restart_salted(&mut self, generation: u64, salt: Option<u64>) -> io::Result<()> {
         if self.unsynced {
             self.sync()?;
         }
         self.generation = generation;
+        self.salt = salt;
         self.end = 0;
         self.next_seq = 1;
         Ok(())
+    }
+
+    #[cfg(test)]
+    pub(crate) fn salt(&self) -> Option<u64> {
+        self.salt
     }
 
     pub(crate) fn generation(&self) -> u64 {
@@ -257,17 +290,20 @@ fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(bytes);
 }
 
-fn checksum(generation: u64, seq: u64, payload: &[u8]) -> u32 {
+fn checksum(salt: Option<u64>, generation: u64, seq: u64, payload: &[u8]) -> u32 {
     let mut hasher = crc32fast::Hasher::new();
+    if let Some(salt) = salt {
+        hasher.update(&salt.to_le_bytes());
+    }
     hasher.update(&generation.to_le_bytes());
     hasher.update(&seq.to_le_bytes());
     hasher.update(payload);
     hasher.finalize()
 }
 
-/// The writes of the records of `generation` that follow each other from the
-/// start of the region at `base`, each intact.
-fn read_records(file: &File, base: u64, region: u64, generation: u64) -> io::Result<Vec<Writes>> {
+/// The writes of the records of `generation` under `salt` that follow each
+/// other from the start of the region at `base`, each intact.
+fn read_records(file: &File, base: u64, region: u64, generation: u64, salt: Option<u64>) -> io::Result<Vec<Writes>> {
     let mut records = Vec::new();
     let mut at = base;
     let capacity = base + region;
@@ -283,7 +319,7 @@ fn read_records(file: &File, base: u64, region: u64, generation: u64) -> io::Res
         }
         let mut payload = vec![0u8; len as usize];
         file.read_exact_at(&mut payload, at + HEADER as u64)?;
-        if checksum(record_generation, seq, &payload) != crc {
+        if checksum(salt, record_generation, seq, &payload) != crc {
             break;
         }
         match decode_writes(&payload) {
@@ -322,6 +358,8 @@ fn decode_writes(mut payload: &[u8]) -> Option<Writes> {
 mod tests {
     use super::*;
 
+    const SALT: Option<u64> = Some(0x5a17_5a17);
+
     fn writes(pairs: &[(&str, Option<&str>)]) -> Writes {
         pairs.iter().map(|(k, v)| (k.as_bytes().to_vec(), v.map(|v| v.as_bytes().to_vec()))).collect()
     }
@@ -330,7 +368,7 @@ mod tests {
     fn records_of_the_generation_read_back_in_order_until_a_torn_one() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("log");
-        let (mut wal, none) = Wal::open(&path, 7, 4096).unwrap();
+        let (mut wal, none) = Wal::open(&path, 7, SALT, 4096).unwrap();
         assert!(none.is_empty());
         let a = writes(&[("a", Some("1")), ("b", None)]);
         let b = writes(&[("a", Some("2"))]);
@@ -341,15 +379,15 @@ mod tests {
         assert!(wal.append(Wal::encode(c.iter())).is_ok());
         wal.sync().unwrap();
         drop(wal);
-        let (_, records) = Wal::open(&path, 7, 4096).unwrap();
+        let (_, records) = Wal::open(&path, 7, SALT, 4096).unwrap();
         assert_eq!(records, vec![a.clone(), b.clone(), c]);
         // Another generation's records are not this one's.
-        let (_, records) = Wal::open(&path, 8, 4096).unwrap();
+        let (_, records) = Wal::open(&path, 8, SALT, 4096).unwrap();
         assert!(records.is_empty());
         // A record torn by a crash ends the log (generation 7 is in region 1).
         let file = OpenOptions::new().write(true).open(&path).unwrap();
         file.write_all_at(b"x", 4096 + torn_at + HEADER as u64 + 3).unwrap();
-        let (_, records) = Wal::open(&path, 7, 4096).unwrap();
+        let (_, records) = Wal::open(&path, 7, SALT, 4096).unwrap();
         assert_eq!(records, vec![a, b]);
     }
 
@@ -357,7 +395,7 @@ mod tests {
     fn a_restarted_log_ignores_what_the_last_generation_left_behind() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("log");
-        let (mut wal, _) = Wal::open(&path, 1, 4096).unwrap();
+        let (mut wal, _) = Wal::open(&path, 1, SALT, 4096).unwrap();
         let long = writes(&[("old", Some("a long value from before the checkpoint"))]);
         let later = writes(&[("old2", Some("x"))]);
         assert!(wal.append(Wal::encode(long.iter())).is_ok());
@@ -369,7 +407,7 @@ mod tests {
         assert!(wal.append(Wal::encode(short.iter())).is_ok());
         wal.sync().unwrap();
         drop(wal);
-        let (_, records) = Wal::open(&path, 3, 4096).unwrap();
+        let (_, records) = Wal::open(&path, 3, SALT, 4096).unwrap();
         assert_eq!(records, vec![short]);
     }
 
@@ -377,7 +415,7 @@ mod tests {
     fn the_generation_after_the_files_is_replayed_after_it() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("log");
-        let (mut wal, _) = Wal::open(&path, 4, 4096).unwrap();
+        let (mut wal, _) = Wal::open(&path, 4, SALT, 4096).unwrap();
         let before = writes(&[("a", Some("1"))]);
         let during = writes(&[("a", Some("2")), ("b", Some("3"))]);
         assert!(wal.append(Wal::encode(before.iter())).is_ok());
@@ -387,10 +425,10 @@ mod tests {
         assert!(wal.append(Wal::encode(during.iter())).is_ok());
         wal.sync().unwrap();
         drop(wal);
-        let (_, records) = Wal::open(&path, 4, 4096).unwrap();
+        let (_, records) = Wal::open(&path, 4, SALT, 4096).unwrap();
         assert_eq!(records, vec![before, during.clone()]);
         // The checkpoint made it: generation 4's records are redundant.
-        let (_, records) = Wal::open(&path, 5, 4096).unwrap();
+        let (_, records) = Wal::open(&path, 5, SALT, 4096).unwrap();
         assert_eq!(records, vec![during]);
     }
 
@@ -401,7 +439,7 @@ mod tests {
         use std::sync::Arc;
         use std::sync::atomic::{AtomicBool, Ordering};
         let dir = tempfile::tempdir().unwrap();
-        let (mut wal, _) = Wal::open(&dir.path().join("log"), 4, 4096).unwrap();
+        let (mut wal, _) = Wal::open(&dir.path().join("log"), 4, SALT, 4096).unwrap();
         let failing = Arc::new(AtomicBool::new(false));
         wal.fail_while(Arc::clone(&failing));
         assert!(wal.append(Wal::encode(writes(&[("lease", Some("active"))]).iter())).is_ok());
@@ -413,11 +451,40 @@ mod tests {
         assert_eq!(wal.generation(), 5);
     }
 
+    /// A record is this log's only under its salt: one of another open, or
+    /// made by anyone else, is not read whatever its bytes.
+    #[test]
+    fn records_are_read_under_their_salt_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log");
+        let (mut wal, _) = Wal::open(&path, 2, SALT, 4096).unwrap();
+        let first = writes(&[("a", Some("1"))]);
+        assert!(wal.append(Wal::encode(first.iter())).is_ok());
+        wal.sync().unwrap();
+        drop(wal);
+        for other in [None, Some(1), SALT.map(|s| s ^ 1)] {
+            let (_, records) = Wal::open(&path, 2, other, 4096).unwrap();
+            assert!(records.is_empty(), "read under {other:?}");
+        }
+        // A new salt from the restart on: what the old one wrote is stale.
+        let (mut wal, records) = Wal::open(&path, 2, SALT, 4096).unwrap();
+        assert_eq!(records, vec![first]);
+        wal.restart_salted(4, Some(7)).unwrap();
+        let second = writes(&[("b", Some("2"))]);
+        assert!(wal.append(Wal::encode(second.iter())).is_ok());
+        wal.sync().unwrap();
+        drop(wal);
+        let (_, records) = Wal::open(&path, 4, Some(7), 4096).unwrap();
+        assert_eq!(records, vec![second]);
+        let (_, records) = Wal::open(&path, 4, SALT, 4096).unwrap();
+        assert!(records.is_empty());
+    }
+
     #[test]
     fn a_log_of_one_region_is_still_replayed() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("log");
-        let (mut wal, _) = Wal::open(&path, 2, 4096).unwrap();
+        let (mut wal, _) = Wal::open(&path, 2, SALT, 4096).unwrap();
         let old = writes(&[("a", Some("1"))]);
         assert!(wal.append(Wal::encode(old.iter())).is_ok());
         wal.sync().unwrap();
@@ -426,17 +493,18 @@ mod tests {
         let mut bytes = std::fs::read(&path).unwrap();
         bytes.truncate(4096);
         bytes[4..12].copy_from_slice(&3u64.to_le_bytes());
-        let crc = checksum(3, 1, &bytes[HEADER..HEADER + u32::from_le_bytes(bytes[0..4].try_into().unwrap()) as usize]);
+        let crc =
+            checksum(SALT, 3, 1, &bytes[HEADER..HEADER + u32::from_le_bytes(bytes[0..4].try_into().unwrap()) as usize]);
         bytes[20..24].copy_from_slice(&crc.to_le_bytes());
         std::fs::write(&path, &bytes).unwrap();
-        let (_, records) = Wal::open(&path, 3, 4096).unwrap();
+        let (_, records) = Wal::open(&path, 3, SALT, 4096).unwrap();
         assert_eq!(records, vec![old]);
     }
 
     #[test]
     fn a_record_that_does_not_fit_is_refused_whole() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut wal, _) = Wal::open(&dir.path().join("log"), 1, 64).unwrap();
+        let (mut wal, _) = Wal::open(&dir.path().join("log"), 1, SALT, 64).unwrap();
         let big = writes(&[("k", Some(&"v".repeat(100)))]);
         let record = Wal::encode(big.iter());
         assert!(!wal.fits(&record));
@@ -457,7 +525,7 @@ mod tests {
         let big = writes(&[("k", Some(&"v".repeat(100)))]);
         assert_eq!(Wal::encode_within(big.iter(), 64), None);
         let dir = tempfile::tempdir().unwrap();
-        let (wal, _) = Wal::open(&dir.path().join("log"), 1, 64).unwrap();
+        let (wal, _) = Wal::open(&dir.path().join("log"), 1, SALT, 64).unwrap();
         assert_eq!(wal.room(), 64);
     }
 }

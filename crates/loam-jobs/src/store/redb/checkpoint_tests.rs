@@ -11,14 +11,15 @@ fn submit(store: &RedbStore, key: &str, value: Vec<u8>, sync: bool) -> mpsc::Rec
 /// A store under relaxed durability (a flush every 100 ms) on a disk whose
 /// redb fsyncs the test holds with the switch, over the log at `log`, whose
 /// fsyncs fail while the flag is set, and its appends too unless
-/// `syncs_only`.
+/// `syncs_only`; with the log's salt, to read it back.
 fn relaxed_on_a_gated_disk(
     log: &Path,
     checkpoint_interval: Duration,
     syncs_only: bool,
-) -> (RedbStore, GateSwitch, Arc<AtomicBool>) {
+) -> (RedbStore, GateSwitch, Arc<AtomicBool>, Option<u64>) {
     let (db, switch) = GatedDisk::database();
     let mut wal = recover(&db, log).unwrap();
+    let salt = wal.salt();
     let failing = Arc::new(AtomicBool::new(false));
     if syncs_only {
         wal.fail_syncs_while(Arc::clone(&failing));
@@ -30,7 +31,7 @@ fn relaxed_on_a_gated_disk(
         checkpoint_interval,
         ..Default::default()
     };
-    (RedbStore::start(db, &options, Some(wal)).unwrap(), switch, failing)
+    (RedbStore::start(db, &options, Some(wal)).unwrap(), switch, failing, salt)
 }
 
 /// Relaxed durability loses at most the last flush interval (100 ms) of
@@ -40,7 +41,7 @@ fn relaxed_on_a_gated_disk(
 fn slow_checkpoint(kill: bool) {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("log");
-    let (store, switch, failing) = relaxed_on_a_gated_disk(&log, Duration::from_millis(1), false);
+    let (store, switch, failing, salt) = relaxed_on_a_gated_disk(&log, Duration::from_millis(1), false);
     // From now on redb's fsync takes as long as the test wants (a slow disk).
     let gate = switch.hold();
     assert!(submit(&store, "a", b"1".to_vec(), true).recv().unwrap());
@@ -53,7 +54,7 @@ fn slow_checkpoint(kill: bool) {
         // What a kill -9 leaves now: the log as it is.
         let copy = dir.path().join("copy");
         std::fs::copy(&log, &copy).unwrap();
-        let (_, records) = super::super::wal::Wal::open(&copy, 2, LOG_CAPACITY).unwrap();
+        let (_, records) = super::super::wal::Wal::open(&copy, 2, salt, LOG_CAPACITY).unwrap();
         let logged: Vec<&[u8]> = records.iter().flat_map(|w| w.keys().map(Vec::as_slice)).collect();
         (logged.contains(&&b"c"[..]), format!("c, acknowledged 400 ms ago, is in the log (logged keys {logged:?})"))
     } else {
@@ -87,7 +88,7 @@ fn relaxed_ack_is_fsynced_within_the_flush_interval_during_a_slow_checkpoint() {
 #[test]
 fn relaxed_acks_are_fsynced_before_a_group_too_large_for_the_log_is_checkpointed() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, switch, failing) = relaxed_on_a_gated_disk(&dir.path().join("log"), Duration::from_secs(3600), true);
+    let (store, switch, failing, _) = relaxed_on_a_gated_disk(&dir.path().join("log"), Duration::from_secs(3600), true);
     let gate = switch.hold();
     assert!(submit(&store, "a", b"1".to_vec(), true).recv().unwrap());
     // From here a log fsync fails: if the committer tries one, the relaxed

@@ -477,8 +477,7 @@ fn writes_after_a_checkpoint_are_replayed_and_stale_records_are_not() {
         put_value(&store, format!("k{}", n % 8), value(n));
     }
     let copy = dir.path().join("killed.redb");
-    std::fs::copy(log_path(&path), log_path(&copy)).unwrap();
-    std::fs::copy(&path, &copy).unwrap();
+    copy_as_killed(&path, &copy);
     drop(store);
     let reopened = RedbStore::open(&copy, RedbOptions::default()).unwrap();
     let mut snapshot = reopened.snapshot().unwrap();
@@ -499,8 +498,7 @@ fn acknowledged_writes_are_replayed_from_the_log_after_a_kill() {
         put(&store, key);
     }
     let copy = dir.path().join("killed.redb");
-    std::fs::copy(log_path(&path), log_path(&copy)).unwrap();
-    std::fs::copy(&path, &copy).unwrap();
+    copy_as_killed(&path, &copy);
     let bare = dir.path().join("bare.redb");
     std::fs::copy(&path, &bare).unwrap();
     drop(store);
@@ -538,4 +536,99 @@ fn a_new_file_does_not_replay_a_log_left_by_another_store() {
         assert_eq!(old, None, "open {reopen}: the deleted store's write came back");
         drop(store); // a clean close: the next open starts at generation 3
     }
+}
+
+/// What a kill -9 of the store at `path` leaves, copied to `to`: the log
+/// first, as it is on the disk while the store runs, then the file.
+fn copy_as_killed(path: &Path, to: &Path) {
+    std::fs::copy(log_path(path), log_path(to)).unwrap();
+    std::fs::copy(path, to).unwrap();
+}
+
+/// A log record as the log wrote them before its salt: what anyone knows of
+/// one, since generations and sequence numbers are predictable.
+fn unsalted_record(generation: u64, seq: u64, key: &[u8], value: &[u8]) -> Vec<u8> {
+    let mut payload = vec![1u8]; // a put
+    for bytes in [key, value] {
+        payload.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        payload.extend_from_slice(bytes);
+    }
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&generation.to_le_bytes());
+    crc.update(&seq.to_le_bytes());
+    crc.update(&payload);
+    let mut record = Vec::new();
+    record.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    record.extend_from_slice(&generation.to_le_bytes());
+    record.extend_from_slice(&seq.to_le_bytes());
+    record.extend_from_slice(&crc.finalize().to_le_bytes());
+    record.extend_from_slice(&payload);
+    record
+}
+
+/// A job's data is written into the log, and a region is written over
+/// again two generations later: after a crash, the bytes past the newest
+/// record can be an old job's, which a client chose. A well-formed next
+/// record hidden in a job was replayed as a commit nobody made; the log's
+/// salt, under every record's crc, fails it now.
+#[test]
+fn a_record_hidden_in_a_jobs_data_is_not_replayed() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.redb");
+    let quiet = || RedbOptions { checkpoint_interval: Duration::from_secs(3600), ..Default::default() };
+    // Open 1 logs generation 2 in region 0: `A`'s record is a 24-byte
+    // header, a tag, `A` with its length, and the value's length; its value
+    // starts 34 bytes in, and the forged record 100 bytes later.
+    let store = RedbStore::open(&path, quiet()).unwrap();
+    let mut value = vec![b'.'; 100];
+    value.extend(unsalted_record(8, 2, b"forged", b"nobody wrote this"));
+    value.resize(4096, b'.');
+    put_value(&store, "A".into(), value);
+    drop(store); // checkpointed: generation 3
+    // Open 2 logs generation 5 and closes at 6; open 3 logs generation 8,
+    // region 0 again, where `B`'s record of 134 bytes ends where the
+    // forged one starts.
+    drop(RedbStore::open(&path, quiet()).unwrap());
+    let store = RedbStore::open(&path, quiet()).unwrap();
+    put_value(&store, "B".into(), vec![b'b'; 100]);
+    let copy = dir.path().join("killed.redb");
+    copy_as_killed(&path, &copy);
+    drop(store);
+    let reopened = RedbStore::open(&copy, quiet()).unwrap();
+    let mut snapshot = reopened.snapshot().unwrap();
+    assert_eq!(snapshot.get(b"B").unwrap(), Some(vec![b'b'; 100]), "the acknowledged write is replayed");
+    assert_eq!(snapshot.get(b"forged").unwrap(), None, "a record forged in a job's data was replayed");
+}
+
+/// A file and log from before the log's salt: the open replays the log as
+/// it was written (its crcs cover no salt), and the log it starts is salted,
+/// replayed after a kill in turn.
+#[test]
+fn a_log_from_before_its_salt_is_replayed_and_the_next_is_salted() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.redb");
+    {
+        let db = Database::builder().create(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(TABLE).unwrap();
+        store_generation(&txn, 4).unwrap();
+        txn.commit().unwrap();
+        let (mut wal, _) = Wal::open(&log_path(&path), 4, None, LOG_CAPACITY).unwrap();
+        let writes: crate::kv::Writes = [(b"old".to_vec(), Some(b"logged unsalted".to_vec()))].into_iter().collect();
+        wal.append(Wal::encode(writes.iter())).unwrap();
+        wal.sync().unwrap();
+    }
+    let store = RedbStore::open(&path, RedbOptions::default()).unwrap();
+    assert_eq!(store.snapshot().unwrap().get(b"old").unwrap(), Some(b"logged unsalted".to_vec()));
+    put(&store, "new");
+    let copy = dir.path().join("killed.redb");
+    copy_as_killed(&path, &copy);
+    drop(store);
+    let db = Database::open(&path).unwrap();
+    let txn = db.begin_read().unwrap();
+    assert!(txn.open_table(LOG_TABLE).unwrap().get(LOG_SALT).unwrap().is_some(), "the file holds the log's salt");
+    let reopened = RedbStore::open(&copy, RedbOptions::default()).unwrap();
+    let mut snapshot = reopened.snapshot().unwrap();
+    assert_eq!(snapshot.get(b"old").unwrap(), Some(b"logged unsalted".to_vec()));
+    assert_eq!(snapshot.get(b"new").unwrap(), Some(b"v".to_vec()), "the salted log's write is replayed");
 }

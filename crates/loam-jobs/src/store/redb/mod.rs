@@ -62,6 +62,9 @@ const TABLE: TableDefinition<&[u8], &[u8]> = TableDefinition::new("loam_jobs");
 /// The write-ahead log's generation (see [`super::wal`]), set by each checkpoint.
 const LOG_TABLE: TableDefinition<&str, u64> = TableDefinition::new("loam_jobs_log");
 const LOG_GENERATION: &str = "generation";
+/// The log's salt (see [`super::wal`]), drawn at each open; a file from
+/// before salts has none.
+const LOG_SALT: &str = "salt";
 
 /// The write-ahead log's size. A checkpoint starts it over once it is half
 /// full, or [`CHECKPOINT_INTERVAL`] after the last one.
@@ -257,11 +260,14 @@ fn log_path(path: &Path) -> std::path::PathBuf {
 /// log's generation after the two it may have replayed (the second's records
 /// stay in their region, and must not pass for a later generation's).
 fn recover(db: &Database, path: &Path) -> Result<Wal, StoreError> {
-    let generation = {
+    let (generation, salt) = {
         let txn = db.begin_read().map_err(io)?;
         match txn.open_table(LOG_TABLE) {
-            Ok(table) => table.get(LOG_GENERATION).map_err(io)?.map(|g| g.value()),
-            Err(redb::TableError::TableDoesNotExist(_)) => None,
+            Ok(table) => {
+                let get = |key| Ok::<_, StoreError>(table.get(key).map_err(io)?.map(|v| v.value()));
+                (get(LOG_GENERATION)?, get(LOG_SALT)?)
+            }
+            Err(redb::TableError::TableDoesNotExist(_)) => (None, None),
             Err(e) => return Err(io(e)),
         }
     };
@@ -279,7 +285,8 @@ fn recover(db: &Database, path: &Path) -> Result<Wal, StoreError> {
         }
     }
     let generation = generation.unwrap_or(0);
-    let (mut wal, records) = Wal::open(path, generation, LOG_CAPACITY).map_err(io)?;
+    let (mut wal, records) = Wal::open(path, generation, salt, LOG_CAPACITY).map_err(io)?;
+    let salt = rand::random::<u64>();
     let txn = db.begin_write().map_err(io)?;
     {
         let mut table = txn.open_table(TABLE).map_err(io)?;
@@ -288,8 +295,9 @@ fn recover(db: &Database, path: &Path) -> Result<Wal, StoreError> {
         }
     }
     store_generation(&txn, generation + 2)?;
+    txn.open_table(LOG_TABLE).map_err(io)?.insert(LOG_SALT, salt).map_err(io)?;
     txn.commit().map_err(io)?;
-    wal.restart(generation + 2).map_err(io)?;
+    wal.restart_salted(generation + 2, Some(salt)).map_err(io)?;
     Ok(wal)
 }
 
