@@ -87,6 +87,9 @@ impl Committer {
                         if self.flush_due() {
                             self.flush();
                         }
+                        if self.checkpoint_due() {
+                            self.start_checkpoint();
+                        }
                         continue;
                     }
                     Err(RecvTimeoutError::Disconnected) => break,
@@ -171,7 +174,17 @@ impl Committer {
     /// stop the store at once, not at the next commit).
     pub(super) fn next_wake(&self) -> Option<Duration> {
         let flush = self.unflushed_since.map(|since| self.flush_interval().saturating_sub(since.elapsed()));
-        let checkpoint = self.checkpointing.as_ref().map(|_| CHECKPOINT_POLL);
+        let checkpoint = match &self.file {
+            _ if self.checkpointing.is_some() => Some(CHECKPOINT_POLL),
+            // An idle store checkpoints too, a second after the last: its
+            // log's records are not replayed for ever after a crash, and
+            // redb's freed pages are not held from reuse until the next write
+            // (not once the store refuses commits: it would wake at once).
+            File::Logged { wal, .. } if !wal.is_empty() && self.refusal().is_none() => {
+                Some(self.checkpoint_interval.saturating_sub(self.last_checkpoint.elapsed()))
+            }
+            _ => None,
+        };
         match (flush, checkpoint) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -192,7 +205,7 @@ impl Committer {
     /// again, is not due until this one is done (see `checkpoint_due`).
     pub(super) fn start_checkpoint(&mut self) {
         self.checkpoint_done(true);
-        if self.broken.is_some() {
+        if self.refusal().is_some() {
             return;
         }
         let File::Logged { wal, to_file } = &mut self.file else { return };
@@ -243,7 +256,7 @@ impl Committer {
             self.flush();
         }
         self.checkpoint_done(true);
-        if let Some(e) = self.broken.clone() {
+        if let Some(e) = self.refusal() {
             // The file writer is done with the group's batches, which fail.
             if let Some(group) = group {
                 self.done_with(group.last);
@@ -273,6 +286,15 @@ impl Committer {
         Ok(())
     }
 
+    /// Why no commit may be made: the store broke, or the file writer failed
+    /// to write a group that was acknowledged. A checkpoint then would retire
+    /// the log generation that holds the group, and lose it for good if redb
+    /// took the commit (redb 4.6 refuses every commit after an I/O error, but
+    /// not every error is one).
+    fn refusal(&self) -> Option<StoreError> {
+        self.broken.clone().or_else(|| self.progress.state.lock().unreadable.clone())
+    }
+
     /// Not while one is under way: starting the next waits for it, and the
     /// committer would stop appending and flushing the log for as long as
     /// redb's durable commit takes (relaxed writes acknowledged meanwhile
@@ -296,8 +318,7 @@ impl Committer {
     /// redb's commit (durable when `sync`) is made here, before acknowledging.
     pub(super) fn write(&mut self, batches: &mut [Batch], sync: bool, last: u64) -> Result<(), StoreError> {
         let group = Group { batches: batches.iter().map(|b| (b.number, Arc::clone(&b.writes))).collect(), last };
-        let broken = self.broken.clone().or_else(|| self.progress.state.lock().unreadable.clone());
-        if let Some(e) = broken {
+        if let Some(e) = self.refusal() {
             return Err(self.fail(e, last));
         }
         let wal = match &mut self.file {

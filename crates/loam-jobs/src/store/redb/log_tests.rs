@@ -249,11 +249,11 @@ fn a_failed_checkpoint_under_relaxed_durability_refuses_later_writes() {
     let failing = Arc::new(AtomicBool::new(false));
     let store = open(&failing);
     put(&store, "before");
-    std::thread::sleep(CHECKPOINT_INTERVAL + Duration::from_millis(100));
     failing.store(true, Ordering::SeqCst);
-    // Logged; the checkpoint due after its commit fails on the file.
+    // Logged; the checkpoint due a checkpoint interval after the open
+    // fails on the file.
     put(&store, "trigger");
-    std::thread::sleep(Duration::from_millis(300));
+    std::thread::sleep(CHECKPOINT_INTERVAL + Duration::from_millis(300));
     assert!(store.snapshot().is_err(), "reads are refused once acknowledged writes cannot be made durable");
     assert!(!try_put_value(&store, "after".into(), b"v".to_vec()), "a write after the failure is refused");
     drop(store);
@@ -631,4 +631,47 @@ fn a_log_from_before_its_salt_is_replayed_and_the_next_is_salted() {
     let mut snapshot = reopened.snapshot().unwrap();
     assert_eq!(snapshot.get(b"old").unwrap(), Some(b"logged unsalted".to_vec()));
     assert_eq!(snapshot.get(b"new").unwrap(), Some(b"v".to_vec()), "the salted log's write is replayed");
+}
+
+/// A store whose file writer failed to write an acknowledged group keeps
+/// that group in the log only: neither the checkpoint due a checkpoint
+/// interval later nor the close's may be made, which would retire the log
+/// generation that holds the group; and the committer sleeps meanwhile.
+#[test]
+fn a_store_that_failed_to_write_a_group_does_not_retire_its_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.redb");
+    let options = RedbOptions { checkpoint_interval: Duration::from_millis(200), ..Default::default() };
+    let store = RedbStore::open(&path, options).unwrap();
+    put(&store, "a");
+    store.progress.state.lock().unreadable = Some(io(std::io::Error::other("the file writer's commit failed")));
+    assert_a_broken_store_sleeps(&store);
+    drop(store);
+    let db = Database::open(&path).unwrap();
+    let generation =
+        db.begin_read().unwrap().open_table(LOG_TABLE).unwrap().get(LOG_GENERATION).unwrap().unwrap().value();
+    assert_eq!(generation, 2, "a checkpoint was made over a group the file lacks");
+}
+
+/// An idle store checkpoints a checkpoint interval after the last, as a busy
+/// one does: its file holds its writes by itself (it waited for the next
+/// write, or the close).
+#[test]
+fn an_idle_store_checkpoints_after_the_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.redb");
+    let options = RedbOptions { checkpoint_interval: Duration::from_millis(100), ..Default::default() };
+    let store = RedbStore::open(&path, options).unwrap();
+    for key in ["a", "b", "c"] {
+        put(&store, key);
+    }
+    std::thread::sleep(Duration::from_millis(600));
+    let bare = dir.path().join("bare.redb");
+    std::fs::copy(&path, &bare).unwrap();
+    drop(store);
+    let bare = RedbStore::open(&bare, RedbOptions::default()).unwrap();
+    let mut snapshot = bare.snapshot().unwrap();
+    for key in ["a", "b", "c"] {
+        assert_eq!(snapshot.get(key.as_bytes()).unwrap(), Some(b"v".to_vec()), "{key} is in the file alone");
+    }
 }
