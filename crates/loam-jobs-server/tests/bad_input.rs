@@ -321,6 +321,13 @@ async fn every_rpc_refuses_bad_input_with_a_typed_error() {
     let incr = pb::ResultIncrRequest { key: "v".into(), member: "m".into(), ..Default::default() };
     assert_code(c.result_incr(incr).await, InvalidArgument, inv);
     assert_code(c.result_expire(pb::ResultExpireRequest::default()).await, InvalidArgument, inv);
+    // A zero ttl (Redis refuses `PX 0`); the value before it stays.
+    let zero = pb::ResultSetRequest { key: "v".into(), value: b"y".to_vec(), ttl_ms: Some(0), ..Default::default() };
+    assert_code(c.result_set(zero).await, InvalidArgument, inv);
+    let zero = pb::ResultIncrRequest { key: "n".into(), member: "m".into(), ttl_ms: Some(0), ..Default::default() };
+    assert_code(c.result_incr(zero).await, InvalidArgument, inv);
+    let v = c.result_get(pb::ResultGetRequest { key: "v".into(), ..Default::default() }).await.unwrap();
+    assert_eq!(v.into_owned().value, Some(b"x".to_vec()));
 
     // Watch: an invalid queue.
     assert_code(watch_first(&c, pb::WatchRequest::default()).await, InvalidArgument, inv);

@@ -84,6 +84,15 @@ fn expiry(tx: &Tx, ttl_ms: Option<u64>) -> Option<u64> {
     ttl_ms.map(|t| tx.ttl_now().saturating_add(t))
 }
 
+/// A value stored with a ttl of zero would be gone before anyone read it:
+/// refused, as Redis refuses `SET ... PX 0` (unset keeps it until deleted).
+fn check_ttl(ttl_ms: Option<u64>) -> Result<(), JobsError> {
+    match ttl_ms {
+        Some(0) => Err(JobsError::invalid("a result's ttl must be positive; leave it unset to keep the entry")),
+        _ => Ok(()),
+    }
+}
+
 pub fn get(tx: &mut Tx, key: &str) -> Result<Option<Vec<u8>>, JobsError> {
     Ok(load(tx, key)?.map(|r| r.visible()))
 }
@@ -95,6 +104,7 @@ pub fn mget(tx: &mut Tx, keys: &[String]) -> Result<Vec<Option<Vec<u8>>>, JobsEr
 /// Stores a value; `ttl_ms` None keeps it until deleted.
 pub fn set(tx: &mut Tx, key: &str, value: Vec<u8>, ttl_ms: Option<u64>) -> Result<(), JobsError> {
     check_key(tx, key)?;
+    check_ttl(ttl_ms)?;
     tx.check_payload(value.len())?;
     let old = stored_expiry(tx, key)?;
     let rec = ResultRecord { value, members: None, expires_at: expiry(tx, ttl_ms) };
@@ -116,6 +126,7 @@ pub fn delete(tx: &mut Tx, key: &str) -> Result<bool, JobsError> {
 /// (re)sets the expiry. A key holding a plain value is refused.
 pub fn incr(tx: &mut Tx, key: &str, member: &str, ttl_ms: Option<u64>) -> Result<Counted, JobsError> {
     validate_name("counter member", member, MAX_NAME_BYTES)?;
+    check_ttl(ttl_ms)?;
     let old = stored_expiry(tx, key)?;
     let mut rec =
         load(tx, key)?.unwrap_or_else(|| ResultRecord { members: Some(BTreeSet::new()), ..Default::default() });
