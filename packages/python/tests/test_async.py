@@ -29,7 +29,7 @@ from loam_jobs import (
     UnavailableError,
 )
 
-from .conftest import Server, start_server, stop_server
+from .conftest import Server, free_port, start_server, stop_server
 
 pytestmark = pytest.mark.asyncio
 
@@ -411,6 +411,25 @@ async def test_an_async_watch_closed_while_it_pins_its_cursor_opens_no_stream(
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(consumer, 2)
         assert watch._stream is None
+
+
+async def test_an_async_watch_pinning_its_cursor_on_a_server_that_is_down_stops_at_close() -> None:
+    # Without `async with`, the first iteration pins the cursor; it did so
+    # with a retried call, which held each try for the client's whole retry
+    # budget (about 20 s) while the server was down, and `close()` waited.
+    async with AsyncClient(f"http://127.0.0.1:{free_port()}") as client:
+        watch = client.watch("down", max_reconnects=None)
+
+        async def read() -> list[Any]:
+            return [e async for e in watch]
+
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(1)
+        closed = time.monotonic()
+        await watch.close()
+        assert await asyncio.wait_for(reader, 10) == []
+        assert time.monotonic() - closed < 0.5
+        assert watch.cursor is None
 
 
 def _losing_the_first_answer(client: AsyncClient, rpc: str, error: LoamJobsError) -> list[Any]:

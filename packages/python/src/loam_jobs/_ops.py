@@ -704,9 +704,9 @@ def job_admin(queue: str, job_id: str, field_name: str, value: Any) -> Op[bool]:
 # Reads
 
 
-def query(queue: str, field_name: str, value: Any, wait_ms: int = 0) -> Op[Any]:
+def query(queue: str, field_name: str, value: Any, wait_ms: int = 0, retried: bool = True) -> Op[Any]:
     call = Call("query", QueryRequest(queue=queue, query=_chosen(field_name, value)), wait_ms=wait_ms)
-    if wait_ms == 0:
+    if wait_ms == 0 and retried:
         resp = yield from _retried(call)
     else:
         # A long-poll is not: its caller waits again (a watch reconnects).
@@ -714,6 +714,13 @@ def query(queue: str, field_name: str, value: Any, wait_ms: int = 0) -> Op[Any]:
     if resp.result is None:
         return None
     return resp.result.value
+
+
+def last_event_seq(queue: str, retried: bool = True) -> Op[int]:
+    """The sequence of the queue's newest event (0 when none); one try
+    unless `retried`, for a caller whose retries are its own (a watch's
+    reconnects)."""
+    return _then(query(queue, "last_event", True, retried=retried), lambda n: n or 0)
 
 
 def get_jobs(queue: str, ids: Sequence[str]) -> Op[list[Job | None]]:
@@ -1425,7 +1432,7 @@ class Operations(ABC):
 
     def last_event_seq(self, queue: str) -> int:
         """The sequence of the queue's newest event (0 when none): a cursor for `watch(after=...)`."""
-        return self._run(_then(query(queue, "last_event", True), lambda n: n or 0))
+        return self._run(last_event_seq(queue))
 
     def events(
         self, queue: str, *, after: int | None = None, limit: int = 100, wait_ms: int = 0

@@ -36,6 +36,7 @@ from ._ops import (
     Pause,
     _retried,
     complete,
+    last_event_seq,
     own_key_ttl_ms,
     retry_pause,
 )
@@ -1194,7 +1195,7 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         while not self._closed:
             try:
                 if self._stream is None:
-                    await self._pin()
+                    await self._pin_once()
                     if self._closed:
                         # Closed while the cursor was pinned: no stream to open.
                         break
@@ -1238,6 +1239,26 @@ class AsyncWatch(AsyncIterator[QueueEvent]):
         # first event resumes without a gap.
         if self.cursor is None:
             self.cursor = await self._client.last_event_seq(self.queue)
+
+    async def _pin_once(self) -> None:
+        """`_pin` on the way to a stream: one try, which `close()` cuts short
+        as it does a read; the watch's reconnects are its retries. Retried as
+        a call, each reconnect to a server that was down took the client's
+        whole retry budget (about 20 s), and `close()` waited for it."""
+        if self.cursor is not None:
+            return
+        pin = self._read = asyncio.ensure_future(self._client._run(last_event_seq(self.queue, retried=False)))
+        pin.add_done_callback(_take_outcome)
+        try:
+            await asyncio.wait([pin])
+        except asyncio.CancelledError:
+            pin.cancel()
+            await asyncio.wait([pin], timeout=_READ_CANCEL_SECONDS)
+            raise
+        finally:
+            self._read = None
+        if not pin.cancelled():
+            self.cursor = pin.result()
 
     async def close(self) -> None:
         """Stops the watch, from its own task or another: an iteration under
