@@ -54,15 +54,26 @@ pub(crate) struct Wal {
     region: u64,
     /// Where the next record goes, from the start of the generation's region.
     end: u64,
+    /// Where the last record whose write was started starts (see
+    /// [`Wal::retract_last`]); None when none since the last restart.
+    last_start: Option<u64>,
     /// Whether records were appended since the last fsync.
     unsynced: bool,
     generation: u64,
     /// What the crc covers besides the record (None: a log from before salts).
     salt: Option<u64>,
     next_seq: u64,
-    /// Tests: appends and fsyncs (or fsyncs only, when true) fail while this is set.
     #[cfg(test)]
-    failing: Option<(std::sync::Arc<std::sync::atomic::AtomicBool>, bool)>,
+    failing: Option<Failing>,
+}
+
+/// Tests: appends and fsyncs (or fsyncs only) fail while `flag` is set; the
+/// first failure clears it when `once`.
+#[cfg(test)]
+struct Failing {
+    flag: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    syncs_only: bool,
+    once: bool,
 }
 
 impl Wal {
@@ -107,6 +118,7 @@ impl Wal {
             file,
             region,
             end: 0,
+            last_start: None,
             unsynced: false,
             generation,
             salt,
@@ -184,6 +196,7 @@ impl Wal {
         record[12..20].copy_from_slice(&seq.to_le_bytes());
         let crc = checksum(self.salt, self.generation, seq, &record[HEADER..]);
         record[20..24].copy_from_slice(&crc.to_le_bytes());
+        self.last_start = Some(self.end);
         self.check(false)?;
         self.file.write_all_at(&record, region_start(self.generation, self.region) + self.end)?;
         self.end += record.len() as u64;
@@ -200,22 +213,49 @@ impl Wal {
         Ok(())
     }
 
+    /// Unwrites the last record appended, whose append or fsync failed: its
+    /// header is zeroed, which ends a replay before it, and the zeros are
+    /// fsynced. The kernel keeps a record whose fsync failed in its cache,
+    /// to be written back later or not: replayed after a reopen, a write
+    /// answered as failed took effect (an add retried by its caller made a
+    /// second job). Ok means it will not be replayed; an error, that it may.
+    /// The store takes no more writes either way.
+    pub(crate) fn retract_last(&mut self) -> io::Result<()> {
+        let Some(start) = self.last_start else { return Ok(()) };
+        self.check(true)?;
+        // Inside the region: the record, at least a header long, fitted.
+        self.file.write_all_at(&[0u8; HEADER], region_start(self.generation, self.region) + start)?;
+        self.file.sync_data()?;
+        self.end = start;
+        self.unsynced = false;
+        Ok(())
+    }
+
     /// Makes appends and fsyncs fail while `failing` is set.
     #[cfg(test)]
     pub(crate) fn fail_while(&mut self, failing: std::sync::Arc<std::sync::atomic::AtomicBool>) {
-        self.failing = Some((failing, false));
+        self.failing = Some(Failing { flag: failing, syncs_only: false, once: false });
     }
 
     /// Makes fsyncs fail while `failing` is set; appends go on.
     #[cfg(test)]
     pub(crate) fn fail_syncs_while(&mut self, failing: std::sync::Arc<std::sync::atomic::AtomicBool>) {
-        self.failing = Some((failing, true));
+        self.failing = Some(Failing { flag: failing, syncs_only: true, once: false });
+    }
+
+    /// Makes the first fsync after `failing` is set fail, which clears it.
+    #[cfg(test)]
+    pub(crate) fn fail_a_sync_once(&mut self, failing: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+        self.failing = Some(Failing { flag: failing, syncs_only: true, once: true });
     }
 
     #[cfg(test)]
     fn check(&self, sync: bool) -> io::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
         match &self.failing {
-            Some((f, syncs_only)) if f.load(std::sync::atomic::Ordering::SeqCst) && (sync || !syncs_only) => {
+            Some(f)
+                if (sync || !f.syncs_only) && if f.once { f.flag.swap(false, SeqCst) } else { f.flag.load(SeqCst) } =>
+            {
                 Err(io::Error::other("disk failed"))
             }
             _ => Ok(()),
@@ -247,6 +287,7 @@ impl Wal {
         self.generation = generation;
         self.salt = salt;
         self.end = 0;
+        self.last_start = None;
         self.next_seq = 1;
         Ok(())
     }

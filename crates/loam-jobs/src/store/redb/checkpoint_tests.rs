@@ -167,7 +167,8 @@ fn an_operation_answered_as_failed_leaves_no_write() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("jobs.redb");
     let failing = Arc::new(AtomicBool::new(false));
-    let store = RedbStore::open_with_failing_log(&path, RedbOptions::default(), Arc::clone(&failing)).unwrap();
+    let store =
+        RedbStore::open_with_log(&path, RedbOptions::default(), |wal| wal.fail_while(Arc::clone(&failing))).unwrap();
     // A write that needs no fsync (a lease): logged, acknowledged, unsynced.
     assert!(submit(&store, "lease", b"l".to_vec(), false).recv().unwrap());
     failing.store(true, Ordering::SeqCst);

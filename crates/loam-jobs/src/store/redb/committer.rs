@@ -329,8 +329,16 @@ impl Committer {
             return self.checkpoint(Some(group));
         };
         if let Err(e) = wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }) {
-            // The record may be partly written: nothing more may follow it.
-            return Err(self.fail(io(e), last));
+            // The record may be written, whole or in part: unwritten, the
+            // group's failure is what a reopen finds; nothing more may follow
+            // it either way.
+            let e = match wal.retract_last() {
+                Ok(()) => io(e),
+                Err(again) => StoreError::Io(format!(
+                    "{e}; the write may still take effect (its log record could not be taken back: {again})"
+                )),
+            };
+            return Err(self.fail(e, last));
         }
         // Acknowledged before the file writer has the group (it refuses
         // reads if it then fails to write what was acknowledged), and

@@ -151,17 +151,13 @@ impl RedbStore {
         Self::start(db, &options, Some(wal))
     }
 
-    /// [`open`](RedbStore::open), with a log whose appends and fsyncs fail
-    /// while `failing` is set: a disk that fails under the log only.
+    /// [`open`](RedbStore::open), with a log that `set_up` prepares: to
+    /// fail on cue, a disk that fails under the log only.
     #[cfg(test)]
-    fn open_with_failing_log(
-        path: &Path,
-        options: RedbOptions,
-        failing: Arc<std::sync::atomic::AtomicBool>,
-    ) -> Result<Self, StoreError> {
+    fn open_with_log(path: &Path, options: RedbOptions, set_up: impl FnOnce(&mut Wal)) -> Result<Self, StoreError> {
         let db = Database::builder().create(path).map_err(io)?;
         let mut wal = recover(&db, &log_path(path))?;
-        wal.fail_while(failing);
+        set_up(&mut wal);
         Self::start(db, &options, Some(wal))
     }
 
