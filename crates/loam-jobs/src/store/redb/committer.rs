@@ -179,9 +179,11 @@ impl Committer {
             // An idle store checkpoints too, a second after the last: its
             // log's records are not replayed for ever after a crash, and
             // redb's freed pages are not held from reuse until the next write
-            // (not once the store refuses commits: it would wake at once).
-            File::Logged { wal, .. } if !wal.is_empty() && self.refusal().is_none() => {
-                Some(self.checkpoint_interval.saturating_sub(self.last_checkpoint.elapsed()))
+            // (not once the store refuses commits: it would wake at once, for
+            // ever; asked only then, off the busy path).
+            File::Logged { wal, .. } if !wal.is_empty() => {
+                let left = self.checkpoint_interval.saturating_sub(self.last_checkpoint.elapsed());
+                (!left.is_zero() || self.refusal().is_none()).then_some(left)
             }
             _ => None,
         };
