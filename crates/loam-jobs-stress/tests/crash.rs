@@ -124,7 +124,18 @@ fn snapshot(jobs: &Jobs) -> Snapshot {
                 let entries = tx.scan(&state_range(&keys, state), usize::MAX, false)?;
                 index.push(entries.into_iter().map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned())).collect());
             }
-            let events = loam_jobs::ops::query::events_after(tx, q, 0, usize::MAX)?;
+            // Page by page: a read stops at about `MAX_EVENT_BYTES_PER_READ`,
+            // and a long soak's log outgrew one (its last events went unread,
+            // and their jobs looked finished without a terminal event).
+            let mut events: Vec<Event> = Vec::new();
+            loop {
+                let after = events.last().map_or(0, |e| e.seq);
+                let page = loam_jobs::ops::query::events_after(tx, q, after, usize::MAX)?;
+                if page.is_empty() {
+                    break;
+                }
+                events.extend(page);
+            }
             Ok(Snapshot { jobs: records, index, stats: tx.stats(q)?.clone(), events, counts: Vec::new() })
         })
         .expect("read the queue");
