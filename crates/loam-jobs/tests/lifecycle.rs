@@ -344,3 +344,29 @@ fn a_shorter_stalled_interval_sweeps_at_once() {
     }
     assert_eq!(jobs.get_job("ns", "q", "1").unwrap().unwrap().stalled_counter, 1);
 }
+
+/// A reopened store sweeps its queues' expired leases by itself: a queue
+/// nobody writes to after the open still has its stalled job handed back
+/// (the sweep was armed only by a queue's next write).
+#[test]
+fn a_reopened_store_sweeps_stalled_jobs_of_queues_nobody_writes_to() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.redb");
+    {
+        let jobs = Jobs::open(&path, Config { background: false, ..Config::default() }).unwrap();
+        let config = QueueConfig { stalled_interval_ms: 200, ..QueueConfig::defaults(&Config::default()) };
+        jobs.set_queue_config("ns", "q", config).wait().unwrap();
+        jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+        let leased = jobs.lease("ns", "q", LeaseRequest { max: 1, lock_duration_ms: 100, ..Default::default() });
+        assert_eq!(leased.wait().unwrap().leases.len(), 1);
+        jobs.close();
+    }
+    let jobs = Jobs::open(&path, Config::default()).unwrap();
+    let started = Instant::now();
+    while jobs.get_job("ns", "q", "1").unwrap().unwrap().state == JobState::Active {
+        assert!(started.elapsed() < Duration::from_secs(5), "the expired lease is still held after the reopen");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let job = jobs.get_job("ns", "q", "1").unwrap().unwrap();
+    assert_eq!((job.state, job.stalled_counter), (JobState::Waiting, 1));
+}

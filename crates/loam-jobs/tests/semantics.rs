@@ -1807,6 +1807,34 @@ fn stores_survive_reopening() {
     assert!(matches!(second, Err(JobsError::Unavailable(_))), "a second open of one file is refused");
 }
 
+/// A lease a crash lost (leases are acknowledged before their fsync: a lost
+/// one is a stalled one) must never have its epoch handed out again: its
+/// holder, still running, would otherwise complete the job under the next
+/// lease's. Each open starts epochs above every earlier open's.
+#[test]
+fn a_lease_lost_in_a_crash_never_has_its_epoch_handed_out_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, crashed) = (dir.path().join("jobs.redb"), dir.path().join("crashed.redb"));
+    let log = |p: &std::path::Path| p.with_extension("redb.wal");
+    let config = || Config { background: false, ..Config::default() };
+    let jobs = Jobs::open(&path, config()).unwrap();
+    jobs.enqueue("ns", "q", job("a")).wait().unwrap();
+    // What a kill -9 right after the lease leaves: the add, not the lease
+    // (the log first, as a running store's files are copied).
+    std::fs::copy(log(&path), log(&crashed)).unwrap();
+    std::fs::copy(&path, &crashed).unwrap();
+    let lost = lease_one(&jobs, "q").unwrap();
+    jobs.close();
+    let jobs = Jobs::open(&crashed, config()).unwrap();
+    let again = lease_one(&jobs, "q").expect("the job is leased again");
+    assert!(again.epoch > lost.epoch, "epoch {} handed out again after {}", again.epoch, lost.epoch);
+    let stale = finish(&jobs, "q", &lost, Outcome::Ok { result: None });
+    assert!(matches!(stale, Err(JobsError::Fenced { .. })), "the lost lease completed the job: {stale:?}");
+    let extended = jobs.extend("ns", "q", &lost.job.id, Fence::Epoch(lost.epoch), 1_000).wait();
+    assert!(matches!(extended, Err(JobsError::Fenced { .. })), "the lost lease was extended: {extended:?}");
+    ok(&jobs, "q", &again, "\"done\"");
+}
+
 #[test]
 fn an_existing_job_id_joins_a_new_parent() {
     let (jobs, _) = core();

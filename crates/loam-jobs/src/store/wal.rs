@@ -521,6 +521,34 @@ mod tests {
         assert!(records.is_empty());
     }
 
+    /// Records follow each other by sequence number: a well-formed record
+    /// of the generation, under its salt, that is not the next one ends the
+    /// replay (one the crc alone lets through).
+    #[test]
+    fn a_record_out_of_sequence_ends_the_replay() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("log");
+        let (mut wal, _) = Wal::open(&path, 2, SALT, 4096).unwrap();
+        let (a, b) = (writes(&[("a", Some("1"))]), writes(&[("b", Some("2"))]));
+        assert!(wal.append(Wal::encode(a.iter())).is_ok());
+        assert!(wal.append(Wal::encode(b.iter())).is_ok());
+        wal.sync().unwrap();
+        let next = region_start(2, 4096) + wal.end;
+        drop(wal);
+        for seq in [4u64, 2, 1] {
+            let mut record = Wal::encode(writes(&[("out of sequence", Some("x"))]).iter());
+            let len = (record.len() - HEADER) as u32;
+            record[0..4].copy_from_slice(&len.to_le_bytes());
+            record[4..12].copy_from_slice(&2u64.to_le_bytes());
+            record[12..20].copy_from_slice(&seq.to_le_bytes());
+            let crc = checksum(SALT, 2, seq, &record[HEADER..]);
+            record[20..24].copy_from_slice(&crc.to_le_bytes());
+            OpenOptions::new().write(true).open(&path).unwrap().write_all_at(&record, next).unwrap();
+            let (_, records) = Wal::open(&path, 2, SALT, 4096).unwrap();
+            assert_eq!(records, vec![a.clone(), b.clone()], "a record numbered {seq} after the second was read");
+        }
+    }
+
     #[test]
     fn a_log_of_one_region_is_still_replayed() {
         let dir = tempfile::tempdir().unwrap();
