@@ -1,6 +1,6 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::log_tests::{submit_put, submit_put_durable};
+use super::log_tests::{copy_as_killed, submit_put, submit_put_durable};
 use super::tests::{GateSwitch, GatedDisk};
 use super::*;
 
@@ -183,4 +183,35 @@ fn an_operation_answered_as_failed_leaves_no_write() {
         acked || (!visible && !after_reopen),
         "answered failed (acked={acked}) yet visible to reads: {visible}, in the file after reopen: {after_reopen}"
     );
+}
+
+/// A checkpoint is committed after every group sent to the file writer
+/// before it. Taken first (found while the writer gathered the groups
+/// queued ahead of it), it retired the log generation that held them, which
+/// the file then had only through commits without fsync: a kill lost them.
+#[test]
+fn a_checkpoint_is_committed_after_the_groups_sent_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.redb");
+    let quiet = RedbOptions { checkpoint_interval: Duration::from_secs(3600), ..Default::default() };
+    let store = RedbStore::open(&path, quiet).unwrap();
+    // The file writer takes the first group and waits at the gate; the next
+    // group, then the checkpoint of one too large for the log, queue up
+    // behind it.
+    let gate = store.progress.file_gate.lock();
+    assert!(submit(&store, "first", b"1".to_vec(), true).recv().unwrap());
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(submit(&store, "queued", b"2".to_vec(), true).recv().unwrap());
+    let big = submit(&store, "big", vec![7u8; (LOG_CAPACITY + 1024) as usize], true);
+    std::thread::sleep(Duration::from_millis(100));
+    drop(gate);
+    assert!(big.recv().unwrap());
+    let copy = dir.path().join("killed.redb");
+    copy_as_killed(&path, &copy);
+    drop(store);
+    let reopened = RedbStore::open(&copy, RedbOptions::default()).unwrap();
+    let mut snapshot = reopened.snapshot().unwrap();
+    for key in ["first", "queued", "big"] {
+        assert!(snapshot.get(key.as_bytes()).unwrap().is_some(), "{key}, acknowledged, is lost after a kill");
+    }
 }

@@ -541,7 +541,7 @@ fn a_new_file_does_not_replay_a_log_left_by_another_store() {
 
 /// What a kill -9 of the store at `path` leaves, copied to `to`: the log
 /// first, as it is on the disk while the store runs, then the file.
-fn copy_as_killed(path: &Path, to: &Path) {
+pub(super) fn copy_as_killed(path: &Path, to: &Path) {
     std::fs::copy(log_path(path), log_path(to)).unwrap();
     std::fs::copy(path, to).unwrap();
 }
