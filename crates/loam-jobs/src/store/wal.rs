@@ -167,6 +167,16 @@ impl Wal {
         Some(record)
     }
 
+    /// The record of `writes` a log under `salt` writes as `seq` of
+    /// `generation`: what a log left, or what anyone who knew the salt (or
+    /// that there was none) could write.
+    #[cfg(test)]
+    pub(crate) fn forge(salt: Option<u64>, generation: u64, seq: u64, writes: &Writes) -> Vec<u8> {
+        let mut record = Self::encode(writes.iter());
+        seal(&mut record, salt, generation, seq).expect("a small record");
+        record
+    }
+
     /// [`Wal::encode_within`] with no bound.
     #[cfg(test)]
     pub(crate) fn encode<'a>(writes: impl IntoIterator<Item = (&'a Key, &'a Option<Value>)>) -> Vec<u8> {
@@ -189,13 +199,7 @@ impl Wal {
         if !self.fits(&record) {
             return Err(io::Error::other("the record does not fit in the log"));
         }
-        let payload_len = u32::try_from(record.len() - HEADER).map_err(|_| io::Error::other("log record too large"))?;
-        let seq = self.next_seq;
-        record[0..4].copy_from_slice(&payload_len.to_le_bytes());
-        record[4..12].copy_from_slice(&self.generation.to_le_bytes());
-        record[12..20].copy_from_slice(&seq.to_le_bytes());
-        let crc = checksum(self.salt, self.generation, seq, &record[HEADER..]);
-        record[20..24].copy_from_slice(&crc.to_le_bytes());
+        seal(&mut record, self.salt, self.generation, self.next_seq)?;
         self.last_start = Some(self.end);
         self.check(false)?;
         self.file.write_all_at(&record, region_start(self.generation, self.region) + self.end)?;
@@ -329,6 +333,18 @@ fn region_start(generation: u64, region: u64) -> u64 {
 fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
     out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
     out.extend_from_slice(bytes);
+}
+
+/// Fills in an encoded record's header: its length, `generation`, `seq`, and
+/// the crc over them, `salt` and the writes.
+fn seal(record: &mut [u8], salt: Option<u64>, generation: u64, seq: u64) -> io::Result<()> {
+    let payload_len = u32::try_from(record.len() - HEADER).map_err(|_| io::Error::other("log record too large"))?;
+    record[0..4].copy_from_slice(&payload_len.to_le_bytes());
+    record[4..12].copy_from_slice(&generation.to_le_bytes());
+    record[12..20].copy_from_slice(&seq.to_le_bytes());
+    let crc = checksum(salt, generation, seq, &record[HEADER..]);
+    record[20..24].copy_from_slice(&crc.to_le_bytes());
+    Ok(())
 }
 
 fn checksum(salt: Option<u64>, generation: u64, seq: u64, payload: &[u8]) -> u32 {
@@ -535,14 +551,8 @@ mod tests {
         wal.sync().unwrap();
         let next = region_start(2, 4096) + wal.end;
         drop(wal);
-        for seq in [4u64, 2, 1] {
-            let mut record = Wal::encode(writes(&[("out of sequence", Some("x"))]).iter());
-            let len = (record.len() - HEADER) as u32;
-            record[0..4].copy_from_slice(&len.to_le_bytes());
-            record[4..12].copy_from_slice(&2u64.to_le_bytes());
-            record[12..20].copy_from_slice(&seq.to_le_bytes());
-            let crc = checksum(SALT, 2, seq, &record[HEADER..]);
-            record[20..24].copy_from_slice(&crc.to_le_bytes());
+        for seq in [4, 2, 1] {
+            let record = Wal::forge(SALT, 2, seq, &writes(&[("out of sequence", Some("x"))]));
             OpenOptions::new().write(true).open(&path).unwrap().write_all_at(&record, next).unwrap();
             let (_, records) = Wal::open(&path, 2, SALT, 4096).unwrap();
             assert_eq!(records, vec![a.clone(), b.clone()], "a record numbered {seq} after the second was read");
@@ -553,18 +563,10 @@ mod tests {
     fn a_log_of_one_region_is_still_replayed() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("log");
-        let (mut wal, _) = Wal::open(&path, 2, SALT, 4096).unwrap();
         let old = writes(&[("a", Some("1"))]);
-        assert!(wal.append(Wal::encode(old.iter())).is_ok());
-        wal.sync().unwrap();
-        drop(wal);
         // What a log of one region left, at its start, under an odd generation.
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes.truncate(4096);
-        bytes[4..12].copy_from_slice(&3u64.to_le_bytes());
-        let crc =
-            checksum(SALT, 3, 1, &bytes[HEADER..HEADER + u32::from_le_bytes(bytes[0..4].try_into().unwrap()) as usize]);
-        bytes[20..24].copy_from_slice(&crc.to_le_bytes());
+        let mut bytes = Wal::forge(SALT, 3, 1, &old);
+        bytes.resize(4096, 0);
         std::fs::write(&path, &bytes).unwrap();
         let (_, records) = Wal::open(&path, 3, SALT, 4096).unwrap();
         assert_eq!(records, vec![old]);

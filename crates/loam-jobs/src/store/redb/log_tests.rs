@@ -546,27 +546,6 @@ pub(super) fn copy_as_killed(path: &Path, to: &Path) {
     std::fs::copy(path, to).unwrap();
 }
 
-/// A log record as the log wrote them before its salt: what anyone knows of
-/// one, since generations and sequence numbers are predictable.
-fn unsalted_record(generation: u64, seq: u64, key: &[u8], value: &[u8]) -> Vec<u8> {
-    let mut payload = vec![1u8]; // a put
-    for bytes in [key, value] {
-        payload.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
-        payload.extend_from_slice(bytes);
-    }
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&generation.to_le_bytes());
-    crc.update(&seq.to_le_bytes());
-    crc.update(&payload);
-    let mut record = Vec::new();
-    record.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    record.extend_from_slice(&generation.to_le_bytes());
-    record.extend_from_slice(&seq.to_le_bytes());
-    record.extend_from_slice(&crc.finalize().to_le_bytes());
-    record.extend_from_slice(&payload);
-    record
-}
-
 /// A job's data is written into the log, and a region is written over
 /// again two generations later: after a crash, the bytes past the newest
 /// record can be an old job's, which a client chose. A well-formed next
@@ -582,7 +561,10 @@ fn a_record_hidden_in_a_jobs_data_is_not_replayed() {
     // starts 34 bytes in, and the forged record 100 bytes later.
     let store = RedbStore::open(&path, quiet()).unwrap();
     let mut value = vec![b'.'; 100];
-    value.extend(unsalted_record(8, 2, b"forged", b"nobody wrote this"));
+    // As the log wrote them before its salt: what anyone knows of one, since
+    // generations and sequence numbers are predictable.
+    let forged: crate::kv::Writes = [(b"forged".to_vec(), Some(b"nobody wrote this".to_vec()))].into_iter().collect();
+    value.extend(Wal::forge(None, 8, 2, &forged));
     value.resize(4096, b'.');
     put_value(&store, "A".into(), value);
     drop(store); // checkpointed: generation 3
