@@ -48,8 +48,40 @@ const HEADER: usize = 4 + 8 + 8 + 4;
 const DELETE: u8 = 0;
 const PUT: u8 = 1;
 
+/// What the log is written to: its file, or in tests a disk that loses what
+/// a power cut would (`power_cut_tests`).
+pub(crate) trait LogFile: Send {
+    fn len(&self) -> io::Result<u64>;
+    fn read_bytes(&self, buf: &mut [u8], at: u64) -> io::Result<()>;
+    fn write_bytes(&self, buf: &[u8], at: u64) -> io::Result<()>;
+    /// Makes what was written durable, the file's length included.
+    fn sync(&self) -> io::Result<()>;
+    /// Drops what is past `len` (a stale log, in tests).
+    #[cfg(test)]
+    fn set_len(&self, len: u64) -> io::Result<()>;
+}
+
+impl LogFile for File {
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.metadata()?.len())
+    }
+    fn read_bytes(&self, buf: &mut [u8], at: u64) -> io::Result<()> {
+        self.read_exact_at(buf, at)
+    }
+    fn write_bytes(&self, buf: &[u8], at: u64) -> io::Result<()> {
+        self.write_all_at(buf, at)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.sync_data()
+    }
+    #[cfg(test)]
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        File::set_len(self, len)
+    }
+}
+
 pub(crate) struct Wal {
-    file: File,
+    file: Box<dyn LogFile>,
     /// The size of each of the two regions.
     region: u64,
     /// Where the next record goes, from the start of the generation's region.
@@ -89,7 +121,22 @@ impl Wal {
         region: u64,
     ) -> io::Result<(Self, Vec<Writes>)> {
         let file = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)?;
-        let len = file.metadata()?.len();
+        let created = file.metadata()?.len() == 0;
+        let opened = Self::open_on(Box::new(file), generation, salt, region)?;
+        if created {
+            sync_parent_dir(path)?;
+        }
+        Ok(opened)
+    }
+
+    /// [`Wal::open`] on a file already open.
+    pub(crate) fn open_on(
+        file: Box<dyn LogFile>,
+        generation: u64,
+        salt: Option<u64>,
+        region: u64,
+    ) -> io::Result<(Self, Vec<Writes>)> {
+        let len = file.len()?;
         let capacity = 2 * region;
         if len < capacity {
             // Zero-filled ahead of time, an append overwrites allocated blocks
@@ -98,22 +145,19 @@ impl Wal {
             let mut at = len;
             while at < capacity {
                 let n = (capacity - at).min(zeros.len() as u64) as usize;
-                file.write_all_at(&zeros[..n], at)?;
+                file.write_bytes(&zeros[..n], at)?;
                 at += n as u64;
             }
-            file.sync_all()?;
-            if len == 0 {
-                sync_parent_dir(path)?;
-            }
+            file.sync()?;
         }
         let start = |g: u64| region_start(g, region);
-        let mut records = read_records(&file, start(generation), region, generation, salt)?;
+        let mut records = read_records(file.as_ref(), start(generation), region, generation, salt)?;
         if records.is_empty() {
             // A log of one region (before the log had two) holds every
             // generation at its start.
-            records = read_records(&file, start(generation + 1), region, generation, salt)?;
+            records = read_records(file.as_ref(), start(generation + 1), region, generation, salt)?;
         }
-        records.extend(read_records(&file, start(generation + 1), region, generation + 1, salt)?);
+        records.extend(read_records(file.as_ref(), start(generation + 1), region, generation + 1, salt)?);
         let wal = Self {
             file,
             region,
@@ -202,7 +246,7 @@ impl Wal {
         seal(&mut record, self.salt, self.generation, self.next_seq)?;
         self.last_start = Some(self.end);
         self.check(false)?;
-        self.file.write_all_at(&record, region_start(self.generation, self.region) + self.end)?;
+        self.file.write_bytes(&record, region_start(self.generation, self.region) + self.end)?;
         self.end += record.len() as u64;
         self.next_seq += 1;
         self.unsynced = true;
@@ -212,7 +256,7 @@ impl Wal {
     /// Makes every record appended so far durable.
     pub(crate) fn sync(&mut self) -> io::Result<()> {
         self.check(true)?;
-        self.file.sync_data()?;
+        self.file.sync()?;
         self.unsynced = false;
         Ok(())
     }
@@ -228,8 +272,8 @@ impl Wal {
         let Some(start) = self.last_start else { return Ok(()) };
         self.check(true)?;
         // Inside the region: the record, at least a header long, fitted.
-        self.file.write_all_at(&[0u8; HEADER], region_start(self.generation, self.region) + start)?;
-        self.file.sync_data()?;
+        self.file.write_bytes(&[0u8; HEADER], region_start(self.generation, self.region) + start)?;
+        self.file.sync()?;
         self.end = start;
         self.unsynced = false;
         Ok(())
@@ -360,13 +404,19 @@ fn checksum(salt: Option<u64>, generation: u64, seq: u64, payload: &[u8]) -> u32
 
 /// The writes of the records of `generation` under `salt` that follow each
 /// other from the start of the region at `base`, each intact.
-fn read_records(file: &File, base: u64, region: u64, generation: u64, salt: Option<u64>) -> io::Result<Vec<Writes>> {
+fn read_records(
+    file: &dyn LogFile,
+    base: u64,
+    region: u64,
+    generation: u64,
+    salt: Option<u64>,
+) -> io::Result<Vec<Writes>> {
     let mut records = Vec::new();
     let mut at = base;
     let capacity = base + region;
     let mut header = [0u8; HEADER];
     while at + HEADER as u64 <= capacity {
-        file.read_exact_at(&mut header, at)?;
+        file.read_bytes(&mut header, at)?;
         let len = u64::from(u32::from_le_bytes(header[0..4].try_into().unwrap_or_default()));
         let record_generation = u64::from_le_bytes(header[4..12].try_into().unwrap_or_default());
         let seq = u64::from_le_bytes(header[12..20].try_into().unwrap_or_default());
@@ -375,7 +425,7 @@ fn read_records(file: &File, base: u64, region: u64, generation: u64, salt: Opti
             break;
         }
         let mut payload = vec![0u8; len as usize];
-        file.read_exact_at(&mut payload, at + HEADER as u64)?;
+        file.read_bytes(&mut payload, at + HEADER as u64)?;
         if checksum(salt, record_generation, seq, &payload) != crc {
             break;
         }

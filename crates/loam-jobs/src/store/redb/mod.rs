@@ -37,6 +37,8 @@ use parking_lot::{Condvar, Mutex};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 use super::placement::{CallerWaits, Placement};
+#[cfg(test)]
+use super::wal::LogFile;
 use super::wal::Wal;
 use super::{Durability, Durable, OpDone, OpOutput, Store, WriteOp};
 use crate::error::{JobsError, StoreError};
@@ -49,6 +51,8 @@ mod executor;
 mod file_writer;
 #[cfg(test)]
 mod log_tests;
+#[cfg(test)]
+mod power_cut_tests;
 mod progress;
 #[cfg(test)]
 mod tests;
@@ -148,6 +152,14 @@ impl RedbStore {
             other => io(other),
         })?;
         let wal = recover(&db, &log_path(path))?;
+        Self::start(db, &options, Some(wal))
+    }
+
+    /// A logged store on `db` and `log_file` as they are: what a power cut
+    /// left of them, in tests.
+    #[cfg(test)]
+    fn open_on(db: Database, log_file: Box<dyn LogFile>, options: RedbOptions) -> Result<Self, StoreError> {
+        let wal = recover_with(&db, |log| log.open_on(log_file))?;
         Self::start(db, &options, Some(wal))
     }
 
@@ -251,11 +263,55 @@ fn log_path(path: &Path) -> std::path::PathBuf {
     name.into()
 }
 
-/// Replays what the log holds beyond the file's last durable commit (what a
-/// crash left only in the log), in one durable commit that also starts the
-/// log's generation after the two it may have replayed (the second's records
-/// stay in their region, and must not pass for a later generation's).
+/// Which log [`recover`] asks for: its generation and salt, as the file
+/// stores them, or a fresh log.
+struct LogToOpen {
+    generation: u64,
+    salt: Option<u64>,
+    /// The file never logged (its first open stores a generation durably
+    /// before anything is logged), so a log beside it is another store's
+    /// (a `jobs.redb` deleted to start over, its log left), whose records
+    /// pass for this file's generations, which every file counts from the
+    /// same start: replayed, the deleted store's writes came back. It goes,
+    /// and a log is made afresh.
+    stale: bool,
+}
+
+impl LogToOpen {
+    fn open(&self, path: &Path) -> std::io::Result<(Wal, Vec<Writes>)> {
+        if self.stale {
+            match std::fs::remove_file(path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Wal::open(path, self.generation, self.salt, LOG_CAPACITY)
+    }
+
+    #[cfg(test)]
+    fn open_on(&self, file: Box<dyn LogFile>) -> std::io::Result<(Wal, Vec<Writes>)> {
+        if self.stale {
+            file.set_len(0)?;
+        }
+        Wal::open_on(file, self.generation, self.salt, LOG_CAPACITY)
+    }
+}
+
+/// Replays what the log at `path` holds beyond the file's last durable
+/// commit (what a crash left only in the log), in one durable commit that
+/// also starts the log's generation after the two it may have replayed (the
+/// second's records stay in their region, and must not pass for a later
+/// generation's).
 fn recover(db: &Database, path: &Path) -> Result<Wal, StoreError> {
+    recover_with(db, |log| log.open(path))
+}
+
+/// [`recover`] with the log that `open_log` opens.
+fn recover_with(
+    db: &Database,
+    open_log: impl FnOnce(LogToOpen) -> std::io::Result<(Wal, Vec<Writes>)>,
+) -> Result<Wal, StoreError> {
     let (generation, salt) = {
         let txn = db.begin_read().map_err(io)?;
         match txn.open_table(LOG_TABLE) {
@@ -267,21 +323,9 @@ fn recover(db: &Database, path: &Path) -> Result<Wal, StoreError> {
             Err(e) => return Err(io(e)),
         }
     };
-    if generation.is_none() {
-        // A file that never logged (its first open stores a generation
-        // durably before anything is logged) has no log of its own. One
-        // beside it is another store's (a `jobs.redb` deleted to start over,
-        // its log left), whose records pass for this file's generations,
-        // which every file counts from the same start: replayed, the deleted
-        // store's writes came back. It goes, and a log is made afresh.
-        match std::fs::remove_file(path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io(e)),
-        }
-    }
+    let stale = generation.is_none();
     let generation = generation.unwrap_or(0);
-    let (mut wal, records) = Wal::open(path, generation, salt, LOG_CAPACITY).map_err(io)?;
+    let (mut wal, records) = open_log(LogToOpen { generation, salt, stale }).map_err(io)?;
     let salt = rand::random::<u64>();
     let txn = db.begin_write().map_err(io)?;
     {
