@@ -14,7 +14,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use redb::StorageBackend;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use super::super::wal::LogFile;
 use super::*;
@@ -337,11 +337,15 @@ fn seeded() -> (u64, StdRng) {
     (seed, StdRng::seed_from_u64(seed))
 }
 
+/// `LOAM_POWER_CUT_ROUNDS`, or `default`: how many cuts a test makes.
+fn rounds(default: u64) -> u64 {
+    std::env::var("LOAM_POWER_CUT_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(default)
+}
+
 /// Rounds of: open what the last cut left (checking it), write from several
 /// threads, cut at a random moment (now and then during the open instead).
-/// `LOAM_POWER_CUT_ROUNDS` sets how many (24).
 fn power_cuts(options: impl Fn(u64) -> RedbOptions, immediate: bool) {
-    let rounds: u64 = std::env::var("LOAM_POWER_CUT_ROUNDS").ok().and_then(|r| r.parse().ok()).unwrap_or(24);
+    let rounds = rounds(24);
     let (seed, mut rng) = seeded();
     let mut disk = Arc::new(Disk::default());
     // Each writer's last operation the store held at an open (durable: the
@@ -488,5 +492,179 @@ fn a_power_cut_leaves_the_log_a_prefix_of_its_records() {
             replayed.len() >= durable,
             "{context}: replayed {replayed:?}, {durable} of {since_stored:?} were synced"
         );
+    }
+}
+
+/// Jobs through power cuts, with workers that outlive them (a server's remote
+/// workers do): producers add jobs and workers lease and finish them on
+/// several threads until the cut; the store is opened on what is left, and
+/// the workers' leases in hand at the cut are finished after it, beside the
+/// next round's; now and then a round only leases, so that leases, never
+/// fsynced, are lost. Every job whose add was acknowledged is there, every
+/// acknowledged outcome stays, no job is acknowledged two outcomes, and no
+/// lease's epoch is handed out twice (a lease lost in the cut must be fenced,
+/// not finished beside its job's next one).
+#[test]
+fn a_power_cut_keeps_every_acknowledged_job_and_outcome() {
+    use crate::{CompleteOptions, EnqueueRequest, Fence, JobError, JobState, Jobs, LeaseRequest, Outcome, SystemClock};
+
+    const NS: &str = "cut";
+    const QUEUE: &str = "q";
+    /// Short, so leases from before a cut lapse and their jobs come back.
+    const LOCK_MS: u64 = 150;
+
+    #[derive(Default)]
+    struct Promises {
+        added: Vec<String>,
+        /// Job id -> its acknowledged outcome; a second one fails the test.
+        finished: HashMap<String, JobState>,
+        twice: Vec<String>,
+        /// Leases in hand: finished (or fenced) after the cut.
+        in_hand: HashMap<String, u64>,
+        /// Every lease handed out (job id, epoch): one handed out again
+        /// (an epoch reused after a cut) fails the test.
+        leased: std::collections::HashSet<(String, u64)>,
+        errors: Vec<String>,
+    }
+
+    impl Promises {
+        fn finished(&mut self, id: &str, state: JobState) {
+            if self.finished.insert(id.to_string(), state).is_some() {
+                self.twice.push(format!("{id} finished"));
+            }
+        }
+
+        fn leased(&mut self, id: &str, epoch: u64) {
+            self.in_hand.insert(id.to_string(), epoch);
+            if !self.leased.insert((id.to_string(), epoch)) {
+                self.twice.push(format!("{id} leased at epoch {epoch}"));
+            }
+        }
+    }
+
+    fn finish(jobs: &Jobs, id: &str, epoch: u64, fail: bool, promises: &Mutex<Promises>) {
+        let outcome = if fail {
+            Outcome::Fail { error: JobError::new("power cut test"), dead_letter: false }
+        } else {
+            Outcome::Ok { result: Some(id.as_bytes().to_vec()) }
+        };
+        let done = jobs.complete(NS, QUEUE, id, Fence::Epoch(epoch), outcome, CompleteOptions::default()).wait();
+        let mut promises = promises.lock();
+        match done {
+            Ok(done) => match done.state {
+                Some(state @ (JobState::Completed | JobState::Failed)) => promises.finished(id, state),
+                other => promises.errors.push(format!("{id}: finished as {other:?}")),
+            },
+            Err(crate::JobsError::Fenced { .. }) => {}
+            // The cut: nothing was acknowledged.
+            Err(_) => {}
+        }
+    }
+
+    let (seed, mut rng) = seeded();
+    let rounds = rounds(12);
+    let mut disk = Arc::new(Disk::default());
+    let mut promises = Promises::default();
+    for round in 0..=rounds {
+        let context = format!("seed {seed}, round {round}");
+        let options =
+            RedbOptions { checkpoint_interval: Duration::from_millis(rng.random_range(1..40)), ..Default::default() };
+        let store = open_store(&disk, options).unwrap_or_else(|e| panic!("{context}: {e}"));
+        let jobs = Jobs::with_store(Box::new(store), Arc::new(SystemClock), crate::Config::default()).unwrap();
+        for id in &promises.added {
+            assert!(jobs.get_job(NS, QUEUE, id).unwrap().is_some(), "{context}: job {id} was added, and is gone");
+        }
+        for (id, state) in &promises.finished {
+            let job = jobs.get_job(NS, QUEUE, id).unwrap().unwrap_or_else(|| panic!("{context}: {id} is gone"));
+            assert_eq!(job.state, *state, "{context}: job {id} was acknowledged {state:?}");
+            if *state == JobState::Completed {
+                assert_eq!(job.return_value.as_deref(), Some(id.as_bytes()), "{context}: job {id}'s result");
+            }
+        }
+        assert!(promises.twice.is_empty(), "{context}: acknowledged twice: {:?}", promises.twice);
+        assert!(promises.errors.is_empty(), "{context}: {:?}", promises.errors);
+        if round == rounds {
+            break;
+        }
+        let promises_now = Arc::new(Mutex::new(std::mem::take(&mut promises)));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut threads = Vec::new();
+        // Now and then the workers only lease, each job kept until the cut
+        // (long jobs), and nobody adds: the leases are the round's only
+        // writes, and none of them is fsynced.
+        let only_leases = rng.random_ratio(1, 4);
+        // The leases the last rounds' workers held at their cuts, finished
+        // now (but in a round that only leases).
+        if !only_leases {
+            let in_hand: Vec<(String, u64)> = promises_now.lock().in_hand.drain().collect();
+            let (jobs, promises) = (jobs.clone(), Arc::clone(&promises_now));
+            threads.push(std::thread::spawn(move || {
+                for (id, epoch) in in_hand {
+                    finish(&jobs, &id, epoch, false, &promises);
+                }
+            }));
+        }
+        for producer in (0..2).filter(|_| !only_leases) {
+            let (jobs, promises, stop) = (jobs.clone(), Arc::clone(&promises_now), Arc::clone(&stop));
+            threads.push(std::thread::spawn(move || {
+                for n in 0.. {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    let id = format!("r{round}-p{producer}-{n}");
+                    let req = EnqueueRequest {
+                        name: "cut".into(),
+                        data: id.as_bytes().to_vec(),
+                        job_id: Some(id.clone()),
+                        attempts: 2,
+                        ..Default::default()
+                    };
+                    match jobs.enqueue(NS, QUEUE, req).wait() {
+                        Ok(added) if added.created => promises.lock().added.push(id),
+                        Ok(added) => promises.lock().errors.push(format!("{id}: added as {added:?}")),
+                        Err(_) => break,
+                    }
+                }
+            }));
+        }
+        for worker in 0..2 {
+            let (jobs, promises, stop) = (jobs.clone(), Arc::clone(&promises_now), Arc::clone(&stop));
+            threads.push(std::thread::spawn(move || {
+                let req = LeaseRequest {
+                    max: 4,
+                    worker: Some(format!("w{worker}")),
+                    lock_duration_ms: LOCK_MS,
+                    ..Default::default()
+                };
+                let mut turn = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let Ok(leased) = jobs.lease(NS, QUEUE, req.clone()).wait() else { break };
+                    if leased.leases.is_empty() {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    for lease in leased.leases {
+                        let id = lease.job.id.clone();
+                        promises.lock().leased(&id, lease.epoch);
+                        turn += 1;
+                        // One lease in seven is kept past the cut, as a worker
+                        // still busy with its job when the server went down.
+                        if only_leases || turn.is_multiple_of(7) {
+                            continue;
+                        }
+                        finish(&jobs, &id, lease.epoch, turn.is_multiple_of(5), &promises);
+                        promises.lock().in_hand.remove(&id);
+                    }
+                }
+            }));
+        }
+        std::thread::sleep(Duration::from_millis(rng.random_range(0..150)));
+        let images = disk.cut(&mut rng);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for thread in threads {
+            thread.join().unwrap();
+        }
+        jobs.close();
+        promises = std::mem::take(&mut *promises_now.lock());
+        disk = Disk::from_images(images);
     }
 }
