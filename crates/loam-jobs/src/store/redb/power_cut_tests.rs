@@ -99,30 +99,38 @@ impl SimFile {
 /// The redb file and the log, cut together.
 #[derive(Default)]
 struct Disk {
-    files: parking_lot::Mutex<([SimFile; 2], bool)>,
+    state: parking_lot::Mutex<DiskState>,
+}
+
+#[derive(Default)]
+struct DiskState {
+    files: [SimFile; 2],
+    /// The power is cut: every write and sync fails.
+    cut: bool,
 }
 
 impl Disk {
     fn from_images(images: [Vec<u8>; 2]) -> Arc<Self> {
         let [redb, log] = images;
-        Arc::new(Self { files: parking_lot::Mutex::new(([SimFile::durable(redb), SimFile::durable(log)], false)) })
+        let files = [SimFile::durable(redb), SimFile::durable(log)];
+        Arc::new(Self { state: parking_lot::Mutex::new(DiskState { files, cut: false }) })
     }
 
     /// Cuts the power: from now on every write and sync fails, and what the
     /// disk holds is returned.
     fn cut(&self, rng: &mut StdRng) -> [Vec<u8>; 2] {
-        let mut files = self.files.lock();
-        files.1 = true;
+        let mut state = self.state.lock();
+        state.cut = true;
         let kept = [0.0, 0.3, 0.7, 1.0][rng.random_range(0..4)];
-        [files.0[REDB_FILE].image(rng, kept), files.0[LOG_FILE].image(rng, kept)]
+        [state.files[REDB_FILE].image(rng, kept), state.files[LOG_FILE].image(rng, kept)]
     }
 
     fn change(&self, file: usize, change: impl FnOnce(&mut SimFile)) -> std::io::Result<()> {
-        let mut files = self.files.lock();
-        if files.1 {
+        let mut state = self.state.lock();
+        if state.cut {
             return Err(std::io::Error::other("the power is cut"));
         }
-        change(&mut files.0[file]);
+        change(&mut state.files[file]);
         Ok(())
     }
 }
@@ -141,12 +149,12 @@ impl std::fmt::Debug for OnDisk {
 
 impl OnDisk {
     fn len(&self) -> u64 {
-        self.disk.files.lock().0[self.file].bytes.len() as u64
+        self.disk.state.lock().files[self.file].bytes.len() as u64
     }
 
     fn read(&self, at: u64, out: &mut [u8]) -> std::io::Result<()> {
-        let files = self.disk.files.lock();
-        let bytes = &files.0[self.file].bytes;
+        let state = self.disk.state.lock();
+        let bytes = &state.files[self.file].bytes;
         let end = at as usize + out.len();
         if end > bytes.len() {
             return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "read past the end"));
@@ -344,7 +352,8 @@ fn rounds(default: u64) -> u64 {
 
 /// Rounds of: open what the last cut left (checking it), write from several
 /// threads, cut at a random moment (now and then during the open instead).
-fn power_cuts(options: impl Fn(u64) -> RedbOptions, immediate: bool) {
+fn power_cuts(durability: Durability) {
+    let immediate = durability == Durability::Immediate;
     let rounds = rounds(24);
     let (seed, mut rng) = seeded();
     let mut disk = Arc::new(Disk::default());
@@ -355,7 +364,8 @@ fn power_cuts(options: impl Fn(u64) -> RedbOptions, immediate: bool) {
     let mut acknowledged = [-1i64; WRITERS];
     for round in 0..=rounds {
         let context = format!("seed {seed}, round {round}");
-        let options = options(rng.random_range(1..40));
+        let checkpoint_interval = Duration::from_millis(rng.random_range(1..40));
+        let options = RedbOptions { durability, checkpoint_interval, ..Default::default() };
         if round > 0 && rng.random_ratio(1, 6) {
             // Cut during the open, its recovery or its first commits.
             let opening = Arc::clone(&disk);
@@ -401,10 +411,7 @@ fn power_cuts(options: impl Fn(u64) -> RedbOptions, immediate: bool) {
 /// checkpoints and the log's reuse of its regions included.
 #[test]
 fn a_power_cut_loses_no_acknowledged_write() {
-    power_cuts(
-        |interval| RedbOptions { checkpoint_interval: Duration::from_millis(interval), ..Default::default() },
-        true,
-    );
+    power_cuts(Durability::Immediate);
 }
 
 /// Under relaxed durability a cut may lose the last writes, but what it
@@ -413,14 +420,7 @@ fn a_power_cut_loses_no_acknowledged_write() {
 /// durability is never lost.
 #[test]
 fn a_power_cut_under_relaxed_durability_leaves_a_state_that_was() {
-    power_cuts(
-        |interval| RedbOptions {
-            durability: Durability::Relaxed { flush_interval_ms: 20 },
-            checkpoint_interval: Duration::from_millis(interval),
-            ..Default::default()
-        },
-        false,
-    );
+    power_cuts(Durability::Relaxed { flush_interval_ms: 20 });
 }
 
 /// The log alone, many times over with cuts at random steps: what a reopen
