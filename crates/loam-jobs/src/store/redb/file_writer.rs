@@ -102,8 +102,13 @@ impl FileWriter {
         durable: bool,
         generation: Option<u64>,
     ) -> Result<(), StoreError> {
-        let mut txn = self.db.begin_write().map_err(io)?;
-        txn.set_durability(if durable { redb::Durability::Immediate } else { redb::Durability::None }).map_err(io)?;
+        let txn = if durable {
+            begin_durable_write(&self.db)?
+        } else {
+            let mut txn = self.db.begin_write().map_err(io)?;
+            txn.set_durability(redb::Durability::None).map_err(io)?;
+            txn
+        };
         {
             let mut table = txn.open_table(TABLE).map_err(io)?;
             apply(&mut table, net_writes(batches.iter().map(|(_, writes)| writes.as_ref())))?;

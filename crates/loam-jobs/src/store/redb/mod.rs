@@ -94,6 +94,18 @@ fn io<E: std::fmt::Display>(e: E) -> StoreError {
     StoreError::Io(e.to_string())
 }
 
+/// A write transaction whose commit is durable, and saves redb's allocator
+/// state with it ("quick repair"), so that an open after a crash loads that
+/// state instead of walking the whole file to rebuild it: after a `kill -9`
+/// that walk held the open (and a Node host's event loop, which opens the
+/// store in `new Queue()`) for 6 s at 4 GB of jobs and 38 s at 12 GB. Every
+/// durable commit must save it: one that does not drops the saved state.
+fn begin_durable_write(db: &Database) -> Result<redb::WriteTransaction, StoreError> {
+    let mut txn = db.begin_write().map_err(io)?;
+    txn.set_quick_repair(true);
+    Ok(txn)
+}
+
 pub struct RedbOptions {
     pub durability: Durability,
     /// redb's page cache, in bytes.
@@ -183,7 +195,7 @@ impl RedbStore {
     /// memory), redb's own commits are made durable where needed.
     fn start(db: Database, options: &RedbOptions, wal: Option<Wal>) -> Result<Self, StoreError> {
         let durability = options.durability;
-        let txn = db.begin_write().map_err(io)?;
+        let txn = begin_durable_write(&db)?;
         txn.open_table(TABLE).map_err(io)?;
         txn.commit().map_err(io)?;
         let db = Arc::new(db);
@@ -327,7 +339,7 @@ fn recover_with(
     let generation = generation.unwrap_or(0);
     let (mut wal, records) = open_log(LogToOpen { generation, salt, stale }).map_err(io)?;
     let salt = rand::random::<u64>();
-    let txn = db.begin_write().map_err(io)?;
+    let txn = begin_durable_write(db)?;
     {
         let mut table = txn.open_table(TABLE).map_err(io)?;
         for writes in &records {

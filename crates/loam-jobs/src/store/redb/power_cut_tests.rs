@@ -200,8 +200,20 @@ impl LogFile for OnDisk {
     }
 }
 
+/// Opens the store on what the disk holds. redb is told to refuse a full
+/// repair (a walk of the whole file, which took 6 s and more at a few GB):
+/// every durable commit saves its allocator state, so whatever a cut leaves
+/// opens from the last one.
 fn open_store(disk: &Arc<Disk>, options: RedbOptions) -> Result<RedbStore, StoreError> {
-    let db = Database::builder().create_with_backend(OnDisk { disk: Arc::clone(disk), file: REDB_FILE }).map_err(io)?;
+    let db = Database::builder()
+        .set_repair_callback(|session| session.abort())
+        .create_with_backend(OnDisk { disk: Arc::clone(disk), file: REDB_FILE })
+        .map_err(|e| match e {
+            redb::DatabaseError::RepairAborted => {
+                panic!("the open needed a full repair: the last durable commit did not save redb's allocator state")
+            }
+            e => io(e),
+        })?;
     RedbStore::open_on(db, Box::new(OnDisk { disk: Arc::clone(disk), file: LOG_FILE }), options)
 }
 
