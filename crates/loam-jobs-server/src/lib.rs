@@ -83,12 +83,17 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
         StoreKind::Redb => args.data_dir.join("jobs.redb"),
     };
     let following = args.follow_client_clock.then(|| Arc::new(FollowingClock::new()));
+    // Said before and timed: an open after a crash replays the log (and, on a
+    // file an older build left, redb walks all of it), which can take a while.
+    tracing::info!(store = %path.display(), "opening the store");
+    let opening = std::time::Instant::now();
     let jobs = {
         let (path, following) = (path.clone(), following.clone());
         tokio::task::spawn_blocking(move || open_store(&path, config, following))
             .await
             .map_err(|e| ServerError::Config(format!("opening the store panicked: {e}")))??
     };
+    let store_open_ms = u64::try_from(opening.elapsed().as_millis()).unwrap_or(u64::MAX);
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|source| ServerError::Listen { addr: args.listen, source })?;
@@ -169,6 +174,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     tracing::info!(
         listen = %local,
         store = %path.display(),
+        store_open_ms,
         auth = auth.is_on(),
         server_schedules = found,
         "loam-jobs serving loam.jobs.v1 (Connect, gRPC, gRPC-Web), /metrics and /healthz"
