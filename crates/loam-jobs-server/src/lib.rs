@@ -12,6 +12,7 @@ pub mod budget;
 pub mod cli;
 pub mod convert;
 pub mod errors;
+pub mod health;
 pub mod listen;
 pub mod metrics;
 pub mod request_body;
@@ -155,17 +156,8 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
         }
     };
     let health = {
-        let jobs = jobs.clone();
-        move || {
-            let jobs = jobs.clone();
-            async move {
-                if jobs.is_closed() {
-                    (StatusCode::SERVICE_UNAVAILABLE, "closing\n").into_response()
-                } else {
-                    (StatusCode::OK, "ok\n").into_response()
-                }
-            }
-        }
+        let health = Arc::new(health::Health::new(jobs.clone()));
+        move || std::future::ready(health.check().into_response())
     };
     let app = axum::Router::new().route("/metrics", get(scrape)).route("/healthz", get(health)).fallback_service(rpc);
 

@@ -14,7 +14,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, QueueConfig};
-use crate::error::JobsError;
+use crate::error::{JobsError, StoreError};
 use crate::keys::QueueId;
 use crate::model::*;
 use crate::notify::{Channel, Notifier, Tell, Telling};
@@ -243,6 +243,12 @@ impl Jobs {
 
     pub fn is_closed(&self) -> bool {
         self.inner.closed.load(Ordering::SeqCst)
+    }
+
+    /// Why the store refuses every write from now on, if it does (see
+    /// [`Store::failure`]): reopening it replays its log and mends it.
+    pub fn failure(&self) -> Option<StoreError> {
+        self.inner.store.failure()
     }
 
     // ---- plumbing --------------------------------------------------------

@@ -240,6 +240,9 @@ impl store::Store for BriefRecorder {
     fn close(&self) {
         self.inner.close();
     }
+    fn failure(&self) -> Option<StoreError> {
+        self.inner.failure()
+    }
 }
 
 /// A flow or bulk add of up to `store::BRIEF_JOBS` jobs may run on its

@@ -89,4 +89,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// Stops accepting writes and waits for the ones already submitted.
     fn close(&self);
+
+    /// Why the store refuses every commit from now on, if it does: a write it
+    /// could not make durable, or could not carry from its log into its
+    /// file. Only reopening it mends that (the open replays the log); a host
+    /// says so where it reports its health.
+    fn failure(&self) -> Option<StoreError>;
 }

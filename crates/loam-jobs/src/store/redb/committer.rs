@@ -32,9 +32,6 @@ pub(super) struct Committer {
     /// The checkpoint the file writer is making, if any: commits go on in
     /// the log's other region meanwhile.
     pub(super) checkpointing: Option<mpsc::Receiver<Result<(), StoreError>>>,
-    /// Why the log failed: from then on every commit fails, as redb's own do
-    /// after an I/O error, so nothing is acknowledged that may not survive.
-    pub(super) broken: Option<StoreError>,
 }
 
 /// How the committer's groups are made durable and reach the redb file.
@@ -149,13 +146,13 @@ impl Committer {
     /// Makes every commit so far durable: an fsync of the log, or without a
     /// log an empty durable commit, which makes every earlier one durable.
     pub(super) fn flush(&mut self) {
-        if self.broken.is_some() {
+        if self.unflushed_since.is_none() {
+            return;
+        }
+        if self.progress.state.lock().broken.is_some() {
             // Nothing can be made durable any more: waking to try again
             // would only spin the committer.
             self.unflushed_since = None;
-            return;
-        }
-        if self.unflushed_since.is_none() {
             return;
         }
         let result = match &mut self.file {
@@ -220,7 +217,7 @@ impl Committer {
         self.unflushed_since = None;
         let (done, answer) = mpsc::sync_channel(1);
         if to_file.send(ToFile::Checkpoint { group: None, generation, done }).is_err() {
-            self.broken = Some(StoreError::Closed);
+            self.progress.state.lock().broken = Some(StoreError::Closed);
             return;
         }
         self.last_checkpoint = Instant::now();
@@ -294,7 +291,7 @@ impl Committer {
     /// took the commit (redb 4.6 refuses every commit after an I/O error, but
     /// not every error is one).
     fn refusal(&self) -> Option<StoreError> {
-        self.broken.clone().or_else(|| self.progress.state.lock().unreadable.clone())
+        self.progress.state.lock().refusal()
     }
 
     /// Not while one is under way: starting the next waits for it, and the
@@ -368,10 +365,11 @@ impl Committer {
     /// durability the writes since the last flush were acknowledged already
     /// and will now not be made durable, so reads fail too.
     pub(super) fn break_store(&mut self, e: StoreError) {
+        let mut state = self.progress.state.lock();
         if matches!(self.durability, Durability::Relaxed { .. }) {
-            self.progress.state.lock().unreadable.get_or_insert_with(|| e.clone());
+            state.unreadable.get_or_insert_with(|| e.clone());
         }
-        self.broken = Some(e);
+        state.broken = Some(e);
     }
 
     /// Tells the file writer that the batches up to `last` failed: it is done

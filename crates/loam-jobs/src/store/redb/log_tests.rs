@@ -270,6 +270,7 @@ fn assert_a_broken_store_sleeps(store: &RedbStore) {
     use std::sync::atomic::Ordering;
     std::thread::sleep(Duration::from_millis(300));
     assert!(store.snapshot().is_err(), "the store is broken");
+    assert!(store.failure().is_some(), "and says so");
     let before = store.progress.committer_turns.load(Ordering::Relaxed);
     std::thread::sleep(Duration::from_millis(500));
     let turns = store.progress.committer_turns.load(Ordering::Relaxed) - before;
@@ -686,11 +687,17 @@ fn a_write_whose_log_fsync_failed_is_not_replayed() {
         RedbStore::open_with_log(&path, RedbOptions::default(), |wal| wal.fail_a_sync_once(Arc::clone(&failing)))
             .unwrap();
     put(&store, "before");
+    assert!(store.failure().is_none(), "a store that took every write is not failed");
     failing.store(true, Ordering::SeqCst);
     let answer = put_answer(&store, "failed");
     assert!(answer.is_err_and(|e| !e.contains("may still take effect")), "answered as failed, for sure");
+    // Reads go on (nothing acknowledged is missing), writes do not: the
+    // store says why, for a host's health check.
+    assert!(store.snapshot().is_ok());
+    assert!(store.failure().is_some_and(|e| e.to_string().contains("fail")), "{:?}", store.failure());
     drop(store);
     let reopened = RedbStore::open(&path, RedbOptions::default()).unwrap();
+    assert!(reopened.failure().is_none(), "reopening mends it");
     let mut snapshot = reopened.snapshot().unwrap();
     assert_eq!(snapshot.get(b"before").unwrap(), Some(b"v".to_vec()));
     assert_eq!(snapshot.get(b"failed").unwrap(), None, "a write answered as failed took effect");

@@ -230,7 +230,6 @@ impl RedbStore {
             checkpoint_interval: options.checkpoint_interval,
             last_checkpoint: Instant::now(),
             checkpointing: None,
-            broken: None,
         };
         let committer = std::thread::Builder::new()
             .name("loam-jobs-commit".into())
@@ -420,6 +419,10 @@ impl Store for RedbStore {
         }
         let unapplied = state.unapplied.iter().map(|(_, writes)| Arc::clone(writes)).collect();
         Ok(Box::new(PublishedReader { snapshot: SnapshotReader(Arc::clone(&state.snapshot)), unapplied }))
+    }
+
+    fn failure(&self) -> Option<StoreError> {
+        self.progress.state.lock().refusal()
     }
 
     fn close(&self) {

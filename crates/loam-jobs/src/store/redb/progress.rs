@@ -22,6 +22,7 @@ impl Progress {
         let state = Committed {
             batch: 0,
             unreadable: None,
+            broken: None,
             snapshot: Arc::new(snapshot),
             snapshot_batch: 0,
             published: 0,
@@ -72,6 +73,9 @@ pub(super) struct Committed {
     /// then on rather than show older state than callers were told of.
     /// Reopening replays what the log holds.
     pub(super) unreadable: Option<StoreError>,
+    /// Why the log failed: from then on every commit fails, as redb's own do
+    /// after an I/O error, so nothing is acknowledged that may not survive.
+    pub(super) broken: Option<StoreError>,
     /// The file as of the last successful commit.
     pub(super) snapshot: Arc<RedbSnapshot>,
     /// The batch that `snapshot` ends with.
@@ -84,4 +88,12 @@ pub(super) struct Committed {
     /// a read sees them over the snapshot instead of waiting for redb's
     /// commit (or, acknowledged early, for the log).
     pub(super) unapplied: VecDeque<(u64, Arc<Writes>)>,
+}
+
+impl Committed {
+    /// Why no commit may be made: the log failed, or the file writer failed
+    /// to write a group that was acknowledged.
+    pub(super) fn refusal(&self) -> Option<StoreError> {
+        self.broken.clone().or_else(|| self.unreadable.clone())
+    }
 }
