@@ -7,7 +7,7 @@
 //! call with the error, so a health check that looked only at shutdown said
 //! `ok` while nothing could be written. It says 503 instead, without the
 //! error itself (`/healthz` takes no token, and the error can name paths);
-//! the log has it, once.
+//! the first check that finds the failure logs it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -84,6 +84,7 @@ mod tests {
         *failure.lock() = Some(StoreError::Io("/data/jobs.redb.wal: No space left on device".into()));
         let (status, body) = health.check();
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        // The store's error can name paths, and /healthz takes no token.
         assert!(body.contains("restart") && !body.contains("/data"), "{body}");
         jobs.close();
         assert_eq!(health.check(), (StatusCode::SERVICE_UNAVAILABLE, "closing\n"));

@@ -85,7 +85,8 @@ pub async fn serve(args: ServeArgs) -> Result<(), ServerError> {
     };
     let following = args.follow_client_clock.then(|| Arc::new(FollowingClock::new()));
     // Said before and timed: an open after a crash replays the log (and, on a
-    // file an older build left, redb walks all of it), which can take a while.
+    // file an older build left after a crash, redb walks all of it), which
+    // can take a while.
     tracing::info!(store = %path.display(), "opening the store");
     let opening = std::time::Instant::now();
     let jobs = {

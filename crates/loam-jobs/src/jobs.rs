@@ -246,7 +246,8 @@ impl Jobs {
     }
 
     /// Why the store refuses every write from now on, if it does (see
-    /// [`Store::failure`]): reopening it replays its log and mends it.
+    /// [`Store::failure`]): reopening it, once the cause is gone, replays its
+    /// log and mends it.
     pub fn failure(&self) -> Option<StoreError> {
         self.inner.store.failure()
     }

@@ -369,7 +369,9 @@ impl Committer {
         if matches!(self.durability, Durability::Relaxed { .. }) {
             state.unreadable.get_or_insert_with(|| e.clone());
         }
-        state.broken = Some(e);
+        // The first cause stays: a checkpoint failing after the log did
+        // would hide why the store broke.
+        state.broken.get_or_insert(e);
     }
 
     /// Tells the file writer that the batches up to `last` failed: it is done

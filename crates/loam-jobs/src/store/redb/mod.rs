@@ -102,6 +102,7 @@ fn io<E: std::fmt::Display>(e: E) -> StoreError {
 /// durable commit must save it: one that does not drops the saved state.
 fn begin_durable_write(db: &Database) -> Result<redb::WriteTransaction, StoreError> {
     let mut txn = db.begin_write().map_err(io)?;
+    txn.set_durability(redb::Durability::Immediate).map_err(io)?;
     txn.set_quick_repair(true);
     Ok(txn)
 }

@@ -73,7 +73,8 @@ pub(super) struct Committed {
     /// then on rather than show older state than callers were told of.
     /// Reopening replays what the log holds.
     pub(super) unreadable: Option<StoreError>,
-    /// Why the log failed: from then on every commit fails, as redb's own do
+    /// Why commits are refused (the log or a checkpoint failed, or the file
+    /// writer is gone): from then on every commit fails, as redb's own do
     /// after an I/O error, so nothing is acknowledged that may not survive.
     pub(super) broken: Option<StoreError>,
     /// The file as of the last successful commit.
