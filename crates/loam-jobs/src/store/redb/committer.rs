@@ -313,40 +313,66 @@ impl Committer {
     /// in between is what the log's replay redoes, so redb's commit is off
     /// the operations' latency and off the next group's. A group too large for
     /// what is left of the log is committed durably to redb instead, as a
-    /// checkpoint, and acknowledged by the caller afterwards. Without a log,
-    /// redb's commit (durable when `sync`) is made here, before acknowledging.
+    /// checkpoint, and acknowledged by the caller afterwards; the batches
+    /// before it that fit are logged first (see [`Committer::log_what_fits`]). Without a log, redb's commit (durable
+    /// when `sync`) is made here, before acknowledging.
     pub(super) fn write(&mut self, batches: &mut [Batch], sync: bool, last: u64) -> Result<(), StoreError> {
-        let group = Group { batches: batches.iter().map(|b| (b.number, Arc::clone(&b.writes))).collect(), last };
         if let Some(e) = self.refusal() {
             return Err(self.fail(e, last));
         }
         let wal = match &mut self.file {
-            File::Inline(file) => return file.write(&[group], sync, None),
+            File::Inline(file) => return file.write(&[group_of(batches, last)], sync, None),
             File::Logged { wal, .. } => wal,
         };
         let Some(record) = Wal::encode_within(net_writes(batches.iter().map(|b| b.writes.as_ref())), wal.room()) else {
-            return self.checkpoint(Some(group));
+            let rest = self.log_what_fits(batches, last)?;
+            return self.checkpoint(Some(group_of(rest, last)));
         };
-        if let Err(e) = wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }) {
-            // The record may be written, whole or in part: unwritten, the
-            // group's failure is what a reopen finds; nothing more may follow
-            // it either way.
-            let e = match wal.retract_last() {
-                Ok(()) => io(e),
-                Err(again) => StoreError::Io(format!(
-                    "{e}; the write may still take effect (its log record could not be taken back: {again})"
-                )),
-            };
+        if let Err(e) = append(wal, record, sync) {
             return Err(self.fail(e, last));
         }
+        self.logged(batches, last);
+        Ok(())
+    }
+
+    /// Logs the longest run of `batches` from the first whose record fits
+    /// in what is left of the log, fsynced, and returns the rest (all of
+    /// them, when not even the first fits). Under relaxed durability those
+    /// batches were answered already: committed with the rest, durably into
+    /// redb, they stayed unsynced for as long as redb's commit took, past the
+    /// flush interval, whenever they were gathered with a large batch into
+    /// one group. Found from the longest run down, each tried run's size
+    /// summed before anything is encoded: groups this large are rare, and a
+    /// run's net writes need not grow with its length. On failure the whole
+    /// group, up to batch `last`, fails.
+    fn log_what_fits<'b>(&mut self, batches: &'b mut [Batch], last: u64) -> Result<&'b mut [Batch], StoreError> {
+        let File::Logged { wal, .. } = &mut self.file else { return Ok(batches) };
+        let room = wal.room();
+        let fitting = (1..batches.len()).rev().find_map(|n| {
+            Wal::encode_within(net_writes(batches[..n].iter().map(|b| b.writes.as_ref())), room).map(|r| (n, r))
+        });
+        let Some((n, record)) = fitting else { return Ok(batches) };
+        if let Err(e) = append(wal, record, true) {
+            return Err(self.fail(e, last));
+        }
+        self.unflushed_since = None;
+        let (logged, rest) = batches.split_at_mut(n);
+        let logged_last = logged[n - 1].number;
+        self.logged(logged, logged_last);
+        Ok(rest)
+    }
+
+    /// Publishes `batches` (up to batch `last`), whose record the log took,
+    /// hands them to the file writer and answers their operations.
+    fn logged(&mut self, batches: &mut [Batch], last: u64) {
         // Acknowledged before the file writer has the group (it refuses
         // reads if it then fails to write what was acknowledged), and
         // readable from here on; answered after (an answer's callback may
         // read it).
+        let group = group_of(batches, last);
         self.progress.publish(&group.batches, group.last);
         self.to_file(ToFile::Group(group));
         deliver(batches.iter_mut().flat_map(|b| b.acks.drain(..)));
-        Ok(())
     }
 
     /// The log failed (or had): every later commit fails with `e`, and the
@@ -437,4 +463,22 @@ impl Committer {
             deliver(doomed.into_iter().flat_map(|b| b.acks).map(|(done, _)| (done, Err(JobsError::from(e.clone())))));
         }
     }
+}
+
+/// The group `batches` make, up to batch `last`.
+fn group_of(batches: &[Batch], last: u64) -> Group {
+    Group { batches: batches.iter().map(|b| (b.number, Arc::clone(&b.writes))).collect(), last }
+}
+
+/// Appends `record` to the log, fsynced when `sync`.
+fn append(wal: &mut Wal, record: Vec<u8>, sync: bool) -> Result<(), StoreError> {
+    let Err(e) = wal.append(record).and_then(|()| if sync { wal.sync() } else { Ok(()) }) else { return Ok(()) };
+    // The record may be written, whole or in part: unwritten, the group's
+    // failure is what a reopen finds; nothing more may follow it either way.
+    Err(match wal.retract_last() {
+        Ok(()) => io(e),
+        Err(again) => StoreError::Io(format!(
+            "{e}; the write may still take effect (its log record could not be taken back: {again})"
+        )),
+    })
 }
