@@ -18,6 +18,10 @@ pub enum StoreError {
     Locked(String),
     #[error("the store is closed")]
     Closed,
+    /// The store stopped taking writes by itself, while open: a fault of its
+    /// own (a bug), which it survived without taking its host down.
+    #[error("the store stopped after an internal fault: reopening it replays its log")]
+    Stopped,
     /// A write reached a snapshot that only reads (a query's): a fault in the
     /// core, not in the storage, so it is not worth asking again.
     #[error("a write in a read-only query")]

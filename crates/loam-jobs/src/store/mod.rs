@@ -92,8 +92,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Why the store refuses every commit from now on, if it does: a write it
     /// could not make durable, or could not carry from its log into its
-    /// file. Only reopening it, once the cause is gone (a full disk), mends
-    /// that: the open replays the log. A host says so where it reports its
-    /// health.
+    /// file, or a fault of its own (a bug) that stopped it. Only reopening
+    /// it, once the cause is gone (a full disk), mends that: the open replays
+    /// the log. A host says so where it reports its health.
     fn failure(&self) -> Option<StoreError>;
 }

@@ -217,7 +217,7 @@ impl Committer {
         self.unflushed_since = None;
         let (done, answer) = mpsc::sync_channel(1);
         if to_file.send(ToFile::Checkpoint { group: None, generation, done }).is_err() {
-            self.progress.state.lock().broken = Some(StoreError::Closed);
+            self.break_store(StoreError::Stopped);
             return;
         }
         self.last_checkpoint = Instant::now();
@@ -230,12 +230,12 @@ impl Committer {
     pub(super) fn checkpoint_done(&mut self, waiting: bool) {
         let Some(answer) = &self.checkpointing else { return };
         let result = if waiting {
-            answer.recv().map_err(|_| StoreError::Closed).and_then(|r| r)
+            answer.recv().map_err(|_| StoreError::Stopped).and_then(|r| r)
         } else {
             match answer.try_recv() {
                 Ok(r) => r,
                 Err(mpsc::TryRecvError::Empty) => return,
-                Err(mpsc::TryRecvError::Disconnected) => Err(StoreError::Closed),
+                Err(mpsc::TryRecvError::Disconnected) => Err(StoreError::Stopped),
             }
         };
         self.checkpointing = None;
@@ -267,8 +267,8 @@ impl Committer {
         let (done, answer) = mpsc::sync_channel(1);
         let committed = to_file
             .send(ToFile::Checkpoint { group, generation, done })
-            .map_err(|_| StoreError::Closed)
-            .and_then(|()| answer.recv().map_err(|_| StoreError::Closed)?);
+            .map_err(|_| StoreError::Stopped)
+            .and_then(|()| answer.recv().map_err(|_| StoreError::Stopped)?);
         if let Err(e) = committed {
             self.break_store(e.clone());
             return Err(e);
@@ -390,7 +390,7 @@ impl Committer {
     /// fails with `e`, as redb's own do after an I/O error. Under relaxed
     /// durability the writes since the last flush were acknowledged already
     /// and will now not be made durable, so reads fail too.
-    pub(super) fn break_store(&mut self, e: StoreError) {
+    pub(super) fn break_store(&self, e: StoreError) {
         let mut state = self.progress.state.lock();
         if matches!(self.durability, Durability::Relaxed { .. }) {
             state.unreadable.get_or_insert_with(|| e.clone());
@@ -413,9 +413,12 @@ impl Committer {
     }
 
     pub(super) fn to_file(&self, message: ToFile) {
-        if let File::Logged { to_file, .. } = &self.file {
-            // The file writer ends only after the committer does.
-            let _ = to_file.send(message);
+        // The file writer ends only after the committer does, unless a fault
+        // of its own ended it: the store then takes no more writes.
+        if let File::Logged { to_file, .. } = &self.file
+            && to_file.send(message).is_err()
+        {
+            self.break_store(StoreError::Stopped);
         }
     }
 

@@ -37,6 +37,9 @@ pub(super) struct Executor {
     /// Held while a batch runs and is handed over, by the executor's thread
     /// or by a caller running its operation itself.
     pub(super) state: Mutex<ExecutorState>,
+    /// Tests: batches panic in their bookkeeping while set.
+    #[cfg(test)]
+    pub(super) faulty: std::sync::atomic::AtomicBool,
 }
 
 pub(super) struct ExecutorState {
@@ -61,9 +64,9 @@ pub(super) struct Handed {
 }
 
 impl Handed {
-    /// `ops` refused: the committer is gone.
+    /// `ops` refused: the committer is gone, while the store was open.
     pub(super) fn refused(ops: Vec<WriteOp>) -> Self {
-        let answers = ops.into_iter().map(|op| (op.done, Err(StoreError::Closed.into()))).collect();
+        let answers = ops.into_iter().map(|op| (op.done, Err(StoreError::Stopped.into()))).collect();
         Self { answers, closed: true }
     }
 }
@@ -81,7 +84,7 @@ impl Executor {
             // Without a committer no room comes: refuse, rather than wait.
             let handed = if state.to_committer.is_some() {
                 let view = self.view(&mut state.uncommitted);
-                self.run_batch(&mut state, ops, view)
+                self.run_batch_caught(&mut state, ops, view)
             } else {
                 Handed::refused(ops)
             };
@@ -110,18 +113,30 @@ impl Executor {
             return Some(op);
         }
         let Some(view) = state.uncommitted.view(&self.progress.state.lock()) else { return Some(op) };
-        // An operation's own panic fails that operation (see `execute`); one
-        // in the batch's bookkeeping is a bug of the store, which must not
-        // unwind into the caller (a Node host aborts): the store then takes
-        // no more writes, and this one is answered as unavailable.
-        let handed = catch_unwind(AssertUnwindSafe(|| self.run_batch(&mut state, vec![op], view)));
-        let handed = handed.unwrap_or_else(|_| {
-            state.to_committer = None;
-            Handed { answers: Vec::new(), closed: true }
-        });
+        let handed = self.run_batch_caught(&mut state, vec![op], view);
         drop(state);
         deliver(handed.answers);
         None
+    }
+
+    /// [`Executor::run_batch`], which stops the store should it panic. An
+    /// operation's own panic fails that operation (see `execute`); one in the
+    /// batch's bookkeeping is a bug of the store, which must not unwind into
+    /// a caller running its write (a Node host aborts) nor end the executor's
+    /// thread with the store still taking writes it never answers: the store
+    /// then takes no more, says so in [`Store::failure`], and the batch's
+    /// operations, their answers dropped, settle as unavailable.
+    fn run_batch_caught(&self, state: &mut ExecutorState, ops: Vec<WriteOp>, view: View) -> Handed {
+        catch_unwind(AssertUnwindSafe(|| self.run_batch(state, ops, view))).unwrap_or_else(|_| {
+            state.to_committer = None;
+            Handed { answers: Vec::new(), closed: true }
+        })
+    }
+
+    /// Whether the executor stopped taking batches: the store is closing, or
+    /// it stopped by itself (see [`Executor::run_batch_caught`]).
+    pub(super) fn stopped(&self) -> bool {
+        self.state.lock().to_committer.is_none()
     }
 
     /// Runs `ops` as the next batch over `view` (see [`Uncommitted::view`]) and
@@ -129,6 +144,8 @@ impl Executor {
     /// relaxed durability all of them unless an operation is
     /// [`Durable::Always`], else those that wrote nothing and need no fsync.
     pub(super) fn run_batch(&self, state: &mut ExecutorState, ops: Vec<WriteOp>, view: View) -> Handed {
+        #[cfg(test)]
+        assert!(!self.faulty.load(Ordering::Relaxed), "a fault in the batch's bookkeeping (a test's)");
         let ExecutorState { uncommitted, number, to_committer } = state;
         let Some(to_committer) = to_committer.as_ref() else { return Handed::refused(ops) };
         *number += 1;
@@ -182,7 +199,7 @@ impl Executor {
         if let Err(mpsc::SendError(batch)) = to_committer.send(Batch { number, read_through, writes, sync, acks: late })
         {
             state.to_committer = None;
-            let refused = batch.acks.into_iter().chain(early).map(|(done, _)| (done, Err(StoreError::Closed.into())));
+            let refused = batch.acks.into_iter().chain(early).map(|(done, _)| (done, Err(StoreError::Stopped.into())));
             unchanged.extend(refused);
             return Handed { answers: unchanged, closed: true };
         }

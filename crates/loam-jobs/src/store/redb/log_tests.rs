@@ -309,6 +309,55 @@ fn a_store_whose_checkpoint_failed_sleeps() {
     assert_a_broken_store_sleeps(&store);
 }
 
+/// A fault in a batch's bookkeeping (a bug of the store) stops the store, not
+/// the thread that ran the batch: a caller running its own write (a Node
+/// host aborts on a panic), or the executor's, whose end left the writes
+/// sent to it unanswered. The store then says why where a host reports its
+/// health, refuses later writes as stopped (not as closed: nobody closed
+/// it), still reads, and closes cleanly with what it acknowledged.
+fn a_fault_in_the_bookkeeping(on_callers_thread: bool) {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("jobs.redb");
+    let caller_waits: CallerWaits = || true;
+    let options = RedbOptions { run_on_callers_thread: on_callers_thread.then_some(caller_waits), ..relaxed() };
+    let store = RedbStore::open(&path, options).unwrap();
+    put(&store, "before");
+    assert!(store.failure().is_none());
+    store.executor.faulty.store(true, Ordering::Relaxed);
+    let faulted = submit_put(&store, "faulted".into(), b"v".to_vec(), true).recv();
+    store.executor.faulty.store(false, Ordering::Relaxed);
+    assert_ne!(faulted, Ok(true), "the write whose batch faulted was acknowledged");
+    assert!(matches!(store.failure(), Some(StoreError::Stopped)), "failure: {:?}", store.failure());
+    let (sender, receiver) = mpsc::channel();
+    let body: super::super::OpBody = Box::new(|txn: &mut dyn KvTxn| {
+        txn.put(b"after", b"v".to_vec())?;
+        Ok(Box::new(()) as OpOutput)
+    });
+    let done: OpDone = Box::new(move |result| {
+        let _ = sender.send(result.err().map(|e| e.to_string()));
+    });
+    store.submit(WriteOp { body, durable: Durable::UnlessRelaxed, brief: true, done });
+    let refusal = receiver.recv().unwrap();
+    assert_eq!(refusal, Some(JobsError::from(StoreError::Stopped).to_string()), "a later write is refused as stopped");
+    assert!(store.snapshot().unwrap().get(b"before").unwrap().is_some());
+    drop(store);
+    let reopened = RedbStore::open(&path, relaxed()).unwrap();
+    let mut read = reopened.snapshot().unwrap();
+    assert!(read.get(b"before").unwrap().is_some(), "an acknowledged write was lost");
+    assert!(read.get(b"after").unwrap().is_none());
+}
+
+#[test]
+fn a_fault_in_a_batch_run_by_the_executor_stops_the_store() {
+    a_fault_in_the_bookkeeping(false);
+}
+
+#[test]
+fn a_fault_in_a_batch_run_on_its_callers_thread_stops_the_store() {
+    a_fault_in_the_bookkeeping(true);
+}
+
 /// A completion callback that panics (a bug in a host's callback, run on a
 /// store thread) is contained: later commits and reads go on.
 #[test]

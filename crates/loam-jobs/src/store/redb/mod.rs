@@ -244,6 +244,8 @@ impl RedbStore {
             durability,
             max_batch: options.max_batch.max(1),
             queued: AtomicUsize::new(0),
+            #[cfg(test)]
+            faulty: std::sync::atomic::AtomicBool::new(false),
             state: Mutex::new(ExecutorState {
                 uncommitted: Uncommitted::default(),
                 number: 0,
@@ -389,18 +391,20 @@ impl Store for RedbStore {
             }
             _ => op,
         };
+        // Refused once closed, or when the executor's thread is gone while
+        // the store is open (it stopped by itself).
         let rejected = match self.sender.lock().as_ref() {
             Some(sender) => {
                 self.executor.queued.fetch_add(1, Ordering::AcqRel);
                 sender.send(op).err().map(|e| {
                     self.executor.queued.fetch_sub(1, Ordering::AcqRel);
-                    e.0
+                    (e.0, StoreError::Stopped)
                 })
             }
-            None => Some(op),
+            None => Some((op, StoreError::Closed)),
         };
-        if let Some(op) = rejected {
-            (op.done)(Err(StoreError::Closed.into()));
+        if let Some((op, e)) = rejected {
+            (op.done)(Err(e.into()));
         }
     }
 
@@ -423,7 +427,14 @@ impl Store for RedbStore {
     }
 
     fn failure(&self) -> Option<StoreError> {
-        self.progress.state.lock().refusal()
+        if let Some(e) = self.progress.state.lock().refusal() {
+            return Some(e);
+        }
+        // Open (not closing), yet a thread of the store ended or the
+        // executor took no more batches: every write is refused.
+        let open = self.sender.lock().is_some();
+        let stopped = || self.executor.stopped() || self.threads.lock().iter().any(JoinHandle::is_finished);
+        (open && stopped()).then_some(StoreError::Stopped)
     }
 
     fn close(&self) {
