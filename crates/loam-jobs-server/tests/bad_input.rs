@@ -528,12 +528,15 @@ async fn sigterm_ends_long_polls_and_closes_the_store() {
     let mut server = Server::start_in(dir.path(), &[], &[]);
     let c = server.client();
     c.enqueue(enqueue_req("q", job("kept", b"{}"))).await.unwrap();
-    // A worker long-polls an empty queue.
+    // A worker long-polls an empty queue, over a connection it has made
+    // already, so that its call is with the server well before the SIGTERM
+    // (one still connecting then would be refused) on a loaded machine too.
     let poller = server.client();
+    poller.lease(lease_req("empty", 1, 0, 0)).await.unwrap();
     let poll = tokio::spawn(async move { poller.lease(lease_req("empty", 1, 30_000, 0)).await });
     // And a client watches a queue.
     let mut watch = c.watch(pb::WatchRequest { queue: "q".into(), ..Default::default() }).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let started = Instant::now();
     let status = server.terminate(Duration::from_secs(10)).expect("exits after SIGTERM");
     assert!(status.success(), "{status:?}");

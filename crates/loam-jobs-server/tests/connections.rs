@@ -47,8 +47,12 @@ fn a_connection_that_sends_nothing_or_half_a_request_is_closed() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start_in(dir.path(), &["--first-call-timeout-secs", "1"], &[]);
 
+    // Timed from before the connection, so that a pause of the test's
+    // thread cannot make the server's wait look shorter than it was.
+    let asked = Instant::now();
     let mut silent = connect(&server);
-    let took = closed_within(&mut silent, Duration::from_secs(5));
+    closed_within(&mut silent, Duration::from_secs(5));
+    let took = asked.elapsed();
     assert!(took >= Duration::from_millis(800), "closed before its time: {took:?}");
 
     let mut half_head = connect(&server);
@@ -195,10 +199,10 @@ fn a_request_whose_body_stops_half_way_fails() {
         message.len()
     );
 
+    let started = Instant::now(); // before the server's wait begins
     let mut half = connect(&server);
     half.write_all(head.as_bytes()).unwrap();
     half.write_all(&message[..message.len() / 2]).unwrap();
-    let started = Instant::now();
     half.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut answer = Vec::new();
     let _ = half.read_to_end(&mut answer);
@@ -207,11 +211,12 @@ fn a_request_whose_body_stops_half_way_fails() {
     let text = String::from_utf8_lossy(&answer);
     assert!(text.contains("--request-body-timeout-secs"), "{text}");
 
-    // One that keeps sending, each piece within the timeout, is not cut.
+    // One that keeps sending, each piece well within the timeout, is not
+    // cut, though the whole body takes longer than it.
     let mut slow = connect(&server);
     slow.write_all(head.as_bytes()).unwrap();
-    for piece in message.chunks(message.len().div_ceil(3)) {
-        std::thread::sleep(Duration::from_millis(600));
+    for piece in message.chunks(message.len().div_ceil(6)) {
+        std::thread::sleep(Duration::from_millis(300));
         slow.write_all(piece).unwrap();
     }
     slow.set_read_timeout(Some(Duration::from_secs(5))).unwrap();

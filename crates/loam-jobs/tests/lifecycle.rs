@@ -188,7 +188,10 @@ fn a_waiting_worker_is_woken_when_a_job_delayed_while_the_timers_were_busy_falls
             let id = jobs.enqueue("ns", &q, EnqueueRequest { delay_ms: 50, ..job("later") }).wait().unwrap().id;
             let (woken, after) = waiter.join().unwrap();
             assert_eq!(woken, Some(0), "round {round}");
-            assert!(after < Duration::from_millis(520), "round {round}: woken {after:?} after it began waiting");
+            // Missed, the wake-up comes once the timers' idle second is over,
+            // a second or more after the wait began; woken as it should, at
+            // the job's due time (70 ms in) plus what a loaded machine adds.
+            assert!(after < Duration::from_millis(900), "round {round}: woken {after:?} after it began waiting");
             assert_eq!(jobs.get_job("ns", &q, &id).unwrap().unwrap().state, JobState::Delayed);
             assert_eq!(take(&jobs, &q).into_iter().map(|l| l.job.id).collect::<Vec<_>>(), [id]);
         });

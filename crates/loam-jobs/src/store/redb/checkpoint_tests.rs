@@ -1,7 +1,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::log_tests::{copy_as_killed, submit_put, submit_put_durable};
-use super::tests::{GateSwitch, GatedDisk};
+use super::tests::{GateSwitch, GatedDisk, comes_true_within};
 use super::*;
 
 fn submit(store: &RedbStore, key: &str, value: Vec<u8>, sync: bool) -> mpsc::Receiver<bool> {
@@ -28,23 +28,6 @@ fn relaxed_on_a_gated_disk(
         ..Default::default()
     };
     (RedbStore::start(db, &options, Some(wal)).unwrap(), switch, failing, salt)
-}
-
-/// Whether `happened` comes true within `limit`, asked every 10 ms. The
-/// tests below bound what they wait for loosely, so that a loaded machine
-/// does not fail them: what they guard against waits for as long as the
-/// test holds redb's fsync.
-fn comes_true_within(limit: Duration, mut happened: impl FnMut() -> bool) -> bool {
-    let asked = Instant::now();
-    loop {
-        if happened() {
-            return true;
-        }
-        if asked.elapsed() >= limit {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// Relaxed durability loses at most the last flush interval (100 ms) of
@@ -211,6 +194,33 @@ fn batches_gathered_with_one_too_large_for_the_log_are_logged_before_its_checkpo
     // The file writer hears only that it is done with the group's batches.
     assert_eq!(failed.seen, ["group []"], "nothing of a group whose log fsync failed reaches the file");
     assert!(!failed.small_acknowledged);
+}
+
+/// Under relaxed durability a read right after an acknowledged write sees
+/// it without waiting for the committer (its linger, its log append): here
+/// the committer is held in a checkpoint for a group too large for the log,
+/// whose durable redb commit the test holds.
+#[test]
+fn a_read_after_a_relaxed_write_does_not_wait_for_the_committer() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, switch, _, _) = relaxed_on_a_gated_disk(&dir.path().join("log"), 100, Duration::from_secs(3600));
+    let store = Arc::new(store);
+    let gate = switch.hold();
+    let _big = submit(&store, "big", vec![7u8; (LOG_CAPACITY + 1024) as usize], true);
+    let (read, seen) = mpsc::channel();
+    let reader = Arc::clone(&store);
+    std::thread::spawn(move || {
+        let sees = |key: &str| reader.snapshot().unwrap().get(key.as_bytes()).unwrap().is_some();
+        for key in ["a", "b", "c"] {
+            assert!(submit(&reader, key, b"1".to_vec(), true).recv().unwrap());
+            let _ = read.send(sees(key));
+        }
+    });
+    for key in ["a", "b", "c"] {
+        let answer = seen.recv_timeout(Duration::from_secs(10));
+        assert_eq!(answer, Ok(true), "a read of {key}, acknowledged, with the committer held");
+    }
+    gate.release();
 }
 
 /// Under relaxed durability a write that waits for its fsync, followed by

