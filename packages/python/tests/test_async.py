@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,11 @@ from loam_jobs import (
 from .conftest import Server, free_port, start_server, stop_server
 
 pytestmark = pytest.mark.asyncio
+
+# How long a job given back may take to be waiting again: generous, for a
+# busy machine, and still well short of the 30 s lock that holds a job
+# nobody gave back.
+SETTLE_SECONDS = 10
 
 
 async def test_async_round_trip_and_errors(server: Server, queue: str) -> None:
@@ -137,7 +144,8 @@ async def test_a_cancelled_lease_gives_back_the_job_it_took(server: Server, queu
         with pytest.raises(asyncio.CancelledError):
             await task
         counts: dict[str, int] = {}
-        for _ in range(40):
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while time.monotonic() < deadline:
             counts = await client.counts(queue, "wait", "active")
             if counts["active"] == 0:
                 break
@@ -147,41 +155,80 @@ async def test_a_cancelled_lease_gives_back_the_job_it_took(server: Server, queu
         assert leased.job.attempts_made == 0, "giving back spends no attempt"
 
 
-async def test_a_cancelled_long_poll_that_caught_nothing_stops_waiting(server: Server, queue: str) -> None:
-    async with AsyncClient(server.url) as client:
-        for _ in range(3):
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(client.lease(queue, wait_ms=10_000), timeout=0.1)
-        await asyncio.sleep(0.5)  # past the grace a cancelled long-poll gets to answer
-        added = await client.enqueue(queue, "later")
-        await asyncio.sleep(0.3)
-        job = await client.get_job(queue, added.id)
-        assert job is not None
-        # Left to wait on, the polls took it and gave it back, a lease each.
-        assert (job.state, job.attempts_started) == (JobState.WAITING, 0)
+@contextlib.contextmanager
+def _server_with_room_for(places: int, tmp_path: Path) -> Iterator[Server]:
+    """A server of its own that lets a namespace have `places` long-polls
+    waiting at once, and refuses one more; stopped on leaving."""
+    server = start_server(tmp_path / "data", args=["--max-waiting-calls-per-namespace", str(places)])
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+async def _until_there_is_room_for(places: int, server: Server) -> None:
+    """Returns once `server` (`_server_with_room_for(places)`) lets
+    `places` long-polls wait at once: it holds none of those a test left
+    waiting there. Fails after 4 s, well before a poll of 10 s ends."""
+    deadline = time.monotonic() + 4
+    async with AsyncClient(server.url, retry_for_ms=0) as probe:
+        while True:
+            # Each waits 1 s on a queue nobody uses, so that they wait side by side.
+            polls = [probe.wait_for_job("room", wait_ms=1_000) for _ in range(places)]
+            outcomes = await asyncio.gather(*polls, return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, UnavailableError)]
+            if not refused:
+                for outcome in outcomes:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the server still holds the long-polls given up: {refused[0]}")
+            await asyncio.sleep(0.05)
+
+
+async def test_a_cancelled_long_poll_that_caught_nothing_stops_waiting(tmp_path: Path, queue: str) -> None:
+    with _server_with_room_for(3, tmp_path) as server:
+        async with AsyncClient(server.url) as client:
+            for _ in range(3):
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(client.lease(queue, wait_ms=10_000), timeout=0.1)
+            # Past the grace a cancelled long-poll gets to answer, the server
+            # lets the three polls go, long before their 10 s wait ends.
+            await _until_there_is_room_for(3, server)
+            added = await client.enqueue(queue, "later")
+            await asyncio.sleep(0.3)
+            job = await client.get_job(queue, added.id)
+            assert job is not None
+            # Left waiting, the polls would have taken it and given it back, a lease each.
+            assert (job.state, job.attempts_started) == (JobState.WAITING, 0)
 
 
 async def test_closing_an_async_client_ends_a_lease_waiting_in_another_task_and_takes_no_job(
-    server: Server, queue: str
+    tmp_path: Path, queue: str
 ) -> None:
     # The lease waited on after close(): the job that came next was handed to
     # a caller whose complete() raised ClientClosedError, and stayed active
     # until its lock expired.
-    async with AsyncClient(server.url) as other:
-        closing = AsyncClient(server.url)
-        waiting = asyncio.create_task(closing.lease(queue, wait_ms=10_000))
-        await asyncio.sleep(0.5)  # into the long-poll
-        closed = time.monotonic()
-        await asyncio.wait_for(closing.close(), 2)
-        with pytest.raises(ClientClosedError):
-            await asyncio.wait_for(waiting, 1)
-        assert time.monotonic() - closed < 1
-        added = await other.enqueue(queue, "after-close")
-        await asyncio.sleep(0.5)
-        job = await other.get_job(queue, added.id)
-        assert job is not None
-        assert (job.state, job.attempts_started) == (JobState.WAITING, 0)
-        assert await other.counts(queue, "wait", "active") == {"wait": 1, "active": 0}
+    with _server_with_room_for(1, tmp_path) as server:
+        async with AsyncClient(server.url) as other:
+            closing = AsyncClient(server.url)
+            waiting = asyncio.create_task(closing.lease(queue, wait_ms=10_000))
+            await asyncio.sleep(0.5)  # into the long-poll
+            closed = time.monotonic()
+            await asyncio.wait_for(closing.close(), 2)
+            with pytest.raises(ClientClosedError):
+                await asyncio.wait_for(waiting, 1)
+            assert time.monotonic() - closed < 1
+            # The server lets the lease go once the client has given it up; a
+            # job added before it has would still be taken.
+            await _until_there_is_room_for(1, server)
+            added = await other.enqueue(queue, "after-close")
+            await asyncio.sleep(0.5)
+            job = await other.get_job(queue, added.id)
+            assert job is not None
+            assert (job.state, job.attempts_started) == (JobState.WAITING, 0)
+            assert await other.counts(queue, "wait", "active") == {"wait": 1, "active": 0}
 
 
 async def test_closing_an_async_client_gives_back_what_a_waiting_lease_took_as_it_closed(
@@ -195,7 +242,15 @@ async def test_closing_an_async_client_gives_back_what_a_waiting_lease_took_as_i
         await asyncio.sleep(0.5)  # into the long-poll
         with Client(server.url) as producer:
             added = producer.enqueue(queue, "as-it-closes")
-        time.sleep(0.3)
+            # The lease has taken the job once it is active (how soon depends
+            # on how busy the machine is); its answer is then on its way.
+            deadline = time.monotonic() + 5
+            taken = producer.get_job(queue, added.id)
+            while taken is not None and taken.state != JobState.ACTIVE and time.monotonic() < deadline:
+                time.sleep(0.02)
+                taken = producer.get_job(queue, added.id)
+            assert taken is not None and taken.state == JobState.ACTIVE, "the waiting lease took no job"
+        time.sleep(0.3)  # for the answer to come in
         await asyncio.wait_for(closing.close(), 5)
         with pytest.raises(ClientClosedError):
             await asyncio.wait_for(waiting, 1)
@@ -337,8 +392,12 @@ async def test_an_async_watch_takes_a_silent_stream_for_dead(
         stop_server(server)
 
 
-async def test_an_async_watch_closed_between_reconnects_stops_at_once(tmp_path: Path) -> None:
-    # As `Watch`: the pause before a reconnect ran its course first.
+async def test_an_async_watch_closed_between_reconnects_stops_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As `Watch`: the pause before a reconnect ran its course first. Each
+    # pause is a minute here, so that waiting one out cannot pass for stopping.
+    monkeypatch.setattr("loam_jobs.client.retry_pause", lambda pause, err: 60.0)
     server = start_server(tmp_path / "data")
     async with AsyncClient(server.url) as client:
         watch = client.watch("gone", after=0, max_reconnects=None)
@@ -348,11 +407,14 @@ async def test_an_async_watch_closed_between_reconnects_stops_at_once(tmp_path: 
             return [e async for e in watch]
 
         reader = asyncio.create_task(read())
-        await asyncio.sleep(3)
+        deadline = time.monotonic() + 10
+        while not watch._reconnect.failures and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert watch._reconnect.failures == 1, "the watch is not in its pause before a reconnect"
         closed = time.monotonic()
         await watch.close()
-        assert await asyncio.wait_for(reader, 5) == []
-        assert time.monotonic() - closed < 0.3
+        assert await asyncio.wait_for(reader, 10) == []
+        assert time.monotonic() - closed < 5
 
 
 async def test_a_closed_async_client_refuses_every_later_call(server: Server, queue: str) -> None:
@@ -428,7 +490,8 @@ async def test_an_async_watch_pinning_its_cursor_on_a_server_that_is_down_stops_
         closed = time.monotonic()
         await watch.close()
         assert await asyncio.wait_for(reader, 10) == []
-        assert time.monotonic() - closed < 0.5
+        # Slack for a busy machine; a pin retried as a call held close() up to 20 s.
+        assert time.monotonic() - closed < 3
         assert watch.cursor is None
 
 
@@ -482,9 +545,10 @@ async def test_a_completion_cancelled_while_it_waits_to_resend_gives_back_what_i
 
 
 async def _counts_once_settled(client: AsyncClient, queue: str) -> dict[str, int]:
-    """The queue's counts once no job is active, or after 2 s."""
+    """The queue's counts once no job is active, or after `SETTLE_SECONDS`."""
     counts: dict[str, int] = {}
-    for _ in range(40):
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while time.monotonic() < deadline:
         counts = await client.counts(queue, "wait", "active", "completed")
         if counts["active"] == 0:
             break

@@ -430,7 +430,9 @@ def test_ctrl_c_in_the_pause_before_a_completions_retry_gives_back_what_it_fetch
     with pytest.raises(KeyboardInterrupt):
         client.complete(first, Success(), fetch_next=1, fetch_next_lock_duration_ms=60_000)
     counts: dict[str, int] = {}
-    for _ in range(40):
+    # Generous for a busy machine, and well short of the fetched job's 60 s lock.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
         counts = client.counts(queue, "wait", "active", "completed")
         if counts["active"] == 0:
             break
@@ -471,6 +473,17 @@ def test_an_operation_under_way_when_its_client_closes_ends_as_it_would_have(
     client.enqueue_bulk(queue, [loam_jobs.job("d", None, delay_ms=600_000) for _ in range(300)])
     closing = Client(client.url)
     failed: list[BaseException] = []
+    send = closing._call
+    # Whether the client was closed as each call went out.
+    closed_when_sent: list[bool] = []
+    under_way = threading.Event()
+
+    def sent(call: Any) -> Any:
+        closed_when_sent.append(closing._closed)
+        under_way.set()
+        return send(call)
+
+    closing._call = sent  # type: ignore[method-assign]
 
     def promote() -> None:
         try:
@@ -480,10 +493,13 @@ def test_an_operation_under_way_when_its_client_closes_ends_as_it_would_have(
 
     runner = threading.Thread(target=promote)
     runner.start()
-    time.sleep(0.05)
+    # Closed once its first call is out (a fixed head start could end before
+    # the operation began, which then raised ClientClosedError as it should).
+    assert under_way.wait(10), "the operation made no call"
     closing.close()
     runner.join(60)
     assert failed == []
+    assert any(closed_when_sent), "the operation ended before the client closed"
     assert client.counts(queue, "delayed", "wait") == {"delayed": 0, "wait": 300}
 
 

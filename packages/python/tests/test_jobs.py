@@ -557,19 +557,24 @@ def test_an_enqueue_given_up_on_is_sent_again_under_its_key_and_added_once(
     client: Client, queue: str
 ) -> None:
     # Its first try is applied and its answer lost; every later try is refused.
-    hasty = Client(client.url, retry_for_ms=300)
+    hasty = Client(client.url, retry_for_ms=1_000)
+    failed: list[float] = []
 
     def lost_then_refused(n: int, call: ops.Call, send: Send) -> Any:
         if n == 1:
             send(call)
+        failed.append(time.monotonic())
         raise UnavailableError("connection refused")
 
     tried = _each_try(hasty, lost_then_refused)
     with hasty, pytest.raises(UnavailableError) as given_up:
         hasty.enqueue(queue, "a", {"n": 1})
     assert given_up.value.tries == len(tried) > 1
-    # The last try at the end of the budget.
-    assert 0.25 <= tried[-1][0] - tried[0][0] < 0.5
+    # The last try at the end of the budget, counted from the first failure
+    # (the real send before it takes a while on a busy machine). The slack is
+    # for waking up; a last pause drawn in full, not cut to the budget's end,
+    # is 0.8 to 1.6 s, and ends 1.05 to 2.1 s after the first failure.
+    assert 0.95 <= tried[-1][0] - failed[0] < 1.5
     key = given_up.value.idempotency_key
     assert key
     # How long the key lets it be sent again: what is left of its TTL.
@@ -789,7 +794,9 @@ def test_a_lease_that_timed_out_is_not_sent_again() -> None:
 def test_a_retried_lease_waits_only_for_what_is_left_of_its_wait() -> None:
     op = ops.lease("q", ops.lease_options(1), 5_000)
     first = next(op)
-    assert isinstance(first, ops.Call) and 4_900 <= first.wait_ms <= 5_000
+    # All of it, less the moment since the operation began (a busy machine
+    # can stall a thread between two statements).
+    assert isinstance(first, ops.Call) and 4_000 <= first.wait_ms <= 5_000
     time.sleep(0.3)
     op.throw(UnavailableError("connection refused"))
     again = op.send(None)
