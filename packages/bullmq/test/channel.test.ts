@@ -254,7 +254,8 @@ describe('unary calls refused by HTTP/2 are sent again as never read; others tha
     );
     const channel = channelTo(server.url, { calls: 'unary' });
     const taken = removal(channel);
-    await vi.waitFor(() => expect(server.streams()).toBe(1));
+    // vitest's default of 1 s is short for a loaded machine; a call never taken still fails.
+    await vi.waitFor(() => expect(server.streams()).toBe(1), { timeout: 10_000, interval: 10 });
     const past = removal(channel);
     await expect(taken).rejects.toBeInstanceOf(ConnectionClosedError);
     await expect(past).rejects.toBeInstanceOf(ConnectionClosedError);
@@ -424,7 +425,8 @@ describe("a unary call's connect timeout", () => {
     channel.retain();
     onTestFinished(() => channel.release());
     const x = removal(channel);
-    await vi.waitFor(() => expect(applied).toBe(1));
+    // vitest's default of 1 s is short for a TLS handshake on a loaded machine.
+    await vi.waitFor(() => expect(applied).toBe(1), { timeout: 10_000, interval: 10 });
     await new Promise(resolve => setTimeout(resolve, 50));
     // New connections to the address are taken, and never answered.
     server.close();

@@ -299,6 +299,7 @@ describe('processes', () => {
   it('recovers the jobs of a worker process killed mid-job', async () => {
     const name = loam.queueName();
     const settings = JSON.stringify(loam.settings);
+    const held: string[] = [];
     const { signal } = await runNode(
       `
       const { withBackend } = await import('bullmq');
@@ -314,26 +315,33 @@ describe('processes', () => {
       }, { connection: {}, concurrency: 2, lockDuration: 800 });
       `,
       (line, kill) => {
-        if (line.startsWith('active')) kill();
+        if (!line.startsWith('active ')) return;
+        held.push(line.slice('active '.length));
+        kill();
       },
     );
     expect(signal).toBe('SIGKILL');
+    expect(held.length).toBeGreaterThan(0);
 
+    // Whether the lease of a job the process held has lapsed by the time
+    // this process opens the store (in-process) depends on how long the
+    // kill and the open take: if it has, the open's sweep reclaims the job,
+    // else this worker's stalled check does, later. Either way the job comes
+    // back once, as stalled (a lease lost with the process would have left
+    // it waiting, its stalledCounter 0), and completes.
     const queue = new Queue(name, { connection });
-    expect((await queue.getJobCounts('active')).active).toBeGreaterThan(0);
     const done: Job[] = [];
-    const stalled: string[] = [];
     const worker = new Worker(name, async (job: Job) => job.data.n, {
       connection,
       lockDuration: 800,
       stalledInterval: 300,
     });
     worker.on('completed', job => done.push(job));
-    worker.on('stalled', jobId => stalled.push(jobId));
     await until(() => done.length === 5, 15_000);
-    expect(stalled.length).toBeGreaterThan(0);
-    const recovered = done.find(j => j.id === stalled[0]);
-    expect(recovered?.stalledCounter).toBe(1);
+    const recovered = done.filter(j => held.includes(j.id!));
+    expect(Object.fromEntries(recovered.map(j => [j.id, j.stalledCounter]))).toEqual(
+      Object.fromEntries(held.map(id => [id, 1])),
+    );
     const values = done.map(j => j.returnvalue).sort();
     expect(values).toEqual([1, 2, 3, 4, 5]);
     expect(await queue.getJobCounts('completed', 'active', 'waiting', 'failed')).toEqual({

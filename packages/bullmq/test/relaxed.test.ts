@@ -108,14 +108,8 @@ describe('relaxed durability', () => {
         await queue.addBulk(Array.from({ length: 1000 }, (_, j) => ({ name: 'job', data: { i, j } })));
       }
     };
-    const writes: [string, () => Promise<unknown>][] = [
-      ['clean', () => queue.clean(0, 0, 'wait')],
-      ['drain', () => queue.drain()],
-      ['obliterate', () => queue.obliterate()],
-    ];
-    for (const [name, write] of writes) {
-      await fill();
-      // The longest the event loop went without running a 1 ms interval.
+    /** The longest the event loop went without running a 1 ms interval while `write` ran. */
+    const longestPause = async (write: () => Promise<unknown>) => {
       let last = performance.now();
       let longest = 0;
       const ticker = setInterval(() => {
@@ -127,10 +121,26 @@ describe('relaxed durability', () => {
       // The first tick after a block measures it.
       await new Promise(resolve => setTimeout(resolve, 5));
       clearInterval(ticker);
+      return longest;
+    };
+    const writes: [string, () => Promise<unknown>][] = [
+      ['clean', () => queue.clean(0, 0, 'wait')],
+      ['drain', () => queue.drain()],
+      ['obliterate', () => queue.obliterate()],
+    ];
+    for (const [name, write] of writes) {
       // Their cost grows with the jobs they touch, so they run on the store's
       // own thread, not on the caller's (here about 5 ms). Before, they ran on
-      // this thread: a drain of these 20,000 jobs blocked it for 131 ms.
-      expect([name, longest < 50]).toEqual([name, true]);
+      // this thread: a drain of these 20,000 jobs blocked it for 131 ms. That
+      // block comes every time; a pause the machine makes (a garbage
+      // collection, another process on the core) seldom does, so a write
+      // gets up to three tries, each over 20,000 jobs again.
+      let shortest = Infinity;
+      for (let attempt = 0; attempt < 3 && shortest >= 50; attempt++) {
+        await fill();
+        shortest = Math.min(shortest, await longestPause(write));
+      }
+      expect([name, shortest < 50]).toEqual([name, true]);
     }
     expect(await queue.count()).toBe(0);
     await queue.close();
@@ -150,7 +160,11 @@ describe('relaxed durability', () => {
     );
     await worker.waitUntilReady();
     for (let i = 0; i < 20; i++) {
-      // Long enough for the worker to be waiting for its next job.
+      // The worker is waiting for its next job once BullMQ's Worker has
+      // asked the addon; the wait then starts on napi's runtime, given a
+      // moment more. A worker still busy with the last job would find this
+      // one by its own fetch, a turn later (more likely on a loaded machine).
+      await until(() => worker['waiting'] !== null);
       await new Promise(resolve => setTimeout(resolve, 20));
       turn = loopTurn();
       await queue.add('job', { i });

@@ -141,6 +141,8 @@ describeRemote('remote backend', () => {
   });
 
   // On a session, 300 calls in flight on one stream; one stream per call, within the per-connection limit.
+  // Under 2 s on an idle machine. The wait for the 600 jobs is given 30 s, and the
+  // test more, so that a slow run fails with the wait's message, not the test's timeout.
   it.each(['session', 'unary'] as const)('a worker at concurrency 300 works (calls: %s)', async calls => {
     const url = inject('loamServerUrl');
     const { Queue: RemoteQueue, Worker: RemoteWorker } = withBackend(
@@ -162,5 +164,5 @@ describeRemote('remote backend', () => {
     expect(await queue.getJobCounts('completed')).toEqual({ completed: 600 });
     await worker.close();
     await queue.close();
-  });
+  }, 45_000);
 });
