@@ -187,6 +187,20 @@ async def _until_there_is_room_for(places: int, server: Server) -> None:
             await asyncio.sleep(0.05)
 
 
+async def _a_job_added_once_there_is_room_is_left_alone(
+    places: int, server: Server, client: AsyncClient, queue: str
+) -> None:
+    """Once `server` holds none of the long-polls a test gave up (see
+    `_until_there_is_room_for`), a job added to `queue` stays waiting, never
+    leased, for as long as a poll still held would take to take it."""
+    await _until_there_is_room_for(places, server)
+    added = await client.enqueue(queue, "after")
+    await asyncio.sleep(0.5)
+    job = await client.get_job(queue, added.id)
+    assert job is not None
+    assert (job.state, job.attempts_started) == (JobState.WAITING, 0)
+
+
 async def test_a_cancelled_long_poll_that_caught_nothing_stops_waiting(tmp_path: Path, queue: str) -> None:
     with _server_with_room_for(3, tmp_path) as server:
         async with AsyncClient(server.url) as client:
@@ -194,14 +208,9 @@ async def test_a_cancelled_long_poll_that_caught_nothing_stops_waiting(tmp_path:
                 with pytest.raises(TimeoutError):
                     await asyncio.wait_for(client.lease(queue, wait_ms=10_000), timeout=0.1)
             # Past the grace a cancelled long-poll gets to answer, the server
-            # lets the three polls go, long before their 10 s wait ends.
-            await _until_there_is_room_for(3, server)
-            added = await client.enqueue(queue, "later")
-            await asyncio.sleep(0.3)
-            job = await client.get_job(queue, added.id)
-            assert job is not None
-            # Left waiting, the polls would have taken it and given it back, a lease each.
-            assert (job.state, job.attempts_started) == (JobState.WAITING, 0)
+            # lets the three polls go, long before their 10 s wait ends; left
+            # waiting, they would take the next job and give it back, a lease each.
+            await _a_job_added_once_there_is_room_is_left_alone(3, server, client, queue)
 
 
 async def test_closing_an_async_client_ends_a_lease_waiting_in_another_task_and_takes_no_job(
@@ -222,12 +231,7 @@ async def test_closing_an_async_client_ends_a_lease_waiting_in_another_task_and_
             assert time.monotonic() - closed < 1
             # The server lets the lease go once the client has given it up; a
             # job added before it has would still be taken.
-            await _until_there_is_room_for(1, server)
-            added = await other.enqueue(queue, "after-close")
-            await asyncio.sleep(0.5)
-            job = await other.get_job(queue, added.id)
-            assert job is not None
-            assert (job.state, job.attempts_started) == (JobState.WAITING, 0)
+            await _a_job_added_once_there_is_room_is_left_alone(1, server, other, queue)
             assert await other.counts(queue, "wait", "active") == {"wait": 1, "active": 0}
 
 
