@@ -25,6 +25,8 @@ pub(super) struct Committer {
     pub(super) unflushed_since: Option<Instant>,
     /// The last batch whose commit failed: a batch that read its writes fails too.
     pub(super) last_failed: u64,
+    /// The last batch the committer took.
+    pub(super) taken_through: u64,
     /// How commits are made durable and reach redb.
     pub(super) file: File,
     pub(super) checkpoint_interval: Duration,
@@ -217,7 +219,7 @@ impl Committer {
         self.unflushed_since = None;
         let (done, answer) = mpsc::sync_channel(1);
         if to_file.send(ToFile::Checkpoint { group: None, generation, done }).is_err() {
-            self.break_store(StoreError::Stopped);
+            self.file_writer_gone();
             return;
         }
         self.last_checkpoint = Instant::now();
@@ -229,18 +231,20 @@ impl Committer {
     /// commit says so.
     pub(super) fn checkpoint_done(&mut self, waiting: bool) {
         let Some(answer) = &self.checkpointing else { return };
-        let result = if waiting {
-            answer.recv().map_err(|_| StoreError::Stopped).and_then(|r| r)
+        let answered = if waiting {
+            answer.recv().ok()
         } else {
             match answer.try_recv() {
-                Ok(r) => r,
+                Ok(r) => Some(r),
                 Err(mpsc::TryRecvError::Empty) => return,
-                Err(mpsc::TryRecvError::Disconnected) => Err(StoreError::Stopped),
+                Err(mpsc::TryRecvError::Disconnected) => None,
             }
         };
         self.checkpointing = None;
-        if let Err(e) = result {
-            self.break_store(e);
+        match answered {
+            None => self.file_writer_gone(),
+            Some(Err(e)) => self.break_store(e),
+            Some(Ok(())) => {}
         }
     }
 
@@ -265,10 +269,12 @@ impl Committer {
         let File::Logged { wal, to_file } = &mut self.file else { return Ok(()) };
         let generation = wal.generation() + 1;
         let (done, answer) = mpsc::sync_channel(1);
-        let committed = to_file
-            .send(ToFile::Checkpoint { group, generation, done })
-            .map_err(|_| StoreError::Stopped)
-            .and_then(|()| answer.recv().map_err(|_| StoreError::Stopped)?);
+        let answered =
+            to_file.send(ToFile::Checkpoint { group, generation, done }).ok().and_then(|()| answer.recv().ok());
+        let Some(committed) = answered else {
+            self.file_writer_gone();
+            return Err(StoreError::Stopped);
+        };
         if let Err(e) = committed {
             self.break_store(e.clone());
             return Err(e);
@@ -311,11 +317,15 @@ impl Committer {
     /// batches' operations are acknowledged here, and the file writer commits
     /// them to redb without fsync on its own thread, behind the log: a crash
     /// in between is what the log's replay redoes, so redb's commit is off
-    /// the operations' latency and off the next group's. A group too large for
-    /// what is left of the log is committed durably to redb instead, as a
-    /// checkpoint, and acknowledged by the caller afterwards; the batches
-    /// before it that fit are logged first (see [`Committer::log_what_fits`]). Without a log, redb's commit (durable
-    /// when `sync`) is made here, before acknowledging.
+    /// the operations' latency and off the next group's. A group too large
+    /// for what is left of the log is committed durably to redb instead, as a
+    /// checkpoint, and acknowledged by the caller afterwards; the longest run
+    /// of its batches from the first that fits is logged first, fsynced.
+    /// Under relaxed durability those were answered already: committed with
+    /// the rest, they stayed unsynced for as long as redb's durable commit
+    /// took, past the flush interval, whenever they were gathered with a
+    /// large batch into one group. Without a log, redb's commit (durable when
+    /// `sync`) is made here, before acknowledging.
     pub(super) fn write(&mut self, batches: &mut [Batch], sync: bool, last: u64) -> Result<(), StoreError> {
         if let Some(e) = self.refusal() {
             return Err(self.fail(e, last));
@@ -324,47 +334,29 @@ impl Committer {
             File::Inline(file) => return file.write(&[group_of(batches, last)], sync, None),
             File::Logged { wal, .. } => wal,
         };
-        let Some(record) = Wal::encode_within(net_writes(batches.iter().map(|b| b.writes.as_ref())), wal.room()) else {
-            let rest = self.log_what_fits(batches, last)?;
+        let room = wal.room();
+        let Some(record) = Wal::encode_within(net_writes(batches.iter().map(|b| b.writes.as_ref())), room) else {
+            let Some((n, record)) = longest_run_that_fits(batches, room) else {
+                return self.checkpoint(Some(group_of(batches, last)));
+            };
+            if let Err(e) = append(wal, record, true) {
+                return Err(self.fail(e, last));
+            }
+            self.unflushed_since = None;
+            let (logged, rest) = batches.split_at_mut(n);
+            self.hand_on_logged(logged, logged[n - 1].number);
             return self.checkpoint(Some(group_of(rest, last)));
         };
         if let Err(e) = append(wal, record, sync) {
             return Err(self.fail(e, last));
         }
-        self.logged(batches, last);
+        self.hand_on_logged(batches, last);
         Ok(())
-    }
-
-    /// Logs the longest run of `batches` from the first whose record fits
-    /// in what is left of the log, fsynced, and returns the rest (all of
-    /// them, when not even the first fits). Under relaxed durability those
-    /// batches were answered already: committed with the rest, durably into
-    /// redb, they stayed unsynced for as long as redb's commit took, past the
-    /// flush interval, whenever they were gathered with a large batch into
-    /// one group. Found from the longest run down, each tried run's size
-    /// summed before anything is encoded: groups this large are rare, and a
-    /// run's net writes need not grow with its length. On failure the whole
-    /// group, up to batch `last`, fails.
-    fn log_what_fits<'b>(&mut self, batches: &'b mut [Batch], last: u64) -> Result<&'b mut [Batch], StoreError> {
-        let File::Logged { wal, .. } = &mut self.file else { return Ok(batches) };
-        let room = wal.room();
-        let fitting = (1..batches.len()).rev().find_map(|n| {
-            Wal::encode_within(net_writes(batches[..n].iter().map(|b| b.writes.as_ref())), room).map(|r| (n, r))
-        });
-        let Some((n, record)) = fitting else { return Ok(batches) };
-        if let Err(e) = append(wal, record, true) {
-            return Err(self.fail(e, last));
-        }
-        self.unflushed_since = None;
-        let (logged, rest) = batches.split_at_mut(n);
-        let logged_last = logged[n - 1].number;
-        self.logged(logged, logged_last);
-        Ok(rest)
     }
 
     /// Publishes `batches` (up to batch `last`), whose record the log took,
     /// hands them to the file writer and answers their operations.
-    fn logged(&mut self, batches: &mut [Batch], last: u64) {
+    fn hand_on_logged(&mut self, batches: &mut [Batch], last: u64) {
         // Acknowledged before the file writer has the group (it refuses
         // reads if it then fails to write what was acknowledged), and
         // readable from here on; answered after (an answer's callback may
@@ -414,18 +406,35 @@ impl Committer {
 
     pub(super) fn to_file(&self, message: ToFile) {
         // The file writer ends only after the committer does, unless a fault
-        // of its own ended it: the store then takes no more writes.
+        // of its own ended it.
         if let File::Logged { to_file, .. } = &self.file
             && to_file.send(message).is_err()
         {
-            self.break_store(StoreError::Stopped);
+            self.file_writer_gone();
         }
+    }
+
+    /// The file writer is gone (a fault of its own ended it): nothing will
+    /// write what was logged into the file, nor be done with any batch the
+    /// committer took, those sent to it before it ended included. The store
+    /// refuses commits and reads (the writes the file lacks are in the log,
+    /// which a reopen replays), and is done with those batches here: the
+    /// executor would otherwise wait for room for ever, and every write after
+    /// them with it.
+    fn file_writer_gone(&self) {
+        let mut state = self.progress.state.lock();
+        state.broken.get_or_insert(StoreError::Stopped);
+        state.unreadable.get_or_insert(StoreError::Stopped);
+        state.done_through(self.taken_through);
+        drop(state);
+        self.progress.changed.notify_all();
     }
 
     /// Commits `batches` (in order) as one group, except those that read a
     /// failed batch's writes, which fail with its error.
     pub(super) fn commit(&mut self, batches: Vec<Batch>) {
         let last = batches.last().map_or(0, |b| b.number);
+        self.taken_through = last;
         let mut doomed = Vec::new();
         let mut good = Vec::with_capacity(batches.len());
         for batch in batches {
@@ -471,6 +480,17 @@ impl Committer {
 /// The group `batches` make, up to batch `last`.
 fn group_of(batches: &[Batch], last: u64) -> Group {
     Group { batches: batches.iter().map(|b| (b.number, Arc::clone(&b.writes))).collect(), last }
+}
+
+/// The longest run of `batches` from the first, short of all of them, whose
+/// record fits in `room`, with that record; none when not even the first
+/// batch's does. Tried from the longest down, each run's size summed before
+/// anything is encoded (a run's net writes need not grow with its length);
+/// groups this large are rare.
+fn longest_run_that_fits(batches: &[Batch], room: u64) -> Option<(usize, Vec<u8>)> {
+    let record = |n: usize| Wal::encode_within(net_writes(batches[..n].iter().map(|b| b.writes.as_ref())), room);
+    record(1)?;
+    (1..batches.len()).rev().find_map(|n| record(n).map(|r| (n, r)))
 }
 
 /// Appends `record` to the log, fsynced when `sync`.

@@ -37,9 +37,13 @@ pub(super) struct Executor {
     /// Held while a batch runs and is handed over, by the executor's thread
     /// or by a caller running its operation itself.
     pub(super) state: Mutex<ExecutorState>,
+    /// Set once the store stopped taking batches while open (see
+    /// [`Executor::run_batch_caught`]): read without the state's lock, which
+    /// the executor holds while it waits for room for its next batch.
+    pub(super) stopped_by_itself: AtomicBool,
     /// Tests: batches panic in their bookkeeping while set.
     #[cfg(test)]
-    pub(super) faulty: std::sync::atomic::AtomicBool,
+    pub(super) faulty: AtomicBool,
 }
 
 pub(super) struct ExecutorState {
@@ -59,15 +63,12 @@ pub(super) type View = (Arc<RedbSnapshot>, u64, bool);
 /// answer's callback may submit again).
 pub(super) struct Handed {
     pub(super) answers: Vec<Ack>,
-    /// The committer is gone: the executor stops.
-    pub(super) closed: bool,
 }
 
 impl Handed {
     /// `ops` refused: the committer is gone, while the store was open.
     pub(super) fn refused(ops: Vec<WriteOp>) -> Self {
-        let answers = ops.into_iter().map(|op| (op.done, Err(StoreError::Stopped.into()))).collect();
-        Self { answers, closed: true }
+        Self { answers: ops.into_iter().map(|op| (op.done, Err(StoreError::Stopped.into()))).collect() }
     }
 }
 
@@ -90,10 +91,9 @@ impl Executor {
             };
             self.queued.fetch_sub(count, Ordering::Release);
             drop(state);
+            // Stopped by itself, the executor goes on refusing what is sent
+            // to it, as stopped, until the store is closed.
             deliver(handed.answers);
-            if handed.closed {
-                break;
-            }
         }
         // Every operation sent was run: without its sender, the committer
         // finishes once it has the batches before.
@@ -128,15 +128,16 @@ impl Executor {
     /// operations, their answers dropped, settle as unavailable.
     fn run_batch_caught(&self, state: &mut ExecutorState, ops: Vec<WriteOp>, view: View) -> Handed {
         catch_unwind(AssertUnwindSafe(|| self.run_batch(state, ops, view))).unwrap_or_else(|_| {
-            state.to_committer = None;
-            Handed { answers: Vec::new(), closed: true }
+            self.stop_by_itself(state);
+            Handed { answers: Vec::new() }
         })
     }
 
-    /// Whether the executor stopped taking batches: the store is closing, or
-    /// it stopped by itself (see [`Executor::run_batch_caught`]).
-    pub(super) fn stopped(&self) -> bool {
-        self.state.lock().to_committer.is_none()
+    /// The store takes no more batches, while open: a fault of its own, or
+    /// its committer gone.
+    fn stop_by_itself(&self, state: &mut ExecutorState) {
+        state.to_committer = None;
+        self.stopped_by_itself.store(true, Ordering::Release);
     }
 
     /// Runs `ops` as the next batch over `view` (see [`Uncommitted::view`]) and
@@ -198,10 +199,10 @@ impl Executor {
         // answered: an answer's callback may read the store.
         if let Err(mpsc::SendError(batch)) = to_committer.send(Batch { number, read_through, writes, sync, acks: late })
         {
-            state.to_committer = None;
+            self.stop_by_itself(state);
             let refused = batch.acks.into_iter().chain(early).map(|(done, _)| (done, Err(StoreError::Stopped.into())));
             unchanged.extend(refused);
-            return Handed { answers: unchanged, closed: true };
+            return Handed { answers: unchanged };
         }
         if let Some(writes) = published {
             self.progress.publish(&[(number, writes)], number);
@@ -212,7 +213,7 @@ impl Executor {
             committer.unpark();
         }
         unchanged.extend(early);
-        Handed { answers: unchanged, closed: false }
+        Handed { answers: unchanged }
     }
 
     /// The next operation. Under relaxed durability the executor first spins

@@ -30,6 +30,8 @@ impl FileWriter {
                     Err(_) => return,
                 },
             };
+            #[cfg(test)]
+            assert!(!self.progress.file_writer_faulty.load(std::sync::atomic::Ordering::Relaxed), "a fault (a test's)");
             match first {
                 ToFile::Checkpoint { group, generation, done } => {
                     let groups: Vec<Group> = group.into_iter().collect();
@@ -62,7 +64,13 @@ impl FileWriter {
         #[cfg(test)]
         let _gate = self.progress.file_gate.lock();
         let batches: Vec<&(u64, Arc<Writes>)> = groups.iter().flat_map(|g| &g.batches).collect();
-        let result = if batches.is_empty() && !durable && generation.is_none() {
+        // A checkpoint retires the log generation before it: not once this
+        // thread failed to write a group of it, whose record only the log
+        // then holds (the committer looked before that group's turn came).
+        let refused = generation.and_then(|_| self.progress.state.lock().refusal());
+        let result = if let Some(e) = refused {
+            Err(e)
+        } else if batches.is_empty() && !durable && generation.is_none() {
             Ok(None)
         } else {
             self.commit(&batches, durable, generation).and_then(|()| RedbSnapshot::new(&self.db)).map(Some)
@@ -70,10 +78,7 @@ impl FileWriter {
         let outcome = {
             let mut state = self.progress.state.lock();
             if let Some(last) = groups.iter().map(|g| g.last).max() {
-                state.batch = state.batch.max(last);
-                while state.unapplied.front().is_some_and(|(n, _)| *n <= last) {
-                    state.unapplied.pop_front();
-                }
+                state.done_through(last);
             }
             match result {
                 Ok(Some(snapshot)) => {

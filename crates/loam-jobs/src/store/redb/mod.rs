@@ -28,7 +28,7 @@ use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -227,6 +227,7 @@ impl RedbStore {
             durability,
             unflushed_since: None,
             last_failed: 0,
+            taken_through: 0,
             file,
             checkpoint_interval: options.checkpoint_interval,
             last_checkpoint: Instant::now(),
@@ -244,8 +245,9 @@ impl RedbStore {
             durability,
             max_batch: options.max_batch.max(1),
             queued: AtomicUsize::new(0),
+            stopped_by_itself: AtomicBool::new(false),
             #[cfg(test)]
-            faulty: std::sync::atomic::AtomicBool::new(false),
+            faulty: AtomicBool::new(false),
             state: Mutex::new(ExecutorState {
                 uncommitted: Uncommitted::default(),
                 number: 0,
@@ -427,14 +429,18 @@ impl Store for RedbStore {
     }
 
     fn failure(&self) -> Option<StoreError> {
+        // Held throughout: a close under way takes it first, and its threads
+        // then end as they should.
+        let sender = self.sender.lock();
+        sender.as_ref()?;
         if let Some(e) = self.progress.state.lock().refusal() {
             return Some(e);
         }
-        // Open (not closing), yet a thread of the store ended or the
-        // executor took no more batches: every write is refused.
-        let open = self.sender.lock().is_some();
-        let stopped = || self.executor.stopped() || self.threads.lock().iter().any(JoinHandle::is_finished);
-        (open && stopped()).then_some(StoreError::Stopped)
+        // Open, yet the executor took no more batches or a thread of the
+        // store ended: every write is refused.
+        let stopped = self.executor.stopped_by_itself.load(Ordering::Acquire)
+            || self.threads.lock().iter().any(JoinHandle::is_finished);
+        stopped.then_some(StoreError::Stopped)
     }
 
     fn close(&self) {

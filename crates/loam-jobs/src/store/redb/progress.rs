@@ -14,6 +14,9 @@ pub(super) struct Progress {
     /// Tests: held, it keeps the file writer from writing.
     #[cfg(test)]
     pub(super) file_gate: Mutex<()>,
+    /// Tests: set, the file writer panics at the next message it takes.
+    #[cfg(test)]
+    pub(super) file_writer_faulty: std::sync::atomic::AtomicBool,
 }
 
 impl Progress {
@@ -35,6 +38,8 @@ impl Progress {
             committer_turns: std::sync::atomic::AtomicU64::new(0),
             #[cfg(test)]
             file_gate: Mutex::new(()),
+            #[cfg(test)]
+            file_writer_faulty: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -96,5 +101,15 @@ impl Committed {
     /// to write a group that was acknowledged.
     pub(super) fn refusal(&self) -> Option<StoreError> {
         self.broken.clone().or_else(|| self.unreadable.clone())
+    }
+
+    /// The batches up to `last` are done with (written into the file, or
+    /// given up): the executor forgets them, and reads stop looking for them
+    /// over the snapshot.
+    pub(super) fn done_through(&mut self, last: u64) {
+        self.batch = self.batch.max(last);
+        while self.unapplied.front().is_some_and(|(n, _)| *n <= last) {
+            self.unapplied.pop_front();
+        }
     }
 }
