@@ -94,6 +94,7 @@ pub trait Store: Send + Sync + 'static {
     /// could not make durable, or could not carry from its log into its
     /// file, or a fault of its own (a bug) that stopped it. Only reopening
     /// it, once the cause is gone (a full disk), mends that: the open replays
-    /// the log. A host says so where it reports its health.
+    /// the log. A host says so where it reports its health. Nothing once the
+    /// store is closing.
     fn failure(&self) -> Option<StoreError>;
 }
