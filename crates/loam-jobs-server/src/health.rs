@@ -5,9 +5,9 @@
 //! under its file, a fault of its own that stopped it) refuses every write
 //! from then on, and only reopening it mends it: the open replays its log.
 //! The server goes on answering each call with the error, so a health check
-//! that looked only at shutdown said `ok` while nothing could be written. It says 503 instead, without the
-//! error itself (`/healthz` takes no token, and the error can name paths);
-//! the first check that finds the failure logs it.
+//! that looked only at shutdown said `ok` while nothing could be written. It
+//! says 503 instead, without the error itself (`/healthz` takes no token, and
+//! the error can name paths); the first check that finds the failure logs it.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

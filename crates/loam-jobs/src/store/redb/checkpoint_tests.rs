@@ -163,7 +163,7 @@ fn commit_split_group(durability: Durability, failing_fsync: bool) -> SplitGroup
         durability,
         unflushed_since: None,
         last_failed: 0,
-        taken_through: 0,
+        log_broken: false,
         file: File::Logged { wal, to_file },
         checkpoint_interval: Duration::from_secs(3600),
         last_checkpoint: Instant::now(),

@@ -25,8 +25,11 @@ pub(super) struct Committer {
     pub(super) unflushed_since: Option<Instant>,
     /// The last batch whose commit failed: a batch that read its writes fails too.
     pub(super) last_failed: u64,
-    /// The last batch the committer took.
-    pub(super) taken_through: u64,
+    /// The log failed (an append, an fsync, a restart): nothing more may be
+    /// made durable through it. The store may break for other reasons (redb
+    /// failed, the file writer ended) with its log sound, and then still
+    /// flushes what relaxed durability answered.
+    pub(super) log_broken: bool,
     /// How commits are made durable and reach redb.
     pub(super) file: File,
     pub(super) checkpoint_interval: Duration,
@@ -151,7 +154,7 @@ impl Committer {
         if self.unflushed_since.is_none() {
             return;
         }
-        if self.progress.state.lock().broken.is_some() {
+        if self.log_broken {
             // Nothing can be made durable any more: waking to try again
             // would only spin the committer.
             self.unflushed_since = None;
@@ -163,7 +166,10 @@ impl Committer {
         };
         match result {
             Ok(()) => self.unflushed_since = None,
-            Err(e) => self.break_store(e),
+            Err(e) => {
+                self.log_broken = true;
+                self.break_store(e);
+            }
         }
     }
 
@@ -213,6 +219,7 @@ impl Committer {
         let generation = wal.generation() + 1;
         // Before anything of the next generation is written (see `Wal::restart`).
         if let Err(e) = wal.restart(generation) {
+            self.log_broken = true;
             self.break_store(io(e));
             return;
         }
@@ -286,6 +293,7 @@ impl Committer {
         // makes is all but free. Should it fail, later commits are refused,
         // but the group is in, and succeeded.
         if let Err(e) = wal.restart(generation) {
+            self.log_broken = true;
             self.break_store(io(e));
         }
         Ok(())
@@ -340,6 +348,7 @@ impl Committer {
                 return self.checkpoint(Some(group_of(batches, last)));
             };
             if let Err(e) = append(wal, record, true) {
+                self.log_broken = true;
                 return Err(self.fail(e, last));
             }
             self.unflushed_since = None;
@@ -348,6 +357,7 @@ impl Committer {
             return self.checkpoint(Some(group_of(rest, last)));
         };
         if let Err(e) = append(wal, record, sync) {
+            self.log_broken = true;
             return Err(self.fail(e, last));
         }
         self.hand_on_logged(batches, last);
@@ -414,27 +424,16 @@ impl Committer {
         }
     }
 
-    /// The file writer is gone (a fault of its own ended it): nothing will
-    /// write what was logged into the file, nor be done with any batch the
-    /// committer took, those sent to it before it ended included. The store
-    /// refuses commits and reads (the writes the file lacks are in the log,
-    /// which a reopen replays), and is done with those batches here: the
-    /// executor would otherwise wait for room for ever, and every write after
-    /// them with it.
+    /// A send to the file writer failed: it ended by a fault of its own,
+    /// and told the store so as it did.
     fn file_writer_gone(&self) {
-        let mut state = self.progress.state.lock();
-        state.broken.get_or_insert(StoreError::Stopped);
-        state.unreadable.get_or_insert(StoreError::Stopped);
-        state.done_through(self.taken_through);
-        drop(state);
-        self.progress.changed.notify_all();
+        self.progress.file_writer_ended();
     }
 
     /// Commits `batches` (in order) as one group, except those that read a
     /// failed batch's writes, which fail with its error.
     pub(super) fn commit(&mut self, batches: Vec<Batch>) {
         let last = batches.last().map_or(0, |b| b.number);
-        self.taken_through = last;
         let mut doomed = Vec::new();
         let mut good = Vec::with_capacity(batches.len());
         for batch in batches {

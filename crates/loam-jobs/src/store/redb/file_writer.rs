@@ -21,6 +21,9 @@ impl FileWriter {
     /// Behind a log: takes every group waiting in one transaction; a
     /// checkpoint is made in its turn and answered.
     pub(super) fn run(self, receiver: Receiver<ToFile>) {
+        // Dropped before the receiver, so the store knows before any send to
+        // this thread fails, and messages already queued are done with too.
+        let _ending = Ending(&self.progress);
         let mut next = None;
         loop {
             let first = match next.take() {
@@ -64,9 +67,10 @@ impl FileWriter {
         #[cfg(test)]
         let _gate = self.progress.file_gate.lock();
         let batches: Vec<&(u64, Arc<Writes>)> = groups.iter().flat_map(|g| &g.batches).collect();
-        // A checkpoint retires the log generation before it: not once this
-        // thread failed to write a group of it, whose record only the log
-        // then holds (the committer looked before that group's turn came).
+        // A checkpoint retires the log generation before it: not once the
+        // store refuses commits, since this thread may have failed to write a
+        // group of it, whose record only the log then holds (the committer
+        // looked before that group's turn came).
         let refused = generation.and_then(|_| self.progress.state.lock().refusal());
         let result = if let Some(e) = refused {
             Err(e)
@@ -122,5 +126,17 @@ impl FileWriter {
             store_generation(&txn, generation)?;
         }
         txn.commit().map_err(io)
+    }
+}
+
+/// Held while the file writer runs: a panic's unwinding drops it, and the
+/// store learns that its file writer ended (see [`Progress::file_writer_ended`]).
+struct Ending<'a>(&'a Progress);
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.file_writer_ended();
+        }
     }
 }

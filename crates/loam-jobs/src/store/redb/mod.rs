@@ -227,7 +227,7 @@ impl RedbStore {
             durability,
             unflushed_since: None,
             last_failed: 0,
-            taken_through: 0,
+            log_broken: false,
             file,
             checkpoint_interval: options.checkpoint_interval,
             last_checkpoint: Instant::now(),

@@ -61,6 +61,23 @@ impl Progress {
     }
 }
 
+impl Progress {
+    /// The file writer ended by a fault of its own (it panicked): nothing
+    /// will write what was logged into the file, nor be done with any batch,
+    /// queued for it or to come. The store refuses commits and reads (the
+    /// writes the file lacks are in the log, which a reopen replays), and
+    /// every batch is done with from here: the executor would otherwise wait
+    /// for room for ever, and every write with it.
+    pub(super) fn file_writer_ended(&self) {
+        let mut state = self.state.lock();
+        state.broken.get_or_insert(StoreError::Stopped);
+        state.unreadable.get_or_insert(StoreError::Stopped);
+        state.done_through(u64::MAX);
+        drop(state);
+        self.changed.notify_all();
+    }
+}
+
 /// Hands each operation its result. A completion that panics (a bug in the
 /// caller's callback) is contained: the store's thread that ran it goes on,
 /// or every later commit and read would wait for it for ever.
