@@ -166,10 +166,7 @@ impl Committer {
         };
         match result {
             Ok(()) => self.unflushed_since = None,
-            Err(e) => {
-                self.log_broken = true;
-                self.break_store(e);
-            }
+            Err(e) => self.break_log(e),
         }
     }
 
@@ -219,8 +216,7 @@ impl Committer {
         let generation = wal.generation() + 1;
         // Before anything of the next generation is written (see `Wal::restart`).
         if let Err(e) = wal.restart(generation) {
-            self.log_broken = true;
-            self.break_store(io(e));
+            self.break_log(io(e));
             return;
         }
         self.unflushed_since = None;
@@ -293,8 +289,7 @@ impl Committer {
         // makes is all but free. Should it fail, later commits are refused,
         // but the group is in, and succeeded.
         if let Err(e) = wal.restart(generation) {
-            self.log_broken = true;
-            self.break_store(io(e));
+            self.break_log(io(e));
         }
         Ok(())
     }
@@ -386,6 +381,13 @@ impl Committer {
         self.break_store(e.clone());
         self.done_with(last);
         e
+    }
+
+    /// The log failed: [`Committer::break_store`], and nothing more is
+    /// flushed through it.
+    fn break_log(&mut self, e: StoreError) {
+        self.log_broken = true;
+        self.break_store(e);
     }
 
     /// A log append or fsync, or a checkpoint, failed: every later commit

@@ -331,17 +331,8 @@ fn a_fault_in_the_bookkeeping(on_callers_thread: bool) {
     // dropped) while the panic unwinds, before the store is marked stopped.
     let stopped = comes_true_within(Duration::from_secs(10), || matches!(store.failure(), Some(StoreError::Stopped)));
     assert!(stopped, "failure: {:?}", store.failure());
-    let (sender, receiver) = mpsc::channel();
-    let body: super::super::OpBody = Box::new(|txn: &mut dyn KvTxn| {
-        txn.put(b"after", b"v".to_vec())?;
-        Ok(Box::new(()) as OpOutput)
-    });
-    let done: OpDone = Box::new(move |result| {
-        let _ = sender.send(result.err().map(|e| e.to_string()));
-    });
-    store.submit(WriteOp { body, durable: Durable::UnlessRelaxed, brief: true, done });
-    let refusal = receiver.recv().unwrap();
-    assert_eq!(refusal, Some(JobsError::from(StoreError::Stopped).to_string()), "a later write is refused as stopped");
+    let refusal = put_answer(&store, "after");
+    assert_eq!(refusal, Err(JobsError::from(StoreError::Stopped).to_string()), "a later write is refused as stopped");
     assert!(store.snapshot().unwrap().get(b"before").unwrap().is_some());
     drop(store);
     let reopened = RedbStore::open(&path, relaxed()).unwrap();

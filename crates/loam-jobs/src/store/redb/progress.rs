@@ -59,9 +59,7 @@ impl Progress {
         }
         state.published = state.published.max(last);
     }
-}
 
-impl Progress {
     /// The file writer ended by a fault of its own (it panicked): nothing
     /// will write what was logged into the file, nor be done with any batch,
     /// queued for it or to come. The store refuses commits and reads (the
@@ -114,8 +112,8 @@ pub(super) struct Committed {
 }
 
 impl Committed {
-    /// Why no commit may be made: the log failed, or the file writer failed
-    /// to write a group that was acknowledged.
+    /// Why no commit may be made: the log or a checkpoint failed, the file
+    /// writer failed to write a group that was acknowledged, or it ended.
     pub(super) fn refusal(&self) -> Option<StoreError> {
         self.broken.clone().or_else(|| self.unreadable.clone())
     }
