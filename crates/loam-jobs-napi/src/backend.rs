@@ -404,6 +404,12 @@ impl LoamQueue {
         self.sibling(queue)
     }
 
+    /// Whether the store's open (on a thread of its own) is still under way.
+    #[napi(getter, catch_unwind)]
+    pub fn opening(&self) -> bool {
+        self.store.is_opening()
+    }
+
     /// The canonical data dir this backend's store lives in.
     #[napi(getter, catch_unwind)]
     pub fn data_dir(&self) -> String {
@@ -418,13 +424,22 @@ impl LoamQueue {
         self.jobs()?.read(&self.ns, |_| Ok(())).map_err(|e| Op::new("waitUntilReady").error(e))
     }
 
-    /// Ends blocking waits and gives back this backend's use of the store.
+    /// Resolves once the store's open (on a thread of its own) has ended;
+    /// rejects with what it found if it failed. The package makes no other
+    /// call before.
+    #[napi]
+    pub async fn opened(&self) -> Result<()> {
+        self.store.opened().await
+    }
+
+    /// Ends blocking waits and gives back this backend's use of the store,
+    /// once its open has ended.
     #[napi]
     pub async fn close(&self) -> Result<()> {
         self.blocking.fire();
         self.events.fire();
         if !self.closed.swap(true, Ordering::SeqCst) && self.owns_store {
-            store::release(&self.store);
+            store::release(&self.store).await;
         }
         Ok(())
     }
@@ -1576,5 +1591,12 @@ impl LoamQueue {
     #[napi(catch_unwind)]
     pub fn panic_in_call_for_test(&self, message: String) {
         std::panic::panic_any(message)
+    }
+
+    /// Makes every open from now on wait `ms` before it starts, as a long
+    /// log replay would.
+    #[napi(catch_unwind)]
+    pub fn set_open_delay_for_test(ms: u32) {
+        crate::store::test_hooks::OPEN_DELAY_MS.store(u64::from(ms), Ordering::Relaxed);
     }
 }

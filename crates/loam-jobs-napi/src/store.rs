@@ -5,12 +5,20 @@
 //! that names the same data dir shares that one open [`Jobs`]. The store is
 //! closed when the last backend using it closes, so a later open (in this
 //! process or another) finds it free.
+//!
+//! The open itself runs on a thread of its own: after a crash it replays the
+//! log and loads redb's allocator state (42-366 ms on a 6.4 GB file, a full
+//! repair of a file an older build left 37 s), and a reopen of a dir this
+//! process just closed waits for that close; none of it may hold up Node's
+//! event loop. A backend is made at once; its calls wait for the open
+//! ([`SharedStore::opened`]) and fail with its error if it failed.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use event_listener::Event;
 use parking_lot::Mutex;
 
 use loam_jobs::store::placement::CallerWaits;
@@ -22,8 +30,9 @@ use crate::error::store_error;
 /// The store file inside a data dir.
 pub const STORE_FILE: &str = "jobs.redb";
 
-/// How long an open waits for this process's own previous use of a data dir
-/// to let go of the file (operations still in flight when it was closed).
+/// How long an open waits, once this process's own close of the data dir
+/// has ended, for the operations still in flight on that core to let go of
+/// the file.
 const REOPEN_GRACE: Duration = Duration::from_secs(2);
 
 /// The executor's batch limit in a Node host, whose main thread processes
@@ -34,12 +43,25 @@ const REOPEN_GRACE: Duration = Duration::from_secs(2);
 /// threads lost 5-20% with 48).
 const IN_PROCESS_MAX_BATCH: usize = 48;
 
-/// One open store, shared by the backends that use its data dir.
+/// Where a shared store stands.
+enum Core {
+    /// Its open runs on a thread of its own.
+    Opening,
+    Open(Jobs),
+    /// The open failed: every call fails with this (tagged) message.
+    Failed(String),
+    /// The last backend closed it.
+    Closed,
+}
+
+/// One store, shared by the backends that use its data dir.
 pub struct SharedStore {
-    /// None once the last backend closed it. Callers take a clone per call,
-    /// so dropping this one (and the clones of calls in flight) drops the
-    /// core and with it the file lock.
-    jobs: Mutex<Option<Jobs>>,
+    /// Callers take a clone of an open core per call, so taking it out
+    /// (and the clones of calls in flight ending) drops the core and with
+    /// it the file lock.
+    core: Mutex<Core>,
+    /// Told once the open has ended, either way.
+    open_ended: Event,
     /// The core's time, which follows the host's `Date.now()` (BullMQ's Redis
     /// scripts take their time from the caller, and its tests fake it).
     clock: Arc<FollowingClock>,
@@ -55,6 +77,10 @@ thread_local! {
     static CALL_NOW_MS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
+fn closed_error() -> napi::Error {
+    napi::Error::from_reason("[loam:unavailable] the backend is closed")
+}
+
 impl SharedStore {
     /// JavaScript's `Date.now()` at the call; every call reports it.
     pub fn observe(&self, host_now_ms: f64) {
@@ -64,19 +90,47 @@ impl SharedStore {
         }
     }
 
-    /// The core, for one call; an error once the store was closed.
+    /// The core, for one call: an error while it opens (the package makes
+    /// no call before [`SharedStore::opened`]), if its open failed, or once
+    /// it was closed.
     pub fn jobs(&self) -> napi::Result<Jobs> {
-        let jobs = self
-            .jobs
-            .lock()
-            .clone()
-            .ok_or_else(|| napi::Error::from_reason("[loam:unavailable] the backend is closed"))?;
+        let jobs = match &*self.core.lock() {
+            Core::Open(jobs) => jobs.clone(),
+            Core::Opening => {
+                return Err(napi::Error::from_reason(format!(
+                    "[loam:unavailable] the store in {} is still opening: wait for the backend to be ready",
+                    self.dir.display()
+                )));
+            }
+            Core::Failed(message) => return Err(napi::Error::from_reason(message.clone())),
+            Core::Closed => return Err(closed_error()),
+        };
         // Every call reports its time before it asks for the core, on the
         // thread it asks on, with no await between: this is its time.
         Ok(match CALL_NOW_MS.get() {
             0 => jobs,
             now => jobs.at(now),
         })
+    }
+
+    /// Whether its open is still under way.
+    pub fn is_opening(&self) -> bool {
+        matches!(*self.core.lock(), Core::Opening)
+    }
+
+    /// Resolves once the open has ended: with its error if it failed.
+    pub async fn opened(&self) -> napi::Result<()> {
+        loop {
+            // Listening before looking: an end told in between is not missed.
+            let ended = self.open_ended.listen();
+            match &*self.core.lock() {
+                Core::Opening => {}
+                Core::Open(_) => return Ok(()),
+                Core::Failed(message) => return Err(napi::Error::from_reason(message.clone())),
+                Core::Closed => return Err(closed_error()),
+            }
+            ended.await;
+        }
     }
 }
 
@@ -92,18 +146,24 @@ fn registry() -> &'static Mutex<HashMap<PathBuf, Entry>> {
     REGISTRY.get_or_init(Default::default)
 }
 
-/// Data dirs this process opened and closed again.
-fn closed_here() -> &'static Mutex<HashSet<PathBuf>> {
-    static CLOSED: OnceLock<Mutex<HashSet<PathBuf>>> = OnceLock::new();
-    CLOSED.get_or_init(Default::default)
+/// Data dirs whose store this process closed: when the close ended, or none
+/// while it runs. An open that finds the file locked waits for these rather
+/// than reporting another process.
+fn closes() -> &'static Mutex<HashMap<PathBuf, Option<Instant>>> {
+    static CLOSES: OnceLock<Mutex<HashMap<PathBuf, Option<Instant>>>> = OnceLock::new();
+    CLOSES.get_or_init(Default::default)
 }
 
-/// Opens the redb file. When this process itself closed the store a moment
-/// ago, the file stays locked until that core's last in-flight call drops
-/// it; wait for that rather than reporting another process.
+/// Whether a lock on `dir`'s file may be this process's own, let go soon:
+/// a close of it under way, or one that ended within [`REOPEN_GRACE`]
+/// (its calls still in flight hold the core until they end).
+fn closing_here(dir: &Path) -> bool {
+    closes().lock().get(dir).is_some_and(|ended| ended.is_none_or(|at| at.elapsed() < REOPEN_GRACE))
+}
+
+/// Opens the redb file, waiting while the lock on it is this process's own.
 fn open_file(dir: &Path, shown: &str, durability: Durability) -> napi::Result<RedbStore> {
     let file = dir.join(STORE_FILE);
-    let retry_until = closed_here().lock().contains(dir).then(|| Instant::now() + REOPEN_GRACE);
     // Under relaxed durability a write is answered as soon as it has run, so
     // one that runs on the JavaScript thread is answered before the call
     // returns: no round trip to the store's threads and back, which bounded
@@ -120,14 +180,47 @@ fn open_file(dir: &Path, shown: &str, durability: Durability) -> napi::Result<Re
     loop {
         match RedbStore::open(&file, options()) {
             Ok(store) => return Ok(store),
-            Err(StoreError::Locked(_)) if retry_until.is_some_and(|t| Instant::now() < t) => {
-                std::thread::sleep(Duration::from_millis(5));
-            }
+            Err(StoreError::Locked(_)) if closing_here(dir) => std::thread::sleep(Duration::from_millis(5)),
             Err(e) => return Err(store_error(shown, e)),
         }
     }
 }
 
+/// Opens the core of `store` (on the thread [`acquire`] started for it).
+fn open_core(store: &SharedStore, shown: &str, durability: Durability) -> napi::Result<Jobs> {
+    #[cfg(feature = "test-hooks")]
+    std::thread::sleep(Duration::from_millis(test_hooks::OPEN_DELAY_MS.load(std::sync::atomic::Ordering::Relaxed)));
+    let redb = open_file(&store.dir, shown, durability)?;
+    let config = Config { durability, ..Config::default() };
+    // Job times follow the host (BullMQ passes its own); leases run in real
+    // time, as Redis lock TTLs do, so a host that fakes time keeps its locks.
+    Jobs::with_clocks(
+        Box::new(redb),
+        Arc::clone(&store.clock) as Arc<dyn loam_jobs::Clock>,
+        Arc::new(loam_jobs::SystemClock),
+        config,
+    )
+    .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot start the queue core in {shown}: {e}")))
+}
+
+/// Ends the open of `store`. A failed one leaves the registry, so the next
+/// backend of the dir tries afresh; the backends that joined it fail.
+fn finish_open(store: &Arc<SharedStore>, opened: napi::Result<Jobs>) {
+    {
+        let mut open = registry().lock();
+        let mut core = store.core.lock();
+        *core = match opened {
+            Ok(jobs) => Core::Open(jobs),
+            Err(e) => {
+                if open.get(&store.dir).is_some_and(|entry| Arc::ptr_eq(&entry.store, store)) {
+                    open.remove(&store.dir);
+                }
+                Core::Failed(e.reason.clone())
+            }
+        };
+    }
+    store.open_ended.notify(usize::MAX);
+}
 /// Settings used when a data dir is opened for the first time in the process.
 #[derive(Clone, Copy, Debug)]
 pub struct OpenOptions {
@@ -150,7 +243,10 @@ fn data_dir_error(shown: &str, e: &std::io::Error) -> napi::Error {
     napi::Error::from_reason(format!("[loam:{code}] cannot create data dir {shown}: {e}"))
 }
 
-/// Opens the store in `dir` (creating the dir), or joins the process's open one.
+/// Joins the process's store of `dir`, or starts opening it (creating the
+/// dir) on a thread of its own: returns at once either way. What the open
+/// finds (another process holding the file, a failing disk) is the error of
+/// [`SharedStore::opened`] and of every call.
 pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore>> {
     let shown = dir.display().to_string();
     std::fs::create_dir_all(dir).map_err(|e| data_dir_error(&shown, &e))?;
@@ -172,20 +268,19 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
         entry.users += 1;
         return Ok(Arc::clone(&entry.store));
     }
-    let redb = open_file(&canonical, &shown, options.durability)?;
-    let config = Config { durability: options.durability, ..Config::default() };
-    let clock = Arc::new(FollowingClock::new());
-    // Job times follow the host (BullMQ passes its own); leases run in real
-    // time, as Redis lock TTLs do, so a host that fakes time keeps its locks.
-    let jobs = Jobs::with_clocks(
-        Box::new(redb),
-        Arc::clone(&clock) as Arc<dyn loam_jobs::Clock>,
-        Arc::new(loam_jobs::SystemClock),
-        config,
-    )
-    .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot start the queue core in {shown}: {e}")))?;
-    let store = Arc::new(SharedStore { jobs: Mutex::new(Some(jobs)), clock, dir: canonical.clone() });
-    open.insert(canonical, Entry { store: Arc::clone(&store), users: 1, durability: options.durability });
+    let store = Arc::new(SharedStore {
+        core: Mutex::new(Core::Opening),
+        open_ended: Event::new(),
+        clock: Arc::new(FollowingClock::new()),
+        dir: canonical.clone(),
+    });
+    let opening = Arc::clone(&store);
+    let durability = options.durability;
+    std::thread::Builder::new()
+        .name("loam-jobs-open".into())
+        .spawn(move || finish_open(&opening, open_core(&opening, &shown, durability)))
+        .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot start opening the store: {e}")))?;
+    open.insert(canonical, Entry { store: Arc::clone(&store), users: 1, durability });
     Ok(store)
 }
 
@@ -198,20 +293,41 @@ fn describe(durability: Durability) -> String {
     }
 }
 
-/// Gives back one use of `store`; the last one closes it. Runs the close
-/// under the registry lock so a concurrent open waits for the file lock to
-/// be released instead of failing on it.
-pub fn release(store: &SharedStore) {
-    let mut open = registry().lock();
-    let Some(entry) = open.get_mut(&store.dir) else {
-        return;
+/// Gives back one use of `store` once its open has ended; the last one
+/// closes it. The close (pending writes committed, the log checkpointed)
+/// runs on the caller's thread, not under the registry's lock, which Node's
+/// thread takes to make a backend: an open of the dir meanwhile waits for it
+/// on its own thread (`closes`).
+pub async fn release(store: &Arc<SharedStore>) {
+    // Failed or not: a backend that joined a failed open still gives its
+    // use back (the registry let go of that store already).
+    let _ = store.opened().await;
+    let jobs = {
+        let mut open = registry().lock();
+        let Some(entry) = open.get_mut(&store.dir).filter(|entry| Arc::ptr_eq(&entry.store, store)) else {
+            return;
+        };
+        entry.users = entry.users.saturating_sub(1);
+        if entry.users > 0 {
+            return;
+        }
+        open.remove(&store.dir);
+        let Core::Open(jobs) = std::mem::replace(&mut *store.core.lock(), Core::Closed) else {
+            return;
+        };
+        closes().lock().insert(store.dir.clone(), None);
+        jobs
     };
-    entry.users = entry.users.saturating_sub(1);
-    if entry.users == 0
-        && let Some(entry) = open.remove(&store.dir)
-        && let Some(jobs) = entry.store.jobs.lock().take()
-    {
-        jobs.close();
-        closed_here().lock().insert(store.dir.clone());
-    }
+    jobs.close();
+    closes().lock().insert(store.dir.clone(), Some(Instant::now()));
+}
+
+/// Hooks for the package's own tests (see `backend::LoamQueue`'s).
+#[cfg(feature = "test-hooks")]
+pub mod test_hooks {
+    use std::sync::atomic::AtomicU64;
+
+    /// How long each open waits before it starts: a slow open (a long log
+    /// replay) on demand.
+    pub static OPEN_DELAY_MS: AtomicU64 = AtomicU64::new(0);
 }

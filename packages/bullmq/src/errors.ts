@@ -9,7 +9,7 @@
  * which the remote backend uses too), and -9 is an `UnrecoverableError`, as
  * `finishedErrors()` makes it.
  */
-import { isNotConnectionError, UnrecoverableError } from 'bullmq';
+import { ConnectionClosedError, isNotConnectionError, UnrecoverableError } from 'bullmq';
 
 const TAG = /^\[(bullmq|loam):([^\]]+)\] /;
 
@@ -93,9 +93,20 @@ export function bullmqError(code: number, message: string): Error {
   return error;
 }
 
+/**
+ * The kinds that say the store cannot be reached now (a failed or stopped
+ * store, one whose open failed, a server saying so): BullMQ's
+ * `ConnectionClosedError`, as a lost Redis connection is. Its Worker waits
+ * `runRetryDelay` before it asks again; any other error it reports and asks
+ * again at once, at a full core for as long as the store stays down (a
+ * failed open's refusals, thrown at once, ran microtasks only: no timer
+ * fired).
+ */
+const UNREACHABLE: ReadonlySet<string> = new Set(['unavailable', 'store_locked']);
+
 /** An error BullMQ has no code for: `kind` is the Connect code name (`invalid_argument`). */
 export function loamError(kind: string, message: string): Error {
-  const error = new Error(message);
+  const error = UNREACHABLE.has(kind) ? new ConnectionClosedError(message) : new Error(message);
   (error as Error & { code: LoamErrorCode }).code = `LOAM_${kind.toUpperCase()}`;
   return error;
 }

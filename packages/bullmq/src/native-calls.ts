@@ -28,6 +28,13 @@
  * before it are answered, as Redis answers the commands sent before a
  * `QUIT` (closed at once, it had a read called just before it refused), and
  * a call made after it is refused at once.
+ *
+ * Opening: the addon opens a store on a thread of its own (after a crash
+ * that replays its log), so a backend is made at once. Every call of a store
+ * made while it opens, by any of its backends, waits for the open and then
+ * starts, in the order the calls were made; if the open failed, each fails
+ * with its error (another process holding the store, say). `close` does not
+ * wait here: the addon's waits for the open itself, and resolves either way.
  */
 import type { Activity } from './common.js';
 import { callSync, fromNative, loamError } from './errors.js';
@@ -221,6 +228,22 @@ class WriteOrder {
 /** Each store's writes in flight (by data dir). */
 const orders = new Map<string, WriteOrder>();
 
+/** Stores whose open has not ended (by data dir): their calls wait for it. */
+const openings = new Map<string, Promise<void>>();
+
+/** Makes the calls of `store` wait for its open, if `native` says it is under way. */
+function awaitOpen(store: string, native: object, opened: Method): void {
+  if (openings.has(store) || !(native as { opening?: boolean }).opening) return;
+  const open = opened.call(native) as Promise<void>;
+  openings.set(store, open);
+  // Registered first, so it runs before the calls that waited: a call made
+  // after them no longer waits, and cannot start before them.
+  const forget = (): void => {
+    if (openings.get(store) === open) openings.delete(store);
+  };
+  open.then(forget, forget);
+}
+
 /** A call made once its backend's `close` was called. */
 const closed = (): Promise<never> => Promise.reject(loamError('unavailable', 'the backend is closed'));
 
@@ -249,9 +272,10 @@ export function nativeCalls<N extends object>(
 ): N {
   const methods = native as unknown as Record<string, Method>;
   const prototype = Object.getPrototypeOf(native) as object;
-  for (const name of WRITE_METHODS) {
-    if (typeof methods[name] !== 'function') throw new Error(`the native addon has no write method ${name}`);
+  for (const name of [...WRITE_METHODS, 'opened']) {
+    if (typeof methods[name] !== 'function') throw new Error(`the native addon has no method ${name}`);
   }
+  awaitOpen(store, native, methods.opened);
   for (const name of Object.getOwnPropertyNames(prototype)) {
     const method = Object.getOwnPropertyDescriptor(prototype, name)?.value as Method | undefined;
     if (name === 'constructor' || typeof method !== 'function') continue;
@@ -264,12 +288,16 @@ export function nativeCalls<N extends object>(
     }
     const write = WRITE_METHODS.has(name);
     const handsOutJob = HANDS_OUT_JOBS.has(name);
-    const call = (args: unknown[]): Promise<unknown> => {
+    const callNow = (args: unknown[]): Promise<unknown> => {
       try {
         return method.apply(native, args) as Promise<unknown>;
       } catch (err) {
         return Promise.reject(err);
       }
+    };
+    const call = (args: unknown[]): Promise<unknown> => {
+      const open = openings.get(store);
+      return open ? open.then(() => callNow(args)) : callNow(args);
     };
     if (write) {
       methods[name] = (...args) => {
@@ -285,7 +313,7 @@ export function nativeCalls<N extends object>(
         methods.interruptEvents();
         return reads
           .drained()
-          .then(() => call(args))
+          .then(() => callNow(args))
           .catch(inBullmqForm);
       };
     } else if (UNORDERED.has(name)) {

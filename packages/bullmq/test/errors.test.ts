@@ -3,27 +3,13 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
 import { ConnectionClosedError, UnrecoverableError, withBackend } from 'bullmq';
-import { backendKind, clientNameOf, freshLoam, itInProcess, until } from './helpers.js';
+import { backendKind, clientNameOf, freshLoam, itInProcess, testHooks, until } from './helpers.js';
 import { loamBackend, type LoamQueueBackend } from '../src/index.js';
 import { INTERRUPTED_WAIT } from '../src/common.js';
 
 const loam = freshLoam();
 const { Queue, Worker } = loam;
 const connection = {};
-
-/**
- * The addon's methods that panic on purpose. They exist only in a build with
- * the napi crate's `test-hooks` feature (`pnpm run build:native`); after a
- * release build (`pnpm run build`, `pnpm bench`) this says so, where calling
- * the missing method would fail with a bare TypeError.
- */
-function testHooks<Hooks extends object>(queue: { getBackend(): unknown }): Hooks {
-  const native = (queue.getBackend() as { native: Hooks & { panicForTest?: unknown } }).native;
-  if (typeof native.panicForTest !== 'function') {
-    throw new Error('the addon was built without its test hooks: run `pnpm run build:native` (the debug build)');
-  }
-  return native;
-}
 
 afterAll(() => loam.cleanup());
 

@@ -66,3 +66,18 @@ declare module 'vitest' {
     loamServerUrl: string;
   }
 }
+
+/**
+ * The addon's methods for the tests (panics on purpose, a slow open) of
+ * `queue`'s backend. They exist only in a build with the napi crate's
+ * `test-hooks` feature (`pnpm run build:native`); after a release build
+ * (`pnpm run build`, `pnpm bench`) this says so, where calling a missing
+ * method would fail with a bare TypeError.
+ */
+export function testHooks<Hooks extends object>(queue: { getBackend(): unknown }): Hooks {
+  const native = (queue.getBackend() as { native: Hooks & { panicForTest?: unknown } }).native;
+  if (typeof native.panicForTest !== 'function') {
+    throw new Error('the addon was built without its test hooks: run `pnpm run build:native` (the debug build)');
+  }
+  return native;
+}

@@ -1,5 +1,6 @@
 import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
+import { ConnectionClosedError } from 'bullmq';
 import { nativeCalls, ReadsAfterWrites, WRITE_METHODS } from '../src/native-calls.js';
 
 /** A write's promise and the hands that settle it. */
@@ -25,16 +26,32 @@ function settleable(): Settleable {
  * `waitForJob` a blocking wait and `close` a lifecycle call; the
  * interrupts of the waits are counted in `interrupts`; a write called with
  * `'refuse'` throws at once, as the addon does with arguments it cannot read.
+ * Made with `open`, its store is still opening until the test settles it.
  */
-function fakeNative(): {
+function fakeNative(open?: Settleable): {
   native: Record<string, (...args: unknown[]) => Promise<unknown>>;
   calls: Settleable[];
   interrupts: string[];
 } {
   const calls: Settleable[] = [];
   const interrupts: string[] = [];
-  class FakeQueue {}
-  const prototype = FakeQueue.prototype as Record<string, unknown>;
+  let opening = open !== undefined;
+  // As the addon's: once the open failed, every call fails with its error.
+  let failed: Error | undefined;
+  void open?.promise.then(
+    () => (opening = false),
+    (err: Error) => {
+      opening = false;
+      failed = err;
+    },
+  );
+  class FakeQueue {
+    get opening(): boolean {
+      return opening;
+    }
+  }
+  const prototype = FakeQueue.prototype as unknown as Record<string, unknown>;
+  prototype.opened = () => open?.promise ?? Promise.resolve();
   for (const name of ['interruptBlocking', 'interruptEvents']) {
     prototype[name] = () => {
       interrupts.push(name);
@@ -43,6 +60,7 @@ function fakeNative(): {
   for (const name of [...WRITE_METHODS, 'getState', 'waitForJob', 'close']) {
     prototype[name] = (...args: unknown[]) => {
       if (args[0] === 'refuse') throw new Error('[bullmq:-1] {"command":"addJob","jobId":"1"}');
+      if (failed && name !== 'close') throw failed;
       const call = settleable();
       calls.push(call);
       return call.promise;
@@ -234,6 +252,57 @@ describe("native calls' writes", () => {
     const b = queue.addJob();
     calls[1].resolve(2);
     expect(await b).toBe(2);
+  });
+});
+
+describe("native calls of a store that is opening", () => {
+  it('wait for the open, then start in the order they were made, whichever backend made them', async () => {
+    const open = settleable();
+    const owner = fakeNative(open);
+    const queue = nativeCalls(owner.native, 'store-o');
+    // Another backend of the same store, made while it opens.
+    const other = fakeNative(open);
+    const second = nativeCalls(other.native, 'store-o');
+    const order: string[] = [];
+    const write = queue.addJob().then(value => order.push(`write ${String(value)}`));
+    const wait = queue.waitForJob().then(value => order.push(`wait ${String(value)}`));
+    const otherWrite = second.addJob().then(value => order.push(`other write ${String(value)}`));
+    await drain();
+    expect([owner.calls.length, other.calls.length]).toEqual([0, 0]);
+    open.resolve(undefined);
+    await drain();
+    // Started in call order: the write, the wait, then the other backend's write.
+    expect([owner.calls.length, other.calls.length]).toEqual([2, 1]);
+    other.calls[0].resolve('b');
+    owner.calls[1].resolve('w');
+    owner.calls[0].resolve('a');
+    await Promise.all([write, wait, otherWrite]);
+    expect(order).toEqual(['wait w', 'write a', 'other write b']);
+    // Once open, a call starts at once.
+    void queue.addJob();
+    expect(owner.calls).toHaveLength(3);
+  });
+
+  it("fail with the open's error if it failed, in BullMQ's form; close does not wait for it", async () => {
+    const open = settleable();
+    const { native, calls } = fakeNative(open);
+    const queue = nativeCalls(native, 'store-f');
+    const write = queue.addJob().catch((err: Error & { code?: string }) => err);
+    const read = queue.getState().catch((err: Error & { code?: string }) => err);
+    open.reject(new Error('[loam:store_locked] the store in /d is already open in another process'));
+    for (const err of [await write, await read]) {
+      expect(err).toBeInstanceOf(ConnectionClosedError);
+      expect(err).toMatchObject({ code: 'LOAM_STORE_LOCKED', message: expect.stringContaining('another process') });
+    }
+    // The read started once the write had failed, when the open had ended.
+    expect(calls).toHaveLength(0);
+    await expect(queue.addJob()).rejects.toMatchObject({ code: 'LOAM_STORE_LOCKED' });
+    // The addon's close waits for the open itself, and resolves whatever it found.
+    const closed = queue.close();
+    await drain();
+    expect(calls).toHaveLength(1);
+    calls[0].resolve(undefined);
+    await closed;
   });
 });
 

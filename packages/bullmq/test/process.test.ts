@@ -4,10 +4,10 @@ import { fileURLToPath } from 'node:url';
 import * as path from 'node:path';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { withBackend, type Job } from 'bullmq';
+import { ConnectionClosedError, withBackend, type Job } from 'bullmq';
 import { loamBackend } from '../src/index.js';
 import { INTERRUPTED_WAIT } from '../src/common.js';
-import { freshLoam, itInProcess, until } from './helpers.js';
+import { freshLoam, itInProcess, testHooks, until } from './helpers.js';
 
 const loam = freshLoam();
 const { Queue, Worker } = loam;
@@ -54,22 +54,35 @@ function runNode(code: string, onLine?: (line: string, kill: () => void) => void
 }
 
 describe('processes', () => {
+  // The store opens on a thread of its own, so the backend is made at once;
+  // what the open finds fails its readiness and every call.
   itInProcess('a second process fails at once, pointing to loam-jobs serve', async () => {
     const queue = new Queue(loam.queueName(), { connection });
-    await queue.add('held', {});
-    const started = Date.now();
-    const { out } = await runNode(`
-      const { loamBackend } = await import(${JSON.stringify(entry)});
-      try { loamBackend(${JSON.stringify(loam.settings)})('other', {}, {}); console.log('opened'); }
-      catch (e) { console.log(JSON.stringify({ code: e.code, message: e.message })); }
-    `);
-    const result = JSON.parse(out.trim());
-    expect(result.code).toBe('LOAM_STORE_LOCKED');
-    expect(result.message).toContain('already open in another process');
-    expect(result.message).toContain('loam-jobs serve');
-    expect(result.message).toContain('loamBackend({ url })');
-    expect(Date.now() - started).toBeLessThan(5_000);
-    await queue.close();
+    try {
+      await queue.add('held', {});
+      const started = Date.now();
+      const { out } = await runNode(`
+        const { loamBackend } = await import(${JSON.stringify(entry)});
+        const backend = loamBackend(${JSON.stringify(loam.settings)})('other', {}, {});
+        const outcome = p => p.then(() => ({ opened: true }), e => ({ code: e.code, message: e.message }));
+        const [ready, add] = await Promise.all([
+          outcome(backend.waitUntilReady()),
+          outcome(backend.addJob({ name: 'job', data: '{}', opts: {}, timestamp: Date.now() }, 'a')),
+        ]);
+        await backend.close();
+        console.log(JSON.stringify({ ready, add }));
+      `);
+      const { ready, add } = JSON.parse(out.trim());
+      expect(ready.code).toBe('LOAM_STORE_LOCKED');
+      expect(ready.message).toContain('already open in another process');
+      expect(ready.message).toContain('loam-jobs serve');
+      expect(ready.message).toContain('loamBackend({ url })');
+      expect(add).toEqual(ready);
+      expect(Date.now() - started).toBeLessThan(5_000);
+      expect(await queue.count()).toBe(1);
+    } finally {
+      await queue.close();
+    }
   });
 
   // BullMQ's Worker makes its backend before it checks its options: one whose
@@ -382,4 +395,124 @@ describe('processes', () => {
     }
     await queue.close();
   });
+});
+
+/**
+ * Makes every open of a store wait `ms` before it starts, as a long log
+ * replay would (the addon's test hook), until `slowOpens(0)`.
+ */
+function slowOpens(ms: number): void {
+  const probe = new Queue(loam.queueName(), { connection });
+  const native = testHooks<{ constructor: { setOpenDelayForTest(ms: number): void } }>(probe);
+  native.constructor.setOpenDelayForTest(ms);
+  void probe.close();
+}
+
+describe('opening a store', () => {
+  itInProcess(
+    'runs off the event loop: the Queue is made at once, and its calls made meanwhile run after the open, in order',
+    async () => {
+      const dir = mkdtempSync(path.join(tmpdir(), 'loam-slow-open-'));
+      slowOpens(400);
+      try {
+        const { Queue: SlowQueue } = withBackend(loamBackend({ dataDir: dir }));
+        let turns = 0;
+        const timer = setInterval(() => turns++, 10);
+        const started = performance.now();
+        const queue = new SlowQueue('q', { connection });
+        const made = performance.now() - started;
+        const adds = Promise.all([queue.add('a', {}), queue.add('b', {}), queue.addBulk([{ name: 'c', data: {} }])]);
+        const counted = queue.count();
+        await queue.waitUntilReady();
+        const opened = performance.now() - started;
+        clearInterval(timer);
+        expect(made).toBeLessThan(200);
+        expect(opened).toBeGreaterThanOrEqual(350);
+        // Blocked for the open, the loop would have run the timer once.
+        expect(turns).toBeGreaterThanOrEqual(10);
+        const [a, b, [c]] = await adds;
+        expect([a.id, b.id, c.id]).toEqual(['1', '2', '3']);
+        expect(await counted).toBe(3);
+        await queue.close();
+      } finally {
+        slowOpens(0);
+        rmSync(dir, { recursive: true, force: true });
+      }
+    },
+  );
+
+  itInProcess('closed while it opens, a store closes once the open has ended, its writes kept, and is free again', async () => {
+    const dir = mkdtempSync(path.join(tmpdir(), 'loam-slow-open-'));
+    slowOpens(300);
+    try {
+      const { Queue: SlowQueue } = withBackend(loamBackend({ dataDir: dir }));
+      // Closed with nothing asked of it, then with a write in flight.
+      await new SlowQueue('q', { connection }).close();
+      const queue = new SlowQueue('q', { connection });
+      const added = queue.add('a', {});
+      await queue.close();
+      expect((await added).id).toBe('1');
+      slowOpens(0);
+      const { out } = await runNode(`
+        const { withBackend } = await import('bullmq');
+        const { loamBackend } = await import(${JSON.stringify(entry)});
+        const { Queue } = withBackend(loamBackend({ dataDir: ${JSON.stringify(dir)} }));
+        const queue = new Queue('q', { connection: {} });
+        console.log(await queue.count());
+        await queue.close();
+      `);
+      expect(out.trim()).toBe('1');
+    } finally {
+      slowOpens(0);
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  // BullMQ's Worker asks again at once after an error it does not take for
+  // a lost connection: in-process, a store that could not be reached had it
+  // run microtasks only, at a full core, and no timer ever fired.
+  itInProcess(
+    'that failed fails every call as a lost connection would, a Worker waits before it asks again, and a later open tries afresh',
+    async () => {
+      const dir = mkdtempSync(path.join(tmpdir(), 'loam-bad-open-'));
+      const file = path.join(dir, 'jobs.redb');
+      writeFileSync(file, 'not a store '.repeat(1_000));
+      try {
+        const { Queue: BadQueue, Worker: BadWorker } = withBackend(loamBackend({ dataDir: dir }));
+        const queue = new BadQueue('q', { connection });
+        const queueErrors: Error[] = [];
+        queue.on('error', e => queueErrors.push(e));
+        const err = await queue.add('a', {}).catch((e: unknown) => e as Error & { code?: string });
+        expect(err).toBeInstanceOf(ConnectionClosedError);
+        expect(err).toMatchObject({ code: 'LOAM_UNAVAILABLE', message: expect.stringContaining('cannot open') });
+        await expect(queue.waitUntilReady()).rejects.toMatchObject({ code: 'LOAM_UNAVAILABLE' });
+
+        const errors: Error[] = [];
+        // BullMQ's close waits out the retry's delay (a down Redis's as well).
+        const worker = new BadWorker('q', async () => 'done', { connection, runRetryDelay: 200 });
+        worker.on('error', e => errors.push(e));
+        let turns = 0;
+        const timer = setInterval(() => turns++, 10);
+        const cpu = process.cpuUsage();
+        await new Promise(resolve => setTimeout(resolve, 500));
+        clearInterval(timer);
+        const { user, system } = process.cpuUsage(cpu);
+        expect(turns).toBeGreaterThanOrEqual(20);
+        expect(errors.length).toBeGreaterThanOrEqual(1);
+        expect(errors.length).toBeLessThanOrEqual(5);
+        expect(queueErrors.map(e => (e as Error & { code?: string }).code)).toEqual(['LOAM_UNAVAILABLE']);
+        expect((user + system) / 1000).toBeLessThan(250);
+        await worker.close();
+        await queue.close();
+
+        rmSync(file);
+        const fresh = new BadQueue('q', { connection });
+        await fresh.add('a', {});
+        expect(await fresh.count()).toBe(1);
+        await fresh.close();
+      } finally {
+        rmSync(dir, { recursive: true, force: true });
+      }
+    },
+  );
 });
