@@ -358,8 +358,10 @@ impl LoamQueue {
 
 #[napi]
 impl LoamQueue {
-    /// Opens (or joins) the store of `options.dataDir` and binds `options.queue`.
-    /// Fails at once when another process holds the store.
+    /// Joins the store of `options.dataDir`, or starts opening it on a thread
+    /// of its own, and binds `options.queue`; returns at once. Fails here for
+    /// options it refuses; what the open finds (another process holding the
+    /// store, say) fails [`LoamQueue::opened`] and every call.
     #[napi(factory, catch_unwind)]
     pub fn open(options: String) -> Result<LoamQueue> {
         let o: BackendOptions = parse("backend options", &options)?;
@@ -408,6 +410,12 @@ impl LoamQueue {
     #[napi(getter, catch_unwind)]
     pub fn opening(&self) -> bool {
         self.store.is_opening()
+    }
+
+    /// Which open store of its data dir, in this process, this backend uses.
+    #[napi(getter, catch_unwind)]
+    pub fn store_id(&self) -> u32 {
+        self.store.serial
     }
 
     /// The canonical data dir this backend's store lives in.
@@ -1598,5 +1606,11 @@ impl LoamQueue {
     #[napi(catch_unwind)]
     pub fn set_open_delay_for_test(ms: u32) {
         crate::store::test_hooks::OPEN_DELAY_MS.store(u64::from(ms), Ordering::Relaxed);
+    }
+
+    /// Makes every open from now on panic (or, with `false`, no longer).
+    #[napi(catch_unwind)]
+    pub fn set_open_panics_for_test(panics: bool) {
+        crate::store::test_hooks::OPEN_PANICS.store(panics, Ordering::Relaxed);
     }
 }

@@ -15,6 +15,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -66,6 +67,9 @@ pub struct SharedStore {
     /// scripts take their time from the caller, and its tests fake it).
     clock: Arc<FollowingClock>,
     pub dir: PathBuf,
+    /// Which open of its dir in this process it is: the package tells a
+    /// failed open's calls from those of the next open of the dir by it.
+    pub serial: u32,
 }
 
 thread_local! {
@@ -146,11 +150,17 @@ fn registry() -> &'static Mutex<HashMap<PathBuf, Entry>> {
     REGISTRY.get_or_init(Default::default)
 }
 
-/// Data dirs whose store this process closed: when the close ended, or none
-/// while it runs. An open that finds the file locked waits for these rather
-/// than reporting another process.
-fn closes() -> &'static Mutex<HashMap<PathBuf, Option<Instant>>> {
-    static CLOSES: OnceLock<Mutex<HashMap<PathBuf, Option<Instant>>>> = OnceLock::new();
+/// This process's closes of a data dir's store: how many are under way, and
+/// when the last one ended. An open that finds the file locked waits for
+/// these rather than reporting another process.
+#[derive(Default)]
+struct Closes {
+    under_way: usize,
+    last_ended: Option<Instant>,
+}
+
+fn closes() -> &'static Mutex<HashMap<PathBuf, Closes>> {
+    static CLOSES: OnceLock<Mutex<HashMap<PathBuf, Closes>>> = OnceLock::new();
     CLOSES.get_or_init(Default::default)
 }
 
@@ -158,7 +168,32 @@ fn closes() -> &'static Mutex<HashMap<PathBuf, Option<Instant>>> {
 /// a close of it under way, or one that ended within [`REOPEN_GRACE`]
 /// (its calls still in flight hold the core until they end).
 fn closing_here(dir: &Path) -> bool {
-    closes().lock().get(dir).is_some_and(|ended| ended.is_none_or(|at| at.elapsed() < REOPEN_GRACE))
+    closes()
+        .lock()
+        .get(dir)
+        .is_some_and(|closes| closes.under_way > 0 || closes.last_ended.is_some_and(|at| at.elapsed() < REOPEN_GRACE))
+}
+
+/// A close of `dir`'s store under way, counted in [`closes`] until it is
+/// dropped (a close that panicked has ended too).
+struct Closing<'a> {
+    dir: &'a Path,
+}
+
+impl<'a> Closing<'a> {
+    fn start(dir: &'a Path) -> Self {
+        closes().lock().entry(dir.to_path_buf()).or_default().under_way += 1;
+        Closing { dir }
+    }
+}
+
+impl Drop for Closing<'_> {
+    fn drop(&mut self) {
+        if let Some(closes) = closes().lock().get_mut(self.dir) {
+            closes.under_way -= 1;
+            closes.last_ended = Some(Instant::now());
+        }
+    }
 }
 
 /// Opens the redb file, waiting while the lock on it is this process's own.
@@ -189,7 +224,7 @@ fn open_file(dir: &Path, shown: &str, durability: Durability) -> napi::Result<Re
 /// Opens the core of `store` (on the thread [`acquire`] started for it).
 fn open_core(store: &SharedStore, shown: &str, durability: Durability) -> napi::Result<Jobs> {
     #[cfg(feature = "test-hooks")]
-    std::thread::sleep(Duration::from_millis(test_hooks::OPEN_DELAY_MS.load(std::sync::atomic::Ordering::Relaxed)));
+    test_hooks::before_open();
     let redb = open_file(&store.dir, shown, durability)?;
     let config = Config { durability, ..Config::default() };
     // Job times follow the host (BullMQ passes its own); leases run in real
@@ -268,7 +303,9 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
         entry.users += 1;
         return Ok(Arc::clone(&entry.store));
     }
+    static SERIAL: AtomicU32 = AtomicU32::new(0);
     let store = Arc::new(SharedStore {
+        serial: SERIAL.fetch_add(1, Ordering::Relaxed),
         core: Mutex::new(Core::Opening),
         open_ended: Event::new(),
         clock: Arc::new(FollowingClock::new()),
@@ -278,7 +315,21 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
     let durability = options.durability;
     std::thread::Builder::new()
         .name("loam-jobs-open".into())
-        .spawn(move || finish_open(&opening, open_core(&opening, &shown, durability)))
+        .spawn(move || {
+            // A panic in the open (redb's, the log's replay) fails it, as any
+            // error does: left to end the thread, it left the store opening
+            // for good, and every call and close of it waiting. Unavailable,
+            // as a failed open is: not a fault of the call that finds it.
+            let opened =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| open_core(&opening, &shown, durability)))
+                    .unwrap_or_else(|panic| {
+                        let text = loam_jobs::error::panic_text(panic.as_ref());
+                        Err(napi::Error::from_reason(format!(
+                            "[loam:unavailable] cannot open the Loam Jobs store in {shown}: its open panicked: {text}"
+                        )))
+                    });
+            finish_open(&opening, opened);
+        })
         .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot start opening the store: {e}")))?;
     open.insert(canonical, Entry { store: Arc::clone(&store), users: 1, durability });
     Ok(store)
@@ -302,7 +353,7 @@ pub async fn release(store: &Arc<SharedStore>) {
     // Failed or not: a backend that joined a failed open still gives its
     // use back (the registry let go of that store already).
     let _ = store.opened().await;
-    let jobs = {
+    let (_closing, jobs) = {
         let mut open = registry().lock();
         let Some(entry) = open.get_mut(&store.dir).filter(|entry| Arc::ptr_eq(&entry.store, store)) else {
             return;
@@ -315,19 +366,26 @@ pub async fn release(store: &Arc<SharedStore>) {
         let Core::Open(jobs) = std::mem::replace(&mut *store.core.lock(), Core::Closed) else {
             return;
         };
-        closes().lock().insert(store.dir.clone(), None);
-        jobs
+        (Closing::start(&store.dir), jobs)
     };
     jobs.close();
-    closes().lock().insert(store.dir.clone(), Some(Instant::now()));
 }
 
 /// Hooks for the package's own tests (see `backend::LoamQueue`'s).
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks {
-    use std::sync::atomic::AtomicU64;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::time::Duration;
 
     /// How long each open waits before it starts: a slow open (a long log
     /// replay) on demand.
     pub static OPEN_DELAY_MS: AtomicU64 = AtomicU64::new(0);
+    /// Whether each open panics (after its delay): a bug of redb's or of the
+    /// log's replay, on demand.
+    pub static OPEN_PANICS: AtomicBool = AtomicBool::new(false);
+
+    pub(super) fn before_open() {
+        std::thread::sleep(Duration::from_millis(OPEN_DELAY_MS.load(Ordering::Relaxed)));
+        assert!(!OPEN_PANICS.load(Ordering::Relaxed), "an open that panics (a test's)");
+    }
 }

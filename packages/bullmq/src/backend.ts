@@ -94,6 +94,28 @@ interface FactoryOptions {
   removeOnFail?: boolean | number | KeepJobs;
 }
 
+/** How often a backend reports, at most, that its store cannot be reached. */
+const UNREACHABLE_REPORT_MS = 1_000;
+
+/**
+ * Reports a backend's errors that say its store cannot be reached, at most
+ * once a second: a Worker retries every `runRetryDelay`, but an app's own
+ * adds may fail by the thousand. The backend is held weakly, and from a
+ * function of its own (a closure made in the constructor would share the
+ * constructor's context, which holds `this`): the native queue's methods
+ * hold `reads`, and `unclosed` holds the native queue, so a strong hold kept
+ * every backend it watches from being collected.
+ */
+function reportingTo(backend: WeakRef<EventEmitter>): (err: Error) => void {
+  let reported = 0;
+  return err => {
+    const target = backend.deref();
+    if (!target || Date.now() - reported < UNREACHABLE_REPORT_MS) return;
+    reported = Date.now();
+    reportBackgroundError(target, err);
+  };
+}
+
 /**
  * Owners BullMQ made and let go of unclosed: a Worker whose constructor
  * threw after it made its backend (`stalledInterval: 0`, a missing processor
@@ -154,7 +176,12 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     super();
     this.namespace = options.namespace ?? DEFAULT_NAMESPACE;
     this.clients = clientsKey(native.dataDir, this.namespace);
-    this.reads = options.reads ?? new ReadsAfterWrites();
+    if (options.reads) {
+      this.reads = options.reads;
+    } else {
+      this.reads = new ReadsAfterWrites();
+      this.reads.unreachable = reportingTo(new WeakRef(this));
+    }
     // Every call of `this.native` fails in BullMQ's form, its writes settle in order.
     this.native = nativeCalls(native, native.dataDir, this.activity, this.reads);
     if (owner) unclosed.register(this, this.native, this);

@@ -37,7 +37,7 @@
  * wait here: the addon's waits for the open itself, and resolves either way.
  */
 import type { Activity } from './common.js';
-import { callSync, fromNative, loamError } from './errors.js';
+import { callSync, fromNative, isConnectionError, loamError } from './errors.js';
 
 /** The native methods that answer synchronously; every other one returns a promise. */
 const SYNC_METHODS: ReadonlySet<string> = new Set([
@@ -78,6 +78,19 @@ type Method = (...args: unknown[]) => unknown;
 export class ReadsAfterWrites {
   /** `close` was called: later calls are refused at once, as a closing Redis connection's are. */
   closing = false;
+  /**
+   * Told of a call's error that says the store cannot be reached (BullMQ's
+   * `ConnectionClosedError`), unless closing: BullMQ's Worker retries those
+   * without a word, as it does a Redis command on a dropped connection,
+   * where ioredis reports the connection's errors itself.
+   */
+  unreachable: ((err: Error) => void) | undefined;
+
+  /** `err`, once `unreachable` was told of it if it is such an error. */
+  failed(err: Error): Error {
+    if (this.unreachable && !this.closing && isConnectionError(err)) this.unreachable(err);
+    return err;
+  }
   private made = 0;
   private settled = 0;
   /** Reads waiting, each for `settled` to reach its count, in the order they were made. */
@@ -175,7 +188,7 @@ class WriteOrder {
       write.then(
         value => this.settle(number, { settle: () => resolve(value), handsOutJob, reads }),
         (err: unknown) => {
-          const error = fromNative(err);
+          const error = reads.failed(fromNative(err));
           this.settle(number, { settle: () => reject(error), handsOutJob, reads });
         },
       );
@@ -228,18 +241,27 @@ class WriteOrder {
 /** Each store's writes in flight (by data dir). */
 const orders = new Map<string, WriteOrder>();
 
-/** Stores whose open has not ended (by data dir): their calls wait for it. */
+/**
+ * Opens under way: their calls wait for them. By open store, not by data
+ * dir: once one failed, the next backend of the dir starts another open,
+ * which may begin before the failed one's waiters have heard.
+ */
 const openings = new Map<string, Promise<void>>();
 
-/** Makes the calls of `store` wait for its open, if `native` says it is under way. */
-function awaitOpen(store: string, native: object, opened: Method): void {
-  if (openings.has(store) || !(native as { opening?: boolean }).opening) return;
+/** The open store `native` uses: its data dir and the addon's number for it. */
+function storeKey(store: string, native: object): string {
+  return `${String((native as { storeId?: number }).storeId)}:${store}`;
+}
+
+/** Makes the calls of the store `key` wait for its open, if `native` says it is under way. */
+function awaitOpen(key: string, native: object, opened: Method): void {
+  if (openings.has(key) || !(native as { opening?: boolean }).opening) return;
   const open = opened.call(native) as Promise<void>;
-  openings.set(store, open);
+  openings.set(key, open);
   // Registered first, so it runs before the calls that waited: a call made
   // after them no longer waits, and cannot start before them.
   const forget = (): void => {
-    if (openings.get(store) === open) openings.delete(store);
+    if (openings.get(key) === open) openings.delete(key);
   };
   open.then(forget, forget);
 }
@@ -247,9 +269,6 @@ function awaitOpen(store: string, native: object, opened: Method): void {
 /** A call made once its backend's `close` was called. */
 const closed = (): Promise<never> => Promise.reject(loamError('unavailable', 'the backend is closed'));
 
-const inBullmqForm = (err: unknown): never => {
-  throw fromNative(err);
-};
 
 /** `write`, resolving (or rejecting) only after every earlier write of `store`. */
 function inOrder<T>(store: string, write: Promise<T>, handsOutJob: boolean, reads: ReadsAfterWrites): Promise<T> {
@@ -275,7 +294,11 @@ export function nativeCalls<N extends object>(
   for (const name of [...WRITE_METHODS, 'opened']) {
     if (typeof methods[name] !== 'function') throw new Error(`the native addon has no method ${name}`);
   }
-  awaitOpen(store, native, methods.opened);
+  const key = storeKey(store, native);
+  awaitOpen(key, native, methods.opened);
+  const inBullmqForm = (err: unknown): never => {
+    throw reads.failed(fromNative(err));
+  };
   for (const name of Object.getOwnPropertyNames(prototype)) {
     const method = Object.getOwnPropertyDescriptor(prototype, name)?.value as Method | undefined;
     if (name === 'constructor' || typeof method !== 'function') continue;
@@ -296,7 +319,7 @@ export function nativeCalls<N extends object>(
       }
     };
     const call = (args: unknown[]): Promise<unknown> => {
-      const open = openings.get(store);
+      const open = openings.get(key);
       return open ? open.then(() => callNow(args)) : callNow(args);
     };
     if (write) {

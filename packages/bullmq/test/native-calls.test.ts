@@ -26,9 +26,15 @@ function settleable(): Settleable {
  * `waitForJob` a blocking wait and `close` a lifecycle call; the
  * interrupts of the waits are counted in `interrupts`; a write called with
  * `'refuse'` throws at once, as the addon does with arguments it cannot read.
- * Made with `open`, its store is still opening until the test settles it.
+ * Made with `open`, its store is still opening until the test settles it;
+ * `storeId` is the addon's number for that open store, and each call's name
+ * goes into `started` as it reaches the fake.
  */
-function fakeNative(open?: Settleable): {
+function fakeNative(
+  open?: Settleable,
+  storeId = 0,
+  started: string[] = [],
+): {
   native: Record<string, (...args: unknown[]) => Promise<unknown>>;
   calls: Settleable[];
   interrupts: string[];
@@ -49,6 +55,9 @@ function fakeNative(open?: Settleable): {
     get opening(): boolean {
       return opening;
     }
+    get storeId(): number {
+      return storeId;
+    }
   }
   const prototype = FakeQueue.prototype as unknown as Record<string, unknown>;
   prototype.opened = () => open?.promise ?? Promise.resolve();
@@ -61,6 +70,7 @@ function fakeNative(open?: Settleable): {
     prototype[name] = (...args: unknown[]) => {
       if (args[0] === 'refuse') throw new Error('[bullmq:-1] {"command":"addJob","jobId":"1"}');
       if (failed && name !== 'close') throw failed;
+      started.push(name);
       const call = settleable();
       calls.push(call);
       return call.promise;
@@ -258,21 +268,26 @@ describe("native calls' writes", () => {
 describe("native calls of a store that is opening", () => {
   it('wait for the open, then start in the order they were made, whichever backend made them', async () => {
     const open = settleable();
-    const owner = fakeNative(open);
+    const started: string[] = [];
+    const owner = fakeNative(open, 1, started);
     const queue = nativeCalls(owner.native, 'store-o');
     // Another backend of the same store, made while it opens.
-    const other = fakeNative(open);
+    const other = fakeNative(open, 1, started);
     const second = nativeCalls(other.native, 'store-o');
     const order: string[] = [];
+    const otherRead = second.getState();
     const write = queue.addJob().then(value => order.push(`write ${String(value)}`));
     const wait = queue.waitForJob().then(value => order.push(`wait ${String(value)}`));
-    const otherWrite = second.addJob().then(value => order.push(`other write ${String(value)}`));
+    const otherWrite = second.moveToDelayed().then(value => order.push(`other write ${String(value)}`));
     await drain();
-    expect([owner.calls.length, other.calls.length]).toEqual([0, 0]);
+    expect(started).toEqual([]);
     open.resolve(undefined);
     await drain();
-    // Started in call order: the write, the wait, then the other backend's write.
-    expect([owner.calls.length, other.calls.length]).toEqual([2, 1]);
+    // Started in call order across both backends.
+    expect(started).toEqual(['getState', 'addJob', 'waitForJob', 'moveToDelayed']);
+    other.calls[0].resolve('waiting');
+    expect(await otherRead).toBe('waiting');
+    other.calls.shift();
     other.calls[0].resolve('b');
     owner.calls[1].resolve('w');
     owner.calls[0].resolve('a');
@@ -287,6 +302,13 @@ describe("native calls of a store that is opening", () => {
     const open = settleable();
     const { native, calls } = fakeNative(open);
     const queue = nativeCalls(native, 'store-f');
+    // A backend closed while the open is under way: the addon's close has it.
+    const idle = fakeNative(open);
+    const closedEarly = nativeCalls(idle.native, 'store-f').close();
+    await drain();
+    expect(idle.calls).toHaveLength(1);
+    idle.calls[0].resolve(undefined);
+    await closedEarly;
     const write = queue.addJob().catch((err: Error & { code?: string }) => err);
     const read = queue.getState().catch((err: Error & { code?: string }) => err);
     open.reject(new Error('[loam:store_locked] the store in /d is already open in another process'));
@@ -297,12 +319,52 @@ describe("native calls of a store that is opening", () => {
     // The read started once the write had failed, when the open had ended.
     expect(calls).toHaveLength(0);
     await expect(queue.addJob()).rejects.toMatchObject({ code: 'LOAM_STORE_LOCKED' });
-    // The addon's close waits for the open itself, and resolves whatever it found.
     const closed = queue.close();
     await drain();
     expect(calls).toHaveLength(1);
     calls[0].resolve(undefined);
     await closed;
+  });
+
+  it("wait for their own open, not for a failed one of the same data dir whose failure is not heard yet", async () => {
+    const failing = settleable();
+    const first = nativeCalls(fakeNative(failing, 1).native, 'store-n');
+    const refused = first.addJob().catch((err: Error & { code?: string }) => err.code);
+    failing.reject(new Error('[loam:unavailable] cannot open the store'));
+    // Made before the failure reached JavaScript: the addon started another open.
+    const open = settleable();
+    const next = fakeNative(open, 2);
+    const second = nativeCalls(next.native, 'store-n');
+    const write = second.addJob();
+    expect(await refused).toBe('LOAM_UNAVAILABLE');
+    await drain();
+    expect(next.calls).toHaveLength(0);
+    open.resolve(undefined);
+    await drain();
+    next.calls[0].resolve('1');
+    expect(await write).toBe('1');
+  });
+
+  it('tell their connection of an error that says the store cannot be reached, not of others, nor once closing', async () => {
+    const { native, calls } = fakeNative();
+    const reads = new ReadsAfterWrites();
+    const told: string[] = [];
+    reads.unreachable = err => told.push((err as Error & { code?: string }).code!);
+    const queue = nativeCalls(native, 'store-u', undefined, reads);
+    const write = queue.addJob().catch(() => undefined);
+    calls[0].reject(new Error('[loam:unavailable] the store stopped'));
+    await write;
+    const read = queue.getState().catch(() => undefined);
+    calls[1].reject(new Error('[bullmq:-1] {"command":"getState","jobId":"1"}'));
+    await read;
+    const refused = queue.addJob('refuse').catch(() => undefined);
+    await refused;
+    expect(told).toEqual(['LOAM_UNAVAILABLE']);
+    const closing = queue.close();
+    await drain();
+    calls[2].reject(new Error('[loam:unavailable] the backend is closed'));
+    await closing.catch(() => undefined);
+    expect(told).toEqual(['LOAM_UNAVAILABLE']);
   });
 });
 

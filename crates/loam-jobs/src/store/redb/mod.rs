@@ -97,8 +97,8 @@ fn io<E: std::fmt::Display>(e: E) -> StoreError {
 /// A write transaction whose commit is durable, and saves redb's allocator
 /// state with it ("quick repair"), so that an open after a crash loads that
 /// state instead of walking the whole file to rebuild it: after a `kill -9`
-/// that walk held the open (and a Node host's event loop, which opens the
-/// store in `new Queue()`) for 6 s at 4 GB of jobs and 38 s at 12 GB. Every
+/// that walk held the open (on a Node host's event loop, where the store was
+/// opened then) for 6 s at 4 GB of jobs and 38 s at 12 GB. Every
 /// durable commit must save it: one that does not drops the saved state.
 fn begin_durable_write(db: &Database) -> Result<redb::WriteTransaction, StoreError> {
     let mut txn = db.begin_write().map_err(io)?;
