@@ -256,6 +256,7 @@ fn finish_open(store: &Arc<SharedStore>, opened: napi::Result<Jobs>) {
     }
     store.open_ended.notify(usize::MAX);
 }
+
 /// Settings used when a data dir is opened for the first time in the process.
 #[derive(Clone, Copy, Debug)]
 pub struct OpenOptions {
@@ -313,6 +314,8 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
     });
     let opening = Arc::clone(&store);
     let durability = options.durability;
+    // Started under the registry's lock, which its end takes: it finds the
+    // entry inserted below in place.
     std::thread::Builder::new()
         .name("loam-jobs-open".into())
         .spawn(move || {

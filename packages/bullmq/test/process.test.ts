@@ -432,8 +432,8 @@ describe('opening a store', () => {
     'runs off the event loop: the Queue is made at once, and its calls made meanwhile run after the open, in order',
     async () => {
       const dir = mkdtempSync(path.join(tmpdir(), 'loam-slow-open-'));
-      slowOpens(400);
       try {
+        slowOpens(400);
         const { Queue: SlowQueue } = withBackend(loamBackend({ dataDir: dir }));
         let turns = 0;
         const timer = setInterval(() => turns++, 10);
@@ -462,8 +462,8 @@ describe('opening a store', () => {
 
   itInProcess('closed while it opens, a store closes once the open has ended, its writes kept, and is free again', async () => {
     const dir = mkdtempSync(path.join(tmpdir(), 'loam-slow-open-'));
-    slowOpens(300);
     try {
+      slowOpens(300);
       const { Queue: SlowQueue } = withBackend(loamBackend({ dataDir: dir }));
       // Closed with nothing asked of it, then with a write in flight.
       await new SlowQueue('q', { connection }).close();
@@ -555,10 +555,10 @@ describe('opening a store', () => {
   );
 
   itInProcess('that panicked fails like one that failed, closes, and a later open tries afresh', async () => {
-    const dir = mkdtempSync(path.join(tmpdir(), 'loam-panicked-open-'));
     const hooks = openHooks();
-    hooks.setOpenPanicsForTest(true);
+    const dir = mkdtempSync(path.join(tmpdir(), 'loam-panicked-open-'));
     try {
+      hooks.setOpenPanicsForTest(true);
       const { Queue: PanickyQueue } = withBackend(loamBackend({ dataDir: dir }));
       const queue = new PanickyQueue('q', { connection });
       queue.on('error', () => undefined);
