@@ -173,6 +173,15 @@ impl Wal {
         Ok((wal, records))
     }
 
+    /// How many bytes the record of `writes` takes.
+    pub(crate) fn record_len<'a>(writes: impl IntoIterator<Item = (&'a Key, &'a Option<Value>)>) -> usize {
+        HEADER
+            + writes
+                .into_iter()
+                .map(|(key, value)| 1 + 4 + key.len() + value.as_ref().map_or(0, |v| 4 + v.len()))
+                .sum::<usize>()
+    }
+
     /// Encodes `writes`, applied in order, as one record of at most `room`
     /// bytes ([`Wal::room`]), or None when it would be longer: a group too
     /// large for the log goes to redb whole (a checkpoint), and encoding it
@@ -185,11 +194,7 @@ impl Wal {
         room: u64,
     ) -> Option<Vec<u8>> {
         let writes: Vec<_> = writes.into_iter().collect();
-        let len = HEADER
-            + writes
-                .iter()
-                .map(|(key, value)| 1 + 4 + key.len() + value.as_ref().map_or(0, |v| 4 + v.len()))
-                .sum::<usize>();
+        let len = Self::record_len(writes.iter().copied());
         if len as u64 > room {
             return None;
         }

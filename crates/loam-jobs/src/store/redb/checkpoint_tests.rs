@@ -110,6 +110,27 @@ fn relaxed_acks_are_fsynced_before_a_group_too_large_for_the_log_is_checkpointed
     assert!(attempted, "no log fsync for a within 2 s of the large group, while redb's commit was held");
 }
 
+/// Under relaxed durability a batch that may not fit in the log is answered
+/// once it is durable: it goes to redb as a checkpoint, and answered as it
+/// ran (as every relaxed write was) it stayed unsynced for as long as redb's
+/// durable commit took, past the flush interval. A small write is still
+/// answered at once meanwhile.
+#[test]
+fn a_relaxed_batch_too_large_for_the_log_is_answered_once_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, switch, _, _) = relaxed_on_a_gated_disk(&dir.path().join("log"), 100, Duration::from_secs(3600));
+    let gate = switch.hold();
+    let big = submit(&store, "big", vec![7u8; (LOG_CAPACITY + 1024) as usize], true);
+    let early = big.recv_timeout(Duration::from_millis(300));
+    let small = submit(&store, "small", b"1".to_vec(), true).recv_timeout(Duration::from_secs(2));
+    gate.release();
+    let answered = big.recv_timeout(Duration::from_secs(10));
+    drop(store);
+    assert!(early.is_err(), "answered while its durable commit was held: {early:?}");
+    assert_eq!(small, Ok(true), "a small write behind it waited for it");
+    assert_eq!(answered, Ok(true), "answered once its commit was let through");
+}
+
 /// What a stand-in for the file writer saw of one group that held a small
 /// batch and one too large for the log: the groups and checkpoints it got
 /// (by their batches' keys and last batch), the log as a kill -9 would have

@@ -171,7 +171,9 @@ impl Executor {
         // An operation submitted as needing no fsync that recorded an outcome
         // on the way (a lease that failed a job) makes its batch durable, as
         // an outcome submitted as one would.
-        let sync = submitted_durable || durable_required && self.durability == Durability::Immediate;
+        let sync = submitted_durable
+            || durable_required && self.durability == Durability::Immediate
+            || self.may_outgrow_the_log(&writes);
         // Under relaxed durability, acknowledgements go out once the batch
         // is with the committer (a reader they wake then waits for that
         // commit, see `RedbStore::snapshot`). Under immediate durability
@@ -214,6 +216,18 @@ impl Executor {
         }
         unchanged.extend(early);
         Handed { answers: unchanged }
+    }
+
+    /// Under relaxed durability, whether a batch is large enough that its
+    /// record may find too little room in the log: then it goes to redb as a
+    /// checkpoint, durable only once that commit is, which a slow disk can
+    /// take past the flush interval; such a batch is answered once it is
+    /// durable, as an immediate one is (it was answered as it ran). A quarter
+    /// of a region: a checkpoint starts at half of one, and the region fills
+    /// on past that only while a checkpoint is under way.
+    fn may_outgrow_the_log(&self, writes: &Writes) -> bool {
+        matches!(self.durability, Durability::Relaxed { .. })
+            && Wal::record_len(writes.iter()) as u64 > LOG_CAPACITY / 4
     }
 
     /// The next operation. Under relaxed durability the executor first spins
