@@ -64,7 +64,7 @@ import {
   type FinishedResult,
   type MetricsRecord,
 } from './common.js';
-import { fromNative } from './errors.js';
+import { fromNative, isConnectionError } from './errors.js';
 import { nativeCalls, ReadsAfterWrites } from './native-calls.js';
 
 /** The core namespace of a backend whose settings name none. */
@@ -207,9 +207,11 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
         this.isReady = true;
         this.emit('ready');
       },
-      // Closed before it was ready, it is not an error that it never was.
+      // Closed before it was ready, it is not an error that it never was;
+      // a store that cannot be reached was reported as the call failed
+      // (`reportingTo`).
       (err) => {
-        if (!this.closing) reportBackgroundError(this, err);
+        if (!this.closing && !isConnectionError(err)) reportBackgroundError(this, err);
       },
     );
   }
@@ -312,8 +314,10 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
 
   async moveToActive(token: string, name?: string): Promise<any[]> {
     // Like a Redis connection still being set up, a new backend fetches only
-    // once ready: a worker already waiting gets a just-added job first.
-    if (!this.isReady) await this.ready;
+    // once ready: a worker already waiting gets a just-added job first. One
+    // that never became ready asks anyway: the store fails the call as it
+    // failed the readiness, and that failure is reported as the others are.
+    if (!this.isReady) await this.ready.catch(() => undefined);
     return JSON.parse(await this.native.moveToActive(Date.now(), token, name));
   }
 

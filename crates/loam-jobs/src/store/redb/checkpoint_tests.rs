@@ -121,11 +121,15 @@ fn a_relaxed_batch_too_large_for_the_log_is_answered_once_durable() {
     let (store, switch, _, _) = relaxed_on_a_gated_disk(&dir.path().join("log"), 100, Duration::from_secs(3600));
     let gate = switch.hold();
     let big = submit(&store, "big", vec![7u8; (LOG_CAPACITY + 1024) as usize], true);
+    // It has run (published as it runs) before its answer is looked for:
+    // on a loaded machine it might otherwise not have, and pass unshown.
+    let ran = comes_true_within(Duration::from_secs(10), || store.snapshot().unwrap().get(b"big").unwrap().is_some());
     let early = big.recv_timeout(Duration::from_millis(300));
     let small = submit(&store, "small", b"1".to_vec(), true).recv_timeout(Duration::from_secs(2));
     gate.release();
     let answered = big.recv_timeout(Duration::from_secs(10));
     drop(store);
+    assert!(ran, "the large batch ran within 10 s");
     assert!(early.is_err(), "answered while its durable commit was held: {early:?}");
     assert_eq!(small, Ok(true), "a small write behind it waited for it");
     assert_eq!(answered, Ok(true), "answered once its commit was let through");

@@ -143,7 +143,9 @@ impl Executor {
     /// Runs `ops` as the next batch over `view` (see [`Uncommitted::view`]) and
     /// hands it to the committer. Returns the answers to deliver now: under
     /// relaxed durability all of them unless an operation is
-    /// [`Durable::Always`], else those that wrote nothing and need no fsync.
+    /// [`Durable::Always`] or the batch may outgrow the log
+    /// ([`Executor::may_outgrow_the_log`]), else those that wrote nothing and
+    /// need no fsync.
     pub(super) fn run_batch(&self, state: &mut ExecutorState, ops: Vec<WriteOp>, view: View) -> Handed {
         #[cfg(test)]
         assert!(!self.faulty.load(Ordering::Relaxed), "a fault in the batch's bookkeeping (a test's)");
@@ -192,7 +194,8 @@ impl Executor {
         let writes = Arc::new(writes);
         uncommitted.batches.push(number, Arc::clone(&writes));
         // Under relaxed durability a batch whose answers wait for its fsync
-        // (`Durable::Always`) is published as it runs too, in order: a later
+        // (`Durable::Always`, or one that may outgrow the log) is published as
+        // it runs too, in order: a later
         // batch, answered early, moves the published mark past it, and the
         // committer publishes only batches above the mark.
         let waits_in_order = sync && matches!(self.durability, Durability::Relaxed { .. }) && !failed;
