@@ -269,7 +269,6 @@ function awaitOpen(key: string, native: object, opened: Method): void {
 /** A call made once its backend's `close` was called. */
 const closed = (): Promise<never> => Promise.reject(loamError('unavailable', 'the backend is closed'));
 
-
 /** `write`, resolving (or rejecting) only after every earlier write of `store`. */
 function inOrder<T>(store: string, write: Promise<T>, handsOutJob: boolean, reads: ReadsAfterWrites): Promise<T> {
   let order = orders.get(store);
