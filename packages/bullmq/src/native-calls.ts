@@ -238,7 +238,10 @@ class WriteOrder {
   }
 }
 
-/** Each store's writes in flight (by data dir). */
+/**
+ * Each open store's writes in flight (by `storeKey`: a failed open's
+ * refusals are not held behind the writes of the next open of its dir).
+ */
 const orders = new Map<string, WriteOrder>();
 
 /**
@@ -269,7 +272,7 @@ function awaitOpen(key: string, native: object, opened: Method): void {
 /** A call made once its backend's `close` was called. */
 const closed = (): Promise<never> => Promise.reject(loamError('unavailable', 'the backend is closed'));
 
-/** `write`, resolving (or rejecting) only after every earlier write of `store`. */
+/** `write`, resolving (or rejecting) only after every earlier write of the open store `store` (its `storeKey`). */
 function inOrder<T>(store: string, write: Promise<T>, handsOutJob: boolean, reads: ReadsAfterWrites): Promise<T> {
   let order = orders.get(store);
   if (!order) orders.set(store, (order = new WriteOrder(store)));
@@ -325,7 +328,7 @@ export function nativeCalls<N extends object>(
       methods[name] = (...args) => {
         if (reads.closing) return closed();
         activity.at = Date.now();
-        return inOrder(store, call(args), handsOutJob, reads);
+        return inOrder(key, call(args), handsOutJob, reads);
       };
     } else if (name === 'close') {
       methods[name] = (...args) => {

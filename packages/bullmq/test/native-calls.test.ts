@@ -345,6 +345,21 @@ describe("native calls of a store that is opening", () => {
     expect(await write).toBe('1');
   });
 
+  it("settle apart from a failed open's writes of the same data dir", async () => {
+    const failing = settleable();
+    const first = fakeNative(failing, 3);
+    const failed = nativeCalls(first.native, 'store-w');
+    const next = fakeNative(undefined, 4);
+    const second = nativeCalls(next.native, 'store-w');
+    // A write of the failed store, still waiting for its open, and one of the next store's.
+    const refused = failed.addJob().catch((err: Error & { code?: string }) => err.code);
+    const written = second.addJob();
+    next.calls[0].resolve('1');
+    expect(await written).toBe('1');
+    failing.reject(new Error('[loam:unavailable] cannot open the store'));
+    expect(await refused).toBe('LOAM_UNAVAILABLE');
+  });
+
   it('tell their connection of an error that says the store cannot be reached, not of others, nor once closing', async () => {
     const { native, calls } = fakeNative();
     const reads = new ReadsAfterWrites();
