@@ -343,8 +343,7 @@ impl Committer {
                 return self.checkpoint(Some(group_of(batches, last)));
             };
             if let Err(e) = append(wal, record, true) {
-                self.log_broken = true;
-                return Err(self.fail(e, last));
+                return Err(self.fail_log(e, last));
             }
             self.unflushed_since = None;
             let (logged, rest) = batches.split_at_mut(n);
@@ -352,8 +351,7 @@ impl Committer {
             return self.checkpoint(Some(group_of(rest, last)));
         };
         if let Err(e) = append(wal, record, sync) {
-            self.log_broken = true;
-            return Err(self.fail(e, last));
+            return Err(self.fail_log(e, last));
         }
         self.hand_on_logged(batches, last);
         Ok(())
@@ -381,6 +379,13 @@ impl Committer {
         self.break_store(e.clone());
         self.done_with(last);
         e
+    }
+
+    /// An append to the log failed: [`Committer::fail`], and nothing more is
+    /// flushed through it.
+    fn fail_log(&mut self, e: StoreError, last: u64) -> StoreError {
+        self.log_broken = true;
+        self.fail(e, last)
     }
 
     /// The log failed: [`Committer::break_store`], and nothing more is
@@ -485,13 +490,14 @@ fn group_of(batches: &[Batch], last: u64) -> Group {
 
 /// The longest run of `batches` from the first, short of all of them, whose
 /// record fits in `room`, with that record; none when not even the first
-/// batch's does. Tried from the longest down, each run's size summed before
-/// anything is encoded (a run's net writes need not grow with its length);
-/// groups this large are rare.
+/// batch's does. Tried from the longest down, each run only sized (a run's
+/// net writes need not grow with its length), and only the run found
+/// encoded; groups this large are rare.
 fn longest_run_that_fits(batches: &[Batch], room: u64) -> Option<(usize, Vec<u8>)> {
-    let record = |n: usize| Wal::encode_within(net_writes(batches[..n].iter().map(|b| b.writes.as_ref())), room);
-    record(1)?;
-    (1..batches.len()).rev().find_map(|n| record(n).map(|r| (n, r)))
+    let run = |n: usize| net_writes(batches[..n].iter().map(|b| b.writes.as_ref()));
+    let fits = |n: usize| Wal::record_len(run(n)) as u64 <= room;
+    let n = (1..batches.len()).rev().find(|&n| fits(n))?;
+    Wal::encode_within(run(n), room).map(|record| (n, record))
 }
 
 /// Appends `record` to the log, fsynced when `sync`.

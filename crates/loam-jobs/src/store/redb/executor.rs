@@ -195,9 +195,9 @@ impl Executor {
         uncommitted.batches.push(number, Arc::clone(&writes));
         // Under relaxed durability a batch whose answers wait for its fsync
         // (`Durable::Always`, or one that may outgrow the log) is published as
-        // it runs too, in order: a later
-        // batch, answered early, moves the published mark past it, and the
-        // committer publishes only batches above the mark.
+        // it runs too, in order: a later batch, answered early, moves the
+        // published mark past it, and the committer publishes only batches
+        // above the mark.
         let waits_in_order = sync && matches!(self.durability, Durability::Relaxed { .. }) && !failed;
         let published = (waits_in_order || !early.is_empty()).then(|| Arc::clone(&writes));
         // The batch goes on, and is published to readers, before anyone is
