@@ -412,7 +412,7 @@ impl LoamQueue {
         self.store.is_opening()
     }
 
-    /// Which open store of its data dir, in this process, this backend uses.
+    /// Which store of its data dir, of those this process made, this backend uses.
     #[napi(getter, catch_unwind)]
     pub fn store_id(&self) -> u32 {
         self.store.serial
@@ -438,6 +438,15 @@ impl LoamQueue {
     #[napi]
     pub async fn opened(&self) -> Result<()> {
         self.store.opened().await
+    }
+
+    /// Opens the store again if it failed and its last open started a second
+    /// ago or more; returns whether an open is under way (`opened` then
+    /// resolves once it has ended). The package calls it when a call finds
+    /// the store unreachable.
+    #[napi(catch_unwind)]
+    pub fn reopen(&self) -> bool {
+        !self.is_closed() && self.store.reopen(false)
     }
 
     /// Ends blocking waits and gives back this backend's use of the store,

@@ -12,6 +12,15 @@
 //! process just closed waits for that close; none of it may hold up Node's
 //! event loop. A backend is made at once; its calls wait for the open
 //! ([`SharedStore::opened`]) and fail with its error if it failed.
+//!
+//! A store that failed, at its open (another process held the file) or
+//! later (a full disk under it; redb then refuses every write until the
+//! file is reopened), is opened again on the same thread of its own when a
+//! call finds it so ([`SharedStore::reopen`]), at most once a second, or
+//! at once for a backend made on it: as Redis's client reconnects by
+//! itself, an app's Queue and Worker go on once the cause is gone. The open
+//! replays the log, as after a crash: nothing acknowledged is lost, a job
+//! whose lease the failure cut short is redelivered once it expires.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -36,6 +45,11 @@ pub const STORE_FILE: &str = "jobs.redb";
 /// the file.
 const REOPEN_GRACE: Duration = Duration::from_secs(2);
 
+/// The least time between the starts of two opens of one store: a store
+/// that fails as it opens, or soon after, is not opened in a loop by a
+/// stream of calls.
+const REOPEN_INTERVAL: Duration = Duration::from_secs(1);
+
 /// The executor's batch limit in a Node host, whose main thread processes
 /// every answer on the same cores as the store's threads: BullMQ at
 /// concurrency 100 went from 32,400 to 35,350 jobs/s (medians of 14
@@ -49,26 +63,35 @@ enum Core {
     /// Its open runs on a thread of its own.
     Opening,
     Open(Jobs),
-    /// The open failed: every call fails with this (tagged) message.
+    /// The open failed: every call fails with this (tagged) message until
+    /// a reopen succeeds.
     Failed(String),
     /// The last backend closed it.
     Closed,
 }
 
+/// A store's core, and when its last open started (see [`REOPEN_INTERVAL`]).
+struct Held {
+    core: Core,
+    opened_at: Instant,
+}
+
 /// One store, shared by the backends that use its data dir.
 pub struct SharedStore {
-    /// Callers take a clone of an open core per call, so taking it out
-    /// (and the clones of calls in flight ending) drops the core and with
-    /// it the file lock.
-    core: Mutex<Core>,
+    /// Callers take a clone of an open core per call; closing the core
+    /// lets go of the file, whatever clones calls in flight still hold.
+    held: Mutex<Held>,
     /// Told once the open has ended, either way.
     open_ended: Event,
     /// The core's time, which follows the host's `Date.now()` (BullMQ's Redis
     /// scripts take their time from the caller, and its tests fake it).
     clock: Arc<FollowingClock>,
     pub dir: PathBuf,
-    /// Which open of its dir in this process it is: the package tells a
-    /// failed open's calls from those of the next open of the dir by it.
+    /// What it opens with: a store has one durability, whoever joins it.
+    durability: Durability,
+    /// Which store of its dir in this process it is: the package tells the
+    /// calls of a store the last backend closed from those of the next
+    /// store of the dir by it.
     pub serial: u32,
 }
 
@@ -98,11 +121,12 @@ impl SharedStore {
     /// no call before [`SharedStore::opened`]), if its open failed, or once
     /// it was closed.
     pub fn jobs(&self) -> napi::Result<Jobs> {
-        let jobs = match &*self.core.lock() {
+        let jobs = match &self.held.lock().core {
             Core::Open(jobs) => jobs.clone(),
             Core::Opening => {
                 return Err(napi::Error::from_reason(format!(
-                    "[loam:unavailable] the store in {} is still opening: wait for the backend to be ready",
+                    "[loam:unavailable] the store in {} is opening (or reopening after a failure): wait for the \
+                     backend to be ready",
                     self.dir.display()
                 )));
             }
@@ -119,7 +143,7 @@ impl SharedStore {
 
     /// Whether its open is still under way.
     pub fn is_opening(&self) -> bool {
-        matches!(*self.core.lock(), Core::Opening)
+        matches!(self.held.lock().core, Core::Opening)
     }
 
     /// Resolves once the open has ended: with its error if it failed.
@@ -127,7 +151,7 @@ impl SharedStore {
         loop {
             // Listening before looking: an end told in between is not missed.
             let ended = self.open_ended.listen();
-            match &*self.core.lock() {
+            match &self.held.lock().core {
                 Core::Opening => {}
                 Core::Open(_) => return Ok(()),
                 Core::Failed(message) => return Err(napi::Error::from_reason(message.clone())),
@@ -136,13 +160,49 @@ impl SharedStore {
             ended.await;
         }
     }
+
+    /// Opens the store again if it failed (its open, or its disk since) and
+    /// its last open started at least [`REOPEN_INTERVAL`] ago, or at once if
+    /// `now`; returns whether an open is under way. The package calls it when
+    /// a call finds the store unreachable, and then holds its next calls
+    /// until the open ends, as it does for the first.
+    pub fn reopen(self: &Arc<Self>, now: bool) -> bool {
+        let mut held = self.held.lock();
+        match &held.core {
+            Core::Opening => return true,
+            Core::Closed => return false,
+            Core::Open(jobs) if jobs.failure().is_none() => return false,
+            Core::Open(_) | Core::Failed(_) => {}
+        }
+        if !now && held.opened_at.elapsed() < REOPEN_INTERVAL {
+            return false;
+        }
+        let old = match &held.core {
+            Core::Open(jobs) => Some(jobs.clone()),
+            _ => None,
+        };
+        // Started under the lock, which its end takes.
+        match start_open(self, old) {
+            Ok(()) => {
+                held.core = Core::Opening;
+                held.opened_at = Instant::now();
+                true
+            }
+            Err(e) => {
+                // An open store stays open (and failed); a failed one says
+                // why it was not opened again.
+                if let Core::Failed(message) = &mut held.core {
+                    *message = e.reason;
+                }
+                false
+            }
+        }
+    }
 }
 
 struct Entry {
     store: Arc<SharedStore>,
     users: usize,
-    /// What it was opened with: a store has one durability, whoever joins it.
-    durability: Durability,
 }
 
 fn registry() -> &'static Mutex<HashMap<PathBuf, Entry>> {
@@ -221,10 +281,11 @@ fn open_file(dir: &Path, shown: &str, durability: Durability) -> napi::Result<Re
     }
 }
 
-/// Opens the core of `store` (on the thread [`acquire`] started for it).
-fn open_core(store: &SharedStore, shown: &str, durability: Durability) -> napi::Result<Jobs> {
+/// Opens the core of `store` (on the thread [`start_open`] started for it).
+fn open_core(store: &SharedStore, shown: &str) -> napi::Result<Jobs> {
     #[cfg(feature = "test-hooks")]
     test_hooks::before_open();
+    let durability = store.durability;
     let redb = open_file(&store.dir, shown, durability)?;
     let config = Config { durability, ..Config::default() };
     // Job times follow the host (BullMQ passes its own); leases run in real
@@ -238,23 +299,47 @@ fn open_core(store: &SharedStore, shown: &str, durability: Durability) -> napi::
     .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot start the queue core in {shown}: {e}")))
 }
 
-/// Ends the open of `store`. A failed one leaves the registry, so the next
-/// backend of the dir tries afresh; the backends that joined it fail.
-fn finish_open(store: &Arc<SharedStore>, opened: napi::Result<Jobs>) {
-    {
-        let mut open = registry().lock();
-        let mut core = store.core.lock();
-        *core = match opened {
-            Ok(jobs) => Core::Open(jobs),
-            Err(e) => {
-                if open.get(&store.dir).is_some_and(|entry| Arc::ptr_eq(&entry.store, store)) {
-                    open.remove(&store.dir);
-                }
-                Core::Failed(e.reason.clone())
-            }
-        };
-    }
+/// Ends the open of `store`. A failed one leaves the store in the registry,
+/// failed: the backends that use it open it again ([`SharedStore::reopen`]).
+fn finish_open(store: &SharedStore, opened: napi::Result<Jobs>) {
+    store.held.lock().core = match opened {
+        Ok(jobs) => Core::Open(jobs),
+        Err(e) => Core::Failed(e.reason),
+    };
     store.open_ended.notify(usize::MAX);
+}
+
+/// Starts the open of `store` on a thread of its own, closing `failed`
+/// first (the same store's core, which failed since it opened).
+fn start_open(store: &Arc<SharedStore>, failed: Option<Jobs>) -> napi::Result<()> {
+    let opening = Arc::clone(store);
+    let shown = store.dir.display().to_string();
+    std::thread::Builder::new()
+        .name("loam-jobs-open".into())
+        .spawn(move || {
+            // A panic in the open (redb's, the log's replay) fails it, as any
+            // error does: left to end the thread, it left the store opening
+            // for good, and every call and close of it waiting. Unavailable,
+            // as a failed open is: not a fault of the call that finds it.
+            let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                if let Some(failed) = failed {
+                    // Counted as a close of this process, so the open waits
+                    // for the file's lock to be let go.
+                    let _closing = Closing::start(&opening.dir);
+                    failed.close();
+                }
+                open_core(&opening, &shown)
+            }))
+            .unwrap_or_else(|panic| {
+                let text = loam_jobs::error::panic_text(panic.as_ref());
+                Err(napi::Error::from_reason(format!(
+                    "[loam:unavailable] cannot open the Loam Jobs store in {shown}: its open panicked: {text}"
+                )))
+            });
+            finish_open(&opening, opened);
+        })
+        .map(drop)
+        .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot start opening the store: {e}")))
 }
 
 /// Settings used when a data dir is opened for the first time in the process.
@@ -282,7 +367,8 @@ fn data_dir_error(shown: &str, e: &std::io::Error) -> napi::Error {
 /// Joins the process's store of `dir`, or starts opening it (creating the
 /// dir) on a thread of its own: returns at once either way. What the open
 /// finds (another process holding the file, a failing disk) is the error of
-/// [`SharedStore::opened`] and of every call.
+/// [`SharedStore::opened`] and of every call. Joining a store that failed
+/// opens it again at once.
 pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore>> {
     let shown = dir.display().to_string();
     std::fs::create_dir_all(dir).map_err(|e| data_dir_error(&shown, &e))?;
@@ -293,48 +379,29 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
     if let Some(entry) = open.get_mut(&canonical) {
         // Joined silently, a backend asking for immediate durability would
         // get a relaxed store's, and could lose writes it was told were safe.
-        if entry.durability != options.durability {
+        if entry.store.durability != options.durability {
             return Err(napi::Error::from_reason(format!(
                 "[loam:failed_precondition] the store in {shown} is open in this process with {}; this backend asks \
                  for {}. Every backend of one data directory must use the same durability (and flush interval)",
-                describe(entry.durability),
+                describe(entry.store.durability),
                 describe(options.durability),
             )));
         }
         entry.users += 1;
+        entry.store.reopen(true);
         return Ok(Arc::clone(&entry.store));
     }
     static SERIAL: AtomicU32 = AtomicU32::new(0);
     let store = Arc::new(SharedStore {
         serial: SERIAL.fetch_add(1, Ordering::Relaxed),
-        core: Mutex::new(Core::Opening),
+        held: Mutex::new(Held { core: Core::Opening, opened_at: Instant::now() }),
         open_ended: Event::new(),
         clock: Arc::new(FollowingClock::new()),
         dir: canonical.clone(),
+        durability: options.durability,
     });
-    let opening = Arc::clone(&store);
-    let durability = options.durability;
-    // Started under the registry's lock, which its end takes: it finds the
-    // entry inserted below in place.
-    std::thread::Builder::new()
-        .name("loam-jobs-open".into())
-        .spawn(move || {
-            // A panic in the open (redb's, the log's replay) fails it, as any
-            // error does: left to end the thread, it left the store opening
-            // for good, and every call and close of it waiting. Unavailable,
-            // as a failed open is: not a fault of the call that finds it.
-            let opened =
-                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| open_core(&opening, &shown, durability)))
-                    .unwrap_or_else(|panic| {
-                        let text = loam_jobs::error::panic_text(panic.as_ref());
-                        Err(napi::Error::from_reason(format!(
-                            "[loam:unavailable] cannot open the Loam Jobs store in {shown}: its open panicked: {text}"
-                        )))
-                    });
-            finish_open(&opening, opened);
-        })
-        .map_err(|e| napi::Error::from_reason(format!("[loam:unavailable] cannot start opening the store: {e}")))?;
-    open.insert(canonical, Entry { store: Arc::clone(&store), users: 1, durability });
+    start_open(&store, None)?;
+    open.insert(canonical, Entry { store: Arc::clone(&store), users: 1 });
     Ok(store)
 }
 
@@ -353,23 +420,28 @@ fn describe(durability: Durability) -> String {
 /// thread takes to make a backend: an open of the dir meanwhile waits for it
 /// on its own thread (`closes`).
 pub async fn release(store: &Arc<SharedStore>) {
-    // Failed or not: a backend that joined a failed open still gives its
-    // use back (the registry let go of that store already).
-    let _ = store.opened().await;
-    let (_closing, jobs) = {
+    let (_closing, jobs) = loop {
+        // Failed or not: a backend of a store that failed still gives its
+        // use back.
+        let _ = store.opened().await;
         let mut open = registry().lock();
         let Some(entry) = open.get_mut(&store.dir).filter(|entry| Arc::ptr_eq(&entry.store, store)) else {
             return;
         };
+        let mut held = store.held.lock();
+        // Another backend's call found it failed and opens it again since.
+        if matches!(held.core, Core::Opening) {
+            continue;
+        }
         entry.users = entry.users.saturating_sub(1);
         if entry.users > 0 {
             return;
         }
         open.remove(&store.dir);
-        let Core::Open(jobs) = std::mem::replace(&mut *store.core.lock(), Core::Closed) else {
+        let Core::Open(jobs) = std::mem::replace(&mut held.core, Core::Closed) else {
             return;
         };
-        (Closing::start(&store.dir), jobs)
+        break (Closing::start(&store.dir), jobs);
     };
     jobs.close();
 }

@@ -151,9 +151,13 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
   private eventsDisconnected = false;
   /** When this backend last called the store: a named client's idle time. */
   private readonly activity: Activity = { at: Date.now() };
-  private readonly ready: Promise<void>;
+  private ready: Promise<void>;
   /** Set once `ready` resolved; a worker takes jobs only from then on. */
   private isReady = false;
+  /** `ready` failed: the next `waitUntilReady` asks again. */
+  private readyFailed = false;
+  /** A QueueEvents' backend, which reads events from where it was made. */
+  private readonly readsEvents: boolean;
   /** Where a QueueEvents started reading (`'$'` resolved at construction). */
   private eventsStart: Promise<string> | undefined;
   private readonly siblings = new Siblings<LoamQueueBackend>();
@@ -190,19 +194,27 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
       const suffix = options.workerName ? `:w:${options.workerName}` : '';
       this.releaseName = holdName(this.clients, this.clientName(suffix), this.activity);
     }
-    if (options.blocking) {
-      // A QueueEvents reads from "now": fix that point when it is created (and
-      // be ready only then), so events written between its creation and its
-      // first read are not lost.
+    this.readsEvents = options.blocking ?? false;
+    this.ready = this.askReady();
+  }
+
+  /**
+   * Asks the store whether it answers (Redis' PING after connecting). A
+   * QueueEvents reads from "now": that point is fixed here (and the backend
+   * ready only then), so events written between its creation and its first
+   * read are not lost.
+   */
+  private askReady(): Promise<void> {
+    let ready: Promise<void>;
+    if (this.readsEvents) {
       const start = this.native.lastEventId(Date.now());
       this.eventsStart = start;
-      this.ready = start.then(() => undefined);
-      this.ready.catch(() => undefined);
+      ready = start.then(() => undefined);
     } else {
-      this.ready = this.native.ready();
-      this.ready.catch(() => undefined);
+      ready = this.native.ready();
     }
-    this.ready.then(
+    ready.catch(() => undefined);
+    ready.then(
       () => {
         this.isReady = true;
         this.emit('ready');
@@ -211,14 +223,24 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
       // a store that cannot be reached was reported as the call failed
       // (`reportingTo`).
       (err) => {
+        this.readyFailed = true;
         if (!this.closing && !isConnectionError(err)) reportBackgroundError(this, err);
       },
     );
+    return ready;
   }
 
   // ---- lifecycle ------------------------------------------------------------
 
   waitUntilReady(): Promise<void> {
+    // A store that could not be reached is asked again: the call may find it
+    // opened again since (see `nativeCalls`), as a Redis client that
+    // reconnected is ready again. BullMQ's Job and Worker wait for this
+    // before their calls, so a failed readiness kept failed them for good.
+    if (this.readyFailed && !this.closing) {
+      this.readyFailed = false;
+      this.ready = this.askReady();
+    }
     return this.ready;
   }
 
@@ -317,7 +339,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     // once ready: a worker already waiting gets a just-added job first. One
     // that never became ready asks anyway: the store fails the call as it
     // failed the readiness, and that failure is reported as the others are.
-    if (!this.isReady) await this.ready.catch(() => undefined);
+    if (!this.isReady) await this.waitUntilReady().catch(() => undefined);
     return JSON.parse(await this.native.moveToActive(Date.now(), token, name));
   }
 
@@ -653,6 +675,7 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     if (this.eventsDisconnected && !this.closing) throw disconnectedRead('readEvents');
     let from = id;
     if (id === '$' && this.eventsStart) {
+      if (!this.isReady) await this.waitUntilReady();
       from = await this.eventsStart;
     }
     const entries = await this.native.readEvents(Date.now(), from, blockTimeout);

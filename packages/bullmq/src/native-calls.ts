@@ -35,6 +35,12 @@
  * starts, in the order the calls were made; if the open failed, each fails
  * with its error (another process holding the store, say). `close` does not
  * wait here: the addon's waits for the open itself, and resolves either way.
+ *
+ * Reopening: a call that finds the store unreachable (its open failed, or its
+ * disk since) asks the addon to open it again (`reopen`: at most once a
+ * second), and the calls made while that open runs wait for it as for the
+ * first, so an app goes on once the cause is gone, as Redis's client
+ * reconnects by itself.
  */
 import type { Activity } from './common.js';
 import { callSync, fromNative, isConnectionError, loamError } from './errors.js';
@@ -42,6 +48,7 @@ import { callSync, fromNative, isConnectionError, loamError } from './errors.js'
 /** The native methods that answer synchronously; every other one returns a promise. */
 const SYNC_METHODS: ReadonlySet<string> = new Set([
   'forQueue',
+  'reopen',
   'interruptBlocking',
   'resetBlocking',
   'interruptEvents',
@@ -85,10 +92,15 @@ export class ReadsAfterWrites {
    * where ioredis reports the connection's errors itself.
    */
   unreachable: ((err: Error) => void) | undefined;
+  /** Asks for the store to be opened again, told of the same errors first. */
+  reconnect: (() => void) | undefined;
 
-  /** `err`, once `unreachable` was told of it if it is such an error. */
+  /** `err`, once `reconnect` and `unreachable` were told of it if it is such an error. */
   failed(err: Error): Error {
-    if (this.unreachable && !this.closing && isConnectionError(err)) this.unreachable(err);
+    if (!this.closing && isConnectionError(err)) {
+      this.reconnect?.();
+      this.unreachable?.(err);
+    }
     return err;
   }
   private made = 0;
@@ -239,19 +251,18 @@ class WriteOrder {
 }
 
 /**
- * Each open store's writes in flight (by `storeKey`: a failed open's
- * refusals are not held behind the writes of the next open of its dir).
+ * Each store's writes in flight (by `storeKey`: the writes of a store its
+ * last backend closed are not held behind those of the next store of its dir).
  */
 const orders = new Map<string, WriteOrder>();
 
 /**
- * Opens under way: their calls wait for them. By open store, not by data
- * dir: once one failed, the next backend of the dir starts another open,
- * which may begin before the failed one's waiters have heard.
+ * Opens under way (a store's first, or one after it failed): their calls
+ * wait for them. By store, not by data dir, as `orders`.
  */
 const openings = new Map<string, Promise<void>>();
 
-/** The open store `native` uses: its data dir and the addon's number for it. */
+/** The store `native` uses: its data dir and the addon's number for it. */
 function storeKey(store: string, native: object): string {
   return `${String((native as { storeId?: number }).storeId)}:${store}`;
 }
@@ -272,7 +283,7 @@ function awaitOpen(key: string, native: object, opened: Method): void {
 /** A call made once its backend's `close` was called. */
 const closed = (): Promise<never> => Promise.reject(loamError('unavailable', 'the backend is closed'));
 
-/** `write`, resolving (or rejecting) only after every earlier write of the open store `store` (its `storeKey`). */
+/** `write`, resolving (or rejecting) only after every earlier write of the store `store` (its `storeKey`). */
 function inOrder<T>(store: string, write: Promise<T>, handsOutJob: boolean, reads: ReadsAfterWrites): Promise<T> {
   let order = orders.get(store);
   if (!order) orders.set(store, (order = new WriteOrder(store)));
@@ -293,11 +304,21 @@ export function nativeCalls<N extends object>(
 ): N {
   const methods = native as unknown as Record<string, Method>;
   const prototype = Object.getPrototypeOf(native) as object;
-  for (const name of [...WRITE_METHODS, 'opened']) {
+  for (const name of [...WRITE_METHODS, 'opened', 'reopen']) {
     if (typeof methods[name] !== 'function') throw new Error(`the native addon has no method ${name}`);
   }
   const key = storeKey(store, native);
-  awaitOpen(key, native, methods.opened);
+  const { opened, reopen } = methods;
+  awaitOpen(key, native, opened);
+  // Siblings share their owner's connection, and so its store.
+  reads.reconnect ??= () => {
+    try {
+      if (reopen.call(native)) awaitOpen(key, native, opened);
+    } catch {
+      // The call's own error is what its caller sees; the store stays as it
+      // was, and the next call that finds it unreachable asks again.
+    }
+  };
   const inBullmqForm = (err: unknown): never => {
     throw reads.failed(fromNative(err));
   };

@@ -28,29 +28,43 @@ function settleable(): Settleable {
  * `'refuse'` throws at once, as the addon does with arguments it cannot read.
  * Made with `open`, its store is still opening until the test settles it;
  * `storeId` is the addon's number for that open store, and each call's name
- * goes into `started` as it reaches the fake.
+ * goes into `started` as it reaches the fake. `reopen` opens it again with
+ * the next of `reopens` (none: it answers that no open is under way), and
+ * `reopened` counts its calls.
  */
 function fakeNative(
   open?: Settleable,
   storeId = 0,
   started: string[] = [],
+  reopens: Settleable[] = [],
 ): {
   native: Record<string, (...args: unknown[]) => Promise<unknown>>;
   calls: Settleable[];
   interrupts: string[];
+  reopened: () => number;
 } {
   const calls: Settleable[] = [];
   const interrupts: string[] = [];
-  let opening = open !== undefined;
+  let opening = false;
+  let current: Settleable | undefined;
   // As the addon's: once the open failed, every call fails with its error.
   let failed: Error | undefined;
-  void open?.promise.then(
-    () => (opening = false),
-    (err: Error) => {
-      opening = false;
-      failed = err;
-    },
-  );
+  const start = (next: Settleable) => {
+    opening = true;
+    current = next;
+    void next.promise.then(
+      () => {
+        opening = false;
+        failed = undefined;
+      },
+      (err: Error) => {
+        opening = false;
+        failed = err;
+      },
+    );
+  };
+  if (open) start(open);
+  let reopened = 0;
   class FakeQueue {
     get opening(): boolean {
       return opening;
@@ -60,7 +74,13 @@ function fakeNative(
     }
   }
   const prototype = FakeQueue.prototype as unknown as Record<string, unknown>;
-  prototype.opened = () => open?.promise ?? Promise.resolve();
+  prototype.opened = () => current?.promise ?? Promise.resolve();
+  prototype.reopen = () => {
+    reopened++;
+    const next = reopens.shift();
+    if (next) start(next);
+    return next !== undefined;
+  };
   for (const name of ['interruptBlocking', 'interruptEvents']) {
     prototype[name] = () => {
       interrupts.push(name);
@@ -76,7 +96,7 @@ function fakeNative(
       return call.promise;
     };
   }
-  return { native: new FakeQueue() as never, calls, interrupts };
+  return { native: new FakeQueue() as never, calls, interrupts, reopened: () => reopened };
 }
 
 /** Lets every pending promise reaction run. */
@@ -380,6 +400,52 @@ describe("native calls of a store that is opening", () => {
     calls[2].reject(new Error('[loam:unavailable] the backend is closed'));
     await closing.catch(() => undefined);
     expect(told).toEqual(['LOAM_UNAVAILABLE']);
+  });
+});
+
+describe('native calls of a store that cannot be reached', () => {
+  it('ask for it to be opened again, and the calls made meanwhile wait for that open, in order', async () => {
+    const failing = settleable();
+    const reopen = settleable();
+    const started: string[] = [];
+    const { native, calls, reopened } = fakeNative(failing, 5, started, [reopen]);
+    const queue = nativeCalls(native, 'store-r');
+    const refused = queue.addJob().catch((err: Error & { code?: string }) => err.code);
+    failing.reject(new Error('[loam:unavailable] cannot open the store'));
+    expect(await refused).toBe('LOAM_UNAVAILABLE');
+    // The failure asked for another open, which the calls made since wait for.
+    expect(reopened()).toBe(1);
+    const write = queue.addJob();
+    const read = queue.getState();
+    await drain();
+    expect(started).toEqual([]);
+    reopen.resolve(undefined);
+    await drain();
+    expect(started).toEqual(['addJob']);
+    calls[0].resolve('1');
+    expect(await write).toBe('1');
+    await drain();
+    calls[1].resolve('waiting');
+    expect(await read).toBe('waiting');
+    // Errors that do not say the store is unreachable ask for nothing.
+    const missing = queue.getState().catch((err: Error & { code?: number }) => err.code);
+    calls[2].reject(new Error('[bullmq:-1] {"command":"getState","jobId":"1"}'));
+    expect(await missing).toBe(-1);
+    expect(reopened()).toBe(1);
+  });
+
+  it('fail at once while no open is under way (the addon opens again at most once a second)', async () => {
+    const { native, calls, reopened } = fakeNative();
+    const queue = nativeCalls(native, 'store-s');
+    const first = queue.addJob().catch((err: Error & { code?: string }) => err.code);
+    calls[0].reject(new Error('[loam:unavailable] storage I/O failed'));
+    expect(await first).toBe('LOAM_UNAVAILABLE');
+    const second = queue.addJob().catch((err: Error & { code?: string }) => err.code);
+    await drain();
+    expect(calls).toHaveLength(2);
+    calls[1].reject(new Error('[loam:unavailable] storage I/O failed'));
+    expect(await second).toBe('LOAM_UNAVAILABLE');
+    expect(reopened()).toBe(2);
   });
 });
 

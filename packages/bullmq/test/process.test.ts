@@ -1,5 +1,5 @@
 import { afterAll, describe, expect, it } from 'vitest';
-import { spawn } from 'node:child_process';
+import { execFileSync, spawn } from 'node:child_process';
 import { fileURLToPath } from 'node:url';
 import * as path from 'node:path';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
@@ -497,14 +497,18 @@ describe('opening a store', () => {
   // a lost connection: in-process, a store that could not be reached had it
   // run microtasks only, at a full core, and no timer ever fired.
   itInProcess(
-    'that failed fails every call as a lost connection would, a Worker waits before it asks again, and a later open tries afresh',
+    'that failed fails every call as a lost connection would, a Worker waits before it asks again, and it opens again once it can',
     async () => {
       const dir = mkdtempSync(path.join(tmpdir(), 'loam-bad-open-'));
       const file = path.join(dir, 'jobs.redb');
       writeFileSync(file, 'not a store '.repeat(1_000));
       try {
-        const { Queue: BadQueue } = withBackend(loamBackend({ dataDir: dir }));
+        const { Queue: BadQueue, QueueEvents: BadQueueEvents } = withBackend(loamBackend({ dataDir: dir }));
         const queue = new BadQueue('q', { connection });
+        const events = new BadQueueEvents('q', { connection });
+        events.on('error', () => undefined);
+        const heard: string[] = [];
+        events.on('completed', ({ jobId }) => heard.push(jobId));
         const queueErrors: Error[] = [];
         queue.on('error', e => queueErrors.push(e));
         const err = await queue.add('a', {}).catch((e: unknown) => e as Error & { code?: string });
@@ -547,14 +551,25 @@ describe('opening a store', () => {
         // Once: its readiness and its add failed within a second.
         expect(queueErrors.map(e => (e as Error & { code?: string }).code)).toEqual(['LOAM_UNAVAILABLE']);
         expect((user + system) / 1000).toBeLessThan(600);
-        await worker.close();
-        await queue.close();
 
+        // Once the cause is gone, the next call a second after the last
+        // open opens it again, and the same Queue and Worker go on.
         rmSync(file);
-        const fresh = new BadQueue('q', { connection });
-        await fresh.add('a', {});
-        expect(await fresh.count()).toBe(1);
-        await fresh.close();
+        let added: Job | undefined;
+        await until(async () => (added = await queue.add('a', {}).catch(() => undefined)) !== undefined, 5_000);
+        await until(async () => (await queue.getJobState(added!.id!)) === 'completed', 5_000);
+        // The QueueEvents asks again 5 s after an error (BullMQ's delay), from
+        // then on: jobs completed since are heard.
+        let probe: Job | undefined;
+        await until(async () => {
+          probe = await queue.add('probe', {});
+          const heardBy = Date.now() + 500;
+          while (Date.now() < heardBy && !heard.includes(probe.id!)) await new Promise(r => setTimeout(r, 10));
+          return heard.includes(probe.id!);
+        }, 10_000);
+        expect(heard.at(-1)).toBe(probe!.id);
+        await Promise.all([worker.close(), events.close()]);
+        await queue.close();
       } finally {
         rmSync(dir, { recursive: true, force: true });
       }
@@ -583,4 +598,123 @@ describe('opening a store', () => {
       rmSync(dir, { recursive: true, force: true });
     }
   });
+});
+
+// A disk that fails under the store (full, or a file over its size limit):
+// redb refuses every write until its file is reopened. Redis's client
+// reconnects by itself; so does the store, once a call finds it failed.
+describe('a store whose disk failed', () => {
+  itInProcess(
+    'opens itself again once the disk works, losing no acknowledged job, and its Queue and Worker go on',
+    async () => {
+      const dir = mkdtempSync(path.join(tmpdir(), 'loam-failing-disk-'));
+      const limitFileSize = (pid: string, limit: string) =>
+        execFileSync('prlimit', ['--pid', pid, `--fsize=${limit}:unlimited`]);
+      let pid = '';
+      let signals = 0;
+      try {
+        const { out, code } = await runProcess(
+          [
+            '--input-type=module',
+            '-e',
+            `
+            const { withBackend, loamBackend } = await import(${JSON.stringify(entry)});
+            // A write past the file size limit then fails with EFBIG, as on
+            // a full disk, instead of killing the process.
+            process.on('SIGXFSZ', () => {});
+            let told = 0;
+            process.on('SIGUSR2', () => told++);
+            const toldTimes = n => new Promise(resolve => { const t = setInterval(() => told >= n && (clearInterval(t), resolve()), 10); });
+            const { Queue, Worker } = withBackend(loamBackend({ dataDir: ${JSON.stringify(dir)} }));
+            const connection = {};
+            const queue = new Queue('q', { connection });
+            let queueErrors = 0;
+            queue.on('error', () => queueErrors++);
+            const worker = new Worker('q', async job => job.id, {
+              connection, concurrency: 5, runRetryDelay: 100, lockDuration: 1000, stalledInterval: 500,
+            });
+            const workerErrors = new Set();
+            worker.on('error', e => workerErrors.add(e.code ?? e.message));
+            await Promise.all([queue.waitUntilReady(), worker.waitUntilReady()]);
+            console.log('ready ' + process.pid);
+            await toldTimes(1);
+            // Adds until the disk fails: 20 KB each, under a 2 MB limit.
+            const acked = [];
+            const data = { pad: 'x'.repeat(20_000) };
+            let failure;
+            for (let i = 0; i < 1_000 && !failure; i++) {
+              await queue.add('j', data).then(job => acked.push(job.id), e => (failure = e));
+            }
+            console.log('failed ' + JSON.stringify({ name: failure?.name, code: failure?.code }));
+            await toldTimes(2);
+            const lifted = Date.now();
+            let recoveredMs;
+            while (recoveredMs === undefined && Date.now() - lifted < 15_000) {
+              await queue.add('j', data).then(
+                job => { acked.push(job.id); recoveredMs = Date.now() - lifted; },
+                () => new Promise(resolve => setTimeout(resolve, 50)),
+              );
+            }
+            const after = [];
+            for (let i = 0; i < 20; i++) after.push((await queue.add('after', {})).id);
+            const states = async ids => Promise.all(ids.map(id => queue.getJobState(id)));
+            const deadline = Date.now() + 20_000;
+            while (Date.now() < deadline) {
+              const all = await states([...acked, ...after]);
+              if (all.every(s => s === 'completed' || s === 'failed')) break;
+              await new Promise(resolve => setTimeout(resolve, 100));
+            }
+            const finished = {};
+            for (const s of await states(acked)) finished[s] = (finished[s] ?? 0) + 1;
+            const afterStates = [...new Set(await states(after))];
+            await worker.close();
+            await queue.close();
+            console.log(JSON.stringify({ acked: acked.length, finished, afterStates, recoveredMs, queueErrors, workerErrors: [...workerErrors] }));
+            `,
+          ],
+          {
+            killAfterMs: 50_000,
+            onLine: (line, kill) => {
+              if (line.startsWith('ready ')) {
+                pid = line.slice('ready '.length);
+                limitFileSize(pid, '2000000');
+              } else if (line.startsWith('failed ')) {
+                // Reopens are tried, and fail, while the limit holds.
+                setTimeout(() => {
+                  limitFileSize(pid, 'unlimited');
+                  kill('SIGUSR2');
+                }, 1_500);
+                return;
+              } else {
+                return;
+              }
+              signals++;
+              kill('SIGUSR2');
+            },
+          },
+        );
+        expect(code).toBe(0);
+        expect(signals).toBe(1);
+        const lines = out.trim().split('\n');
+        expect(JSON.parse(lines.find(l => l.startsWith('failed '))!.slice('failed '.length))).toEqual({
+          name: 'ConnectionClosedError',
+          code: 'LOAM_UNAVAILABLE',
+        });
+        const outcome = JSON.parse(lines.at(-1)!);
+        // Every add that resolved is there and done, once each: finished, by
+        // the worker that went on, or marked failed by a completion that
+        // the failing disk refused and its failure that the store took.
+        expect(outcome.acked).toBeGreaterThan(5);
+        expect((outcome.finished.completed ?? 0) + (outcome.finished.failed ?? 0)).toBe(outcome.acked);
+        expect(outcome.afterStates).toEqual(['completed']);
+        // Its next open starts at most a second after the last, and runs at once.
+        expect(outcome.recoveredMs).toBeLessThan(3_000);
+        expect(outcome.queueErrors).toBeGreaterThan(0);
+        expect(outcome.workerErrors).toContain('LOAM_UNAVAILABLE');
+      } finally {
+        rmSync(dir, { recursive: true, force: true });
+      }
+    },
+    60_000,
+  );
 });
