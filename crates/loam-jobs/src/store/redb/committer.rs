@@ -74,6 +74,7 @@ impl Committer {
     }
 
     pub(super) fn run(mut self, receiver: Receiver<Batch>) {
+        self.progress.log_room.taken(0, self.room());
         loop {
             #[cfg(test)]
             self.progress.committer_turns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -91,6 +92,7 @@ impl Committer {
                         }
                         if self.checkpoint_due() {
                             self.start_checkpoint();
+                            self.progress.log_room.taken(0, self.room());
                         }
                         continue;
                     }
@@ -98,14 +100,22 @@ impl Committer {
                 },
             };
             let batches = self.gather(&receiver, first);
+            let record_len = batches.iter().map(|b| b.record_len).sum();
             self.checkpoint_done(false);
+            #[cfg(test)]
+            let progress = Arc::clone(&self.progress);
+            #[cfg(test)]
+            let gate = progress.committer_gate.lock();
             self.commit(batches);
+            #[cfg(test)]
+            drop(gate);
             if self.flush_due() {
                 self.flush();
             }
             if self.checkpoint_due() {
                 self.start_checkpoint();
             }
+            self.progress.log_room.taken(record_len, self.room());
         }
         self.flush();
         // Closed cleanly, the file holds everything by itself.
@@ -192,6 +202,14 @@ impl Committer {
         match (flush, checkpoint) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
+        }
+    }
+
+    /// The room left in the log's region being written (all of it without a log).
+    fn room(&self) -> u64 {
+        match &self.file {
+            File::Logged { wal, .. } => wal.room(),
+            File::Inline(_) => u64::MAX,
         }
     }
 

@@ -14,6 +14,9 @@ pub(super) struct Batch {
     pub(super) read_through: u64,
     pub(super) writes: Arc<Writes>,
     pub(super) sync: bool,
+    /// The length of its writes' log record, counted in the log's room
+    /// (under relaxed durability only: see [`LogRoom`]).
+    pub(super) record_len: u64,
     /// Acknowledgements that wait for the commit (the rest went out early).
     pub(super) acks: Vec<Ack>,
 }
@@ -173,9 +176,13 @@ impl Executor {
         // An operation submitted as needing no fsync that recorded an outcome
         // on the way (a lease that failed a job) makes its batch durable, as
         // an outcome submitted as one would.
+        let record_len = match self.durability {
+            Durability::Relaxed { .. } => Wal::record_len(writes.iter()) as u64,
+            Durability::Immediate => 0,
+        };
         let sync = submitted_durable
             || durable_required && self.durability == Durability::Immediate
-            || self.may_outgrow_the_log(&writes);
+            || self.may_outgrow_the_log(record_len);
         // Under relaxed durability, acknowledgements go out once the batch
         // is with the committer (a reader they wake then waits for that
         // commit, see `RedbStore::snapshot`). Under immediate durability
@@ -202,8 +209,10 @@ impl Executor {
         let published = (waits_in_order || !early.is_empty()).then(|| Arc::clone(&writes));
         // The batch goes on, and is published to readers, before anyone is
         // answered: an answer's callback may read the store.
-        if let Err(mpsc::SendError(batch)) = to_committer.send(Batch { number, read_through, writes, sync, acks: late })
-        {
+        self.progress.log_room.hand(record_len, true);
+        let batch = Batch { number, read_through, writes, sync, record_len, acks: late };
+        if let Err(mpsc::SendError(batch)) = to_committer.send(batch) {
+            self.progress.log_room.hand(record_len, false);
             self.stop_by_itself(state);
             let refused = batch.acks.into_iter().chain(early).map(|(done, _)| (done, Err(StoreError::Stopped.into())));
             unchanged.extend(refused);
@@ -221,16 +230,18 @@ impl Executor {
         Handed { answers: unchanged }
     }
 
-    /// Under relaxed durability, whether a batch is large enough that its
-    /// record may find too little room in the log: then it goes to redb as a
-    /// checkpoint, durable only once that commit is, which a slow disk can
-    /// take past the flush interval; such a batch is answered once it is
-    /// durable, as an immediate one is (it was answered as it ran). A quarter
-    /// of a region: a checkpoint starts at half of one, and the region fills
-    /// on past that only while a checkpoint is under way.
-    fn may_outgrow_the_log(&self, writes: &Writes) -> bool {
+    /// Under relaxed durability, whether a batch whose record is `record_len`
+    /// bytes may find too little room in the log: then it goes to redb as a
+    /// checkpoint, or waits for one, durable only once that commit is, which
+    /// a slow disk can take past the flush interval; such a batch is
+    /// answered once it is durable, as an immediate one is. Either it is
+    /// over a quarter of a region (a checkpoint starts at half of one, and
+    /// the region fills on past that only while a checkpoint is under way),
+    /// or the room the log has left does not take it behind the batches
+    /// handed on before it ([`LogRoom`]).
+    fn may_outgrow_the_log(&self, record_len: u64) -> bool {
         matches!(self.durability, Durability::Relaxed { .. })
-            && Wal::record_len(writes.iter()) as u64 > LOG_CAPACITY / 4
+            && (record_len > LOG_CAPACITY / 4 || !self.progress.log_room.takes(record_len))
     }
 
     /// The next operation. Under relaxed durability the executor first spins

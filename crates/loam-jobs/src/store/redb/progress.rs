@@ -8,15 +8,63 @@ use super::*;
 pub(super) struct Progress {
     pub(super) state: Mutex<Committed>,
     pub(super) changed: Condvar,
+    pub(super) log_room: LogRoom,
     /// Tests: how many times the committer's loop went round.
     #[cfg(test)]
     pub(super) committer_turns: std::sync::atomic::AtomicU64,
     /// Tests: held, it keeps the file writer from writing.
     #[cfg(test)]
     pub(super) file_gate: Mutex<()>,
+    /// Tests: held, it keeps the committer from committing.
+    #[cfg(test)]
+    pub(super) committer_gate: Mutex<()>,
     /// Tests: set, the file writer panics at the next message it takes.
     #[cfg(test)]
     pub(super) file_writer_faulty: std::sync::atomic::AtomicBool,
+}
+
+/// What the executor knows of the log's room, under relaxed durability: a
+/// batch is answered as it runs only if the log will take its record, with
+/// those of every batch handed on before it, without waiting for a
+/// checkpoint. A committer that waits for one (a group found no room while
+/// the last checkpoint was under way) logs nothing meanwhile, and the writes
+/// answered before it stayed unsynced for as long as redb's durable commit
+/// took, past the flush interval.
+pub(super) struct LogRoom {
+    /// The room left in the log's region being written, as of the
+    /// committer's last append or new region (all of it without a log).
+    room: AtomicU64,
+    /// The record bytes of the batches handed to the committer that it has
+    /// not taken yet (logged, committed to redb, or failed).
+    unlogged: AtomicU64,
+}
+
+impl LogRoom {
+    /// Whether the log takes a record of `len` bytes behind those handed on.
+    pub(super) fn takes(&self, len: u64) -> bool {
+        // `unlogged` first: the committer lowers `room` before `unlogged`,
+        // so an `unlogged` that no longer counts a record comes with a room
+        // that no longer has it.
+        let unlogged = self.unlogged.load(Ordering::Acquire);
+        unlogged.saturating_add(len) <= self.room.load(Ordering::Acquire)
+    }
+
+    /// A batch with a record of `len` bytes goes to the committer (or, with
+    /// `handed` false, did not after all).
+    pub(super) fn hand(&self, len: u64, handed: bool) {
+        if handed {
+            self.unlogged.fetch_add(len, Ordering::AcqRel);
+        } else {
+            self.unlogged.fetch_sub(len, Ordering::AcqRel);
+        }
+    }
+
+    /// The committer took batches whose records came to `len` bytes, and
+    /// its log's region has `room` left.
+    pub(super) fn taken(&self, len: u64, room: u64) {
+        self.room.store(room, Ordering::Release);
+        self.unlogged.fetch_sub(len, Ordering::AcqRel);
+    }
 }
 
 impl Progress {
@@ -34,10 +82,13 @@ impl Progress {
         Self {
             state: Mutex::new(state),
             changed: Condvar::new(),
+            log_room: LogRoom { room: AtomicU64::new(u64::MAX), unlogged: AtomicU64::new(0) },
             #[cfg(test)]
             committer_turns: std::sync::atomic::AtomicU64::new(0),
             #[cfg(test)]
             file_gate: Mutex::new(()),
+            #[cfg(test)]
+            committer_gate: Mutex::new(()),
             #[cfg(test)]
             file_writer_faulty: std::sync::atomic::AtomicBool::new(false),
         }
