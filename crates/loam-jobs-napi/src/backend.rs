@@ -1622,4 +1622,10 @@ impl LoamQueue {
     pub fn set_open_panics_for_test(panics: bool) {
         crate::store::test_hooks::OPEN_PANICS.store(panics, Ordering::Relaxed);
     }
+
+    /// How many opens of a store this process has started (a reopen counts).
+    #[napi(catch_unwind)]
+    pub fn opens_for_test() -> u32 {
+        crate::store::test_hooks::OPENS.load(Ordering::Relaxed)
+    }
 }

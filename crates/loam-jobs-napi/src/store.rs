@@ -19,8 +19,9 @@
 //! call finds it so ([`SharedStore::reopen`]), at most once a second, or
 //! at once for a backend made on it: as Redis's client reconnects by
 //! itself, an app's Queue and Worker go on once the cause is gone. The open
-//! replays the log, as after a crash: nothing acknowledged is lost, a job
-//! whose lease the failure cut short is redelivered once it expires.
+//! replays the log, as after a crash: under immediate durability nothing
+//! acknowledged is lost (under relaxed, what a crash loses), and a job whose
+//! lease the failure cut short is redelivered once it expires.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -45,10 +46,17 @@ pub const STORE_FILE: &str = "jobs.redb";
 /// the file.
 const REOPEN_GRACE: Duration = Duration::from_secs(2);
 
-/// The least time between the starts of two opens of one store: a store
-/// that fails as it opens, or soon after, is not opened in a loop by a
-/// stream of calls.
+/// The least time from the end of one open of a store (or its start, while
+/// under way) to the start of the next that a call asks for: a store that
+/// fails as it opens, or soon after, is not opened in a loop by a stream of
+/// calls.
 const REOPEN_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How long an open waits for a close of the same store by this process to
+/// let go of the file: a close that hangs (a disk that no longer answers an
+/// fsync) fails the open instead of keeping it, and every call held behind
+/// it, waiting for good.
+const CLOSE_WAIT: Duration = Duration::from_secs(10);
 
 /// The executor's batch limit in a Node host, whose main thread processes
 /// every answer on the same cores as the store's threads: BullMQ at
@@ -70,10 +78,11 @@ enum Core {
     Closed,
 }
 
-/// A store's core, and when its last open started (see [`REOPEN_INTERVAL`]).
+/// A store's core, and when its last open started, or ended if it has (see
+/// [`REOPEN_INTERVAL`]).
 struct Held {
     core: Core,
-    opened_at: Instant,
+    last_open: Instant,
 }
 
 /// One store, shared by the backends that use its data dir.
@@ -162,7 +171,7 @@ impl SharedStore {
     }
 
     /// Opens the store again if it failed (its open, or its disk since) and
-    /// its last open started at least [`REOPEN_INTERVAL`] ago, or at once if
+    /// its last open ended at least [`REOPEN_INTERVAL`] ago, or at once if
     /// `now`; returns whether an open is under way. The package calls it when
     /// a call finds the store unreachable, and then holds its next calls
     /// until the open ends, as it does for the first.
@@ -174,9 +183,10 @@ impl SharedStore {
             Core::Open(jobs) if jobs.failure().is_none() => return false,
             Core::Open(_) | Core::Failed(_) => {}
         }
-        if !now && held.opened_at.elapsed() < REOPEN_INTERVAL {
+        if !now && held.last_open.elapsed() < REOPEN_INTERVAL {
             return false;
         }
+        held.last_open = Instant::now();
         let old = match &held.core {
             Core::Open(jobs) => Some(jobs.clone()),
             _ => None,
@@ -185,7 +195,6 @@ impl SharedStore {
         match start_open(self, old) {
             Ok(()) => {
                 held.core = Core::Opening;
-                held.opened_at = Instant::now();
                 true
             }
             Err(e) => {
@@ -236,20 +245,20 @@ fn closing_here(dir: &Path) -> bool {
 
 /// A close of `dir`'s store under way, counted in [`closes`] until it is
 /// dropped (a close that panicked has ended too).
-struct Closing<'a> {
-    dir: &'a Path,
+struct Closing {
+    dir: PathBuf,
 }
 
-impl<'a> Closing<'a> {
-    fn start(dir: &'a Path) -> Self {
-        closes().lock().entry(dir.to_path_buf()).or_default().under_way += 1;
+impl Closing {
+    fn start(dir: PathBuf) -> Self {
+        closes().lock().entry(dir.clone()).or_default().under_way += 1;
         Closing { dir }
     }
 }
 
-impl Drop for Closing<'_> {
+impl Drop for Closing {
     fn drop(&mut self) {
-        if let Some(closes) = closes().lock().get_mut(self.dir) {
+        if let Some(closes) = closes().lock().get_mut(&self.dir) {
             closes.under_way -= 1;
             closes.last_ended = Some(Instant::now());
         }
@@ -272,10 +281,20 @@ fn open_file(dir: &Path, shown: &str, durability: Durability) -> napi::Result<Re
         run_on_callers_thread: relaxed.then_some(crate::promise::caller_waits as CallerWaits),
         ..Default::default()
     };
+    let started = Instant::now();
     loop {
         match RedbStore::open(&file, options()) {
             Ok(store) => return Ok(store),
-            Err(StoreError::Locked(_)) if closing_here(dir) => std::thread::sleep(Duration::from_millis(5)),
+            Err(StoreError::Locked(_)) if closing_here(dir) => {
+                if started.elapsed() >= CLOSE_WAIT {
+                    return Err(napi::Error::from_reason(format!(
+                        "[loam:unavailable] cannot open the Loam Jobs store in {shown}: this process's close of it \
+                         has not let go of the file after {} s (a disk that does not answer?)",
+                        CLOSE_WAIT.as_secs()
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
             Err(e) => return Err(store_error(shown, e)),
         }
     }
@@ -302,10 +321,14 @@ fn open_core(store: &SharedStore, shown: &str) -> napi::Result<Jobs> {
 /// Ends the open of `store`. A failed one leaves the store in the registry,
 /// failed: the backends that use it open it again ([`SharedStore::reopen`]).
 fn finish_open(store: &SharedStore, opened: napi::Result<Jobs>) {
-    store.held.lock().core = match opened {
-        Ok(jobs) => Core::Open(jobs),
-        Err(e) => Core::Failed(e.reason),
-    };
+    {
+        let mut held = store.held.lock();
+        held.core = match opened {
+            Ok(jobs) => Core::Open(jobs),
+            Err(e) => Core::Failed(e.reason),
+        };
+        held.last_open = Instant::now();
+    }
     store.open_ended.notify(usize::MAX);
 }
 
@@ -321,21 +344,25 @@ fn start_open(store: &Arc<SharedStore>, failed: Option<Jobs>) -> napi::Result<()
             // error does: left to end the thread, it left the store opening
             // for good, and every call and close of it waiting. Unavailable,
             // as a failed open is: not a fault of the call that finds it.
-            let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                if let Some(failed) = failed {
-                    // Counted as a close of this process, so the open waits
-                    // for the file's lock to be let go.
-                    let _closing = Closing::start(&opening.dir);
+            if let Some(failed) = failed {
+                // Counted as a close of this process, so the open waits for
+                // the file's lock to be let go; on a thread of its own, so a
+                // close that hangs fails the open (`CLOSE_WAIT`) rather than
+                // keep it under way for good. (Should the thread not start,
+                // the core closes as it is dropped here.)
+                let closing = Closing::start(opening.dir.clone());
+                let _ = std::thread::Builder::new().name("loam-jobs-close".into()).spawn(move || {
+                    let _closing = closing;
                     failed.close();
-                }
-                open_core(&opening, &shown)
-            }))
-            .unwrap_or_else(|panic| {
-                let text = loam_jobs::error::panic_text(panic.as_ref());
-                Err(napi::Error::from_reason(format!(
-                    "[loam:unavailable] cannot open the Loam Jobs store in {shown}: its open panicked: {text}"
-                )))
-            });
+                });
+            }
+            let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| open_core(&opening, &shown)))
+                .unwrap_or_else(|panic| {
+                    let text = loam_jobs::error::panic_text(panic.as_ref());
+                    Err(napi::Error::from_reason(format!(
+                        "[loam:unavailable] cannot open the Loam Jobs store in {shown}: its open panicked: {text}"
+                    )))
+                });
             finish_open(&opening, opened);
         })
         .map(drop)
@@ -394,7 +421,7 @@ pub fn acquire(dir: &Path, options: OpenOptions) -> napi::Result<Arc<SharedStore
     static SERIAL: AtomicU32 = AtomicU32::new(0);
     let store = Arc::new(SharedStore {
         serial: SERIAL.fetch_add(1, Ordering::Relaxed),
-        held: Mutex::new(Held { core: Core::Opening, opened_at: Instant::now() }),
+        held: Mutex::new(Held { core: Core::Opening, last_open: Instant::now() }),
         open_ended: Event::new(),
         clock: Arc::new(FollowingClock::new()),
         dir: canonical.clone(),
@@ -441,7 +468,7 @@ pub async fn release(store: &Arc<SharedStore>) {
         let Core::Open(jobs) = std::mem::replace(&mut held.core, Core::Closed) else {
             return;
         };
-        break (Closing::start(&store.dir), jobs);
+        break (Closing::start(store.dir.clone()), jobs);
     };
     jobs.close();
 }
@@ -449,7 +476,7 @@ pub async fn release(store: &Arc<SharedStore>) {
 /// Hooks for the package's own tests (see `backend::LoamQueue`'s).
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
     use std::time::Duration;
 
     /// How long each open waits before it starts: a slow open (a long log
@@ -458,8 +485,11 @@ pub mod test_hooks {
     /// Whether each open panics (after its delay): a bug of redb's or of the
     /// log's replay, on demand.
     pub static OPEN_PANICS: AtomicBool = AtomicBool::new(false);
+    /// How many opens have started.
+    pub static OPENS: AtomicU32 = AtomicU32::new(0);
 
     pub(super) fn before_open() {
+        OPENS.fetch_add(1, Ordering::Relaxed);
         std::thread::sleep(Duration::from_millis(OPEN_DELAY_MS.load(Ordering::Relaxed)));
         assert!(!OPEN_PANICS.load(Ordering::Relaxed), "an open that panics (a test's)");
     }
