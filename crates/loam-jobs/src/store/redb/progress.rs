@@ -82,7 +82,8 @@ impl Progress {
         Self {
             state: Mutex::new(state),
             changed: Condvar::new(),
-            log_room: LogRoom { room: AtomicU64::new(u64::MAX), unlogged: AtomicU64::new(0) },
+            // None until the committer, as it starts, says what its log has.
+            log_room: LogRoom { room: AtomicU64::new(0), unlogged: AtomicU64::new(0) },
             #[cfg(test)]
             committer_turns: std::sync::atomic::AtomicU64::new(0),
             #[cfg(test)]
