@@ -74,7 +74,6 @@ impl Committer {
     }
 
     pub(super) fn run(mut self, receiver: Receiver<Batch>) {
-        self.progress.log_room.taken(0, self.room());
         loop {
             #[cfg(test)]
             self.progress.committer_turns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -206,7 +205,7 @@ impl Committer {
     }
 
     /// The room left in the log's region being written (all of it without a log).
-    fn room(&self) -> u64 {
+    pub(super) fn room(&self) -> u64 {
         match &self.file {
             File::Logged { wal, .. } => wal.room(),
             File::Inline(_) => u64::MAX,

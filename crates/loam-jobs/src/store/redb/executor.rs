@@ -231,17 +231,13 @@ impl Executor {
     }
 
     /// Under relaxed durability, whether a batch whose record is `record_len`
-    /// bytes may find too little room in the log: then it goes to redb as a
-    /// checkpoint, or waits for one, durable only once that commit is, which
-    /// a slow disk can take past the flush interval; such a batch is
-    /// answered once it is durable, as an immediate one is. Either it is
-    /// over a quarter of a region (a checkpoint starts at half of one, and
-    /// the region fills on past that only while a checkpoint is under way),
-    /// or the room the log has left does not take it behind the batches
-    /// handed on before it ([`LogRoom`]).
+    /// bytes may find too little room in the log, behind the batches handed
+    /// on before it ([`LogRoom`]): then it goes to redb as a checkpoint, or
+    /// waits for one, durable only once that commit is, which a slow disk
+    /// can take past the flush interval; such a batch is answered once it is
+    /// durable, as an immediate one is.
     fn may_outgrow_the_log(&self, record_len: u64) -> bool {
-        matches!(self.durability, Durability::Relaxed { .. })
-            && (record_len > LOG_CAPACITY / 4 || !self.progress.log_room.takes(record_len))
+        matches!(self.durability, Durability::Relaxed { .. }) && !self.progress.log_room.takes(record_len)
     }
 
     /// The next operation. Under relaxed durability the executor first spins

@@ -233,6 +233,9 @@ impl RedbStore {
             last_checkpoint: Instant::now(),
             checkpointing: None,
         };
+        // Before any batch can run: the executor answers early only what
+        // the log's room takes.
+        progress.log_room.taken(0, committer.room());
         let committer = std::thread::Builder::new()
             .name("loam-jobs-commit".into())
             .spawn(move || committer.run(from_executor))

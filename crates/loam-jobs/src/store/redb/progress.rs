@@ -59,6 +59,12 @@ impl LogRoom {
         }
     }
 
+    /// The room last published, and what is handed on and not taken (tests).
+    #[cfg(test)]
+    pub(super) fn room_and_unlogged(&self) -> (u64, u64) {
+        (self.room.load(Ordering::Acquire), self.unlogged.load(Ordering::Acquire))
+    }
+
     /// The committer took batches whose records came to `len` bytes, and
     /// its log's region has `room` left.
     pub(super) fn taken(&self, len: u64, room: u64) {
@@ -82,7 +88,7 @@ impl Progress {
         Self {
             state: Mutex::new(state),
             changed: Condvar::new(),
-            // None until the committer, as it starts, says what its log has.
+            // None until the store, as it starts, says what its log has.
             log_room: LogRoom { room: AtomicU64::new(0), unlogged: AtomicU64::new(0) },
             #[cfg(test)]
             committer_turns: std::sync::atomic::AtomicU64::new(0),
