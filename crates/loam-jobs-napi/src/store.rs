@@ -340,10 +340,6 @@ fn start_open(store: &Arc<SharedStore>, failed: Option<Jobs>) -> napi::Result<()
     std::thread::Builder::new()
         .name("loam-jobs-open".into())
         .spawn(move || {
-            // A panic in the open (redb's, the log's replay) fails it, as any
-            // error does: left to end the thread, it left the store opening
-            // for good, and every call and close of it waiting. Unavailable,
-            // as a failed open is: not a fault of the call that finds it.
             if let Some(failed) = failed {
                 // Counted as a close of this process, so the open waits for
                 // the file's lock to be let go; on a thread of its own, so a
@@ -356,6 +352,10 @@ fn start_open(store: &Arc<SharedStore>, failed: Option<Jobs>) -> napi::Result<()
                     failed.close();
                 });
             }
+            // A panic in the open (redb's, the log's replay) fails it, as any
+            // error does: left to end the thread, it left the store opening
+            // for good, and every call and close of it waiting. Unavailable,
+            // as a failed open is: not a fault of the call that finds it.
             let opened = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| open_core(&opening, &shown)))
                 .unwrap_or_else(|panic| {
                     let text = loam_jobs::error::panic_text(panic.as_ref());
