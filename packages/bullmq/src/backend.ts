@@ -213,7 +213,6 @@ export class LoamQueueBackend extends EventEmitter implements IQueueBackend {
     } else {
       ready = this.native.ready();
     }
-    ready.catch(() => undefined);
     ready.then(
       () => {
         this.isReady = true;

@@ -209,10 +209,10 @@ impl Executor {
         let published = (waits_in_order || !early.is_empty()).then(|| Arc::clone(&writes));
         // The batch goes on, and is published to readers, before anyone is
         // answered: an answer's callback may read the store.
-        self.progress.log_room.hand(record_len, true);
+        self.progress.log_room.hand(record_len);
         let batch = Batch { number, read_through, writes, sync, record_len, acks: late };
         if let Err(mpsc::SendError(batch)) = to_committer.send(batch) {
-            self.progress.log_room.hand(record_len, false);
+            self.progress.log_room.take_back(record_len);
             self.stop_by_itself(state);
             let refused = batch.acks.into_iter().chain(early).map(|(done, _)| (done, Err(StoreError::Stopped.into())));
             unchanged.extend(refused);

@@ -49,14 +49,14 @@ impl LogRoom {
         unlogged.saturating_add(len) <= self.room.load(Ordering::Acquire)
     }
 
-    /// A batch with a record of `len` bytes goes to the committer (or, with
-    /// `handed` false, did not after all).
-    pub(super) fn hand(&self, len: u64, handed: bool) {
-        if handed {
-            self.unlogged.fetch_add(len, Ordering::AcqRel);
-        } else {
-            self.unlogged.fetch_sub(len, Ordering::AcqRel);
-        }
+    /// A batch with a record of `len` bytes goes to the committer.
+    pub(super) fn hand(&self, len: u64) {
+        self.unlogged.fetch_add(len, Ordering::AcqRel);
+    }
+
+    /// A batch [handed](Self::hand) on did not reach the committer after all.
+    pub(super) fn take_back(&self, len: u64) {
+        self.unlogged.fetch_sub(len, Ordering::AcqRel);
     }
 
     /// The room last published, and what is handed on and not taken (tests).
